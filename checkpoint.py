@@ -1,0 +1,282 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), exact resume, and diffusers export.
+
+Layout of OUTPUT_DIR/checkpoints/step_XXXXXX/:
+    .metadata, __*_*.distcp       DCP shards: every model (incl. EMA) and optimizer, each rank its own
+    trainer_state.json            step, LR schedulers, data position, world size, user extras
+    config.json                   the run's final config
+    rng/rank_R.pt                 per-rank RNG states (torch, CUDA, numpy, python)
+
+A checkpoint is written to `step_XXXXXX.partial/` and renamed to `step_XXXXXX/` by rank 0 only
+after DCP has written `.metadata` (which DCP writes last): a crash at any moment leaves either no
+new checkpoint or a complete one, and the previous one untouched. Resharding on load is DCP's, so a
+run saved on 2 ranks resumes on 1 or 4.
+
+    python -m pytest tests/test_checkpoint.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+from fsdp_utils import ConfigError, print0, rank, world_size
+from precision import check_state_dict_dtypes, dtype_name
+
+PARTIAL = ".partial"
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def is_complete(path: str) -> bool:
+    return (not path.endswith(PARTIAL) and os.path.exists(os.path.join(path, ".metadata"))
+            and os.path.exists(os.path.join(path, "trainer_state.json")))
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints, oldest first, as (step, path)."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith("step_") and name[5:].isdigit() and is_complete(path):
+            found.append((int(name[5:]), path))
+    return sorted(found)
+
+
+def resolve_resume(resume: str, output_dir: str) -> str | None:
+    """RESUME='' -> fresh start; 'auto' -> newest complete checkpoint (or fresh); else that path."""
+    if not resume:
+        return None
+    if resume == "auto":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1][1] if ckpts else None
+    if not is_complete(resume):
+        raise ConfigError(f"RESUME={resume}: not a complete checkpoint folder (no .metadata / trainer_state.json)")
+    return resume
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# save / load
+
+def _dcp_state(models: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, torch.optim.Optimizer]]) -> dict:
+    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+    state.update({f"optim.{k}": get_optimizer_state_dict(m, o) for k, (m, o) in optimizers.items()})
+    return state
+
+
+class Checkpointer:
+    """Saves and loads everything a run needs to continue exactly.
+
+    models:     {name: module}             (trainable models, EMA copies; frozen ones need not be saved)
+    optimizers: {name: (module, optimizer)}
+    schedulers: {name: LR scheduler}
+    """
+
+    def __init__(self, output_dir: str, keep_last: int = 2, async_save: bool = False):
+        if keep_last < 1:
+            raise ConfigError(f"KEEP_LAST={keep_last}: must keep at least 1 checkpoint")
+        self.root, self.keep_last, self.async_save = checkpoint_root(output_dir), keep_last, async_save
+        self._pending = None  # (future, partial path, final path)
+        # async saves run collectives from a background thread: give them their own group so they
+        # never interleave with the training step's collectives on the default group
+        self._pg = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+
+    def save(self, step: int, models, optimizers, schedulers, trainer_state: dict, config: dict) -> str:
+        self.wait()
+        final = os.path.join(self.root, f"step_{step:06d}")
+        partial = final + PARTIAL
+        if rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+            meta = {"step": step, "world_size": world_size(),
+                    "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **trainer_state}
+            _write_json(os.path.join(partial, "trainer_state.json"), meta)
+            _write_json(os.path.join(partial, "config.json"), config)
+        if dist.is_initialized():
+            dist.barrier()
+        torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank()}.pt"))
+        state = _dcp_state(models, optimizers)
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=partial, process_group=self._pg)
+            self._pending = (future, partial, final)
+        else:
+            dcp.save(state, checkpoint_id=partial)
+            self._finalize(partial, final)
+            if dist.is_initialized():
+                dist.barrier()
+        return final
+
+    def poll(self) -> None:
+        """Finish a background save if it is done (cheap; call every step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the pending background save (if any) is written and made complete."""
+        if self._pending is None:
+            return
+        future, partial, final = self._pending
+        self._pending = None
+        future.result()
+        self._finalize(partial, final)
+
+    def _finalize(self, partial: str, final: str) -> None:
+        # DCP's coordinator (rank 0) writes .metadata only after every rank's data is written,
+        # so once rank 0 is here the checkpoint is whole: make it visible, then prune.
+        if rank() != 0:
+            return
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        self._prune()
+
+    def _prune(self) -> None:
+        ckpts = list_checkpoints(os.path.dirname(self.root))
+        for _, path in ckpts[:-self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        newest = ckpts[-1][0] if ckpts else -1
+        for name in os.listdir(self.root):  # leftovers of crashed saves that nothing will finish
+            step = name[5:-len(PARTIAL)]
+            if name.endswith(PARTIAL) and step.isdigit() and int(step) < newest:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def load(self, path: str, models, optimizers, schedulers) -> dict:
+        """Load into already-sharded models/optimizers (any world size). Returns trainer_state."""
+        state = _dcp_state(models, optimizers)
+        dcp.load(state, checkpoint_id=path)
+        for k, m in models.items():
+            set_model_state_dict(m, state[f"model.{k}"])
+        for k, (m, o) in optimizers.items():
+            set_optimizer_state_dict(m, o, state[f"optim.{k}"])
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            meta = json.load(f)
+        for k, s in schedulers.items():
+            s.load_state_dict(meta["schedulers"][k])
+        rng_file = os.path.join(path, "rng", f"rank_{rank()}.pt")
+        if meta["world_size"] == world_size() and os.path.exists(rng_file):
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            print0(f"resume: saved on {meta['world_size']} ranks, running on {world_size()}: "
+                   "per-rank RNG states not restored (step-seeded randomness is unaffected)")
+        return meta
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+# ----------------------------------------------------------------------------------------------
+# export to a diffusers folder
+
+SHARD_BYTES = 5 * 2**30
+
+
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    shards, current, used = [], [], 0
+    for name, n in sizes.items():
+        if current and used + n > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += n
+    return shards + [current] if current else shards
+
+
+def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES) -> None:
+    """Write `model` (sharded or not) as a diffusers model folder (config.json + safetensors,
+    sharded with an index when large). Collective: every rank gathers tensor by tensor, rank 0
+    keeps them on CPU in `dtype` one shard at a time and writes; peak host memory ≈ one shard."""
+    from safetensors.torch import save_file
+
+    sd = model.state_dict()
+    sizes = {k: v.numel() * torch.empty((), dtype=dtype if v.is_floating_point() else v.dtype).element_size()
+             for k, v in sd.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
+    n = len(shards)
+    names = (["diffusion_pytorch_model.safetensors"] if n == 1 else
+             [f"diffusion_pytorch_model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    if rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        model.save_config(folder)
+    for fname, keys in zip(names, shards):
+        out = {}
+        for k in keys:
+            t = sd[k].full_tensor() if isinstance(sd[k], DTensor) else sd[k]
+            if rank() == 0:
+                out[k] = t.detach().to("cpu", dtype=dtype if t.is_floating_point() else t.dtype,
+                                       copy=True).contiguous()
+        if rank() == 0:
+            check_state_dict_dtypes(out, dtype, where=f"export {folder}")
+            save_file(out, os.path.join(folder, fname), metadata={"format": "pt"})
+    if rank() == 0 and n > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+        _write_json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"), index)
+
+
+def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
+                    link_frozen: bool = True) -> str:
+    """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
+    frozen components (symlinked, or copied when link_frozen=False) + the trained components.
+    Written to export.partial/ and swapped in at the end, so an old export is never half-replaced."""
+    partial = out_dir.rstrip("/") + PARTIAL
+    if rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        for name in sorted(os.listdir(model_path)):
+            src, dst = os.path.abspath(os.path.join(model_path, name)), os.path.join(partial, name)
+            if name in trained:
+                continue
+            if os.path.isdir(src):
+                os.symlink(src, dst) if link_frozen else shutil.copytree(src, dst)
+            else:
+                shutil.copy2(src, dst)
+    if dist.is_initialized():
+        dist.barrier()
+    for name, model in trained.items():
+        export_model(model, os.path.join(partial, name), dtype)
+    if rank() == 0:
+        if os.path.exists(out_dir):
+            old = out_dir.rstrip("/") + f".old{int(time.time())}"
+            os.replace(out_dir, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(partial, out_dir)
+        print0(f"export: {out_dir} ({', '.join(trained)} in {dtype_name(dtype)}; frozen parts "
+               f"{'linked' if link_frozen else 'copied'})")
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir

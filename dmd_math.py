@@ -1,0 +1,307 @@
+"""The pure pieces of a DMD2 training step (Yin et al. 2024, "Improved Distribution Matching
+Distillation for Fast Image Synthesis"), SD-1.5 setting of the official code (tianweiy/DMD2,
+main/sd_guidance.py and main/sd_unified_model.py). No global state, no distributed calls:
+`train_dmd.py` composes these.
+
+UNets are diffusers `UNet2DConditionModel`-like callables predicting epsilon:
+`unet(sample, timestep, encoder_hidden_states=..., return_dict=False)[0]`. Inputs are passed as
+given (FSDP2's MixedPrecisionPolicy or autocast does any casting); every prediction is cast to
+fp32 before arithmetic, x0 conversions run in float64 (as the official code does).
+`alphas_cumprod` is the scheduler's ᾱ table (SD-1.5: scaled-linear betas 0.00085 -> 0.012,
+1000 steps; ᾱ[999] ≈ 0.004660, ᾱ[20] ≈ 0.981314).
+
+    python -m pytest tests/test_dmd_math.py -q
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---------------------------------------------------------------------------- noise schedule
+
+def _per_sample_t(t, batch: int, device) -> torch.Tensor:
+    """An int or a (B,) tensor of timesteps -> a (B,) long tensor on `device`."""
+    if not torch.is_tensor(t):
+        return torch.full((batch,), int(t), dtype=torch.long, device=device)
+    t = t.to(device=device, dtype=torch.long).reshape(-1)
+    return t.expand(batch) if t.numel() == 1 else t
+
+
+def _alpha(alphas_cumprod: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """ᾱ_t in float64, shaped (B, 1, 1, ...) to broadcast against an ndim-dimensional batch."""
+    a = alphas_cumprod.to(device=t.device, dtype=torch.float64)[t]
+    return a.reshape(-1, *([1] * (ndim - 1)))
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32/fp64 stay as they are; half types come back as fp32 (x0 at t=999 is ε amplified by
+    1/√ᾱ ≈ 14.6, no reason to round that to bf16)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def x0_from_eps(z: torch.Tensor, eps: torch.Tensor, t, alphas_cumprod: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x0 = (z − √(1−ᾱ_t)·ε) / √ᾱ_t, computed in float64 (official `get_x0_from_noise` on
+    `.double()` inputs). `t`: int or per-sample (B,). Differentiable w.r.t. z and eps.
+    Returned in `out_dtype`, default: z's dtype for fp32/fp64 inputs, fp32 for half inputs."""
+    t = _per_sample_t(t, z.shape[0], z.device)
+    a = _alpha(alphas_cumprod, t, z.ndim)
+    x0 = (z.double() - (1.0 - a).sqrt() * eps.double()) / a.sqrt()
+    return x0.to(out_dtype or _out_dtype(z.dtype))
+
+
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, t, alphas_cumprod: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """z_t = √ᾱ_t·x0 + √(1−ᾱ_t)·n (DDPM forward process, `scheduler.add_noise`), in float64,
+    returned like `x0_from_eps`."""
+    t = _per_sample_t(t, x0.shape[0], x0.device)
+    a = _alpha(alphas_cumprod, t, x0.ndim)
+    z = a.sqrt() * x0.double() + (1.0 - a).sqrt() * noise.double()
+    return z.to(out_dtype or _out_dtype(x0.dtype))
+
+
+def predict_eps(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
+    """ε̂ = unet(z, t, c) as fp32; t broadcast to a per-sample (B,) long tensor."""
+    t = _per_sample_t(t, z.shape[0], z.device)
+    return unet(z, t, encoder_hidden_states=text_emb, return_dict=False)[0].float()
+
+
+def generator_forward(unet, noise_or_zt: torch.Tensor, t, text_emb: torch.Tensor,
+                      alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """Generator image latents x = x0(z, G(z, t, c), t) (official SDUniModel.forward). 1-step
+    mode: z is pure noise and t = 999 (CONDITIONING_TIMESTEP); few-step mode: z comes from
+    `backward_simulation`. Keeps the graph: gradients flow into the generator's parameters."""
+    eps = predict_eps(unet, noise_or_zt, t, text_emb)
+    return x0_from_eps(noise_or_zt, eps, t, alphas_cumprod, out_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------- timesteps
+
+def sample_dm_timesteps(batch: int, generator: torch.Generator | None = None,
+                        num_train_timesteps: int = 1000, min_frac: float = 0.02,
+                        max_frac: float = 0.98, device=None) -> torch.Tensor:
+    """Per-sample t for the distribution-matching loss, uniform over the *inclusive* range
+    [int(min_frac·T), int(max_frac·T)] = [20, 980] for SD-1.5. Mirrors the official
+    `torch.randint(min_step, min(max_step + 1, T))` (int() truncation included).
+    `device` defaults to the generator's."""
+    lo, hi = int(min_frac * num_train_timesteps), int(max_frac * num_train_timesteps)
+    hi = min(hi + 1, num_train_timesteps)
+    if not 0 <= lo < hi:
+        raise ValueError(f"empty DM timestep range [{lo}, {hi})")
+    device = device if device is not None else (generator.device if generator is not None else "cpu")
+    return torch.randint(lo, hi, (batch,), generator=generator, device=device)
+
+
+def sample_fake_timesteps(batch: int, generator: torch.Generator | None = None,
+                          num_train_timesteps: int = 1000, device=None) -> torch.Tensor:
+    """Per-sample t for the fake-score loss, uniform over the full range [0, T) (official
+    `compute_loss_fake`)."""
+    device = device if device is not None else (generator.device if generator is not None else "cpu")
+    return torch.randint(0, num_train_timesteps, (batch,), generator=generator, device=device)
+
+
+# ---------------------------------------------------------------------------- DM loss
+
+@torch.no_grad()
+def dm_grad(x: torch.Tensor, t, noise: torch.Tensor, real_unet, fake_unet,
+            text_emb: torch.Tensor, uncond_emb: torch.Tensor | None, guidance_scale: float,
+            alphas_cumprod: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Distribution-matching direction (official `compute_distribution_matching_loss`):
+
+        z_t    = √ᾱ_t·x + √(1−ᾱ_t)·n
+        ε_fake = fake(z_t, t, c)                              (conditional only)
+        ε_real = ε_u + s·(ε_c − ε_u)  from the teacher          (one batched call [uncond; cond])
+        p_real = x − x̂0_real,   p_fake = x − x̂0_fake            (x̂0 in float64)
+        grad   = (p_real − p_fake) / mean_{C,H,W}|p_real|,  non-finite -> 0
+
+    With s == 1 the teacher is called on the conditional batch only (the official code skips
+    CFG for s <= 1; here only s == 1 skips it, so s < 1 is honoured). Runs without gradients.
+    Returns grad (fp32, x's shape) and diagnostics: per-sample `p_real_abs_mean` (B,), the
+    `grad_norm`, and `z_t`, `x0_real`, `x0_fake` (fp32) for visualisation.
+    """
+    batch = x.shape[0]
+    t = _per_sample_t(t, batch, x.device)
+    z_t = add_noise(x, noise, t, alphas_cumprod, out_dtype=torch.float32)
+
+    eps_fake = predict_eps(fake_unet, z_t, t, text_emb)
+    if guidance_scale == 1:
+        eps_real = predict_eps(real_unet, z_t, t, text_emb)
+    else:
+        if uncond_emb is None:
+            raise ValueError("guidance_scale != 1 needs uncond_emb")
+        uncond_emb = uncond_emb.expand(batch, *uncond_emb.shape[1:])
+        eps_u, eps_c = predict_eps(real_unet, torch.cat([z_t, z_t]), torch.cat([t, t]),
+                                   torch.cat([uncond_emb, text_emb])).chunk(2)
+        eps_real = eps_u + guidance_scale * (eps_c - eps_u)
+
+    x0_real = x0_from_eps(z_t, eps_real, t, alphas_cumprod, out_dtype=torch.float64)
+    x0_fake = x0_from_eps(z_t, eps_fake, t, alphas_cumprod, out_dtype=torch.float64)
+    p_real = x.double() - x0_real
+    p_fake = x.double() - x0_fake
+    reduce_dims = list(range(1, x.ndim))
+    norm = p_real.abs().mean(dim=reduce_dims, keepdim=True)
+    grad = torch.nan_to_num((p_real - p_fake) / norm, nan=0.0, posinf=0.0, neginf=0.0).float()
+    diagnostics = {
+        "p_real_abs_mean": norm.reshape(batch).float(),
+        "grad_norm": grad.norm(),
+        "z_t": z_t, "x0_real": x0_real.float(), "x0_fake": x0_fake.float(),
+    }
+    return grad, diagnostics
+
+
+def dm_loss(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """loss = 0.5·MSE(x, stopgrad(x − grad)) in fp32. Value 0.5·mean(grad²); ∂loss/∂x =
+    grad / x.numel(), so backprop pushes the generator along −grad."""
+    x = x.float()
+    return 0.5 * F.mse_loss(x, (x - grad.float()).detach(), reduction="mean")
+
+
+# ---------------------------------------------------------------------------- fake score
+
+def fake_score_loss(fake_unet, x_detached: torch.Tensor, noise: torch.Tensor, t,
+                    text_emb: torch.Tensor, alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """Denoising loss of the fake score on generator images (official `compute_loss_fake`):
+    mean((ε̂_fake(z_t, t, c) − n)²) in fp32, unweighted, no CFG. The input is detached here
+    again, so this loss never reaches the generator."""
+    z_t = add_noise(x_detached.detach(), noise, t, alphas_cumprod, out_dtype=torch.float32)
+    eps = predict_eps(fake_unet, z_t, t, text_emb)
+    return torch.mean((eps - noise.float()) ** 2)
+
+
+# ---------------------------------------------------------------------------- GAN head
+
+class ClassifierHead(nn.Sequential):
+    """Realism logit from the fake UNet's bottleneck (official SD-1.5 `cls_pred_branch`):
+
+        conv 4×4 s2 p1 (8×8 -> 4×4), GroupNorm, SiLU,
+        conv 4×4 s4 p0 (4×4 -> 1×1), GroupNorm, SiLU, conv 1×1 -> 1 logit
+
+    with C -> C channels throughout (1280 for SD-1.5). Module indices 0..6 match the official
+    nn.Sequential, so its state-dict keys load as they are.
+    Deviations, both no-ops for SD-1.5 at 512 px (1280 channels, 8×8 bottleneck):
+    GroupNorm uses gcd(32, C) groups (32 in the original) so tiny UNets work; an input whose
+    spatial size is not 8×8 is first adaptive-average-pooled to 8×8, so any bottleneck
+    (e.g. 4×4 or 2×2 in tiny test UNets, 16×16 at 1024 px) gives (B, 1) logits.
+    """
+
+    native_size = 8
+
+    def __init__(self, in_channels: int):
+        groups = math.gcd(32, in_channels)
+        c = in_channels
+        super().__init__(
+            nn.Conv2d(c, c, kernel_size=4, stride=2, padding=1),
+            nn.GroupNorm(groups, c),
+            nn.SiLU(),
+            nn.Conv2d(c, c, kernel_size=4, stride=4, padding=0),
+            nn.GroupNorm(groups, c),
+            nn.SiLU(),
+            nn.Conv2d(c, 1, kernel_size=1, stride=1, padding=0),
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if tuple(features.shape[-2:]) != (self.native_size, self.native_size):
+            features = F.adaptive_avg_pool2d(features, self.native_size)
+        return super().forward(features).flatten(1)  # (B, 1, 1, 1) -> (B, 1)
+
+
+def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
+    """Output of `unet.mid_block` (the official `classify_forward(...)[-1]`), captured by a
+    forward hook on the submodule, so it works on a plain or FSDP2-wrapped UNet (fully_shard
+    keeps the submodule attributes) and with activation checkpointing. The whole UNet runs
+    (the official code stops after the mid block); the up path's output is discarded and gets
+    no gradient. Keeps the graph to z and to the UNet's down/mid parameters."""
+    captured = []
+
+    def hook(module, args, output):
+        if not captured:
+            captured.append(output[0] if isinstance(output, tuple) else output)
+
+    handle = unet.mid_block.register_forward_hook(hook)
+    try:
+        unet(z, _per_sample_t(t, z.shape[0], z.device), encoder_hidden_states=text_emb,
+             return_dict=False)
+    finally:
+        handle.remove()
+    if not captured:
+        raise RuntimeError("unet.mid_block did not run")
+    return captured[0]
+
+
+def cls_logits(unet, head: nn.Module, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
+    """head(bottleneck features as fp32) -> (B, 1) realism logits (official `compute_cls_logits`,
+    with t = 0 and clean z unless `diffusion_gan_noise` was applied first)."""
+    return head(bottleneck_features(unet, z, t, text_emb).float())
+
+
+def diffusion_gan_noise(x: torch.Tensor, max_t: int, alphas_cumprod: torch.Tensor,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional "diffusion GAN": noise x to a per-sample t ~ U{0, …, max_t − 1} (official
+    `torch.randint(0, diffusion_gan_max_timestep)`) with fresh noise. Apply to real and fake
+    inputs separately. Without it the official code uses clean x and t = 0."""
+    t = torch.randint(0, max_t, (x.shape[0],), generator=generator, device=x.device)
+    n = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    return add_noise(x, n, t, alphas_cumprod), t
+
+
+def gen_cls_loss(logits_fake: torch.Tensor) -> torch.Tensor:
+    """Generator GAN loss: mean softplus(−D(x_fake)) (non-saturating), fp32."""
+    return F.softplus(-logits_fake.float()).mean()
+
+
+def guidance_cls_loss(logits_fake_detached: torch.Tensor, logits_real: torch.Tensor) -> torch.Tensor:
+    """Discriminator loss: mean softplus(D(x_fake.detach())) + mean softplus(−D(x_real)), fp32."""
+    return F.softplus(logits_fake_detached.float()).mean() + F.softplus(-logits_real.float()).mean()
+
+
+# ---------------------------------------------------------------------------- few-step mode
+
+def denoising_step_list(num_steps: int, num_train_timesteps: int = 1000) -> list[int]:
+    """Timesteps of the few-step generator, as in the official code:
+    range(T − 1, 0, −T // num_steps) -> [999, 749, 499, 249] for 4 steps, [999] for 1."""
+    return list(range(num_train_timesteps - 1, 0, -(num_train_timesteps // num_steps)))
+
+
+def choose_step_index(step: int, seed: int, n_steps: int) -> int:
+    """Index into the step list for backward simulation at global `step`: a pure function of
+    (seed, step), uniform over [0, n_steps). Every rank computes the same index without
+    communication (the official code broadcasts a random draw from rank 0), hence every rank
+    runs the same number of generator forwards — required under FSDP, where each forward
+    all-gathers parameters collectively. String seeding is hash-randomisation free."""
+    return random.Random(f"dmd2-step-index:{seed}:{step}").randrange(n_steps)
+
+
+@torch.no_grad()
+def backward_simulation(generator_unet, noise: torch.Tensor, step_list, chosen_index: int,
+                        text_emb: torch.Tensor, alphas_cumprod: torch.Tensor,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+    """Input of the generator at step_list[chosen_index], built the way inference would
+    (official `sample_backward`): from pure noise at step_list[0], for i < chosen_index,
+    x0_i = G(z_i, step_list[i]) and z_{i+1} = add_noise(x0_i, fresh noise, step_list[i+1]).
+    Without gradients. Returns (z for step_list[chosen_index], number of generator forwards
+    = chosen_index); chosen_index == 0 returns `noise` itself (pure noise at t = 999).
+    Fresh noise comes from `generator` (on noise's device)."""
+    if not 0 <= chosen_index < len(step_list):
+        raise ValueError(f"chosen_index {chosen_index} outside [0, {len(step_list)})")
+    z, forwards = noise, 0
+    for i in range(chosen_index):
+        x0 = generator_forward(generator_unet, z, int(step_list[i]), text_emb, alphas_cumprod)
+        forwards += 1
+        fresh = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+        z = add_noise(x0, fresh, int(step_list[i + 1]), alphas_cumprod).to(noise.dtype)
+    return z, forwards
+
+
+# ---------------------------------------------------------------------------- schedule
+
+def should_update_generator(step: int, ratio: int) -> bool:
+    """Two-time-scale rule: the generator steps when step % ratio == 0 (DFAKE_GEN_UPDATE_RATIO,
+    10 for SD-1.5); the fake score and head step every step."""
+    if ratio < 1:
+        raise ValueError(f"generator update ratio must be >= 1, got {ratio}")
+    return step % ratio == 0

@@ -1,0 +1,213 @@
+"""Sharded checkpoints: bit-exact resume (sync and async), 2 ranks -> 1 rank, a save killed midway,
+keep-last pruning, export to a diffusers folder.
+
+    python -m pytest tests/test_checkpoint.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._dist import ROOT, run_ranks
+from tests.test_fsdp_utils import TinyNet, make_data, tiny_unet
+
+sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+import fsdp_utils  # noqa: E402
+from precision import get_precision  # noqa: E402
+
+
+def build(seed, mesh):
+    torch.manual_seed(seed)
+    model = TinyNet()
+    fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(), block_classes=["Block"], verbose=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    return model, opt, sched
+
+
+def train(model, opt, sched, data, start, stop, rank, world):
+    for x, y in data[start:stop]:
+        x, y = fsdp_utils.rank_slice(x, rank, world), fsdp_utils.rank_slice(y, rank, world)
+        # a dropout-like use of the global RNG: resume must restore per-rank RNG state too
+        noise = 1e-3 * torch.randn_like(x)
+        ((model(x + noise) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def full(model):
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _resume(rank, world, out, async_save):
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    data = make_data(6, 8)
+    torch.manual_seed(100 + rank)
+    straight = build(0, mesh)
+    train(*straight, data, 0, 6, rank, world)
+    expected = full(straight[0])
+
+    torch.manual_seed(100 + rank)
+    model, opt, sched = build(0, mesh)
+    train(model, opt, sched, data, 0, 3, rank, world)
+    ck = checkpoint.Checkpointer(out, keep_last=2, async_save=async_save)
+    ck.save(3, {"m": model}, {"m": (model, opt)}, {"m": sched}, {"samples_seen": 24}, {"LR": 1e-2})
+    ck.wait()
+    torch.manual_seed(12345)  # scramble the RNG: resume must put it back
+    del model, opt, sched
+    model, opt, sched = build(7, mesh)  # different init: everything must come from the checkpoint
+    path = checkpoint.resolve_resume("auto", out)
+    assert path.endswith("step_000003")
+    meta = ck.load(path, {"m": model}, {"m": (model, opt)}, {"m": sched})
+    assert meta["step"] == 3 and meta["samples_seen"] == 24
+    train(model, opt, sched, data, 3, 6, rank, world)
+    for k, v in full(model).items():
+        assert torch.equal(v, expected[k]), k
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_resume_is_bit_exact(tmp_path, async_save):
+    run_ranks(_resume, 2, str(tmp_path), async_save)
+
+
+def _save_two_ranks(rank, world, out):
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    model, opt, sched = build(0, mesh)
+    train(model, opt, sched, make_data(2, 8), 0, 2, rank, world)
+    checkpoint.Checkpointer(out).save(2, {"m": model}, {"m": (model, opt)}, {"m": sched}, {}, {})
+    weights, exp_avg = full(model), {}
+    for k, st in opt.state.items():
+        exp_avg[len(exp_avg)] = st["exp_avg"].full_tensor()
+    if rank == 0:
+        torch.save((weights, exp_avg), os.path.join(out, "expected.pt"))
+
+
+def _load_one_rank(rank, world, out):
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    model, opt, sched = build(5, mesh)
+    ck = checkpoint.Checkpointer(out)
+    meta = ck.load(checkpoint.resolve_resume("auto", out), {"m": model}, {"m": (model, opt)}, {"m": sched})
+    assert meta["world_size"] == 2 and sched.last_epoch == 2
+    weights, exp_avg = torch.load(os.path.join(out, "expected.pt"))
+    for k, v in full(model).items():
+        assert torch.equal(v, weights[k]), k
+    for i, st in enumerate(opt.state.values()):
+        assert torch.equal(st["exp_avg"].full_tensor(), exp_avg[i])
+
+
+def test_saved_on_two_ranks_resumes_on_one(tmp_path):
+    run_ranks(_save_two_ranks, 2, str(tmp_path))
+    run_ranks(_load_one_rank, 1, str(tmp_path))
+
+
+# a save killed midway: the child saves step 2, then dies inside the save of step 4
+KILL_SCRIPT = r"""
+import os, sys, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.dirname({root!r}))
+import fsdp_utils, checkpoint
+import torch.distributed.checkpoint.filesystem as fs
+from tests.test_checkpoint import build, train
+from tests.test_fsdp_utils import make_data
+dist = fsdp_utils.init_distributed()
+mesh = fsdp_utils.build_mesh(dist.device)
+model, opt, sched = build(0, mesh)
+train(model, opt, sched, make_data(2, 8), 0, 2, 0, 1)
+ck = checkpoint.Checkpointer({out!r}, keep_last=1)
+ck.save(2, {{"m": model}}, {{"m": (model, opt)}}, {{"m": sched}}, {{}}, {{}})
+torch.save({{k: v.full_tensor() for k, v in model.state_dict().items()}}, {out!r} + "/at2.pt")
+def die(*a, **k):
+    os._exit(9)
+setattr(fs.FileSystemWriter, {where!r}, die)
+train(model, opt, sched, make_data(4, 8), 2, 4, 0, 1)
+ck.save(4, {{"m": model}}, {{"m": (model, opt)}}, {{"m": sched}}, {{}}, {{}})
+"""
+
+
+def _load_after_kill(rank, world, out):
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    model, opt, sched = build(3, mesh)
+    path = checkpoint.resolve_resume("auto", out)
+    assert path.endswith("step_000002"), path
+    checkpoint.Checkpointer(out).load(path, {"m": model}, {"m": (model, opt)}, {"m": sched})
+    expected = torch.load(os.path.join(out, "at2.pt"))
+    for k, v in full(model).items():
+        assert torch.equal(v, expected[k]), k
+
+
+@pytest.mark.parametrize("where", ["write_data", "finish"])
+def test_killed_save_leaves_previous_checkpoint(tmp_path, where):
+    out = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=ROOT, out=out, where=where)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 9, r.stderr[-2000:]
+    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert names == ["step_000002", "step_000004.partial"], names
+    run_ranks(_load_after_kill, 1, out)
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    def fake(step, complete=True):
+        d = tmp_path / "checkpoints" / (f"step_{step:06d}" + ("" if complete else ".partial"))
+        d.mkdir(parents=True)
+        if complete:
+            (d / ".metadata").write_text("x")
+            (d / "trainer_state.json").write_text("{}")
+    for s in (1, 2, 3):
+        fake(s)
+    fake(0, complete=False)
+    ck = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)
+    ck.root, ck.keep_last = str(tmp_path / "checkpoints"), 2
+    ck._prune()
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 3]
+    assert sorted(os.listdir(ck.root)) == ["step_000002", "step_000003"]
+    with pytest.raises(fsdp_utils.ConfigError, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(str(tmp_path / "nowhere"), str(tmp_path))
+    assert checkpoint.resolve_resume("", str(tmp_path)) is None
+
+
+def _export(rank, world, src, out, dtype_name):
+    from diffusers import UNet2DConditionModel
+    from precision import parse_dtype
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    model = UNet2DConditionModel.from_pretrained(os.path.join(src, "unet"))
+    with torch.no_grad():  # "training" changed the weights
+        for p in model.parameters():
+            p.add_(0.01)
+    fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
+    trained = full(model)
+    checkpoint.export_pipeline(src, out, {"unet": model}, parse_dtype(dtype_name))
+    if rank == 0:
+        dtype = parse_dtype(dtype_name)
+        loaded = UNet2DConditionModel.from_pretrained(os.path.join(out, "unet"), torch_dtype=dtype)
+        for k, v in loaded.state_dict().items():
+            assert v.dtype == dtype and torch.equal(v, trained[k].to(dtype)), k
+        assert os.path.islink(os.path.join(out, "other"))
+        assert json.load(open(os.path.join(out, "model_index.json")))["unet"][1] == "UNet2DConditionModel"
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_export_loads_with_from_pretrained_and_equals_trained(tmp_path, dtype_name):
+    src = tmp_path / "src"
+    tiny_unet().save_pretrained(src / "unet")
+    (src / "other").mkdir()
+    (src / "other" / "config.json").write_text("{}")
+    (src / "model_index.json").write_text(json.dumps({"_class_name": "X", "unet": ["diffusers", "UNet2DConditionModel"]}))
+    run_ranks(_export, 2, str(src), str(tmp_path / "export"), dtype_name)
+
+
+def test_export_shards_large_models(tmp_path):
+    unet = tiny_unet()
+    checkpoint.export_model(unet, str(tmp_path / "u"), torch.float32, max_shard_bytes=1_000_000)
+    index = json.load(open(tmp_path / "u" / "diffusion_pytorch_model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) > 1
+    from diffusers import UNet2DConditionModel
+    loaded = UNet2DConditionModel.from_pretrained(str(tmp_path / "u"))
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, unet.state_dict()[k])

@@ -1,0 +1,332 @@
+"""Independent checks of the DMD2 math in dmd_math.py on a tiny random diffusers UNet (CPU).
+
+    python -m pytest tests/test_dmd_math.py -q
+"""
+import copy
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import dmd_math as dm  # noqa: E402
+
+diffusers = pytest.importorskip("diffusers")
+
+B, C, H, W, L, D = 2, 4, 8, 8, 7, 32  # batch, latent channels, latent size, text tokens, text dim
+
+
+def tiny_unet(seed: int):
+    torch.manual_seed(seed)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        norm_num_groups=8,
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def alphas():
+    sched = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear",
+                                    beta_start=0.00085, beta_end=0.012)
+    return sched.alphas_cumprod
+
+
+@pytest.fixture(scope="module")
+def unets():
+    return tiny_unet(0), tiny_unet(1)
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(123)
+    return {
+        "x": torch.randn(B, C, H, W, generator=g),
+        "noise": torch.randn(B, C, H, W, generator=g),
+        "cond": torch.randn(B, L, D, generator=g),
+        "uncond": torch.randn(1, L, D, generator=g),
+        "t": torch.tensor([37, 901]),
+    }
+
+
+def eps_of(unet, z, t, emb):
+    with torch.no_grad():
+        return unet(z, t, encoder_hidden_states=emb, return_dict=False)[0].float()
+
+
+# ---------------------------------------------------------------- 4. schedule and timesteps
+
+def test_sd15_alphas(alphas):
+    assert alphas[999].item() == pytest.approx(0.004660, abs=1e-6)
+    assert alphas[20].item() == pytest.approx(0.981314, abs=1e-6)
+
+
+def test_add_noise_x0_round_trip(alphas):
+    g = torch.Generator().manual_seed(0)
+    x0, n = torch.randn(5, C, H, W, generator=g), torch.randn(5, C, H, W, generator=g)
+    t = torch.tensor([0, 20, 500, 980, 999])
+    z = dm.add_noise(x0, n, t, alphas)
+    a = alphas.double()[t].view(-1, 1, 1, 1)
+    assert z.dtype == torch.float32
+    torch.testing.assert_close(z.double(), a.sqrt() * x0.double() + (1 - a).sqrt() * n.double(),
+                               rtol=0, atol=1e-6)
+    back = dm.x0_from_eps(z, n, t, alphas)
+    assert back.dtype == torch.float32
+    torch.testing.assert_close(back, x0, rtol=0, atol=5e-5)  # 1/√ᾱ_999 ≈ 14.6 amplifies fp32 z
+    # computed in float64: exact on float64 inputs, for an int t as well as per-sample t
+    z64 = dm.add_noise(x0.double(), n.double(), 999, alphas)
+    torch.testing.assert_close(dm.x0_from_eps(z64, n.double(), 999, alphas), x0.double(),
+                               rtol=0, atol=1e-12)
+    assert dm.x0_from_eps(z.bfloat16(), n.bfloat16(), t, alphas).dtype == torch.float32
+
+
+def test_dm_and_fake_timestep_ranges():
+    g = torch.Generator().manual_seed(0)
+    t = dm.sample_dm_timesteps(20000, g)
+    assert t.dtype == torch.long and t.shape == (20000,)
+    assert t.min().item() == 20 and t.max().item() == 980  # inclusive on both ends
+    f = dm.sample_fake_timesteps(20000, g, 1000)
+    assert f.min().item() == 0 and f.max().item() == 999
+
+
+# ---------------------------------------------------------------- 1. identical nets, s = 1
+
+def test_identical_nets_guidance_one_give_zero(unets, data, alphas):
+    gen_unet, teacher = unets
+    real, fake = teacher, copy.deepcopy(teacher)
+    x = dm.generator_forward(gen_unet, data["noise"], 999, data["cond"], alphas)
+    assert x.requires_grad and x.dtype == torch.float32
+    grad, diag = dm.dm_grad(x, data["t"], torch.randn_like(x), real, fake, data["cond"],
+                            data["uncond"], 1.0, alphas)
+    assert torch.equal(grad, torch.zeros_like(grad))
+    assert diag["p_real_abs_mean"].shape == (B,) and (diag["p_real_abs_mean"] > 0).all()
+    loss = dm.dm_loss(x, grad)
+    assert loss.item() == 0.0
+    gen_unet.zero_grad(set_to_none=True)
+    x_leaf = x.detach().requires_grad_(True)
+    dm.dm_loss(x_leaf, grad).backward()
+    assert torch.equal(x_leaf.grad, torch.zeros_like(x_leaf))
+    loss.backward()
+    grads = [p.grad for p in gen_unet.parameters()]
+    assert all(g is not None for g in grads)
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+    gen_unet.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- 2. autograd vs closed form
+
+def test_dm_loss_gradient_is_grad_over_numel(unets, data, alphas):
+    real, fake = unets
+    grad, _ = dm.dm_grad(data["x"], data["t"], data["noise"], real, fake, data["cond"],
+                         data["uncond"], 1.75, alphas)
+    assert grad.abs().sum() > 0 and not grad.requires_grad
+    x = data["x"].clone().requires_grad_(True)
+    loss = dm.dm_loss(x, grad)
+    loss.backward()
+    torch.testing.assert_close(x.grad, grad / x.numel(), rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(loss, 0.5 * grad.pow(2).mean(), rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------- 3. CFG closed form
+
+def test_cfg_numerator_closed_form(unets, data, alphas):
+    teacher = unets[1]
+    s, x, n, t, c, u = 1.75, data["x"], data["noise"], data["t"], data["cond"], data["uncond"]
+    grad, diag = dm.dm_grad(x, t, n, teacher, copy.deepcopy(teacher), c, u, s, alphas)
+
+    a = alphas.double()[t].view(-1, 1, 1, 1)
+    z = (a.sqrt() * x.double() + (1 - a).sqrt() * n.double()).float()
+    eps_c = eps_of(teacher, z, t, c).double()
+    eps_u = eps_of(teacher, z, t, u.expand(B, -1, -1)).double()
+    numerator = (s - 1) * ((1 - a) / a).sqrt() * (eps_c - eps_u)
+    x0_real = (z.double() - (1 - a).sqrt() * (eps_u + s * (eps_c - eps_u))) / a.sqrt()
+    norm = (x.double() - x0_real).abs().mean(dim=(1, 2, 3), keepdim=True)
+
+    torch.testing.assert_close(diag["p_real_abs_mean"].double(), norm.flatten(), rtol=1e-4, atol=0)
+    recovered = grad.double() * diag["p_real_abs_mean"].double().view(-1, 1, 1, 1)
+    scale = numerator.abs().max().item()
+    torch.testing.assert_close(recovered, numerator, rtol=0, atol=1e-4 * scale)
+    torch.testing.assert_close(grad.double(), numerator / norm, rtol=0,
+                               atol=1e-4 * (numerator / norm).abs().max().item())
+
+
+def test_dm_grad_nonfinite_set_to_zero(data, alphas):
+    def nan_unet(z, t, encoder_hidden_states=None, return_dict=False):
+        return (torch.full_like(z, float("nan")),)
+
+    grad, _ = dm.dm_grad(data["x"], data["t"], data["noise"], nan_unet, nan_unet, data["cond"],
+                         data["uncond"], 1.75, alphas)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+# ---------------------------------------------------------------- 5. fake score loss
+
+def test_fake_score_loss_by_hand_and_detached(unets, data, alphas):
+    gen_unet, fake = unets[0], copy.deepcopy(unets[1]).train()
+    x = dm.generator_forward(gen_unet, data["noise"], 999, data["cond"], alphas)
+    n = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    t = torch.tensor([0, 999])
+    loss = dm.fake_score_loss(fake, x, n, t, data["cond"], alphas)
+
+    a = alphas.double()[t].view(-1, 1, 1, 1)
+    z = (a.sqrt() * x.detach().double() + (1 - a).sqrt() * n.double()).float()
+    expected = ((eps_of(fake, z, t, data["cond"]) - n) ** 2).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=0)
+
+    gen_unet.zero_grad(set_to_none=True)
+    loss.backward()
+    assert all(p.grad is None for p in gen_unet.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in fake.parameters())
+
+
+# ---------------------------------------------------------------- 6. GAN head and losses
+
+def test_classifier_head_structure_matches_official():
+    with torch.device("meta"):  # structure only; skips initialising 2 × 26 M weights
+        head = dm.ClassifierHead(1280)
+    convs = [(m.kernel_size, m.stride, m.padding, m.out_channels)
+             for m in head if isinstance(m, torch.nn.Conv2d)]
+    assert convs == [((4, 4), (2, 2), (1, 1), 1280), ((4, 4), (4, 4), (0, 0), 1280),
+                     ((1, 1), (1, 1), (0, 0), 1)]
+    assert [type(m).__name__ for m in head] == ["Conv2d", "GroupNorm", "SiLU", "Conv2d",
+                                                "GroupNorm", "SiLU", "Conv2d"]
+    assert head[1].num_groups == 32 and dm.ClassifierHead(64)[1].num_groups == 32
+    assert dm.ClassifierHead(16)[1].num_groups == 16 and dm.ClassifierHead(48)[1].num_groups == 16
+    assert set(head.state_dict()) == {f"{i}.{k}" for i in (0, 1, 3, 4, 6) for k in ("weight", "bias")}
+
+
+def test_classifier_head_any_bottleneck_size():
+    torch.manual_seed(0)
+    head = dm.ClassifierHead(64)
+    feats8 = torch.randn(3, 64, 8, 8)
+    direct = torch.nn.Sequential(*head)(feats8).flatten(1)  # native 8×8: no pooling
+    torch.testing.assert_close(head(feats8), direct)
+    for size in (1, 2, 4, 16):
+        assert head(torch.randn(3, 64, size, size)).shape == (3, 1)
+
+
+def test_head_on_tiny_unet_bottleneck(unets, data, alphas):
+    unet = copy.deepcopy(unets[1])
+    x = data["x"].clone().requires_grad_(True)
+    feats = dm.bottleneck_features(unet, x, 0, data["cond"])
+    assert feats.shape == (B, 64, 4, 4)
+    assert len(unet.mid_block._forward_hooks) == 0  # hook removed
+    head = dm.ClassifierHead(64)
+    logits = dm.cls_logits(unet, head, x, 0, data["cond"])
+    assert logits.shape == (B, 1) and logits.dtype == torch.float32
+    dm.gen_cls_loss(logits).backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert head[6].weight.grad is not None
+
+
+def test_diffusion_gan_noise(alphas):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, C, H, W)
+    z, t = dm.diffusion_gan_noise(x, 10, alphas, g)
+    assert z.shape == x.shape and t.shape == (64,) and t.min() >= 0 and t.max() < 10
+    assert not torch.equal(z, x)
+
+
+def test_gan_losses_hand_formulas():
+    fake = torch.tensor([[-2.0], [0.0], [3.0]])
+    real = torch.tensor([[1.0], [-0.5], [0.25]])
+    sp = lambda v: torch.log1p(torch.exp(v))  # noqa: E731
+    torch.testing.assert_close(dm.gen_cls_loss(fake), sp(-fake).mean())
+    torch.testing.assert_close(dm.guidance_cls_loss(fake, real), sp(fake).mean() + sp(-real).mean())
+    assert dm.gen_cls_loss(torch.zeros(4, 1)).item() == pytest.approx(torch.log(torch.tensor(2.0)).item())
+
+
+# ---------------------------------------------------------------- 7. backward simulation
+
+class CountingUnet:
+    def __init__(self, unet):
+        self.unet, self.calls, self.timesteps = unet, 0, []
+
+    def __call__(self, z, t, **kw):
+        self.calls += 1
+        self.timesteps.append(t.tolist())
+        return self.unet(z, t, **kw)
+
+
+def test_backward_simulation(unets, data, alphas):
+    steps = dm.denoising_step_list(4)
+    assert steps == [999, 749, 499, 249] and dm.denoising_step_list(1) == [999]
+    noise = data["noise"]
+    for k in range(len(steps)):
+        counter = CountingUnet(unets[0])
+        z, forwards = dm.backward_simulation(counter, noise, steps, k, data["cond"], alphas,
+                                             torch.Generator().manual_seed(5))
+        assert forwards == counter.calls == k
+        assert counter.timesteps == [[s] * B for s in steps[:k]]
+        assert z.shape == noise.shape and not z.requires_grad
+        if k == 0:
+            assert z is noise
+
+    # index 1 by hand: x0 at 999, re-noised to 749 with the generator's next draw
+    z1, _ = dm.backward_simulation(unets[0], noise, steps, 1, data["cond"], alphas,
+                                   torch.Generator().manual_seed(5))
+    x0 = dm.x0_from_eps(noise, eps_of(unets[0], noise, torch.full((B,), 999), data["cond"]), 999, alphas)
+    fresh = torch.randn(noise.shape, generator=torch.Generator().manual_seed(5))
+    a = alphas.double()[749]
+    torch.testing.assert_close(z1, (a.sqrt() * x0.double() + (1 - a).sqrt() * fresh.double()).float())
+
+
+def test_choose_step_index_same_on_all_ranks_and_covers_all():
+    def rank_indices(rank):  # a "rank" with its own global RNG state
+        torch.manual_seed(rank)
+        random.seed(rank)
+        return [dm.choose_step_index(step, seed=42, n_steps=4) for step in range(400)]
+
+    r0, r1 = rank_indices(0), rank_indices(1)
+    assert r0 == r1
+    assert set(r0) == {0, 1, 2, 3}
+    assert r0 != [dm.choose_step_index(step, seed=43, n_steps=4) for step in range(400)]
+    # a separate process with different hash randomisation agrees
+    code = "import dmd_math as d; print([d.choose_step_index(s, 42, 4) for s in range(400)])"
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == str(r0)
+
+
+# ---------------------------------------------------------------- 8. update schedule
+
+def test_should_update_generator():
+    assert [s for s in range(35) if dm.should_update_generator(s, 10)] == [0, 10, 20, 30]
+    assert all(dm.should_update_generator(s, 1) for s in range(20))
+    with pytest.raises(ValueError):
+        dm.should_update_generator(0, 0)
+
+
+# ---------------------------------------------------------------- bottleneck under FSDP2
+
+def test_bottleneck_features_under_fsdp2(tmp_path):
+    """The mid-block hook sees the same features, and gradients flow, once the UNet is sharded
+    with fully_shard (1-rank gloo group, in process)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this session")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        unet = tiny_unet(0)
+        x, c = torch.randn(B, C, H, W, requires_grad=True), torch.randn(B, L, D)
+        ref = dm.bottleneck_features(unet, x, 0, c).detach()
+        for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+            fully_shard(block)
+        fully_shard(unet)
+        feats = dm.bottleneck_features(unet, x, 0, c)
+        torch.testing.assert_close(feats, ref, rtol=1e-5, atol=1e-5)
+        dm.gen_cls_loss(dm.ClassifierHead(64)(feats.float())).backward()
+        assert x.grad.abs().sum() > 0
+        assert unet.mid_block.resnets[0].conv1.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
