@@ -9,6 +9,7 @@ root; DTensor for sharded params; `init_device_mesh` for FSDP (1-D) and HSDP (2-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import difflib
 import json
@@ -304,10 +305,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
         outer = _outermost(blocks)
         for b in outer:
             _checkpointed(b)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # pinned host memory speeds H2D copies on GPUs; there is no pinning without an accelerator
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     last = blocks[-1] if blocks else None
+    # only the root hands its output back in output_dtype (fp32 for losses); blocks pass compute
+    # dtype on, so the root's own layers (conv_out, proj_out) see inputs in their compute dtype
+    block_policy = dataclasses.replace(mp_policy, output_dtype=None)
     for b in reversed(blocks):  # children before parents: nested units are allowed in FSDP2
-        fully_shard(b, mesh=mesh, mp_policy=mp_policy, offload_policy=offload,
+        fully_shard(b, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and b is not last)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
     if prefetch > 0 and len(blocks) > 1:
@@ -547,3 +552,111 @@ class RunLogger:
 
 def is_finite(*values: float) -> bool:
     return all(math.isfinite(float(v)) for v in values)
+
+
+# ----------------------------------------------------------------------------------------------
+# optimisation helpers shared by both scripts
+
+def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Constant LR after a linear warmup over `warmup_steps` optimizer steps (DMD2's schedule)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps))
+
+
+class _Warmup:
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps) if self.steps > 0 else 1.0
+
+
+@torch.no_grad()
+def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    """ema ← decay·ema + (1−decay)·model, shard by shard (both sharded identically, no comms)."""
+    for pe, pm in zip(ema.parameters(), model.parameters()):
+        le = pe.to_local() if isinstance(pe, DTensor) else pe
+        lm = pm.to_local() if isinstance(pm, DTensor) else pm
+        le.lerp_(lm.to(le.dtype), 1.0 - decay)
+
+
+@torch.no_grad()
+def copy_params(dst: nn.Module, src: nn.Module) -> None:
+    """Copy the local shards of src into dst (identically sharded), e.g. to start an EMA."""
+    for pd, ps in zip(dst.parameters(), src.parameters()):
+        ld = pd.to_local() if isinstance(pd, DTensor) else pd
+        ld.copy_(ps.to_local() if isinstance(ps, DTensor) else ps)
+
+
+# ----------------------------------------------------------------------------------------------
+# data files shared by both scripts: validated up front, identically on every rank
+
+def load_records(path: str, required: tuple[str, ...], image_keys: tuple[str, ...] = (),
+                 skip_bad: bool = False, check_images: bool = True) -> tuple[list[dict], int]:
+    """Rows of a `.jsonl` (or prompts of a `.txt`, one a line) with image paths made absolute
+    (relative to the file). A bad row -> ConfigError naming file and line, or with skip_bad it is
+    dropped and counted. Every rank reads the whole file, so all ranks agree on errors and length."""
+    if not path or not os.path.isfile(path):
+        raise ConfigError(f"DATA_PATH={path!r}: no such file")
+    base, rows, skipped = os.path.dirname(os.path.abspath(path)), [], 0
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = _parse_row(path, line, required, image_keys, base, check_images)
+        except ValueError as e:
+            if not skip_bad:
+                raise ConfigError(f"{path}:{lineno}: {e}") from None
+            skipped += 1
+            continue
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: no usable samples ({skipped} skipped)")
+    return rows, skipped
+
+
+def _parse_row(path, line, required, image_keys, base, check_images) -> dict:
+    if path.endswith(".txt"):
+        return {"prompt": line.strip()}
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError("expected a JSON object")
+    for key in required:
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            raise ValueError(f"missing or empty {key!r}")
+    for key in image_keys:
+        full = os.path.join(base, row[key])
+        if check_images:
+            _check_image(full)
+        row[key] = full
+    return row
+
+
+def _check_image(path: str) -> None:
+    from PIL import Image
+    if not os.path.isfile(path):
+        raise ValueError(f"image {path} not found")
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # noqa: BLE001 - any decoder failure means a corrupt file
+        raise ValueError(f"image {path} is unreadable ({type(e).__name__})") from None
+
+
+def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
+    """(N,3,H,W) in [-1,1] -> one PNG grid with `nrow` images per row."""
+    import numpy as np
+    from PIL import Image
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    n, c, h, w = images.shape
+    rows = math.ceil(n / nrow)
+    grid = torch.zeros(c, rows * h, nrow * w, dtype=torch.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        grid[:, r * h:(r + 1) * h, col * w:(col + 1) * w] = images[i]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(np.ascontiguousarray(grid.permute(1, 2, 0).numpy())).save(path)

@@ -68,14 +68,15 @@ def train_reference(steps=5, global_batch=8, clip=0.5):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _parity(rank, world, dp_replicate, ac, prefetch):
+def _parity(rank, world, dp_replicate, ac, prefetch, mode="fp32", offload=False, tol=1e-5):
     from precision import get_precision
     ref_losses, ref_norms, ref_params = train_reference()
     torch.manual_seed(0)
     model = TinyNet()
     mesh = fsdp_utils.build_mesh(torch.device("cpu"), dp_replicate)
-    blocks = fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(), block_classes=["Block"],
-                                   activation_checkpointing=ac, prefetch=prefetch, verbose=False)
+    blocks = fsdp_utils.apply_fsdp(model, mesh, get_precision(mode).mp_policy(), block_classes=["Block"],
+                                   activation_checkpointing=ac, prefetch=prefetch, cpu_offload=offload,
+                                   verbose=False)
     assert len(blocks) == 3
     fsdp_utils.assert_sharded(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -87,10 +88,13 @@ def _parity(rank, world, dp_replicate, ac, prefetch):
         opt.step()
         opt.zero_grad()
         mean_loss = fsdp_utils.mean_across_ranks({"loss": float(loss)})["loss"]
-        assert abs(mean_loss - ref_losses[i]) < 1e-5, (i, mean_loss, ref_losses[i])
-        assert abs(float(norm) - ref_norms[i]) < 1e-5, (i, float(norm), ref_norms[i])
+        assert abs(mean_loss - ref_losses[i]) < tol * max(1, abs(ref_losses[i])), (i, mean_loss, ref_losses[i])
+        assert abs(float(norm) - ref_norms[i]) < tol * max(1, ref_norms[i]), (i, float(norm), ref_norms[i])
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(v.full_tensor(), ref_params[k], rtol=1e-5, atol=1e-6)
+        assert v.dtype == torch.float32  # master weights stay fp32 in every mode tested here
+        # Adam moves each weight by at most ~lr per step, so bf16 noise can flip a few of 5 updates
+        atol = tol / 10 if mode == "fp32" else 5 * 1e-2
+        torch.testing.assert_close(v.full_tensor(), ref_params[k], rtol=tol, atol=atol)
     report = fsdp_utils.memory_report({"m": model}, {"m": opt})
     assert "rss_peak" in report
 
@@ -99,6 +103,11 @@ def _parity(rank, world, dp_replicate, ac, prefetch):
                          ids=["fsdp", "hsdp", "fsdp-ac-prefetch"])
 def test_two_rank_parity_with_one_process(dp_replicate, ac, prefetch):
     run_ranks(_parity, 2, dp_replicate, ac, prefetch)
+
+
+def test_bf16_mixed_with_offload_and_checkpointing_tracks_fp32():
+    # bf16 compute against an fp32 reference: agreement to bf16 precision, fp32 master weights
+    run_ranks(_parity, 2, 1, True, 0, "bf16-mixed", True, 3e-2)
 
 
 def _sharded_bytes(rank, world):
