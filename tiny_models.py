@@ -1,0 +1,404 @@
+"""Tiny but real diffusers model folders: the embedded defaults of the training scripts.
+
+With no model path given, `train_dmd.py` and `train_flux_kontext.py` train on these. They are
+random-weight models with the exact folder layout of SD-1.5 and FLUX.1 Kontext [dev], written with
+`save_pretrained` (safetensors) and read back through the same `from_pretrained` path as the real
+weights, so the smoke test exercises the real code path. Everything is built offline (no hub).
+
+    python tiny_models.py sd15            # build (or reuse) the default folders, print the paths
+    python tiny_models.py flux_kontext
+
+Cache convention: `ensure_default(kind)` builds once under
+`$FSDP_DIFFUSION_CACHE/tiny_<kind>_v1/` (default `~/.cache/fsdp_diffusion/tiny_<kind>_v1/`) with
+`model/` (the diffusers folder) and `data/` (the default dataset, always holding a `data.jsonl`).
+Bump `DEFAULTS_VERSION` whenever a tiny config changes, so stale caches are never reused.
+
+Tiny configs (both fp32, deterministic from `seed`):
+- sd15: 64x64 px images; VAE 4x down (3 blocks) -> 4x16x16 latents; UNet (32, 64) channels, so
+  its mid block is 64x8x8 - the size SD-1.5's GAN head expects (conv s2 then conv s4 -> 1x1);
+  CLIP text hidden 32, 32 tokens.
+- flux_kontext: 64x64 px images; VAE 8x down (4 blocks) -> 4x8x8 latents, packed 2x2 -> 16 tokens
+  of 16 channels; transformer hidden 32 (2 double + 2 single blocks); CLIP hidden 32 (pooled),
+  T5 d_model 32. Use `max_sequence_length=32` for T5 (the pipeline default pads to 512).
+Scripts should derive sizes from the configs: vae_scale_factor = 2 ** (len(vae block_out_channels)
+- 1), default resolution = unet sample_size * vae_scale_factor.
+"""
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+DEFAULTS_VERSION = 1  # part of the cache folder name; bump on any change to a tiny config
+TEXT_MAX_LENGTH = 32  # CLIP context length (and T5 model_max_length) of the tiny tokenizers
+IMAGE_SIZE = 64  # default image side in pixels for both tiny models and their datasets
+
+# Words of the synthetic prompts. Tokenizers get whole-word pieces for these so that prompts stay
+# short (about 10 tokens); any other lowercase text still tokenizes character by character.
+COLOURS = {
+    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (240, 220, 40),
+    "purple": (140, 50, 170), "orange": (250, 140, 30), "white": (245, 245, 245),
+    "black": (15, 15, 15), "pink": (250, 150, 190), "cyan": (40, 210, 220),
+}
+SHAPES = ("circle", "square", "triangle", "diamond")
+OTHER_WORDS = ("a", "an", "the", "on", "of", "in", "and", "with", "make", "it", "turn", "into",
+               "change", "to", "background", "photo", "image", "shape")
+WORDS = tuple(COLOURS) + SHAPES + OTHER_WORDS
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizers
+
+def write_clip_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
+    """Write a tiny CLIP BPE tokenizer (vocab.json, merges.txt + tokenizer.json) into `folder`.
+
+    Vocab: every char of CHARS alone and with `</w>`, whole-word pieces for WORDS (see
+    `_word_merges`), then `<|startoftext|>`, `<|endoftext|>` last, as in real CLIP. Returns
+    the reloaded CLIPTokenizer.
+    """
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {c + suffix: 0 for suffix in ("", "</w>") for c in CHARS}
+    merges = _word_merges(WORDS)
+    vocab.update({a + b: 0 for a, b in merges})
+    vocab = {piece: i for i, piece in enumerate(vocab)}
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab, indent=1))
+    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
+    (folder / "merges.txt").write_text("\n".join(lines) + "\n")
+    tokenizer = CLIPTokenizer.from_pretrained(folder, model_max_length=max_length)
+    tokenizer.save_pretrained(folder)  # adds tokenizer.json / tokenizer_config.json
+    return CLIPTokenizer.from_pretrained(folder)
+
+
+def _bpe(word, ranks):
+    """CLIP-style BPE of one word: merge the best-ranked adjacent pair until none is ranked."""
+    pieces = list(word[:-1]) + [word[-1] + "</w>"]
+    while len(pieces) > 1:
+        pairs = zip(pieces, pieces[1:])
+        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(pairs))
+        if rank == len(ranks):
+            break
+        pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
+    return pieces
+
+
+def _word_merges(words):
+    """Merges (in rank order) under which BPE turns every word of `words` into one token.
+
+    Naive per-word merge chains interfere (green's "g r" splits background's "back|g"), so add
+    one merge at a time for the first word still in pieces and re-run BPE until none is.
+    """
+    merges = []
+    while True:
+        ranks = {pair: r for r, pair in enumerate(merges)}
+        unfinished = next((p for p in (_bpe(w, ranks) for w in words) if len(p) > 1), None)
+        if unfinished is None:
+            return merges
+        merges.append((unfinished[0], unfinished[1]))
+
+
+def write_t5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
+    """Write a tiny T5 tokenizer (a Unigram model from (piece, score) pairs) into `folder`.
+
+    Ids 0, 1, 2 are `<pad>`, `</s>`, `<unk>` as in T5; then `▁`, `▁word` pieces for WORDS and
+    single characters (lower, upper, digits, punctuation). No `<extra_id_*>` sentinels. Returns
+    the reloaded T5TokenizerFast.
+    """
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + word, -1.0) for word in WORDS]  # a whole word beats its characters
+    pieces += [(c, -3.0) for c in CHARS + CHARS[:26].upper()]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+    tokenizer.save_pretrained(folder)
+    return T5TokenizerFast.from_pretrained(folder)
+
+
+# ----------------------------------------------------------------------------------------------
+# model folders
+
+@contextlib.contextmanager
+def _seeded(seed):
+    """Seed torch for deterministic random init without disturbing the caller's RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _clip_text_encoder(tokenizer, seed):
+    """A 2-layer, 32-wide CLIPTextModel whose vocab and positions match `tokenizer`."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=32, hidden_act="quick_gelu",  # SD-1.5's CLIP ViT-L uses quick_gelu
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    with _seeded(seed):
+        return CLIPTextModel(config).eval()
+
+
+def make_tiny_sd15(folder, seed=0):
+    """Write an SD-1.5-layout diffusers folder (unet, vae, text_encoder, tokenizer, scheduler).
+
+    64x64 px images, VAE 4x down to 4x16x16 latents, UNet sample_size 16. Returns the folder.
+    """
+    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+
+    folder = Path(folder)
+    tokenizer = write_clip_tokenizer(folder / "tokenizer")  # keeps vocab.json + merges.txt
+    text_encoder = _clip_text_encoder(tokenizer, seed)
+    with _seeded(seed + 1):
+        unet = UNet2DConditionModel(
+            sample_size=IMAGE_SIZE // 4, in_channels=4, out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
+            cross_attention_dim=text_encoder.config.hidden_size, attention_head_dim=4)
+    with _seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            scaling_factor=0.18215)  # SD-1.5's VAE scaling factor
+    # SD-1.5's noise schedule (scheduler_config.json of runwayml/stable-diffusion-v1-5).
+    scheduler = DDIMScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        prediction_type="epsilon", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_tiny_flux_kontext(folder, seed=0):
+    """Write a FLUX.1-Kontext-layout diffusers folder (transformer, vae, 2 text encoders, ...).
+
+    64x64 px images, VAE 8x down to 4x8x8 latents, packed 2x2 into 16 tokens of 16 channels.
+    Returns the folder.
+    """
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline,
+                           FluxTransformer2DModel)
+    from transformers import T5Config, T5EncoderModel
+
+    folder = Path(folder)
+    tokenizer = write_clip_tokenizer(folder / "tokenizer")
+    tokenizer_2 = write_t5_tokenizer(folder / "tokenizer_2")
+    text_encoder = _clip_text_encoder(tokenizer, seed)
+    t5_config = T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",  # T5 v1.1, as FLUX
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    with _seeded(seed + 1):
+        text_encoder_2 = T5EncoderModel(t5_config).eval()
+    latent_channels = 4
+    with _seeded(seed + 2):
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=2, num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=t5_config.d_model,
+            pooled_projection_dim=text_encoder.config.hidden_size, guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8))  # must sum to attention_head_dim
+    with _seeded(seed + 3):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=IMAGE_SIZE,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            shift_factor=0.1159, scaling_factor=0.3611,  # the FLUX.1 VAE's values
+            use_quant_conv=False, use_post_quant_conv=False)
+    # scheduler_config.json of FLUX.1 [dev] / Kontext [dev]: resolution-dependent shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxKontextPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic data
+
+def _draw_shape(size, shape, colour, background, box):
+    """A size x size RGB PIL image: `shape` filled with `colour` inside `box` on `background`."""
+    image = Image.new("RGB", (size, size), background)
+    draw = ImageDraw.Draw(image)
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=colour)
+    elif shape == "square":
+        draw.rectangle(box, fill=colour)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=colour)
+    else:  # diamond
+        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=colour)
+    return image
+
+
+def _random_scene(rng, size):
+    """Draw (shape, colour, background colour, box) with colour != background."""
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    colour, background = rng.choice(list(COLOURS), size=2, replace=False)
+    side = int(rng.integers(size * 3 // 8, size * 5 // 8 + 1))
+    x0, y0 = (int(v) for v in rng.integers(0, size - side + 1, size=2))
+    return shape, str(colour), str(background), (x0, y0, x0 + side - 1, y0 + side - 1)
+
+
+def _describe(shape, colour, background):
+    """'a red circle on an orange background'."""
+    def article(word):
+        return "an" if word[0] in "aeiou" else "a"
+    return f"{article(colour)} {colour} {shape} on {article(background)} {background} background"
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def make_prompts_file(path, n, seed=0):
+    """Write `n` prompts like "a red circle on a blue background", one per line. Returns path."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        shape, colour, background, _ = _random_scene(rng, IMAGE_SIZE)
+        lines.append(_describe(shape, colour, background))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+    return Path(path)
+
+
+def make_image_prompt_dataset(folder, n, size=IMAGE_SIZE, seed=0):
+    """Write `n` PNGs of coloured shapes under folder/images and folder/data.jsonl with rows
+    {"prompt", "image"} (image path relative to folder). Returns the data.jsonl path."""
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        shape, colour, background, box = _random_scene(rng, size)
+        image = _draw_shape(size, shape, COLOURS[colour], COLOURS[background], box)
+        image.save(folder / "images" / f"{i:05d}.png")
+        rows.append({"prompt": _describe(shape, colour, background),
+                     "image": f"images/{i:05d}.png"})
+    _write_jsonl(folder / "data.jsonl", rows)
+    return folder / "data.jsonl"
+
+
+def make_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
+    """Write `n` image-editing pairs: folder/context/i.png (a shape on a plain background),
+    folder/target/i.png (the same shape and place, recoloured), and folder/data.jsonl with rows
+    {"image": context path, "target": target path, "prompt": "make the circle blue"} (paths
+    relative to folder). Returns the data.jsonl path."""
+    folder = Path(folder)
+    for sub in ("context", "target"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        shape, colour, background, box = _random_scene(rng, size)
+        new_colour = str(rng.choice([c for c in COLOURS if c not in (colour, background)]))
+        _draw_shape(size, shape, COLOURS[colour], COLOURS[background], box).save(
+            folder / "context" / f"{i:05d}.png")
+        _draw_shape(size, shape, COLOURS[new_colour], COLOURS[background], box).save(
+            folder / "target" / f"{i:05d}.png")
+        rows.append({"image": f"context/{i:05d}.png", "target": f"target/{i:05d}.png",
+                     "prompt": f"make the {shape} {new_colour}"})
+    _write_jsonl(folder / "data.jsonl", rows)
+    return folder / "data.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------
+# cached defaults
+
+def _build_sd15(root):
+    make_tiny_sd15(root / "model")
+    make_prompts_file(root / "data" / "prompts.txt", 64)  # DMD stage 1: text prompts only
+    make_image_prompt_dataset(root / "data", 64)  # DMD stage 2: real images for the GAN
+
+
+def _build_flux_kontext(root):
+    make_tiny_flux_kontext(root / "model")
+    make_edit_dataset(root / "data", 32)
+
+
+BUILDERS = {"sd15": _build_sd15, "flux_kontext": _build_flux_kontext}
+READY = "READY"  # written last inside the temp folder; a cache folder without it is not used
+
+
+def default_cache_dir():
+    """$FSDP_DIFFUSION_CACHE, else ~/.cache/fsdp_diffusion."""
+    return Path(os.environ.get("FSDP_DIFFUSION_CACHE", "~/.cache/fsdp_diffusion")).expanduser()
+
+
+def ensure_default(kind, cache_dir=None, timeout=600.0):
+    """Build the tiny default for `kind` ("sd15" or "flux_kontext") once; return
+    (model_path, data_path) as strings: <cache_dir>/tiny_<kind>_v<N>/{model,data}.
+
+    Safe for many ranks at once: builders serialize on an flock'd lock file beside the folder,
+    build in a temp folder and publish it with an atomic rename; everyone else reuses it.
+    """
+    if kind not in BUILDERS:
+        raise ValueError(f"unknown tiny default {kind!r}; choose from {sorted(BUILDERS)}")
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache_dir / f"tiny_{kind}_v{DEFAULTS_VERSION}"
+    if not (final / READY).exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _file_lock(final.with_name(final.name + ".lock"), timeout):
+            if not (final / READY).exists():
+                _build_atomically(kind, final)
+    return str(final / "model"), str(final / "data")
+
+
+def _build_atomically(kind, final):
+    if final.exists():
+        raise RuntimeError(f"{final} exists but has no {READY} marker; delete it and rerun")
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        BUILDERS[kind](tmp)
+        (tmp / READY).write_text(f"tiny {kind} defaults v{DEFAULTS_VERSION}\n")
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path, timeout):
+    """Exclusive flock on `path`, polled so that a stuck holder raises instead of hanging."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout:.0f}s for {path}; is a build stuck?")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or sorted(BUILDERS):
+        print(name, *ensure_default(name))
