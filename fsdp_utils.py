@@ -16,6 +16,7 @@ import json
 import math
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -66,6 +67,11 @@ def run_main(main_fn) -> None:
             print(f"error: {e}", file=sys.stderr, flush=True)
         _teardown_quietly()
         sys.exit(2)
+    except Preempted as e:
+        if rank() == 0:
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+        _teardown_quietly()
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         print(f"[rank {rank()}] interrupted", file=sys.stderr, flush=True)
         os._exit(130)
@@ -82,6 +88,40 @@ def _teardown_quietly() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+class Preempted(Exception):
+    """Raised by a script after it saved a checkpoint on SIGTERM/SIGINT; run_main exits 128+signal."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; the training loop asks
+    `should_stop()` once per step (a collective), so all ranks finish the same step, save together
+    and exit. A second signal exits at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"[rank {rank()}] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(signal again to quit at once)", file=sys.stderr, flush=True)
+
+    def should_stop(self) -> bool:
+        """True on every rank as soon as any rank was signalled."""
+        return not all_ranks_agree(self.signum is None)
+
+    def signal_received(self) -> int:
+        """The signal to report (SIGTERM if this rank only heard of it from another rank)."""
+        return self.signum or signal.SIGTERM
 
 
 # ----------------------------------------------------------------------------------------------
