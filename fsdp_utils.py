@@ -700,3 +700,11 @@ def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
         grid[:, r * h:(r + 1) * h, col * w:(col + 1) * w] = images[i]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     Image.fromarray(np.ascontiguousarray(grid.permute(1, 2, 0).numpy())).save(path)
+
+
+if __name__ == "__main__":
+    # `python fsdp_utils.py plan --model=NAME --world_size=N ...`: the memory planner (memory_plan.py)
+    if sys.argv[1:2] != ["plan"]:
+        sys.exit("usage: python fsdp_utils.py plan --model=NAME --world_size=N [--gpu_memory_gb=G] ...")
+    from memory_plan import main as plan_main
+    sys.exit(plan_main(sys.argv[2:]))
