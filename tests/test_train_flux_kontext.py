@@ -1,0 +1,338 @@
+"""train_flux_kontext.py end to end on the tiny Kontext model (CPU, gloo), plus its data, bucket
+and text-cache helpers.
+
+    python -m pytest tests/test_train_flux_kontext.py -q
+
+The script is launched as users launch it (`torchrun --nproc_per_node=2` and plain `python`), on a
+small edit dataset with two aspect ratios (so steps switch between 64x64 and 48x96 buckets). Each
+launch costs ~10 s of imports, so the runs are module-scoped fixtures shared by several tests:
+
+    ref     python, BATCH_SIZE=4                                   (the 1-process reference)
+    hsdp    torchrun 2, BATCH_SIZE=2, DP_REPLICATE=2, no reshard after forward
+    combo   torchrun 2, BATCH_SIZE=1, GRAD_ACCUM=2, activation checkpointing, CPU offload, EMA,
+            samples every 2 steps                                  (3 steps straight)
+    resumed the combo settings, RESUME=auto from a copy of combo's step-2 checkpoint to step 3
+            (a fresh process; must equal combo's step 3 bit for bit)
+
+All runs share one text-embedding cache: the first run fills it, the others must reuse it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._dist import ROOT, free_port
+
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import fsdp_utils  # noqa: E402
+import train_flux_kontext as tfk  # noqa: E402
+from fsdp_utils import ConfigError  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "train_flux_kontext.py")
+STEPS = 3
+TIMEOUT = 300  # per launch; a hang fails the test instead of blocking it
+
+
+# ----------------------------------------------------------------------------------------------
+# data and launching
+
+
+def write_pair(folder, name, size, colour, new_colour):
+    """A context/target pair of `size` (w, h): one rectangle, recoloured in the target."""
+    from PIL import Image, ImageDraw
+    paths = []
+    for sub, c in (("context", colour), ("target", new_colour)):
+        image = Image.new("RGB", size, (30, 30, 30))
+        w, h = size
+        ImageDraw.Draw(image).rectangle((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=c)
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        image.save(os.path.join(folder, sub, name))
+        paths.append(f"{sub}/{name}")
+    return paths
+
+
+def make_mixed_dataset(folder):
+    """16 pairs, alternately 64x64 and 96x48 (w x h); the last two (one of each) are held out."""
+    colours = [(220, 40, 40), (40, 180, 60), (40, 70, 220), (240, 220, 40)]
+    names = ["red", "green", "blue", "yellow"]
+    rows = []
+    for i in range(16):
+        size = (64, 64) if i % 2 == 0 else (96, 48)
+        a, b = i % 4, (i + 1) % 4
+        context, target = write_pair(folder, f"{i:03d}.png", size, colours[a], colours[b])
+        rows.append({"image": context, "target": target, "prompt": f"make the square {names[b]} {i}"})
+    path = os.path.join(folder, "data.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path, rows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The tiny default built once into a private cache, the mixed dataset, launch environment."""
+    import tiny_models
+    root = tmp_path_factory.mktemp("kontext")
+    cache = root / "cache"
+    model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
+    data, rows = make_mixed_dataset(str(root / "data"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(FSDP_DIFFUSION_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    common = [f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
+              f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
+              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=1"]
+    return {"root": root, "env": env, "common": common, "model_path": model_path, "rows": rows, "data": data}
+
+
+def launch(setup, out, args, ranks=2, check=True):
+    cmd = ([sys.executable, SCRIPT] if ranks == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", SCRIPT])
+    proc = subprocess.run(cmd + setup["common"] + [f"--output_dir={out}"] + args, env=setup["env"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def computed_reused(stdout):
+    m = re.search(r"text cache: (\d+) unique prompts, computed (\d+), reused (\d+)", stdout)
+    return int(m.group(2)), int(m.group(3))
+
+
+def load_export(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))
+
+
+COMBO = ["--batch_size=1", "--grad_accum=2", "--activation_checkpointing=1", "--cpu_offload=1",
+         "--ema_decay=0.5", "--sample_every=2", "--save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    root, out = setup["root"], {}
+    for name, ranks, args in (("ref", 1, ["--batch_size=4", "--sample_every=0"]),
+                              ("hsdp", 2, ["--batch_size=2", "--dp_replicate=2", "--reshard_after_forward=0",
+                                           "--sample_every=0"]),
+                              ("combo", 2, COMBO)):
+        out[name] = (str(root / name), launch(setup, root / name, args, ranks).stdout)
+    # resume: a new run whose OUTPUT_DIR holds the straight run's step-2 checkpoint continues to step 3
+    os.makedirs(root / "resumed" / "checkpoints")
+    shutil.copytree(root / "combo" / "checkpoints" / "step_000002", root / "resumed" / "checkpoints" / "step_000002")
+    out["resumed"] = (str(root / "resumed"), launch(setup, root / "resumed", COMBO + ["--resume=auto"]).stdout)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_two_ranks_match_one_process_with_memory_options(runs, setup):
+    train, _, buckets, bucket_of = tfk.load_data(setup["data"], 2, 64, tfk.BUCKET_ASPECTS, 16, False)
+    sizes = {buckets[b] for b, _ in tfk.bucket_schedule(bucket_of, STEPS, seed=0)[1]}
+    assert sizes == {(64, 64), (48, 96)}  # the compared steps switch between the two buckets
+    ref = metrics(runs["ref"][0])
+    assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for name in ("hsdp", "combo"):
+        other = metrics(runs[name][0])
+        for a, b in zip(ref, other, strict=True):
+            assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"]), (name, a, b)
+    # final weights too (combo exports its EMA, so compare the raw ones of ref and hsdp)
+    from safetensors.torch import load_file
+    initial = load_file(os.path.join(setup["model_path"], "transformer", "diffusion_pytorch_model.safetensors"))
+    trained_1, trained_2 = load_export(runs["ref"][0]), load_export(runs["hsdp"][0])
+    assert any(not torch.equal(initial[k], trained_1[k]) for k in initial)  # lr 1e-3: it did train
+    for k in initial:
+        torch.testing.assert_close(trained_2[k], trained_1[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def checkpoint_state(out, step):
+    """A DCP checkpoint folder read back offline (no process group) as one nested dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = os.path.join(out, f"state_{step}.pt")
+    dcp_to_torch_save(os.path.join(out, "checkpoints", f"step_{step:06d}"), path)
+    return torch.load(path, weights_only=False)
+
+
+def test_resume_is_bit_exact(runs):
+    assert "resume:" in runs["resumed"][1] and "(step 2)" in runs["resumed"][1]
+    straight, resumed = load_export(runs["combo"][0]), load_export(runs["resumed"][0])
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    # model, EMA and AdamW state at step 3, bit for bit
+    a, b = checkpoint_state(runs["combo"][0], STEPS), checkpoint_state(runs["resumed"][0], STEPS)
+    for name in ("model.transformer", "model.ema"):
+        assert a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name])
+    for key, state in a["optim.transformer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optim.transformer"]["state"][key][k]), (key, k)
+    assert metrics(runs["combo"][0])[-1]["loss"] == metrics(runs["resumed"][0])[-1]["loss"]
+
+
+def test_text_cache_filled_once_then_reused(runs, setup):
+    unique = len({r["prompt"] for r in setup["rows"]})
+    counts = [computed_reused(stdout) for _, stdout in (runs[k] for k in ("ref", "hsdp", "combo"))]
+    assert counts[0] == (unique, 0)  # the first run fills the shared cache
+    assert all(c == (0, unique) for c in counts[1:])
+    assert computed_reused(runs["resumed"][1]) == (0, unique)
+    files = [f for _, _, fs in os.walk(setup["root"] / "text_cache") for f in fs]
+    assert len(files) == unique and all(f.endswith(".pt") for f in files)
+
+
+def test_checkpoint_holds_ema_and_samples_are_grids(runs):
+    import torch.distributed.checkpoint as dcp
+    from PIL import Image
+    out = runs["combo"][0]
+    keys = dcp.FileSystemReader(os.path.join(out, "checkpoints", "step_000003")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.ema.") for k in keys) and any(k.startswith("model.transformer.") for k in keys)
+    for step in (2, 3):
+        with Image.open(os.path.join(out, "samples", f"step_{step:06d}.png")) as im:
+            # 2 held-out pairs (64x64 and 48x96) -> rows of 3 tiles padded to 64x96
+            assert im.size == (3 * 96, 2 * 64)
+    assert not os.path.exists(os.path.join(runs["ref"][0], "samples"))  # SAMPLE_EVERY=0: none
+
+
+def test_export_runs_in_flux_kontext_pipeline(runs):
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+    pipe = FluxKontextPipeline.from_pretrained(os.path.join(runs["combo"][0], "export"), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    image = Image.new("RGB", (64, 64), (200, 50, 50))
+    out = pipe(image=image, prompt="make the square blue", height=64, width=64, max_area=64 * 64,
+               _auto_resize=False, num_inference_steps=2, max_sequence_length=32, output_type="pt",
+               generator=torch.Generator().manual_seed(0)).images
+    assert out.shape == (1, 3, 64, 64) and torch.isfinite(out).all()
+    trained = load_export(runs["combo"][0])
+    assert all(torch.equal(v, trained[k]) for k, v in pipe.transformer.state_dict().items())
+
+
+def test_bad_row_stops_all_ranks_with_file_and_line(setup, tmp_path):
+    lines = open(setup["data"]).read().splitlines()
+    lines[2] = '{"image": "context/002.png", "target": '  # truncated JSON on line 3
+    bad = os.path.join(os.path.dirname(setup["data"]), "bad.jsonl")  # beside the images it names
+    with open(bad, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    proc = launch(setup, tmp_path / "out", [f"--data_path={bad}"], ranks=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {bad}:3: not valid JSON (Expecting value)"], proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers, in process
+
+
+def test_missing_target_image_is_named_or_skipped(setup, tmp_path):
+    rows = [dict(r) for r in setup["rows"]]
+    rows[4]["target"] = "target/nope.png"
+    base = os.path.dirname(setup["data"])
+    for r in rows:
+        r["image"], r["target"] = os.path.join(base, r["image"]), os.path.join(base, r["target"])
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}:5: image .*nope.png not found"):
+        tfk.load_data(str(path), 2, 64, [1.0, 2.0], 16, skip_bad=False)
+    train, held_out, _, _ = tfk.load_data(str(path), 2, 64, [1.0, 2.0], 16, skip_bad=True)
+    assert len(train) == 13 and len(held_out) == 2
+
+
+def test_buckets_keep_each_global_batch_on_one_size():
+    buckets = tfk.make_buckets(64, [0.5, 0.75, 1.0, 1.333, 2.0], 16)
+    assert buckets[2] == (64, 64) and (48, 96) in buckets and all(h % 16 == 0 == w % 16 for h, w in buckets)
+    assert buckets[tfk.nearest_bucket(48, 96, buckets)] == (48, 96)
+    assert buckets[tfk.nearest_bucket(480, 640, buckets)] == (48, 80)
+    bucket_of = [0, 1, 1, 0, 2, 1, 0, 0, 1, 2, 2, 1, 0]
+    members, schedule = tfk.bucket_schedule(bucket_of, 60, seed=3)
+    seen = set()
+    for step in range(60):
+        idx = tfk.step_indices(step, members, schedule, 4, seed=3)
+        assert len(idx) == 4 and len({bucket_of[i] for i in idx}) == 1
+        seen |= set(idx)
+    assert seen == set(range(len(bucket_of)))  # every pair gets trained on
+    # a pure function of (seed, step): a shorter schedule is a prefix (resume), another seed differs
+    assert tfk.bucket_schedule(bucket_of, 20, seed=3)[1] == schedule[:20]
+    assert tfk.bucket_schedule(bucket_of, 60, seed=4)[1] != schedule
+
+
+def test_pair_gets_one_resize_crop_and_flip(setup):
+    row = {k: os.path.join(os.path.dirname(setup["data"]), setup["rows"][5][k]) for k in ("image", "target")}
+    context, target = tfk.load_pairs([row, row], (64, 64), [False, True])
+    assert context.shape == target.shape == (2, 3, 64, 64)
+    assert torch.equal(context[1], context[0].flip(-1)) and torch.equal(target[1], target[0].flip(-1))
+    # the 96x48 rectangle is centred: the same crop keeps it centred in both images
+    assert torch.equal((context[0] != context[0, :, :1, :1]).any(0), (target[0] != target[0, :, :1, :1]).any(0))
+
+
+def test_text_cache_key_depends_on_encoder_settings(setup):
+    ids = {tfk.encoder_identity(setup["model_path"], n, dt) for n in (32, 16) for dt in (torch.float32, torch.bfloat16)}
+    assert len(ids) == 4
+    a = tfk.cache_file("/c", ids.pop(), "make it red")
+    assert a != tfk.cache_file("/c", ids.pop(), "make it red")
+
+
+def test_config_errors_before_any_work(monkeypatch):
+    saved = fsdp_utils.script_constants(vars(tfk))
+    try:
+        for argv, message in ((["--dp_replicate=2"], "does not divide"),
+                              (["--weighting_scheme=cosine"], "WEIGHTING_SCHEME in"),
+                              (["--precision=fp16-mixed"], "not a precision mode"),
+                              (["--max_stepz=3"], "did you mean --max_steps")):
+            monkeypatch.setattr(sys, "argv", ["train_flux_kontext.py"] + argv)
+            with pytest.raises(ConfigError, match=message):
+                tfk.main()
+            vars(tfk).update(saved)
+    finally:
+        vars(tfk).update(saved)
+
+
+def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
+    """FSDP2 with activation checkpointing (world of one) gives the plain model's loss and grads:
+    FLUX blocks returning views (FSDP2 warns about it) do not lose gradient hooks."""
+    import torch.distributed as dist
+    from diffusers import FluxTransformer2DModel
+    from precision import get_precision
+    import kontext_math as km
+    folder = os.path.join(setup["model_path"], "transformer")
+    g = torch.Generator().manual_seed(0)
+    x0, ctx, noise = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))
+    sigmas = torch.rand(2, generator=g)
+    text = torch.randn(2, 32, 32, generator=g), torch.randn(2, 32, generator=g)
+    inputs = km.build_model_inputs(x0, ctx, noise, sigmas)
+
+    def loss_and_grads(model, named):
+        loss = km.flow_matching_loss(km.transformer_forward(model, inputs, sigmas, 1.0, *text),
+                                     inputs["target"], inputs["n_target_tokens"])
+        loss.backward()
+        return loss.item(), {k: getattr(p.grad, "full_tensor", lambda: p.grad)() for k, p in named}
+
+    plain = FluxTransformer2DModel.from_pretrained(folder)
+    ref_loss, ref_grads = loss_and_grads(plain, plain.named_parameters())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        tfk.quiet_known_warnings()
+        mesh = fsdp_utils.build_mesh(torch.device("cpu"), 1)
+        sharded = tfk.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
+                                        reshard_after_forward=True, cpu_offload=False,
+                                        activation_checkpointing=True, prefetch=1)
+        loss, grads = loss_and_grads(sharded, sharded.named_parameters())
+    finally:
+        dist.destroy_process_group()
+    assert abs(loss - ref_loss) < 1e-6
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -1,0 +1,608 @@
+"""Full fine-tuning of FLUX.1 Kontext (image editing) with FSDP2, on pairs (context image, edited
+target image, instruction).
+
+The transformer (12 B for the real model) is the only trained part: it is built on the meta device,
+sharded per FluxTransformerBlock / FluxSingleTransformerBlock, and each rank loads only its slices of
+the weights. The VAE is frozen and replicated; the two text encoders (CLIP for the pooled vector, T5
+for the token embeddings) run once before training to fill an on-disk embedding cache and are freed.
+
+    # embedded tiny default (a tiny Kontext-layout model + synthetic edit pairs, built once), 2 ranks
+    torchrun --standalone --nproc_per_node=2 train_flux_kontext.py
+    # one process, for debugging (same numbers as 2 ranks with half the per-rank batch)
+    python train_flux_kontext.py --batch_size=2 --max_steps=20
+    # real weights on 4 x 24 GB GPUs: the settings that
+    #   python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
+    # finds to fit (~5.6 GiB per GPU; the fp32 master weights, grads and AdamW state, ~190 GB in
+    # all, then live in host RAM)
+    torchrun --standalone --nproc_per_node=4 train_flux_kontext.py \
+        --model_path=/models/FLUX.1-Kontext-dev --data_path=/data/edits.jsonl \
+        --resolution=512 --precision=bf16-mixed --activation_checkpointing=1 --cpu_offload=1 \
+        --max_steps=2000 --sample_every=250 --save_every=250 --output_dir=out/kontext-ft
+    # continue the newest complete checkpoint in OUTPUT_DIR
+    torchrun --standalone --nproc_per_node=4 train_flux_kontext.py ... --resume=auto
+
+Data: a .jsonl with rows {"image": context, "target": edited image, "prompt": instruction}, image
+paths relative to the file. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
+(context | output | target per held-out pair), checkpoints/step_XXXXXX/, export/ (a diffusers
+folder for FluxKontextPipeline.from_pretrained), text_cache/.
+
+Choices worth knowing: a global batch always comes from one resolution bucket (see
+bucket_schedule), because the transformer's position ids are shared by the batch; latents are
+encoded by the frozen VAE at every step (no latent cache, so flips and re-bucketing stay free; the
+VAE costs little next to the transformer); everything random in a step is drawn from (SEED, step),
+so any world size / GRAD_ACCUM split gives the same updates and a resume continues bit for bit.
+
+    python -m pytest tests/test_train_flux_kontext.py -q
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import fsdp_utils
+import kontext_math as km
+import precision
+from fsdp_utils import ConfigError, print0
+
+# ----------------------------------------------------------------------------------------------
+# config (every UPPER_CASE constant can be overridden as --name=value)
+
+MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the embedded tiny default (built once)
+DATA_PATH = ""  # .jsonl of {"image", "target", "prompt"}; "" = the tiny default's synthetic pairs
+OUTPUT_DIR = "out/flux_kontext"  # metrics, samples, checkpoints, export, text cache
+TEXT_CACHE_DIR = ""  # text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
+MAX_STEPS = 200  # optimizer steps
+BATCH_SIZE = 1  # pairs per rank per micro-batch
+GRAD_ACCUM = 1  # micro-batches per optimizer step (global batch = BATCH_SIZE x world x GRAD_ACCUM)
+SEED = 0  # data order, noise, timesteps, sample seeds: all derived from (SEED, step)
+LR = 1e-5  # AdamW learning rate (full fine-tunes of FLUX use ~1e-5; LoRA uses ~1e-4)
+ADAM_BETAS = [0.9, 0.999]  # AdamW betas (torch / diffusers example defaults)
+WEIGHT_DECAY = 1e-4  # AdamW weight decay: diffusers' Kontext example's --adam_weight_decay default
+ADAM_EPS = 1e-8  # AdamW epsilon
+WARMUP_STEPS = 10  # linear LR warmup, then constant
+MAX_GRAD_NORM = 1.0  # clip the total grad norm (0 = no clipping); a non-finite norm skips the step
+PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master, bf16 compute) | bf16 (everything bf16)
+VAE_DTYPE = ""  # frozen VAE dtype; "" = the precision's compute dtype
+TEXT_ENCODER_DTYPE = ""  # CLIP / T5 dtype for the cache; "" = the precision's compute dtype
+EXPORT_DTYPE = "bf16"  # dtype of the exported transformer
+DP_REPLICATE = 1  # HSDP: replica groups (1 = plain FSDP over all ranks); must divide the world
+RESHARD_AFTER_FORWARD = True  # free gathered block params after forward (re-gathered in backward)
+CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
+ACTIVATION_CHECKPOINTING = False  # recompute each block in backward instead of storing activations
+PREFETCH = 1  # blocks to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
+EMA_DECAY = 0.0  # EMA of the transformer (0 = off); exported instead of the raw weights when on
+RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512 for real weights, 64 for the tiny default
+BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
+RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
+MAX_SEQUENCE_LENGTH = 512  # T5 tokens (FLUX uses 512; capped at the tokenizer's model_max_length)
+GUIDANCE = 1.0  # guidance-embedding value during training (Kontext [dev] is guidance-distilled)
+WEIGHTING_SCHEME = "uniform"  # sigma density: uniform | logit_normal | mode (SD3 paper, sec. 3.1)
+LOGIT_MEAN = 0.0  # logit_normal mean
+LOGIT_STD = 1.0  # logit_normal std
+MODE_SCALE = 1.29  # "mode" density scale (SD3 paper's value)
+SHIFT = 1.0  # sigma shift s*sigma/(1+(s-1)*sigma); >1 favours noisier timesteps
+LOSS_WEIGHTING = "none"  # none | sigma_sqrt | cosmap (diffusers' compute_loss_weighting_for_sd3)
+SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
+NUM_SAMPLE_PAIRS = 4  # held-out pairs (the last rows of DATA_PATH), never trained on, for samples
+SAMPLE_EVERY = 100  # steps between sample grids (and one at the end); 0 = no samples
+SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
+SAMPLE_GUIDANCE = 2.5  # guidance for samples (FluxKontextPipeline's default)
+SAVE_EVERY = 100  # steps between checkpoints (and always one at MAX_STEPS); 0 = only at the end
+KEEP_LAST = 2  # complete checkpoints kept
+ASYNC_SAVE = False  # write checkpoints in the background while training continues
+RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR, or a checkpoint path
+LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
+
+BLOCK_CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # FSDP units (_no_split_modules)
+_TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+def build_transformer(folder, mesh, prec, device, *, load, reshard_after_forward, cpu_offload,
+                      activation_checkpointing, prefetch):
+    """FluxTransformer2DModel on meta -> fully_shard per block -> each rank loads its slices
+    (load=False: allocate only, e.g. for the EMA copy that is then filled from the model). With CPU
+    offload the shards are materialised in host memory, where FSDP keeps them."""
+    from diffusers import FluxTransformer2DModel
+    model = fsdp_utils.build_on_meta(FluxTransformer2DModel, folder)
+    if prec.param_dtype != torch.float32:  # storage dtype of the trainable params (on meta: free)
+        model.to(prec.param_dtype)
+    fsdp_utils.apply_fsdp(model, mesh, prec.mp_policy(), block_classes=list(BLOCK_CLASSES),
+                          reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                          activation_checkpointing=activation_checkpointing, prefetch=prefetch,
+                          verbose=load)
+    home = torch.device("cpu") if cpu_offload else device
+    if load:
+        fsdp_utils.materialize_and_load(model, folder, home)
+    else:
+        model.to_empty(device=home)
+    fsdp_utils.assert_sharded(model, mesh)
+    return model
+
+
+def load_vae(folder, dtype, device):
+    """The frozen VAE, replicated on every rank in its own dtype."""
+    from diffusers import AutoencoderKL
+    vae = AutoencoderKL.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)  # small: plain load
+    return fsdp_utils.prepare_frozen(vae, None, dtype, device, sharded=False, verbose=False)
+
+
+def reshard(model) -> None:
+    """Free gathered params after no-grad forwards (the root and last block keep them otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+# ----------------------------------------------------------------------------------------------
+# text-embedding cache: T5 token embeddings + CLIP pooled vector per prompt, one file each
+
+
+def encoder_identity(model_path, max_length, dtype) -> str:
+    """What the embeddings depend on besides the prompt: encoder and tokenizer files (config text,
+    weight sizes and mtimes), the T5 length and the dtype."""
+    parts = [f"v{_TEXT_CACHE_VERSION}", str(max_length), precision.dtype_name(dtype)]
+    for sub in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        folder = os.path.join(model_path, sub)
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            st = os.stat(path)
+            parts.append(f"{sub}/{name}:{st.st_size}:{st.st_mtime_ns}")
+            if name.endswith(".json") and st.st_size < 2**20:
+                with open(path, "rb") as f:
+                    parts.append(hashlib.sha256(f.read()).hexdigest())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def cache_file(cache_dir, identity, prompt) -> str:
+    key = hashlib.sha256(f"{identity}\n{prompt}".encode()).hexdigest()
+    return os.path.join(cache_dir, key[:2], key + ".pt")
+
+
+def load_text_encoders(model_path, dtype, device):
+    """A FluxKontextPipeline holding only CLIP + T5 and their tokenizers: its encode_prompt is
+    exactly the pipeline's own text path, so cached embeddings equal what it would compute."""
+    from diffusers import FluxKontextPipeline
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    return FluxKontextPipeline(
+        scheduler=None, vae=None, transformer=None,
+        tokenizer=CLIPTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
+        tokenizer_2=T5TokenizerFast.from_pretrained(os.path.join(model_path, "tokenizer_2")),
+        text_encoder=CLIPTextModel.from_pretrained(os.path.join(model_path, "text_encoder"),
+                                                   dtype=dtype).to(device).eval(),
+        text_encoder_2=T5EncoderModel.from_pretrained(os.path.join(model_path, "text_encoder_2"),
+                                                      dtype=dtype).to(device).eval())
+
+
+def t5_length(model_path, max_length) -> int:
+    """MAX_SEQUENCE_LENGTH capped at the T5 tokenizer's model_max_length (32 for the tiny one)."""
+    with open(os.path.join(model_path, "tokenizer_2", "tokenizer_config.json")) as f:
+        limit = json.load(f).get("model_max_length", max_length)
+    return int(min(max_length, limit))
+
+
+def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype, device, batch=16):
+    """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache;
+    the encoders are loaded only where something is missing and freed before training.
+    Returns (computed, reused), summed over ranks."""
+    mine = sorted(set(prompts))[fsdp_utils.rank()::fsdp_utils.world_size()]
+    missing = [p for p in mine if not os.path.exists(cache_file(cache_dir, identity, p))]
+    if missing:
+        pipe = load_text_encoders(model_path, dtype, device)
+        with torch.no_grad():
+            for i in range(0, len(missing), batch):
+                chunk = missing[i:i + batch]
+                embeds, pooled, _ = pipe.encode_prompt(chunk, prompt_2=None, device=device,
+                                                       max_sequence_length=max_length)
+                for p, e, v in zip(chunk, embeds.cpu(), pooled.cpu()):
+                    _save_atomic({"prompt": p, "prompt_embeds": e.clone(), "pooled": v.clone()},
+                                 cache_file(cache_dir, identity, p))
+        del pipe
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    counts = torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+        dist.barrier()
+    return int(counts[0]), int(counts[1])
+
+
+def _save_atomic(obj, path) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_text_embeds(prompts, cache_dir, identity, device):
+    """(B, T, D) T5 embeddings and (B, D) pooled CLIP vectors for `prompts`, read from the cache."""
+    if not prompts:
+        return None
+    items = [torch.load(cache_file(cache_dir, identity, p), weights_only=True) for p in prompts]
+    embeds = torch.stack([it["prompt_embeds"] for it in items]).to(device)
+    pooled = torch.stack([it["pooled"] for it in items]).to(device)
+    return embeds, pooled
+
+
+# ----------------------------------------------------------------------------------------------
+# data: pairs, resolution buckets, one bucket per global batch
+
+
+def make_buckets(resolution, aspects, multiple) -> list[tuple[int, int]]:
+    """(h, w) sizes of about resolution^2 pixels for each width/height ratio, both sides multiples
+    of `multiple` (VAE factor x 2, so the latents pack 2x2); duplicates dropped, in ratio order."""
+    buckets = []
+    for a in sorted(aspects):
+        w = max(multiple, round(math.sqrt(resolution**2 * a) / multiple) * multiple)
+        h = max(multiple, round(math.sqrt(resolution**2 / a) / multiple) * multiple)
+        if (h, w) not in buckets:
+            buckets.append((h, w))
+    return buckets
+
+
+def nearest_bucket(height, width, buckets) -> int:
+    """Index of the bucket whose aspect ratio is closest (in log space) to height x width."""
+    return min(range(len(buckets)),
+               key=lambda i: abs(math.log(width / height) - math.log(buckets[i][1] / buckets[i][0])))
+
+
+def assign_buckets(rows, buckets) -> list[int]:
+    """Bucket of each pair, from the target image's size (read from the file header only)."""
+    from PIL import Image
+    out = []
+    for row in rows:
+        with Image.open(row["target"]) as im:
+            out.append(nearest_bucket(im.height, im.width, buckets))
+    return out
+
+
+def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Which bucket each step draws its whole global batch from.
+
+    Returns (members, schedule): members[b] = dataset indices in bucket b; schedule[step] =
+    (b, k) with k = how many earlier steps used b. Step s picks b with probability proportional to
+    the bucket's size, drawn from step_generator(seed, s): a pure function of (seed, step), so it is
+    the same on every rank, at any world size, and after a resume."""
+    n_buckets = max(bucket_of) + 1
+    members = [[i for i, b in enumerate(bucket_of) if b == k] for k in range(n_buckets)]
+    weights = torch.tensor([len(m) for m in members], dtype=torch.float64)
+    used, schedule = [0] * n_buckets, []
+    for step in range(steps):
+        if (weights > 0).sum() == 1:
+            b = int(weights.argmax())
+        else:
+            b = int(torch.multinomial(weights, 1, generator=fsdp_utils.step_generator(seed, step, 7)))
+        schedule.append((b, used[b]))
+        used[b] += 1
+    return members, schedule
+
+
+def step_indices(step, members, schedule, global_batch, seed) -> list[int]:
+    """Dataset indices of the global batch of `step`: the k-th batch of its bucket, from that
+    bucket's own seeded epochs (fsdp_utils.global_batch_indices)."""
+    b, k = schedule[step]
+    local = fsdp_utils.global_batch_indices(k, global_batch, len(members[b]), seed + 1000 * b)
+    return [members[b][i] for i in local]
+
+
+def load_image(path, height, width) -> torch.Tensor:
+    """(3, height, width) in [-1, 1]: resized to cover the size, then center-cropped."""
+    import numpy as np
+    from PIL import Image
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        scale = max(height / im.height, width / im.width)
+        rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
+        im = im.resize((rw, rh), Image.Resampling.LANCZOS)
+        left, top = (rw - width) // 2, (rh - height) // 2
+        im = im.crop((left, top, left + width, top + height))
+        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
+    return x.float() / 127.5 - 1.0
+
+
+def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context and target batches (B, 3, h, w): both images of a pair get the same resize, crop
+    and (optional) flip."""
+    contexts, targets = [], []
+    for row, flip in zip(rows, flips):
+        c, t = load_image(row["image"], *size), load_image(row["target"], *size)
+        if flip:
+            c, t = c.flip(-1), t.flip(-1)
+        contexts.append(c)
+        targets.append(t)
+    return torch.stack(contexts), torch.stack(targets)
+
+
+# ----------------------------------------------------------------------------------------------
+# the training step
+
+
+def draw_step_randomness(seed, step, global_batch, latent_shape, sigma_kwargs, random_flip):
+    """Everything random in one optimizer step, drawn for the whole global batch (all micro-batches
+    of all ranks) from step_generator(seed, step) on CPU: sigmas (G,), noise (G, C, h, w), flips
+    (G,). Each rank then takes its rows, so any layout (world size, GRAD_ACCUM) sees the same."""
+    g = fsdp_utils.step_generator(seed, step, 0)
+    sigmas = km.sample_sigmas(global_batch, generator=g, **sigma_kwargs)
+    noise = torch.randn(global_batch, *latent_shape, generator=g)
+    flips = (torch.rand(global_batch, generator=g) < 0.5) & random_flip
+    return sigmas, noise, flips
+
+
+def micro_batch_loss(transformer, vae, rows, sigmas, noise, flips, size, text, guidance,
+                     loss_weighting, device):
+    """One micro-batch on this rank: encode both images, build [noisy target ; clean context]
+    tokens, predict, and return the fp32 flow-matching loss on the target tokens."""
+    context, target = load_pairs(rows, size, flips.tolist())
+    x0 = km.encode_latents(vae, target.to(device))
+    ctx = km.encode_latents(vae, context.to(device))
+    inputs = km.build_model_inputs(x0, ctx, noise.to(device), sigmas.to(device))
+    pred = km.transformer_forward(transformer, inputs, sigmas.to(device), guidance, *text)
+    weights = km.loss_weighting(sigmas.to(device), loss_weighting)
+    return km.flow_matching_loss(pred, inputs["target"], inputs["n_target_tokens"], weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# samples: held-out pairs through diffusers' FluxKontextPipeline with the current weights
+
+
+def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance, seed, device):
+    """Rows of context | output | target (N*3, 3, H, W) in [-1, 1], padded to a common size.
+
+    Every rank runs the same calls (FSDP gathers inside each transformer forward). The context is
+    given to the pipeline as latents and the output is taken as latents and decoded here, so the
+    VAE may keep a dtype other than the transformer's (the pipeline casts images to the prompt
+    embeddings' dtype)."""
+    from diffusers import FluxKontextPipeline
+    pipe = FluxKontextPipeline(scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
+                               tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+    tiles = []
+    for i, (row, (h, w)) in enumerate(zip(pairs, sizes)):
+        context, target = load_pairs([row], (h, w), [False])
+        ctx = km.encode_latents(vae, context.to(device))
+        tokens = pipe(image=ctx, prompt_embeds=text[0][i:i + 1].float(), pooled_prompt_embeds=text[1][i:i + 1].float(),
+                      height=h, width=w, max_area=h * w, num_inference_steps=steps, guidance_scale=guidance,
+                      generator=torch.Generator().manual_seed(seed + i), output_type="latent").images
+        f = 2 ** (len(vae.config.block_out_channels) - 1)
+        latents = km.unpack_latents(tokens.float(), h // f, w // f) / scale + shift
+        with torch.no_grad():
+            out = vae.decode(latents.to(next(vae.parameters()).dtype)).sample.float().cpu()
+        tiles += [context[0], out[0].clamp(-1, 1), target[0]]
+    reshard(transformer)
+    hmax, wmax = max(t.shape[1] for t in tiles), max(t.shape[2] for t in tiles)
+    return torch.stack([torch.nn.functional.pad(t, (0, wmax - t.shape[2], 0, hmax - t.shape[1]))
+                        for t in tiles])
+
+
+# ----------------------------------------------------------------------------------------------
+# setup
+
+
+def validate_config() -> precision.Precision:
+    """Everything checkable before any work; identical on every rank."""
+    try:
+        prec = precision.get_precision(PRECISION)
+        for name in (VAE_DTYPE, TEXT_ENCODER_DTYPE, EXPORT_DTYPE):
+            if name:
+                precision.parse_dtype(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
+    checks = {
+        "MAX_STEPS >= 1": MAX_STEPS >= 1, "BATCH_SIZE >= 1": BATCH_SIZE >= 1, "GRAD_ACCUM >= 1": GRAD_ACCUM >= 1,
+        "0 <= EMA_DECAY < 1": 0 <= EMA_DECAY < 1, "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
+        f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
+        f"LOSS_WEIGHTING in {km.WEIGHTING_SCHEMES}": LOSS_WEIGHTING in km.WEIGHTING_SCHEMES,
+        "SHIFT > 0": SHIFT > 0, "LOGIT_STD > 0": LOGIT_STD > 0, "RESOLUTION >= 0": RESOLUTION >= 0,
+        "BUCKET_ASPECTS non-empty and > 0": bool(BUCKET_ASPECTS) and all(a > 0 for a in BUCKET_ASPECTS),
+        "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
+        "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "PREFETCH >= 0": PREFETCH >= 0,
+        "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0": min(LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY) >= 0,
+    }
+    failed = [k for k, ok in checks.items() if not ok]
+    if failed:
+        raise ConfigError(f"invalid settings: need {'; '.join(failed)}")
+    return prec
+
+
+def resolve_defaults() -> dict:
+    """Fill the "" / 0 settings (embedded tiny default, resolution, cache dir); returns the
+    resolved config, which is what checkpoints record."""
+    global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR
+    if not MODEL_PATH or not DATA_PATH:  # the embedded default goes through the same code path
+        import tiny_models
+        tiny_model, tiny_data = tiny_models.ensure_default("flux_kontext")
+        if not MODEL_PATH:
+            RESOLUTION = RESOLUTION or tiny_models.IMAGE_SIZE
+        MODEL_PATH = MODEL_PATH or tiny_model
+        DATA_PATH = DATA_PATH or os.path.join(tiny_data, "data.jsonl")
+    RESOLUTION = RESOLUTION or 512
+    TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
+    print0(f"model {MODEL_PATH} | data {DATA_PATH} | resolution {RESOLUTION}")
+    return fsdp_utils.script_constants(globals())
+
+
+def vae_scale_factor(model_path) -> int:
+    """Pixels per latent (8 for FLUX), from the VAE config as diffusers computes it."""
+    with open(os.path.join(model_path, "vae", "config.json")) as f:
+        return 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+
+
+def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
+    """(train rows, held-out rows, buckets, bucket of each train row). The last `num_held_out`
+    rows are kept out of training for samples. Bad rows stop the run (file:line) or are skipped."""
+    rows, skipped = fsdp_utils.load_records(data_path, required=("image", "target", "prompt"),
+                                            image_keys=("image", "target"), skip_bad=skip_bad)
+    if len(rows) <= num_held_out:
+        raise ConfigError(f"{data_path}: {len(rows)} usable pairs; need more than NUM_SAMPLE_PAIRS={num_held_out}")
+    train, held_out = rows[:len(rows) - num_held_out], rows[len(rows) - num_held_out:]
+    buckets = make_buckets(resolution, aspects, multiple)
+    bucket_of = assign_buckets(train, buckets)
+    sizes = ", ".join(f"{h}x{w}: {bucket_of.count(i)}" for i, (h, w) in enumerate(buckets) if i in bucket_of)
+    print0(f"data: {len(train)} training pairs, {len(held_out)} held out for samples, {skipped} bad rows "
+           f"skipped; buckets (h x w: pairs) {sizes}")
+    return train, held_out, buckets, bucket_of
+
+
+def prepare_text_cache(prompts, prec, device) -> str:
+    """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
+    dtype = prec.frozen_dtype(TEXT_ENCODER_DTYPE)
+    length = t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
+    identity = encoder_identity(MODEL_PATH, length, dtype)
+    computed, reused = fill_text_cache(prompts, MODEL_PATH, TEXT_CACHE_DIR, identity, length, dtype, device)
+    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
+           f"({TEXT_CACHE_DIR}; T5 length {length}, {precision.dtype_name(dtype)})")
+    return identity
+
+
+def build_models(prec, mesh, device):
+    """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
+    EMA sharded identically and copied from it, the frozen VAE, the sampling scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    folder = os.path.join(MODEL_PATH, "transformer")
+    opts = dict(reshard_after_forward=RESHARD_AFTER_FORWARD, cpu_offload=CPU_OFFLOAD,
+                activation_checkpointing=ACTIVATION_CHECKPOINTING, prefetch=PREFETCH)
+    transformer = build_transformer(folder, mesh, prec, device, load=True, **opts)
+    transformer.train()
+    ema = None
+    if EMA_DECAY > 0:
+        ema = build_transformer(folder, mesh, prec, device, load=False, **opts)
+        ema.requires_grad_(False).eval()
+        fsdp_utils.copy_params(ema, transformer)
+    vae = load_vae(os.path.join(MODEL_PATH, "vae"), prec.frozen_dtype(VAE_DTYPE), device)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler")
+    return transformer, ema, vae, scheduler
+
+
+def quiet_known_warnings() -> None:
+    """Silence two warnings that are noise here, and only those:
+    - FSDP2 warns when a wrapped block returns a view (FLUX blocks return slices): harmful only if
+      the view is then changed in place, which neither diffusers' FLUX code nor this script does
+      (tests/test_train_flux_kontext.py checks loss and gradients against the unwrapped model);
+    - diffusers' ModelMixin.to(dtype) warns about fp32-kept modules even when there are none."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+    class NoEmptyFp32Warning(logging.Filter):
+        def filter(self, record):
+            return "should be kept in float32: []" not in record.getMessage()
+    logging.getLogger("diffusers.models.modeling_utils").addFilter(NoEmptyFp32Warning())
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main():
+    fsdp_utils.apply_overrides(globals(), sys.argv[1:])
+    prec = validate_config()
+    quiet_known_warnings()
+    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD)
+    print0(f"train_flux_kontext: {d.world_size} rank(s), {d.backend}, device {d.device}")
+    config = resolve_defaults()
+    print0(fsdp_utils.format_config(config))
+    resume_path = checkpoint.resolve_resume(RESUME, OUTPUT_DIR)  # a bad path fails here, before any work
+
+    # data, buckets and the text-embedding cache (text encoders live only inside this call)
+    vae_factor = vae_scale_factor(MODEL_PATH)
+    train, held_out, buckets, bucket_of = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS,
+                                                    2 * vae_factor, SKIP_BAD_SAMPLES)
+    members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
+    identity = prepare_text_cache([r["prompt"] for r in train + held_out], prec, d.device)
+
+    # models, optimizer, audit
+    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE)
+    transformer, ema, vae, scheduler = build_models(prec, mesh, d.device)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    # foreach: one dispatch per op over all DTensor shards (~15x faster than per-tensor on CPU)
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
+                                  weight_decay=WEIGHT_DECAY, foreach=True)
+    lr_sched = fsdp_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
+    models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
+    optimizers, schedulers = {"transformer": (transformer, optimizer)}, {"transformer": lr_sched}
+    audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
+    print0(precision.format_audit(audit + [precision.component_row("vae", vae, vae.dtype)]))
+    print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
+
+    ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
+    start = 0
+    if resume_path:
+        start = ckpt.load(resume_path, models, optimizers, schedulers)["step"]
+        print0(f"resume: {resume_path} (step {start})")
+
+    global_batch, micro_global = BATCH_SIZE * d.world_size * GRAD_ACCUM, BATCH_SIZE * d.world_size
+    sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
+                        mode_scale=MODE_SCALE, shift=SHIFT)
+    final_model = ema if ema is not None else transformer  # what samples show and export writes
+    sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
+    sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
+    stopper = fsdp_utils.GracefulStop()
+    logger = fsdp_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
+
+    # ------------------------------------------------------------------------------------------
+    # the loop: step s (1-based) trains on data batch s-1 of the bucket schedule
+    for step in range(start + 1, MAX_STEPS + 1):
+        indices = step_indices(step - 1, members, schedule, global_batch, SEED)
+        h, w = buckets[schedule[step - 1][0]]
+        latent_shape = (vae.config.latent_channels, h // vae_factor, w // vae_factor)
+        sigmas, noise, flips = draw_step_randomness(SEED, step, global_batch, latent_shape, sigma_kwargs, RANDOM_FLIP)
+        loss_sum = 0.0
+        for m in range(GRAD_ACCUM):  # micro-batch m = m-th chunk of the global batch, split over ranks
+            mine = list(fsdp_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), d.rank, d.world_size))
+            rows = [train[indices[i]] for i in mine]
+            text = load_text_embeds([r["prompt"] for r in rows], TEXT_CACHE_DIR, identity, d.device)
+            loss = micro_batch_loss(transformer, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
+                                    text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
+            loss.backward()  # FSDP reduce-scatters (averages over ranks) after every micro-batch
+            loss_sum += loss.item()
+        grad_norm = float(fsdp_utils.clip_grad_norm_(params, MAX_GRAD_NORM))
+        if math.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
+            optimizer.step()
+            if ema is not None:
+                fsdp_utils.ema_update(ema, transformer, EMA_DECAY)
+        else:
+            print0(f"step {step}: non-finite grad norm, update skipped")
+        optimizer.zero_grad(set_to_none=True)
+        lr = lr_sched.get_last_lr()[0]
+        lr_sched.step()
+        ckpt.poll()
+
+        metrics = None
+        if LOG_EVERY and (step % LOG_EVERY == 0 or step == MAX_STEPS):
+            metrics = {**fsdp_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr}
+        logger.step_done(step, metrics)
+        if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
+            grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
+                               SAMPLE_GUIDANCE, SEED, d.device)
+            if d.rank == 0:
+                fsdp_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
+        stop = stopper.should_stop()
+        if (SAVE_EVERY and step % SAVE_EVERY == 0) or step == MAX_STEPS or stop:
+            ckpt.save(step, models, optimizers, schedulers, {"samples_seen": step * global_batch}, config)
+        if stop:
+            ckpt.wait()
+            raise fsdp_utils.Preempted(stopper.signal_received(), f"checkpoint saved at step {step}")
+    logger.close()
+    ckpt.wait()
+
+    # ------------------------------------------------------------------------------------------
+    # export and teardown
+    checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), {"transformer": final_model},
+                               precision.parse_dtype(EXPORT_DTYPE))
+    print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
+    fsdp_utils.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    fsdp_utils.run_main(main)
