@@ -25,12 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from fsdp_utils import ConfigError, print0, rank, world_size
+from fsdp_utils import ConfigError, RunError, first_error, print0, rank, world_size
 from precision import check_state_dict_dtypes, dtype_name
 
 PARTIAL = ".partial"
@@ -115,28 +116,31 @@ class Checkpointer:
         self._pg = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def save(self, step: int, models, optimizers, schedulers, trainer_state: dict, config: dict) -> str:
+        """Collective. A failure on any rank (full disk, unwritable folder) raises RunError on every
+        rank naming the path; the partial folder is removed and never renamed, so the previous
+        checkpoint stays the newest complete one."""
         self.wait()
         final = os.path.join(self.root, f"step_{step:06d}")
         partial = final + PARTIAL
-        if rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-            meta = {"step": step, "world_size": world_size(),
-                    "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **trainer_state}
-            _write_json(os.path.join(partial, "trainer_state.json"), meta)
-            _write_json(os.path.join(partial, "config.json"), config)
-        if dist.is_initialized():
-            dist.barrier()
-        torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank()}.pt"))
+
+        def meta_files():
+            if rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+                meta = {"step": step, "world_size": world_size(),
+                        "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **trainer_state}
+                _write_json(os.path.join(partial, "trainer_state.json"), meta)
+                _write_json(os.path.join(partial, "config.json"), config)
+
+        _agreed(meta_files, partial)  # every rank waits here for the folder (was a barrier)
+        _agreed(lambda: torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank()}.pt")), partial)
         state = _dcp_state(models, optimizers)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=partial, process_group=self._pg)
             self._pending = (future, partial, final)
         else:
-            dcp.save(state, checkpoint_id=partial)
-            self._finalize(partial, final)
-            if dist.is_initialized():
-                dist.barrier()
+            _agreed(lambda: dcp.save(state, checkpoint_id=partial), partial)
+            _agreed(lambda: self._finalize(partial, final), partial)
         return final
 
     def poll(self) -> None:
@@ -150,7 +154,11 @@ class Checkpointer:
             return
         future, partial, final = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (OSError, CheckpointException) as e:  # a rank-local error: run_main names the rank
+            raise RuntimeError(f"background checkpoint save failed: {_reason(e, partial)}; "
+                               "the previous checkpoint is intact") from None
         self._finalize(partial, final)
 
     def _finalize(self, partial: str, final: str) -> None:
@@ -161,7 +169,10 @@ class Checkpointer:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
-        self._prune()
+        try:  # the new checkpoint is complete: failing to prune old ones must not fail the save
+            self._prune()
+        except OSError as e:
+            print(f"checkpoint: could not prune old checkpoints ({e})", flush=True)
 
     def _prune(self) -> None:
         ckpts = list_checkpoints(os.path.dirname(self.root))
@@ -192,6 +203,29 @@ class Checkpointer:
             print0(f"resume: saved on {meta['world_size']} ranks, running on {world_size()}: "
                    "per-rank RNG states not restored (step-seeded randomness is unaffected)")
         return meta
+
+
+def _reason(e: BaseException, partial: str) -> str:
+    """One line for a failed save: the first rank's OSError (DCP wraps them per rank)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        r, (inner, _) = next(iter(sorted(e.failures.items())))
+        return f"rank {r}: {type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} writing {partial}"
+
+
+def _agreed(fn, partial: str) -> None:
+    """Run this rank's part of a save, then learn (collectively) whether every rank's part worked.
+    On any failure all ranks raise RunError together; rank 0 removes the partial folder."""
+    error = None
+    try:
+        fn()
+    except (OSError, CheckpointException) as e:
+        error = _reason(e, partial)
+    error = first_error(error)
+    if error is not None:
+        if rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise RunError(f"checkpoint save to {partial} failed ({error}); the previous checkpoint is intact")
 
 
 def _write_json(path: str, obj) -> None:

@@ -207,7 +207,8 @@ class ClassifierHead(nn.Sequential):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if tuple(features.shape[-2:]) != (self.native_size, self.native_size):
             features = F.adaptive_avg_pool2d(features, self.native_size)
-        return super().forward(features).flatten(1)  # (B, 1, 1, 1) -> (B, 1)
+        # (B, 1, 1, 1) -> (B, 1); a copy, not a view: FSDP2 warns when a unit returns a view
+        return super().forward(features).flatten(1).clone()
 
 
 def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
@@ -279,20 +280,24 @@ def choose_step_index(step: int, seed: int, n_steps: int) -> int:
 @torch.no_grad()
 def backward_simulation(generator_unet, noise: torch.Tensor, step_list, chosen_index: int,
                         text_emb: torch.Tensor, alphas_cumprod: torch.Tensor,
-                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+                        generator: torch.Generator | None = None,
+                        fresh_noise: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """Input of the generator at step_list[chosen_index], built the way inference would
     (official `sample_backward`): from pure noise at step_list[0], for i < chosen_index,
     x0_i = G(z_i, step_list[i]) and z_{i+1} = add_noise(x0_i, fresh noise, step_list[i+1]).
     Without gradients. Returns (z for step_list[chosen_index], number of generator forwards
     = chosen_index); chosen_index == 0 returns `noise` itself (pure noise at t = 999).
-    Fresh noise comes from `generator` (on noise's device)."""
+    Fresh noise comes from `generator` (on noise's device), or is given as `fresh_noise[i]`
+    for the re-noising after step i (drawn by the caller for the global batch, so the result
+    does not depend on the world size)."""
     if not 0 <= chosen_index < len(step_list):
         raise ValueError(f"chosen_index {chosen_index} outside [0, {len(step_list)})")
     z, forwards = noise, 0
     for i in range(chosen_index):
         x0 = generator_forward(generator_unet, z, int(step_list[i]), text_emb, alphas_cumprod)
         forwards += 1
-        fresh = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+        fresh = (fresh_noise[i].to(device=x0.device, dtype=x0.dtype) if fresh_noise is not None else
+                 torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype))
         z = add_noise(x0, fresh, int(step_list[i + 1]), alphas_cumprod).to(noise.dtype)
     return z, forwards
 

@@ -72,6 +72,11 @@ def run_main(main_fn) -> None:
             print(f"stopped: {e}", file=sys.stderr, flush=True)
         _teardown_quietly()
         sys.exit(128 + e.signum)
+    except RunError as e:
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        _teardown_quietly()
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"[rank {rank()}] interrupted", file=sys.stderr, flush=True)
         os._exit(130)
@@ -96,6 +101,11 @@ class Preempted(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class RunError(Exception):
+    """A failure during training that every rank has learnt of together (through a collective:
+    a failed save, too many non-finite steps): rank 0 reports it in one line, all ranks exit 1."""
 
 
 class GracefulStop:
@@ -363,6 +373,70 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     return blocks
 
 
+PARALLELISMS = ("fsdp", "ddp")
+
+
+def check_parallelism(parallelism: str, cpu_offload: bool, dp_replicate: int) -> None:
+    """PARALLELISM=fsdp (sharded, the default) or ddp (full replicas, for comparison and small
+    models); the FSDP-only settings are refused under ddp before any work."""
+    if parallelism not in PARALLELISMS:
+        raise ConfigError(f"PARALLELISM={parallelism!r}: choose one of {list(PARALLELISMS)}")
+    if parallelism == "ddp" and cpu_offload:
+        raise ConfigError("PARALLELISM=ddp with CPU_OFFLOAD=1: CPU offload is an FSDP feature; use fsdp")
+    if parallelism == "ddp" and dp_replicate != 1:
+        raise ConfigError(f"PARALLELISM=ddp with DP_REPLICATE={dp_replicate}: DDP replicates on every "
+                          "rank already; DP_REPLICATE (HSDP) needs fsdp")
+
+
+def apply_ddp(model: nn.Module, device: torch.device, mp_policy: MixedPrecisionPolicy, *,
+              block_classes: list[str] | None = None, activation_checkpointing: bool = False,
+              verbose: bool = True) -> nn.Module:
+    """Plain `DistributedDataParallel` over a materialised model: a full replica per rank, grads
+    all-reduced (averaged) in buckets during backward. Returns the DDP wrapper, to be used only for
+    training forwards; keep the unwrapped model for checkpoints, EMA, samples and export.
+
+    The same precision contract as `apply_fsdp`: floating inputs cast to `mp_policy.param_dtype`
+    (the compute dtype), the forward under autocast when the stored params are wider than it
+    (bf16-mixed: fp32 master weights, bf16 matmuls), floating outputs handed back in
+    `output_dtype` (fp32 for losses). Activation checkpointing uses the same per-block patch."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils._pytree import tree_map
+    if activation_checkpointing:
+        names, _ = find_block_classes(model, block_classes)
+        for b in _outermost([m for m in model.modules() if m is not model and type(m).__name__ in names]):
+            _checkpointed(b)
+    stored = {p.dtype for p in model.parameters() if p.requires_grad}
+    compute, out_dtype = mp_policy.param_dtype, mp_policy.output_dtype
+    autocast = compute is not None and any(d != compute for d in stored)
+    if autocast:  # norms with fp32 weights take bf16 inputs under autocast: correct, just unfused
+        import warnings
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    if verbose:
+        print0(f"ddp: {type(model).__name__}: full replica per rank"
+               + (f", autocast to {compute}" if autocast else ""))
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True)
+    inner = ddp.forward
+
+    def cast(dtype):
+        return lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and dtype else t
+
+    def forward(*args, **kwargs):
+        if compute is not None and mp_policy.cast_forward_inputs:
+            args, kwargs = tree_map(cast(compute), (args, kwargs))
+        with torch.autocast(device.type, dtype=compute, enabled=autocast):
+            out = inner(*args, **kwargs)
+        return tree_map(cast(out_dtype), out)
+
+    ddp.forward = forward
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 modules are their own model)."""
+    return getattr(model, "module", model)
+
+
 def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
     inner = {id(c) for b in blocks for c in b.modules() if c is not b}
     return [b for b in blocks if id(b) not in inner]
@@ -419,6 +493,7 @@ def build_on_meta(model_cls, folder: str) -> nn.Module:
     """The model skeleton from `folder/config.json`, on the meta device: no memory, no init."""
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise ConfigError(f"{folder}: no config.json — not a diffusers model folder")
+    mark_rss_baseline()
     config = model_cls.load_config(folder)
     with torch.device("meta"):
         return model_cls.from_config(config)
@@ -503,11 +578,33 @@ def peak_host_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def host_rss_bytes() -> int:
+    """Resident set size now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+_RSS_BASELINE: list[int] = []
+
+
+def mark_rss_baseline() -> None:
+    """Remember the host RSS before the first model is built (build_on_meta calls this): imports,
+    data and text cache are in it, models are not. memory_report prints it as rss_base."""
+    if not _RSS_BASELINE:
+        _RSS_BASELINE.append(host_rss_bytes())
+
+
 def memory_report(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> str:
     """Per-rank table (collective): local params / grads / optimizer bytes, peak host RSS, peak CUDA."""
     row = local_state_bytes(models, optimizers)
     row["rss_peak"] = peak_host_rss_bytes()
     row["cuda_peak"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    # grads as held during a step (the table's grads are 0 between steps, after zero_grad)
+    row["grads_held"] = sum(_local_bytes(p) for m in models.values() for p in m.parameters() if p.requires_grad)
+    row["rss_base"] = _RSS_BASELINE[0] if _RSS_BASELINE else 0
     rows = [row]
     if dist.is_initialized() and world_size() > 1:
         rows = [None] * world_size()
@@ -516,6 +613,7 @@ def memory_report(models: dict[str, nn.Module], optimizers: dict[str, torch.opti
     lines = ["rank  " + "  ".join(c.rjust(10) for c in cols)]
     for r, vals in enumerate(rows):
         lines.append(f"{r:<4}  " + "  ".join(_mib(vals[c]).rjust(10) for c in cols))
+    lines.append("memory_bytes " + json.dumps(rows))  # machine-readable (benchmarks.py)
     return "\n".join(lines)
 
 
@@ -610,9 +708,20 @@ class _Warmup:
         return min(1.0, (step + 1) / self.steps) if self.steps > 0 else 1.0
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Free the gathered params that a no-grad forward leaves behind (the root and the last block
+    skip reshard-after-forward; only a backward reshards them). Needed before editing shards in
+    place: a gathered unit shows its unsharded params in .parameters() and would not see the edit."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 @torch.no_grad()
 def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
     """ema ← decay·ema + (1−decay)·model, shard by shard (both sharded identically, no comms)."""
+    reshard_all(ema)
+    reshard_all(model)
     for pe, pm in zip(ema.parameters(), model.parameters()):
         le = pe.to_local() if isinstance(pe, DTensor) else pe
         lm = pm.to_local() if isinstance(pm, DTensor) else pm
@@ -622,6 +731,8 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
 @torch.no_grad()
 def copy_params(dst: nn.Module, src: nn.Module) -> None:
     """Copy the local shards of src into dst (identically sharded), e.g. to start an EMA."""
+    reshard_all(dst)
+    reshard_all(src)
     for pd, ps in zip(dst.parameters(), src.parameters()):
         ld = pd.to_local() if isinstance(pd, DTensor) else pd
         ld.copy_(ps.to_local() if isinstance(ps, DTensor) else ps)
@@ -700,6 +811,99 @@ def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
         grid[:, r * h:(r + 1) * h, col * w:(col + 1) * w] = images[i]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     Image.fromarray(np.ascontiguousarray(grid.permute(1, 2, 0).numpy())).save(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# fault tolerance shared by both scripts: inputs checked up front, non-finite steps, agreed errors
+
+def check_output_dir(path: str) -> None:
+    """OUTPUT_DIR must be creatable and writable (a probe file is written and removed), so a bad
+    path fails before any work instead of at the first save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"OUTPUT_DIR={path!r} is not writable ({e.strerror or e})") from None
+
+
+_COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json")
+
+
+def check_model_folder(path: str, pipeline: str, components: dict, setting: str = "MODEL_PATH") -> None:
+    """`path` must be a diffusers pipeline folder with every component a script loads.
+
+    components: {subfolder: expected class name in model_index.json, or None for any}. A wrong
+    folder (e.g. a FLUX folder given to an SD-1.5 script) fails in one line naming what is missing."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{setting}={path!r}: no such folder")
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        raise ConfigError(f"{setting}={path}: no model_index.json, not a diffusers pipeline folder "
+                          f"(expected a {pipeline} folder)")
+    try:
+        with open(index) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{index}: unreadable ({e})") from None
+    problems = []
+    for name, cls in components.items():
+        folder, entry = os.path.join(path, name), meta.get(name)
+        found = isinstance(entry, list) and len(entry) == 2 and entry[1] or None
+        if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, f)) for f in _COMPONENT_FILES):
+            problems.append(f"{name}/")
+        elif cls and found and found != cls:
+            problems.append(f"{name} (is {found}, need {cls})")
+    if problems:
+        raise ConfigError(f"{setting}={path}: a {meta.get('_class_name', 'diffusers')} folder, not the {pipeline} "
+                          f"layout this script trains: missing {', '.join(problems)}")
+
+
+class NonFiniteGuard:
+    """Skips optimizer steps whose loss or gradient norm is non-finite on any rank: `step_ok()` is a
+    collective (MIN all-reduce), so every rank takes the same branch and no rank steps alone.
+    Counts skipped steps (`skipped_steps` in metrics and checkpoints); `exhausted` after
+    `max_in_a_row` bad steps in a row, when the script saves and stops with RunError."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
+
+    def step_ok(self, *values) -> bool:
+        good = all_ranks_agree(is_finite(*values))
+        if good:
+            self.in_a_row = 0
+        else:
+            self.skipped += 1
+            self.in_a_row += 1
+        return good
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row >= self.max_in_a_row
+
+    def state(self) -> dict:
+        return {"skipped_steps": self.skipped, "bad_steps_in_a_row": self.in_a_row}
+
+    def load(self, meta: dict) -> None:
+        self.skipped, self.in_a_row = int(meta.get("skipped_steps", 0)), int(meta.get("bad_steps_in_a_row", 0))
+
+    def error(self, step: int) -> RunError:
+        return RunError(f"{self.in_a_row} non-finite steps in a row (MAX_BAD_STEPS={self.max_in_a_row}) at step "
+                        f"{step}; checkpoint saved. Lower the LR or check the data, then --resume=auto")
+
+
+def first_error(error: str | None) -> str | None:
+    """Collective: the first failing rank's message (None when every rank succeeded), on every
+    rank, so all ranks stop together after a local failure (e.g. one rank's disk is full)."""
+    if not dist.is_initialized() or world_size() == 1:
+        return error
+    errors = [None] * world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
 
 
 if __name__ == "__main__":

@@ -213,17 +213,33 @@ def activation_bytes(model: nn.Module, inputs: dict, block_classes: list[str], c
     return outside[0] + total_blocks
 
 
-def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype: torch.dtype) -> dict:
+def _folder_shapes(folder: str, kind: str) -> tuple[int, int]:
+    """(pixels per latent, text tokens) as the scripts see them: the VAE's downsampling factor
+    (8 for the real models) and the tokenizer length (CLIP 77 / T5 512, capped at the tokenizer's
+    model_max_length when the folder has tokenizers, e.g. 32 for the tiny defaults)."""
+    import json
+    with open(os.path.join(folder, "vae", "config.json")) as f:
+        factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+    text = 77 if kind == "sd15" else 512
+    tok = os.path.join(folder, "tokenizer" if kind == "sd15" else "tokenizer_2", "tokenizer_config.json")
+    if os.path.exists(tok):
+        with open(tok) as f:
+            text = int(min(text, json.load(f).get("model_max_length", text)))
+    return factor, text
+
+
+def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype: torch.dtype,
+                 factor: int = 8, text: int | None = None) -> dict:
     cfg = model.config
+    text = text or (77 if kind == "sd15" else 512)
     with torch.device("meta"):
         if kind == "sd15":
-            lat = resolution // 8
+            lat = resolution // factor
             return dict(sample=torch.empty(batch, cfg.in_channels, lat, lat, dtype=dtype, requires_grad=True),
                         timestep=torch.zeros(batch, dtype=torch.long),
-                        encoder_hidden_states=torch.empty(batch, 77, cfg.cross_attention_dim, dtype=dtype),
+                        encoder_hidden_states=torch.empty(batch, text, cfg.cross_attention_dim, dtype=dtype),
                         return_dict=False)
-        tokens = (resolution // 16) ** 2  # 8x VAE, 2x2 packing
-        text = 512
+        tokens = (resolution // (2 * factor)) ** 2  # VAE factor, 2x2 packing
         return dict(hidden_states=torch.empty(batch, 2 * tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
                     encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
                     pooled_projections=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype),
@@ -242,7 +258,9 @@ def _size(dtype: torch.dtype) -> int:
 def _activations(name: str, kind: str, cls, blocks: tuple, dtype: torch.dtype, batch: int, resolution: int,
                  checkpointing: bool) -> int:
     model = _meta(cls, _folder_of(name, kind)).to(dtype)
-    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype), list(blocks), checkpointing)
+    factor, text = _folder_shapes(model_folder(name), kind)
+    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype, factor, text), list(blocks),
+                            checkpointing)
 
 
 def plan(name: str, s: Settings) -> dict:

@@ -74,6 +74,7 @@ PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master, bf16 compute) | bf16
 VAE_DTYPE = ""  # frozen VAE dtype; "" = the precision's compute dtype
 TEXT_ENCODER_DTYPE = ""  # CLIP / T5 dtype for the cache; "" = the precision's compute dtype
 EXPORT_DTYPE = "bf16"  # dtype of the exported transformer
+PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
 DP_REPLICATE = 1  # HSDP: replica groups (1 = plain FSDP over all ranks); must divide the world
 RESHARD_AFTER_FORWARD = True  # free gathered block params after forward (re-gathered in backward)
 CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
@@ -113,21 +114,24 @@ def build_transformer(folder, mesh, prec, device, *, load, reshard_after_forward
                       activation_checkpointing, prefetch):
     """FluxTransformer2DModel on meta -> fully_shard per block -> each rank loads its slices
     (load=False: allocate only, e.g. for the EMA copy that is then filled from the model). With CPU
-    offload the shards are materialised in host memory, where FSDP keeps them."""
+    offload the shards are materialised in host memory, where FSDP keeps them. mesh=None (DDP):
+    no sharding, every rank loads the whole model (the caller wraps it in DDP)."""
     from diffusers import FluxTransformer2DModel
     model = fsdp_utils.build_on_meta(FluxTransformer2DModel, folder)
     if prec.param_dtype != torch.float32:  # storage dtype of the trainable params (on meta: free)
         model.to(prec.param_dtype)
-    fsdp_utils.apply_fsdp(model, mesh, prec.mp_policy(), block_classes=list(BLOCK_CLASSES),
-                          reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
-                          activation_checkpointing=activation_checkpointing, prefetch=prefetch,
-                          verbose=load)
+    if mesh is not None:
+        fsdp_utils.apply_fsdp(model, mesh, prec.mp_policy(), block_classes=list(BLOCK_CLASSES),
+                              reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                              activation_checkpointing=activation_checkpointing, prefetch=prefetch,
+                              verbose=load)
     home = torch.device("cpu") if cpu_offload else device
     if load:
         fsdp_utils.materialize_and_load(model, folder, home)
     else:
         model.to_empty(device=home)
-    fsdp_utils.assert_sharded(model, mesh)
+    if mesh is not None:
+        fsdp_utils.assert_sharded(model, mesh)
     return model
 
 
@@ -401,6 +405,7 @@ def validate_config() -> precision.Precision:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
+    fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
     checks = {
         "MAX_STEPS >= 1": MAX_STEPS >= 1, "BATCH_SIZE >= 1": BATCH_SIZE >= 1, "GRAD_ACCUM >= 1": GRAD_ACCUM >= 1,
         "0 <= EMA_DECAY < 1": 0 <= EMA_DECAY < 1, "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
@@ -522,8 +527,13 @@ def main():
     identity = prepare_text_cache([r["prompt"] for r in train + held_out], prec, d.device)
 
     # models, optimizer, audit
-    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE)
+    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
     transformer, ema, vae, scheduler = build_models(prec, mesh, d.device)
+    # what training forwards go through: the FSDP2 model itself, or a DDP wrapper around the plain
+    # model (checkpoints, EMA, samples and export always use `transformer`, whose names match)
+    train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(
+        transformer, d.device, prec.mp_policy(), block_classes=list(BLOCK_CLASSES),
+        activation_checkpointing=ACTIVATION_CHECKPOINTING)
     params = [p for p in transformer.parameters() if p.requires_grad]
     # foreach: one dispatch per op over all DTensor shards (~15x faster than per-tensor on CPU)
     optimizer = torch.optim.AdamW(params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
@@ -562,7 +572,7 @@ def main():
             mine = list(fsdp_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), d.rank, d.world_size))
             rows = [train[indices[i]] for i in mine]
             text = load_text_embeds([r["prompt"] for r in rows], TEXT_CACHE_DIR, identity, d.device)
-            loss = micro_batch_loss(transformer, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
+            loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
                                     text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
             loss.backward()  # FSDP reduce-scatters (averages over ranks) after every micro-batch
             loss_sum += loss.item()
@@ -597,10 +607,10 @@ def main():
     ckpt.wait()
 
     # ------------------------------------------------------------------------------------------
-    # export and teardown
+    # export and teardown (the memory report first: its peak is training's, not the export gather's)
+    print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
     checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), {"transformer": final_model},
                                precision.parse_dtype(EXPORT_DTYPE))
-    print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
     fsdp_utils.cleanup_distributed()
 
 

@@ -1,0 +1,406 @@
+"""The "make it blue" editing task and its evaluation through diffusers' FluxKontextPipeline.
+
+Task: a shape (circle / square / triangle / diamond, tiny_models.COLOURS, never blue) on a plain
+background (never blue); the edit recolours the shape blue and keeps its shape, position, size and
+the background. Prompt: "make it blue". Splits are drawn deterministically from a seed:
+
+    train      512 pairs, seed 1  (what train_flux_kontext.py fine-tunes on)
+    heldout     64 pairs, seed 2  (scenes not in train; the evaluation set)
+    retention   64 pairs, seed 3  (other recolours the base model was pre-trained on, e.g.
+                                   "make it red": does the fine-tune forget them?)
+
+Each split is a folder with context/*.png, target/*.png and data.jsonl rows {"image", "target",
+"prompt"} (paths relative to the file) plus the scene ("shape", "colour", "background",
+"target_colour", "box"). They are generated on demand into a cache folder, never committed.
+
+Metrics, from pixels (the background colour is known, the shapes are flat colours):
+  colour acc   the output's foreground (pixels far from the background colour) has, as its median
+               colour, the named colour nearest to the target colour's RGB
+  IoU          output foreground mask vs the target's foreground mask (shape, position, size kept)
+  bg kept      the median colour outside the (dilated) target shape is nearest to the background
+  success      all three: colour right, IoU >= 0.7, background kept
+  PSNR         against the true target (dB)
+
+    python kontext_eval.py --model=assets/kontext_base
+    python kontext_eval.py --compare base=assets/kontext_base tuned=/tmp/kontext_ft/export
+    python kontext_eval.py --make_data=out/kontext_task     # write the splits, print the paths
+
+The grid (--grid, default out/kontext_eval/grid.png) has one row per held-out pair: context | each
+model's output | target.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import tiny_models
+from tiny_models import COLOURS, SHAPES
+
+TASK_COLOUR = "blue"
+TASK_PROMPT = f"make it {TASK_COLOUR}"
+IMAGE_SIZE = tiny_models.IMAGE_SIZE
+TASK_VERSION = 1  # part of the cache folder name; bump when a split's recipe changes
+SPLITS = {"train": (512, 1), "heldout": (64, 2), "retention": (64, 3)}  # name: (pairs, seed)
+
+FG_THRESHOLD = 35.0  # RGB distance from the background above which a pixel is foreground
+MIN_FG_PIXELS = 16  # fewer foreground pixels than this = no shape found (colour counts as wrong)
+IOU_OK = 0.7  # IoU needed for a "success"
+
+# ----------------------------------------------------------------------------------------------
+# the task data
+
+
+def random_scene(rng, size=IMAGE_SIZE, exclude=()):
+    """(shape, colour, background, box) as tiny_models draws them, redrawn until neither the
+    colour nor the background is in `exclude`."""
+    while True:
+        shape, colour, background, box = tiny_models._random_scene(rng, size)
+        if colour not in exclude and background not in exclude:
+            return shape, colour, background, box
+
+
+def draw(scene, colour=None, shape=None, size=IMAGE_SIZE):
+    """PIL image of `scene`, optionally with another colour or shape."""
+    s, c, b, box = scene
+    return tiny_models._draw_shape(size, shape or s, COLOURS[colour or c], COLOURS[b], box)
+
+
+def task_scenes(split, n=None, seed=None):
+    """Deterministic scenes of a split: list of dicts with shape, colour, background, box,
+    target_colour, prompt. held-out / retention scenes never repeat a train scene."""
+    n_default, seed_default = SPLITS[split]
+    n, seed = n or n_default, seed_default if seed is None else seed
+    avoid = set()
+    if split != "train":
+        avoid = {(d["shape"], d["colour"], d["background"], tuple(d["box"])) for d in task_scenes("train")}
+    rng = np.random.default_rng(seed)
+    retention_colours = [c for c in COLOURS if c != TASK_COLOUR]
+    out = []
+    while len(out) < n:
+        scene = random_scene(rng, exclude=(TASK_COLOUR,))
+        if (scene[0], scene[1], scene[2], tuple(scene[3])) in avoid:
+            continue
+        if split == "retention":
+            choices = [c for c in retention_colours if c not in (scene[1], scene[2])]
+            new = str(choices[rng.integers(len(choices))])
+        else:
+            new = TASK_COLOUR
+        out.append({"shape": scene[0], "colour": scene[1], "background": scene[2], "box": list(scene[3]),
+                    "target_colour": new, "prompt": f"make it {new}"})
+    return out
+
+
+def write_pairs(folder, scenes, size=IMAGE_SIZE):
+    """Write context/target PNGs and data.jsonl for `scenes` (dicts as task_scenes makes, or with a
+    "target_shape" for shape edits) into `folder`. Returns the data.jsonl path."""
+    folder = Path(folder)
+    for sub in ("context", "target"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    with open(folder / "data.jsonl", "w") as f:
+        for i, d in enumerate(scenes):
+            scene = (d["shape"], d["colour"], d["background"], tuple(d["box"]))
+            draw(scene, size=size).save(folder / "context" / f"{i:05d}.png")
+            draw(scene, colour=d["target_colour"], shape=d.get("target_shape"), size=size).save(
+                folder / "target" / f"{i:05d}.png")
+            f.write(json.dumps({"image": f"context/{i:05d}.png", "target": f"target/{i:05d}.png", **d}) + "\n")
+    return folder / "data.jsonl"
+
+
+def default_task_dir():
+    return tiny_models.default_cache_dir() / f"kontext_task_v{TASK_VERSION}"
+
+
+def ensure_task_data(root=None) -> dict:
+    """Write every split once under `root` (default: <tiny_models cache>/kontext_task_v1) and
+    return {split: data.jsonl path as str}. Safe for many processes at once (lock + atomic rename)."""
+    root = Path(root) if root is not None else default_task_dir()
+    paths = {s: str(root / s / "data.jsonl") for s in SPLITS}
+    if not (root / tiny_models.READY).exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with tiny_models._file_lock(root.with_name(root.name + ".lock"), 600.0):
+            if not (root / tiny_models.READY).exists():
+                tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+                for split in SPLITS:
+                    write_pairs(tmp / split, task_scenes(split))
+                (tmp / tiny_models.READY).write_text(f"kontext task v{TASK_VERSION}\n")
+                if root.exists():  # an unfinished older attempt
+                    shutil.rmtree(root)
+                os.rename(tmp, root)
+    return paths
+
+
+def load_rows(jsonl):
+    """Rows of a task jsonl with absolute image paths; the scene fields are filled in from the
+    images and the prompt when missing (background = most common context colour, target colour =
+    last word of the prompt)."""
+    base = os.path.dirname(os.path.abspath(jsonl))
+    rows = []
+    with open(jsonl) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                row["image"], row["target"] = (os.path.join(base, row[k]) for k in ("image", "target"))
+                if "background" not in row:
+                    row["background"] = nearest_colour(mode_colour(load_rgb(row["image"])))
+                if "target_colour" not in row:
+                    row["target_colour"] = row["prompt"].split()[-1]
+                rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics (numpy, HxWx3 uint8 images)
+
+_NAMES = list(COLOURS)
+_RGB = np.array([COLOURS[c] for c in _NAMES], dtype=np.float64)
+
+
+def load_rgb(path, size=None) -> np.ndarray:
+    from PIL import Image
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        if size is not None and im.size != (size[1], size[0]):
+            im = im.resize((size[1], size[0]), Image.Resampling.LANCZOS)
+        return np.asarray(im, dtype=np.uint8).copy()
+
+
+def nearest_colour(rgb) -> str:
+    """Name of the tiny_models colour nearest (Euclidean RGB) to `rgb`."""
+    d = ((_RGB - np.asarray(rgb, dtype=np.float64)) ** 2).sum(axis=1)
+    return _NAMES[int(d.argmin())]
+
+
+def mode_colour(img) -> tuple:
+    """Most frequent RGB value of an image (the background of a rendered scene)."""
+    flat = img.reshape(-1, 3)
+    values, counts = np.unique(flat, axis=0, return_counts=True)
+    return tuple(int(v) for v in values[counts.argmax()])
+
+
+def foreground_mask(img, background, threshold=FG_THRESHOLD) -> np.ndarray:
+    """Foreground pixels (HxW bool) of a shape on a known plain background.
+
+    Candidates are pixels farther than `threshold` (RGB) from the background; their median is the
+    foreground colour; a pixel is foreground when it is closer to that colour than to the
+    background (and a candidate). Splitting at the midpoint between the two colours keeps the
+    mask of a blurred edge where the sharp edge was, whatever the two colours are."""
+    bg = np.asarray(COLOURS[background] if isinstance(background, str) else background, dtype=np.float64)
+    x = img.astype(np.float64)
+    d_bg = np.sqrt(((x - bg) ** 2).sum(axis=-1))
+    candidates = d_bg > threshold
+    if candidates.sum() < MIN_FG_PIXELS:
+        return candidates
+    fg = np.median(x[candidates], axis=0)
+    return candidates & (np.sqrt(((x - fg) ** 2).sum(axis=-1)) < d_bg)
+
+
+def dilate(mask, r) -> np.ndarray:
+    """Binary dilation with a (2r+1)^2 square."""
+    out = mask.copy()
+    h, w = mask.shape
+    padded = np.pad(mask, r)
+    for dy in range(2 * r + 1):
+        for dx in range(2 * r + 1):
+            out |= padded[dy:dy + h, dx:dx + w]
+    return out
+
+
+def iou(a, b) -> float:
+    union = (a | b).sum()
+    return float((a & b).sum() / union) if union else 1.0
+
+
+def score_edit(output, target, background, target_colour) -> dict:
+    """Metrics of one output image against the true target (both HxWx3 uint8).
+
+    colour: named colour of the median foreground pixel of the output (None when there is no
+    foreground); colour_ok: it is `target_colour`; iou: output vs target foreground masks;
+    background: named colour of the median pixel outside the target shape dilated by 2 px;
+    bg_ok: it is `background`; psnr: against the target; success: colour_ok, bg_ok and
+    iou >= IOU_OK."""
+    out_mask = foreground_mask(output, background)
+    tgt_mask = foreground_mask(target, background)
+    colour = None
+    if out_mask.sum() >= MIN_FG_PIXELS:
+        colour = nearest_colour(np.median(output[out_mask].astype(np.float64), axis=0))
+    outside = ~dilate(tgt_mask, 2)
+    bg_colour = nearest_colour(np.median(output[outside].astype(np.float64), axis=0)) if outside.any() else None
+    mse = float(((output.astype(np.float64) - target.astype(np.float64)) ** 2).mean())
+    result = {
+        "colour": colour, "colour_ok": colour == target_colour,
+        "iou": iou(out_mask, tgt_mask),
+        "background": bg_colour, "bg_ok": bg_colour == background,
+        "psnr": 10 * math.log10(255.0**2 / mse) if mse > 0 else 100.0,
+    }
+    result["success"] = result["colour_ok"] and result["bg_ok"] and result["iou"] >= IOU_OK
+    return result
+
+
+def summarize(scores) -> dict:
+    """Means over pairs: colour_acc, bg_kept and success in %, iou and psnr as means."""
+    n = len(scores)
+    return {"n": n,
+            "colour_acc": 100.0 * sum(s["colour_ok"] for s in scores) / n,
+            "iou": sum(s["iou"] for s in scores) / n,
+            "bg_kept": 100.0 * sum(s["bg_ok"] for s in scores) / n,
+            "success": 100.0 * sum(s["success"] for s in scores) / n,
+            "psnr": sum(s["psnr"] for s in scores) / n}
+
+
+def score_images(outputs, rows) -> dict:
+    """summarize() of score_edit over (output, row) pairs, plus the per-pair scores."""
+    scores = [score_edit(out, load_rgb(row["target"], out.shape[:2]), row["background"], row["target_colour"])
+              for out, row in zip(outputs, rows)]
+    return {**summarize(scores), "pairs": scores}
+
+
+# ----------------------------------------------------------------------------------------------
+# generation through FluxKontextPipeline
+
+
+def load_pipeline(folder, dtype=None):
+    """FluxKontextPipeline.from_pretrained(folder), every component in `dtype` (fp32 default)."""
+    import torch
+    from diffusers import FluxKontextPipeline
+    pipe = FluxKontextPipeline.from_pretrained(folder, torch_dtype=dtype or torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def t5_max_length(pipe) -> int:
+    """max_sequence_length for the pipeline: the T5 tokenizer's model_max_length, at most 512."""
+    return int(min(512, pipe.tokenizer_2.model_max_length))
+
+
+def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[np.ndarray]:
+    """Edited images (HxWx3 uint8) for `rows`: FluxKontextPipeline at the context's size
+    (max_area = h*w, _auto_resize=False), the T5 length of the tiny tokenizer, one generator per
+    batch seeded with seed + first index."""
+    import torch
+    from PIL import Image
+    outputs = []
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        images = [Image.open(r["image"]).convert("RGB") for r in chunk]
+        w, h = images[0].size
+        with torch.no_grad():
+            result = pipe(image=images, prompt=[r["prompt"] for r in chunk], height=h, width=w,
+                          max_area=h * w, _auto_resize=False, num_inference_steps=steps,
+                          guidance_scale=guidance, max_sequence_length=t5_max_length(pipe),
+                          generator=torch.Generator().manual_seed(seed + i), output_type="np").images
+        outputs += [np.clip(np.round(im * 255.0), 0, 255).astype(np.uint8) for im in result]
+    return outputs
+
+
+def evaluate(folder, rows, steps=20, guidance=1.0, seed=0) -> tuple[dict, list[np.ndarray]]:
+    """(metrics, outputs) of the model in `folder` on `rows`."""
+    pipe = load_pipeline(folder)
+    outputs = generate(pipe, rows, steps=steps, guidance=guidance, seed=seed)
+    return score_images(outputs, rows), outputs
+
+
+def save_grid(columns, path, rows=None):
+    """A PNG grid: one row per pair, one column per image list in `columns` (lists of HxWx3)."""
+    from PIL import Image
+    n = len(columns[0]) if rows is None else min(rows, len(columns[0]))
+    h, w = columns[0][0].shape[:2]
+    grid = np.zeros((n * h, len(columns) * w, 3), dtype=np.uint8)
+    for r in range(n):
+        for c, col in enumerate(columns):
+            grid[r * h:(r + 1) * h, c * w:(c + 1) * w] = col[r]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid).save(path)
+    return path
+
+
+def markdown_table(results) -> str:
+    """results: {model name: {split name: summarize() dict}}."""
+    lines = ["| model | split | pairs | colour acc | IoU | bg kept | success | PSNR |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, by_split in results.items():
+        for split, m in by_split.items():
+            lines.append(f"| {name} | {split} | {m['n']} | {m['colour_acc']:.1f} % | {m['iou']:.3f} | "
+                         f"{m['bg_kept']:.1f} % | {m['success']:.1f} % | {m['psnr']:.1f} dB |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a FluxKontextPipeline folder to evaluate")
+    p.add_argument("--compare", nargs="+", metavar="NAME=PATH", help="several models, e.g. base=A tuned=B")
+    p.add_argument("--data", default="", help="held-out jsonl (default: the generated heldout split)")
+    p.add_argument("--retention", default="", help="retention jsonl ('' = the generated split, 'none' = skip)")
+    p.add_argument("--task_dir", default="", help="where the splits are generated (default: the cache)")
+    p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
+    p.add_argument("--n", type=int, default=0, help="use the first N held-out pairs (0 = all)")
+    p.add_argument("--steps", type=int, default=20, help="inference steps")
+    p.add_argument("--guidance", type=float, default=1.0, help="guidance embedding (training used 1.0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grid", default="out/kontext_eval/grid.png", help="PNG grid path ('' = none)")
+    p.add_argument("--grid_rows", type=int, default=12)
+    p.add_argument("--json", default="", help="write the metrics (and per-pair scores) here")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args(argv)
+
+    if args.make_data:
+        for split, path in ensure_task_data(args.make_data).items():
+            print(split, path)
+        return 0
+    models = {}
+    if args.model:
+        models[Path(args.model).name or "model"] = args.model
+    for item in args.compare or []:
+        name, _, path = item.partition("=")
+        if not path:
+            p.error(f"--compare wants NAME=PATH, got {item!r}")
+        models[name] = path
+    if not models:
+        p.error("give --model=PATH or --compare NAME=PATH ...")
+
+    import torch
+    torch.set_num_threads(args.threads)
+    paths = ensure_task_data(args.task_dir or None) if not (args.data and args.retention) else {}
+    splits = {"heldout": args.data or paths["heldout"]}
+    if args.retention != "none":
+        splits["retention"] = args.retention or paths["retention"]
+    data = {name: load_rows(path) for name, path in splits.items()}
+    if args.n:
+        data = {name: rows[:args.n] for name, rows in data.items()}
+
+    results, outputs = {}, {}
+    for name, folder in models.items():
+        t0 = time.time()
+        results[name] = {}
+        for split, rows in data.items():
+            metrics, images = evaluate(folder, rows, args.steps, args.guidance, args.seed)
+            results[name][split] = metrics
+            if split == "heldout":
+                outputs[name] = images
+        print(f"{name}: {folder} evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
+    print(markdown_table({m: {s: {k: v for k, v in r.items() if k != "pairs"} for s, r in by.items()}
+                          for m, by in results.items()}))
+    if args.grid:
+        rows = data["heldout"]
+        columns = [[load_rgb(r["image"]) for r in rows]] + list(outputs.values()) + \
+                  [[load_rgb(r["target"]) for r in rows]]
+        save_grid(columns, args.grid, args.grid_rows)
+        print(f"\ngrid: {args.grid} (columns: context | {' | '.join(outputs)} | target)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"models": models, "data": splits, "steps": args.steps,
+                                               "guidance": args.guidance, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

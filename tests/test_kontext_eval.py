@@ -1,0 +1,112 @@
+"""Tests of kontext_eval.py: the "make it blue" task data and the pixel metrics on known inputs
+(no model, no training).
+
+    python -m pytest tests/test_kontext_eval.py -q
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kontext_eval as ke  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory):
+    """The first 16 held-out pairs written to disk, as load_rows returns them."""
+    folder = tmp_path_factory.mktemp("task") / "heldout"
+    return ke.load_rows(ke.write_pairs(folder, ke.task_scenes("heldout")[:16]))
+
+
+def images(rows, key):
+    return [ke.load_rgb(r[key]) for r in rows]
+
+
+def test_splits_are_deterministic_disjoint_and_never_blue():
+    train = ke.task_scenes("train")
+    assert train == ke.task_scenes("train") and len(train) == ke.SPLITS["train"][0]
+    key = lambda d: (d["shape"], d["colour"], d["background"], tuple(d["box"]))  # noqa: E731
+    train_keys = {key(d) for d in train}
+    for split in ("heldout", "retention"):
+        scenes = ke.task_scenes(split)
+        assert len(scenes) == ke.SPLITS[split][0]
+        assert not train_keys & {key(d) for d in scenes}
+    for d in train + ke.task_scenes("heldout"):
+        assert d["prompt"] == ke.TASK_PROMPT and d["target_colour"] == ke.TASK_COLOUR
+        assert ke.TASK_COLOUR not in (d["colour"], d["background"]) and d["colour"] != d["background"]
+    for d in ke.task_scenes("retention"):
+        assert d["target_colour"] not in (ke.TASK_COLOUR, d["colour"], d["background"])
+        assert d["prompt"] == f"make it {d['target_colour']}"
+
+
+def test_written_split_is_a_training_jsonl(heldout, tmp_path):
+    path = ke.write_pairs(tmp_path, ke.task_scenes("heldout")[:3])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["image"] for r in rows] == ["context/00000.png", "context/00001.png", "context/00002.png"]
+    assert all((tmp_path / r["target"]).is_file() and r["prompt"] == "make it blue" for r in rows)
+    # Scene fields are recovered from pixels and prompt when a jsonl lacks them.
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({k: r[k] for k in ("image", "target", "prompt")}) + "\n" for r in rows))
+    for full, inferred in zip(ke.load_rows(path), ke.load_rows(bare)):
+        assert inferred["background"] == full["background"]
+        assert inferred["target_colour"] == full["target_colour"] == "blue"
+
+
+def test_named_colours_map_to_themselves():
+    for name, rgb in ke.COLOURS.items():
+        assert ke.nearest_colour(rgb) == name
+
+
+def test_true_target_scores_perfectly(heldout):
+    m = ke.score_images(images(heldout, "target"), heldout)
+    assert m["colour_acc"] == 100.0 and m["bg_kept"] == 100.0 and m["success"] == 100.0
+    assert m["iou"] == 1.0 and m["psnr"] == 100.0
+
+
+def test_unedited_context_keeps_shape_but_misses_colour(heldout):
+    m = ke.score_images(images(heldout, "image"), heldout)
+    assert m["colour_acc"] == 0.0 and m["success"] == 0.0
+    assert m["iou"] == 1.0 and m["bg_kept"] == 100.0
+
+
+def test_noise_scores_badly(heldout):
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in heldout]
+    m = ke.score_images(noise, heldout)
+    assert m["success"] == 0.0 and m["bg_kept"] <= 20.0 and m["iou"] < 0.5 and m["psnr"] < 12
+
+
+def test_wrong_place_and_blank_outputs(heldout):
+    """The right colour in the wrong place loses IoU; an empty output has no colour."""
+    row = heldout[0]
+    target = ke.load_rgb(row["target"])
+    shifted = np.roll(target, 20, axis=1)
+    s = ke.score_edit(shifted, target, row["background"], row["target_colour"])
+    assert s["colour_ok"] and s["iou"] < 0.6 and not s["success"]
+    blank = np.broadcast_to(np.array(ke.COLOURS[row["background"]], np.uint8), target.shape).copy()
+    s = ke.score_edit(blank, target, row["background"], row["target_colour"])
+    assert s["colour"] is None and not s["colour_ok"] and s["iou"] == 0.0 and s["bg_ok"]
+
+
+def test_blurred_target_still_scores(heldout):
+    """A VAE-like blur of the target (3x3 box, twice) keeps colour, background and IoU >= 0.8."""
+    for row in heldout:
+        t = ke.load_rgb(row["target"]).astype(np.float64)
+        for _ in range(2):
+            p = np.pad(t, ((1, 1), (1, 1), (0, 0)), mode="edge")
+            t = sum(p[dy:dy + 64, dx:dx + 64] for dy in range(3) for dx in range(3)) / 9
+        s = ke.score_edit(t.round().astype(np.uint8), ke.load_rgb(row["target"]), row["background"],
+                          row["target_colour"])
+        assert s["success"] and s["iou"] >= 0.8
+
+
+def test_grid_and_table(heldout, tmp_path):
+    ctx, tgt = images(heldout, "image"), images(heldout, "target")
+    path = ke.save_grid([ctx, tgt, tgt], tmp_path / "g.png", rows=4)
+    assert ke.load_rgb(path).shape == (4 * 64, 3 * 64, 3)
+    m = ke.summarize([ke.score_edit(t, t, r["background"], r["target_colour"]) for t, r in zip(tgt, heldout)])
+    table = ke.markdown_table({"target": {"heldout": m}})
+    assert "| target | heldout | 16 | 100.0 % | 1.000 | 100.0 % | 100.0 % |" in table

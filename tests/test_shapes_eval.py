@@ -1,0 +1,157 @@
+"""The metric code of shapes_eval.py on known inputs (no model, no training; a few seconds).
+
+    python -m pytest tests/test_shapes_eval.py -q
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import shapes_eval as se  # noqa: E402
+
+SEEDS = 4  # real images per prompt in the sets below
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return se.Reference(se.all_prompts(), per_prompt=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def real():
+    return se.real_set(se.all_prompts(), SEEDS, seed=2)
+
+
+def test_prompts_round_trip():
+    prompts = se.all_prompts()
+    assert len(prompts) == len(set(prompts)) == 36
+    assert prompts[0] == "a red circle on a white background"
+    for p, c in zip(prompts, se.combos()):
+        assert se.parse_prompt(p) == c
+    with pytest.raises(ValueError):
+        se.parse_prompt("a photo of a cat")
+
+
+@pytest.mark.parametrize("shape", se.SHAPES)
+def test_shape_classifier_on_every_size(shape):
+    """Every side the dataset draws (12..20 px), at a corner and in the middle, on every background."""
+    for side in range(se.MIN_SIDE, se.MAX_SIDE + 1):
+        for x0, y0 in ((0, 0), (32 - side, 32 - side), ((32 - side) // 2, 5)):
+            for colour, bg in (("red", "white"), ("blue", "black"), ("yellow", "cyan")):
+                a = se.analyse_image(se.render(shape, colour, bg, (x0, y0, x0 + side - 1, y0 + side - 1)))
+                assert (a["shape"], a["colour"], a["background"]) == (shape, colour, bg), (side, x0, y0, a)
+
+
+def test_perfect_images_score_perfectly(real, reference):
+    images, prompts = real
+    m = se.score_images(images, prompts, reference)
+    for key in ("colour_acc", "shape_acc", "background_acc", "all_acc"):
+        assert m[key] == 100.0, (key, m)
+    # another draw of real data: small distance, diversity like the reference's
+    assert m["fd"] < 2.0, m
+    assert 0.8 < m["diversity"] / m["real_diversity"] < 1.25, m
+
+
+def test_frechet_distance_of_a_set_with_itself_is_zero(reference):
+    assert se.frechet_distance(reference.feats, reference.feats) == pytest.approx(0.0, abs=1e-6)
+    shifted = reference.feats + 1.0  # mean shift by 1 in each of D dims -> D
+    assert se.frechet_distance(shifted, reference.feats) == pytest.approx(reference.feats.shape[1], rel=1e-6)
+
+
+def test_blur_keeps_adherence(real, reference):
+    """A mild blur (what a VAE decoder does to edges) still reads as the right prompt."""
+    images, prompts = real
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).double()
+    blurred = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(x, (1,) * 4, mode="replicate"), 3, 1)
+    blurred = blurred.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    m = se.score_images(blurred, prompts, reference)
+    assert m["all_acc"] >= 95.0, m
+
+
+def test_noise_scores_badly(real, reference):
+    images, prompts = real
+    noise = np.random.default_rng(0).integers(0, 256, images.shape, dtype=np.uint8)
+    m = se.score_images(noise, prompts, reference)
+    assert m["all_acc"] == 0.0 and m["background_acc"] < 20 and m["colour_acc"] < 30, m
+    assert m["fd"] > 50, m
+    blank = np.full_like(images, 128)  # no foreground at all: "none" is always wrong
+    m = se.score_images(blank, prompts, reference)
+    assert m["colour_acc"] == m["shape_acc"] == 0.0, m
+
+
+def test_wrong_prompts_score_badly(real, reference):
+    """Real images of the wrong prompts: adherence fails although the distribution is right."""
+    images, prompts = real
+    # recolour each prompt's shape with the next foreground colour, keep shape and background
+    wrong = []
+    for p in prompts:
+        shape, colour, bg = se.parse_prompt(p)
+        wrong.append(se.prompt_for(shape, se.FG_COLOURS[(se.FG_COLOURS.index(colour) + 1) % 4], bg))
+    m = se.score_images(images, wrong, reference)
+    assert m["colour_acc"] == 0.0 and m["shape_acc"] == 100.0 and m["background_acc"] == 100.0, m
+    # wrong shape
+    wrong = [se.prompt_for(se.SHAPES[(se.SHAPES.index(s) + 1) % 3], c, b)
+             for s, c, b in map(se.parse_prompt, prompts)]
+    m = se.score_images(images, wrong, reference)
+    assert m["shape_acc"] == 0.0 and m["colour_acc"] == 100.0, m
+
+
+def test_recoloured_distribution_has_large_distance(reference):
+    """Every shape painted one colour (on the right backgrounds): far from the real distribution."""
+    rng = np.random.default_rng(3)
+    images, prompts = [], []
+    for p in se.all_prompts():
+        shape, colour, bg = se.parse_prompt(p)
+        for _ in range(SEEDS):
+            images.append(se.render(shape, "red" if bg != "red" else "blue", bg, se.random_box(rng)))
+            prompts.append(p)
+    m = se.score_images(np.stack(images), prompts, reference)
+    assert m["colour_acc"] == 25.0, m
+    assert m["fd"] > 10, m
+
+
+def test_diversity(real, reference):
+    images, prompts = real
+    collapsed = np.repeat(images[::SEEDS], SEEDS, axis=0)  # one image per prompt, repeated
+    m = se.score_images(collapsed, prompts, reference)
+    assert m["diversity"] == 0.0 and m["all_acc"] == 100.0, m
+    assert m["fd"] > se.score_images(images, prompts, reference)["fd"], m
+
+
+def test_generate_with_a_tiny_random_model():
+    """The sampling path (DDIM + CFG, 1-step, few-step) on random tiny components: shapes only."""
+    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from tiny_models import write_clip_tokenizer
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = write_clip_tokenizer(Path(tmp) / "tok")
+    torch.manual_seed(0)
+    te = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      max_position_embeddings=tok.model_max_length)).eval()
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16),
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1,
+                                norm_num_groups=4, cross_attention_dim=16, attention_head_dim=2).eval()
+    vae = AutoencoderKL(block_out_channels=(4, 8, 8), down_block_types=("DownEncoderBlock2D",) * 3,
+                        up_block_types=("UpDecoderBlock2D",) * 3, norm_num_groups=4, latent_channels=4,
+                        sample_size=32).eval()
+    sched = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                          clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    prompts = se.all_prompts()[:2]
+    for sampler, steps, cfg in (("ddim", 3, 4.0), ("onestep", 1, 1.0), ("fewstep", 2, 1.0)):
+        images, image_prompts, sec = se.generate(unet, vae, te, tok, sched, prompts, 2, sampler, steps, cfg)
+        assert images.shape == (4, 32, 32, 3) and images.dtype == np.uint8
+        assert image_prompts == [prompts[0]] * 2 + [prompts[1]] * 2 and sec > 0
+    # same noise -> same images (the comparison relies on it)
+    again, _, _ = se.generate(unet, vae, te, tok, sched, prompts, 2, "onestep", 1, 1.0)
+    first, _, _ = se.generate(unet, vae, te, tok, sched, prompts, 2, "onestep", 1, 1.0)
+    assert np.array_equal(again, first)

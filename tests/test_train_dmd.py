@@ -1,0 +1,253 @@
+"""End-to-end tests of train_dmd.py, run as users run it (torchrun with 2 CPU ranks, or python),
+on the embedded tiny SD-1.5 default. The DM-loss math itself is checked in tests/test_dmd_math.py.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd.py -q
+
+Launches are few and shared through module-scoped fixtures (each costs ~10 s of imports):
+  run_a      2 ranks, 4 steps, fp32, 1-step generator, GAN + EMA, generator every 2nd step,
+             samples (from the EMA) at steps 2 and 4, checkpoints at 2 and 4
+  run_b      1 process, same global batch as run_a (2 micro-batches of 1: FSDP and grad accumulation)
+  run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
+  run_few    2 ranks, few-step generator (backward simulation), a data file with bad rows skipped,
+             weights from run_a's last checkpoint (INIT_FROM) and LR 0, so they must stay exactly those
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._dist import ROOT
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
+
+sys.path.insert(0, ROOT)
+import train_dmd  # noqa: E402
+from fsdp_utils import ConfigError  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "train_dmd.py")
+TIMEOUT = 240  # seconds; a hung rank fails the test instead of blocking the suite
+PROMPT = "a red circle on a blue background"
+# run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
+COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32",
+          "--use_gan=1", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "FSDP_DIFFUSION_CACHE": str(cache)}
+
+
+def launch(args: list[str], env: dict, ranks: int = 2) -> subprocess.CompletedProcess:
+    """torchrun (ranks > 1) or python; the whole process group is killed on timeout."""
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+           if ranks > 1 else [sys.executable]) + [SCRIPT] + args
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(args)}: still running after {TIMEOUT}s (a rank hung?)\n{out[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def train(args: list[str], env: dict, out_dir, ranks: int = 2) -> str:
+    result = launch(args + [f"--output_dir={out_dir}"], env, ranks)
+    errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
+    assert result.returncode == 0, "\n".join(errors[:20]) + "\n" + result.stdout[-2000:]
+    return result.stdout
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_tensors(out_dir, step: int) -> dict:
+    """Every tensor of a DCP checkpoint (models and optimizers), read back without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+    dcp_to_torch_save(path, os.path.join(out_dir, "flat.pt"))
+    flat = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif torch.is_tensor(obj):
+            flat[prefix] = obj
+
+    walk("", torch.load(os.path.join(out_dir, "flat.pt"), weights_only=False))
+    return flat
+
+
+def export_unet(out_dir) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out_dir, "export", "unet", "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def run_a(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("a")
+    train(COMMON, env, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_b(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("b")
+    train(COMMON + ["--grad_accum=2"], env, out, ranks=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_resumed(env, tmp_path_factory, run_a):
+    """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4."""
+    out = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    log = train(COMMON + ["--resume=auto"], env, out)
+    assert "resumed from" in log and "step_000002" in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_few(env, tmp_path_factory, run_a):
+    """Few-step mode on 2 ranks, with a data file holding 2 bad rows and SKIP_BAD_SAMPLES on."""
+    out = tmp_path_factory.mktemp("few")
+    data = out / "prompts.jsonl"
+    rows = [json.dumps({"prompt": f"a {c} square on a white background"}) for c in ("red", "blue", "green", "pink")]
+    data.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"image": "x.png"})] + rows[2:]) + "\n")
+    log = train(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
+                 "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
+                 "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
+                 f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, out)
+    return out, log
+
+
+# ----------------------------------------------------------------------------------------------
+# parity, schedule, GAN, resume
+
+def test_two_ranks_match_one_process(run_a, run_b):
+    a, b = metrics(run_a), metrics(run_b)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        keys = sorted(k for k in ra if k.startswith(("loss", "grad_norm")))
+        assert keys == sorted(k for k in rb if k.startswith(("loss", "grad_norm")))
+        for k in keys:  # grad norms: looser, Adam turns fp noise in ~0 grads into ±lr steps
+            rel = 1e-4 if k.startswith("loss") else 1e-3
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-7), (ra["step"], k)
+
+
+def test_generator_every_ratio_steps_and_gan_losses_logged(run_a):
+    rows = metrics(run_a)
+    # DFAKE_GEN_UPDATE_RATIO=2: the generator steps at iterations 0 and 2 (= logged steps 1 and 3)
+    assert [r["step"] for r in rows if "loss_dm" in r] == [1, 3]
+    assert [r["step"] for r in rows if "grad_norm_generator" in r] == [1, 3]
+    assert [r["step"] for r in rows if "loss_gen_cls" in r] == [1, 3]
+    for r in rows:  # the fake score (and GAN head) step every step
+        for k in ("loss_fake", "loss_guidance_cls", "grad_norm_guidance", "lr_generator", "lr_guidance"):
+            assert k in r and torch.isfinite(torch.tensor(r[k])), (r["step"], k)
+
+
+def test_outputs_written(run_a):
+    # a sample between EMA updates (step 2, then the generator steps at 3) must not break the EMA
+    assert sorted(os.listdir(run_a / "samples")) == ["step_000002.png", "step_000004.png"]
+    with open(os.path.join(run_a, "checkpoints", "step_000004", "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["step"] == 4 and state["samples_seen"] == 8 and state["world_size"] == 2
+    assert os.path.isdir(os.path.join(run_a, "export", "unet"))
+
+
+def test_resume_is_bit_exact(run_a, run_resumed):
+    straight, resumed = checkpoint_tensors(run_a, 4), checkpoint_tensors(run_resumed, 4)
+    assert straight.keys() == resumed.keys()
+    for part in ("model.generator.", "model.fake.", "model.head.", "model.ema.", "optim.generator.", "optim.guidance."):
+        assert any(k.startswith("." + part) for k in straight), part
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    ua, ur = export_unet(run_a), export_unet(run_resumed)
+    assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
+    la = [{k: v for k, v in r.items() if k != "step_ms"} for r in metrics(run_a)]
+    lr = [{k: v for k, v in r.items() if k != "step_ms"} for r in metrics(run_resumed)]
+    assert la[2:] == lr and [r["step"] for r in lr] == [3, 4]
+
+
+def test_export_is_a_one_step_pipeline(run_a):
+    """The README snippet: LCMScheduler's single step at t=999 returns the x0 of the generator."""
+    import dmd_math as dm
+    from diffusers import LCMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(os.path.join(run_a, "export"))
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    latents = pipe(PROMPT, num_inference_steps=1, guidance_scale=0, timesteps=[999], latents=z.clone(),
+                   output_type="latent").images
+    with torch.no_grad():
+        emb = pipe.encode_prompt(PROMPT, "cpu", 1, False)[0]
+        x0 = dm.generator_forward(pipe.unet, z, 999, emb, pipe.scheduler.alphas_cumprod)
+    torch.testing.assert_close(latents, x0, rtol=1e-5, atol=1e-5 * x0.abs().max().item())
+    image = pipe(PROMPT, num_inference_steps=1, guidance_scale=0, timesteps=[999], output_type="np").images
+    assert image.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(image)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# few-step mode, data errors, config errors
+
+def test_few_step_backward_simulation_and_skipped_rows(run_few):
+    out, log = run_few
+    assert "2 bad rows skipped" in log
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("loss_dm" in r and "loss_fake" in r for r in rows)
+    # the step index (same on every rank) picks how many generator forwards backward simulation
+    # runs: 3 (from pure noise through 999, 749, 499 to the input of 249), then 0 (1 step at 999)
+    assert [r["step_index"] for r in rows] == [train_dmd.dm.choose_step_index(s, 0, 4) for s in range(2)] == [3, 0]
+    assert os.listdir(out / "samples") == ["step_000002.png"]
+
+
+def test_init_from_loads_generator_and_fake(run_few, run_a):
+    out, log = run_few
+    assert "initialised from" in log
+    source, ours = checkpoint_tensors(run_a, 4), checkpoint_tensors(out, 2)
+    keys = [k for k in ours if k.startswith((".model.generator.", ".model.fake."))]
+    assert keys and all(torch.equal(ours[k], source[k]) for k in keys)
+
+
+@pytest.mark.parametrize("case,ranks", [("malformed_json", 2), ("missing_image", 1)])
+def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_path):
+    """Every rank reads and checks the whole file before any collective: all stop together."""
+    data = tmp_path / "data.jsonl"
+    good = json.dumps({"prompt": PROMPT, "image": "ok.png"})
+    from PIL import Image
+    Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
+    bad = "{\"prompt\": \"a red" if case == "malformed_json" else json.dumps({"prompt": PROMPT, "image": "gone.png"})
+    data.write_text("\n".join([good, good, bad, good]) + "\n")
+    result = launch([f"--data_path={data}", "--use_gan=1", f"--output_dir={tmp_path / 'out'}"], env, ranks)
+    assert result.returncode != 0
+    hits = [line for line in result.stdout.splitlines() if f"{data}:3:" in line]
+    assert len(hits) == 1 and hits[0].startswith("error: "), result.stdout[-3000:]
+
+
+def test_contradictory_settings_rejected_before_any_work(monkeypatch):
+    monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [999, 500])
+    assert train_dmd.validate_config(2) == [999, 500]
+    monkeypatch.setattr(train_dmd, "CONDITIONING_TIMESTEP", 900)
+    with pytest.raises(ConfigError, match="CONDITIONING_TIMESTEP"):
+        train_dmd.validate_config(2)
+    monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [500, 999])
+    with pytest.raises(ConfigError, match="strictly decreasing"):
+        train_dmd.validate_config(2)
+    monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [])
+    monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)
+    with pytest.raises(ConfigError, match="DP_REPLICATE"):
+        train_dmd.validate_config(2)
