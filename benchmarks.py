@@ -107,8 +107,148 @@ def bench_save() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# training step: FSDP2 vs DDP, per script; planner estimate vs measured
 
-BENCHES = {"save": bench_save}
+SCRIPTS = {"kontext": ("train_flux_kontext.py", "flux_kontext"), "dmd": ("train_dmd.py", "sd15")}
+STEP_STEPS = 8    # optimizer steps per run; the first WARMUP are not timed
+WARMUP = 3
+_RUNS: dict = {}  # (script, size, parallelism) -> measured run, shared by `step` and `planner`
+
+
+def medium_folder(kind: str, root: str) -> str:
+    """The tiny default's folder with its trained model swapped for a medium one (tens of M
+    params), so state bytes and step times are not lost in fixed costs. Frozen parts: symlinks."""
+    import torch
+    import tiny_models
+    tiny, _ = tiny_models.ensure_default(kind)
+    folder = os.path.join(root, f"medium_{kind}")
+    if os.path.isdir(folder):
+        return folder
+    os.makedirs(folder)
+    trained = "transformer" if kind == "flux_kontext" else "unet"
+    for name in os.listdir(tiny):
+        if name != trained:
+            os.symlink(os.path.join(tiny, name), os.path.join(folder, name))
+    torch.manual_seed(0)
+    if kind == "flux_kontext":
+        from diffusers import FluxTransformer2DModel
+        cfg = FluxTransformer2DModel.load_config(os.path.join(tiny, "transformer"))
+        cfg.update(num_layers=4, num_single_layers=8, attention_head_dim=64, num_attention_heads=6,
+                   axes_dims_rope=(16, 24, 24))
+        model = FluxTransformer2DModel.from_config(cfg)
+    else:
+        from diffusers import UNet2DConditionModel
+        cfg = UNet2DConditionModel.load_config(os.path.join(tiny, "unet"))
+        cfg.update(block_out_channels=(128, 256), layers_per_block=2, norm_num_groups=32, attention_head_dim=8)
+        model = UNet2DConditionModel.from_config(cfg)
+    model.save_pretrained(os.path.join(folder, trained))
+    return folder
+
+
+def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
+    """One 2-rank CPU run of a training script; returns per-rank memory and median step time."""
+    key = (script, size, parallelism)
+    if key in _RUNS:
+        return _RUNS[key]
+    import statistics
+    path, kind = SCRIPTS[script]
+    out = os.path.join(root, f"{script}_{size}_{parallelism}")
+    args = [f"--parallelism={parallelism}", "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
+            "--sample_every=0", "--save_every=0", f"--output_dir={out}"]
+    if size == "medium":
+        args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
+        import tiny_models
+        data = tiny_models.ensure_default(kind)[1]
+        args.append(f"--data_path={next(os.path.join(data, f) for f in sorted(os.listdir(data)) if f.endswith(('.jsonl', '.txt')))}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, path), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    if r.returncode:
+        sys.exit(f"{path} --parallelism={parallelism} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    mem = [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
+           if line.startswith("memory_bytes ")][-1]  # the report after training
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    run = {"mem": mem, "step_ms": statistics.median(s["step_ms"] for s in steps if s["step"] > WARMUP),
+           "state": max(m["params"] + m["grads_held"] + m["optim"] for m in mem),
+           "peak": max(m["rss_peak"] - m["rss_base"] for m in mem), "wall_s": time.perf_counter() - t0}
+    _RUNS[key] = run
+    return run
+
+
+def _scripts_ready() -> list[str]:
+    """Scripts that have the PARALLELISM setting (train_dmd.py may not, in an older checkout)."""
+    ready = []
+    for name, (path, _) in SCRIPTS.items():
+        with open(os.path.join(HERE, path)) as f:
+            if "\nPARALLELISM = " in f.read():
+                ready.append(name)
+    return ready
+
+
+def _root() -> str:
+    if "root" not in _RUNS:
+        _RUNS["root"] = tempfile.mkdtemp(prefix="bench_step_")
+    return _RUNS["root"]
+
+
+def bench_step() -> str:
+    root = _root()
+    lines = ["| script (model) | trainable params | mode | model states / rank | peak RSS above baseline / rank "
+             "| step time (median) |", "|---|---|---|---|---|---|"]
+    ratios = []
+    for script in _scripts_ready():
+        runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp")}
+        n_params = runs["ddp"]["mem"][0]["grads_held"] / 4  # fp32
+        for p, r in runs.items():
+            lines.append(f"| {SCRIPTS[script][0]} (medium) | {n_params / 1e6:.1f} M | {p} | {r['state'] / 2**20:.0f} MiB "
+                         f"| {r['peak'] / 2**20:.0f} MiB | {r['step_ms']:.0f} ms |")
+        ratios.append(f"| {SCRIPTS[script][0]} | {runs['fsdp']['state'] / runs['ddp']['state']:.2f} "
+                      f"| {runs['fsdp']['peak'] / runs['ddp']['peak']:.2f} "
+                      f"| {runs['fsdp']['step_ms'] / runs['ddp']['step_ms']:.2f} |")
+    lines += ["", "| script | FSDP / DDP model states (target ≈ 1/2) | FSDP / DDP peak | FSDP / DDP step time |",
+              "|---|---|---|---|", *ratios,
+              "", f"2 CPU ranks (gloo), fp32, batch 1/rank at 64 px, {STEP_STEPS} steps, median step_ms of steps > "
+              f"{WARMUP}; model states = params + grads (as held in a step) + AdamW state of everything the script "
+              "keeps in its memory report; peak = max over ranks of peak RSS minus RSS before the first model build."]
+    return "\n".join(lines)
+
+
+def bench_planner() -> str:
+    import memory_plan
+    from diffusers.utils import logging as dlogging
+    dlogging.set_verbosity_error()
+    import tiny_models
+    root = _root()
+    lines = ["| model | planner: model states | measured | error | planner: total (no CUDA reserve) "
+             "| measured peak above baseline | error |", "|---|---|---|---|---|---|---|"]
+    for script in _scripts_ready():
+        path, kind = SCRIPTS[script]
+        for size in ("tiny", "medium"):
+            run = run_script(script, size, "fsdp", root)
+            folder = tiny_models.ensure_default(kind)[0] if size == "tiny" else medium_folder(kind, root)
+            s = memory_plan.Settings(world_size=2, precision="fp32", batch_size=1, resolution=64)
+            p = memory_plan.plan(folder, s)
+            est_states = sum(r["params"] + r["grads"] + r["optim"] for r in p["rows"].values()
+                             if r["note"] in ("trainable", "frozen-sharded"))  # what the script reports
+            est_total = p["gpu_total"] - p["runtime"]
+            meas_states, meas_peak = run["state"], run["peak"]
+            lines.append(f"| {path} {size} | {est_states / 2**20:.1f} MiB | {meas_states / 2**20:.1f} MiB "
+                         f"| {100 * (est_states / meas_states - 1):+.0f} % | {est_total / 2**20:.1f} MiB "
+                         f"| {meas_peak / 2**20:.1f} MiB | {100 * (est_total / meas_peak - 1):+.0f} % |")
+    lines += ["", "planner: `memory_plan.plan(folder, world_size=2, fp32, batch 1, 64 px)`; measured: the same "
+              "settings run with PARALLELISM=fsdp on 2 CPU ranks (max over ranks). Model states include the "
+              "frozen components the script reports (DMD's sharded teacher); the peak compares the planner's "
+              "total without its fixed 1 GiB CUDA reserve against host RSS growth, which also holds "
+              "allocator caches, the replicated VAE and the gloo buffers."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+
+BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner}
 WORKERS = {"save": worker_save}
 
 
@@ -124,6 +264,9 @@ def main(argv: list[str]) -> None:
         t0 = time.perf_counter()
         print(f"### {name}\n\n{BENCHES[name]()}\n\n(command: `python benchmarks.py {name}`, "
               f"{time.perf_counter() - t0:.0f} s)\n", flush=True)
+    if "root" in _RUNS:  # the step/planner runs' outputs (checkpoints of the medium models)
+        import shutil
+        shutil.rmtree(_RUNS["root"], ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ def run_main(main_fn) -> None:
         _teardown_quietly()
         sys.exit(2)
     except Preempted as e:
+        # the checkpoint is saved: a launcher's SIGTERM (torchrun sends one to the other ranks as
+        # soon as the first exits) must not turn this rank's exit code 128+signal into a kill
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         if rank() == 0:
             print(f"stopped: {e}", file=sys.stderr, flush=True)
         _teardown_quietly()

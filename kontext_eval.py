@@ -45,7 +45,7 @@ from tiny_models import COLOURS, SHAPES
 
 TASK_COLOUR = "blue"
 TASK_PROMPT = f"make it {TASK_COLOUR}"
-IMAGE_SIZE = tiny_models.IMAGE_SIZE
+IMAGE_SIZE = 32  # pixels per side (the base model's VAE is 4x down: 8x8 latents, 16 tokens)
 TASK_VERSION = 1  # part of the cache folder name; bump when a split's recipe changes
 SPLITS = {"train": (512, 1), "heldout": (64, 2), "retention": (64, 3)}  # name: (pairs, seed)
 
@@ -271,7 +271,7 @@ def load_pipeline(folder, dtype=None):
     """FluxKontextPipeline.from_pretrained(folder), every component in `dtype` (fp32 default)."""
     import torch
     from diffusers import FluxKontextPipeline
-    pipe = FluxKontextPipeline.from_pretrained(folder, torch_dtype=dtype or torch.float32)
+    pipe = FluxKontextPipeline.from_pretrained(folder, torch_dtype=dtype or torch.float32, low_cpu_mem_usage=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -308,15 +308,18 @@ def evaluate(folder, rows, steps=20, guidance=1.0, seed=0) -> tuple[dict, list[n
     return score_images(outputs, rows), outputs
 
 
-def save_grid(columns, path, rows=None):
-    """A PNG grid: one row per pair, one column per image list in `columns` (lists of HxWx3)."""
+def save_grid(columns, path, rows=None, scale=1):
+    """A PNG grid: one row per pair, one column per image list in `columns` (lists of HxWx3),
+    every tile enlarged `scale` times (nearest neighbour), 2 px gaps between columns."""
     from PIL import Image
     n = len(columns[0]) if rows is None else min(rows, len(columns[0]))
-    h, w = columns[0][0].shape[:2]
-    grid = np.zeros((n * h, len(columns) * w, 3), dtype=np.uint8)
+    h, w = columns[0][0].shape[0] * scale, columns[0][0].shape[1] * scale
+    gap = 2 if scale > 1 else 0
+    grid = np.full((n * h, len(columns) * (w + gap) - gap, 3), 255, dtype=np.uint8)
     for r in range(n):
         for c, col in enumerate(columns):
-            grid[r * h:(r + 1) * h, c * w:(c + 1) * w] = col[r]
+            tile = np.repeat(np.repeat(col[r], scale, axis=0), scale, axis=1)
+            grid[r * h:(r + 1) * h, c * (w + gap):c * (w + gap) + w] = tile
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(grid).save(path)
     return path
@@ -348,6 +351,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grid", default="out/kontext_eval/grid.png", help="PNG grid path ('' = none)")
     p.add_argument("--grid_rows", type=int, default=12)
+    p.add_argument("--grid_scale", type=int, default=3, help="tile enlargement (nearest neighbour)")
     p.add_argument("--json", default="", help="write the metrics (and per-pair scores) here")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = p.parse_args(argv)
@@ -393,7 +397,7 @@ def main(argv=None):
         rows = data["heldout"]
         columns = [[load_rgb(r["image"]) for r in rows]] + list(outputs.values()) + \
                   [[load_rgb(r["target"]) for r in rows]]
-        save_grid(columns, args.grid, args.grid_rows)
+        save_grid(columns, args.grid, args.grid_rows, args.grid_scale)
         print(f"\ngrid: {args.grid} (columns: context | {' | '.join(outputs)} | target)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -167,9 +167,11 @@ def vae_check(vae, images: np.ndarray) -> dict:
 
 
 def train_unet(unet, latents_mean, latents_std, text_ids, text_table, steps: int, batch: int,
-               lr: float, seed: int, ema_decay: float, dropout: float = 0.1, snr_gamma: float = 5.0):
+               lr: float, seed: int, ema_decay: float, dropout: float = 0.1, snr_gamma: float = 5.0,
+               callback=None, callback_every: int = 0):
     """latents_* (N, 4, 8, 8) already scaled; text_ids (N,) index into text_table (P+1, L, D),
-    whose last row is the empty prompt."""
+    whose last row is the empty prompt. `callback(step, ema_state_dict)` every `callback_every`
+    steps (e.g. to evaluate the EMA weights along the way)."""
     from diffusers import DDPMScheduler
 
     sched = DDPMScheduler(**{k: v for k, v in SCHEDULER_CONFIG.items() if k != "set_alpha_to_one"})
@@ -208,6 +210,8 @@ def train_unet(unet, latents_mean, latents_std, text_ids, text_table, steps: int
                 else:
                     ema[k].copy_(v)
         running.append(loss.item())
+        if callback is not None and callback_every and (step + 1) % callback_every == 0:
+            callback(step + 1, ema)
         if step % 50 == 0 or step == steps - 1:
             log(f"unet step {step:5d}/{steps}  loss {np.mean(running):.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
                 f"{time.time() - start:.0f}s")

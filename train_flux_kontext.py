@@ -102,8 +102,12 @@ KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training continues
 RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR, or a checkpoint path
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
+MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
+COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
 
 BLOCK_CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # FSDP units (_no_split_modules)
+MODEL_COMPONENTS = {"transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL", "text_encoder": None,
+                    "text_encoder_2": None, "tokenizer": None, "tokenizer_2": None, "scheduler": None}
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
 
 # ----------------------------------------------------------------------------------------------
@@ -416,6 +420,7 @@ def validate_config() -> precision.Precision:
         "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
         "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "PREFETCH >= 0": PREFETCH >= 0,
         "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0": min(LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY) >= 0,
+        "MAX_BAD_STEPS >= 1": MAX_BAD_STEPS >= 1, "COLLECTIVE_TIMEOUT_S > 0": COLLECTIVE_TIMEOUT_S > 0,
     }
     failed = [k for k, ok in checks.items() if not ok]
     if failed:
@@ -513,7 +518,10 @@ def main():
     fsdp_utils.apply_overrides(globals(), sys.argv[1:])
     prec = validate_config()
     quiet_known_warnings()
-    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD)
+    fsdp_utils.check_output_dir(OUTPUT_DIR)
+    if MODEL_PATH:
+        fsdp_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
+    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
     print0(f"train_flux_kontext: {d.world_size} rank(s), {d.backend}, device {d.device}")
     config = resolve_defaults()
     print0(fsdp_utils.format_config(config))
@@ -546,9 +554,11 @@ def main():
     print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
 
     ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
-    start = 0
+    start, guard = 0, fsdp_utils.NonFiniteGuard(MAX_BAD_STEPS)
     if resume_path:
-        start = ckpt.load(resume_path, models, optimizers, schedulers)["step"]
+        meta = ckpt.load(resume_path, models, optimizers, schedulers)
+        start = meta["step"]
+        guard.load(meta)
         print0(f"resume: {resume_path} (step {start})")
 
     global_batch, micro_global = BATCH_SIZE * d.world_size * GRAD_ACCUM, BATCH_SIZE * d.world_size
@@ -577,12 +587,13 @@ def main():
             loss.backward()  # FSDP reduce-scatters (averages over ranks) after every micro-batch
             loss_sum += loss.item()
         grad_norm = float(fsdp_utils.clip_grad_norm_(params, MAX_GRAD_NORM))
-        if math.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
+        if guard.step_ok(loss_sum, grad_norm):  # collective: every rank takes the same branch
             optimizer.step()
             if ema is not None:
                 fsdp_utils.ema_update(ema, transformer, EMA_DECAY)
         else:
-            print0(f"step {step}: non-finite grad norm, update skipped")
+            print0(f"step {step}: non-finite loss or grad norm on some rank, update skipped on all "
+                   f"({guard.in_a_row} in a row, {guard.skipped} in all)")
         optimizer.zero_grad(set_to_none=True)
         lr = lr_sched.get_last_lr()[0]
         lr_sched.step()
@@ -590,7 +601,8 @@ def main():
 
         metrics = None
         if LOG_EVERY and (step % LOG_EVERY == 0 or step == MAX_STEPS):
-            metrics = {**fsdp_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr}
+            metrics = {**fsdp_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
+                       "skipped_steps": guard.skipped}
         logger.step_done(step, metrics)
         if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
             grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
@@ -598,11 +610,15 @@ def main():
             if d.rank == 0:
                 fsdp_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
         stop = stopper.should_stop()
-        if (SAVE_EVERY and step % SAVE_EVERY == 0) or step == MAX_STEPS or stop:
-            ckpt.save(step, models, optimizers, schedulers, {"samples_seen": step * global_batch}, config)
-        if stop:
+        if (SAVE_EVERY and step % SAVE_EVERY == 0) or step == MAX_STEPS or stop or guard.exhausted:
+            ckpt.save(step, models, optimizers, schedulers, {"samples_seen": step * global_batch, **guard.state()},
+                      config)
+        if stop or guard.exhausted:
             ckpt.wait()
-            raise fsdp_utils.Preempted(stopper.signal_received(), f"checkpoint saved at step {step}")
+            if guard.exhausted:
+                raise guard.error(step)
+            raise fsdp_utils.Preempted(stopper.signal_received(),
+                                       f"checkpoint saved at step {step}; rerun with --resume=auto")
     logger.close()
     ckpt.wait()
 

@@ -74,7 +74,7 @@ def test_unedited_context_keeps_shape_but_misses_colour(heldout):
 
 def test_noise_scores_badly(heldout):
     rng = np.random.default_rng(0)
-    noise = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in heldout]
+    noise = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in heldout]
     m = ke.score_images(noise, heldout)
     assert m["success"] == 0.0 and m["bg_kept"] <= 20.0 and m["iou"] < 0.5 and m["psnr"] < 12
 
@@ -92,21 +92,26 @@ def test_wrong_place_and_blank_outputs(heldout):
 
 
 def test_blurred_target_still_scores(heldout):
-    """A VAE-like blur of the target (3x3 box, twice) keeps colour, background and IoU >= 0.8."""
+    """A VAE-like blur of the target (3x3 box) keeps colour and background; IoU drops only at
+    corners (small triangles lose most: about 0.78)."""
+    ious = []
     for row in heldout:
         t = ke.load_rgb(row["target"]).astype(np.float64)
-        for _ in range(2):
-            p = np.pad(t, ((1, 1), (1, 1), (0, 0)), mode="edge")
-            t = sum(p[dy:dy + 64, dx:dx + 64] for dy in range(3) for dx in range(3)) / 9
+        p = np.pad(t, ((1, 1), (1, 1), (0, 0)), mode="edge")
+        t = sum(p[dy:dy + 32, dx:dx + 32] for dy in range(3) for dx in range(3)) / 9
         s = ke.score_edit(t.round().astype(np.uint8), ke.load_rgb(row["target"]), row["background"],
                           row["target_colour"])
-        assert s["success"] and s["iou"] >= 0.8
+        assert s["success"] and s["iou"] >= 0.75
+        ious.append(s["iou"])
+    assert np.mean(ious) >= 0.85
 
 
 def test_grid_and_table(heldout, tmp_path):
     ctx, tgt = images(heldout, "image"), images(heldout, "target")
     path = ke.save_grid([ctx, tgt, tgt], tmp_path / "g.png", rows=4)
-    assert ke.load_rgb(path).shape == (4 * 64, 3 * 64, 3)
+    assert ke.load_rgb(path).shape == (4 * 32, 3 * 32, 3)
+    big = ke.load_rgb(ke.save_grid([ctx, tgt], tmp_path / "g3.png", rows=2, scale=3))
+    assert big.shape == (2 * 96, 2 * 96 + 2, 3) and (big[:96, :96] == np.repeat(np.repeat(ctx[0], 3, 0), 3, 1)).all()
     m = ke.summarize([ke.score_edit(t, t, r["background"], r["target_colour"]) for t, r in zip(tgt, heldout)])
     table = ke.markdown_table({"target": {"heldout": m}})
     assert "| target | heldout | 16 | 100.0 % | 1.000 | 100.0 % | 100.0 % |" in table

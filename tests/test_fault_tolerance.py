@@ -1,0 +1,294 @@
+"""Fault tolerance of the training scripts: preemption signals, SIGKILL at random moments (during
+steps and during saves), non-finite steps, failed saves and bad inputs.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_fault_tolerance.py -q
+
+End to end on train_flux_kontext.py's tiny default (fp32, 2 CPU ranks, 32 px, a save every step):
+  reference  an uninterrupted run to MAX_STEPS
+  chain      one OUTPUT_DIR, interrupted three times and resumed with RESUME=auto each time:
+             SIGTERM to one rank (all ranks finish the step, save, exit 143), SIGKILL of the whole
+             group at a random moment, SIGKILL of one rank while a save is in progress (a
+             step_XXXXXX.partial folder exists); the last resume runs to MAX_STEPS and its export
+             must equal the reference bit for bit.
+The rest runs in process (errors found before any process group exists) or on 2 spawned ranks.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests._dist import ROOT, run_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, ROOT)
+import fsdp_utils  # noqa: E402
+import train_flux_kontext as tfk  # noqa: E402
+from fsdp_utils import ConfigError, RunError  # noqa: E402
+
+KONTEXT = os.path.join(ROOT, "train_flux_kontext.py")
+STEPS = 8
+TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    common = ["--precision=fp32", "--resolution=32", "--num_sample_pairs=0", "--sample_every=0", "--log_every=1",
+              "--save_every=1", "--keep_last=2", "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32",
+              f"--max_steps={STEPS}", f"--text_cache_dir={root / 'text_cache'}"]
+    return {"root": root, "env": env, "common": common}
+
+
+def start(setup, out, args=(), ranks=2):
+    cmd = ([sys.executable, KONTEXT] if ranks == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", KONTEXT])
+    return subprocess.Popen(cmd + setup["common"] + [f"--output_dir={out}", *args], cwd=ROOT, env=setup["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc, timeout=TIMEOUT):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"still running after {timeout}s (a rank hung?)\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def run(setup, out, args=(), ranks=2):
+    return finish(start(setup, out, args, ranks))
+
+
+def workers(proc) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes."""
+    found = {}
+    for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            found[ranks[0]] = int(pid)
+    return found
+
+
+def complete_steps(out) -> list[int]:
+    return sorted(int(p[-6:]) for p in glob.glob(os.path.join(out, "checkpoints", "step_??????"))
+                  if os.path.exists(os.path.join(p, ".metadata")))
+
+
+def wait_for(pred, proc, timeout=TIMEOUT, poll=0.005):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        if proc.poll() is not None:
+            return None
+        time.sleep(poll)
+    return None
+
+
+def load_export(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    out = setup["root"] / "reference"
+    rc, log = run(setup, out)
+    assert rc == 0, log[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain(setup, reference):
+    """Interrupt one run three ways, resuming after each; returns what each interruption left."""
+    out, rng, events = setup["root"] / "chain", random.Random(0), {}
+    # 1. SIGTERM to rank 1 only once a checkpoint exists: both ranks stop together after a save
+    proc = start(setup, out)
+    assert wait_for(lambda: complete_steps(out), proc), "no checkpoint before the run ended"
+    os.kill(workers(proc)[1], signal.SIGTERM)
+    events["sigterm"] = (*finish(proc), complete_steps(out))
+    # 2. SIGKILL of the whole group at a random moment after the next checkpoint
+    proc = start(setup, out, ["--resume=auto"])
+    last = events["sigterm"][2][-1]
+    assert wait_for(lambda: any(s > last for s in complete_steps(out)), proc)
+    time.sleep(rng.uniform(0, 0.5))
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    events["kill_group"] = complete_steps(out)
+    # 3. SIGKILL of rank 1 while a save is in progress (its .partial folder exists)
+    proc = start(setup, out, ["--resume=auto"])
+    last = events["kill_group"][-1]
+    partial = wait_for(lambda: [p for p in glob.glob(os.path.join(out, "checkpoints", "*.partial"))
+                                if int(p[-14:-8]) > last], proc, poll=0.001)
+    if partial:
+        os.kill(workers(proc)[1], signal.SIGKILL)
+    events["kill_in_save"] = (bool(partial), *finish(proc), complete_steps(out))
+    # 4. resume to the end
+    events["final"] = run(setup, out, ["--resume=auto"])
+    return out, events
+
+
+def test_sigterm_saves_at_the_step_reached_and_exits_143(chain):
+    _, events = chain
+    rc, log, steps = events["sigterm"]
+    assert rc != 0 and steps and steps[-1] < STEPS, log[-3000:]
+    assert re.search(rf"stopped: checkpoint saved at step {steps[-1]}; rerun with --resume=auto", log), log[-3000:]
+    assert re.findall(r"exitcode\s*:\s*(-?\d+)", log) and set(re.findall(r"exitcode\s*:\s*(-?\d+)", log)) == {"143"}, \
+        log[-3000:]
+
+
+def test_killed_runs_resume_bit_exact(chain, reference):
+    out, events = chain
+    caught_in_save, rc, log, steps = events["kill_in_save"]
+    assert caught_in_save, "no save was caught in progress"
+    assert rc != 0 and steps[-1] < STEPS, log[-2000:]  # the killed save was not made complete
+    rc, log = events["final"]
+    assert rc == 0, log[-3000:]
+    assert f"resume: {out}" in log
+    ref, got = load_export(reference), load_export(out)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
+    """LR 1e30: step 1 blows the weights up, every later loss is non-finite; after MAX_BAD_STEPS
+    of them in a row the run saves and stops with an error."""
+    out = setup["root"] / "nonfinite"
+    rc, log = run(setup, out, ["--lr=1e30", "--max_bad_steps=2", "--save_every=0"], ranks=1)
+    assert rc == 1, log[-3000:]
+    assert "error: 2 non-finite steps in a row (MAX_BAD_STEPS=2) at step 3; checkpoint saved" in log
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 2]
+    state = json.load(open(out / "checkpoints" / "step_000003" / "trainer_state.json"))
+    assert state["skipped_steps"] == 2 and state["bad_steps_in_a_row"] == 2
+
+
+def _guard_on_two_ranks(rank, world):
+    guard = fsdp_utils.NonFiniteGuard(max_in_a_row=2)
+    assert guard.step_ok(1.0, 2.0)
+    assert not guard.step_ok(float("nan") if rank == 1 else 1.0, 2.0)  # rank 0 skips too
+    assert not guard.exhausted and guard.state() == {"skipped_steps": 1, "bad_steps_in_a_row": 1}
+    assert not guard.step_ok(1.0, float("inf") if rank == 0 else 1.0)
+    assert guard.exhausted and "MAX_BAD_STEPS=2" in str(guard.error(7))
+    assert guard.step_ok(1.0, 1.0) and guard.in_a_row == 0 and guard.skipped == 2
+
+
+def test_non_finite_on_one_rank_skips_on_all():
+    run_ranks(_guard_on_two_ranks, 2)
+
+
+def _failing_saves(rank, world, out):
+    import checkpoint
+    import torch.distributed.checkpoint.filesystem as fs
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = checkpoint.Checkpointer(out, keep_last=2)
+    args = ({"m": model}, {"m": (model, opt)}, {}, {}, {})
+    ckpt.save(1, *args)
+    real_save, real_stream = torch.save, fs.FileSystem.create_stream
+    for where in ("rng", "dcp"):
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", str(a[0]) if a else "?")
+        if rank == 1:
+            if where == "rng":
+                torch.save = full
+            else:
+                fs.FileSystem.create_stream = lambda self, path, mode: full(path)
+        try:
+            with pytest.raises(RunError, match=r"checkpoint save to .*step_000002\.partial failed .*No space left"):
+                ckpt.save(2, *args)
+        finally:
+            torch.save, fs.FileSystem.create_stream = real_save, real_stream
+        torch.distributed.barrier()
+        assert checkpoint.list_checkpoints(out) == [(1, os.path.join(out, "checkpoints", "step_000001"))]
+        assert not os.path.exists(os.path.join(out, "checkpoints", "step_000002.partial"))
+
+
+def test_failed_save_stops_all_ranks_and_keeps_the_previous_checkpoint(tmp_path):
+    run_ranks(_failing_saves, 2, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# bad inputs: one line, exit != 0, before any work
+
+
+def main_error(monkeypatch, module, argv) -> str:
+    """The ConfigError main() raises for `argv` (settings restored afterwards)."""
+    saved = fsdp_utils.script_constants(vars(module))
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    try:
+        with pytest.raises(ConfigError) as info:
+            module.main()
+    finally:
+        vars(module).update(saved)
+    return str(info.value)
+
+
+def test_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tmp_path):
+    import tiny_models
+    kontext, _ = tiny_models.ensure_default("flux_kontext")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "no_index").mkdir()
+    partial_model = tmp_path / "partial_model"
+    partial_model.mkdir()
+    (partial_model / "model_index.json").write_text(open(os.path.join(kontext, "model_index.json")).read())
+    os.symlink(os.path.join(kontext, "transformer"), partial_model / "transformer")
+    cases = [(["--max_stepz=3"], "did you mean --max_steps"),
+             (["--max_steps=ten"], "--max_steps='ten': expected int"),
+             (["--max_bad_steps=0"], "MAX_BAD_STEPS >= 1"),
+             (["--collective_timeout_s=0"], "COLLECTIVE_TIMEOUT_S > 0"),
+             (["--parallelism=ddp", "--cpu_offload=1"], "CPU offload is an FSDP feature"),
+             ([f"--output_dir={tmp_path / 'file' / 'out'}"], "is not writable"),
+             ([f"--model_path={tmp_path / 'nope'}"], "no such folder"),
+             ([f"--model_path={tmp_path / 'no_index'}"], "no model_index.json"),
+             ([f"--model_path={partial_model}"], "missing vae/, text_encoder/, text_encoder_2/, tokenizer/")]
+    for argv, message in cases:
+        assert message in main_error(monkeypatch, tfk, [f"--output_dir={tmp_path / 'out'}", *argv]), argv
+
+
+def test_bad_data_is_named_by_file_and_line(tmp_path):
+    from PIL import Image
+    Image.new("RGB", (32, 32)).save(tmp_path / "ok.png")
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    good = {"image": "ok.png", "target": "ok.png", "prompt": "p"}
+    cases = [("{not json", ":2: not valid JSON"),
+             (json.dumps({**good, "target": "missing.png"}), ":2: image .*missing.png not found"),
+             (json.dumps({**good, "image": "corrupt.png"}), ":2: image .*corrupt.png is unreadable"),
+             (json.dumps({"image": "ok.png", "prompt": "p"}), ":2: missing or empty 'target'")]
+    for i, (line, message) in enumerate(cases):
+        path = tmp_path / f"d{i}.jsonl"
+        path.write_text(json.dumps(good) + "\n" + line + "\n")
+        with pytest.raises(ConfigError, match=re.escape(str(path)) + message):
+            tfk.load_data(str(path), 0, 32, [1.0], 16, skip_bad=False)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="no usable samples"):
+        tfk.load_data(str(tmp_path / "empty.jsonl"), 0, 32, [1.0], 16, skip_bad=False)
+
+
+def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
+    (tmp_path / "corrupt.png").write_bytes(b"not an image")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"image": "corrupt.png", "target": "corrupt.png", "prompt": "p"}) + "\n")
+    rc, log = finish(start(setup, tmp_path / "out", [f"--data_path={data}"]), timeout=120)
+    assert rc != 0
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {data}:1: image {tmp_path / 'corrupt.png'} is unreadable (UnidentifiedImageError)"], \
+        log[-2000:]
