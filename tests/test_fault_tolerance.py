@@ -159,7 +159,7 @@ def test_sigterm_saves_at_the_step_reached_and_exits_143(chain):
 def test_killed_runs_resume_bit_exact(chain, reference):
     out, events = chain
     caught_in_save, rc, log, steps = events["kill_in_save"]
-    assert caught_in_save, "no save was caught in progress"
+    assert caught_in_save, f"no save was caught in progress {steps}:\n{log[-3000:]}"
     assert rc != 0 and steps[-1] < STEPS, log[-2000:]  # the killed save was not made complete
     rc, log = events["final"]
     assert rc == 0, log[-3000:]
