@@ -66,7 +66,7 @@ VAE_STEPS, VAE_BATCH, VAE_LR, VAE_KL = 1500, 32, 3e-3, 1e-4
 PRETRAIN_PAIRS = 6000
 PRETRAIN_MIX = {"keep": 0.2, "recolour": 0.5, "reshape": 0.3}
 PRETRAIN_ARGS = dict(  # train_flux_kontext.py overrides for the pre-training run
-    precision="fp32", resolution=IMAGE_SIZE, batch_size=16, grad_accum=1, lr=1e-3, warmup_steps=100,
+    precision="fp32", resolution=IMAGE_SIZE, batch_size=8, grad_accum=1, lr=1e-3, warmup_steps=100,
     weight_decay=0.0, max_grad_norm=1.0, ema_decay=0.999, export_dtype="bf16", num_sample_pairs=4,
     sample_steps=20, sample_guidance=1.0, save_every=500, log_every=50)
 PRETRAIN_STEPS = 3000

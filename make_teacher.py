@@ -44,6 +44,7 @@ import shapes_eval as se
 from tiny_models import write_clip_tokenizer
 
 TEXT_HIDDEN = 64
+TEXT_MAX_LENGTH = 16  # prompts are 9 tokens with <bos>/<eos>; SD pads to the tokenizer's max length
 LATENT_CHANNELS = 4
 # SD-1.5's scheduler_config.json (runwayml/stable-diffusion-v1-5)
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
@@ -250,17 +251,29 @@ def write_data(folder: Path, per_prompt: int, seed: int):
 
 # ---------------------------------------------------------------------------------------------
 
+def quiet() -> None:
+    """Drop the diffusers/transformers chatter (fp32-modules notice, accelerate hint, shard bars)."""
+    import diffusers
+    import transformers
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv=None):
+    quiet()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="assets/shapes_teacher")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; the shipped teacher was built with 1 (bit-exact only with the same)")
     ap.add_argument("--vae_steps", type=int, default=900)
     ap.add_argument("--vae_batch", type=int, default=16)
     ap.add_argument("--vae_lr", type=float, default=2e-3)
     ap.add_argument("--latent_images", type=int, default=20000, help="training images encoded once for the UNet")
-    ap.add_argument("--unet_steps", type=int, default=800)
-    ap.add_argument("--unet_batch", type=int, default=128)
+    ap.add_argument("--unet_steps", type=int, default=2000)
+    ap.add_argument("--unet_batch", type=int, default=64)
     ap.add_argument("--unet_lr", type=float, default=2e-3)
     ap.add_argument("--ema", type=float, default=0.995)
     ap.add_argument("--gan_images_per_prompt", type=int, default=4)
@@ -300,7 +313,7 @@ def main(argv=None):
     mean, std = mean * scaling, std * scaling
 
     # 3. text encoder + cached prompt embeddings
-    tokenizer = write_clip_tokenizer(tmp / "tokenizer")
+    tokenizer = write_clip_tokenizer(tmp / "tokenizer", max_length=TEXT_MAX_LENGTH)
     text_encoder = build_text_encoder(tokenizer, args.seed + 4)
     table_prompts = se.all_prompts() + [""]
     text_table = se.encode_text(tokenizer, text_encoder, table_prompts)
@@ -329,7 +342,7 @@ def main(argv=None):
     # 6. quick check through the saved folder
     if args.eval_seeds:
         reference = se.Reference(se.all_prompts())
-        for sampler, steps, cfg in (("ddim", 25, 4.0), ("onestep", 1, 1.0)):
+        for sampler, steps, cfg in (("ddim", 25, 2.0), ("ddim", 25, 4.0), ("onestep", 1, 1.0)):
             m, _, _ = se.evaluate_folder(str(out), sampler, steps, cfg, args.eval_seeds, reference=reference)
             log(f"{sampler} {steps} steps cfg {cfg}: colour {m['colour_acc']:.1f} %  shape {m['shape_acc']:.1f} %  "
                 f"background {m['background_acc']:.1f} %  all {m['all_acc']:.1f} %  FD {m['fd']:.2f}  "

@@ -24,8 +24,8 @@ N = len(prompts) x seeds images from fixed noise, scored on
     mean and std so that no group dominates by scale:
       - 13 descriptors from `analyse_image`: background RGB, foreground RGB, foreground area
         fraction, fill ratio, upper-half fraction, box centre x, y and box width, height (/ size);
-      - an 8-bin colour histogram (each RGB channel split at 128; every palette colour falls in
-        its own bin), fractions of pixels;
+      - an 8-bin colour histogram (each RGB channel split at 128; each of the task's 7 colours
+        falls in a bin of its own), fractions of pixels;
       - a 32-d embedding by a fixed random conv net (3 convs, ReLU, global average pool; weights
         drawn from torch.Generator seed 0, Kaiming-normal), as FID's Inception in miniature.
     The "real, other draw" row (real images of other random positions/sizes, same count as the
@@ -567,7 +567,18 @@ def compare(teacher: str, student: str | None, steps=25, cfg=4.0, seeds=8, grid=
     return rows, table
 
 
+def quiet() -> None:
+    """Drop the diffusers/transformers chatter (accelerate hint, loading bars)."""
+    import diffusers
+    import transformers
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv=None):
+    quiet()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="SD-1.5-layout diffusers folder")
     ap.add_argument("--sampler", default="ddim", choices=("ddim", "onestep", "fewstep"))

@@ -37,7 +37,7 @@ import train_flux_kontext as tfk  # noqa: E402
 from fsdp_utils import ConfigError, RunError  # noqa: E402
 
 KONTEXT = os.path.join(ROOT, "train_flux_kontext.py")
-STEPS = 8
+STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
 TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
 
 
@@ -130,7 +130,7 @@ def chain(setup, reference):
     proc = start(setup, out, ["--resume=auto"])
     last = events["sigterm"][2][-1]
     assert wait_for(lambda: any(s > last for s in complete_steps(out)), proc)
-    time.sleep(rng.uniform(0, 0.5))
+    time.sleep(rng.uniform(0, 0.3))
     os.killpg(proc.pid, signal.SIGKILL)
     finish(proc)
     events["kill_group"] = complete_steps(out)
@@ -159,6 +159,7 @@ def test_sigterm_saves_at_the_step_reached_and_exits_143(chain):
 def test_killed_runs_resume_bit_exact(chain, reference):
     out, events = chain
     caught_in_save, rc, log, steps = events["kill_in_save"]
+    assert events["kill_group"][-1] < STEPS, events["kill_group"]  # killed mid-run
     assert caught_in_save, f"no save was caught in progress {steps}:\n{log[-3000:]}"
     assert rc != 0 and steps[-1] < STEPS, log[-2000:]  # the killed save was not made complete
     rc, log = events["final"]
