@@ -223,6 +223,7 @@ def _failing_saves(rank, world, out):
         torch.distributed.barrier()
         assert checkpoint.list_checkpoints(out) == [(1, os.path.join(out, "checkpoints", "step_000001"))]
         assert not os.path.exists(os.path.join(out, "checkpoints", "step_000002.partial"))
+        torch.distributed.barrier()  # rank 0's next save re-creates the .partial: check first
 
 
 def test_failed_save_stops_all_ranks_and_keeps_the_previous_checkpoint(tmp_path):
