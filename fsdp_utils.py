@@ -19,6 +19,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -240,7 +241,25 @@ def init_distributed(cpu_offload: bool = False, timeout_s: float = 1800.0) -> Di
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group(backend, timeout=timeout)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _exit_with_launcher()
     return Dist(rank_, world, local_rank, device, backend)
+
+
+def _exit_with_launcher(poll_s: float = 0.5) -> None:
+    """torchrun starts each worker in a session of its own, so a SIGKILL of the launcher (or of its
+    process group) leaves the workers running on as orphans, still training and saving into
+    OUTPUT_DIR while the next `RESUME=auto` run starts. A daemon thread ends this rank at once when
+    its launcher is gone; a half-written save stays a .partial folder that resume ignores."""
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        print(f"rank {rank()}: the torchrun launcher (pid {launcher}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def cleanup_distributed() -> None:

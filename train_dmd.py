@@ -51,10 +51,10 @@ from precision import component_row, format_audit, get_precision, parse_dtype
 # config (every UPPER_CASE constant can be overridden as --name=value)
 
 # models and data
-MODEL_PATH = ""  # SD-1.5-layout diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/); "" = tiny default
-DATA_PATH = ""  # .txt (a prompt per line) or .jsonl ("prompt", "image" for the GAN); "" = the default dataset
+MODEL_PATH = ""  # SD-1.5-layout diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/); "" = the shipped shapes teacher
+DATA_PATH = ""  # .txt (a prompt per line) or .jsonl ("prompt", "image" for the GAN); "" = the teacher's prompts (or images)
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
-RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 64 for the tiny default)
+RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
 SKIP_BAD_SAMPLES = False  # drop (and count) malformed data rows instead of stopping with file:line
 # schedule; the tiny default finishes in a few minutes on 2 CPU cores (published: 39k steps, batch 32×64 GPUs)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
@@ -85,13 +85,17 @@ TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECIS
 TEXT_ENCODER_DTYPE = ""  # "" = PRECISION's compute dtype (the official code keeps CLIP in fp32)
 VAE_DTYPE = ""  # "" = PRECISION's compute dtype (the official code uses fp16 for SD-1.5's VAE)
 EXPORT_DTYPE = "fp32"  # dtype of the exported UNet (fp16 halves the file)
-# FSDP2
+# parallelism
+PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; no GAN head)
 BLOCK_CLASSES = ["BasicTransformerBlock", "ResnetBlock2D"]  # one fully_shard unit per block (as in DMD2's FSDP config)
 DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
 RESHARD_AFTER_FORWARD = True  # free gathered params after each block's forward (ZeRO-3); False = ZeRO-2-like
 CPU_OFFLOAD = False  # keep trainable params, grads and optimizer state on the CPU
 ACTIVATION_CHECKPOINTING = False  # recompute blocks in backward (the published run used it on GPUs)
 PREFETCH = 0  # > 0: explicitly prefetch this many blocks ahead in forward and backward
+# fault tolerance
+MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
+COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
 # checkpoints, logging, samples
 SAVE_EVERY = 50  # steps between checkpoints (a final one is always written at MAX_STEPS)
 KEEP_LAST = 2  # complete checkpoints kept
@@ -101,6 +105,7 @@ INIT_FROM = ""  # a checkpoint folder whose generator and fake score start a fre
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
 SAMPLE_EVERY = 25  # steps between sample grids (0 = only at the end)
 SAMPLE_COUNT = 8  # fixed prompts (the data's first distinct ones) and seeds in every grid
+EVAL_AT_END = True  # score the export on the shapes task (shapes_eval.py) when the data is its prompts
 
 # ----------------------------------------------------------------------------------------------
 # helpers: config validation
@@ -111,10 +116,15 @@ def validate_config(world: int) -> list[int]:
                              ("GRAD_ACCUM", GRAD_ACCUM, 1), ("DFAKE_GEN_UPDATE_RATIO", DFAKE_GEN_UPDATE_RATIO, 1),
                              ("LOG_EVERY", LOG_EVERY, 1), ("SAVE_EVERY", SAVE_EVERY, 0),
                              ("SAMPLE_EVERY", SAMPLE_EVERY, 0), ("SAMPLE_COUNT", SAMPLE_COUNT, 1),
-                             ("WARMUP_STEPS", WARMUP_STEPS, 0), ("RESOLUTION", RESOLUTION, 0)]:
+                             ("WARMUP_STEPS", WARMUP_STEPS, 0), ("RESOLUTION", RESOLUTION, 0),
+                             ("MAX_BAD_STEPS", MAX_BAD_STEPS, 1), ("COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S, 1)]:
         if value < low:
             raise ConfigError(f"{name}={value}: must be >= {low}")
     fsdp_utils.check_dp_replicate(DP_REPLICATE, world)
+    fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
+    if PARALLELISM == "ddp" and USE_GAN:
+        raise ConfigError("PARALLELISM=ddp with USE_GAN=1: the GAN head runs the fake UNet several times per "
+                          "backward, which DistributedDataParallel does not support; use fsdp")
     try:
         get_precision(PRECISION)
         for dtype in (TEACHER_DTYPE, TEXT_ENCODER_DTYPE, VAE_DTYPE, EXPORT_DTYPE):
@@ -156,24 +166,28 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, t
     """A UNet2DConditionModel built on the meta device, sharded per block, then each rank reads
     only its slices from `folder` (load=False: allocated, unfilled and without grads, for the EMA).
     Trainable: mixed precision, checkpointing, offload, prefetch settings. Frozen: no grads ever,
-    stored in `dtype` = its compute dtype."""
+    stored in `dtype` = its compute dtype. mesh=None (PARALLELISM=ddp): not sharded, every rank
+    loads the whole model (the caller wraps a trainable one in DDP)."""
     from diffusers import UNet2DConditionModel
 
     model = fsdp_utils.build_on_meta(UNet2DConditionModel, folder).to(dtype)
-    if not load:
+    if not load or not trainable:
         model.requires_grad_(False)
-    if trainable:
+    if not trainable:
+        model.eval()
+    if mesh is not None and trainable:
         fsdp_utils.apply_fsdp(model, mesh, precision.mp_policy(), block_classes=BLOCK_CLASSES,
                               reshard_after_forward=RESHARD_AFTER_FORWARD, cpu_offload=cpu_offload,
                               activation_checkpointing=ACTIVATION_CHECKPOINTING, prefetch=PREFETCH)
-    else:
+    elif mesh is not None:
         fsdp_utils.prepare_frozen(model, mesh, dtype, device, sharded=True, block_classes=BLOCK_CLASSES)
     home = torch.device("cpu") if cpu_offload else device
     if load:
         fsdp_utils.materialize_and_load(model, folder, home)
     else:
         model.to_empty(device=home)
-    fsdp_utils.assert_sharded(model, mesh)
+    if mesh is not None:
+        fsdp_utils.assert_sharded(model, mesh)
     return model
 
 
@@ -357,13 +371,19 @@ def guidance_loss(x, mb, fake, head, alphas) -> tuple[torch.Tensor, dict]:
     return loss_fake + GUIDANCE_CLS_LOSS_WEIGHT * loss_cls, logs
 
 
-def optimizer_step(params, opt, sched, max_norm: float) -> float:
-    """Clip (the norm over all shards), step, zero grads, advance the LR schedule. Returns the norm."""
-    norm = fsdp_utils.clip_grad_norm_(params, max_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    sched.step()
-    return float(norm)
+def finish_updates(updates: list, guard, logs: dict) -> bool:
+    """The step's optimizer updates, [(params, optimizer, scheduler, name)]: clip each (the norm over
+    all shards), then, only when every loss and norm is finite on every rank (one collective),
+    step them all. Grads are zeroed and LR schedules advance either way. Returns whether it stepped."""
+    for params, _, _, name in updates:
+        logs[f"grad_norm_{name}"] = float(fsdp_utils.clip_grad_norm_(params, MAX_GRAD_NORM))
+    ok = guard.step_ok(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
+    for _, opt, sched, _ in updates:
+        if ok:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return ok
 
 
 def add_logs(total: dict, logs: dict, weight: float) -> None:
@@ -416,36 +436,52 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
 # ----------------------------------------------------------------------------------------------
 # main
 
+def default_paths() -> tuple[str, str]:
+    """The embedded default: the shapes teacher shipped in assets/ (make_teacher.py rebuilds it),
+    loaded through the same code path as real weights, with its prompts (or images, for the GAN)."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_teacher")
+    return folder, os.path.join(folder, "data.jsonl" if USE_GAN else "prompts.txt")
+
+
+MODEL_COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
+                    "tokenizer": None, "scheduler": None}
+
+
 def main() -> None:
     config = fsdp_utils.apply_overrides(globals(), sys.argv[1:])
     step_list = validate_config(int(os.environ.get("WORLD_SIZE", 1)))
     precision = get_precision(PRECISION)
-
-    # embedded default: a tiny SD-1.5-layout folder, built once and cached, loaded like real weights.
-    # Built before the process group exists: transformers' save_pretrained writes nothing on a
-    # rank != 0 of an initialised group, and the rank that builds is whichever gets the lock first.
     model_path, data_path = MODEL_PATH, DATA_PATH
     if not model_path:
-        import tiny_models
-        model_path, data_dir = tiny_models.ensure_default("sd15")
-        data_path = data_path or os.path.join(data_dir, "data.jsonl" if USE_GAN else "prompts.txt")
+        model_path, default_data = default_paths()
+        data_path = data_path or default_data
+    fsdp_utils.check_model_folder(model_path, "StableDiffusionPipeline", MODEL_COMPONENTS)
+    fsdp_utils.check_output_dir(OUTPUT_DIR)
 
-    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD)
+    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
     print0(f"config ({d.world_size} ranks, {d.backend}):\n{fsdp_utils.format_config(config)}")
     print0(f"model {model_path}, data {data_path}" + ("" if MODEL_PATH else " (embedded default)"))
     stopper = fsdp_utils.GracefulStop()
     quiet_empty_fp32_warning()
     rows, skipped = load_data(data_path, USE_GAN, SKIP_BAD_SAMPLES)
     print0(f"data: {len(rows)} rows from {data_path}" + (f", {skipped} bad rows skipped" if skipped else ""))
+    resume_path = checkpoint.resolve_resume(RESUME, OUTPUT_DIR)  # a bad path fails here, before any work
 
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
+    # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
+    # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
     from diffusers import DDPMScheduler
-    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE)
+    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
     models = build_models(os.path.join(model_path, "unet"), mesh, precision, d.device)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     teacher = build_unet(os.path.join(model_path, "unet"), mesh, precision.frozen_dtype(TEACHER_DTYPE),
                          d.device, trainable=False)
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
+    train_gen, train_fake = generator, fake
+    if mesh is None:
+        ddp = functools.partial(fsdp_utils.apply_ddp, device=d.device, mp_policy=precision.mp_policy(),
+                                block_classes=BLOCK_CLASSES, activation_checkpointing=ACTIVATION_CHECKPOINTING)
+        train_gen, train_fake = ddp(generator), ddp(fake, verbose=False)
     tokenizer, text_encoder, vae = load_frozen_parts(
         model_path, precision.frozen_dtype(TEXT_ENCODER_DTYPE), precision.frozen_dtype(VAE_DTYPE), d.device)
     alphas = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler").alphas_cumprod.to(d.device)
@@ -470,9 +506,11 @@ def main() -> None:
 
     # resume
     ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
-    start_step, resume_path = 0, checkpoint.resolve_resume(RESUME, OUTPUT_DIR)
+    start_step, guard = 0, fsdp_utils.NonFiniteGuard(MAX_BAD_STEPS)
     if resume_path:
-        start_step = ckpt.load(resume_path, models, optimizers, schedulers)["step"]
+        meta = ckpt.load(resume_path, models, optimizers, schedulers)
+        start_step = meta["step"]
+        guard.load(meta)
         print0(f"resumed from {resume_path}: continuing after step {start_step}")
     elif INIT_FROM:  # weights only: optimizers, LR schedule and step start fresh
         ckpt.load(INIT_FROM, {"generator": generator, "fake": fake}, {}, {})
@@ -500,46 +538,57 @@ def main() -> None:
         batches = micro_batches(step, rows, noise, d.world_size, d.rank, d.device, encode, encode_real)
         logs, images = ({"step_index": index} if len(step_list) > 1 else {}), []
 
-        # generator turn: images from G (with graph only when G steps), then its loss and update
+        # generator turn: images from G (with graph only when G steps), then its loss and backward.
+        # Its update waits for the guidance turn: that one uses only detached images, so stepping
+        # both after it is the published order, and one finiteness check covers both updates.
         for mb in batches:
             with torch.set_grad_enabled(gen_turn):
-                x = generator_images(generator, mb, step_list, index, alphas)
+                x = generator_images(train_gen, mb, step_list, index, alphas)
             if gen_turn:
-                loss, parts = generator_loss(x, mb, uncond, teacher, fake, head, alphas)
+                loss, parts = generator_loss(x, mb, uncond, teacher, train_fake, head, alphas)
                 (loss / GRAD_ACCUM).backward()
                 add_logs(logs, parts, 1 / GRAD_ACCUM)
             images.append(x.detach())
         if gen_turn:
-            logs["grad_norm_generator"] = optimizer_step(list(generator.parameters()), opt_g, sched_g, MAX_GRAD_NORM)
-            if ema is not None:
-                fsdp_utils.ema_update(ema, generator, EMA_DECAY)
             opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake UNet and head
 
         # guidance turn, every step: fake score (+ head) on the same pre-update images
         for mb, x in zip(batches, images):
-            loss, parts = guidance_loss(x, mb, fake, head, alphas)
+            loss, parts = guidance_loss(x, mb, train_fake, head, alphas)
             (loss / GRAD_ACCUM).backward()
             add_logs(logs, parts, 1 / GRAD_ACCUM)
-        logs["grad_norm_guidance"] = optimizer_step(list(guidance.parameters()), opt_d, sched_d, MAX_GRAD_NORM)
+        updates = [(list(guidance.parameters()), opt_d, sched_d, "guidance")]
+        if gen_turn:
+            updates.insert(0, (list(generator.parameters()), opt_g, sched_g, "generator"))
+        if finish_updates(updates, guard, logs):
+            if gen_turn and ema is not None:
+                fsdp_utils.ema_update(ema, generator, EMA_DECAY)
+        else:
+            print0(f"step {step + 1}: non-finite loss or grad norm on some rank, updates skipped on all "
+                   f"({guard.in_a_row} in a row, {guard.skipped} in all)")
 
         done = step + 1
         window_add(window, logs)
         if done % LOG_EVERY == 0 or done == MAX_STEPS:
-            lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}
+            lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0],
+                   "skipped_steps": guard.skipped}
             logger.step_done(done, window_metrics(window, lrs))
         else:
             logger.step_done(done, None)
         ckpt.poll()
         if (SAMPLE_EVERY and done % SAMPLE_EVERY == 0) or done == MAX_STEPS:
             sample(os.path.join(OUTPUT_DIR, "samples", f"step_{done:06d}.png"))
-        trainer_state = {"samples_seen": done * global_batch, "skipped_samples": skipped}
+        trainer_state = {"samples_seen": done * global_batch, "skipped_samples": skipped, **guard.state()}
         if (SAVE_EVERY and done % SAVE_EVERY == 0) or done == MAX_STEPS:
             ckpt.save(done, models, optimizers, schedulers, trainer_state, config)
             saved_at = done
-        if done < MAX_STEPS and stopper.should_stop():
+        stop = done < MAX_STEPS and stopper.should_stop()
+        if stop or guard.exhausted:
             if saved_at != done:
                 ckpt.save(done, models, optimizers, schedulers, trainer_state, config)
             ckpt.wait()
+            if guard.exhausted:
+                raise guard.error(done)
             raise fsdp_utils.Preempted(stopper.signal_received(), f"checkpoint saved at step {done}; rerun with --resume=auto")
 
     # the final checkpoint and samples were written in the loop at MAX_STEPS; export
@@ -547,7 +596,32 @@ def main() -> None:
     ckpt.wait()
     exported = {"unet": ema if ema is not None else generator}
     checkpoint.export_pipeline(model_path, os.path.join(OUTPUT_DIR, "export"), exported, parse_dtype(EXPORT_DTYPE))
-    fsdp_utils.cleanup_distributed()
+    if EVAL_AT_END and d.rank == 0:
+        evaluate_export(os.path.join(OUTPUT_DIR, "export"), [r["prompt"] for r in rows], step_list)
+    fsdp_utils.cleanup_distributed()  # its barrier holds the other ranks while rank 0 evaluates
+
+
+def evaluate_export(export: str, prompts: list[str], step_list: list[int]) -> None:
+    """Rank 0: the shapes-task scores (prompt adherence, Fréchet distance, diversity; see
+    shapes_eval.py) of the exported generator with its own sampler, printed and written to
+    OUTPUT_DIR/eval.json. Skipped unless every training prompt is a shapes prompt."""
+    import json
+
+    import shapes_eval as se
+    try:
+        prompts = sorted({se.parse_prompt(p) and p for p in prompts})
+    except ValueError:
+        print0("eval: skipped (the data is not the shapes task's prompts)")
+        return
+    n = len(step_list)
+    if n > 1 and step_list != dm.denoising_step_list(n):
+        print0(f"eval: skipped (DENOISING_STEPS={step_list} is not a shapes_eval few-step schedule)")
+        return
+    metrics, _, _ = se.evaluate_folder(export, "onestep" if n == 1 else "fewstep", steps=n, prompts=prompts)
+    name = f"student, {n} step{'s' if n > 1 else ''}"
+    print0("eval of the export on the shapes task:\n" + se.markdown_table([(name, metrics)], metrics["real_diversity"]))
+    with open(os.path.join(OUTPUT_DIR, "eval.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
 
 
 if __name__ == "__main__":

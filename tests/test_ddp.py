@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_ddp.py -q
 
-The Kontext script's tiny default, 2 CPU ranks, fp32, 2 steps: both launches run at once (they
+Each script on its embedded default, 2 CPU ranks, fp32, 2 steps: both launches run at once (they
 are independent) and must log the same losses and grad norms to ~1e-4 (only the order of the
 gradient reductions differs), and the DDP run must write a loadable export of the unwrapped model.
 """
@@ -69,3 +69,47 @@ def test_ddp_refuses_fsdp_only_settings():
     with pytest.raises(ConfigError, match="choose one of"):
         fsdp_utils.check_parallelism("zero3", False, 1)
     fsdp_utils.check_parallelism("fsdp", True, 2)
+
+
+def test_dmd_ddp_matches_fsdp(tmp_path):
+    """train_dmd.py on the shipped teacher: generator and fake score both update at steps 1 and 2."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
+              "--dfake_gen_update_ratio=1", "--generator_lr=1e-3", "--guidance_lr=1e-3", "--batch_size=2",
+              "--eval_at_end=0"]
+    procs = {}
+    for par in ("fsdp", "ddp"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, "train_dmd.py"), f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common
+        procs[par] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+    logs = {par: p.communicate(timeout=300)[0] for par, p in procs.items()}
+    for par, p in procs.items():
+        assert p.returncode == 0, f"{par} run failed:\n{logs[par][-3000:]}"
+    assert "ddp: UNet2DConditionModel: full replica per rank" in logs["ddp"]
+    rec = {}
+    for par in procs:
+        with open(tmp_path / par / "metrics.jsonl") as f:
+            rec[par] = [json.loads(line) for line in f]
+    assert [r["step"] for r in rec["ddp"]] == [1, 2]
+    for a, b in zip(rec["fsdp"], rec["ddp"]):
+        for key in ("loss_dm", "loss_fake", "grad_norm_generator", "grad_norm_guidance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    from safetensors.torch import load_file
+    exported = {par: load_file(str(tmp_path / par / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
+                for par in procs}
+    assert exported["fsdp"].keys() == exported["ddp"].keys()
+    for k, v in exported["fsdp"].items():
+        assert (v - exported["ddp"][k]).abs().max() < 1e-4, k
+
+
+def test_dmd_ddp_refuses_the_gan_head(monkeypatch):
+    import train_dmd
+    saved = fsdp_utils.script_constants(vars(train_dmd))
+    monkeypatch.setattr(sys, "argv", ["train_dmd.py", "--parallelism=ddp", "--use_gan=1"])
+    try:
+        with pytest.raises(ConfigError, match="PARALLELISM=ddp with USE_GAN=1"):
+            train_dmd.main()
+    finally:
+        vars(train_dmd).update(saved)
