@@ -155,6 +155,8 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
     out = os.path.join(root, f"{script}_{size}_{parallelism}")
     args = [f"--parallelism={parallelism}", "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
             "--sample_every=0", "--save_every=0", f"--output_dir={out}"]
+    if script == "dmd":  # every step a full DMD2 step (generator and fake score update), no eval
+        args += ["--dfake_gen_update_ratio=1", "--eval_at_end=0"]
     if size == "medium":
         args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
         import tiny_models

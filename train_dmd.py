@@ -594,6 +594,8 @@ def main() -> None:
     # the final checkpoint and samples were written in the loop at MAX_STEPS; export
     logger.close()
     ckpt.wait()
+    # the memory report after training (its peak is training's, not the export gather's)
+    print0(f"memory after training:\n{fsdp_utils.memory_report({**models, 'teacher': teacher}, {'generator': opt_g, 'guidance': opt_d})}")
     exported = {"unet": ema if ema is not None else generator}
     checkpoint.export_pipeline(model_path, os.path.join(OUTPUT_DIR, "export"), exported, parse_dtype(EXPORT_DTYPE))
     if EVAL_AT_END and d.rank == 0:

@@ -1,5 +1,5 @@
 """End-to-end tests of train_dmd.py, run as users run it (torchrun with 2 CPU ranks, or python),
-on the embedded tiny SD-1.5 default. The DM-loss math itself is checked in tests/test_dmd_math.py.
+on the embedded default (the shipped shapes teacher, assets/shapes_teacher). The DM-loss math itself is checked in tests/test_dmd_math.py.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd.py -q
 
@@ -36,7 +36,8 @@ TIMEOUT = 240  # seconds; a hung rank fails the test instead of blocking the sui
 PROMPT = "a red circle on a blue background"
 # run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
 COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32",
-          "--use_gan=1", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2"]
+          "--use_gan=1", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2",
+          "--eval_at_end=0"]
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def test_export_is_a_one_step_pipeline(run_a):
         x0 = dm.generator_forward(pipe.unet, z, 999, emb, pipe.scheduler.alphas_cumprod)
     torch.testing.assert_close(latents, x0, rtol=1e-5, atol=1e-5 * x0.abs().max().item())
     image = pipe(PROMPT, num_inference_steps=1, guidance_scale=0, timesteps=[999], output_type="np").images
-    assert image.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(image)).all()
+    assert image.shape == (1, 32, 32, 3) and torch.isfinite(torch.from_numpy(image)).all()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +214,10 @@ def test_few_step_backward_simulation_and_skipped_rows(run_few):
     # runs: 3 (from pure noise through 999, 749, 499 to the input of 249), then 0 (1 step at 999)
     assert [r["step_index"] for r in rows] == [train_dmd.dm.choose_step_index(s, 0, 4) for s in range(2)] == [3, 0]
     assert os.listdir(out / "samples") == ["step_000002.png"]
+    # EVAL_AT_END (on by default): shapes prompts, so the export is scored with its own 4-step sampler
+    assert "eval of the export on the shapes task" in log and "student, 4 steps" in log
+    scores = json.load(open(out / "eval.json"))
+    assert scores["sampler"] == "fewstep" and scores["steps"] == 4 and scores["n"] == 4 * 8
 
 
 def test_init_from_loads_generator_and_fake(run_few, run_a):
