@@ -563,6 +563,20 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
             raise ConfigError(f"{folder}: weights hold tensors the model lacks, e.g. {sorted(extra)[:3]}")
 
 
+def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, home: torch.device,
+                     load: bool = True) -> nn.Module:
+    """The last step of a meta-device build: allocate the (sharded, or with mesh=None whole) model
+    on `home` and load it from `folder` (load=False: allocate only, e.g. an EMA copy filled from
+    the model), then check that every parameter is sharded on `mesh`."""
+    if load:
+        materialize_and_load(model, folder, home)
+    else:
+        model.to_empty(device=home)
+    if mesh is not None:
+        assert_sharded(model, mesh)
+    return model
+
+
 # ----------------------------------------------------------------------------------------------
 # gradients
 

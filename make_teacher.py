@@ -251,18 +251,8 @@ def write_data(folder: Path, per_prompt: int, seed: int):
 
 # ---------------------------------------------------------------------------------------------
 
-def quiet() -> None:
-    """Drop the diffusers/transformers chatter (fp32-modules notice, accelerate hint, shard bars)."""
-    import diffusers
-    import transformers
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def main(argv=None):
-    quiet()
+    se.quiet()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="assets/shapes_teacher")
     ap.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,7 @@ The math lives in dmd_math.py; this file builds the models, runs the loop, saves
     # after a stop or preemption: the same command plus --resume=auto
 
 1-step inference with the export (LCMScheduler's last step returns its x0 prediction):
-    pipe = StableDiffusionPipeline.from_pretrained("out/dmd/export")
+    pipe = StableDiffusionPipeline.from_pretrained("out/dmd/export", torch_dtype=torch.float32)
     pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
     image = pipe(prompt, num_inference_steps=1, guidance_scale=0, timesteps=[999]).images[0]
 """
@@ -181,14 +181,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, t
                               activation_checkpointing=ACTIVATION_CHECKPOINTING, prefetch=PREFETCH)
     elif mesh is not None:
         fsdp_utils.prepare_frozen(model, mesh, dtype, device, sharded=True, block_classes=BLOCK_CLASSES)
-    home = torch.device("cpu") if cpu_offload else device
-    if load:
-        fsdp_utils.materialize_and_load(model, folder, home)
-    else:
-        model.to_empty(device=home)
-    if mesh is not None:
-        fsdp_utils.assert_sharded(model, mesh)
-    return model
+    return fsdp_utils.fill_built_model(model, folder, mesh, torch.device("cpu") if cpu_offload else device, load)
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device) -> dict[str, nn.Module]:

@@ -129,14 +129,7 @@ def build_transformer(folder, mesh, prec, device, *, load, reshard_after_forward
                               reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
                               activation_checkpointing=activation_checkpointing, prefetch=prefetch,
                               verbose=load)
-    home = torch.device("cpu") if cpu_offload else device
-    if load:
-        fsdp_utils.materialize_and_load(model, folder, home)
-    else:
-        model.to_empty(device=home)
-    if mesh is not None:
-        fsdp_utils.assert_sharded(model, mesh)
-    return model
+    return fsdp_utils.fill_built_model(model, folder, mesh, torch.device("cpu") if cpu_offload else device, load)
 
 
 def load_vae(folder, dtype, device):
@@ -144,14 +137,6 @@ def load_vae(folder, dtype, device):
     from diffusers import AutoencoderKL
     vae = AutoencoderKL.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)  # small: plain load
     return fsdp_utils.prepare_frozen(vae, None, dtype, device, sharded=False, verbose=False)
-
-
-def reshard(model) -> None:
-    """Free gathered params after no-grad forwards (the root and last block keep them otherwise)."""
-    from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,7 +374,7 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
         with torch.no_grad():
             out = vae.decode(latents.to(next(vae.parameters()).dtype)).sample.float().cpu()
         tiles += [context[0], out[0].clamp(-1, 1), target[0]]
-    reshard(transformer)
+    fsdp_utils.reshard_all(transformer)
     hmax, wmax = max(t.shape[1] for t in tiles), max(t.shape[2] for t in tiles)
     return torch.stack([torch.nn.functional.pad(t, (0, wmax - t.shape[2], 0, hmax - t.shape[1]))
                         for t in tiles])

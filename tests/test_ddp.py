@@ -21,43 +21,53 @@ sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
 from fsdp_utils import ConfigError  # noqa: E402
 
-SCRIPT = os.path.join(ROOT, "train_flux_kontext.py")
+
+def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):
+    """Launch the script at PARALLELISM=fsdp and =ddp at once (2 CPU ranks each); returns
+    ({mode: log}, {mode: metrics records}) after checking that both succeeded."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env_extra or {}))
+    procs = {}
+    for par in ("fsdp", "ddp"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, script), f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common
+        procs[par] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+    logs = {par: p.communicate(timeout=300)[0] for par, p in procs.items()}
+    for par, p in procs.items():
+        assert p.returncode == 0, f"{par} run failed:\n{logs[par][-3000:]}"
+    rec = {}
+    for par in procs:
+        with open(tmp_path / par / "metrics.jsonl") as f:
+            rec[par] = [json.loads(line) for line in f]
+    return logs, rec
+
+
+def assert_exports_match(tmp_path, component: str) -> None:
+    """The two runs' exported trained model is the same (to reduction-order noise)."""
+    from safetensors.torch import load_file
+    exported = {par: load_file(str(tmp_path / par / "export" / component / "diffusion_pytorch_model.safetensors"))
+                for par in ("fsdp", "ddp")}
+    assert exported["fsdp"].keys() == exported["ddp"].keys()
+    for k, v in exported["fsdp"].items():
+        assert (v - exported["ddp"][k]).abs().max() < 1e-4, k
 
 
 def test_ddp_matches_fsdp(tmp_path):
     import tiny_models
     cache = tmp_path / "cache"
     tiny_models.ensure_default("flux_kontext", cache)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(FSDP_DIFFUSION_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
               "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32"]
-    procs = {}
-    for par in ("fsdp", "ddp"):
-        # separate text caches: the two runs fill theirs at the same time
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
-               f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common
-        procs[par] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
-    logs = {par: p.communicate(timeout=300)[0] for par, p in procs.items()}
-    for par, p in procs.items():
-        assert p.returncode == 0, f"{par} run failed:\n{logs[par][-3000:]}"
+    # separate text caches (under each OUTPUT_DIR): the two runs fill theirs at the same time
+    logs, rec = run_both("train_flux_kontext.py", common, tmp_path, {"FSDP_DIFFUSION_CACHE": str(cache)})
     assert "ddp: FluxTransformer2DModel: full replica per rank" in logs["ddp"]
-    rec = {}
-    for par in procs:
-        with open(tmp_path / par / "metrics.jsonl") as f:
-            rec[par] = [json.loads(line) for line in f]
     assert [r["step"] for r in rec["ddp"]] == [1, 2]
     for a, b in zip(rec["fsdp"], rec["ddp"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=1e-6)
     # the model state, checkpointed and exported, is the same too
-    from safetensors.torch import load_file
-    exported = {par: load_file(str(tmp_path / par / "export" / "transformer" / "diffusion_pytorch_model.safetensors"))
-                for par in procs}
-    assert exported["fsdp"].keys() == exported["ddp"].keys()
-    for k, v in exported["fsdp"].items():
-        assert (v - exported["ddp"][k]).abs().max() < 1e-4, k
+    assert_exports_match(tmp_path, "transformer")
     assert os.path.exists(tmp_path / "ddp" / "checkpoints" / "step_000002" / ".metadata")
 
 
@@ -73,35 +83,16 @@ def test_ddp_refuses_fsdp_only_settings():
 
 def test_dmd_ddp_matches_fsdp(tmp_path):
     """train_dmd.py on the shipped teacher: generator and fake score both update at steps 1 and 2."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
               "--dfake_gen_update_ratio=1", "--generator_lr=1e-3", "--guidance_lr=1e-3", "--batch_size=2",
               "--eval_at_end=0"]
-    procs = {}
-    for par in ("fsdp", "ddp"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "train_dmd.py"), f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common
-        procs[par] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
-    logs = {par: p.communicate(timeout=300)[0] for par, p in procs.items()}
-    for par, p in procs.items():
-        assert p.returncode == 0, f"{par} run failed:\n{logs[par][-3000:]}"
+    logs, rec = run_both("train_dmd.py", common, tmp_path)
     assert "ddp: UNet2DConditionModel: full replica per rank" in logs["ddp"]
-    rec = {}
-    for par in procs:
-        with open(tmp_path / par / "metrics.jsonl") as f:
-            rec[par] = [json.loads(line) for line in f]
     assert [r["step"] for r in rec["ddp"]] == [1, 2]
     for a, b in zip(rec["fsdp"], rec["ddp"]):
         for key in ("loss_dm", "loss_fake", "grad_norm_generator", "grad_norm_guidance"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    from safetensors.torch import load_file
-    exported = {par: load_file(str(tmp_path / par / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
-                for par in procs}
-    assert exported["fsdp"].keys() == exported["ddp"].keys()
-    for k, v in exported["fsdp"].items():
-        assert (v - exported["ddp"][k]).abs().max() < 1e-4, k
+    assert_exports_match(tmp_path, "unet")
 
 
 def test_dmd_ddp_refuses_the_gan_head(monkeypatch):
