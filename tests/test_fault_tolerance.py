@@ -247,6 +247,29 @@ def test_failed_save_stops_all_ranks_and_keeps_the_previous_checkpoint(tmp_path)
     run_ranks(_failing_saves, 2, str(tmp_path))
 
 
+def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_path):
+    """Rank 1 is frozen (SIGSTOP) mid-run: rank 0, waiting in a collective, fails after
+    COLLECTIVE_TIMEOUT_S with an error naming it, instead of hanging for ever."""
+    out = tmp_path / "stuck"
+    proc = start(setup, out, ["--collective_timeout_s=5", "--save_every=0", "--max_steps=1000"])
+    metrics = out / "metrics.jsonl"
+    assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    pids = workers(proc)
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        gone = wait_for(lambda: not os.path.exists(f"/proc/{pids[0]}") or
+                        open(f"/proc/{pids[0]}/stat").read().split()[2] == "Z", proc, timeout=90, poll=0.2)
+        waited = time.monotonic() - stopped
+    finally:
+        os.kill(pids[1], signal.SIGKILL)  # the frozen rank's node is reclaimed
+    rc, log = finish(proc)
+    assert rc != 0, log[-3000:]
+    assert gone or proc.returncode is not None, log[-3000:]
+    assert waited < 60, f"rank 0 took {waited:.0f}s to give up"
+    assert re.search(r"rank 0\b.*(timed out|Timed out|timeout)", log), log[-3000:]
+
+
 # ----------------------------------------------------------------------------------------------
 # bad inputs: one line, exit != 0, before any work
 
