@@ -513,11 +513,13 @@ def markdown_table(rows: list[tuple[str, dict]], real_diversity: float | None = 
 
 
 def save_grid(columns: list[tuple[str, np.ndarray]], prompts: list[str], seeds: int, path: str,
-              show_seeds: int = 4, max_rows: int = 36, scale: int = 2) -> str:
-    """PNG: one row per prompt; per column (a model), `show_seeds` images side by side."""
+              show_seeds: int = 4, max_rows: int = 36, scale: int = 2, every: int = 1) -> str:
+    """PNG: one row per prompt (every `every`-th prompt); per column (a model), `show_seeds`
+    images side by side."""
     from PIL import Image, ImageDraw
 
-    n_prompts = min(len(prompts), max_rows)
+    rows = list(range(0, len(prompts), every))[:max_rows]
+    n_prompts = len(rows)
     size = columns[0][1].shape[1] * scale
     gap, label_h, left = 8, 14, 4
     col_w = show_seeds * size + gap
@@ -525,9 +527,9 @@ def save_grid(columns: list[tuple[str, np.ndarray]], prompts: list[str], seeds: 
     draw = ImageDraw.Draw(canvas)
     for ci, (name, images) in enumerate(columns):
         draw.text((left + ci * col_w, 1), name, fill=(0, 0, 0))
-        for pi in range(n_prompts):
+        for pi, prompt_index in enumerate(rows):
             for s in range(min(show_seeds, seeds)):
-                im = Image.fromarray(images[pi * seeds + s]).resize((size, size), Image.NEAREST)
+                im = Image.fromarray(images[prompt_index * seeds + s]).resize((size, size), Image.NEAREST)
                 canvas.paste(im, (left + ci * col_w + s * size, label_h + pi * size))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     canvas.save(path)
@@ -535,7 +537,7 @@ def save_grid(columns: list[tuple[str, np.ndarray]], prompts: list[str], seeds: 
 
 
 def compare(teacher: str, student: str | None, steps=25, cfg=4.0, seeds=8, grid=None,
-            json_out=None, prompts=None):
+            json_out=None, prompts=None, grid_every=1):
     prompts = list(prompts or all_prompts())
     reference = Reference(prompts)
     runs = [("teacher, %d-step DDIM, CFG %g" % (steps, cfg), teacher, "ddim", steps, cfg),
@@ -560,7 +562,7 @@ def compare(teacher: str, student: str | None, steps=25, cfg=4.0, seeds=8, grid=
     if grid:
         names = [f"teacher {steps}-step" if i == 0 else ("teacher 1-step" if i == 1 else "student 1-step")
                  for i in range(len(columns))]
-        save_grid([(n, im) for n, (_, im) in zip(names, columns)], prompts, seeds, grid)
+        save_grid([(n, im) for n, (_, im) in zip(names, columns)], prompts, seeds, grid, every=grid_every)
         print(f"grid: {grid}")
     if json_out:
         Path(json_out).write_text(json.dumps([{"name": n, **m} for n, m in rows], indent=1))
@@ -587,6 +589,7 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=8, help="images per prompt")
     ap.add_argument("--compare", nargs="+", metavar="NAME=PATH", help="teacher=PATH [student=PATH]")
     ap.add_argument("--grid", default=None, help="PNG path for the image grid")
+    ap.add_argument("--grid_every", type=int, default=1, help="grid rows: every n-th prompt (3: one per shape and colour)")
     ap.add_argument("--json_out", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -597,7 +600,7 @@ def main(argv=None):
             ap.error("--compare needs teacher=PATH")
         cfg = 4.0 if args.cfg is None else args.cfg
         compare(paths["teacher"], paths.get("student"), args.steps, cfg, args.seeds,
-                args.grid or "shapes_grid.png", args.json_out)
+                args.grid or "shapes_grid.png", args.json_out, grid_every=args.grid_every)
         return
     if not args.model:
         ap.error("--model or --compare is required")

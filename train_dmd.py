@@ -604,7 +604,8 @@ def evaluate_export(export: str, prompts: list[str], step_list: list[int]) -> No
 
     import shapes_eval as se
     try:
-        prompts = sorted({se.parse_prompt(p) and p for p in prompts})
+        order = {p: i for i, p in enumerate(se.all_prompts())}  # the task's order, as shapes_eval uses
+        prompts = sorted({se.parse_prompt(p) and p for p in prompts}, key=lambda p: (order.get(p, len(order)), p))
     except ValueError:
         print0("eval: skipped (the data is not the shapes task's prompts)")
         return

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# DMD2 in miniature, on CPU: distil the shipped shapes teacher (assets/shapes_teacher, rebuilt by
+# make_teacher.py) into a 1-step generator with train_dmd.py's defaults, then score three ways on
+# the shapes task (shapes_eval.py): the teacher with 25 DDIM steps and CFG 2, the teacher with
+# 1 step, the student with 1 step. Prints the table; writes the side-by-side grid.
+#
+#   bash demo_dmd.sh                 # 2 ranks; extra arguments go to train_dmd.py
+#   NPROC=1 bash demo_dmd.sh --batch_size=16
+set -euo pipefail
+cd "$(dirname "$0")"
+OUT=${OUT:-out/dmd_demo}
+NPROC=${NPROC:-2}
+GRID=${GRID:-$OUT/shapes_grid.png}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+start=$(date +%s)
+python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py --output_dir="$OUT" "$@"
+trained=$(date +%s)
+python shapes_eval.py --compare teacher=assets/shapes_teacher student="$OUT/export" --cfg=2 \
+    --grid="$GRID" --grid_every=3 --json_out="$OUT/compare.json"
+echo "demo: training $((trained - start)) s, evaluation $(( $(date +%s) - trained )) s; grid $GRID"
