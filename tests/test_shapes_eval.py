@@ -2,6 +2,7 @@
 
     python -m pytest tests/test_shapes_eval.py -q
 """
+import os
 import sys
 from pathlib import Path
 
@@ -155,3 +156,14 @@ def test_generate_with_a_tiny_random_model():
     again, _, _ = se.generate(unet, vae, te, tok, sched, prompts, 2, "onestep", 1, 1.0)
     first, _, _ = se.generate(unet, vae, te, tok, sched, prompts, 2, "onestep", 1, 1.0)
     assert np.array_equal(again, first)
+
+
+def test_shipped_teacher_follows_prompts_and_one_step_does_not():
+    """The shipped DMD2 teacher (assets/shapes_teacher): a short multi-step run with CFG follows the
+    prompts; its 1-step prediction from pure noise does not (the gap DMD2 closes)."""
+    folder = os.path.join(ROOT, "assets", "shapes_teacher")
+    reference = se.Reference(se.all_prompts())
+    multi, _, _ = se.evaluate_folder(folder, "ddim", steps=10, cfg=2.0, seeds=2, reference=reference)
+    one, _, _ = se.evaluate_folder(folder, "onestep", seeds=2, reference=reference)
+    assert multi["colour_acc"] >= 95 and multi["all_acc"] >= 70, multi
+    assert one["all_acc"] <= 50 and one["fd"] > 2 * multi["fd"], one
