@@ -152,11 +152,15 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
         return _RUNS[key]
     import statistics
     path, kind = SCRIPTS[script]
-    out = os.path.join(root, f"{script}_{size}_{parallelism}")
-    args = [f"--parallelism={parallelism}", "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
+    out = os.path.join(root, f"{script}_{size}_{parallelism}".replace(", ", "_").replace(" ", "_"))
+    mode = {"fsdp": ["--parallelism=fsdp"], "ddp": ["--parallelism=ddp"],
+            "fsdp, no reshard": ["--parallelism=fsdp", "--reshard_after_forward=0"]}[parallelism]
+    args = [*mode, "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
             "--sample_every=0", "--save_every=0", f"--output_dir={out}"]
     if script == "dmd":  # every step a full DMD2 step (generator and fake score update), no eval
         args += ["--dfake_gen_update_ratio=1", "--eval_at_end=0"]
+    if size == "tiny":
+        args += [f"--model_path={tiny_folder(script)}", "--resolution=64"]
     if size == "medium":
         args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
         import tiny_models
@@ -178,6 +182,14 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
            "peak": max(m["rss_peak"] - m["rss_base"] for m in mem), "wall_s": time.perf_counter() - t0}
     _RUNS[key] = run
     return run
+
+
+def tiny_folder(script: str) -> str:
+    """The script's embedded default model: the shipped shapes teacher (DMD), the tiny Kontext."""
+    if script == "dmd":
+        return os.path.join(HERE, "assets", "shapes_teacher")
+    import tiny_models
+    return tiny_models.ensure_default(SCRIPTS[script][1])[0]
 
 
 def _scripts_ready() -> list[str]:
@@ -202,16 +214,18 @@ def bench_step() -> str:
              "| step time (median) |", "|---|---|---|---|---|---|"]
     ratios = []
     for script in _scripts_ready():
-        runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp")}
+        runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp", "fsdp, no reshard")}
         n_params = runs["ddp"]["mem"][0]["grads_held"] / 4  # fp32
         for p, r in runs.items():
             lines.append(f"| {SCRIPTS[script][0]} (medium) | {n_params / 1e6:.1f} M | {p} | {r['state'] / 2**20:.0f} MiB "
                          f"| {r['peak'] / 2**20:.0f} MiB | {r['step_ms']:.0f} ms |")
         ratios.append(f"| {SCRIPTS[script][0]} | {runs['fsdp']['state'] / runs['ddp']['state']:.2f} "
                       f"| {runs['fsdp']['peak'] / runs['ddp']['peak']:.2f} "
-                      f"| {runs['fsdp']['step_ms'] / runs['ddp']['step_ms']:.2f} |")
-    lines += ["", "| script | FSDP / DDP model states (target ≈ 1/2) | FSDP / DDP peak | FSDP / DDP step time |",
-              "|---|---|---|---|", *ratios,
+                      f"| {runs['fsdp']['step_ms'] / runs['ddp']['step_ms']:.2f} "
+                      f"| {runs['fsdp, no reshard']['step_ms'] / runs['ddp']['step_ms']:.2f} |")
+    lines += ["", "| script | FSDP / DDP model states (target ≈ 1/2) | FSDP / DDP peak | FSDP / DDP step time "
+              "| FSDP without reshard-after-forward / DDP step time |",
+              "|---|---|---|---|---|", *ratios,
               "", f"2 CPU ranks (gloo), fp32, batch 1/rank at 64 px, {STEP_STEPS} steps, median step_ms of steps > "
               f"{WARMUP}; model states = params + grads (as held in a step) + AdamW state of everything the script "
               "keeps in its memory report; peak = max over ranks of peak RSS minus RSS before the first model build."]
@@ -230,7 +244,7 @@ def bench_planner() -> str:
         path, kind = SCRIPTS[script]
         for size in ("tiny", "medium"):
             run = run_script(script, size, "fsdp", root)
-            folder = tiny_models.ensure_default(kind)[0] if size == "tiny" else medium_folder(kind, root)
+            folder = tiny_folder(script) if size == "tiny" else medium_folder(kind, root)
             s = memory_plan.Settings(world_size=2, precision="fp32", batch_size=1, resolution=64)
             p = memory_plan.plan(folder, s)
             est_states = sum(r["params"] + r["grads"] + r["optim"] for r in p["rows"].values()

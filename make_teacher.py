@@ -6,7 +6,7 @@ model_index.json), trained by this script on the coloured-shapes task of `shapes
 32x32 px, one circle / square / triangle in red / green / blue / yellow on a white / black / cyan
 background, captions like "a red circle on a white background" (36 prompts).
 
-Stages (all seeded; ~10-15 min on 2 CPU cores at the default settings):
+Stages (all seeded; 33 min for the shipped teacher on 2 CPU cores shared with other jobs):
  1. VAE: AutoencoderKL, SD-1.5 architecture in miniature (3 blocks, 32x32 px -> 4x8x8 latents),
     trained on freshly drawn images with L1 + L2 reconstruction and SD's tiny KL weight (1e-6);
     scaling_factor = 1 / (std of the latents of the training set), as SD-1.5's 0.18215 was chosen.
@@ -21,7 +21,7 @@ Stages (all seeded; ~10-15 min on 2 CPU cores at the default settings):
     prompts.txt (the 36 training prompts, the DMD2 stage-1 data) and data.jsonl + images/
     (4 real images per prompt, the stage-2 GAN data), then a quick evaluation with shapes_eval.
 
-    python make_teacher.py                        # -> assets/shapes_teacher (about 15 min)
+    python make_teacher.py                        # -> assets/shapes_teacher (about 30 min)
     python make_teacher.py --out=/tmp/t --quick   # a 1-minute smoke run (poor model)
 
 Bit-exact reproduction needs the same torch build, CPU kind and --threads (reduction order).
