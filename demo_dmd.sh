@@ -21,5 +21,5 @@ python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd
     --ema_decay=0.98 --precision=fp32 --log_every=50 --sample_every=200 --save_every=400 "$@"
 trained=$(date +%s)
 python shapes_eval.py --compare teacher=assets/shapes_teacher student="$OUT/export" --cfg=2 \
-    --grid="$GRID" --grid_every=3 --json_out="$OUT/compare.json"
+    --grid="$GRID" --grid_every=5 --json_out="$OUT/compare.json"
 echo "demo: training $((trained - start)) s, evaluation $(( $(date +%s) - trained )) s; grid $GRID"

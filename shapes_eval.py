@@ -589,7 +589,7 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=8, help="images per prompt")
     ap.add_argument("--compare", nargs="+", metavar="NAME=PATH", help="teacher=PATH [student=PATH]")
     ap.add_argument("--grid", default=None, help="PNG path for the image grid")
-    ap.add_argument("--grid_every", type=int, default=1, help="grid rows: every n-th prompt (3: one per shape and colour)")
+    ap.add_argument("--grid_every", type=int, default=1, help="grid rows: every n-th prompt (5: shapes, colours and backgrounds all vary)")
     ap.add_argument("--json_out", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
