@@ -160,7 +160,7 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
     if script == "dmd":  # every step a full DMD2 step (generator and fake score update), no eval
         args += ["--dfake_gen_update_ratio=1", "--eval_at_end=0"]
     if size == "tiny":
-        args += [f"--model_path={tiny_folder(script)}", "--resolution=64"]
+        args += [f"--model_path={tiny_folder(script)}", "--resolution=64", f"--data_path={tiny_data(script)}"]
     if size == "medium":
         args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
         import tiny_models
@@ -190,6 +190,13 @@ def tiny_folder(script: str) -> str:
         return os.path.join(HERE, "assets", "shapes_teacher")
     import tiny_models
     return tiny_models.ensure_default(SCRIPTS[script][1])[0]
+
+
+def tiny_data(script: str) -> str:
+    if script == "dmd":
+        return os.path.join(HERE, "assets", "shapes_teacher", "prompts.txt")
+    import tiny_models
+    return os.path.join(tiny_models.ensure_default(SCRIPTS[script][1])[1], "data.jsonl")
 
 
 def _scripts_ready() -> list[str]:
