@@ -11,7 +11,7 @@ Per step (two time scales, as published):
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in dmd_math.py; this file builds the models, runs the loop, saves and exports.
 
-    # 2 ranks (GPUs, or CPU with gloo); embedded tiny default, a few minutes on a 2-core CPU
+    # 2 ranks (GPUs, or CPU with gloo); embedded default (the shipped shapes teacher), a smoke run; demo_dmd.sh distils it for real
     torchrun --standalone --nproc_per_node=2 train_dmd.py
     # one process, for debugging (the same global batch as 2 ranks × BATCH_SIZE 2)
     python train_dmd.py --batch_size=4 --max_steps=20
@@ -56,7 +56,7 @@ DATA_PATH = ""  # .txt (a prompt per line) or .jsonl ("prompt", "image" for the 
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
 RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
 SKIP_BAD_SAMPLES = False  # drop (and count) malformed data rows instead of stopping with file:line
-# schedule; the tiny default finishes in a few minutes on 2 CPU cores (published: 39k steps, batch 32×64 GPUs)
+# schedule (published: 39k steps, batch 32×64 GPUs); demo_dmd.sh sets the shapes-teacher demo's values
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
 GRAD_ACCUM = 1  # micro-batches per optimizer step; global batch = BATCH_SIZE × world × GRAD_ACCUM
