@@ -415,3 +415,24 @@ def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     a, b = (load_file(str(tmp_path / r / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
             for r in ("ref", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_second_signal_exits_at_once():
+    """The first SIGTERM only asks the loop to stop after the step; a second one ends the process
+    at once with 128 + signal (here the "step" never ends, so only the second signal can stop it)."""
+    code = ("import os, signal, sys, time\n"
+            f"sys.path.insert(0, {ROOT!r})\n"
+            "import fsdp_utils\n"
+            "stop = fsdp_utils.GracefulStop()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.2)\n"
+            "assert stop.signum == signal.SIGTERM\n"
+            "print('first signal noted', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(30)\n"
+            "print('still running')\n")
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout
+    assert "first signal noted" in proc.stdout and "still running" not in proc.stdout
+    assert "finishing this step and saving a checkpoint" in proc.stdout
