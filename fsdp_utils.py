@@ -131,8 +131,14 @@ class GracefulStop:
               "(signal again to quit at once)", file=sys.stderr, flush=True)
 
     def should_stop(self) -> bool:
-        """True on every rank as soon as any rank was signalled."""
-        return not all_ranks_agree(self.signum is None)
+        """True on every rank as soon as any rank was signalled. From then on the rank saves and
+        exits by itself: a SIGTERM (torchrun forwards one to every rank as soon as the first one
+        exits) is ignored so it cannot cut the save or the final message short; a SIGINT (a
+        user's second Ctrl-C) still exits at once."""
+        stop = not all_ranks_agree(self.signum is None)
+        if stop:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return stop
 
     def signal_received(self) -> int:
         """The signal to report (SIGTERM if this rank only heard of it from another rank)."""
