@@ -160,7 +160,8 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
     if script == "dmd":  # every step a full DMD2 step (generator and fake score update), no eval
         args += ["--dfake_gen_update_ratio=1", "--eval_at_end=0"]
     if size == "tiny":
-        args += [f"--model_path={tiny_folder(script)}", "--resolution=64", f"--data_path={tiny_data(script)}"]
+        folder, data = tiny_default(script)
+        args += [f"--model_path={folder}", "--resolution=64", f"--data_path={data}"]
     if size == "medium":
         args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
         import tiny_models
@@ -184,19 +185,15 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
     return run
 
 
-def tiny_folder(script: str) -> str:
-    """The script's embedded default model: the shipped shapes teacher (DMD), the tiny Kontext."""
+def tiny_default(script: str) -> tuple[str, str]:
+    """(model folder, data file) of the script's embedded default, as the script resolves it: the
+    shipped shapes teacher and its prompts (DMD), the tiny Kontext folder and its pairs."""
     if script == "dmd":
-        return os.path.join(HERE, "assets", "shapes_teacher")
+        import train_dmd
+        return train_dmd.default_paths()
     import tiny_models
-    return tiny_models.ensure_default(SCRIPTS[script][1])[0]
-
-
-def tiny_data(script: str) -> str:
-    if script == "dmd":
-        return os.path.join(HERE, "assets", "shapes_teacher", "prompts.txt")
-    import tiny_models
-    return os.path.join(tiny_models.ensure_default(SCRIPTS[script][1])[1], "data.jsonl")
+    folder, data_dir = tiny_models.ensure_default(SCRIPTS[script][1])
+    return folder, os.path.join(data_dir, "data.jsonl")
 
 
 def _scripts_ready() -> list[str]:
@@ -251,7 +248,7 @@ def bench_planner() -> str:
         path, kind = SCRIPTS[script]
         for size in ("tiny", "medium"):
             run = run_script(script, size, "fsdp", root)
-            folder = tiny_folder(script) if size == "tiny" else medium_folder(kind, root)
+            folder = tiny_default(script)[0] if size == "tiny" else medium_folder(kind, root)
             s = memory_plan.Settings(world_size=2, precision="fp32", batch_size=1, resolution=64)
             p = memory_plan.plan(folder, s)
             est_states = sum(r["params"] + r["grads"] + r["optim"] for r in p["rows"].values()

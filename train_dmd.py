@@ -494,8 +494,9 @@ def main() -> None:
     audit += [component_row("teacher", teacher, precision.frozen_dtype(TEACHER_DTYPE)),
               component_row("text_encoder", text_encoder, text_encoder.dtype), component_row("vae", vae, vae.dtype)]
     print0(f"components ({resolution} px, latents {latent_shape}):\n{format_audit(audit)}")
-    report = fsdp_utils.memory_report({**models, "teacher": teacher}, {"generator": opt_g, "guidance": opt_d})
-    print0(f"memory at start:\n{report}")
+    memory_table = functools.partial(fsdp_utils.memory_report, {**models, "teacher": teacher},
+                                     {"generator": opt_g, "guidance": opt_d})
+    print0(f"memory at start:\n{memory_table()}")
 
     # resume
     ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
@@ -588,7 +589,7 @@ def main() -> None:
     logger.close()
     ckpt.wait()
     # the memory report after training (its peak is training's, not the export gather's)
-    print0(f"memory after training:\n{fsdp_utils.memory_report({**models, 'teacher': teacher}, {'generator': opt_g, 'guidance': opt_d})}")
+    print0(f"memory after training:\n{memory_table()}")
     exported = {"unet": ema if ema is not None else generator}
     checkpoint.export_pipeline(model_path, os.path.join(OUTPUT_DIR, "export"), exported, parse_dtype(EXPORT_DTYPE))
     if EVAL_AT_END and d.rank == 0:
@@ -603,12 +604,15 @@ def evaluate_export(export: str, prompts: list[str], step_list: list[int]) -> No
     import json
 
     import shapes_eval as se
+    unique = set(prompts)
     try:
-        order = {p: i for i, p in enumerate(se.all_prompts())}  # the task's order, as shapes_eval uses
-        prompts = sorted({se.parse_prompt(p) and p for p in prompts}, key=lambda p: (order.get(p, len(order)), p))
+        for p in unique:
+            se.parse_prompt(p)
     except ValueError:
         print0("eval: skipped (the data is not the shapes task's prompts)")
         return
+    order = {p: i for i, p in enumerate(se.all_prompts())}  # the task's order, as shapes_eval uses
+    prompts = sorted(unique, key=lambda p: (order.get(p, len(order)), p))
     n = len(step_list)
     if n > 1 and step_list != dm.denoising_step_list(n):
         print0(f"eval: skipped (DENOISING_STEPS={step_list} is not a shapes_eval few-step schedule)")

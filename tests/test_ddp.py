@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests._dist import ROOT
+from tests._dist import ROOT, launch_env
 
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
@@ -25,8 +25,7 @@ from fsdp_utils import ConfigError  # noqa: E402
 def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):
     """Launch the script at PARALLELISM=fsdp and =ddp at once (2 CPU ranks each); returns
     ({mode: log}, {mode: metrics records}) after checking that both succeeded."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env_extra or {}))
+    env = launch_env(**(env_extra or {}))
     procs = {}
     for par in ("fsdp", "ddp"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

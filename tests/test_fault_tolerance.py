@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 
-from tests._dist import ROOT, run_ranks
+from tests._dist import ROOT, launch_env, run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, ROOT)
@@ -45,8 +45,7 @@ TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = launch_env()
     common = ["--precision=fp32", "--resolution=32", "--num_sample_pairs=0", "--sample_every=0", "--log_every=1",
               "--save_every=1", "--keep_last=2", "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32",
               f"--max_steps={STEPS}", f"--text_cache_dir={root / 'text_cache'}"]
@@ -345,8 +344,7 @@ def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
 def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     """Generator LR 1e30: its first update blows it up, every later DM loss is non-finite; both
     updates of a bad step are skipped together, and MAX_BAD_STEPS in a row save and stop."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = launch_env()
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(ROOT, "train_dmd.py"), "--precision=fp32", "--generator_lr=1e30",
            "--dfake_gen_update_ratio=1", "--max_bad_steps=2", "--save_every=0", "--sample_every=0", "--log_every=1",
@@ -387,8 +385,7 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
 def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     """SIGTERM to one rank of train_dmd.py: both ranks finish the step, save and exit 143; the
     resumed run ends bit-identical to an uninterrupted one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = launch_env()
     common = ["--precision=fp32", "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=0",
               "--log_every=1", "--batch_size=1", "--max_steps=40", "--eval_at_end=0", "--generator_lr=1e-3",
               "--guidance_lr=1e-3"]

@@ -83,8 +83,7 @@ def setup(tmp_path_factory):
     cache = root / "cache"
     model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
     data, rows = make_mixed_dataset(str(root / "data"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(FSDP_DIFFUSION_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
     common = [f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
               f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
               "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=1"]
