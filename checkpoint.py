@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from fsdp_utils import ConfigError, RunError, first_error, print0, rank, world_size
+from run_utils import ConfigError, RunError, first_error, print0, rank, world_size
 from precision import check_state_dict_dtypes, dtype_name
 
 PARTIAL = ".partial"

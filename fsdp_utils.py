@@ -1,9 +1,13 @@
-"""What both training scripts stand on: distributed init, device mesh, FSDP2 wrapping, meta-device
-loading from diffusers folders, grad clipping, memory report, config overrides, logging.
+"""Distributed training, and only that: process-group init with a single-process fallback, the
+device mesh, FSDP2 wrapping (`fully_shard` per block, then the root) and the per-model
+parallelize recipes, frozen components, meta-device build with sharded loading from diffusers
+folders, grad clipping over DTensor shards, resharding, EMA of sharded params, memory report.
 
 Everything here calls PyTorch directly: `torch.distributed.fsdp.fully_shard` per block, then the
-root; DTensor for sharded params; `init_device_mesh` for FSDP (1-D) and HSDP (2-D).
+root; DTensor for sharded params; `init_device_mesh` for FSDP (1-D) and HSDP (2-D). Run control
+(errors, signals, settings, logging) is run_utils.py; data order and files are data_utils.py.
 
+    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     python -m pytest tests/test_fsdp_utils.py -q
 """
 from __future__ import annotations
@@ -11,12 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import difflib
 import json
-import math
 import os
 import resource
-import signal
 import socket
 import sys
 import threading
@@ -31,179 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-
-class ConfigError(Exception):
-    """A mistake in settings or inputs that every rank sees identically: rank 0 reports it in one
-    line and every rank exits with code 2, before any collective is left waiting."""
-
-
-# ----------------------------------------------------------------------------------------------
-# rank-aware printing and error handling
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
-
-def print0(*args, **kwargs) -> None:
-    if rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def run_main(main_fn) -> None:
-    """Run a script's main(): errors end the process with one clear line and a non-zero code.
-
-    A ConfigError is the same on every rank, so only rank 0 prints it and all exit 2. Any other
-    exception is local to one rank: that rank prints it once with its rank number and exits at
-    once (os._exit) without entering another collective; torchrun then stops the other ranks, and
-    the collective timeout set in init_distributed turns any leftover wait into an error.
-    """
-    try:
-        main_fn()
-    except ConfigError as e:
-        if rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        _teardown_quietly()
-        sys.exit(2)
-    except Preempted as e:
-        # the checkpoint is saved: a launcher's SIGTERM (torchrun sends one to the other ranks as
-        # soon as the first exits) must not turn this rank's exit code 128+signal into a kill
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        if rank() == 0:
-            print(f"stopped: {e}", file=sys.stderr, flush=True)
-        _teardown_quietly()
-        sys.exit(128 + e.signum)
-    except RunError as e:
-        if rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        _teardown_quietly()
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"[rank {rank()}] interrupted", file=sys.stderr, flush=True)
-        os._exit(130)
-    except Exception as e:  # noqa: BLE001 - the point is to report any failure once
-        import traceback
-        if os.environ.get("FSDP_TRACEBACK"):
-            traceback.print_exc()
-        print(f"[rank {rank()}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
-
-
-def _teardown_quietly() -> None:
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
-class Preempted(Exception):
-    """Raised by a script after it saved a checkpoint on SIGTERM/SIGINT; run_main exits 128+signal."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-
-class RunError(Exception):
-    """A failure during training that every rank has learnt of together (through a collective:
-    a failed save, too many non-finite steps): rank 0 reports it in one line, all ranks exit 1."""
-
-
-class GracefulStop:
-    """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; the training loop asks
-    `should_stop()` once per step (a collective), so all ranks finish the same step, save together
-    and exit. A second signal exits at once."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            os._exit(128 + signum)
-        self.signum = signum
-        print(f"[rank {rank()}] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-              "(signal again to quit at once)", file=sys.stderr, flush=True)
-
-    def should_stop(self) -> bool:
-        """True on every rank as soon as any rank was signalled. From then on the rank saves and
-        exits by itself: a SIGTERM (torchrun forwards one to every rank as soon as the first one
-        exits) is ignored so it cannot cut the save or the final message short; a SIGINT (a
-        user's second Ctrl-C) still exits at once."""
-        stop = not all_ranks_agree(self.signum is None)
-        if stop:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return stop
-
-    def signal_received(self) -> int:
-        """The signal to report (SIGTERM if this rank only heard of it from another rank)."""
-        return self.signum or signal.SIGTERM
-
-
-# ----------------------------------------------------------------------------------------------
-# config: UPPER_CASE constants at the top of a script, overridden as --name=value
-
-CONFIG_TYPES = (bool, int, float, str, list)
-
-
-def script_constants(namespace: dict) -> dict:
-    """The settings of a script: its UPPER_CASE module constants of plain types."""
-    return {k: v for k, v in namespace.items()
-            if k.isupper() and not k.startswith("_") and isinstance(v, CONFIG_TYPES)}
-
-
-def _parse_value(name: str, raw: str, default):
-    kind = type(default)
-    try:
-        if kind is bool:
-            low = raw.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            return float(raw)
-        if kind is list:
-            text = raw.strip()
-            items = json.loads(text) if text.startswith("[") else [v.strip() for v in text.split(",") if v.strip()]
-            if not isinstance(items, list):
-                raise ValueError
-            return [_parse_value(name, str(v), default[0]) for v in items] if default else items
-        return raw
-    except (ValueError, json.JSONDecodeError):
-        raise ConfigError(f"--{name.lower()}={raw!r}: expected {kind.__name__}") from None
-
-
-def apply_overrides(namespace: dict, argv: list[str]) -> dict:
-    """Apply `--name=value` overrides (case-insensitive, type-checked) to a script's constants,
-    in place in `namespace`. Returns the final config dict. Unknown names suggest close matches."""
-    consts = script_constants(namespace)
-    by_lower = {k.lower(): k for k in consts}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"argument {arg!r}: write settings as --name=value")
-        key, raw = arg[2:].split("=", 1)
-        name = by_lower.get(key.lower().replace("-", "_"))
-        if name is None:
-            close = difflib.get_close_matches(key.lower(), list(by_lower), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-            raise ConfigError(f"unknown setting --{key}{hint}")
-        namespace[name] = _parse_value(name, raw, consts[name])
-    return script_constants(namespace)
-
-
-def format_config(config: dict) -> str:
-    width = max(len(k) for k in config)
-    return "\n".join(f"  {k.ljust(width)} = {v!r}" for k, v in config.items())
-
+from run_utils import ConfigError, print0, rank, world_size
 
 # ----------------------------------------------------------------------------------------------
 # distributed init / mesh
@@ -292,28 +121,6 @@ def build_mesh(device: torch.device, dp_replicate: int = 1) -> DeviceMesh:
                             mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def all_ranks_agree(ok: bool, device: torch.device | None = None) -> bool:
-    """True only if `ok` is True on every rank (a MIN all-reduce): lets all ranks take the same
-    branch, e.g. skip a step whose loss was non-finite on one rank."""
-    if not dist.is_initialized() or world_size() == 1:
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0], device=device or _comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() > 0.5)
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Average scalar metrics over ranks (for logging), one all-reduce."""
-    if not values or not dist.is_initialized() or world_size() == 1:
-        return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t)
-    return {k: v / world_size() for k, v in zip(keys, t.tolist())}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,41 +172,147 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = forward
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How a trainable model is sharded: the scripts' settings of the same names."""
+    reshard_after_forward: bool = True  # free each unit's gathered params after its forward (ZeRO-3)
+    cpu_offload: bool = False  # sharded params, grads and optimizer state live in host memory
+    activation_checkpointing: bool = False  # recompute each outermost unit in backward
+    prefetch: int = 0  # > 0: explicit forward/backward prefetch of this many units ahead
+
+
+def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                sharding: Sharding = Sharding()) -> list[nn.Module]:
+    """The FSDP2 recipe every model goes through, torchtitan's order: activation checkpointing of
+    the outermost units -> `fully_shard` of each unit (inner before outer) -> the root.
+
+    - the last unit in execution order is not resharded after forward: backward needs it first
+    - only the root hands its output back in `output_dtype` (fp32 for losses); units pass the
+      compute dtype on, so the root's own layers (conv_out, proj_out) see their compute dtype
+    - prefetch > 0 sets explicit forward/backward prefetch of that many units ahead
+    Returns `units`, now FSDP modules, in registration (~ execution) order."""
+    if sharding.activation_checkpointing:
+        for u in _outermost(units):
+            _checkpointed(u)
+    # pinned host memory speeds H2D copies on GPUs; there is no pinning without an accelerator
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if sharding.cpu_offload else OffloadPolicy()
+    last = units[-1] if units else None
+    unit_policy = dataclasses.replace(mp_policy, output_dtype=None)
+    for u in reversed(units):  # children before parents: nested units are allowed in FSDP2
+        fully_shard(u, mesh=mesh, mp_policy=unit_policy, offload_policy=offload,
+                    reshard_after_forward=sharding.reshard_after_forward and u is not last)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
+    if sharding.prefetch > 0 and len(units) > 1:
+        n = sharding.prefetch
+        for i, u in enumerate(units):
+            u.set_modules_to_forward_prefetch(units[i + 1:i + 1 + n])
+            u.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
+    return units
+
+
+def blocks_of(model: nn.Module, names: list[str] | tuple[str, ...]) -> list[nn.Module]:
+    """The submodules whose class is one of `names`, in registration order."""
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, *,
                block_classes: list[str] | None = None, reshard_after_forward: bool = True,
                cpu_offload: bool = False, activation_checkpointing: bool = False,
                prefetch: int = 0, verbose: bool = True) -> list[nn.Module]:
-    """`fully_shard` every block of the chosen classes (inner before outer), then the root.
-
-    - the last block in execution order is not resharded after forward: backward needs it first
-    - activation checkpointing wraps each outermost block
-    - prefetch > 0 sets explicit forward/backward prefetch of that many blocks ahead
-    Returns the sharded blocks in registration (≈ execution) order.
-    """
+    """Any model: one unit per block of the named classes (or of the detected ones, see
+    find_block_classes), sharded by `shard_units`. The per-model recipes below name theirs."""
     names, why = find_block_classes(model, block_classes)
-    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    blocks = blocks_of(model, names)
     if verbose:
         print0(f"fsdp: {type(model).__name__}: {len(blocks)} units of {names} ({why})")
-    if activation_checkpointing:
-        outer = _outermost(blocks)
-        for b in outer:
-            _checkpointed(b)
-    # pinned host memory speeds H2D copies on GPUs; there is no pinning without an accelerator
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    last = blocks[-1] if blocks else None
-    # only the root hands its output back in output_dtype (fp32 for losses); blocks pass compute
-    # dtype on, so the root's own layers (conv_out, proj_out) see inputs in their compute dtype
-    block_policy = dataclasses.replace(mp_policy, output_dtype=None)
-    for b in reversed(blocks):  # children before parents: nested units are allowed in FSDP2
-        fully_shard(b, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward and b is not last)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
-    if prefetch > 0 and len(blocks) > 1:
-        flat = [b for b in blocks if isinstance(b, FSDPModule)]
-        for i, b in enumerate(flat):
-            b.set_modules_to_forward_prefetch(flat[i + 1:i + 1 + prefetch])
-            b.set_modules_to_backward_prefetch(flat[max(0, i - prefetch):i][::-1])
-    return blocks
+    return shard_units(model, blocks, mesh, mp_policy,
+                       Sharding(reshard_after_forward, cpu_offload, activation_checkpointing, prefetch))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-model parallelize recipes, and the one table of which models each script builds and how.
+# The memory planner (tools/memory_plan.py) builds real-size models through these same recipes.
+
+MODEL_BLOCKS = {
+    # DMD2's FSDP config wraps SD UNets per BasicTransformerBlock and ResnetBlock2D (accelerate's
+    # TRANSFORMER_BASED_WRAP on those classes); the attention blocks nest inside Transformer2DModel
+    "UNet2DConditionModel": ("BasicTransformerBlock", "ResnetBlock2D"),
+    # FLUX: its `_no_split_modules`, the units torchtitan's flux/parallelize.py shards
+    "FluxTransformer2DModel": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+}
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str       # what the script calls it
+    subfolder: str  # where it lives in the diffusers pipeline folder
+    role: str       # trainable | frozen-sharded | replicated | offline (text embeddings cached, then freed)
+
+
+SCRIPT_COMPONENTS = {
+    "train_dmd.py": (Component("generator", "unet", "trainable"), Component("fake_score", "unet", "trainable"),
+                     Component("teacher", "unet", "frozen-sharded"), Component("vae", "vae", "replicated"),
+                     Component("text_encoder", "text_encoder", "replicated")),
+    "train_flux_kontext.py": (Component("transformer", "transformer", "trainable"),
+                              Component("vae", "vae", "replicated"),
+                              Component("text_encoder", "text_encoder", "offline"),
+                              Component("text_encoder_2", "text_encoder_2", "offline")),
+}
+
+
+def parallelize_unet(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                     sharding: Sharding = Sharding(), block_classes: list[str] | None = None,
+                     verbose: bool = True) -> list[nn.Module]:
+    """SD-1.5 / SDXL UNet2DConditionModel: a unit per ResnetBlock2D and BasicTransformerBlock of the
+    down, mid and up blocks (unless `block_classes` names others); the stem, time embedding and
+    conv_out stay in the root unit."""
+    names = list(block_classes or MODEL_BLOCKS["UNet2DConditionModel"])
+    units = blocks_of(model, names)
+    if verbose:
+        print0(f"fsdp: {type(model).__name__}: {len(units)} units of {names}")
+    return shard_units(model, units, mesh, mp_policy, sharding)
+
+
+def parallelize_flux_transformer(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                                 sharding: Sharding = Sharding(), block_classes: list[str] | None = None,
+                                 verbose: bool = True) -> list[nn.Module]:
+    """FluxTransformer2DModel: each double-stream block, then each single-stream block, as units
+    (the last single block not resharded after forward); the input embedders, norm_out and
+    proj_out in the root unit."""
+    if block_classes:
+        units = blocks_of(model, list(block_classes))
+    else:
+        units = [*model.transformer_blocks, *model.single_transformer_blocks]
+    if verbose:
+        print0(f"fsdp: {type(model).__name__}: {len(units)} units "
+               f"({len(model.transformer_blocks)} double + {len(model.single_transformer_blocks)} single blocks)")
+    return shard_units(model, units, mesh, mp_policy, sharding)
+
+
+PARALLELIZE = {"UNet2DConditionModel": parallelize_unet, "FluxTransformer2DModel": parallelize_flux_transformer}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                sharding: Sharding = Sharding(), block_classes: list[str] | None = None,
+                verbose: bool = True) -> list[nn.Module]:
+    """The model's recipe (PARALLELIZE, by class), or `apply_fsdp`'s detection for other models."""
+    recipe = PARALLELIZE.get(type(model).__name__)
+    if recipe is not None:
+        return recipe(model, mesh, mp_policy, sharding, block_classes, verbose)
+    return apply_fsdp(model, mesh, mp_policy, block_classes=block_classes, verbose=verbose,
+                      **dataclasses.asdict(sharding))
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, int]]:
+    """(module name, parameter count) of each FSDP unit of a sharded model, root last: the params
+    that one all-gather of that unit brings in (its own, not those of units nested in it)."""
+    fsdp = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    owned, out = set(), []
+    for name, m in sorted(fsdp, key=lambda nm: -nm[0].count(".") if nm[0] else 1):  # inner first
+        ps = [p for p in m.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in ps)
+        out.append((name or "<root>", sum(p.numel() for p in ps)))
+    return out
 
 
 PARALLELISMS = ("fsdp", "ddp")
@@ -461,31 +374,24 @@ def apply_ddp(model: nn.Module, device: torch.device, mp_policy: MixedPrecisionP
     return ddp
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (FSDP2 modules are their own model)."""
-    return getattr(model, "module", model)
-
-
 def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
     inner = {id(c) for b in blocks for c in b.modules() if c is not b}
     return [b for b in blocks if id(b) not in inner]
 
 
-def prepare_frozen(model: nn.Module, mesh: DeviceMesh | None, dtype: torch.dtype, device: torch.device, *,
-                   sharded: bool, block_classes: list[str] | None = None, verbose: bool = True) -> nn.Module:
+def prepare_frozen(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,
+                   device: torch.device, *, sharded: bool, block_classes: list[str] | None = None,
+                   verbose: bool = True) -> nn.Module:
     """A frozen component (teacher, VAE, text encoder): eval mode, no grads ever, stored in its
-    compute dtype; sharded per block like a trainable model, or replicated on every rank."""
+    compute dtype `mp_policy.param_dtype` (precision.frozen_mp_policy: no cast, no reduction);
+    sharded per unit by its model's recipe like a trainable model, or replicated on every rank."""
     model.requires_grad_(False).eval()
-    model.to(dtype)
+    model.to(mp_policy.param_dtype)
     if sharded and mesh is not None:
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=torch.float32)
-        apply_fsdp(model, mesh, policy, block_classes=block_classes, reshard_after_forward=True, verbose=verbose)
+        parallelize(model, mesh, mp_policy, Sharding(reshard_after_forward=True), block_classes, verbose)
         if any(p.device.type == "meta" for p in model.parameters()):
             return model  # caller materialises (meta-device loading)
-        model.to(device)
-    else:
-        model.to(device)
-    return model
+    return model.to(device)
 
 
 def assert_sharded(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -600,6 +506,36 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Free the gathered params that a no-grad forward leaves behind (the root and the last block
+    skip reshard-after-forward; only a backward reshards them). Needed before editing shards in
+    place: a gathered unit shows its unsharded params in .parameters() and would not see the edit."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+@torch.no_grad()
+def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    """ema ← decay·ema + (1−decay)·model, shard by shard (both sharded identically, no comms)."""
+    reshard_all(ema)
+    reshard_all(model)
+    for pe, pm in zip(ema.parameters(), model.parameters()):
+        le = pe.to_local() if isinstance(pe, DTensor) else pe
+        lm = pm.to_local() if isinstance(pm, DTensor) else pm
+        le.lerp_(lm.to(le.dtype), 1.0 - decay)
+
+
+@torch.no_grad()
+def copy_params(dst: nn.Module, src: nn.Module) -> None:
+    """Copy the local shards of src into dst (identically sharded), e.g. to start an EMA."""
+    reshard_all(dst)
+    reshard_all(src)
+    for pd, ps in zip(dst.parameters(), src.parameters()):
+        ld = pd.to_local() if isinstance(pd, DTensor) else pd
+        ld.copy_(ps.to_local() if isinstance(ps, DTensor) else ps)
+
+
 # ----------------------------------------------------------------------------------------------
 # memory
 
@@ -664,294 +600,13 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}MiB" if n < 2**30 else f"{n / 2**30:.2f}GiB"
 
 
-# ----------------------------------------------------------------------------------------------
-# data order and randomness shared by both scripts
-
-def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
-    """A CPU generator seeded from (seed, step, stream): randomness for the *global* batch of a
-    step, identical on every rank and after a resume, whatever the world size."""
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + step * 9_176 + stream * 7_919) % (2**63 - 1))
-    return g
-
-
-def global_batch_indices(step: int, global_batch: int, n: int, seed: int) -> list[int]:
-    """Dataset indices of the global batch of `step`: epochs of seeded permutations laid end to
-    end, so the data position is just the step (resumable on any world size)."""
-    out, pos = [], step * global_batch
-    while len(out) < global_batch:
-        epoch, offset = divmod(pos, n)
-        perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=99)).tolist()
-        take = perm[offset:offset + global_batch - len(out)]
-        out += take
-        pos += len(take)
-    return out
-
-
-def rank_slice(items, rank_: int, world: int):
-    """This rank's contiguous share of a global batch (list or tensor along dim 0)."""
-    per = len(items) // world
-    return items[rank_ * per:(rank_ + 1) * per]
-
-
-# ----------------------------------------------------------------------------------------------
-# logging: one line per step, tqdm bar on rank 0, JSONL metrics
-
-class RunLogger:
-    """`step 00042/10000 | loss_dm 0.1234 | ... | 812 ms` lines, a tqdm bar, and metrics.jsonl."""
-
-    def __init__(self, output_dir: str, max_steps: int, start_step: int = 0):
-        self.max_steps, self.is_main = max_steps, rank() == 0
-        self.bar, self.file = None, None
-        if self.is_main:
-            from tqdm import tqdm
-            os.makedirs(output_dir, exist_ok=True)
-            self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
-            self.bar = tqdm(total=max_steps, initial=start_step, dynamic_ncols=True, file=sys.stdout)
-        self._t = time.perf_counter()
-
-    def step_done(self, step: int, metrics: dict | None) -> None:
-        """Advance the bar; if metrics were given (a logging step), write the line and the JSONL."""
-        now = time.perf_counter()
-        ms, self._t = (now - self._t) * 1000, now
-        if not self.is_main:
-            return
-        self.bar.update(1)
-        if metrics is None:
-            return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "step_ms": round(ms, 1)}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        parts = [f"step {step:05d}/{self.max_steps}"] + [f"{k} {v:.4g}" for k, v in metrics.items()]
-        self.bar.write(" | ".join(parts + [f"{ms:.0f} ms"]))
-
-    def close(self) -> None:
-        if self.is_main:
-            self.bar.close()
-            self.file.close()
-
-
-def is_finite(*values: float) -> bool:
-    return all(math.isfinite(float(v)) for v in values)
-
-
-# ----------------------------------------------------------------------------------------------
-# optimisation helpers shared by both scripts
-
-def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Constant LR after a linear warmup over `warmup_steps` optimizer steps (DMD2's schedule)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps))
-
-
-class _Warmup:
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.steps) if self.steps > 0 else 1.0
-
-
-def reshard_all(model: nn.Module) -> None:
-    """Free the gathered params that a no-grad forward leaves behind (the root and the last block
-    skip reshard-after-forward; only a backward reshards them). Needed before editing shards in
-    place: a gathered unit shows its unsharded params in .parameters() and would not see the edit."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-@torch.no_grad()
-def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """ema ← decay·ema + (1−decay)·model, shard by shard (both sharded identically, no comms)."""
-    reshard_all(ema)
-    reshard_all(model)
-    for pe, pm in zip(ema.parameters(), model.parameters()):
-        le = pe.to_local() if isinstance(pe, DTensor) else pe
-        lm = pm.to_local() if isinstance(pm, DTensor) else pm
-        le.lerp_(lm.to(le.dtype), 1.0 - decay)
-
-
-@torch.no_grad()
-def copy_params(dst: nn.Module, src: nn.Module) -> None:
-    """Copy the local shards of src into dst (identically sharded), e.g. to start an EMA."""
-    reshard_all(dst)
-    reshard_all(src)
-    for pd, ps in zip(dst.parameters(), src.parameters()):
-        ld = pd.to_local() if isinstance(pd, DTensor) else pd
-        ld.copy_(ps.to_local() if isinstance(ps, DTensor) else ps)
-
-
-# ----------------------------------------------------------------------------------------------
-# data files shared by both scripts: validated up front, identically on every rank
-
-def load_records(path: str, required: tuple[str, ...], image_keys: tuple[str, ...] = (),
-                 skip_bad: bool = False, check_images: bool = True) -> tuple[list[dict], int]:
-    """Rows of a `.jsonl` (or prompts of a `.txt`, one a line) with image paths made absolute
-    (relative to the file). A bad row -> ConfigError naming file and line, or with skip_bad it is
-    dropped and counted. Every rank reads the whole file, so all ranks agree on errors and length."""
-    if not path or not os.path.isfile(path):
-        raise ConfigError(f"DATA_PATH={path!r}: no such file")
-    base, rows, skipped = os.path.dirname(os.path.abspath(path)), [], 0
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = _parse_row(path, line, required, image_keys, base, check_images)
-        except ValueError as e:
-            if not skip_bad:
-                raise ConfigError(f"{path}:{lineno}: {e}") from None
-            skipped += 1
-            continue
-        rows.append(row)
-    if not rows:
-        raise ConfigError(f"{path}: no usable samples ({skipped} skipped)")
-    return rows, skipped
-
-
-def _parse_row(path, line, required, image_keys, base, check_images) -> dict:
-    if path.endswith(".txt"):
-        return {"prompt": line.strip()}
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError("expected a JSON object")
-    for key in required:
-        if not isinstance(row.get(key), str) or not row[key].strip():
-            raise ValueError(f"missing or empty {key!r}")
-    for key in image_keys:
-        full = os.path.join(base, row[key])
-        if check_images:
-            _check_image(full)
-        row[key] = full
-    return row
-
-
-def _check_image(path: str) -> None:
-    from PIL import Image
-    if not os.path.isfile(path):
-        raise ValueError(f"image {path} not found")
-    try:
-        with Image.open(path) as im:
-            im.verify()
-    except Exception as e:  # noqa: BLE001 - any decoder failure means a corrupt file
-        raise ValueError(f"image {path} is unreadable ({type(e).__name__})") from None
-
-
-def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
-    """(N,3,H,W) in [-1,1] -> one PNG grid with `nrow` images per row."""
-    import numpy as np
-    from PIL import Image
-    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
-    n, c, h, w = images.shape
-    rows = math.ceil(n / nrow)
-    grid = torch.zeros(c, rows * h, nrow * w, dtype=torch.uint8)
-    for i in range(n):
-        r, col = divmod(i, nrow)
-        grid[:, r * h:(r + 1) * h, col * w:(col + 1) * w] = images[i]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Image.fromarray(np.ascontiguousarray(grid.permute(1, 2, 0).numpy())).save(path)
-
-
-# ----------------------------------------------------------------------------------------------
-# fault tolerance shared by both scripts: inputs checked up front, non-finite steps, agreed errors
-
-def check_output_dir(path: str) -> None:
-    """OUTPUT_DIR must be creatable and writable (a probe file is written and removed), so a bad
-    path fails before any work instead of at the first save."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"OUTPUT_DIR={path!r} is not writable ({e.strerror or e})") from None
-
-
-_COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json")
-
-
-def check_model_folder(path: str, pipeline: str, components: dict, setting: str = "MODEL_PATH") -> None:
-    """`path` must be a diffusers pipeline folder with every component a script loads.
-
-    components: {subfolder: expected class name in model_index.json, or None for any}. A wrong
-    folder (e.g. a FLUX folder given to an SD-1.5 script) fails in one line naming what is missing."""
-    if not os.path.isdir(path):
-        raise ConfigError(f"{setting}={path!r}: no such folder")
-    index = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index):
-        raise ConfigError(f"{setting}={path}: no model_index.json, not a diffusers pipeline folder "
-                          f"(expected a {pipeline} folder)")
-    try:
-        with open(index) as f:
-            meta = json.load(f)
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{index}: unreadable ({e})") from None
-    problems = []
-    for name, cls in components.items():
-        folder, entry = os.path.join(path, name), meta.get(name)
-        found = isinstance(entry, list) and len(entry) == 2 and entry[1] or None
-        if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, f)) for f in _COMPONENT_FILES):
-            problems.append(f"{name}/")
-        elif cls and found and found != cls:
-            problems.append(f"{name} (is {found}, need {cls})")
-    if problems:
-        raise ConfigError(f"{setting}={path}: a {meta.get('_class_name', 'diffusers')} folder, not the {pipeline} "
-                          f"layout this script trains: missing {', '.join(problems)}")
-
-
-class NonFiniteGuard:
-    """Skips optimizer steps whose loss or gradient norm is non-finite on any rank: `step_ok()` is a
-    collective (MIN all-reduce), so every rank takes the same branch and no rank steps alone.
-    Counts skipped steps (`skipped_steps` in metrics and checkpoints); `exhausted` after
-    `max_in_a_row` bad steps in a row, when the script saves and stops with RunError."""
-
-    def __init__(self, max_in_a_row: int):
-        self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
-
-    def step_ok(self, *values) -> bool:
-        good = all_ranks_agree(is_finite(*values))
-        if good:
-            self.in_a_row = 0
-        else:
-            self.skipped += 1
-            self.in_a_row += 1
-        return good
-
-    @property
-    def exhausted(self) -> bool:
-        return self.in_a_row >= self.max_in_a_row
-
-    def state(self) -> dict:
-        return {"skipped_steps": self.skipped, "bad_steps_in_a_row": self.in_a_row}
-
-    def load(self, meta: dict) -> None:
-        self.skipped, self.in_a_row = int(meta.get("skipped_steps", 0)), int(meta.get("bad_steps_in_a_row", 0))
-
-    def error(self, step: int) -> RunError:
-        return RunError(f"{self.in_a_row} non-finite steps in a row (MAX_BAD_STEPS={self.max_in_a_row}) at step "
-                        f"{step}; checkpoint saved. Lower the LR or check the data, then --resume=auto")
-
-
-def first_error(error: str | None) -> str | None:
-    """Collective: the first failing rank's message (None when every rank succeeded), on every
-    rank, so all ranks stop together after a local failure (e.g. one rank's disk is full)."""
-    if not dist.is_initialized() or world_size() == 1:
-        return error
-    errors = [None] * world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
 
 
 if __name__ == "__main__":
-    # `python fsdp_utils.py plan --model=NAME --world_size=N ...`: the memory planner (memory_plan.py)
+    # `python fsdp_utils.py plan --model=NAME --world_size=N ...` runs the memory planner
+    # (tools/memory_plan.py) as a program: a dispatch, not an import, so no module cycle
     if sys.argv[1:2] != ["plan"]:
         sys.exit("usage: python fsdp_utils.py plan --model=NAME --world_size=N [--gpu_memory_gb=G] ...")
-    from memory_plan import main as plan_main
-    sys.exit(plan_main(sys.argv[2:]))
+    import runpy
+    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "memory_plan.py")] + sys.argv[2:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -57,7 +57,8 @@ class Precision:
         """Storage (= compute) dtype of a frozen component: the override if given, else compute."""
         return parse_dtype(override) if override else self.compute_dtype
 
-    def frozen_mp_policy(self, dtype: torch.dtype) -> MixedPrecisionPolicy:
+    @staticmethod
+    def frozen_mp_policy(dtype: torch.dtype) -> MixedPrecisionPolicy:
         """Frozen models are stored in their compute dtype: no cast, no gradient reduction."""
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype,
                                     output_dtype=torch.float32, cast_forward_inputs=True)

@@ -42,10 +42,12 @@ import torch
 import torch.nn as nn
 
 import checkpoint
-import dmd_math as dm
+from algorithms import dmd2 as dm
 import fsdp_utils
-from fsdp_utils import ConfigError, print0
-from precision import component_row, format_audit, get_precision, parse_dtype
+import data_utils
+import run_utils
+from run_utils import ConfigError, print0
+from precision import Precision, component_row, format_audit, get_precision, parse_dtype
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value)
@@ -180,7 +182,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, t
                               reshard_after_forward=RESHARD_AFTER_FORWARD, cpu_offload=cpu_offload,
                               activation_checkpointing=ACTIVATION_CHECKPOINTING, prefetch=PREFETCH)
     elif mesh is not None:
-        fsdp_utils.prepare_frozen(model, mesh, dtype, device, sharded=True, block_classes=BLOCK_CLASSES)
+        fsdp_utils.prepare_frozen(model, mesh, Precision.frozen_mp_policy(dtype), device, sharded=True, block_classes=BLOCK_CLASSES)
     return fsdp_utils.fill_built_model(model, folder, mesh, torch.device("cpu") if cpu_offload else device, load)
 
 
@@ -218,8 +220,8 @@ def load_frozen_parts(model_path: str, te_dtype: torch.dtype, vae_dtype: torch.d
     tokenizer = CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")
     text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
     vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae", low_cpu_mem_usage=False)
-    fsdp_utils.prepare_frozen(text_encoder, None, te_dtype, device, sharded=False)
-    fsdp_utils.prepare_frozen(vae, None, vae_dtype, device, sharded=False)
+    fsdp_utils.prepare_frozen(text_encoder, None, Precision.frozen_mp_policy(te_dtype), device, sharded=False)
+    fsdp_utils.prepare_frozen(vae, None, Precision.frozen_mp_policy(vae_dtype), device, sharded=False)
     return tokenizer, text_encoder, vae
 
 
@@ -235,7 +237,7 @@ def make_optimizer(module: nn.Module, lr: float):
     """AdamW as published (betas 0.9/0.999, weight decay 0.01) with a constant LR after warmup."""
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
                             betas=(0.9, 0.999), weight_decay=0.01)
-    return opt, fsdp_utils.warmup_scheduler(opt, WARMUP_STEPS)
+    return opt, run_utils.warmup_scheduler(opt, WARMUP_STEPS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def load_data(path: str, use_gan: bool, skip_bad: bool) -> tuple[list[dict], int
     if use_gan and not path.endswith(".jsonl"):
         raise ConfigError(f"USE_GAN needs real images: DATA_PATH={path!r} must be a .jsonl with \"image\" fields")
     keys = ("prompt", "image") if use_gan else ("prompt",)
-    return fsdp_utils.load_records(path, required=keys, image_keys=keys[1:], skip_bad=skip_bad)
+    return data_utils.load_records(path, required=keys, image_keys=keys[1:], skip_bad=skip_bad)
 
 
 @torch.no_grad()
@@ -283,7 +285,7 @@ def draw_step_noise(seed: int, step: int, batch: int, shape: tuple, n_sim: int, 
                     gan_max_t: int, num_train_timesteps: int) -> dict[str, torch.Tensor]:
     """All randomness of one step, drawn on CPU for the whole global batch (every micro-batch,
     every rank) in a fixed order, so it is independent of world size and GRAD_ACCUM layout."""
-    g = fsdp_utils.step_generator(seed, step)
+    g = data_utils.step_generator(seed, step)
     T = num_train_timesteps
     r = {"noise": torch.randn((batch, *shape), generator=g),
          "dm_t": dm.sample_dm_timesteps(batch, g, T, MIN_STEP_PERCENT, MAX_STEP_PERCENT),
@@ -303,11 +305,11 @@ def micro_batches(step: int, rows: list[dict], noise: dict, world: int, rank: in
     """This rank's share of each micro-batch of `step`: prompts' embeddings, real latents (GAN)
     and the matching slices of the step's noise. Chunk m of size BATCH_SIZE×world is micro-batch m."""
     chunk = BATCH_SIZE * world
-    indices = fsdp_utils.global_batch_indices(step, chunk * GRAD_ACCUM, len(rows), SEED)
+    indices = data_utils.global_batch_indices(step, chunk * GRAD_ACCUM, len(rows), SEED)
     out = []
     for m in range(GRAD_ACCUM):
-        mine = fsdp_utils.rank_slice(indices[m * chunk:(m + 1) * chunk], rank, world)
-        mb = {k: fsdp_utils.rank_slice(v[m * chunk:(m + 1) * chunk], rank, world).to(device)
+        mine = data_utils.rank_slice(indices[m * chunk:(m + 1) * chunk], rank, world)
+        mb = {k: data_utils.rank_slice(v[m * chunk:(m + 1) * chunk], rank, world).to(device)
               for k, v in noise.items()}
         mb["text"] = encode([rows[i]["prompt"] for i in mine])
         if encode_real is not None:
@@ -396,7 +398,7 @@ def window_add(window: dict, logs: dict) -> None:
 def window_metrics(window: dict, lrs: dict) -> dict:
     """The log line: window means, losses averaged over ranks too (grad norms are global already)."""
     means = {k: total / count for k, (total, count) in window.items()}
-    metrics = fsdp_utils.mean_across_ranks({k: v for k, v in means.items() if k.startswith("loss")})
+    metrics = run_utils.mean_across_ranks({k: v for k, v in means.items() if k.startswith("loss")})
     metrics.update({k: v for k, v in means.items() if not k.startswith("loss")}, **lrs)
     window.clear()
     return dict(sorted(metrics.items()))
@@ -408,7 +410,7 @@ def window_metrics(window: dict, lrs: dict) -> dict:
 def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: int):
     """Fixed sample prompts (the data's first distinct ones) and fixed noise, the same every time."""
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
-    g = fsdp_utils.step_generator(seed, 0, stream=7)
+    g = data_utils.step_generator(seed, 0, stream=7)
     return prompts, torch.randn((len(prompts), *shape), generator=g), torch.randn((len(prompts), n_sim, *shape), generator=g)
 
 
@@ -421,9 +423,9 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
     z, _ = dm.backward_simulation(model, noise, step_list, last, text, alphas, fresh_noise=fresh)
     latents = dm.generator_forward(model, z, step_list[last], text, alphas)
     fsdp_utils.reshard_all(model)  # no gathered copy left behind until the next grid
-    if fsdp_utils.rank() == 0:
+    if run_utils.rank() == 0:
         images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
-        fsdp_utils.save_image_grid(images, path, nrow=4)
+        data_utils.save_image_grid(images, path, nrow=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,20 +443,20 @@ MODEL_COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "tex
 
 
 def main() -> None:
-    config = fsdp_utils.apply_overrides(globals(), sys.argv[1:])
+    config = run_utils.apply_overrides(globals(), sys.argv[1:])
     step_list = validate_config(int(os.environ.get("WORLD_SIZE", 1)))
     precision = get_precision(PRECISION)
     model_path, data_path = MODEL_PATH, DATA_PATH
     if not model_path:
         model_path, default_data = default_paths()
         data_path = data_path or default_data
-    fsdp_utils.check_model_folder(model_path, "StableDiffusionPipeline", MODEL_COMPONENTS)
-    fsdp_utils.check_output_dir(OUTPUT_DIR)
+    run_utils.check_model_folder(model_path, "StableDiffusionPipeline", MODEL_COMPONENTS)
+    run_utils.check_output_dir(OUTPUT_DIR)
 
     d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
-    print0(f"config ({d.world_size} ranks, {d.backend}):\n{fsdp_utils.format_config(config)}")
+    print0(f"config ({d.world_size} ranks, {d.backend}):\n{run_utils.format_config(config)}")
     print0(f"model {model_path}, data {data_path}" + ("" if MODEL_PATH else " (embedded default)"))
-    stopper = fsdp_utils.GracefulStop()
+    stopper = run_utils.GracefulStop()
     quiet_empty_fp32_warning()
     rows, skipped = load_data(data_path, USE_GAN, SKIP_BAD_SAMPLES)
     print0(f"data: {len(rows)} rows from {data_path}" + (f", {skipped} bad rows skipped" if skipped else ""))
@@ -500,7 +502,7 @@ def main() -> None:
 
     # resume
     ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
-    start_step, guard = 0, fsdp_utils.NonFiniteGuard(MAX_BAD_STEPS)
+    start_step, guard = 0, run_utils.NonFiniteGuard(MAX_BAD_STEPS)
     if resume_path:
         meta = ckpt.load(resume_path, models, optimizers, schedulers)
         start_step = meta["step"]
@@ -520,7 +522,7 @@ def main() -> None:
     sample = functools.partial(write_samples, ema if ema is not None else generator, vae, encode(sample_prompts),
                                sample_noise.to(d.device), sample_sim, step_list, alphas)
     global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
-    logger = fsdp_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start_step)
+    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start_step)
     saved_at, window = (start_step if resume_path else -1), {}
 
     # the loop: `step` counts completed steps before this one (the official 0-based iteration)
@@ -583,7 +585,7 @@ def main() -> None:
             ckpt.wait()
             if guard.exhausted:
                 raise guard.error(done)
-            raise fsdp_utils.Preempted(stopper.signal_received(), f"checkpoint saved at step {done}; rerun with --resume=auto")
+            raise run_utils.Preempted(stopper.signal_received(), f"checkpoint saved at step {done}; rerun with --resume=auto")
 
     # the final checkpoint and samples were written in the loop at MAX_STEPS; export
     logger.close()
@@ -603,7 +605,7 @@ def evaluate_export(export: str, prompts: list[str], step_list: list[int]) -> No
     OUTPUT_DIR/eval.json. Skipped unless every training prompt is a shapes prompt."""
     import json
 
-    import shapes_eval as se
+    from demos import shapes_eval as se
     unique = set(prompts)
     try:
         for p in unique:
@@ -625,4 +627,4 @@ def evaluate_export(export: str, prompts: list[str], step_list: list[int]) -> No
 
 
 if __name__ == "__main__":
-    fsdp_utils.run_main(main)
+    run_utils.run_main(main)

@@ -49,9 +49,11 @@ import torch.distributed as dist
 
 import checkpoint
 import fsdp_utils
-import kontext_math as km
+import data_utils
+import run_utils
+from algorithms import flux_kontext as km
 import precision
-from fsdp_utils import ConfigError, print0
+from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value)
@@ -136,7 +138,7 @@ def load_vae(folder, dtype, device):
     """The frozen VAE, replicated on every rank in its own dtype."""
     from diffusers import AutoencoderKL
     vae = AutoencoderKL.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)  # small: plain load
-    return fsdp_utils.prepare_frozen(vae, None, dtype, device, sharded=False, verbose=False)
+    return fsdp_utils.prepare_frozen(vae, None, precision.Precision.frozen_mp_policy(dtype), device, sharded=False, verbose=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype,
     """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache;
     the encoders are loaded only where something is missing and freed before training.
     Returns (computed, reused), summed over ranks."""
-    mine = sorted(set(prompts))[fsdp_utils.rank()::fsdp_utils.world_size()]
+    mine = sorted(set(prompts))[run_utils.rank()::run_utils.world_size()]
     missing = [p for p in mine if not os.path.exists(cache_file(cache_dir, identity, p))]
     if missing:
         pipe = load_text_encoders(model_path, dtype, device)
@@ -276,7 +278,7 @@ def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple
         if (weights > 0).sum() == 1:
             b = int(weights.argmax())
         else:
-            b = int(torch.multinomial(weights, 1, generator=fsdp_utils.step_generator(seed, step, 7)))
+            b = int(torch.multinomial(weights, 1, generator=data_utils.step_generator(seed, step, 7)))
         schedule.append((b, used[b]))
         used[b] += 1
     return members, schedule
@@ -284,9 +286,9 @@ def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple
 
 def step_indices(step, members, schedule, global_batch, seed) -> list[int]:
     """Dataset indices of the global batch of `step`: the k-th batch of its bucket, from that
-    bucket's own seeded epochs (fsdp_utils.global_batch_indices)."""
+    bucket's own seeded epochs (data_utils.global_batch_indices)."""
     b, k = schedule[step]
-    local = fsdp_utils.global_batch_indices(k, global_batch, len(members[b]), seed + 1000 * b)
+    local = data_utils.global_batch_indices(k, global_batch, len(members[b]), seed + 1000 * b)
     return [members[b][i] for i in local]
 
 
@@ -326,7 +328,7 @@ def draw_step_randomness(seed, step, global_batch, latent_shape, sigma_kwargs, r
     """Everything random in one optimizer step, drawn for the whole global batch (all micro-batches
     of all ranks) from step_generator(seed, step) on CPU: sigmas (G,), noise (G, C, h, w), flips
     (G,). Each rank then takes its rows, so any layout (world size, GRAD_ACCUM) sees the same."""
-    g = fsdp_utils.step_generator(seed, step, 0)
+    g = data_utils.step_generator(seed, step, 0)
     sigmas = km.sample_sigmas(global_batch, generator=g, **sigma_kwargs)
     noise = torch.randn(global_batch, *latent_shape, generator=g)
     flips = (torch.rand(global_batch, generator=g) < 0.5) & random_flip
@@ -418,7 +420,7 @@ def resolve_defaults() -> dict:
     resolved config, which is what checkpoints record."""
     global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR
     if not MODEL_PATH or not DATA_PATH:  # the embedded default goes through the same code path
-        import tiny_models
+        from tools import tiny_models
         tiny_model, tiny_data = tiny_models.ensure_default("flux_kontext")
         if not MODEL_PATH:
             RESOLUTION = RESOLUTION or tiny_models.IMAGE_SIZE
@@ -427,7 +429,7 @@ def resolve_defaults() -> dict:
     RESOLUTION = RESOLUTION or 512
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
     print0(f"model {MODEL_PATH} | data {DATA_PATH} | resolution {RESOLUTION}")
-    return fsdp_utils.script_constants(globals())
+    return run_utils.script_constants(globals())
 
 
 def vae_scale_factor(model_path) -> int:
@@ -439,7 +441,7 @@ def vae_scale_factor(model_path) -> int:
 def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
     """(train rows, held-out rows, buckets, bucket of each train row). The last `num_held_out`
     rows are kept out of training for samples. Bad rows stop the run (file:line) or are skipped."""
-    rows, skipped = fsdp_utils.load_records(data_path, required=("image", "target", "prompt"),
+    rows, skipped = data_utils.load_records(data_path, required=("image", "target", "prompt"),
                                             image_keys=("image", "target"), skip_bad=skip_bad)
     if len(rows) <= num_held_out:
         raise ConfigError(f"{data_path}: {len(rows)} usable pairs; need more than NUM_SAMPLE_PAIRS={num_held_out}")
@@ -500,16 +502,16 @@ def quiet_known_warnings() -> None:
 
 
 def main():
-    fsdp_utils.apply_overrides(globals(), sys.argv[1:])
+    run_utils.apply_overrides(globals(), sys.argv[1:])
     prec = validate_config()
     quiet_known_warnings()
-    fsdp_utils.check_output_dir(OUTPUT_DIR)
+    run_utils.check_output_dir(OUTPUT_DIR)
     if MODEL_PATH:
-        fsdp_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
+        run_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
     d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
     print0(f"train_flux_kontext: {d.world_size} rank(s), {d.backend}, device {d.device}")
     config = resolve_defaults()
-    print0(fsdp_utils.format_config(config))
+    print0(run_utils.format_config(config))
     resume_path = checkpoint.resolve_resume(RESUME, OUTPUT_DIR)  # a bad path fails here, before any work
 
     # data, buckets and the text-embedding cache (text encoders live only inside this call)
@@ -531,7 +533,7 @@ def main():
     # foreach: one dispatch per op over all DTensor shards (~15x faster than per-tensor on CPU)
     optimizer = torch.optim.AdamW(params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
                                   weight_decay=WEIGHT_DECAY, foreach=True)
-    lr_sched = fsdp_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
+    lr_sched = run_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
     optimizers, schedulers = {"transformer": (transformer, optimizer)}, {"transformer": lr_sched}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
@@ -539,7 +541,7 @@ def main():
     print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
 
     ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
-    start, guard = 0, fsdp_utils.NonFiniteGuard(MAX_BAD_STEPS)
+    start, guard = 0, run_utils.NonFiniteGuard(MAX_BAD_STEPS)
     if resume_path:
         meta = ckpt.load(resume_path, models, optimizers, schedulers)
         start = meta["step"]
@@ -552,8 +554,8 @@ def main():
     final_model = ema if ema is not None else transformer  # what samples show and export writes
     sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
     sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    stopper = fsdp_utils.GracefulStop()
-    logger = fsdp_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
+    stopper = run_utils.GracefulStop()
+    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
 
     # ------------------------------------------------------------------------------------------
     # the loop: step s (1-based) trains on data batch s-1 of the bucket schedule
@@ -564,7 +566,7 @@ def main():
         sigmas, noise, flips = draw_step_randomness(SEED, step, global_batch, latent_shape, sigma_kwargs, RANDOM_FLIP)
         loss_sum = 0.0
         for m in range(GRAD_ACCUM):  # micro-batch m = m-th chunk of the global batch, split over ranks
-            mine = list(fsdp_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), d.rank, d.world_size))
+            mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), d.rank, d.world_size))
             rows = [train[indices[i]] for i in mine]
             text = load_text_embeds([r["prompt"] for r in rows], TEXT_CACHE_DIR, identity, d.device)
             loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
@@ -586,14 +588,14 @@ def main():
 
         metrics = None
         if LOG_EVERY and (step % LOG_EVERY == 0 or step == MAX_STEPS):
-            metrics = {**fsdp_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
+            metrics = {**run_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
                        "skipped_steps": guard.skipped}
         logger.step_done(step, metrics)
         if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
             grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
                                SAMPLE_GUIDANCE, SEED, d.device)
             if d.rank == 0:
-                fsdp_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
+                data_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
         stop = stopper.should_stop()
         if (SAVE_EVERY and step % SAVE_EVERY == 0) or step == MAX_STEPS or stop or guard.exhausted:
             ckpt.save(step, models, optimizers, schedulers, {"samples_seen": step * global_batch, **guard.state()},
@@ -602,7 +604,7 @@ def main():
             ckpt.wait()
             if guard.exhausted:
                 raise guard.error(step)
-            raise fsdp_utils.Preempted(stopper.signal_received(),
+            raise run_utils.Preempted(stopper.signal_received(),
                                        f"checkpoint saved at step {step}; rerun with --resume=auto")
     logger.close()
     ckpt.wait()
@@ -616,4 +618,4 @@ def main():
 
 
 if __name__ == "__main__":
-    fsdp_utils.run_main(main)
+    run_utils.run_main(main)

@@ -19,6 +19,8 @@ from tests.test_fsdp_utils import TinyNet, make_data, tiny_unet
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import fsdp_utils  # noqa: E402
+import data_utils  # noqa: E402
+import run_utils  # noqa: E402
 from precision import get_precision  # noqa: E402
 
 
@@ -33,7 +35,7 @@ def build(seed, mesh):
 
 def train(model, opt, sched, data, start, stop, rank, world):
     for x, y in data[start:stop]:
-        x, y = fsdp_utils.rank_slice(x, rank, world), fsdp_utils.rank_slice(y, rank, world)
+        x, y = data_utils.rank_slice(x, rank, world), data_utils.rank_slice(y, rank, world)
         # a dropout-like use of the global RNG: resume must restore per-rank RNG state too
         noise = 1e-3 * torch.randn_like(x)
         ((model(x + noise) - y) ** 2).mean().backward()
@@ -167,7 +169,7 @@ def test_keep_last_prunes_oldest(tmp_path):
     ck._prune()
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 3]
     assert sorted(os.listdir(ck.root)) == ["step_000002", "step_000003"]
-    with pytest.raises(fsdp_utils.ConfigError, match="not a complete checkpoint"):
+    with pytest.raises(run_utils.ConfigError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path / "nowhere"), str(tmp_path))
     assert checkpoint.resolve_resume("", str(tmp_path)) is None
 

@@ -19,7 +19,8 @@ from tests._dist import ROOT, launch_env
 
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
-from fsdp_utils import ConfigError  # noqa: E402
+import run_utils  # noqa: E402
+from run_utils import ConfigError  # noqa: E402
 
 
 def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):
@@ -53,7 +54,7 @@ def assert_exports_match(tmp_path, component: str) -> None:
 
 
 def test_ddp_matches_fsdp(tmp_path):
-    import tiny_models
+    from tools import tiny_models
     cache = tmp_path / "cache"
     tiny_models.ensure_default("flux_kontext", cache)
     common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
@@ -96,7 +97,7 @@ def test_dmd_ddp_matches_fsdp(tmp_path):
 
 def test_dmd_ddp_refuses_the_gan_head(monkeypatch):
     import train_dmd
-    saved = fsdp_utils.script_constants(vars(train_dmd))
+    saved = run_utils.script_constants(vars(train_dmd))
     monkeypatch.setattr(sys, "argv", ["train_dmd.py", "--parallelism=ddp", "--use_gan=1"])
     try:
         with pytest.raises(ConfigError, match="PARALLELISM=ddp with USE_GAN=1"):

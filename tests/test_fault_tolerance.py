@@ -34,8 +34,9 @@ from tests._dist import ROOT, launch_env, run_ranks
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
+import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
-from fsdp_utils import ConfigError, RunError  # noqa: E402
+from run_utils import ConfigError, RunError  # noqa: E402
 
 KONTEXT = os.path.join(ROOT, "train_flux_kontext.py")
 STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
@@ -201,7 +202,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
 
 
 def _guard_on_two_ranks(rank, world):
-    guard = fsdp_utils.NonFiniteGuard(max_in_a_row=2)
+    guard = run_utils.NonFiniteGuard(max_in_a_row=2)
     assert guard.step_ok(1.0, 2.0)
     assert not guard.step_ok(float("nan") if rank == 1 else 1.0, 2.0)  # rank 0 skips too
     assert not guard.exhausted and guard.state() == {"skipped_steps": 1, "bad_steps_in_a_row": 1}
@@ -275,7 +276,7 @@ def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_pat
 
 def main_error(monkeypatch, module, argv) -> str:
     """The ConfigError main() raises for `argv` (settings restored afterwards)."""
-    saved = fsdp_utils.script_constants(vars(module))
+    saved = run_utils.script_constants(vars(module))
     monkeypatch.setattr(sys, "argv", ["script.py", *argv])
     try:
         with pytest.raises(ConfigError) as info:
@@ -286,7 +287,7 @@ def main_error(monkeypatch, module, argv) -> str:
 
 
 def test_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tmp_path):
-    import tiny_models
+    from tools import tiny_models
     kontext, _ = tiny_models.ensure_default("flux_kontext")
     (tmp_path / "file").write_text("x")
     (tmp_path / "no_index").mkdir()
@@ -362,7 +363,7 @@ def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
 def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tmp_path):
     import train_dmd
     teacher = os.path.join(ROOT, "assets", "shapes_teacher")
-    kontext, _ = __import__("tiny_models").ensure_default("flux_kontext")
+    kontext, _ = __import__("tools.tiny_models", fromlist=["x"]).ensure_default("flux_kontext")
     (tmp_path / "file").write_text("x")
     partial_model = tmp_path / "partial_model"
     partial_model.mkdir()
@@ -420,7 +421,7 @@ def test_second_signal_exits_at_once():
     code = ("import os, signal, sys, time\n"
             f"sys.path.insert(0, {ROOT!r})\n"
             "import fsdp_utils\n"
-            "stop = fsdp_utils.GracefulStop()\n"
+            "stop = run_utils.GracefulStop()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\n"
             "assert stop.signum == signal.SIGTERM\n"

@@ -17,7 +17,9 @@ from tests._dist import ROOT, run_ranks
 
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
-from fsdp_utils import ConfigError  # noqa: E402
+import data_utils  # noqa: E402
+import run_utils  # noqa: E402
+from run_utils import ConfigError  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,13 +83,13 @@ def _parity(rank, world, dp_replicate, ac, prefetch, mode="fp32", offload=False,
     fsdp_utils.assert_sharded(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     for i, (x, y) in enumerate(make_data(5, 8)):
-        x, y = fsdp_utils.rank_slice(x, rank, world), fsdp_utils.rank_slice(y, rank, world)
+        x, y = data_utils.rank_slice(x, rank, world), data_utils.rank_slice(y, rank, world)
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         norm = fsdp_utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-        mean_loss = fsdp_utils.mean_across_ranks({"loss": float(loss)})["loss"]
+        mean_loss = run_utils.mean_across_ranks({"loss": float(loss)})["loss"]
         assert abs(mean_loss - ref_losses[i]) < tol * max(1, abs(ref_losses[i])), (i, mean_loss, ref_losses[i])
         assert abs(float(norm) - ref_norms[i]) < tol * max(1, ref_norms[i]), (i, float(norm), ref_norms[i])
     for k, v in model.state_dict().items():
@@ -141,18 +143,18 @@ def test_find_block_classes():
 
 def test_overrides_type_checked_and_case_insensitive():
     ns = {"MAX_STEPS": 10, "LR": 1e-4, "NAME": "x", "FLAG": False, "STEPS": [999, 749], "lower": 1}
-    cfg = fsdp_utils.apply_overrides(ns, ["--max_steps=20", "--LR=3e-5", "--flag=true", "--steps=[999,500]",
+    cfg = run_utils.apply_overrides(ns, ["--max_steps=20", "--LR=3e-5", "--flag=true", "--steps=[999,500]",
                                           "--Name=y"])
     assert cfg == {"MAX_STEPS": 20, "LR": 3e-5, "NAME": "y", "FLAG": True, "STEPS": [999, 500]}
-    assert fsdp_utils.apply_overrides(ns, ["--steps=999,1"])["STEPS"] == [999, 1]
+    assert run_utils.apply_overrides(ns, ["--steps=999,1"])["STEPS"] == [999, 1]
     with pytest.raises(ConfigError, match="did you mean --max_steps"):
-        fsdp_utils.apply_overrides(ns, ["--max_step=3"])
+        run_utils.apply_overrides(ns, ["--max_step=3"])
     with pytest.raises(ConfigError, match="expected int"):
-        fsdp_utils.apply_overrides(ns, ["--max_steps=ten"])
+        run_utils.apply_overrides(ns, ["--max_steps=ten"])
     with pytest.raises(ConfigError, match="expected bool"):
-        fsdp_utils.apply_overrides(ns, ["--flag=maybe"])
+        run_utils.apply_overrides(ns, ["--flag=maybe"])
     with pytest.raises(ConfigError, match="--name=value"):
-        fsdp_utils.apply_overrides(ns, ["max_steps=3"])
+        run_utils.apply_overrides(ns, ["max_steps=3"])
 
 
 def test_dp_replicate_must_divide_world():
@@ -162,17 +164,17 @@ def test_dp_replicate_must_divide_world():
 
 
 def test_run_main_config_error_is_one_line_exit_2():
-    code = ("import sys; sys.path.insert(0, %r); import fsdp_utils\n"
-            "def main():\n    raise fsdp_utils.ConfigError('bad thing')\n"
-            "fsdp_utils.run_main(main)\n") % ROOT
+    code = ("import sys; sys.path.insert(0, %r); import run_utils\n"
+            "def main():\n    raise run_utils.ConfigError('bad thing')\n"
+            "run_utils.run_main(main)\n") % ROOT
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "error: bad thing"
 
 
 def test_global_batch_indices_cover_epochs():
-    seen = [i for s in range(5) for i in fsdp_utils.global_batch_indices(s, 4, 10, seed=3)]
+    seen = [i for s in range(5) for i in data_utils.global_batch_indices(s, 4, 10, seed=3)]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
-    assert fsdp_utils.global_batch_indices(3, 4, 10, 3) == seen[12:16]
+    assert data_utils.global_batch_indices(3, 4, 10, 3) == seen[12:16]
 
 
 # ----------------------------------------------------------------------------------------------

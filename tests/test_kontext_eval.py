@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kontext_eval as ke  # noqa: E402
+from demos import kontext_eval as ke  # noqa: E402
 
 
 @pytest.fixture(scope="module")

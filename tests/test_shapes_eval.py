@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import shapes_eval as se  # noqa: E402
+from demos import shapes_eval as se  # noqa: E402
 
 SEEDS = 4  # real images per prompt in the sets below
 
@@ -129,7 +129,7 @@ def test_generate_with_a_tiny_random_model():
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from tiny_models import write_clip_tokenizer
+    from tools.tiny_models import write_clip_tokenizer
 
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:

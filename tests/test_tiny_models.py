@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import tiny_models  # noqa: E402
+from tools import tiny_models  # noqa: E402
 
 PROMPT = "a red circle on a blue background"
 

@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local 
 
 sys.path.insert(0, ROOT)
 import train_dmd  # noqa: E402
-from fsdp_utils import ConfigError  # noqa: E402
+from run_utils import ConfigError  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_dmd.py")
 TIMEOUT = 240  # seconds; a hung rank fails the test instead of blocking the suite
@@ -184,7 +184,7 @@ def test_resume_is_bit_exact(run_a, run_resumed):
 
 def test_export_is_a_one_step_pipeline(run_a):
     """The README snippet: LCMScheduler's single step at t=999 returns the x0 of the generator."""
-    import dmd_math as dm
+    from algorithms import dmd2 as dm
     from diffusers import LCMScheduler, StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(os.path.join(run_a, "export"), torch_dtype=torch.float32)

@@ -33,8 +33,9 @@ from tests._dist import ROOT, free_port
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils  # noqa: E402
+import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
-from fsdp_utils import ConfigError  # noqa: E402
+from run_utils import ConfigError  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "train_flux_kontext.py")
 STEPS = 3
@@ -78,7 +79,7 @@ def make_mixed_dataset(folder):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """The tiny default built once into a private cache, the mixed dataset, launch environment."""
-    import tiny_models
+    from tools import tiny_models
     root = tmp_path_factory.mktemp("kontext")
     cache = root / "cache"
     model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
@@ -285,7 +286,7 @@ def test_text_cache_key_depends_on_encoder_settings(setup):
 
 
 def test_config_errors_before_any_work(monkeypatch):
-    saved = fsdp_utils.script_constants(vars(tfk))
+    saved = run_utils.script_constants(vars(tfk))
     try:
         for argv, message in ((["--dp_replicate=2"], "does not divide"),
                               (["--weighting_scheme=cosine"], "WEIGHTING_SCHEME in"),
@@ -305,7 +306,7 @@ def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
     from precision import get_precision
-    import kontext_math as km
+    from algorithms import flux_kontext as km
     folder = os.path.join(setup["model_path"], "transformer")
     g = torch.Generator().manual_seed(0)
     x0, ctx, noise = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))

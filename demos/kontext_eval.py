@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-import tiny_models
-from tiny_models import COLOURS, SHAPES
+from tools import tiny_models
+from tools.tiny_models import COLOURS, SHAPES
 
 TASK_COLOUR = "blue"
 TASK_PROMPT = f"make it {TASK_COLOUR}"

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
 
@@ -62,12 +63,12 @@ class Settings:
 # building the real-size models on meta, as the scripts hold them
 
 def model_folder(name: str) -> str:
-    builtin = os.path.join(HERE, "configs", name)
+    builtin = os.path.join(HERE, "real_size_configs", name)
     if os.path.isdir(builtin):
         return builtin
     if os.path.isdir(name):
         return name
-    choices = sorted(os.listdir(os.path.join(HERE, "configs")))
+    choices = sorted(os.listdir(os.path.join(HERE, "real_size_configs")))
     raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(choices)}) nor a folder")
 
 
@@ -152,7 +153,7 @@ def shard_components(comps: list[Component], s: Settings, precision) -> dict:
                 fsdp_utils.apply_fsdp(c.module, mesh, precision.mp_policy(), block_classes=c.blocks,
                                       reshard_after_forward=s.reshard_after_forward, verbose=False)
             elif c.role == "frozen-sharded":
-                fsdp_utils.prepare_frozen(c.module, mesh, c.dtype, torch.device("meta"), sharded=True,
+                fsdp_utils.prepare_frozen(c.module, mesh, precision.frozen_mp_policy(c.dtype), torch.device("meta"), sharded=True,
                                           block_classes=c.blocks, verbose=False)
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
             out[c.name] = {"local": local, "global": sum(p.numel() for p in c.module.parameters()), "units": units}

@@ -4,10 +4,10 @@
 # the shapes task (shapes_eval.py): the teacher with 25 DDIM steps and CFG 2, the teacher with
 # 1 step, the student with 1 step. Prints the table; writes the side-by-side grid.
 #
-#   bash demo_dmd.sh                 # 2 ranks; extra arguments go to train_dmd.py
-#   NPROC=1 bash demo_dmd.sh --batch_size=16
+#   bash demos/demo_dmd.sh                 # 2 ranks; extra arguments go to train_dmd.py
+#   NPROC=1 bash demos/demo_dmd.sh --batch_size=16
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/dmd_demo}
 NPROC=${NPROC:-2}
 GRID=${GRID:-$OUT/shapes_grid.png}
@@ -20,6 +20,6 @@ python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd
     --max_steps=1000 --batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_update_ratio=5 \
     --ema_decay=0.98 --precision=fp32 --log_every=50 --sample_every=200 --save_every=400 "$@"
 trained=$(date +%s)
-python shapes_eval.py --compare teacher=assets/shapes_teacher student="$OUT/export" --cfg=2 \
+python -m demos.shapes_eval --compare teacher=assets/shapes_teacher student="$OUT/export" --cfg=2 \
     --grid="$GRID" --grid_every=5 --json_out="$OUT/compare.json"
 echo "demo: training $((trained - start)) s, evaluation $(( $(date +%s) - trained )) s; grid $GRID"

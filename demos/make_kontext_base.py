@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import kontext_eval as ke
-import tiny_models
-from tiny_models import COLOURS, SHAPES
+from demos import kontext_eval as ke
+from tools import tiny_models
+from tools.tiny_models import COLOURS, SHAPES
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 ASSET_DIR = ROOT / "assets" / "kontext_base"
 IMAGE_SIZE = ke.IMAGE_SIZE  # 32
 

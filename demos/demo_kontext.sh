@@ -5,14 +5,14 @@
 # FluxKontextPipeline on held-out pairs (kontext_eval.py): edit accuracy, shape/position kept
 # (foreground IoU), background kept, and the other recolours the base knew (retention).
 #
-#   bash demo_kontext.sh            # 2 ranks; extra arguments go to train_flux_kontext.py
+#   bash demos/demo_kontext.sh            # 2 ranks; extra arguments go to train_flux_kontext.py
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/kontext_demo}
 NPROC=${NPROC:-2}
 GRID=${GRID:-$OUT/blue_grid.png}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-TRAIN=$(python kontext_eval.py --make_data="$OUT/task" | awk '$1 == "train" {print $2}')
+TRAIN=$(python -m demos.kontext_eval --make_data="$OUT/task" | awk '$1 == "train" {print $2}')
 start=$(date +%s)
 python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \
     --model_path=assets/kontext_base --data_path="$TRAIN" --output_dir="$OUT" \
@@ -20,6 +20,6 @@ python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flu
     --max_grad_norm=1.0 --ema_decay=0.99 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=20 \
     --sample_guidance=1.0 --save_every=0 --log_every=50 --sample_every=300 --max_steps=600 "$@"
 trained=$(date +%s)
-python kontext_eval.py --compare base=assets/kontext_base tuned="$OUT/export" --task_dir="$OUT/task" \
+python -m demos.kontext_eval --compare base=assets/kontext_base tuned="$OUT/export" --task_dir="$OUT/task" \
     --grid="$GRID" --json="$OUT/eval.json"
 echo "demo: fine-tuning $((trained - start)) s, evaluation $(( $(date +%s) - trained )) s; grid $GRID"

@@ -18,13 +18,14 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+sys.path.insert(0, HERE)
 
 
 def _torchrun(worker: str, *args: str, nproc: int = 2) -> list[dict]:
     """Run `benchmarks.py _worker <worker> args` on nproc CPU ranks; rank 0 prints JSON lines."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "benchmarks.py"), "_worker", worker, *args]
+           os.path.join(HERE, "tools", "benchmarks.py"), "_worker", worker, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
     if r.returncode:
@@ -34,7 +35,8 @@ def _torchrun(worker: str, *args: str, nproc: int = 2) -> list[dict]:
 
 def _emit(obj: dict) -> None:
     import fsdp_utils
-    if fsdp_utils.rank() == 0:
+    import run_utils
+    if run_utils.rank() == 0:
         print("BENCH " + json.dumps(obj), flush=True)
 
 
@@ -119,7 +121,7 @@ def medium_folder(kind: str, root: str) -> str:
     """The tiny default's folder with its trained model swapped for a medium one (tens of M
     params), so state bytes and step times are not lost in fixed costs. Frozen parts: symlinks."""
     import torch
-    import tiny_models
+    from tools import tiny_models
     tiny, _ = tiny_models.ensure_default(kind)
     folder = os.path.join(root, f"medium_{kind}")
     if os.path.isdir(folder):
@@ -164,7 +166,7 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
         args += [f"--model_path={folder}", "--resolution=64", f"--data_path={data}"]
     if size == "medium":
         args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
-        import tiny_models
+        from tools import tiny_models
         data = tiny_models.ensure_default(kind)[1]
         args.append(f"--data_path={next(os.path.join(data, f) for f in sorted(os.listdir(data)) if f.endswith(('.jsonl', '.txt')))}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -191,7 +193,7 @@ def tiny_default(script: str) -> tuple[str, str]:
     if script == "dmd":
         import train_dmd
         return train_dmd.default_paths()
-    import tiny_models
+    from tools import tiny_models
     folder, data_dir = tiny_models.ensure_default(SCRIPTS[script][1])
     return folder, os.path.join(data_dir, "data.jsonl")
 
@@ -237,10 +239,10 @@ def bench_step() -> str:
 
 
 def bench_planner() -> str:
-    import memory_plan
+    from tools import memory_plan
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
-    import tiny_models
+    from tools import tiny_models
     root = _root()
     lines = ["| model | planner: model states | measured | error | planner: total (no CUDA reserve) "
              "| measured peak above baseline | error |", "|---|---|---|---|---|---|---|"]

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kontext_math as km  # noqa: E402
+from algorithms import flux_kontext as km  # noqa: E402
 
 from diffusers import (  # noqa: E402
     AutoencoderKL,

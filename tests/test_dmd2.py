@@ -1,6 +1,6 @@
-"""Independent checks of the DMD2 math in dmd_math.py on a tiny random diffusers UNet (CPU).
+"""Independent checks of the DMD2 math in algorithms/dmd2.py on a tiny random diffusers UNet (CPU).
 
-    python -m pytest tests/test_dmd_math.py -q
+    python -m pytest tests/test_dmd2.py -q
 """
 import copy
 import os
@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dmd_math as dm  # noqa: E402
+from algorithms import dmd2 as dm  # noqa: E402
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -289,7 +289,7 @@ def test_choose_step_index_same_on_all_ranks_and_covers_all():
     assert set(r0) == {0, 1, 2, 3}
     assert r0 != [dm.choose_step_index(step, seed=43, n_steps=4) for step in range(400)]
     # a separate process with different hash randomisation agrees
-    code = "import dmd_math as d; print([d.choose_step_index(s, 42, 4) for s in range(400)])"
+    code = "from algorithms import dmd2 as d; print([d.choose_step_index(s, 42, 4) for s in range(400)])"
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, cwd=ROOT)

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import shapes_eval as se
-from tiny_models import write_clip_tokenizer
+from demos import shapes_eval as se
+from tools.tiny_models import write_clip_tokenizer
 
 TEXT_HIDDEN = 64
 TEXT_MAX_LENGTH = 16  # prompts are 9 tokens with <bos>/<eos>; SD pads to the tokenizer's max length

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiny_models import COLOURS, _describe, _draw_shape
+from tools.tiny_models import COLOURS, _describe, _draw_shape
 
 # ---------------------------------------------------------------------------------------------
 # the task
@@ -399,7 +399,7 @@ def sample_latents(unet, scheduler, cond, uncond, noise, sampler="ddim", steps=2
     sampler; for a teacher the 1-step baseline). fewstep: DMD2's multi-step sampling with
     dmd_math.denoising_step_list(steps), re-noising each x0 with fresh noise.
     """
-    import dmd_math as dm
+    from algorithms import dmd2 as dm
     from diffusers import DDIMScheduler
 
     dtype = next(unet.parameters()).dtype

@@ -1,0 +1,140 @@
+"""Data for both training scripts: which samples and which random numbers a step uses (pure
+functions of SEED and the step, so any world size and a resume see the same), data files checked
+row by row before any work, one image loader, and PNG grids.
+
+    python -m pytest tests/test_fsdp_utils.py tests/test_fault_tolerance.py -q
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from run_utils import ConfigError
+
+# ----------------------------------------------------------------------------------------------
+# data order and randomness: functions of (seed, step), identical on every rank
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A CPU generator seeded from (seed, step, stream): randomness for the *global* batch of a
+    step, identical on every rank and after a resume, whatever the world size."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + step * 9_176 + stream * 7_919) % (2**63 - 1))
+    return g
+
+
+def global_batch_indices(step: int, global_batch: int, n: int, seed: int) -> list[int]:
+    """Dataset indices of the global batch of `step`: epochs of seeded permutations laid end to
+    end, so the data position is just the step (resumable on any world size)."""
+    out, pos = [], step * global_batch
+    while len(out) < global_batch:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=99)).tolist()
+        take = perm[offset:offset + global_batch - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def rank_slice(items, rank_: int, world: int):
+    """This rank's contiguous share of a global batch (list or tensor along dim 0)."""
+    per = len(items) // world
+    return items[rank_ * per:(rank_ + 1) * per]
+
+
+# ----------------------------------------------------------------------------------------------
+# data files: validated up front, identically on every rank
+
+def load_records(path: str, required: tuple[str, ...], image_keys: tuple[str, ...] = (),
+                 skip_bad: bool = False, check_images: bool = True) -> tuple[list[dict], int]:
+    """Rows of a `.jsonl` (or prompts of a `.txt`, one a line) with image paths made absolute
+    (relative to the file). A bad row -> ConfigError naming file and line, or with skip_bad it is
+    dropped and counted. Every rank reads the whole file, so all ranks agree on errors and length."""
+    if not path or not os.path.isfile(path):
+        raise ConfigError(f"DATA_PATH={path!r}: no such file")
+    base, rows, skipped = os.path.dirname(os.path.abspath(path)), [], 0
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = _parse_row(path, line, required, image_keys, base, check_images)
+        except ValueError as e:
+            if not skip_bad:
+                raise ConfigError(f"{path}:{lineno}: {e}") from None
+            skipped += 1
+            continue
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: no usable samples ({skipped} skipped)")
+    return rows, skipped
+
+
+def _parse_row(path, line, required, image_keys, base, check_images) -> dict:
+    if path.endswith(".txt"):
+        return {"prompt": line.strip()}
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError("expected a JSON object")
+    for key in required:
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            raise ValueError(f"missing or empty {key!r}")
+    for key in image_keys:
+        full = os.path.join(base, row[key])
+        if check_images:
+            _check_image(full)
+        row[key] = full
+    return row
+
+
+def _check_image(path: str) -> None:
+    from PIL import Image
+    if not os.path.isfile(path):
+        raise ValueError(f"image {path} not found")
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # noqa: BLE001 - any decoder failure means a corrupt file
+        raise ValueError(f"image {path} is unreadable ({type(e).__name__})") from None
+
+
+
+# ----------------------------------------------------------------------------------------------
+# images
+
+def load_image(path: str, height: int, width: int) -> torch.Tensor:
+    """(3, height, width) in [-1, 1]: resized (Lanczos) to cover the size, then centre-cropped.
+    An image already of that size is returned unchanged (PIL's resize to the same size copies)."""
+    import numpy as np
+    from PIL import Image
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        scale = max(height / im.height, width / im.width)
+        rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
+        im = im.resize((rw, rh), Image.Resampling.LANCZOS)
+        left, top = (rw - width) // 2, (rh - height) // 2
+        im = im.crop((left, top, left + width, top + height))
+        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
+    return x.float() / 127.5 - 1.0
+
+
+def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
+    """(N,3,H,W) in [-1,1] -> one PNG grid with `nrow` images per row."""
+    import numpy as np
+    from PIL import Image
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    n, c, h, w = images.shape
+    rows = math.ceil(n / nrow)
+    grid = torch.zeros(c, rows * h, nrow * w, dtype=torch.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        grid[:, r * h:(r + 1) * h, col * w:(col + 1) * w] = images[i]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(np.ascontiguousarray(grid.permute(1, 2, 0).numpy())).save(path)
+

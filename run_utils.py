@@ -1,0 +1,393 @@
+"""How a run behaves, whatever it trains: errors that end it cleanly, rank-aware printing and the
+small collectives by which all ranks agree (stop, skip, fail together), the `--name=value`
+settings parser, input checks made before any work, the step log, non-finite-step guard, LR
+warmup and the warning filter. Both training scripts use it; it knows nothing of FSDP.
+
+    python -m pytest tests/test_fsdp_utils.py tests/test_fault_tolerance.py -q
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------------------------
+# errors: each kind ends the run in one line with its own exit code (see run_main)
+
+class ConfigError(Exception):
+    """A mistake in settings or inputs that every rank sees identically: rank 0 reports it in one
+    line and every rank exits with code 2, before any collective is left waiting."""
+
+
+
+class Preempted(Exception):
+    """Raised by a script after it saved a checkpoint on SIGTERM/SIGINT; run_main exits 128+signal."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class RunError(Exception):
+    """A failure during training that every rank has learnt of together (through a collective:
+    a failed save, too many non-finite steps): rank 0 reports it in one line, all ranks exit 1."""
+
+
+# ----------------------------------------------------------------------------------------------
+# rank-aware printing, and the collectives by which every rank takes the same branch
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def print0(*args, **kwargs) -> None:
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_ranks_agree(ok: bool, device: torch.device | None = None) -> bool:
+    """True only if `ok` is True on every rank (a MIN all-reduce): lets all ranks take the same
+    branch, e.g. skip a step whose loss was non-finite on one rank."""
+    if not dist.is_initialized() or world_size() == 1:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0], device=device or _comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0.5)
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Average scalar metrics over ranks (for logging), one all-reduce."""
+    if not values or not dist.is_initialized() or world_size() == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return {k: v / world_size() for k, v in zip(keys, t.tolist())}
+
+
+def first_error(error: str | None) -> str | None:
+    """Collective: the first failing rank's message (None when every rank succeeded), on every
+    rank, so all ranks stop together after a local failure (e.g. one rank's disk is full)."""
+    if not dist.is_initialized() or world_size() == 1:
+        return error
+    errors = [None] * world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# running a script's main(), and stopping it on a signal
+
+def run_main(main_fn) -> None:
+    """Run a script's main(): errors end the process with one clear line and a non-zero code.
+
+    A ConfigError is the same on every rank, so only rank 0 prints it and all exit 2. Any other
+    exception is local to one rank: that rank prints it once with its rank number and exits at
+    once (os._exit) without entering another collective; torchrun then stops the other ranks, and
+    the collective timeout set in init_distributed turns any leftover wait into an error.
+    """
+    try:
+        main_fn()
+    except ConfigError as e:
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        _teardown_quietly()
+        sys.exit(2)
+    except Preempted as e:
+        # the checkpoint is saved: a launcher's SIGTERM (torchrun sends one to the other ranks as
+        # soon as the first exits) must not turn this rank's exit code 128+signal into a kill
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        if rank() == 0:
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+        _teardown_quietly()
+        sys.exit(128 + e.signum)
+    except RunError as e:
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        _teardown_quietly()
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"[rank {rank()}] interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+    except Exception as e:  # noqa: BLE001 - the point is to report any failure once
+        import traceback
+        if os.environ.get("FSDP_TRACEBACK"):
+            traceback.print_exc()
+        print(f"[rank {rank()}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _teardown_quietly() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; the training loop asks
+    `should_stop()` once per step (a collective), so all ranks finish the same step, save together
+    and exit. A second signal exits at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"[rank {rank()}] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(signal again to quit at once)", file=sys.stderr, flush=True)
+
+    def should_stop(self) -> bool:
+        """True on every rank as soon as any rank was signalled. From then on the rank saves and
+        exits by itself: a SIGTERM (torchrun forwards one to every rank as soon as the first one
+        exits) is ignored so it cannot cut the save or the final message short; a SIGINT (a
+        user's second Ctrl-C) still exits at once."""
+        stop = not all_ranks_agree(self.signum is None)
+        if stop:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return stop
+
+    def signal_received(self) -> int:
+        """The signal to report (SIGTERM if this rank only heard of it from another rank)."""
+        return self.signum or signal.SIGTERM
+
+
+# ----------------------------------------------------------------------------------------------
+# settings: UPPER_CASE constants at the top of a script, overridden as --name=value
+
+CONFIG_TYPES = (bool, int, float, str, list)
+
+
+def script_constants(namespace: dict) -> dict:
+    """The settings of a script: its UPPER_CASE module constants of plain types."""
+    return {k: v for k, v in namespace.items()
+            if k.isupper() and not k.startswith("_") and isinstance(v, CONFIG_TYPES)}
+
+
+def _parse_value(name: str, raw: str, default):
+    kind = type(default)
+    try:
+        if kind is bool:
+            low = raw.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        if kind is list:
+            text = raw.strip()
+            items = json.loads(text) if text.startswith("[") else [v.strip() for v in text.split(",") if v.strip()]
+            if not isinstance(items, list):
+                raise ValueError
+            return [_parse_value(name, str(v), default[0]) for v in items] if default else items
+        return raw
+    except (ValueError, json.JSONDecodeError):
+        raise ConfigError(f"--{name.lower()}={raw!r}: expected {kind.__name__}") from None
+
+
+def apply_overrides(namespace: dict, argv: list[str]) -> dict:
+    """Apply `--name=value` overrides (case-insensitive, type-checked) to a script's constants,
+    in place in `namespace`. Returns the final config dict. Unknown names suggest close matches."""
+    consts = script_constants(namespace)
+    by_lower = {k.lower(): k for k in consts}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"argument {arg!r}: write settings as --name=value")
+        key, raw = arg[2:].split("=", 1)
+        name = by_lower.get(key.lower().replace("-", "_"))
+        if name is None:
+            close = difflib.get_close_matches(key.lower(), list(by_lower), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+            raise ConfigError(f"unknown setting --{key}{hint}")
+        namespace[name] = _parse_value(name, raw, consts[name])
+    return script_constants(namespace)
+
+
+def format_config(config: dict) -> str:
+    width = max(len(k) for k in config)
+    return "\n".join(f"  {k.ljust(width)} = {v!r}" for k, v in config.items())
+
+
+def check_settings(checks: dict[str, bool]) -> None:
+    """{requirement: holds?} -> one ConfigError listing every requirement that does not hold."""
+    failed = [k for k, ok in checks.items() if not ok]
+    if failed:
+        raise ConfigError(f"invalid settings: need {'; '.join(failed)}")
+
+
+def quiet_known_warnings() -> None:
+    """Silence the warnings that are noise in these scripts, and only those:
+    - FSDP2 warns when a wrapped block returns a view (FLUX blocks return slices): harmful only if
+      the view is then changed in place, which neither diffusers' model code nor the scripts do
+      (the parity tests check losses and gradients against unwrapped models);
+    - diffusers' ModelMixin.to(dtype) warns "modules ... should be kept in float32: []" even when
+      there are none (UNet, VAE, FLUX transformer).
+    Every other warning stays visible."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("diffusers.models.modeling_utils").addFilter(
+        lambda record: "should be kept in float32: []" not in record.getMessage())
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs checked up front, before any rank starts work
+
+def check_output_dir(path: str) -> None:
+    """OUTPUT_DIR must be creatable and writable (a probe file is written and removed), so a bad
+    path fails before any work instead of at the first save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"OUTPUT_DIR={path!r} is not writable ({e.strerror or e})") from None
+
+
+_COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json")
+
+
+def check_model_folder(path: str, pipeline: str, components: dict, setting: str = "MODEL_PATH") -> None:
+    """`path` must be a diffusers pipeline folder with every component a script loads.
+
+    components: {subfolder: expected class name in model_index.json, or None for any}. A wrong
+    folder (e.g. a FLUX folder given to an SD-1.5 script) fails in one line naming what is missing."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{setting}={path!r}: no such folder")
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        raise ConfigError(f"{setting}={path}: no model_index.json, not a diffusers pipeline folder "
+                          f"(expected a {pipeline} folder)")
+    try:
+        with open(index) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{index}: unreadable ({e})") from None
+    problems = []
+    for name, cls in components.items():
+        folder, entry = os.path.join(path, name), meta.get(name)
+        found = isinstance(entry, list) and len(entry) == 2 and entry[1] or None
+        if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, f)) for f in _COMPONENT_FILES):
+            problems.append(f"{name}/")
+        elif cls and found and found != cls:
+            problems.append(f"{name} (is {found}, need {cls})")
+    if problems:
+        raise ConfigError(f"{setting}={path}: a {meta.get('_class_name', 'diffusers')} folder, not the {pipeline} "
+                          f"layout this script trains: missing {', '.join(problems)}")
+
+
+
+# ----------------------------------------------------------------------------------------------
+# the step: log line + tqdm bar + JSONL, non-finite guard, LR warmup
+
+class RunLogger:
+    """`step 00042/10000 | loss_dm 0.1234 | ... | 812 ms` lines, a tqdm bar, and metrics.jsonl."""
+
+    def __init__(self, output_dir: str, max_steps: int, start_step: int = 0):
+        self.max_steps, self.is_main = max_steps, rank() == 0
+        self.bar, self.file = None, None
+        if self.is_main:
+            from tqdm import tqdm
+            os.makedirs(output_dir, exist_ok=True)
+            self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+            self.bar = tqdm(total=max_steps, initial=start_step, dynamic_ncols=True, file=sys.stdout)
+        self._t = time.perf_counter()
+
+    def step_done(self, step: int, metrics: dict | None) -> None:
+        """Advance the bar; if metrics were given (a logging step), write the line and the JSONL."""
+        now = time.perf_counter()
+        ms, self._t = (now - self._t) * 1000, now
+        if not self.is_main:
+            return
+        self.bar.update(1)
+        if metrics is None:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "step_ms": round(ms, 1)}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        parts = [f"step {step:05d}/{self.max_steps}"] + [f"{k} {v:.4g}" for k, v in metrics.items()]
+        self.bar.write(" | ".join(parts + [f"{ms:.0f} ms"]))
+
+    def close(self) -> None:
+        if self.is_main:
+            self.bar.close()
+            self.file.close()
+
+
+def is_finite(*values: float) -> bool:
+    return all(math.isfinite(float(v)) for v in values)
+
+
+class NonFiniteGuard:
+    """Skips optimizer steps whose loss or gradient norm is non-finite on any rank: `step_ok()` is a
+    collective (MIN all-reduce), so every rank takes the same branch and no rank steps alone.
+    Counts skipped steps (`skipped_steps` in metrics and checkpoints); `exhausted` after
+    `max_in_a_row` bad steps in a row, when the script saves and stops with RunError."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
+
+    def step_ok(self, *values) -> bool:
+        good = all_ranks_agree(is_finite(*values))
+        if good:
+            self.in_a_row = 0
+        else:
+            self.skipped += 1
+            self.in_a_row += 1
+        return good
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row >= self.max_in_a_row
+
+    def state(self) -> dict:
+        return {"skipped_steps": self.skipped, "bad_steps_in_a_row": self.in_a_row}
+
+    def load(self, meta: dict) -> None:
+        self.skipped, self.in_a_row = int(meta.get("skipped_steps", 0)), int(meta.get("bad_steps_in_a_row", 0))
+
+    def error(self, step: int) -> RunError:
+        return RunError(f"{self.in_a_row} non-finite steps in a row (MAX_BAD_STEPS={self.max_in_a_row}) at step "
+                        f"{step}; checkpoint saved. Lower the LR or check the data, then --resume=auto")
+
+def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Constant LR after a linear warmup over `warmup_steps` optimizer steps (DMD2's schedule)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps))
+
+
+class _Warmup:
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps) if self.steps > 0 else 1.0
