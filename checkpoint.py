@@ -99,26 +99,56 @@ def _dcp_state(models: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Modu
 
 
 class Checkpointer:
-    """Saves and loads everything a run needs to continue exactly.
+    """Owns the run's checkpoints: what they hold, when one is written, and loading them back.
 
     models:     {name: module}             (trainable models, EMA copies; frozen ones need not be saved)
     optimizers: {name: (module, optimizer)}
     schedulers: {name: LR scheduler}
+    config:     the run's settings, written beside every checkpoint
+
+    The loop calls `save(step, trainer_state, stopping=...)` after every step and the checkpointer
+    decides, as torchtitan's does: a checkpoint every `save_every` steps, always at `last_step`,
+    and when the run is stopping (signal, too many bad steps), then written synchronously so the
+    process can exit. A step is never written twice.
     """
 
-    def __init__(self, output_dir: str, keep_last: int = 2, async_save: bool = False):
+    def __init__(self, output_dir: str, models: dict, optimizers: dict, schedulers: dict, config: dict, *,
+                 keep_last: int = 2, async_save: bool = False, save_every: int = 0, last_step: int = 0):
         if keep_last < 1:
             raise ConfigError(f"KEEP_LAST={keep_last}: must keep at least 1 checkpoint")
         self.root, self.keep_last, self.async_save = checkpoint_root(output_dir), keep_last, async_save
+        self.models, self.optimizers, self.schedulers, self.config = models, optimizers, schedulers, config
+        self.save_every, self.last_step = save_every, last_step
+        self.saved_step = -1  # the newest step written (or loaded): never written again
         self._pending = None  # (future, partial path, final path)
         # async saves run collectives from a background thread: give them their own group so they
         # never interleave with the training step's collectives on the default group
         self._pg = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
-    def save(self, step: int, models, optimizers, schedulers, trainer_state: dict, config: dict) -> str:
-        """Collective. A failure on any rank (full disk, unwritable folder) raises RunError on every
-        rank naming the path; the partial folder is removed and never renamed, so the previous
-        checkpoint stays the newest complete one."""
+    def due(self, step: int, stopping: bool = False) -> bool:
+        """Whether `step` gets a checkpoint: every SAVE_EVERY steps, the last step, or a stop."""
+        if step == self.saved_step:
+            return False
+        return stopping or step == self.last_step or (self.save_every > 0 and step % self.save_every == 0)
+
+    def save(self, step: int, trainer_state: dict, *, stopping: bool = False) -> str | None:
+        """Collective; call after every step. Writes the checkpoint of `step` when it is due (see
+        `due`) and returns its path, else None. With `stopping` the write is finished before
+        returning (also a background one), so the caller can exit. A failure on any rank (full
+        disk, unwritable folder) raises RunError on every rank naming the path; the partial folder
+        is removed and never renamed, so the previous checkpoint stays the newest complete one."""
+        if not self.due(step, stopping):
+            if stopping:
+                self.wait()
+            return None
+        path = self.write(step, trainer_state)
+        self.saved_step = step
+        if stopping:
+            self.wait()
+        return path
+
+    def write(self, step: int, trainer_state: dict) -> str:
+        """Write the checkpoint of `step` now (in the background with async_save)."""
         self.wait()
         final = os.path.join(self.root, f"step_{step:06d}")
         partial = final + PARTIAL
@@ -128,13 +158,13 @@ class Checkpointer:
                 shutil.rmtree(partial, ignore_errors=True)
                 os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
                 meta = {"step": step, "world_size": world_size(),
-                        "schedulers": {k: s.state_dict() for k, s in schedulers.items()}, **trainer_state}
+                        "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()}, **trainer_state}
                 _write_json(os.path.join(partial, "trainer_state.json"), meta)
-                _write_json(os.path.join(partial, "config.json"), config)
+                _write_json(os.path.join(partial, "config.json"), self.config)
 
         _agreed(meta_files, partial)  # every rank waits here for the folder (was a barrier)
         _agreed(lambda: torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank()}.pt")), partial)
-        state = _dcp_state(models, optimizers)
+        state = _dcp_state(self.models, self.optimizers)
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=partial, process_group=self._pg)
             self._pending = (future, partial, final)
@@ -184,17 +214,18 @@ class Checkpointer:
             if name.endswith(PARTIAL) and step.isdigit() and int(step) < newest:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-    def load(self, path: str, models, optimizers, schedulers) -> dict:
-        """Load into already-sharded models/optimizers (any world size). Returns trainer_state."""
-        state = _dcp_state(models, optimizers)
+    def load(self, path: str) -> dict:
+        """Load everything into the already-sharded models, optimizers and schedulers (any world
+        size). Returns trainer_state; the loaded step counts as saved."""
+        state = _dcp_state(self.models, self.optimizers)
         dcp.load(state, checkpoint_id=path)
-        for k, m in models.items():
+        for k, m in self.models.items():
             set_model_state_dict(m, state[f"model.{k}"])
-        for k, (m, o) in optimizers.items():
+        for k, (m, o) in self.optimizers.items():
             set_optimizer_state_dict(m, o, state[f"optim.{k}"])
         with open(os.path.join(path, "trainer_state.json")) as f:
             meta = json.load(f)
-        for k, s in schedulers.items():
+        for k, s in self.schedulers.items():
             s.load_state_dict(meta["schedulers"][k])
         rng_file = os.path.join(path, "rng", f"rank_{rank()}.pt")
         if meta["world_size"] == world_size() and os.path.exists(rng_file):
@@ -202,7 +233,17 @@ class Checkpointer:
         else:
             print0(f"resume: saved on {meta['world_size']} ranks, running on {world_size()}: "
                    "per-rank RNG states not restored (step-seeded randomness is unaffected)")
+        self.saved_step = meta["step"]
         return meta
+
+
+def load_models(path: str, models: dict[str, nn.Module]) -> None:
+    """Weights only, from a checkpoint's `model.<name>` entries, into already-sharded models (any
+    world size): e.g. stage 2 of DMD2 starting its generator and fake score from stage 1."""
+    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+    dcp.load(state, checkpoint_id=path)
+    for k, m in models.items():
+        set_model_state_dict(m, state[f"model.{k}"])
 
 
 def _reason(e: BaseException, partial: str) -> str:

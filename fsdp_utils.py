@@ -343,9 +343,9 @@ def apply_ddp(model: nn.Module, device: torch.device, mp_policy: MixedPrecisionP
     `output_dtype` (fp32 for losses). Activation checkpointing uses the same per-block patch."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils._pytree import tree_map
-    if activation_checkpointing:
-        names, _ = find_block_classes(model, block_classes)
-        for b in _outermost([m for m in model.modules() if m is not model and type(m).__name__ in names]):
+    if activation_checkpointing:  # the units the model's FSDP recipe would shard
+        names, _ = find_block_classes(model, block_classes or MODEL_BLOCKS.get(type(model).__name__))
+        for b in _outermost(blocks_of(model, names)):
             _checkpointed(b)
     stored = {p.dtype for p in model.parameters() if p.requires_grad}
     compute, out_dtype = mp_policy.param_dtype, mp_policy.output_dtype

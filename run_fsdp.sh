@@ -10,7 +10,9 @@
 # NNODES      nodes in the job (default 1: --standalone rendezvous)
 # NODE_RANK   this node's index (default 0)
 # MASTER_ADDR / MASTER_PORT   rendezvous host and port of node 0 (multi-node only)
-# Everything after the script name is passed to it (--name=value settings).
+# DRY_RUN=1   print the torchrun command and exit (check a recipe or a launcher's settings)
+# Everything after the script name is passed to it (--name=value settings). The recipes in
+# recipes/ call this script with the published settings.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
@@ -40,4 +42,7 @@ fi
 
 CMD=(torchrun "${RDZV[@]}" --nproc_per_node="$NPROC" "$SCRIPT" "$@")
 echo "+ ${CMD[*]}"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  exit 0
+fi
 exec "${CMD[@]}"

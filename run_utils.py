@@ -175,6 +175,10 @@ class GracefulStop:
         """The signal to report (SIGTERM if this rank only heard of it from another rank)."""
         return self.signum or signal.SIGTERM
 
+    def preempted(self, step: int) -> Preempted:
+        """What the loop raises once the stop's checkpoint is saved (run_main exits 128+signal)."""
+        return Preempted(self.signal_received(), f"checkpoint saved at step {step}; rerun with --resume=auto")
+
 
 # ----------------------------------------------------------------------------------------------
 # settings: UPPER_CASE constants at the top of a script, overridden as --name=value

@@ -6,20 +6,18 @@ sharded per FluxTransformerBlock / FluxSingleTransformerBlock, and each rank loa
 the weights. The VAE is frozen and replicated; the two text encoders (CLIP for the pooled vector, T5
 for the token embeddings) run once before training to fill an on-disk embedding cache and are freed.
 
-    # embedded tiny default (a tiny Kontext-layout model + synthetic edit pairs, built once), 2 ranks
+    # 2 ranks (GPUs, or CPU with gloo) on the embedded default: the shipped tiny Kontext base
+    # (assets/kontext_base) fine-tuned on the shipped "make it blue" pairs (assets/kontext_blue)
     torchrun --standalone --nproc_per_node=2 train_flux_kontext.py
     # one process, for debugging (same numbers as 2 ranks with half the per-rank batch)
     python train_flux_kontext.py --batch_size=2 --max_steps=20
-    # real weights on 4 x 24 GB GPUs: the settings that
+    # real weights on 4 x 24 GB GPUs, the settings that
     #   python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
-    # finds to fit (~5.6 GiB per GPU; the fp32 master weights, grads and AdamW state, ~190 GB in
-    # all, then live in host RAM)
-    torchrun --standalone --nproc_per_node=4 train_flux_kontext.py \
-        --model_path=/models/FLUX.1-Kontext-dev --data_path=/data/edits.jsonl \
-        --resolution=512 --precision=bf16-mixed --activation_checkpointing=1 --cpu_offload=1 \
-        --max_steps=2000 --sample_every=250 --save_every=250 --output_dir=out/kontext-ft
-    # continue the newest complete checkpoint in OUTPUT_DIR
-    torchrun --standalone --nproc_per_node=4 train_flux_kontext.py ... --resume=auto
+    # finds to fit: edit the paths, then
+    bash recipes/kontext_4x24gb.sh
+    # the "make it blue" demo: fine-tune the shipped base, then score base vs tuned
+    bash demos/demo_kontext.sh
+    # after a stop or preemption: the same command plus --resume=auto
 
 Data: a .jsonl with rows {"image": context, "target": edited image, "prompt": instruction}, image
 paths relative to the file. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
@@ -36,30 +34,29 @@ so any world size / GRAD_ACCUM split gives the same updates and a resume continu
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import logging
 import math
 import os
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
 
 import checkpoint
-import fsdp_utils
 import data_utils
+import fsdp_utils
+import precision
 import run_utils
 from algorithms import flux_kontext as km
-import precision
 from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value)
 
-MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the embedded tiny default (built once)
-DATA_PATH = ""  # .jsonl of {"image", "target", "prompt"}; "" = the tiny default's synthetic pairs
+MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
+DATA_PATH = ""  # .jsonl of {"image", "target", "prompt"}; "" = the shipped "make it blue" pairs (assets/kontext_blue)
 OUTPUT_DIR = "out/flux_kontext"  # metrics, samples, checkpoints, export, text cache
 TEXT_CACHE_DIR = ""  # text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
 MAX_STEPS = 200  # optimizer steps
@@ -83,7 +80,7 @@ CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each block in backward instead of storing activations
 PREFETCH = 1  # blocks to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 EMA_DECAY = 0.0  # EMA of the transformer (0 = off); exported instead of the raw weights when on
-RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512 for real weights, 64 for the tiny default
+RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
 BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
 RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
 MAX_SEQUENCE_LENGTH = 512  # T5 tokens (FLUX uses 512; capped at the tokenizer's model_max_length)
@@ -107,7 +104,8 @@ LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
 
-BLOCK_CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")  # FSDP units (_no_split_modules)
+BLOCK_CLASSES = []  # FSDP units; [] = the FLUX recipe's (each FluxTransformerBlock and FluxSingleTransformerBlock)
+
 MODEL_COMPONENTS = {"transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL", "text_encoder": None,
                     "text_encoder_2": None, "tokenizer": None, "tokenizer_2": None, "scheduler": None}
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
@@ -116,22 +114,20 @@ _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding
 # models
 
 
-def build_transformer(folder, mesh, prec, device, *, load, reshard_after_forward, cpu_offload,
-                      activation_checkpointing, prefetch):
-    """FluxTransformer2DModel on meta -> fully_shard per block -> each rank loads its slices
-    (load=False: allocate only, e.g. for the EMA copy that is then filled from the model). With CPU
-    offload the shards are materialised in host memory, where FSDP keeps them. mesh=None (DDP):
-    no sharding, every rank loads the whole model (the caller wraps it in DDP)."""
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes):
+    """FluxTransformer2DModel on meta -> the FLUX recipe (fully_shard per block, then the root) ->
+    each rank loads its slices (load=False: allocate only, e.g. for the EMA copy that is then
+    filled from the model). With CPU offload the shards are materialised in host memory, where FSDP
+    keeps them. mesh=None (DDP): no sharding, every rank loads the whole model (the caller wraps it
+    in DDP)."""
     from diffusers import FluxTransformer2DModel
     model = fsdp_utils.build_on_meta(FluxTransformer2DModel, folder)
     if prec.param_dtype != torch.float32:  # storage dtype of the trainable params (on meta: free)
         model.to(prec.param_dtype)
     if mesh is not None:
-        fsdp_utils.apply_fsdp(model, mesh, prec.mp_policy(), block_classes=list(BLOCK_CLASSES),
-                              reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
-                              activation_checkpointing=activation_checkpointing, prefetch=prefetch,
-                              verbose=load)
-    return fsdp_utils.fill_built_model(model, folder, mesh, torch.device("cpu") if cpu_offload else device, load)
+        fsdp_utils.parallelize_flux_transformer(model, mesh, prec.mp_policy(), sharding, block_classes, verbose=load)
+    home = torch.device("cpu") if sharding.cpu_offload else device
+    return fsdp_utils.fill_built_model(model, folder, mesh, home, load)
 
 
 def load_vae(folder, dtype, device):
@@ -292,27 +288,12 @@ def step_indices(step, members, schedule, global_batch, seed) -> list[int]:
     return [members[b][i] for i in local]
 
 
-def load_image(path, height, width) -> torch.Tensor:
-    """(3, height, width) in [-1, 1]: resized to cover the size, then center-cropped."""
-    import numpy as np
-    from PIL import Image
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        scale = max(height / im.height, width / im.width)
-        rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
-        im = im.resize((rw, rh), Image.Resampling.LANCZOS)
-        left, top = (rw - width) // 2, (rh - height) // 2
-        im = im.crop((left, top, left + width, top + height))
-        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
-    return x.float() / 127.5 - 1.0
-
-
 def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     """Context and target batches (B, 3, h, w): both images of a pair get the same resize, crop
     and (optional) flip."""
     contexts, targets = [], []
     for row, flip in zip(rows, flips):
-        c, t = load_image(row["image"], *size), load_image(row["target"], *size)
+        c, t = data_utils.load_image(row["image"], *size), data_utils.load_image(row["target"], *size)
         if flip:
             c, t = c.flip(-1), t.flip(-1)
         contexts.append(c)
@@ -397,7 +378,7 @@ def validate_config() -> precision.Precision:
         raise ConfigError(str(e)) from None
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
-    checks = {
+    run_utils.check_settings({
         "MAX_STEPS >= 1": MAX_STEPS >= 1, "BATCH_SIZE >= 1": BATCH_SIZE >= 1, "GRAD_ACCUM >= 1": GRAD_ACCUM >= 1,
         "0 <= EMA_DECAY < 1": 0 <= EMA_DECAY < 1, "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
         f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
@@ -408,27 +389,31 @@ def validate_config() -> precision.Precision:
         "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "PREFETCH >= 0": PREFETCH >= 0,
         "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0": min(LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY) >= 0,
         "MAX_BAD_STEPS >= 1": MAX_BAD_STEPS >= 1, "COLLECTIVE_TIMEOUT_S > 0": COLLECTIVE_TIMEOUT_S > 0,
-    }
-    failed = [k for k, ok in checks.items() if not ok]
-    if failed:
-        raise ConfigError(f"invalid settings: need {'; '.join(failed)}")
+    })
     return prec
 
 
+_DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
+
+
+def default_paths() -> tuple[str, str]:
+    """The embedded default, shipped in assets/ and loaded through the same code path as real
+    weights: the tiny Kontext base (demos/make_kontext_base.py rebuilds it) and the "make it blue"
+    training pairs (demos/kontext_eval.py writes them)."""
+    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+    return os.path.join(assets, "kontext_base"), os.path.join(assets, "kontext_blue", "train.jsonl")
+
+
 def resolve_defaults() -> dict:
-    """Fill the "" / 0 settings (embedded tiny default, resolution, cache dir); returns the
-    resolved config, which is what checkpoints record."""
+    """Fill the "" / 0 settings (the embedded default, resolution, cache dir) and return the
+    resolved config, which is what the run prints and every checkpoint records."""
     global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR
-    if not MODEL_PATH or not DATA_PATH:  # the embedded default goes through the same code path
-        from tools import tiny_models
-        tiny_model, tiny_data = tiny_models.ensure_default("flux_kontext")
-        if not MODEL_PATH:
-            RESOLUTION = RESOLUTION or tiny_models.IMAGE_SIZE
-        MODEL_PATH = MODEL_PATH or tiny_model
-        DATA_PATH = DATA_PATH or os.path.join(tiny_data, "data.jsonl")
+    if not MODEL_PATH:
+        MODEL_PATH, default_data = default_paths()
+        DATA_PATH = DATA_PATH or default_data
+        RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
     RESOLUTION = RESOLUTION or 512
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
-    print0(f"model {MODEL_PATH} | data {DATA_PATH} | resolution {RESOLUTION}")
     return run_utils.script_constants(globals())
 
 
@@ -454,64 +439,53 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
     return train, held_out, buckets, bucket_of
 
 
-def prepare_text_cache(prompts, prec, device) -> str:
+def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
     """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
-    dtype = prec.frozen_dtype(TEXT_ENCODER_DTYPE)
-    length = t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
-    identity = encoder_identity(MODEL_PATH, length, dtype)
-    computed, reused = fill_text_cache(prompts, MODEL_PATH, TEXT_CACHE_DIR, identity, length, dtype, device)
+    length = t5_length(model_path, max_length)
+    identity = encoder_identity(model_path, length, dtype)
+    computed, reused = fill_text_cache(prompts, model_path, cache_dir, identity, length, dtype, device)
     print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
-           f"({TEXT_CACHE_DIR}; T5 length {length}, {precision.dtype_name(dtype)})")
+           f"({cache_dir}; T5 length {length}, {precision.dtype_name(dtype)})")
     return identity
 
 
-def build_models(prec, mesh, device):
+def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype):
     """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
     EMA sharded identically and copied from it, the frozen VAE, the sampling scheduler."""
     from diffusers import FlowMatchEulerDiscreteScheduler
-    folder = os.path.join(MODEL_PATH, "transformer")
-    opts = dict(reshard_after_forward=RESHARD_AFTER_FORWARD, cpu_offload=CPU_OFFLOAD,
-                activation_checkpointing=ACTIVATION_CHECKPOINTING, prefetch=PREFETCH)
-    transformer = build_transformer(folder, mesh, prec, device, load=True, **opts)
+    folder = os.path.join(model_path, "transformer")
+    transformer = build_transformer(folder, mesh, prec, device, load=True, sharding=sharding,
+                                    block_classes=block_classes)
     transformer.train()
     ema = None
-    if EMA_DECAY > 0:
-        ema = build_transformer(folder, mesh, prec, device, load=False, **opts)
+    if ema_decay > 0:
+        ema = build_transformer(folder, mesh, prec, device, load=False, sharding=sharding, block_classes=block_classes)
         ema.requires_grad_(False).eval()
         fsdp_utils.copy_params(ema, transformer)
-    vae = load_vae(os.path.join(MODEL_PATH, "vae"), prec.frozen_dtype(VAE_DTYPE), device)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler")
+    vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
     return transformer, ema, vae, scheduler
 
 
-def quiet_known_warnings() -> None:
-    """Silence two warnings that are noise here, and only those:
-    - FSDP2 warns when a wrapped block returns a view (FLUX blocks return slices): harmful only if
-      the view is then changed in place, which neither diffusers' FLUX code nor this script does
-      (tests/test_train_flux_kontext.py checks loss and gradients against the unwrapped model);
-    - diffusers' ModelMixin.to(dtype) warns about fp32-kept modules even when there are none."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
-    class NoEmptyFp32Warning(logging.Filter):
-        def filter(self, record):
-            return "should be kept in float32: []" not in record.getMessage()
-    logging.getLogger("diffusers.models.modeling_utils").addFilter(NoEmptyFp32Warning())
-
-
 # ----------------------------------------------------------------------------------------------
+# main: config -> distributed init -> data and text cache -> models (meta, sharded, loaded) ->
+# optimizer -> resume -> loop -> export -> teardown
 
 
 def main():
     run_utils.apply_overrides(globals(), sys.argv[1:])
     prec = validate_config()
-    quiet_known_warnings()
-    run_utils.check_output_dir(OUTPUT_DIR)
-    if MODEL_PATH:
-        run_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
-    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
-    print0(f"train_flux_kontext: {d.world_size} rank(s), {d.backend}, device {d.device}")
+    embedded = not MODEL_PATH
     config = resolve_defaults()
-    print0(run_utils.format_config(config))
+    run_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
+    run_utils.check_output_dir(OUTPUT_DIR)
+
+    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
+    print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
+    print0(f"model {MODEL_PATH} | data {DATA_PATH} | resolution {RESOLUTION}"
+           + (" (the embedded default)" if embedded else ""))
+    run_utils.quiet_known_warnings()
+    stopper = run_utils.GracefulStop()
     resume_path = checkpoint.resolve_resume(RESUME, OUTPUT_DIR)  # a bad path fails here, before any work
 
     # data, buckets and the text-embedding cache (text encoders live only inside this call)
@@ -519,34 +493,43 @@ def main():
     train, held_out, buckets, bucket_of = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS,
                                                     2 * vae_factor, SKIP_BAD_SAMPLES)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
-    identity = prepare_text_cache([r["prompt"] for r in train + held_out], prec, d.device)
+    identity = prepare_text_cache([r["prompt"] for r in train + held_out], MODEL_PATH, TEXT_CACHE_DIR,
+                                  MAX_SEQUENCE_LENGTH, prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
-    # models, optimizer, audit
+    # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
+    # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
     mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
-    transformer, ema, vae, scheduler = build_models(prec, mesh, d.device)
-    # what training forwards go through: the FSDP2 model itself, or a DDP wrapper around the plain
-    # model (checkpoints, EMA, samples and export always use `transformer`, whose names match)
+    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH)
+    transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
+                                                    block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
+                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE))
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(
-        transformer, d.device, prec.mp_policy(), block_classes=list(BLOCK_CLASSES),
+        transformer, d.device, prec.mp_policy(), block_classes=BLOCK_CLASSES,
         activation_checkpointing=ACTIVATION_CHECKPOINTING)
+
+    # optimizer: AdamW (foreach: one dispatch per op over all DTensor shards, ~15x faster than
+    # per-tensor on CPU) with a linear warmup
     params = [p for p in transformer.parameters() if p.requires_grad]
-    # foreach: one dispatch per op over all DTensor shards (~15x faster than per-tensor on CPU)
     optimizer = torch.optim.AdamW(params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
                                   weight_decay=WEIGHT_DECAY, foreach=True)
     lr_sched = run_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
-    optimizers, schedulers = {"transformer": (transformer, optimizer)}, {"transformer": lr_sched}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
-    print0(precision.format_audit(audit + [precision.component_row("vae", vae, vae.dtype)]))
-    print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
+    print0(f"components ({RESOLUTION} px):\n"
+           f"{precision.format_audit(audit + [precision.component_row('vae', vae, vae.dtype)])}")
+    memory_table = functools.partial(fsdp_utils.memory_report, models, {"transformer": optimizer})
+    print0(f"memory at start:\n{memory_table()}")
 
-    ckpt = checkpoint.Checkpointer(OUTPUT_DIR, KEEP_LAST, ASYNC_SAVE)
+    # checkpoints: what they hold, when they are written (the checkpointer decides), resume
+    ckpt = checkpoint.Checkpointer(OUTPUT_DIR, models, {"transformer": (transformer, optimizer)},
+                                   {"transformer": lr_sched}, config, keep_last=KEEP_LAST, async_save=ASYNC_SAVE,
+                                   save_every=SAVE_EVERY, last_step=MAX_STEPS)
     start, guard = 0, run_utils.NonFiniteGuard(MAX_BAD_STEPS)
     if resume_path:
-        meta = ckpt.load(resume_path, models, optimizers, schedulers)
+        meta = ckpt.load(resume_path)
         start = meta["step"]
         guard.load(meta)
-        print0(f"resume: {resume_path} (step {start})")
+        print0(f"resumed from {resume_path} (step {start})")
 
     global_batch, micro_global = BATCH_SIZE * d.world_size * GRAD_ACCUM, BATCH_SIZE * d.world_size
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
@@ -554,11 +537,10 @@ def main():
     final_model = ema if ema is not None else transformer  # what samples show and export writes
     sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
     sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    stopper = run_utils.GracefulStop()
     logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
 
-    # ------------------------------------------------------------------------------------------
-    # the loop: step s (1-based) trains on data batch s-1 of the bucket schedule
+    # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
+    # schedule and draws its randomness from (SEED, s)
     for step in range(start + 1, MAX_STEPS + 1):
         indices = step_indices(step - 1, members, schedule, global_batch, SEED)
         h, w = buckets[schedule[step - 1][0]]
@@ -584,34 +566,28 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         lr = lr_sched.get_last_lr()[0]
         lr_sched.step()
-        ckpt.poll()
 
+        # log, samples, checkpoint (when due), stop
         metrics = None
         if LOG_EVERY and (step % LOG_EVERY == 0 or step == MAX_STEPS):
             metrics = {**run_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
                        "skipped_steps": guard.skipped}
         logger.step_done(step, metrics)
+        ckpt.poll()
         if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
             grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
                                SAMPLE_GUIDANCE, SEED, d.device)
             if d.rank == 0:
                 data_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
-        stop = stopper.should_stop()
-        if (SAVE_EVERY and step % SAVE_EVERY == 0) or step == MAX_STEPS or stop or guard.exhausted:
-            ckpt.save(step, models, optimizers, schedulers, {"samples_seen": step * global_batch, **guard.state()},
-                      config)
-        if stop or guard.exhausted:
-            ckpt.wait()
-            if guard.exhausted:
-                raise guard.error(step)
-            raise run_utils.Preempted(stopper.signal_received(),
-                                       f"checkpoint saved at step {step}; rerun with --resume=auto")
+        stopping = stopper.should_stop() or guard.exhausted
+        ckpt.save(step, {"samples_seen": step * global_batch, **guard.state()}, stopping=stopping)
+        if stopping:
+            raise guard.error(step) if guard.exhausted else stopper.preempted(step)
+
+    # export (the final checkpoint and samples were written at MAX_STEPS) and teardown
     logger.close()
     ckpt.wait()
-
-    # ------------------------------------------------------------------------------------------
-    # export and teardown (the memory report first: its peak is training's, not the export gather's)
-    print0(fsdp_utils.memory_report(models, {"transformer": optimizer}))
+    print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
     checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), {"transformer": final_model},
                                precision.parse_dtype(EXPORT_DTYPE))
     fsdp_utils.cleanup_distributed()

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests._dist import ROOT, run_ranks
+from tests.conftest import ROOT, run_ranks
 from tests.test_fsdp_utils import TinyNet, make_data, tiny_unet
 
 sys.path.insert(0, ROOT)
@@ -59,15 +59,17 @@ def _resume(rank, world, out, async_save):
     torch.manual_seed(100 + rank)
     model, opt, sched = build(0, mesh)
     train(model, opt, sched, data, 0, 3, rank, world)
-    ck = checkpoint.Checkpointer(out, keep_last=2, async_save=async_save)
-    ck.save(3, {"m": model}, {"m": (model, opt)}, {"m": sched}, {"samples_seen": 24}, {"LR": 1e-2})
+    ck = checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {"LR": 1e-2},
+                                 keep_last=2, async_save=async_save)
+    ck.write(3, {"samples_seen": 24})
     ck.wait()
     torch.manual_seed(12345)  # scramble the RNG: resume must put it back
     del model, opt, sched
     model, opt, sched = build(7, mesh)  # different init: everything must come from the checkpoint
     path = checkpoint.resolve_resume("auto", out)
     assert path.endswith("step_000003")
-    meta = ck.load(path, {"m": model}, {"m": (model, opt)}, {"m": sched})
+    ck = checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {})
+    meta = ck.load(path)
     assert meta["step"] == 3 and meta["samples_seen"] == 24
     train(model, opt, sched, data, 3, 6, rank, world)
     for k, v in full(model).items():
@@ -83,7 +85,7 @@ def _save_two_ranks(rank, world, out):
     mesh = fsdp_utils.build_mesh(torch.device("cpu"))
     model, opt, sched = build(0, mesh)
     train(model, opt, sched, make_data(2, 8), 0, 2, rank, world)
-    checkpoint.Checkpointer(out).save(2, {"m": model}, {"m": (model, opt)}, {"m": sched}, {}, {})
+    checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {}).write(2, {})
     weights, exp_avg = full(model), {}
     for k, st in opt.state.items():
         exp_avg[len(exp_avg)] = st["exp_avg"].full_tensor()
@@ -94,8 +96,8 @@ def _save_two_ranks(rank, world, out):
 def _load_one_rank(rank, world, out):
     mesh = fsdp_utils.build_mesh(torch.device("cpu"))
     model, opt, sched = build(5, mesh)
-    ck = checkpoint.Checkpointer(out)
-    meta = ck.load(checkpoint.resolve_resume("auto", out), {"m": model}, {"m": (model, opt)}, {"m": sched})
+    ck = checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {})
+    meta = ck.load(checkpoint.resolve_resume("auto", out))
     assert meta["world_size"] == 2 and sched.last_epoch == 2
     weights, exp_avg = torch.load(os.path.join(out, "expected.pt"))
     for k, v in full(model).items():
@@ -121,14 +123,14 @@ dist = fsdp_utils.init_distributed()
 mesh = fsdp_utils.build_mesh(dist.device)
 model, opt, sched = build(0, mesh)
 train(model, opt, sched, make_data(2, 8), 0, 2, 0, 1)
-ck = checkpoint.Checkpointer({out!r}, keep_last=1)
-ck.save(2, {{"m": model}}, {{"m": (model, opt)}}, {{"m": sched}}, {{}}, {{}})
+ck = checkpoint.Checkpointer({out!r}, {{"m": model}}, {{"m": (model, opt)}}, {{"m": sched}}, {{}}, keep_last=1)
+ck.write(2, {{}})
 torch.save({{k: v.full_tensor() for k, v in model.state_dict().items()}}, {out!r} + "/at2.pt")
 def die(*a, **k):
     os._exit(9)
 setattr(fs.FileSystemWriter, {where!r}, die)
 train(model, opt, sched, make_data(4, 8), 2, 4, 0, 1)
-ck.save(4, {{"m": model}}, {{"m": (model, opt)}}, {{"m": sched}}, {{}}, {{}})
+ck.write(4, {{}})
 """
 
 
@@ -137,7 +139,7 @@ def _load_after_kill(rank, world, out):
     model, opt, sched = build(3, mesh)
     path = checkpoint.resolve_resume("auto", out)
     assert path.endswith("step_000002"), path
-    checkpoint.Checkpointer(out).load(path, {"m": model}, {"m": (model, opt)}, {"m": sched})
+    checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {}).load(path)
     expected = torch.load(os.path.join(out, "at2.pt"))
     for k, v in full(model).items():
         assert torch.equal(v, expected[k]), k
@@ -152,6 +154,25 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, where):
     names = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert names == ["step_000002", "step_000004.partial"], names
     run_ranks(_load_after_kill, 1, out)
+
+
+def test_the_checkpointer_decides_when_to_save(tmp_path):
+    """SAVE_EVERY multiples, the last step, and a stop (written before save() returns); a step is
+    never written twice, and a resumed step counts as written."""
+    written = []
+    ck = checkpoint.Checkpointer(str(tmp_path), {}, {}, {}, {}, save_every=2, last_step=7)
+    ck.write = lambda step, state: written.append(step) or f"step_{step}"
+    for step in range(1, 8):
+        ck.save(step, {}, stopping=step == 3)
+    assert written == [2, 3, 4, 6, 7]
+    ck.save(7, {}, stopping=True)  # a stop at the last step: already written
+    assert written == [2, 3, 4, 6, 7]
+    never = checkpoint.Checkpointer(str(tmp_path), {}, {}, {}, {}, save_every=0, last_step=3)
+    never.write = lambda step, state: written.append(-step)
+    never.saved_step = 3  # as after resuming from step 3
+    never.save(3, {}, stopping=True)
+    assert [s for s in written if s < 0] == []
+    assert [never.due(s) for s in (1, 2, 3, 4)] == [False, False, False, False]
 
 
 def test_keep_last_prunes_oldest(tmp_path):

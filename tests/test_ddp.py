@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests._dist import ROOT, launch_env
+from tests.conftest import ROOT, finish, launch_env, start
 
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
@@ -27,15 +26,12 @@ def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = 
     """Launch the script at PARALLELISM=fsdp and =ddp at once (2 CPU ranks each); returns
     ({mode: log}, {mode: metrics records}) after checking that both succeeded."""
     env = launch_env(**(env_extra or {}))
-    procs = {}
-    for par in ("fsdp", "ddp"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, script), f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common
-        procs[par] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
-    logs = {par: p.communicate(timeout=300)[0] for par, p in procs.items()}
+    procs = {par: start(script, [f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common, env=env)
+             for par in ("fsdp", "ddp")}
+    logs = {}
     for par, p in procs.items():
-        assert p.returncode == 0, f"{par} run failed:\n{logs[par][-3000:]}"
+        rc, logs[par] = finish(p)
+        assert rc == 0, f"{par} run failed:\n{logs[par][-3000:]}"
     rec = {}
     for par in procs:
         with open(tmp_path / par / "metrics.jsonl") as f:
@@ -56,8 +52,8 @@ def assert_exports_match(tmp_path, component: str) -> None:
 def test_ddp_matches_fsdp(tmp_path):
     from tools import tiny_models
     cache = tmp_path / "cache"
-    tiny_models.ensure_default("flux_kontext", cache)
-    common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
+    model, data = tiny_models.ensure_default("flux_kontext", cache)
+    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}", "--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
               "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32"]
     # separate text caches (under each OUTPUT_DIR): the two runs fill theirs at the same time
     logs, rec = run_both("train_flux_kontext.py", common, tmp_path, {"FSDP_DIFFUSION_CACHE": str(cache)})
@@ -84,8 +80,7 @@ def test_ddp_refuses_fsdp_only_settings():
 def test_dmd_ddp_matches_fsdp(tmp_path):
     """train_dmd.py on the shipped teacher: generator and fake score both update at steps 1 and 2."""
     common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
-              "--dfake_gen_update_ratio=1", "--generator_lr=1e-3", "--guidance_lr=1e-3", "--batch_size=2",
-              "--eval_at_end=0"]
+              "--dfake_gen_update_ratio=1", "--generator_lr=1e-3", "--guidance_lr=1e-3", "--batch_size=2"]
     logs, rec = run_both("train_dmd.py", common, tmp_path)
     assert "ddp: UNet2DConditionModel: full replica per rank" in logs["ddp"]
     assert [r["step"] for r in rec["ddp"]] == [1, 2]

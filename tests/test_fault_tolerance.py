@@ -3,7 +3,8 @@ steps and during saves), non-finite steps, failed saves and bad inputs.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_fault_tolerance.py -q
 
-End to end on train_flux_kontext.py's tiny default (fp32, 2 CPU ranks, 32 px, a save every step):
+End to end on train_flux_kontext.py with the random tiny Kontext model of tools/tiny_models.py
+(fp32, 2 CPU ranks, 32 px, a save every step):
   reference  an uninterrupted run to MAX_STEPS
   chain      one OUTPUT_DIR, interrupted three times and resumed with RESUME=auto each time:
              SIGTERM to one rank (all ranks finish the step, save, exit 143), SIGKILL of the
@@ -29,7 +30,7 @@ import time
 import pytest
 import torch
 
-from tests._dist import ROOT, launch_env, run_ranks
+from tests.conftest import ROOT, finish, launch, launch_env, run_ranks, start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, ROOT)
@@ -38,36 +39,25 @@ import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError, RunError  # noqa: E402
 
-KONTEXT = os.path.join(ROOT, "train_flux_kontext.py")
 STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
 TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from tools import tiny_models
     root = tmp_path_factory.mktemp("fault")
     env = launch_env()
-    common = ["--precision=fp32", "--resolution=32", "--num_sample_pairs=0", "--sample_every=0", "--log_every=1",
+    model, data = tiny_models.ensure_default("flux_kontext")
+    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}", "--precision=fp32", "--resolution=32", "--num_sample_pairs=0", "--sample_every=0", "--log_every=1",
               "--save_every=1", "--keep_last=2", "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32",
               f"--max_steps={STEPS}", f"--text_cache_dir={root / 'text_cache'}"]
     return {"root": root, "env": env, "common": common}
 
 
 def start(setup, out, args=(), ranks=2):
-    cmd = ([sys.executable, KONTEXT] if ranks == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", KONTEXT])
-    return subprocess.Popen(cmd + setup["common"] + [f"--output_dir={out}", *args], cwd=ROOT, env=setup["env"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(proc, timeout=TIMEOUT):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"still running after {timeout}s (a rank hung?)\n{out[-3000:]}")
-    return proc.returncode, out
+    return start_script("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}", *args], ranks=ranks,
+                        env=setup["env"])
 
 
 def run(setup, out, args=(), ranks=2):
@@ -183,7 +173,7 @@ def test_killed_runs_resume_bit_exact(chain, reference):
     assert rc != 0 and steps[-1] < STEPS, log[-2000:]  # the killed save was not made complete
     rc, log = events["final"]
     assert rc == 0, log[-3000:]
-    assert f"resume: {out}" in log
+    assert f"resumed from {out}" in log
     ref, got = load_export(reference), load_export(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
@@ -220,9 +210,8 @@ def _failing_saves(rank, world, out):
     import torch.distributed.checkpoint.filesystem as fs
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
-    ckpt = checkpoint.Checkpointer(out, keep_last=2)
-    args = ({"m": model}, {"m": (model, opt)}, {}, {}, {})
-    ckpt.save(1, *args)
+    ckpt = checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {}, {}, keep_last=2)
+    ckpt.write(1, {})
     real_save, real_stream = torch.save, fs.FileSystem.create_stream
     for where in ("rng", "dcp"):
         def full(*a, **k):
@@ -234,7 +223,7 @@ def _failing_saves(rank, world, out):
                 fs.FileSystem.create_stream = lambda self, path, mode: full(path)
         try:
             with pytest.raises(RunError, match=r"checkpoint save to .*step_000002\.partial failed .*No space left"):
-                ckpt.save(2, *args)
+                ckpt.write(2, {})
         finally:
             torch.save, fs.FileSystem.create_stream = real_save, real_stream
         torch.distributed.barrier()
@@ -345,13 +334,11 @@ def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
 def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     """Generator LR 1e30: its first update blows it up, every later DM loss is non-finite; both
     updates of a bad step are skipped together, and MAX_BAD_STEPS in a row save and stop."""
-    env = launch_env()
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(ROOT, "train_dmd.py"), "--precision=fp32", "--generator_lr=1e30",
-           "--dfake_gen_update_ratio=1", "--max_bad_steps=2", "--save_every=0", "--sample_every=0", "--log_every=1",
-           "--batch_size=2", "--max_steps=10", "--eval_at_end=0", f"--output_dir={out}"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT)
+    args = ["--precision=fp32", "--generator_lr=1e30", "--dfake_gen_update_ratio=1", "--max_bad_steps=2",
+            "--save_every=0", "--sample_every=0", "--log_every=1", "--batch_size=2", "--max_steps=10",
+            f"--output_dir={out}"]
+    proc = launch("train_dmd.py", args, ranks=1, timeout=TIMEOUT, check=False)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "error: 2 non-finite steps in a row (MAX_BAD_STEPS=2) at step 3; checkpoint saved" in proc.stdout
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -370,8 +357,8 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
     (partial_model / "model_index.json").write_text(open(os.path.join(teacher, "model_index.json")).read())
     os.symlink(os.path.join(teacher, "unet"), partial_model / "unet")
     prompts = os.path.join(teacher, "prompts.txt")
-    cases = [(["--max_bad_steps=0"], "MAX_BAD_STEPS=0: must be >= 1"),
-             (["--collective_timeout_s=0"], "COLLECTIVE_TIMEOUT_S=0: must be >= 1"),
+    cases = [(["--max_bad_steps=0"], "MAX_BAD_STEPS >= 1"),
+             (["--collective_timeout_s=0"], "COLLECTIVE_TIMEOUT_S > 0"),
              (["--parallelism=ddp", "--cpu_offload=1"], "CPU offload is an FSDP feature"),
              (["--parallelism=ddp", "--use_gan=1"], "PARALLELISM=ddp with USE_GAN=1"),
              (["--generator_lr=fast"], "--generator_lr='fast': expected float"),
@@ -386,18 +373,13 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
 def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     """SIGTERM to one rank of train_dmd.py: both ranks finish the step, save and exit 143; the
     resumed run ends bit-identical to an uninterrupted one."""
-    env = launch_env()
     common = ["--precision=fp32", "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=0",
-              "--log_every=1", "--batch_size=1", "--max_steps=40", "--eval_at_end=0", "--generator_lr=1e-3",
-              "--guidance_lr=1e-3"]
+              "--log_every=1", "--batch_size=1", "--max_steps=40", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
 
-    def launch(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "train_dmd.py"), *common, f"--output_dir={out}", *extra]
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    ref = launch(tmp_path / "ref")
-    proc = launch(tmp_path / "cut")
+    def launch_dmd(out, *extra):
+        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra])
+    ref = launch_dmd(tmp_path / "ref")
+    proc = launch_dmd(tmp_path / "cut")
     metrics = tmp_path / "cut" / "metrics.jsonl"
     assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
     os.kill(workers(proc)[1], signal.SIGTERM)
@@ -405,7 +387,7 @@ def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     steps = complete_steps(tmp_path / "cut")
     assert rc != 0 and len(steps) == 1 and 3 <= steps[0] < 40, log[-3000:]
     assert f"stopped: checkpoint saved at step {steps[0]}; rerun with --resume=auto" in log, log[-3000:]
-    rc, log = finish(launch(tmp_path / "cut", "--resume=auto"))
+    rc, log = finish(launch_dmd(tmp_path / "cut", "--resume=auto"))
     assert rc == 0, log[-3000:]
     rc, log = finish(ref)
     assert rc == 0, log[-3000:]
@@ -420,7 +402,7 @@ def test_second_signal_exits_at_once():
     at once with 128 + signal (here the "step" never ends, so only the second signal can stop it)."""
     code = ("import os, signal, sys, time\n"
             f"sys.path.insert(0, {ROOT!r})\n"
-            "import fsdp_utils\n"
+            "import run_utils\n"
             "stop = run_utils.GracefulStop()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\n"

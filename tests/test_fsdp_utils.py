@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests._dist import ROOT, run_ranks
+from tests.conftest import ROOT, run_ranks
 
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402

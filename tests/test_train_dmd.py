@@ -1,5 +1,6 @@
 """End-to-end tests of train_dmd.py, run as users run it (torchrun with 2 CPU ranks, or python),
-on the embedded default (the shipped shapes teacher, assets/shapes_teacher). The DM-loss math itself is checked in tests/test_dmd_math.py.
+on the embedded default (the shipped shapes teacher, assets/shapes_teacher). The DM-loss math
+itself is checked in tests/test_dmd2.py.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd.py -q
 
@@ -16,14 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests._dist import ROOT
+from tests.conftest import ROOT, launch, launch_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -31,41 +30,19 @@ sys.path.insert(0, ROOT)
 import train_dmd  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
 
-SCRIPT = os.path.join(ROOT, "train_dmd.py")
-TIMEOUT = 240  # seconds; a hung rank fails the test instead of blocking the suite
 PROMPT = "a red circle on a blue background"
 # run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
 COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32",
-          "--use_gan=1", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2",
-          "--eval_at_end=0"]
+          "--use_gan=1", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2"]
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "FSDP_DIFFUSION_CACHE": str(cache)}
-
-
-def launch(args: list[str], env: dict, ranks: int = 2) -> subprocess.CompletedProcess:
-    """torchrun (ranks > 1) or python; the whole process group is killed on timeout."""
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-           if ranks > 1 else [sys.executable]) + [SCRIPT] + args
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(args)}: still running after {TIMEOUT}s (a rank hung?)\n{out[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+    return launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
 
 
 def train(args: list[str], env: dict, out_dir, ranks: int = 2) -> str:
-    result = launch(args + [f"--output_dir={out_dir}"], env, ranks)
-    errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
-    assert result.returncode == 0, "\n".join(errors[:20]) + "\n" + result.stdout[-2000:]
-    return result.stdout
+    return launch("train_dmd.py", args + [f"--output_dir={out_dir}"], ranks=ranks, env=env).stdout
 
 
 def metrics(out_dir) -> list[dict]:
@@ -116,7 +93,7 @@ def run_resumed(env, tmp_path_factory, run_a):
     out = tmp_path_factory.mktemp("resumed")
     shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
     log = train(COMMON + ["--resume=auto"], env, out)
-    assert "resumed from" in log and "step_000002" in log
+    assert "resumed from" in log and "step_000002 (step 2)" in log
     return out
 
 
@@ -214,10 +191,12 @@ def test_few_step_backward_simulation_and_skipped_rows(run_few):
     # runs: 3 (from pure noise through 999, 749, 499 to the input of 249), then 0 (1 step at 999)
     assert [r["step_index"] for r in rows] == [train_dmd.dm.choose_step_index(s, 0, 4) for s in range(2)] == [3, 0]
     assert os.listdir(out / "samples") == ["step_000002.png"]
-    # EVAL_AT_END (on by default): shapes prompts, so the export is scored with its own 4-step sampler
-    assert "eval of the export on the shapes task" in log and "student, 4 steps" in log
-    scores = json.load(open(out / "eval.json"))
-    assert scores["sampler"] == "fewstep" and scores["steps"] == 4 and scores["n"] == 4 * 8
+    # the demo's evaluator (not the training script) scores the export with its own 4-step sampler
+    from demos import shapes_eval as se
+    scores, _, _ = se.evaluate_folder(str(out / "export"), "fewstep", steps=4, seeds=2,
+                                      prompts=sorted({json.loads(r)["prompt"] for r in
+                                                      open(out / "prompts.jsonl") if r.startswith('{"prompt"')}))
+    assert scores["sampler"] == "fewstep" and scores["steps"] == 4 and scores["n"] == 4 * 2
 
 
 def test_init_from_loads_generator_and_fake(run_few, run_a):
@@ -237,22 +216,24 @@ def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_p
     Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
     bad = "{\"prompt\": \"a red" if case == "malformed_json" else json.dumps({"prompt": PROMPT, "image": "gone.png"})
     data.write_text("\n".join([good, good, bad, good]) + "\n")
-    result = launch([f"--data_path={data}", "--use_gan=1", f"--output_dir={tmp_path / 'out'}"], env, ranks)
+    result = launch("train_dmd.py", [f"--data_path={data}", "--use_gan=1", f"--output_dir={tmp_path / 'out'}"],
+                    ranks=ranks, env=env, check=False)
     assert result.returncode != 0
     hits = [line for line in result.stdout.splitlines() if f"{data}:3:" in line]
     assert len(hits) == 1 and hits[0].startswith("error: "), result.stdout[-3000:]
 
 
 def test_contradictory_settings_rejected_before_any_work(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [999, 500])
-    assert train_dmd.validate_config(2) == [999, 500]
+    assert train_dmd.validate_config() == [999, 500]
     monkeypatch.setattr(train_dmd, "CONDITIONING_TIMESTEP", 900)
     with pytest.raises(ConfigError, match="CONDITIONING_TIMESTEP"):
-        train_dmd.validate_config(2)
+        train_dmd.validate_config()
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [500, 999])
     with pytest.raises(ConfigError, match="strictly decreasing"):
-        train_dmd.validate_config(2)
+        train_dmd.validate_config()
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [])
     monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)
     with pytest.raises(ConfigError, match="DP_REPLICATE"):
-        train_dmd.validate_config(2)
+        train_dmd.validate_config()

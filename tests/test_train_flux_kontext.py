@@ -22,13 +22,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests._dist import ROOT, free_port
+from tests.conftest import ROOT, free_port, launch as launch_script, launch_env
 
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,9 +36,7 @@ import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
 
-SCRIPT = os.path.join(ROOT, "train_flux_kontext.py")
 STEPS = 3
-TIMEOUT = 300  # per launch; a hang fails the test instead of blocking it
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,14 +89,8 @@ def setup(tmp_path_factory):
 
 
 def launch(setup, out, args, ranks=2, check=True):
-    cmd = ([sys.executable, SCRIPT] if ranks == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", SCRIPT])
-    proc = subprocess.run(cmd + setup["common"] + [f"--output_dir={out}"] + args, env=setup["env"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-3000:]}")
-    return proc
+    return launch_script("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}"] + args, ranks=ranks,
+                         env=setup["env"], check=check)
 
 
 def metrics(out):
@@ -169,7 +160,7 @@ def checkpoint_state(out, step):
 
 
 def test_resume_is_bit_exact(runs):
-    assert "resume:" in runs["resumed"][1] and "(step 2)" in runs["resumed"][1]
+    assert "resumed from" in runs["resumed"][1] and "(step 2)" in runs["resumed"][1]
     straight, resumed = load_export(runs["combo"][0]), load_export(runs["resumed"][0])
     assert straight.keys() == resumed.keys()
     for k in straight:
@@ -229,8 +220,8 @@ def test_bad_row_stops_all_ranks_with_file_and_line(setup, tmp_path):
         f.write("\n".join(lines) + "\n")
     proc = launch(setup, tmp_path / "out", [f"--data_path={bad}"], ranks=2, check=False)
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {bad}:3: not valid JSON (Expecting value)"], proc.stderr[-2000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {bad}:3: not valid JSON (Expecting value)"], proc.stdout[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------

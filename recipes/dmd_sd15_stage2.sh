@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# DMD2 stage 2 on SD-1.5 (GAN on real images; FID 9.28 -> 8.35), on FSDP2. The teacher stays the
+# ORIGINAL model (MODEL); generator and fake score start from stage 1's checkpoint (INIT_FROM),
+# with fresh optimizers. Settings as in tianweiy/DMD2 experiments/sdv1.5/
+#   laion6.25_sd_baseline_8node_guidance1.75_lr5e-7_seed10_dfake10_diffusion1000_gan1e-3_noode_resume_fixdata.sh
+#   (lines 9-38): LR 5e-7 for both, gen_cls_loss_weight 1e-3, guidance_cls_loss_weight 1e-2,
+#   diffusion GAN up to t = 1000, otherwise as stage 1 (global batch 2048, see dmd_sd15_stage1.sh).
+# DATA: a .jsonl of {"prompt", "image"} rows (real images for the GAN; the paper used SD-VAE
+# latents of LAION images).
+#
+#   MODEL=/models/stable-diffusion-v1-5 DATA=/data/laion.jsonl \
+#   INIT_FROM=out/sd15_stage1/checkpoints/step_040000 bash recipes/dmd_sd15_stage2.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:?set MODEL to the ORIGINAL SD-1.5 folder (the teacher), not stage 1 export}
+DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
+INIT_FROM=${INIT_FROM:?set INIT_FROM to a stage-1 checkpoint folder (OUTPUT_DIR/checkpoints/step_N)}
+OUT=${OUT:-out/sd15_stage2}
+NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
+GPUS=$(( NPROC * ${NNODES:-1} ))
+PER_GPU=32
+GLOBAL=2048
+if (( GLOBAL % (PER_GPU * GPUS) )); then
+  echo "dmd_sd15_stage2.sh: $GPUS GPUs x $PER_GPU does not divide the published global batch $GLOBAL" >&2
+  exit 2
+fi
+export NPROC
+exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
+    --init_from="$INIT_FROM" --use_gan=1 --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2 \
+    --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \
+    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$(( GLOBAL / (PER_GPU * GPUS) )) \
+    --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
+    --precision=bf16-mixed --activation_checkpointing=1 \
+    --max_steps=2000 --save_every=500 --sample_every=250 --log_every=50 --resume=auto "$@"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# FLUX.1 Kontext [dev] full fine-tune on 4 x 24 GB GPUs (e.g. RTX 4090), on FSDP2: the settings
+#   python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
+# finds to fit: bf16 compute with fp32 master weights, activation checkpointing, and CPU offload of
+# the sharded fp32 params, grads and AdamW state (~190 GB in all for 12 B parameters: host RAM must
+# hold it, ~48 GB per rank). LR and weight decay as diffusers' Kontext training example defaults.
+#
+#   MODEL=/models/FLUX.1-Kontext-dev DATA=/data/edits.jsonl bash recipes/kontext_4x24gb.sh
+# DATA: a .jsonl of {"image": context, "target": edited, "prompt": instruction}, paths relative to it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:?set MODEL to a FLUX.1-Kontext diffusers folder}
+DATA=${DATA:?set DATA to a .jsonl of image + target + prompt rows}
+OUT=${OUT:-out/kontext_ft}
+export NPROC=${NPROC:-4}
+exec bash run_fsdp.sh train_flux_kontext.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
+    --resolution=512 --precision=bf16-mixed --activation_checkpointing=1 --cpu_offload=1 \
+    --batch_size=1 --lr=1e-5 --weight_decay=1e-4 --warmup_steps=10 \
+    --max_steps=2000 --sample_every=250 --save_every=250 --log_every=10 --resume=auto "$@"
