@@ -10,7 +10,7 @@ fp32 before arithmetic, x0 conversions run in float64 (as the official code does
 `alphas_cumprod` is the scheduler's ᾱ table (SD-1.5: scaled-linear betas 0.00085 -> 0.012,
 1000 steps; ᾱ[999] ≈ 0.004660, ᾱ[20] ≈ 0.981314).
 
-    python -m pytest tests/test_dmd_math.py -q
+    python -m pytest tests/test_dmd2.py -q
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ two commands.
 import os
 import re
 
-from tests._dist import ROOT
+from tests.conftest import ROOT
 
 
 def constants(path):
@@ -25,6 +25,15 @@ def test_every_constant_is_in_the_readme():
     for script in ("train_dmd.py", "train_flux_kontext.py"):
         missing = [n for n in constants(script) if f"`{n}`" not in readme]
         assert not missing, f"{script}: constants missing from README.md: {missing}"
+
+
+def test_constants_tables_are_generated_from_the_scripts():
+    """Defaults and comments in README.md equal the scripts' (python tools/readme_constants.py)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "readme_constants.py"), "--check"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_quickstart_has_two_commands():

@@ -1,0 +1,53 @@
+"""precision.py: the mode table, dtype names, the FSDP2 policies and the dtype audit (no model
+training, a second).
+
+    python -m pytest tests/test_precision.py -q
+"""
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, ROOT)
+import precision  # noqa: E402
+
+
+def test_modes_decide_storage_compute_and_reduction():
+    table = {name: (p.param_dtype, p.compute_dtype, p.reduce_dtype) for name, p in precision.MODES.items()}
+    assert table == {"fp32": (torch.float32,) * 3,
+                     "bf16-mixed": (torch.float32, torch.bfloat16, torch.float32),
+                     "bf16": (torch.bfloat16,) * 3}
+    policy = precision.get_precision("bf16-mixed").mp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32,
+                                                                              torch.float32)
+    frozen = precision.Precision.frozen_mp_policy(torch.float16)  # stored = computed, no reduction to do
+    assert (frozen.param_dtype, frozen.reduce_dtype, frozen.output_dtype) == (torch.float16, torch.float16,
+                                                                              torch.float32)
+    with pytest.raises(ValueError, match="not a precision mode"):
+        precision.get_precision("fp8")
+
+
+def test_dtype_names_and_overrides():
+    assert precision.parse_dtype("BF16") is torch.bfloat16 and precision.parse_dtype("float16") is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        precision.parse_dtype("int8")
+    assert precision.dtype_name(torch.bfloat16) == "bf16"
+    mixed = precision.get_precision("bf16-mixed")
+    assert mixed.frozen_dtype() is torch.bfloat16 and mixed.frozen_dtype("fp32") is torch.float32
+
+
+def test_audit_reads_the_module_and_export_check_catches_strays():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    model[0].requires_grad_(False)
+    row = precision.component_row("m", model, torch.bfloat16)
+    assert row == {"component": "m", "params": 30, "local_params": 30, "storage": "bf16/fp32", "compute": "bf16",
+                   "trainable": "yes", "sharded": "no"}
+    table = precision.format_audit([row])
+    assert table.splitlines()[0].split() == ["component", "params", "local_params", "storage", "compute",
+                                             "trainable", "sharded"]
+    sd = {"a": torch.zeros(2, dtype=torch.bfloat16), "steps": torch.zeros(1, dtype=torch.long)}
+    assert precision.check_state_dict_dtypes(sd, torch.bfloat16) == {"bf16": 1, "torch.int64": 1}
+    with pytest.raises(ValueError, match="tensor 'b' is fp32, expected bf16"):
+        precision.check_state_dict_dtypes({**sd, "b": torch.zeros(1)}, torch.bfloat16, where="export")
