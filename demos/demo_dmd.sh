@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DMD2 in miniature, on CPU: distil the shipped shapes teacher (assets/shapes_teacher, rebuilt by
-# make_teacher.py) into a 1-step generator with train_dmd.py, then score three ways on
-# the shapes task (shapes_eval.py): the teacher with 25 DDIM steps and CFG 2, the teacher with
-# 1 step, the student with 1 step. Prints the table; writes the side-by-side grid.
+# `python -m demos.make_teacher`) into a 1-step generator with train_dmd.py, then score three ways
+# on the shapes task (demos/shapes_eval.py): the teacher with 25 DDIM steps and CFG 2, the teacher
+# with 1 step, the student with 1 step. Prints the table; writes the side-by-side grid.
 #
 #   bash demos/demo_dmd.sh                 # 2 ranks; extra arguments go to train_dmd.py
 #   NPROC=1 bash demos/demo_dmd.sh --batch_size=16

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # FLUX.1 Kontext in miniature, on CPU: fine-tune the shipped base model (assets/kontext_base,
-# rebuilt by make_kontext_base.py; it never saw "blue" as a target) on the "make it blue" edit
-# with train_flux_kontext.py, then evaluate base and fine-tuned model through diffusers'
-# FluxKontextPipeline on held-out pairs (kontext_eval.py): edit accuracy, shape/position kept
-# (foreground IoU), background kept, and the other recolours the base knew (retention).
+# rebuilt by `python -m demos.make_kontext_base`; it never saw "blue" as a target) on the shipped
+# "make it blue" pairs (assets/kontext_blue/train.jsonl: the train split of demos/kontext_eval.py,
+# byte for byte) with train_flux_kontext.py, then evaluate base and fine-tuned model through
+# diffusers' FluxKontextPipeline on held-out pairs (demos/kontext_eval.py): edit accuracy,
+# shape/position kept (foreground IoU), background kept, and the other recolours the base knew
+# (retention).
 #
 #   bash demos/demo_kontext.sh            # 2 ranks; extra arguments go to train_flux_kontext.py
 set -euo pipefail
@@ -12,7 +14,13 @@ OUT=${OUT:-out/kontext_demo}
 NPROC=${NPROC:-2}
 GRID=${GRID:-$OUT/blue_grid.png}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-TRAIN=$(python -m demos.kontext_eval --make_data="$OUT/task" | awk '$1 == "train" {print $2}')
+TRAIN=assets/kontext_blue/train.jsonl
+# the held-out and retention splits (and the train split, to check the shipped copy against)
+GENERATED=$(python -m demos.kontext_eval --make_data="$OUT/task" | awk '$1 == "train" {print $2}')
+if ! cmp -s "$TRAIN" "$GENERATED" || ! diff -rq -x '*.jsonl' "$(dirname "$TRAIN")" "$(dirname "$GENERATED")" >/dev/null; then
+    echo "$TRAIN is not the generated train split; rebuild it: python -m demos.kontext_eval --make_train=assets/kontext_blue" >&2
+    exit 1
+fi
 start=$(date +%s)
 python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \
     --model_path=assets/kontext_base --data_path="$TRAIN" --output_dir="$OUT" \

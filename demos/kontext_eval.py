@@ -1,8 +1,9 @@
 """The "make it blue" editing task and its evaluation through diffusers' FluxKontextPipeline.
 
-Task: a shape (circle / square / triangle / diamond, tiny_models.COLOURS, never blue) on a plain
-background (never blue); the edit recolours the shape blue and keeps its shape, position, size and
-the background. Prompt: "make it blue". Splits are drawn deterministically from a seed:
+Task: a shape (circle / square / triangle / diamond of demos/shapes.py, in any of its COLOURS
+but blue) on a plain background (never blue); the edit recolours the shape blue and keeps its
+shape, position, size and the background. Prompt: "make it blue". Splits are drawn
+deterministically from a seed:
 
     train      512 pairs, seed 1  (what train_flux_kontext.py fine-tunes on)
     heldout     64 pairs, seed 2  (scenes not in train; the evaluation set)
@@ -11,7 +12,10 @@ the background. Prompt: "make it blue". Splits are drawn deterministically from 
 
 Each split is a folder with context/*.png, target/*.png and data.jsonl rows {"image", "target",
 "prompt"} (paths relative to the file) plus the scene ("shape", "colour", "background",
-"target_colour", "box"). They are generated on demand into a cache folder, never committed.
+"target_colour", "box"). They are generated on demand into a cache folder. The train split alone
+is also shipped, byte for byte as generated, as assets/kontext_blue/ (train.jsonl + context/ +
+target/): the default data of train_flux_kontext.py (`write_train_split`, --make_train;
+tests/test_kontext_eval.py checks that it is still what this code writes).
 
 Metrics, from pixels (the background colour is known, the shapes are flat colours):
   colour acc   the output's foreground (pixels far from the background colour) has, as its median
@@ -21,9 +25,10 @@ Metrics, from pixels (the background colour is known, the shapes are flat colour
   success      all three: colour right, IoU >= 0.7, background kept
   PSNR         against the true target (dB)
 
-    python kontext_eval.py --model=assets/kontext_base
-    python kontext_eval.py --compare base=assets/kontext_base tuned=/tmp/kontext_ft/export
-    python kontext_eval.py --make_data=out/kontext_task     # write the splits, print the paths
+    python -m demos.kontext_eval --model=assets/kontext_base
+    python -m demos.kontext_eval --compare base=assets/kontext_base tuned=/tmp/kontext_ft/export
+    python -m demos.kontext_eval --make_data=out/kontext_task    # write the splits, print the paths
+    python -m demos.kontext_eval --make_train=assets/kontext_blue  # rewrite the shipped train split
 
 The grid (--grid, default out/kontext_eval/grid.png) has one row per held-out pair: context | each
 model's output | target.
@@ -40,14 +45,17 @@ from pathlib import Path
 
 import numpy as np
 
+from data_utils import build_once
+from demos import shapes
+from demos.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
 from tools import tiny_models
-from tools.tiny_models import COLOURS, SHAPES
 
 TASK_COLOUR = "blue"
 TASK_PROMPT = f"make it {TASK_COLOUR}"
 IMAGE_SIZE = 32  # pixels per side (the base model's VAE is 4x down: 8x8 latents, 16 tokens)
 TASK_VERSION = 1  # part of the cache folder name; bump when a split's recipe changes
 SPLITS = {"train": (512, 1), "heldout": (64, 2), "retention": (64, 3)}  # name: (pairs, seed)
+SHIPPED_TRAIN = Path(__file__).resolve().parent.parent / "assets" / "kontext_blue" / "train.jsonl"
 
 FG_THRESHOLD = 35.0  # RGB distance from the background above which a pixel is foreground
 MIN_FG_PIXELS = 16  # fewer foreground pixels than this = no shape found (colour counts as wrong)
@@ -58,10 +66,10 @@ IOU_OK = 0.7  # IoU needed for a "success"
 
 
 def random_scene(rng, size=IMAGE_SIZE, exclude=()):
-    """(shape, colour, background, box) as tiny_models draws them, redrawn until neither the
-    colour nor the background is in `exclude`."""
+    """(shape, colour, background, box) as shapes.random_scene draws them, redrawn until neither
+    the colour nor the background is in `exclude`."""
     while True:
-        shape, colour, background, box = tiny_models._random_scene(rng, size)
+        shape, colour, background, box = shapes.random_scene(rng, size)
         if colour not in exclude and background not in exclude:
             return shape, colour, background, box
 
@@ -69,7 +77,7 @@ def random_scene(rng, size=IMAGE_SIZE, exclude=()):
 def draw(scene, colour=None, shape=None, size=IMAGE_SIZE):
     """PIL image of `scene`, optionally with another colour or shape."""
     s, c, b, box = scene
-    return tiny_models._draw_shape(size, shape or s, COLOURS[colour or c], COLOURS[b], box)
+    return shapes.draw_shape(size, shape or s, COLOURS[colour or c], COLOURS[b], box)
 
 
 def task_scenes(split, n=None, seed=None):
@@ -97,20 +105,26 @@ def task_scenes(split, n=None, seed=None):
     return out
 
 
-def write_pairs(folder, scenes, size=IMAGE_SIZE):
-    """Write context/target PNGs and data.jsonl for `scenes` (dicts as task_scenes makes, or with a
-    "target_shape" for shape edits) into `folder`. Returns the data.jsonl path."""
+def write_pairs(folder, scenes, size=IMAGE_SIZE, jsonl_name="data.jsonl"):
+    """Write context/target PNGs and the jsonl (`jsonl_name`) for `scenes` (dicts as task_scenes
+    makes, or with a "target_shape" for shape edits) into `folder`. Returns the jsonl path."""
     folder = Path(folder)
     for sub in ("context", "target"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
-    with open(folder / "data.jsonl", "w") as f:
+    with open(folder / jsonl_name, "w") as f:
         for i, d in enumerate(scenes):
             scene = (d["shape"], d["colour"], d["background"], tuple(d["box"]))
             draw(scene, size=size).save(folder / "context" / f"{i:05d}.png")
             draw(scene, colour=d["target_colour"], shape=d.get("target_shape"), size=size).save(
                 folder / "target" / f"{i:05d}.png")
             f.write(json.dumps({"image": f"context/{i:05d}.png", "target": f"target/{i:05d}.png", **d}) + "\n")
-    return folder / "data.jsonl"
+    return folder / jsonl_name
+
+
+def write_train_split(folder, jsonl_name=SHIPPED_TRAIN.name):
+    """The train split as --make_data writes it (same PNGs, same rows), with the jsonl named
+    `jsonl_name`: what assets/kontext_blue/ ships. Returns the jsonl path."""
+    return write_pairs(folder, task_scenes("train"), jsonl_name=jsonl_name)
 
 
 def default_task_dir():
@@ -119,23 +133,16 @@ def default_task_dir():
 
 def ensure_task_data(root=None) -> dict:
     """Write every split once under `root` (default: <tiny_models cache>/kontext_task_v1) and
-    return {split: data.jsonl path as str}. Safe for many processes at once (lock + atomic rename)."""
+    return {split: data.jsonl path as str}. Safe for many processes at once (data_utils.build_once:
+    lock + atomic rename)."""
     root = Path(root) if root is not None else default_task_dir()
-    paths = {s: str(root / s / "data.jsonl") for s in SPLITS}
-    if not (root / tiny_models.READY).exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        with tiny_models._file_lock(root.with_name(root.name + ".lock"), 600.0):
-            if not (root / tiny_models.READY).exists():
-                tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-                import shutil
-                shutil.rmtree(tmp, ignore_errors=True)
-                for split in SPLITS:
-                    write_pairs(tmp / split, task_scenes(split))
-                (tmp / tiny_models.READY).write_text(f"kontext task v{TASK_VERSION}\n")
-                if root.exists():  # an unfinished older attempt
-                    shutil.rmtree(root)
-                os.rename(tmp, root)
-    return paths
+
+    def write_splits(tmp):
+        for split in SPLITS:
+            write_pairs(tmp / split, task_scenes(split))
+
+    build_once(root, write_splits, 600.0, ready_text=f"kontext task v{TASK_VERSION}\n")
+    return {s: str(root / s / "data.jsonl") for s in SPLITS}
 
 
 def load_rows(jsonl):
@@ -158,10 +165,7 @@ def load_rows(jsonl):
 
 
 # ----------------------------------------------------------------------------------------------
-# metrics (numpy, HxWx3 uint8 images)
-
-_NAMES = list(COLOURS)
-_RGB = np.array([COLOURS[c] for c in _NAMES], dtype=np.float64)
+# metrics (numpy, HxWx3 uint8 images); colour names are read with shapes.nearest_colour
 
 
 def load_rgb(path, size=None) -> np.ndarray:
@@ -171,12 +175,6 @@ def load_rgb(path, size=None) -> np.ndarray:
         if size is not None and im.size != (size[1], size[0]):
             im = im.resize((size[1], size[0]), Image.Resampling.LANCZOS)
         return np.asarray(im, dtype=np.uint8).copy()
-
-
-def nearest_colour(rgb) -> str:
-    """Name of the tiny_models colour nearest (Euclidean RGB) to `rgb`."""
-    d = ((_RGB - np.asarray(rgb, dtype=np.float64)) ** 2).sum(axis=1)
-    return _NAMES[int(d.argmin())]
 
 
 def mode_colour(img) -> tuple:
@@ -311,29 +309,21 @@ def evaluate(folder, rows, steps=20, guidance=1.0, seed=0) -> tuple[dict, list[n
 def save_grid(columns, path, rows=None, scale=1):
     """A PNG grid: one row per pair, one column per image list in `columns` (lists of HxWx3),
     every tile enlarged `scale` times (nearest neighbour), 2 px gaps between columns."""
-    from PIL import Image
     n = len(columns[0]) if rows is None else min(rows, len(columns[0]))
     h, w = columns[0][0].shape[0] * scale, columns[0][0].shape[1] * scale
     gap = 2 if scale > 1 else 0
-    grid = np.full((n * h, len(columns) * (w + gap) - gap, 3), 255, dtype=np.uint8)
-    for r in range(n):
-        for c, col in enumerate(columns):
-            tile = np.repeat(np.repeat(col[r], scale, axis=0), scale, axis=1)
-            grid[r * h:(r + 1) * h, c * (w + gap):c * (w + gap) + w] = tile
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid).save(path)
-    return path
+    tiles = [(c * (w + gap), r * h, col[r]) for r in range(n) for c, col in enumerate(columns)]
+    return shapes.save_png(shapes.tile_canvas(len(columns) * (w + gap) - gap, n * h, (255, 255, 255),
+                                              tiles, scale), path)
 
 
 def markdown_table(results) -> str:
     """results: {model name: {split name: summarize() dict}}."""
-    lines = ["| model | split | pairs | colour acc | IoU | bg kept | success | PSNR |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, by_split in results.items():
-        for split, m in by_split.items():
-            lines.append(f"| {name} | {split} | {m['n']} | {m['colour_acc']:.1f} % | {m['iou']:.3f} | "
-                         f"{m['bg_kept']:.1f} % | {m['success']:.1f} % | {m['psnr']:.1f} dB |")
-    return "\n".join(lines)
+    header = ["model", "split", "pairs", "colour acc", "IoU", "bg kept", "success", "PSNR"]
+    rows = [[name, split, str(m["n"]), f"{m['colour_acc']:.1f} %", f"{m['iou']:.3f}", f"{m['bg_kept']:.1f} %",
+             f"{m['success']:.1f} %", f"{m['psnr']:.1f} dB"]
+            for name, by_split in results.items() for split, m in by_split.items()]
+    return shapes.md_table(header, rows, align=["---"] * 2 + ["---:"] * 6)
 
 
 def main(argv=None):
@@ -345,6 +335,9 @@ def main(argv=None):
     p.add_argument("--retention", default="", help="retention jsonl ('' = the generated split, 'none' = skip)")
     p.add_argument("--task_dir", default="", help="where the splits are generated (default: the cache)")
     p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
+    p.add_argument("--make_train", default="", metavar="DIR",
+                   help="only write the train split into DIR, jsonl named train.jsonl (as assets/kontext_blue "
+                        "ships it), and exit")
     p.add_argument("--n", type=int, default=0, help="use the first N held-out pairs (0 = all)")
     p.add_argument("--steps", type=int, default=20, help="inference steps")
     p.add_argument("--guidance", type=float, default=1.0, help="guidance embedding (training used 1.0)")
@@ -359,6 +352,9 @@ def main(argv=None):
     if args.make_data:
         for split, path in ensure_task_data(args.make_data).items():
             print(split, path)
+        return 0
+    if args.make_train:
+        print("train", write_train_split(args.make_train))
         return 0
     models = {}
     if args.model:

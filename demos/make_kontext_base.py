@@ -1,19 +1,19 @@
 """Rebuild assets/kontext_base/: the base tiny FLUX.1 Kontext model that the "make it blue" demo
-fine-tunes (kontext_eval.py has the task and its evaluation).
+fine-tunes (demos/kontext_eval.py has the task and its evaluation).
 
 The folder has the full FLUX.1-Kontext diffusers layout (transformer/, vae/, text_encoder/,
 tokenizer/, text_encoder_2/, tokenizer_2/, scheduler/, model_index.json) and loads with
-FluxKontextPipeline.from_pretrained. It is built in four stages, each deterministic from its seed
+FluxKontextPipeline.from_pretrained. It is built in five stages, each deterministic from its seed
 and skipped when its output already exists (--force=1 redoes them):
 
   1. vae       a tiny AutoencoderKL (4x down, 8 latent channels) trained on 32x32 coloured-shape
                images (L1 + MSE + a small KL); then shift_factor / scaling_factor are set to the
                latents' mean and 1/std, as FLUX's VAE config does for its own latents.
-  2. init      the pipeline folder: tiny_models' tokenizers and random CLIP / T5 encoders (fp16),
-               the trained VAE (fp16), a random FluxTransformer2DModel (hidden 128, 2 double +
-               2 single blocks, 8x8 latents packed into 16 tokens of 32 channels), FLUX's scheduler;
-               the T5 tokenizer's model_max_length is 8 (prompts are at most 7 tokens), which sets
-               the T5 length of training and of the pipeline alike.
+  2. init      the pipeline folder: the tokenizers and random CLIP / T5 encoders (fp16) of
+               tools/tiny_models.py, the trained VAE (fp16), a random FluxTransformer2DModel
+               (hidden 128, 2 double + 2 single blocks, 8x8 latents packed into 16 tokens of 32
+               channels), FLUX's scheduler; the T5 tokenizer's model_max_length is 8 (prompts
+               are at most 7 tokens), which sets the T5 length of training and of the pipeline.
   3. data      the pre-training edits (6000 pairs): "keep it" (reconstruction), "make it <colour>"
                for every colour except blue, "turn it into a <shape>". Blue is never a target colour
                here, so "make it blue" is left for the fine-tune to learn.
@@ -22,8 +22,8 @@ and skipped when its output already exists (--force=1 redoes them):
                with ids (1, row, col)); its export/ is the base model.
   5. package   copy the export (links resolved) into assets/kontext_base and evaluate it.
 
-    python make_kontext_base.py                      # all stages; about 25 min on 2 CPU cores
-    python make_kontext_base.py --stages=pretrain,package --pretrain_steps=3000
+    python -m demos.make_kontext_base                      # all stages; about 25 min on 2 CPU cores
+    python -m demos.make_kontext_base --stages=pretrain,package --pretrain_steps=3000
 
 Everything but the final folder goes to --work_dir (default out/kontext_base_build).
 """
@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from demos import kontext_eval as ke
+from demos import shapes
+from demos.shapes import COLOURS, SHAPES, nearest_colour, to_tensor, to_uint8
 from tools import tiny_models
-from tools.tiny_models import COLOURS, SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 ASSET_DIR = ROOT / "assets" / "kontext_base"
@@ -74,7 +75,7 @@ FROZEN_DTYPE = torch.float16  # storage dtype of the VAE and the text encoders i
 
 
 def log(msg):
-    print(f"[make_kontext_base {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    shapes.log(msg, tag="make_kontext_base")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,8 +84,8 @@ def log(msg):
 
 def shape_batch(rng, n, size=IMAGE_SIZE) -> torch.Tensor:
     """(n, 3, size, size) in [-1, 1]: random scenes, as the task draws them (any colours)."""
-    ims = [np.asarray(ke.draw(tiny_models._random_scene(rng, size), size=size)) for _ in range(n)]
-    return torch.from_numpy(np.stack(ims)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    ims = [np.asarray(ke.draw(shapes.random_scene(rng, size), size=size)) for _ in range(n)]
+    return to_tensor(np.stack(ims))
 
 
 def psnr(a, b) -> float:
@@ -137,11 +138,10 @@ def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, see
 def recon_scores(rec, ref) -> dict:
     """The task metrics of VAE reconstructions against their inputs (an upper bound for any
     model that decodes through this VAE): colour accuracy and mean IoU of the foreground."""
-    to_u8 = lambda t: ((t.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()  # noqa: E731
     scores = []
-    for out, img in zip(to_u8(rec), to_u8(ref)):
-        bg = ke.nearest_colour(ke.mode_colour(img))
-        colour = ke.nearest_colour(np.median(img[ke.foreground_mask(img, bg)].astype(np.float64), axis=0))
+    for out, img in zip(to_uint8(rec), to_uint8(ref)):
+        bg = nearest_colour(ke.mode_colour(img))
+        colour = nearest_colour(np.median(img[ke.foreground_mask(img, bg)].astype(np.float64), axis=0))
         scores.append(ke.score_edit(out, img, bg, colour))
     m = ke.summarize(scores)
     return {"colour_acc": round(m["colour_acc"], 1), "iou": round(m["iou"], 3), "success": round(m["success"], 1)}
@@ -152,7 +152,7 @@ def recon_scores(rec, ref) -> dict:
 
 
 def make_init_folder(folder, vae, seed=0):
-    """The pre-training start: tiny_models' FLUX.1-Kontext folder (tokenizers, CLIP, T5,
+    """The pre-training start: tools/tiny_models.py's FLUX.1-Kontext folder (tokenizers, CLIP, T5,
     scheduler, as tiny_models writes them) with the trained VAE and a random transformer of
     TRANSFORMER_CONFIG; VAE and text encoders stored in FROZEN_DTYPE."""
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
@@ -163,7 +163,7 @@ def make_init_folder(folder, vae, seed=0):
     shutil.rmtree(tmp / "tokenizer_2")
     tiny_models.write_t5_tokenizer(tmp / "tokenizer_2", max_length=T5_LENGTH)
     pipe = FluxKontextPipeline.from_pretrained(tmp, torch_dtype=torch.float32)
-    with tiny_models._seeded(seed + 2):
+    with tiny_models.seeded(seed + 2):
         transformer = FluxTransformer2DModel(**TRANSFORMER_CONFIG)
     pipe.transformer = transformer
     pipe.register_modules(transformer=transformer, vae=vae.to(FROZEN_DTYPE))
@@ -186,7 +186,7 @@ def pretrain_scenes(n=PRETRAIN_PAIRS, seed=10):
     kinds, probs = list(PRETRAIN_MIX), np.array(list(PRETRAIN_MIX.values()))
     out = []
     for _ in range(n):
-        shape, colour, background, box = tiny_models._random_scene(rng, IMAGE_SIZE)
+        shape, colour, background, box = shapes.random_scene(rng, IMAGE_SIZE)
         d = {"shape": shape, "colour": colour, "background": background, "box": list(box)}
         kind = kinds[rng.choice(len(kinds), p=probs / probs.sum())]
         if kind == "keep":

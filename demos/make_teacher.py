@@ -2,7 +2,7 @@
 
 The teacher is a tiny text-to-image latent diffusion model in the SD-1.5 folder layout
 (StableDiffusionPipeline.save_pretrained: unet/ vae/ text_encoder/ tokenizer/ scheduler/
-model_index.json), trained by this script on the coloured-shapes task of `shapes_eval.py`:
+model_index.json), trained by this script on the coloured-shapes task of `demos/shapes_eval.py`:
 32x32 px, one circle / square / triangle in red / green / blue / yellow on a white / black / cyan
 background, captions like "a red circle on a white background" (36 prompts).
 
@@ -11,7 +11,8 @@ Stages (all seeded; 33 min for the shipped teacher on 2 CPU cores shared with ot
     trained on freshly drawn images with L1 + L2 reconstruction and SD's tiny KL weight (1e-6);
     scaling_factor = 1 / (std of the latents of the training set), as SD-1.5's 0.18215 was chosen.
  2. Text encoder: a 2-layer, 64-wide CLIPTextModel with random frozen weights (it only has to
-    tell prompts apart) and the tiny CLIP BPE tokenizer of `tiny_models.write_clip_tokenizer`.
+    tell prompts apart) and the tiny CLIP BPE tokenizer of `tools/tiny_models.py`
+    (`write_clip_tokenizer`).
  3. UNet: UNet2DConditionModel with cross-attention down, mid and up blocks (BasicTransformerBlock
     and ResnetBlock2D, as SD-1.5), epsilon prediction under SD-1.5's noise schedule
     (scaled-linear betas 0.00085 -> 0.012, 1000 steps), on cached VAE latents, with 10 % caption
@@ -21,8 +22,8 @@ Stages (all seeded; 33 min for the shipped teacher on 2 CPU cores shared with ot
     prompts.txt (the 36 training prompts, the DMD2 stage-1 data) and data.jsonl + images/
     (4 real images per prompt, the stage-2 GAN data), then a quick evaluation with shapes_eval.
 
-    python make_teacher.py                        # -> assets/shapes_teacher (about 30 min)
-    python make_teacher.py --out=/tmp/t --quick   # a 1-minute smoke run (poor model)
+    python -m demos.make_teacher                        # -> assets/shapes_teacher (about 30 min)
+    python -m demos.make_teacher --out=/tmp/t --quick   # a 1-minute smoke run (poor model)
 
 Bit-exact reproduction needs the same torch build, CPU kind and --threads (reduction order).
 """
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from demos import shapes_eval as se
+from demos.shapes import log, to_tensor, to_uint8
 from tools.tiny_models import write_clip_tokenizer
 
 TEXT_HIDDEN = 64
@@ -50,10 +52,6 @@ LATENT_CHANNELS = 4
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                         beta_schedule="scaled_linear", prediction_type="epsilon", clip_sample=False,
                         set_alpha_to_one=False, steps_offset=1)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,14 +102,10 @@ def n_params(model) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# data
-
-def to_tensor(images: np.ndarray) -> torch.Tensor:
-    """(N, H, W, 3) uint8 -> (N, 3, H, W) float in [-1, 1]."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-
+# schedule
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay from `peak` down to 5 % of it."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
@@ -158,13 +152,11 @@ def encode_latents(vae, n: int, seed: int, batch: int = 256):
 
 
 @torch.no_grad()
-def vae_check(vae, images: np.ndarray) -> dict:
-    """Reconstruction of real images scored by shapes_eval's adherence (should be ~100 %)."""
-    x = to_tensor(images)
-    z = vae.encode(x).latent_dist.mode()
-    recon = vae.decode(z).sample.clamp(-1, 1)
-    out = ((recon + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    return out
+def vae_check(vae, images: np.ndarray) -> np.ndarray:
+    """Reconstructions (uint8, as `images`) of real images through the posterior mode, for
+    shapes_eval's adherence scores (should be ~100 %)."""
+    z = vae.encode(to_tensor(images)).latent_dist.mode()
+    return to_uint8(vae.decode(z).sample)
 
 
 def train_unet(unet, latents_mean, latents_std, text_ids, text_table, steps: int, batch: int,

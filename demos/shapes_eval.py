@@ -1,16 +1,16 @@
 """The coloured-shapes task of the DMD2 demo: its data, and an evaluation of models on it.
 
-The task (shared with `make_teacher.py`, which trains the shipped teacher on it): 32x32 px images
-of one filled shape (circle, square, triangle) in one of 4 colours on a plain background of one of
-3 colours, at a random position and size (side 12..20 px), captioned
-"a red circle on a white background" -> 4 x 3 x 3 = 36 prompts. Pixels are drawn by
-`tiny_models._draw_shape` (PIL, no anti-aliasing).
+The task (shared with `demos/make_teacher.py`, which trains the shipped teacher on it): 32x32 px
+images of one filled shape (circle, square, triangle) in one of 4 colours on a plain background of
+one of 3 colours, at a random position and size (side 12..20 px), captioned
+"a red circle on a white background" -> 4 x 3 x 3 = 36 prompts: a corner of the coloured-shapes
+world of `demos/shapes.py`, whose `draw_shape` draws the pixels (PIL, no anti-aliasing).
 
 Evaluation of a diffusers SD-1.5-layout folder (the teacher, or a DMD2 export) with a sampler:
 N = len(prompts) x seeds images from fixed noise, scored on
 
 (a) prompt adherence, read from pixels by `analyse_image`:
-    background = the named colour (of all 10 in tiny_models.COLOURS) nearest to the median of
+    background = the named colour (of all 10 in shapes.COLOURS) nearest to the median of
     the ring of pixels 1..2 px from the edge; foreground = the largest 4-connected component of
     pixels farther than FG_THRESHOLD (RGB, 0..255) from that measured background colour;
     colour = the named colour nearest to the median RGB of its core pixels; shape = nearest
@@ -34,9 +34,9 @@ N = len(prompts) x seeds images from fixed noise, scored on
     images of one prompt (different seeds), averaged over prompts; real data gives the target.
     Mode collapse -> 0.
 
-    python shapes_eval.py --model=assets/shapes_teacher --sampler=ddim --steps=25 --cfg=4
-    python shapes_eval.py --model=assets/shapes_teacher --sampler=onestep
-    python shapes_eval.py --compare teacher=assets/shapes_teacher student=out/dmd/export \
+    python -m demos.shapes_eval --model=assets/shapes_teacher --sampler=ddim --steps=25 --cfg=4
+    python -m demos.shapes_eval --model=assets/shapes_teacher --sampler=onestep
+    python -m demos.shapes_eval --compare teacher=assets/shapes_teacher student=out/dmd/export \
         --grid=shapes_grid.png
 
 Importable: `score_images(images, prompts)`, `evaluate_components(...)` (for a training loop that
@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tools.tiny_models import COLOURS, _describe, _draw_shape
+from demos import shapes
+from demos.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
 
 # ---------------------------------------------------------------------------------------------
 # the task
@@ -64,9 +65,7 @@ IMAGE_SIZE = 32
 FG_COLOURS = ("red", "green", "blue", "yellow")
 BG_COLOURS = ("white", "black", "cyan")
 SHAPES = ("circle", "square", "triangle")
-MIN_SIDE, MAX_SIDE = IMAGE_SIZE * 3 // 8, IMAGE_SIZE * 5 // 8  # 12..20 px at 32 px
-PALETTE_NAMES = tuple(COLOURS)
-PALETTE = np.array([COLOURS[n] for n in PALETTE_NAMES], dtype=np.float64)
+MIN_SIDE, MAX_SIDE = IMAGE_SIZE * 3 // 8, IMAGE_SIZE * 5 // 8  # 12..20 px at 32 px (shapes.random_box)
 
 _PROMPT_RE = re.compile(r"^an? (\w+) (\w+) on an? (\w+) background$")
 
@@ -77,7 +76,7 @@ def combos():
 
 
 def prompt_for(shape: str, colour: str, background: str) -> str:
-    return _describe(shape, colour, background)
+    return shapes.describe(shape, colour, background)
 
 
 def all_prompts() -> list[str]:
@@ -94,15 +93,12 @@ def parse_prompt(prompt: str) -> tuple[str, str, str]:
 
 
 def random_box(rng: np.random.Generator, size: int = IMAGE_SIZE) -> tuple[int, int, int, int]:
-    lo, hi = size * 3 // 8, size * 5 // 8
-    side = int(rng.integers(lo, hi + 1))
-    x0, y0 = (int(v) for v in rng.integers(0, size - side + 1, size=2))
-    return x0, y0, x0 + side - 1, y0 + side - 1
+    return shapes.random_box(rng, size)
 
 
 def render(shape: str, colour: str, background: str, box, size: int = IMAGE_SIZE) -> np.ndarray:
     """(size, size, 3) uint8."""
-    return np.asarray(_draw_shape(size, shape, COLOURS[colour], COLOURS[background], box))
+    return np.asarray(shapes.draw_shape(size, shape, COLOURS[colour], COLOURS[background], box))
 
 
 def render_prompt(prompt: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
@@ -145,11 +141,6 @@ CORE = 0.8  # foreground colour = median of the component's pixels at >= CORE x 
 # apex is up, so only a quarter of its area is in the upper half
 SHAPE_PROTOTYPES = {"square": (1.0, 0.5), "circle": (math.pi / 4, 0.5), "triangle": (0.5, 0.25)}
 TOP_WEIGHT = 3.0  # scale of the upper-half fraction against the fill ratio in the prototype distance
-
-
-def nearest_colour(rgb) -> str:
-    d = ((PALETTE - np.asarray(rgb, dtype=np.float64)) ** 2).sum(axis=1)
-    return PALETTE_NAMES[int(np.argmin(d))]
 
 
 def _largest_component(mask: np.ndarray) -> np.ndarray:
@@ -397,7 +388,7 @@ def sample_latents(unet, scheduler, cond, uncond, noise, sampler="ddim", steps=2
     ddim: the scheduler's DDIM (eta 0) over `steps` steps, CFG eps_u + cfg (eps_c - eps_u) when
     cfg != 1. onestep: x0 = (z - sqrt(1 - a) eps) / sqrt(a) at t = 999 (the DMD2 generator's
     sampler; for a teacher the 1-step baseline). fewstep: DMD2's multi-step sampling with
-    dmd_math.denoising_step_list(steps), re-noising each x0 with fresh noise.
+    algorithms.dmd2.denoising_step_list(steps), re-noising each x0 with fresh noise.
     """
     from algorithms import dmd2 as dm
     from diffusers import DDIMScheduler
@@ -439,11 +430,11 @@ def sample_latents(unet, scheduler, cond, uncond, noise, sampler="ddim", steps=2
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor, batch: int = 96) -> np.ndarray:
     """Scaled latents -> (N, H, W, 3) uint8."""
-    out = []
-    for z in latents.split(batch):
-        x = vae.decode((z / vae.config.scaling_factor).to(vae.dtype)).sample.float()
-        out.append(((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
-    return torch.cat(out).numpy()
+    out = [shapes.to_uint8(vae.decode((z / vae.config.scaling_factor).to(vae.dtype)).sample.float())
+           for z in latents.split(batch)]
+    # C order: the feature net's conv (image_features) rounds differently on other memory layouts,
+    # and the published scores were computed on C-ordered images
+    return np.ascontiguousarray(np.concatenate(out))
 
 
 def generate(unet, vae, text_encoder, tokenizer, scheduler, prompts: list[str], seeds: int,
@@ -502,38 +493,30 @@ COLUMNS = [("colour_acc", "colour acc %", "{:.1f}"), ("shape_acc", "shape acc %"
 
 
 def markdown_table(rows: list[tuple[str, dict]], real_diversity: float | None = None) -> str:
-    head = "| model / sampler | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
-    for name, m in rows:
-        lines.append(f"| {name} | " + " | ".join(fmt.format(m[key]) for key, _, fmt in COLUMNS) + " |")
+    """rows: (name, metrics dict); a note on the real data follows when `real_diversity` is given."""
+    table = shapes.md_table(["model / sampler"] + [c[1] for c in COLUMNS],
+                            [[name] + [fmt.format(m[key]) for key, _, fmt in COLUMNS] for name, m in rows])
     if real_diversity is not None:
-        lines.append(f"\nReal-data diversity (target): {real_diversity:.2f}; N = {rows[0][1]['n']} images "
-                     f"per row, Fréchet distance against {REAL_PER_PROMPT} real images per prompt.")
-    return "\n".join(lines)
+        table += (f"\n\nReal-data diversity (target): {real_diversity:.2f}; N = {rows[0][1]['n']} images "
+                  f"per row, Fréchet distance against {REAL_PER_PROMPT} real images per prompt.")
+    return table
 
 
 def save_grid(columns: list[tuple[str, np.ndarray]], prompts: list[str], seeds: int, path: str,
               show_seeds: int = 4, max_rows: int = 36, scale: int = 2, every: int = 1) -> str:
     """PNG: one row per prompt (every `every`-th prompt); per column (a model), `show_seeds`
-    images side by side."""
-    from PIL import Image, ImageDraw
-
+    images side by side, enlarged `scale` times, under the column's name."""
     rows = list(range(0, len(prompts), every))[:max_rows]
-    n_prompts = len(rows)
     size = columns[0][1].shape[1] * scale
     gap, label_h, left = 8, 14, 4
     col_w = show_seeds * size + gap
-    canvas = Image.new("RGB", (left + col_w * len(columns), label_h + n_prompts * size), (128, 128, 128))
-    draw = ImageDraw.Draw(canvas)
-    for ci, (name, images) in enumerate(columns):
-        draw.text((left + ci * col_w, 1), name, fill=(0, 0, 0))
-        for pi, prompt_index in enumerate(rows):
-            for s in range(min(show_seeds, seeds)):
-                im = Image.fromarray(images[prompt_index * seeds + s]).resize((size, size), Image.NEAREST)
-                canvas.paste(im, (left + ci * col_w + s * size, label_h + pi * size))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
-    return path
+    labels = [(left + ci * col_w, 1, name) for ci, (name, _) in enumerate(columns)]
+    tiles = [(left + ci * col_w + s * size, label_h + pi * size, images[prompt_index * seeds + s])
+             for ci, (_, images) in enumerate(columns) for pi, prompt_index in enumerate(rows)
+             for s in range(min(show_seeds, seeds))]
+    canvas = shapes.tile_canvas(left + col_w * len(columns), label_h + len(rows) * size, (128, 128, 128),
+                                tiles, scale, labels)
+    return shapes.save_png(canvas, path)
 
 
 def compare(teacher: str, student: str | None, steps=25, cfg=4.0, seeds=8, grid=None,

@@ -1,5 +1,5 @@
-"""Tests of kontext_eval.py: the "make it blue" task data and the pixel metrics on known inputs
-(no model, no training).
+"""Tests of demos/kontext_eval.py: the "make it blue" task data (and its shipped train split,
+assets/kontext_blue) and the pixel metrics on known inputs (no model, no training).
 
     python -m pytest tests/test_kontext_eval.py -q
 """
@@ -115,3 +115,37 @@ def test_grid_and_table(heldout, tmp_path):
     m = ke.summarize([ke.score_edit(t, t, r["background"], r["target_colour"]) for t, r in zip(tgt, heldout)])
     table = ke.markdown_table({"target": {"heldout": m}})
     assert "| target | heldout | 16 | 100.0 % | 1.000 | 100.0 % | 100.0 % |" in table
+
+
+def _files(folder):
+    """{relative path: bytes} of every file under `folder`."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def test_shipped_train_split_is_what_make_data_writes(tmp_path):
+    """assets/kontext_blue (train_flux_kontext.py's default data, demo_kontext.sh's training data) is
+    byte for byte the train split of --make_data, jsonl named train.jsonl: rows and PNGs."""
+    shipped = _files(ke.SHIPPED_TRAIN.parent)
+    assert ke.SHIPPED_TRAIN.name == "train.jsonl" and len(shipped) == 1 + 2 * ke.SPLITS["train"][0]
+    generated = _files(Path(ke.ensure_task_data(tmp_path / "task")["train"]).parent)
+    generated["train.jsonl"] = generated.pop("data.jsonl")
+    assert shipped.keys() == generated.keys()
+    assert [k for k in shipped if shipped[k] != generated[k]] == []
+    rows = [json.loads(line) for line in shipped["train.jsonl"].decode().splitlines()]
+    assert rows == [{"image": f"context/{i:05d}.png", "target": f"target/{i:05d}.png", **d}
+                    for i, d in enumerate(ke.task_scenes("train"))]
+    # --make_train writes the same files again
+    assert ke.main([f"--make_train={tmp_path / 'again'}"]) == 0
+    assert _files(tmp_path / "again") == shipped
+
+
+def test_task_data_is_built_once(tmp_path):
+    paths = ke.ensure_task_data(tmp_path / "task")
+    marker = tmp_path / "task" / "READY"
+    assert marker.read_text() == f"kontext task v{ke.TASK_VERSION}\n"
+    mtime = marker.stat().st_mtime_ns
+    assert ke.ensure_task_data(tmp_path / "task") == paths and marker.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["task", "task.lock"]  # no temp folder left
+    (tmp_path / "half").mkdir()  # a folder without the marker was not written by ensure_task_data
+    with pytest.raises(RuntimeError, match="no READY marker"):
+        ke.ensure_task_data(tmp_path / "half")

@@ -1,4 +1,4 @@
-"""The metric code of shapes_eval.py on known inputs (no model, no training; a few seconds).
+"""The metric code of demos/shapes_eval.py on known inputs (no model, no training; a few seconds).
 
     python -m pytest tests/test_shapes_eval.py -q
 """
@@ -167,3 +167,21 @@ def test_shipped_teacher_follows_prompts_and_one_step_does_not():
     one, _, _ = se.evaluate_folder(folder, "onestep", seeds=2, reference=reference)
     assert multi["colour_acc"] >= 95 and multi["all_acc"] >= 70, multi
     assert one["all_acc"] <= 50 and one["fd"] > 2 * multi["fd"], one
+
+
+def test_shapes_world():
+    """demos/shapes.py, which shapes_eval, kontext_eval and tools/tiny_models all draw from."""
+    from demos import shapes
+
+    for name, rgb in shapes.COLOURS.items():
+        assert shapes.nearest_colour(rgb) == name == se.nearest_colour(rgb)
+    assert shapes.describe("circle", "orange", "white") == "an orange circle on a white background"
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        shape, colour, background, (x0, y0, x1, y1) = shapes.random_scene(rng, 32)
+        assert shape in shapes.SHAPES and colour != background and {colour, background} <= set(shapes.COLOURS)
+        assert 0 <= x0 < x1 < 32 and 0 <= y0 < y1 < 32 and x1 - x0 == y1 - y0 and 11 <= x1 - x0 <= 19
+    image = np.asarray(shapes.draw_shape(32, "square", (1, 2, 3), (4, 5, 6), (2, 3, 5, 9)))
+    assert (image[3:10, 2:6] == (1, 2, 3)).all() and (image == (1, 2, 3)).all(-1).sum() == 7 * 4
+    table = shapes.md_table(["a", "b"], [["1", "2"]], align=["---", "---:"])
+    assert table == "| a | b |\n|---|---:|\n| 1 | 2 |"

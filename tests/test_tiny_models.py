@@ -1,4 +1,4 @@
-"""Tests of tiny_models.py: the embedded default model folders and datasets, all offline, CPU.
+"""Tests of tools/tiny_models.py: the embedded default model folders and datasets, all offline, CPU.
 
     python -m pytest tests/test_tiny_models.py -q
 
@@ -80,7 +80,7 @@ def test_sd15_folder_loads_and_generates(sd15_folder):
     assert (cfg.beta_schedule, cfg.beta_start, cfg.beta_end, cfg.num_train_timesteps) == (
         "scaled_linear", 0.00085, 0.012, 1000)
     assert cfg.prediction_type == "epsilon" and cfg.steps_offset == 1 and not cfg.set_alpha_to_one
-    # DMD2's reference numbers for SD-1.5's schedule (REFERENCE.md).
+    # alpha-bar at t = 999 of SD-1.5's scaled-linear schedule (DMD2's 1-step generator input).
     assert pipe.scheduler.alphas_cumprod[999].item() == pytest.approx(0.004660, abs=2e-6)
     assert pipe.text_encoder.config.vocab_size == len(pipe.tokenizer)
     assert pipe.text_encoder.config.max_position_embeddings == pipe.tokenizer.model_max_length

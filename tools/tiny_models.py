@@ -5,10 +5,13 @@ random-weight models with the exact folder layout of SD-1.5 and FLUX.1 Kontext [
 `save_pretrained` (safetensors) and read back through the same `from_pretrained` path as the real
 weights, so the smoke test exercises the real code path. Everything is built offline (no hub).
 
-    python tiny_models.py sd15            # build (or reuse) the default folders, print the paths
-    python tiny_models.py flux_kontext
+    python -m tools.tiny_models sd15        # build (or reuse) the default folders, print the paths
+    python -m tools.tiny_models flux_kontext
 
-Cache convention: `ensure_default(kind)` builds once under
+The shapes, colours and captions of the synthetic datasets come from `demos/shapes.py` (the
+world the demos use too).
+
+Cache convention: `ensure_default(kind)` builds once (`data_utils.build_once`) under
 `$FSDP_DIFFUSION_CACHE/tiny_<kind>_v1/` (default `~/.cache/fsdp_diffusion/tiny_<kind>_v1/`) with
 `model/` (the diffusers folder) and `data/` (the default dataset, always holding a `data.jsonl`).
 Bump `DEFAULTS_VERSION` whenever a tiny config changes, so stale caches are never reused.
@@ -24,31 +27,24 @@ Scripts should derive sizes from the configs: vae_scale_factor = 2 ** (len(vae b
 - 1), default resolution = unet sample_size * vae_scale_factor.
 """
 import contextlib
-import fcntl
 import json
 import os
-import shutil
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+
+from data_utils import READY, build_once  # noqa: F401 - READY: the marker of a finished folder
+from demos.shapes import COLOURS, SHAPES, describe, draw_shape, random_scene
 
 DEFAULTS_VERSION = 1  # part of the cache folder name; bump on any change to a tiny config
 TEXT_MAX_LENGTH = 32  # CLIP context length (and T5 model_max_length) of the tiny tokenizers
 IMAGE_SIZE = 64  # default image side in pixels for both tiny models and their datasets
 
-# Words of the synthetic prompts. Tokenizers get whole-word pieces for these so that prompts stay
-# short (about 10 tokens); any other lowercase text still tokenizes character by character.
-COLOURS = {
-    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (240, 220, 40),
-    "purple": (140, 50, 170), "orange": (250, 140, 30), "white": (245, 245, 245),
-    "black": (15, 15, 15), "pink": (250, 150, 190), "cyan": (40, 210, 220),
-}
-SHAPES = ("circle", "square", "triangle", "diamond")
+# Words of the synthetic prompts (demos.shapes' COLOURS and SHAPES, then these). Tokenizers get
+# whole-word pieces for them so that prompts stay short (about 10 tokens); any other lowercase
+# text still tokenizes character by character.
 OTHER_WORDS = ("a", "an", "the", "on", "of", "in", "and", "with", "make", "it", "turn", "into",
                "change", "to", "background", "photo", "image", "shape")
 WORDS = tuple(COLOURS) + SHAPES + OTHER_WORDS
@@ -131,7 +127,7 @@ def write_t5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
 # model folders
 
 @contextlib.contextmanager
-def _seeded(seed):
+def seeded(seed):
     """Seed torch for deterministic random init without disturbing the caller's RNG state."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -148,7 +144,7 @@ def _clip_text_encoder(tokenizer, seed):
         projection_dim=32, hidden_act="quick_gelu",  # SD-1.5's CLIP ViT-L uses quick_gelu
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
-    with _seeded(seed):
+    with seeded(seed):
         return CLIPTextModel(config).eval()
 
 
@@ -163,14 +159,14 @@ def make_tiny_sd15(folder, seed=0):
     folder = Path(folder)
     tokenizer = write_clip_tokenizer(folder / "tokenizer")  # keeps vocab.json + merges.txt
     text_encoder = _clip_text_encoder(tokenizer, seed)
-    with _seeded(seed + 1):
+    with seeded(seed + 1):
         unet = UNet2DConditionModel(
             sample_size=IMAGE_SIZE // 4, in_channels=4, out_channels=4,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
             cross_attention_dim=text_encoder.config.hidden_size, attention_head_dim=4)
-    with _seeded(seed + 2):
+    with seeded(seed + 2):
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
             down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
@@ -205,16 +201,16 @@ def make_tiny_flux_kontext(folder, seed=0):
         vocab_size=len(tokenizer_2), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",  # T5 v1.1, as FLUX
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    with _seeded(seed + 1):
+    with seeded(seed + 1):
         text_encoder_2 = T5EncoderModel(t5_config).eval()
     latent_channels = 4
-    with _seeded(seed + 2):
+    with seeded(seed + 2):
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=4 * latent_channels, num_layers=2, num_single_layers=2,
             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=t5_config.d_model,
             pooled_projection_dim=text_encoder.config.hidden_size, guidance_embeds=True,
             axes_dims_rope=(4, 4, 8))  # must sum to attention_head_dim
-    with _seeded(seed + 3):
+    with seeded(seed + 3):
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=IMAGE_SIZE,
             down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
@@ -235,39 +231,6 @@ def make_tiny_flux_kontext(folder, seed=0):
 # ----------------------------------------------------------------------------------------------
 # synthetic data
 
-def _draw_shape(size, shape, colour, background, box):
-    """A size x size RGB PIL image: `shape` filled with `colour` inside `box` on `background`."""
-    image = Image.new("RGB", (size, size), background)
-    draw = ImageDraw.Draw(image)
-    x0, y0, x1, y1 = box
-    if shape == "circle":
-        draw.ellipse(box, fill=colour)
-    elif shape == "square":
-        draw.rectangle(box, fill=colour)
-    elif shape == "triangle":
-        draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=colour)
-    else:  # diamond
-        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
-        draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=colour)
-    return image
-
-
-def _random_scene(rng, size):
-    """Draw (shape, colour, background colour, box) with colour != background."""
-    shape = SHAPES[rng.integers(len(SHAPES))]
-    colour, background = rng.choice(list(COLOURS), size=2, replace=False)
-    side = int(rng.integers(size * 3 // 8, size * 5 // 8 + 1))
-    x0, y0 = (int(v) for v in rng.integers(0, size - side + 1, size=2))
-    return shape, str(colour), str(background), (x0, y0, x0 + side - 1, y0 + side - 1)
-
-
-def _describe(shape, colour, background):
-    """'a red circle on an orange background'."""
-    def article(word):
-        return "an" if word[0] in "aeiou" else "a"
-    return f"{article(colour)} {colour} {shape} on {article(background)} {background} background"
-
-
 def _write_jsonl(path, rows):
     with open(path, "w") as f:
         for row in rows:
@@ -279,8 +242,8 @@ def make_prompts_file(path, n, seed=0):
     rng = np.random.default_rng(seed)
     lines = []
     for _ in range(n):
-        shape, colour, background, _ = _random_scene(rng, IMAGE_SIZE)
-        lines.append(_describe(shape, colour, background))
+        shape, colour, background, _ = random_scene(rng, IMAGE_SIZE)
+        lines.append(describe(shape, colour, background))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
     return Path(path)
@@ -294,10 +257,10 @@ def make_image_prompt_dataset(folder, n, size=IMAGE_SIZE, seed=0):
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        shape, colour, background, box = _random_scene(rng, size)
-        image = _draw_shape(size, shape, COLOURS[colour], COLOURS[background], box)
+        shape, colour, background, box = random_scene(rng, size)
+        image = draw_shape(size, shape, COLOURS[colour], COLOURS[background], box)
         image.save(folder / "images" / f"{i:05d}.png")
-        rows.append({"prompt": _describe(shape, colour, background),
+        rows.append({"prompt": describe(shape, colour, background),
                      "image": f"images/{i:05d}.png"})
     _write_jsonl(folder / "data.jsonl", rows)
     return folder / "data.jsonl"
@@ -314,11 +277,11 @@ def make_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        shape, colour, background, box = _random_scene(rng, size)
+        shape, colour, background, box = random_scene(rng, size)
         new_colour = str(rng.choice([c for c in COLOURS if c not in (colour, background)]))
-        _draw_shape(size, shape, COLOURS[colour], COLOURS[background], box).save(
+        draw_shape(size, shape, COLOURS[colour], COLOURS[background], box).save(
             folder / "context" / f"{i:05d}.png")
-        _draw_shape(size, shape, COLOURS[new_colour], COLOURS[background], box).save(
+        draw_shape(size, shape, COLOURS[new_colour], COLOURS[background], box).save(
             folder / "target" / f"{i:05d}.png")
         rows.append({"image": f"context/{i:05d}.png", "target": f"target/{i:05d}.png",
                      "prompt": f"make the {shape} {new_colour}"})
@@ -341,7 +304,6 @@ def _build_flux_kontext(root):
 
 
 BUILDERS = {"sd15": _build_sd15, "flux_kontext": _build_flux_kontext}
-READY = "READY"  # written last inside the temp folder; a cache folder without it is not used
 
 
 def default_cache_dir():
@@ -353,50 +315,16 @@ def ensure_default(kind, cache_dir=None, timeout=600.0):
     """Build the tiny default for `kind` ("sd15" or "flux_kontext") once; return
     (model_path, data_path) as strings: <cache_dir>/tiny_<kind>_v<N>/{model,data}.
 
-    Safe for many ranks at once: builders serialize on an flock'd lock file beside the folder,
-    build in a temp folder and publish it with an atomic rename; everyone else reuses it.
+    Safe for many ranks at once (`data_utils.build_once`): one of them builds in a temp folder,
+    under a lock file beside the folder, and publishes it with an atomic rename (READY marker
+    inside); everyone else reuses it.
     """
     if kind not in BUILDERS:
         raise ValueError(f"unknown tiny default {kind!r}; choose from {sorted(BUILDERS)}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache_dir / f"tiny_{kind}_v{DEFAULTS_VERSION}"
-    if not (final / READY).exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with _file_lock(final.with_name(final.name + ".lock"), timeout):
-            if not (final / READY).exists():
-                _build_atomically(kind, final)
+    build_once(final, BUILDERS[kind], timeout, ready_text=f"tiny {kind} defaults v{DEFAULTS_VERSION}\n")
     return str(final / "model"), str(final / "data")
-
-
-def _build_atomically(kind, final):
-    if final.exists():
-        raise RuntimeError(f"{final} exists but has no {READY} marker; delete it and rerun")
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        BUILDERS[kind](tmp)
-        (tmp / READY).write_text(f"tiny {kind} defaults v{DEFAULTS_VERSION}\n")
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _file_lock(path, timeout):
-    """Exclusive flock on `path`, polled so that a stuck holder raises instead of hanging."""
-    with open(path, "a") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:.0f}s for {path}; is a build stuck?")
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 if __name__ == "__main__":
