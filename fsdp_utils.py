@@ -266,7 +266,7 @@ def parallelize_unet(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisi
     """SD-1.5 / SDXL UNet2DConditionModel: a unit per ResnetBlock2D and BasicTransformerBlock of the
     down, mid and up blocks (unless `block_classes` names others); the stem, time embedding and
     conv_out stay in the root unit."""
-    names = list(block_classes or MODEL_BLOCKS["UNet2DConditionModel"])
+    names, _ = find_block_classes(model, list(block_classes or MODEL_BLOCKS["UNet2DConditionModel"]))
     units = blocks_of(model, names)
     if verbose:
         print0(f"fsdp: {type(model).__name__}: {len(units)} units of {names}")
@@ -279,8 +279,8 @@ def parallelize_flux_transformer(model: nn.Module, mesh: DeviceMesh, mp_policy: 
     """FluxTransformer2DModel: each double-stream block, then each single-stream block, as units
     (the last single block not resharded after forward); the input embedders, norm_out and
     proj_out in the root unit."""
-    if block_classes:
-        units = blocks_of(model, list(block_classes))
+    if block_classes:  # checked to exist: a misspelt class would silently make one unit of all
+        units = blocks_of(model, find_block_classes(model, list(block_classes))[0])
     else:
         units = [*model.transformer_blocks, *model.single_transformer_blocks]
     if verbose:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests._dist import ROOT
+from tests.conftest import ROOT
 
 sys.path.insert(0, ROOT)
 from tools import memory_plan  # noqa: E402
@@ -54,3 +54,59 @@ def test_cli_names_cheapest_fitting_settings():
     assert r.returncode == 0, r.stderr[-1000:]
     assert "generator" in r.stdout and "teacher" in r.stdout and "TOTAL per GPU" in r.stdout
     assert "fits in 12 GB" in r.stdout or "cheapest settings that fit" in r.stdout
+
+
+SMALL = dict(world_size=2, batch_size=1, resolution=64)
+
+
+def _unit_params(model, classes):
+    """Independent count: {module name: own params} of each unit of `classes`, plus the root's rest."""
+    blocks = [(n, m) for n, m in model.named_modules() if m is not model and type(m).__name__ in classes]
+    owned, out = set(), {}
+    for n, m in reversed(blocks):
+        ps = [p for p in m.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in ps)
+        out[n] = sum(p.numel() for p in ps)
+    out["<root>"] = sum(p.numel() for p in model.parameters() if id(p) not in owned)
+    return out
+
+
+def test_planner_follows_the_recipes_and_the_table(monkeypatch):
+    fsdp_utils = memory_plan.fsdp_utils
+    src = open(memory_plan.__file__).read()
+    for classes in fsdp_utils.MODEL_BLOCKS.values():  # no wrapping decision repeated in the planner
+        assert not any(f'"{c}"' in src for c in classes)
+    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
+    base = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    default = _unit_params(unet, fsdp_utils.MODEL_BLOCKS["UNet2DConditionModel"])
+    assert dict(base["units"]["generator"]) == default
+    assert base["largest_unit"] == max(default.values()) * 2  # bf16 compute dtype
+    # another unit choice in the UNet recipe: the planner's units, largest unit and gathered bytes follow
+    monkeypatch.setitem(fsdp_utils.MODEL_BLOCKS, "UNet2DConditionModel", ("ResnetBlock2D",))
+    coarse = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    want = _unit_params(unet, ("ResnetBlock2D",))
+    for name in ("generator", "fake_score", "teacher"):
+        assert dict(coarse["units"][name]) == want
+    assert coarse["largest_unit"] == max(want.values()) * 2 > base["largest_unit"]
+    # the two largest units in flight (generator, fake score and teacher all have this root) in bf16,
+    # plus the largest trainable unit's fp32 reduce-scatter buffer
+    assert coarse["gathered"] == 2 * max(want.values()) * 2 + max(want.values()) * 4 > base["gathered"]
+    # the table decides the roles: a replicated teacher is a full copy, and its units gather nothing
+    dmd = fsdp_utils.SCRIPT_COMPONENTS["train_dmd.py"]
+    monkeypatch.setitem(fsdp_utils.SCRIPT_COMPONENTS, "train_dmd.py", tuple(
+        fsdp_utils.Component(c.name, c.subfolder, "replicated") if c.name == "teacher" else c for c in dmd))
+    replicated = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    row = replicated["rows"]["teacher"]
+    assert row["note"] == "replicated" and row["local_count"] == row["count"] and "teacher" not in replicated["units"]
+
+
+@pytest.mark.parametrize("name", ["sd15-dmd", "flux-kontext-dev"])
+def test_unit_parameter_counts_sum_to_the_model(name):
+    p = memory_plan.plan(name, Settings(**SMALL))
+    assert p["units"]
+    for comp, units in p["units"].items():
+        spec = next(c for c in memory_plan.fsdp_utils.SCRIPT_COMPONENTS[p["script"]] if c.name == comp)
+        model = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/{name}/{spec.subfolder}")
+        total = sum(q.numel() for q in model.parameters())
+        assert sum(n for _, n in units) == total == p["rows"][comp]["count"]
+        assert len({n for n, _ in units}) == len(units) and units[-1][0] == "<root>"

@@ -1,12 +1,14 @@
 """Benchmarks (not tests): measured side by side in one run on this machine.
 
-    python benchmarks.py save       # checkpoint save: synchronous vs asynchronous (how long training waits)
-    python benchmarks.py step       # FSDP2 vs DDP per script step: per-rank memory and step time
-    python benchmarks.py planner    # memory planner estimate vs measured peak
-    python benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
+    python tools/benchmarks.py save       # checkpoint save: synchronous vs asynchronous (how long training waits)
+    python tools/benchmarks.py step       # FSDP2 vs DDP per script step: per-rank memory and step time
+    python tools/benchmarks.py planner    # memory planner estimate vs measured peak
+    python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
 
-Each benchmark launches `torchrun --standalone --nproc_per_node=2` on this file's worker mode and
-prints a markdown table; the numbers in BENCHMARKS.md come from exactly these commands.
+Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
+worker mode (save), or of the training scripts train_dmd.py / train_flux_kontext.py in the
+repository root (step, planner), and prints a markdown table; the numbers in BENCHMARKS.md come
+from exactly these commands.
 """
 from __future__ import annotations
 
@@ -18,23 +20,22 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: the scripts
+sys.path.insert(0, ROOT)
 
 
 def _torchrun(worker: str, *args: str, nproc: int = 2) -> list[dict]:
     """Run `benchmarks.py _worker <worker> args` on nproc CPU ranks; rank 0 prints JSON lines."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "tools", "benchmarks.py"), "_worker", worker, *args]
+           os.path.join(ROOT, "tools", "benchmarks.py"), "_worker", worker, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
         sys.exit(f"benchmark worker {worker} failed:\n{r.stderr[-3000:]}")
     return [json.loads(line[6:]) for line in r.stdout.splitlines() if line.startswith("BENCH ")]
 
 
 def _emit(obj: dict) -> None:
-    import fsdp_utils
     import run_utils
     if run_utils.rank() == 0:
         print("BENCH " + json.dumps(obj), flush=True)
@@ -67,18 +68,19 @@ def worker_save(width: str, repeats: str, out: str) -> None:
     mesh = fsdp_utils.build_mesh(d.device)
     model = medium_unet(int(width))
     n_params = sum(p.numel() for p in model.parameters())
-    fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
+    fsdp_utils.parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)  # the UNet recipe
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()  # materialise Adam state
     bytes_ = sum(fsdp_utils.local_state_bytes({"m": model}, {"m": opt}).values()) * d.world_size
     for mode in ("sync", "async"):
-        ck = checkpoint.Checkpointer(os.path.join(out, mode), keep_last=2, async_save=(mode == "async"))
+        ck = checkpoint.Checkpointer(os.path.join(out, mode), {"m": model}, {"m": (model, opt)}, {}, {},
+                                     keep_last=2, async_save=(mode == "async"), save_every=1)
         for i in range(int(repeats)):
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            ck.save(i + 1, {"m": model}, {"m": (model, opt)}, {}, {}, {})
+            ck.save(i + 1, {})
             blocked = time.perf_counter() - t0
             ck.wait()
             torch.distributed.barrier()
@@ -159,8 +161,8 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
             "fsdp, no reshard": ["--parallelism=fsdp", "--reshard_after_forward=0"]}[parallelism]
     args = [*mode, "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
             "--sample_every=0", "--save_every=0", f"--output_dir={out}"]
-    if script == "dmd":  # every step a full DMD2 step (generator and fake score update), no eval
-        args += ["--dfake_gen_update_ratio=1", "--eval_at_end=0"]
+    if script == "dmd":  # every step a full DMD2 step (generator and fake score update)
+        args += ["--dfake_gen_update_ratio=1"]
     if size == "tiny":
         folder, data = tiny_default(script)
         args += [f"--model_path={folder}", "--resolution=64", f"--data_path={data}"]
@@ -170,10 +172,10 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
         data = tiny_models.ensure_default(kind)[1]
         args.append(f"--data_path={next(os.path.join(data, f) for f in sorted(os.listdir(data)) if f.endswith(('.jsonl', '.txt')))}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, path), *args]
+           os.path.join(ROOT, path), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
         sys.exit(f"{path} --parallelism={parallelism} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     mem = [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
@@ -202,7 +204,7 @@ def _scripts_ready() -> list[str]:
     """Scripts that have the PARALLELISM setting (train_dmd.py may not, in an older checkout)."""
     ready = []
     for name, (path, _) in SCRIPTS.items():
-        with open(os.path.join(HERE, path)) as f:
+        with open(os.path.join(ROOT, path)) as f:
             if "\nPARALLELISM = " in f.read():
                 ready.append(name)
     return ready
@@ -254,7 +256,7 @@ def bench_planner() -> str:
             s = memory_plan.Settings(world_size=2, precision="fp32", batch_size=1, resolution=64)
             p = memory_plan.plan(folder, s)
             est_states = sum(r["params"] + r["grads"] + r["optim"] for r in p["rows"].values()
-                             if r["note"] in ("trainable", "frozen-sharded"))  # what the script reports
+                             if r["sharded"])  # what the script reports: its sharded models
             est_total = p["gpu_total"] - p["runtime"]
             meas_states, meas_peak = run["state"], run["peak"]
             lines.append(f"| {path} {size} | {est_states / 2**20:.1f} MiB | {meas_states / 2**20:.1f} MiB "
@@ -274,22 +276,32 @@ BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner}
 WORKERS = {"save": worker_save}
 
 
-def main(argv: list[str]) -> None:
-    sys.path.insert(0, HERE)
-    if argv[:1] == ["_worker"]:
+def usage() -> str:
+    return "usage: python tools/benchmarks.py [" + "|".join([*BENCHES, "all"]) + "]\n" + __doc__.split("\n\n", 1)[1]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_worker"] and len(argv) >= 2 and argv[1] in WORKERS:
         WORKERS[argv[1]](*argv[2:])
-        return
+        return 0
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    if len(argv) > 1 or (argv and argv[0] not in [*BENCHES, "all"]):
+        print(f"benchmarks: unknown arguments {argv}\n{usage()}", file=sys.stderr)
+        return 2
     which = argv[0] if argv else "all"
     names = list(BENCHES) if which == "all" else [which]
     print(f"machine: {machine()}\n")
     for name in names:
         t0 = time.perf_counter()
-        print(f"### {name}\n\n{BENCHES[name]()}\n\n(command: `python benchmarks.py {name}`, "
+        print(f"### {name}\n\n{BENCHES[name]()}\n\n(command: `python tools/benchmarks.py {name}`, "
               f"{time.perf_counter() - t0:.0f} s)\n", flush=True)
     if "root" in _RUNS:  # the step/planner runs' outputs (checkpoints of the medium models)
         import shutil
         shutil.rmtree(_RUNS["root"], ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

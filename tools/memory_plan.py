@@ -1,17 +1,19 @@
 """Know before launching: per-rank GPU memory of a training run, from real-size models on the meta
 device, wrapped exactly as the training scripts wrap them, with a fake process group (no GPU, no
-weights, seconds).
+weights, seconds). What each script builds, and in which role, is fsdp_utils.SCRIPT_COMPONENTS; each
+sharded model goes through its recipe (fsdp_utils.parallelize / prepare_frozen), and the units are
+read off the sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
 
     python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     python fsdp_utils.py plan --model=sd15-dmd --world_size=8 --batch_size=4 --resolution=512
     python fsdp_utils.py plan --model=/path/to/diffusers/folder --world_size=2
 
-NAME is a built-in configuration (configs/<NAME>/: configs only, no weights) or a local diffusers
-folder (SD-1.5 layout with unet/ -> train_dmd.py's models; FLUX layout with transformer/ ->
-train_flux_kontext.py's). What is counted, per rank:
+NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
+local diffusers folder (SD-1.5 layout with unet/ -> train_dmd.py's models; FLUX layout with
+transformer/ -> train_flux_kontext.py's). What is counted, per rank:
   params / grads / optimizer  the local shards (AdamW: 2 states), in the precision mode's dtypes;
                               frozen parts in their own dtype; with CPU offload these live on the host
-  gathered                    unsharded units in compute dtype: the largest two (current + prefetched)
+  gathered                    unsharded FSDP units in compute dtype: the largest two (current + prefetched)
                               with reshard-after-forward, all of them without; plus the largest
                               unit's reduce-scatter buffer
   activations                 bytes saved for backward by one forward of the trainable model at the
@@ -26,7 +28,7 @@ import contextlib
 import functools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,17 +36,48 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
+import fsdp_utils  # noqa: E402  (the recipes and the table; fsdp_utils never imports this module)
+
 GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
 
+# Which training script a folder is planned for, by its layout: {subfolder: (script, kind)}. The
+# script's entry in fsdp_utils.SCRIPT_COMPONENTS says what it builds; kind picks the forward inputs.
+LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How a component of a given role (fsdp_utils.Component.role) sits in a rank's memory."""
+    resident: bool  # in GPU memory during training (an offline one is used before, then freed)
+    sharded: bool   # FSDP shards per unit, by the model's recipe (else a full replica on every rank)
+    trained: bool   # grads and optimizer state; sharded by fsdp_utils.parallelize, else prepare_frozen
+
+
+# the role vocabulary of fsdp_utils.Component; which component has which role is the table's
+HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
+           "frozen-sharded": Holding(resident=True, sharded=True, trained=False),
+           "replicated": Holding(resident=True, sharded=False, trained=False),
+           "offline": Holding(resident=False, sharded=False, trained=False)}
+
 
 @dataclass
-class Component:
-    name: str
+class Part:
+    """One component of SCRIPT_COMPONENTS, built at real size on the meta device."""
+    spec: fsdp_utils.Component  # name, subfolder, role: from the table
     module: nn.Module
-    role: str                  # "trainable" | "frozen-sharded" | "replicated" | "offline"
-    dtype: torch.dtype         # storage dtype
-    blocks: list[str] = field(default_factory=list)
+    dtype: torch.dtype          # storage dtype
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def holding(self) -> Holding:
+        if self.spec.role not in HOLDING:
+            raise SystemExit(f"plan: component {self.spec.name!r} has role {self.spec.role!r}, which the "
+                             f"planner does not know how to count (known: {list(HOLDING)})")
+        return HOLDING[self.spec.role]
 
 
 @dataclass
@@ -57,6 +90,7 @@ class Settings:
     dp_replicate: int = 1
     batch_size: int = 1
     resolution: int = 512
+    block_classes: tuple = ()  # the scripts' BLOCK_CLASSES: () = each model's recipe decides
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,43 +106,48 @@ def model_folder(name: str) -> str:
     raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(choices)}) nor a folder")
 
 
-def _meta(cls, folder):
-    with torch.device("meta"):
-        return cls.from_config(cls.load_config(folder))
-
-
-def _meta_hf(cls, cfg_cls, folder):
-    with torch.device("meta"):
-        return cls(cfg_cls.from_pretrained(folder))
-
-
-def build_components(folder: str, precision) -> tuple[str, list[Component]]:
-    """(kind, components) for an SD-1.5 (DMD2) or FLUX Kontext folder, with the scripts' roles."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-    compute, store = precision.compute_dtype, precision.param_dtype
-    if os.path.isdir(os.path.join(folder, "unet")):
-        unet = os.path.join(folder, "unet")
-        blocks = ["BasicTransformerBlock", "ResnetBlock2D"]
-        comps = [Component("generator", _meta(UNet2DConditionModel, unet), "trainable", store, blocks),
-                 Component("fake_score", _meta(UNet2DConditionModel, unet), "trainable", store, blocks),
-                 Component("teacher", _meta(UNet2DConditionModel, unet), "frozen-sharded", compute, blocks),
-                 Component("vae", _meta(AutoencoderKL, os.path.join(folder, "vae")), "replicated", compute),
-                 Component("text_encoder", _meta_hf(CLIPTextModel, CLIPTextConfig,
-                                                    os.path.join(folder, "text_encoder")), "replicated", compute)]
-        return "sd15", comps
-    if os.path.isdir(os.path.join(folder, "transformer")):
-        from transformers import T5Config, T5EncoderModel
-        blocks = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
-        comps = [Component("transformer", _meta(FluxTransformer2DModel, os.path.join(folder, "transformer")),
-                           "trainable", store, blocks),
-                 Component("vae", _meta(AutoencoderKL, os.path.join(folder, "vae")), "replicated", compute),
-                 Component("text_encoder", _meta_hf(CLIPTextModel, CLIPTextConfig,
-                                                    os.path.join(folder, "text_encoder")), "offline", compute),
-                 Component("text_encoder_2", _meta_hf(T5EncoderModel, T5Config,
-                                                      os.path.join(folder, "text_encoder_2")), "offline", compute)]
-        return "flux_kontext", comps
+def layout(folder: str) -> tuple[str, str]:
+    """(training script, kind) for a pipeline folder, by which trained model's subfolder it has."""
+    for sub, script_kind in LAYOUTS.items():
+        if os.path.isdir(os.path.join(folder, sub)):
+            return script_kind
     raise SystemExit(f"plan: {folder}: neither an SD-1.5 layout (unet/) nor a FLUX layout (transformer/)")
+
+
+def meta_model(folder: str) -> nn.Module:
+    """The model a component folder's config.json declares (diffusers `_class_name`, transformers
+    `architectures`), built from that config on the meta device: no memory, no init."""
+    import json
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"plan: {folder}: no config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("_class_name"):
+        import diffusers
+        cls = getattr(diffusers, cfg["_class_name"])
+        with torch.device("meta"):
+            return cls.from_config(cls.load_config(folder))
+    if cfg.get("architectures"):
+        import transformers
+        cls = getattr(transformers, cfg["architectures"][0])
+        with torch.device("meta"):
+            return cls(cls.config_class.from_pretrained(folder))
+    raise SystemExit(f"plan: {path}: names no model class (no _class_name / architectures)")
+
+
+def build_components(folder: str, precision) -> tuple[str, str, list[Part]]:
+    """(script, kind, components): what fsdp_utils.SCRIPT_COMPONENTS says the script for this
+    folder's layout builds, each at real size on meta in its storage dtype (trainable: the
+    precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults)."""
+    script, kind = layout(folder)
+    parts = []
+    for spec in fsdp_utils.SCRIPT_COMPONENTS[script]:
+        part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)), precision.compute_dtype)
+        if part.holding.trained:
+            part.dtype = precision.param_dtype
+        parts.append(part)
+    return script, kind, parts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,45 +167,43 @@ def fake_world(world_size: int):
             dist.destroy_process_group()
 
 
-def _units(model: nn.Module, block_classes: list[str]) -> list[int]:
-    """Parameter count of each FSDP unit (blocks minus nested blocks, then the root's rest)."""
-    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in block_classes]
-    owned, sizes = set(), []
-    for b in reversed(blocks):  # inner first, as apply_fsdp shards them
-        ps = [p for p in b.parameters() if id(p) not in owned]
-        owned.update(id(p) for p in ps)
-        sizes.append(sum(p.numel() for p in ps))
-    sizes.append(sum(p.numel() for p in model.parameters() if id(p) not in owned))
-    return sizes
-
-
-def shard_components(comps: list[Component], s: Settings, precision) -> dict:
-    """Apply the scripts' wrapping at world size s.world_size; return per-rank local numels and units."""
-    import fsdp_utils
+def shard_components(parts: list[Part], s: Settings, precision) -> dict:
+    """Shard each component at world size s.world_size as the scripts do: trainable ones by their
+    model's recipe (fsdp_utils.parallelize), frozen-sharded ones by fsdp_utils.prepare_frozen.
+    Returns {name: local and global parameter counts, and the FSDP units fully_shard made (as
+    fsdp_utils.fsdp_units reads them off the sharded model: [(module name, params)], root last)}."""
     out = {}
+    block_classes = list(s.block_classes) or None
+    sharding = fsdp_utils.Sharding(s.reshard_after_forward, s.cpu_offload, s.activation_checkpointing)
     with fake_world(s.world_size):
         mesh = fsdp_utils.build_mesh(torch.device("cpu"), s.dp_replicate)
-        for c in comps:
+        for c in parts:
             c.module.to(c.dtype)
-            units = _units(c.module, c.blocks) if c.blocks else [sum(p.numel() for p in c.module.parameters())]
-            if c.role == "trainable":
-                fsdp_utils.apply_fsdp(c.module, mesh, precision.mp_policy(), block_classes=c.blocks,
-                                      reshard_after_forward=s.reshard_after_forward, verbose=False)
-            elif c.role == "frozen-sharded":
-                fsdp_utils.prepare_frozen(c.module, mesh, precision.frozen_mp_policy(c.dtype), torch.device("meta"), sharded=True,
-                                          block_classes=c.blocks, verbose=False)
+            if c.holding.sharded and block_classes:  # a misspelt class would silently make one whole-model unit
+                try:
+                    fsdp_utils.find_block_classes(c.module, block_classes)
+                except fsdp_utils.ConfigError as e:
+                    raise SystemExit(f"plan: --block_classes: {e}") from None
+            if c.holding.sharded and c.holding.trained:
+                fsdp_utils.parallelize(c.module, mesh, precision.mp_policy(), sharding, block_classes, verbose=False)
+            elif c.holding.sharded:
+                fsdp_utils.prepare_frozen(c.module, mesh, precision.frozen_mp_policy(c.dtype), torch.device("meta"),
+                                          sharded=True, block_classes=block_classes, verbose=False)
+            total = sum(p.numel() for p in c.module.parameters())
+            units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
-            out[c.name] = {"local": local, "global": sum(p.numel() for p in c.module.parameters()), "units": units}
+            out[c.name] = {"local": local, "global": total, "units": units}
     return out
 
 
 # ----------------------------------------------------------------------------------------------
 # activations, measured on meta
 
-def activation_bytes(model: nn.Module, inputs: dict, block_classes: list[str], checkpointing: bool) -> int:
+def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], checkpointing: bool) -> int:
     """Bytes autograd saves for backward in one forward (parameters excluded, views counted once).
-    With checkpointing: what is saved outside blocks + every block's inputs + the largest block's
-    own saved bytes (recomputed one block at a time in backward)."""
+    `unit_names`: the submodules (by name) that are FSDP units; the outermost of them are the blocks
+    activation checkpointing recomputes. With checkpointing: what is saved outside blocks + every
+    block's inputs + the largest block's own saved bytes (recomputed one block at a time in backward)."""
     params = {id(p) for p in model.parameters()}
     seen, per_block, outside, inputs_b = set(), {}, [0], [0]
     current: list = [None]
@@ -186,7 +223,7 @@ def activation_bytes(model: nn.Module, inputs: dict, block_classes: list[str], c
 
     keep: list = []
     hooks = []
-    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    blocks = [model.get_submodule(n) for n in unit_names]
     outer = [b for b in blocks if not any(b is not o and b in set(o.modules()) for o in blocks)]
 
     def enter(mod, args, kwargs):
@@ -256,11 +293,13 @@ def _size(dtype: torch.dtype) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _activations(name: str, kind: str, cls, blocks: tuple, dtype: torch.dtype, batch: int, resolution: int,
-                 checkpointing: bool) -> int:
-    model = _meta(cls, _folder_of(name, kind)).to(dtype)
-    factor, text = _folder_shapes(model_folder(name), kind)
-    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype, factor, text), list(blocks),
+def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtype: torch.dtype, batch: int,
+                 resolution: int, checkpointing: bool) -> int:
+    """Activation bytes of one forward of the trainable model (folder/subfolder), its blocks being
+    the units of `unit_names`: those its recipe made."""
+    model = meta_model(os.path.join(folder, subfolder)).to(dtype)
+    factor, text = _folder_shapes(folder, kind)
+    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype, factor, text), list(unit_names),
                             checkpointing)
 
 
@@ -268,42 +307,42 @@ def plan(name: str, s: Settings) -> dict:
     """Per-rank GPU bytes by category (and host bytes with CPU offload) for these settings."""
     from precision import get_precision
     precision = get_precision(s.precision)
-    kind, comps = build_components(model_folder(name), precision)
-    trainable = next(c for c in comps if c.role == "trainable")
-    acts = _activations(name, kind, type(trainable.module), tuple(trainable.blocks), precision.compute_dtype,
-                        s.batch_size, s.resolution, s.activation_checkpointing)
+    folder = model_folder(name)
+    script, kind, comps = build_components(folder, precision)
+    trainable = next(c for c in comps if c.holding.trained)
     sharded = shard_components(comps, s, precision)
+    # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
+    unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
+    acts = _activations(folder, trainable.spec.subfolder, kind, unit_names, precision.compute_dtype,
+                        s.batch_size, s.resolution, s.activation_checkpointing)
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
     rows, gathered_units = {}, []
     for c in comps:
-        info = sharded[c.name]
-        if c.role == "offline":
-            rows[c.name] = dict(params=0, grads=0, optim=0, note="text embeddings cached before training")
+        info, h = sharded[c.name], c.holding
+        if not h.resident:
+            rows[c.name] = dict(params=0, grads=0, optim=0, note="text embeddings cached before training",
+                                sharded=False)
             continue
-        local = info["local"] if c.role in ("trainable", "frozen-sharded") else info["global"]
-        train = c.role == "trainable"
-        rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if train else 0,
-                            optim=2 * local * p_size if train else 0, note=c.role,
-                            count=info["global"], local_count=local)
-        if c.role in ("trainable", "frozen-sharded"):
-            gathered_units += [u * (c_size if train else _size(c.dtype)) for u in info["units"]]
+        local = info["local"] if h.sharded else info["global"]
+        rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
+                            optim=2 * local * p_size if h.trained else 0, note=c.spec.role,
+                            count=info["global"], local_count=local, sharded=h.sharded)
+        if h.sharded:
+            gathered_units += [u * (c_size if h.trained else _size(c.dtype)) for _, u in info["units"]]
     biggest = sorted(gathered_units, reverse=True)
     if s.reshard_after_forward:
         gathered = sum(biggest[:2])
     else:
-        gathered = sum(u for c in comps if c.role == "trainable" for u in sharded[c.name]["units"]) * c_size
-    gathered += max(sharded[trainable.name]["units"]) * r_size  # reduce-scatter input of the largest unit
-    states = sum(r["params"] + r["grads"] + r["optim"] for n, r in rows.items()
-                 if any(c.name == n and c.role == "trainable" for c in comps))
-    frozen = sum(r["params"] for n, r in rows.items() if not any(c.name == n and c.role == "trainable" for c in comps))
+        gathered = sum(u for c in comps if c.holding.trained for _, u in sharded[c.name]["units"]) * c_size
+    gathered += max(u for _, u in sharded[trainable.name]["units"]) * r_size  # reduce-scatter input of the largest unit
+    trained = {c.name for c in comps if c.holding.trained}
+    states = sum(r["params"] + r["grads"] + r["optim"] for n, r in rows.items() if n in trained)
+    frozen = sum(r["params"] for n, r in rows.items() if n not in trained)
     host = states if s.cpu_offload else 0
     gpu = (0 if s.cpu_offload else states) + frozen + gathered + acts + RUNTIME_BYTES
-    return dict(kind=kind, rows=rows, gathered=gathered, largest_unit=biggest[0] if biggest else 0,
-                activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s)
-
-
-def _folder_of(name: str, kind: str) -> str:
-    return os.path.join(model_folder(name), "unet" if kind == "sd15" else "transformer")
+    return dict(kind=kind, script=script, rows=rows, gathered=gathered, largest_unit=biggest[0] if biggest else 0,
+                activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s,
+                units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
 
 
 def cheapest_fit(name: str, s: Settings, gpu_bytes: int) -> tuple[Settings, dict] | None:
@@ -354,11 +393,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--activation_checkpointing", type=int, default=0)
     ap.add_argument("--reshard_after_forward", type=int, default=1)
     ap.add_argument("--dp_replicate", type=int, default=1)
+    ap.add_argument("--block_classes", default="",
+                    help="comma-separated FSDP unit classes, as the scripts' BLOCK_CLASSES (default: the recipe's)")
     a = ap.parse_args(argv)
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
     s = Settings(a.world_size, a.precision, bool(a.cpu_offload), bool(a.activation_checkpointing),
-                 bool(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution)
+                 bool(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution,
+                 tuple(c for c in a.block_classes.split(",") if c))
     result = plan(a.model, s)
     print(format_plan(a.model, result))
     if a.gpu_memory_gb > 0:
