@@ -324,16 +324,19 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
 
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
-                    link_frozen: bool = True) -> str:
+                    link_frozen: bool = True, frozen: dict[str, str] | None = None) -> str:
     """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
     frozen components (symlinked, or copied when link_frozen=False) + the trained components.
-    Written to export.partial/ and swapped in at the end, so an old export is never half-replaced."""
+    `frozen` maps a component to another folder to use in place of the source's (e.g. a VAE the
+    run used instead of the pipeline's own). Written to export.partial/ and swapped in at the
+    end, so an old export is never half-replaced."""
     partial = out_dir.rstrip("/") + PARTIAL
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         for name in sorted(os.listdir(model_path)):
-            src, dst = os.path.abspath(os.path.join(model_path, name)), os.path.join(partial, name)
+            src = os.path.abspath((frozen or {}).get(name) or os.path.join(model_path, name))
+            dst = os.path.join(partial, name)
             if name in trained:
                 continue
             if os.path.isdir(src):

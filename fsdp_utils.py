@@ -247,12 +247,14 @@ class Component:
     name: str       # what the script calls it
     subfolder: str  # where it lives in the diffusers pipeline folder
     role: str       # trainable | frozen-sharded | replicated | offline (text embeddings cached, then freed)
+    optional: bool = False  # only some pipelines have it (SDXL's second text encoder)
 
 
 SCRIPT_COMPONENTS = {
     "train_dmd.py": (Component("generator", "unet", "trainable"), Component("fake_score", "unet", "trainable"),
                      Component("teacher", "unet", "frozen-sharded"), Component("vae", "vae", "replicated"),
-                     Component("text_encoder", "text_encoder", "replicated")),
+                     Component("text_encoder", "text_encoder", "replicated"),
+                     Component("text_encoder_2", "text_encoder_2", "replicated", optional=True)),
     "train_flux_kontext.py": (Component("transformer", "transformer", "trainable"),
                               Component("vae", "vae", "replicated"),
                               Component("text_encoder", "text_encoder", "offline"),

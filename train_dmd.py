@@ -1,4 +1,4 @@
-"""DMD2 distillation of an SD-1.5-family UNet into a 1-step (or few-step) generator, on FSDP2.
+"""DMD2 distillation of an SD-1.5 or SDXL UNet into a 1-step (or few-step) generator, on FSDP2.
 
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
 Three UNets start from the same teacher weights: the generator G (trained), the frozen teacher
@@ -10,14 +10,19 @@ loaded straight into its shards. Per step (two time scales, as published):
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py; this file builds the models, runs the loop, saves and exports.
+The pipeline kind comes from MODEL_PATH's model_index.json: StableDiffusionPipeline (CLIP text
+embeddings) or StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32 VAE),
+through the same loop.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default (the shipped shapes teacher): a smoke run
     torchrun --standalone --nproc_per_node=2 train_dmd.py
     # one process, for debugging (the same global batch as 2 ranks × BATCH_SIZE 2)
     python train_dmd.py --batch_size=4 --max_steps=20
-    # the published SD-1.5 runs, stage 1 and stage 2 (GAN, from stage 1): edit the paths, then
+    # the published SD-1.5 runs, stage 1 and stage 2 (GAN, from stage 1); SDXL 4-step and 1-step:
+    # set MODEL and DATA, then
     bash recipes/dmd_sd15_stage1.sh
     bash recipes/dmd_sd15_stage2.sh
+    bash recipes/dmd_sdxl_4step.sh
     # the shapes demo: distil the shipped teacher, then score teacher and student
     bash demos/demo_dmd.sh
     # after a stop or preemption: the same command plus --resume=auto
@@ -51,7 +56,7 @@ from run_utils import ConfigError, print0
 # config (every UPPER_CASE constant can be overridden as --name=value)
 
 # models and data
-MODEL_PATH = ""  # SD-1.5-layout diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/); "" = the shipped shapes teacher
+MODEL_PATH = ""  # SD-1.5 or SDXL diffusers folder (model_index.json says which); "" = the shipped shapes teacher
 DATA_PATH = ""  # .txt (a prompt per line) or .jsonl ("prompt", "image" for the GAN); "" = the teacher's prompts (or images)
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
 RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
@@ -83,7 +88,8 @@ DIFFUSION_GAN_MAX_TIMESTEP = 1000  # published stage 2: the whole range
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
 TEXT_ENCODER_DTYPE = ""  # "" = PRECISION's compute dtype (the official code keeps CLIP in fp32)
-VAE_DTYPE = ""  # "" = PRECISION's compute dtype (the official code uses fp16 for SD-1.5's VAE)
+VAE_DTYPE = ""  # "" = PRECISION's compute dtype for SD-1.5 (official: fp16), fp32 for SDXL (its VAE overflows in half precision)
+VAE_PATH = ""  # a VAE folder to use instead of MODEL_PATH/vae (e.g. an fp16-safe SDXL VAE); linked into the export
 EXPORT_DTYPE = "fp32"  # dtype of the exported UNet (fp16 halves the file)
 # parallelism
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; no GAN head)
@@ -106,8 +112,25 @@ LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
 SAMPLE_EVERY = 25  # steps between sample grids (0 = only at the end)
 SAMPLE_COUNT = 8  # fixed prompts (the data's first distinct ones) and seeds in every grid
 
-MODEL_COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
+_SD15_COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
                     "tokenizer": None, "scheduler": None}
+PIPELINES = {  # the layouts this script trains, by model_index.json's _class_name: {subfolder: class}
+    "StableDiffusionPipeline": _SD15_COMPONENTS,
+    "StableDiffusionXLPipeline": {**_SD15_COMPONENTS, "text_encoder_2": "CLIPTextModelWithProjection",
+                                  "tokenizer_2": None},
+}
+
+
+def pipeline_kind(folder: str) -> str:
+    """The folder's pipeline class when it is one of PIPELINES, else StableDiffusionPipeline (whose
+    folder check then names what the folder lacks)."""
+    import json
+    try:
+        with open(os.path.join(folder, "model_index.json")) as f:
+            kind = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return "StableDiffusionPipeline"
+    return kind if kind in PIPELINES else "StableDiffusionPipeline"
 
 # ----------------------------------------------------------------------------------------------
 # setup: settings checked before any work, the embedded default
@@ -138,6 +161,8 @@ def validate_config() -> list[int]:
                 parse_dtype(dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if VAE_PATH and not os.path.isfile(os.path.join(VAE_PATH, "config.json")):
+        raise ConfigError(f"VAE_PATH={VAE_PATH}: no config.json, not a diffusers AutoencoderKL folder")
     if INIT_FROM and not checkpoint.is_complete(INIT_FROM):
         raise ConfigError(f"INIT_FROM={INIT_FROM}: not a complete checkpoint folder")
     if MODEL_PATH and not DATA_PATH:
@@ -212,44 +237,54 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
-                 block_classes: list[str], use_gan: bool, ema_decay: float, seed: int) -> dict[str, nn.Module]:
+                 block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
+                 seed: int) -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder: generator and fake score (sharded,
     loaded slice by slice), the generator's EMA (sharded identically, so its update is shard-local)
-    and the GAN head. These are what checkpoints hold."""
+    and the GAN head (for a bottleneck of `head_size`² at the native resolution). These are what
+    checkpoints hold."""
     unet = functools.partial(build_unet, unet_dir, mesh, precision.param_dtype, device, policy=precision.mp_policy(),
                              trainable=True, sharding=sharding, block_classes=block_classes)
     models = {"generator": unet(), "fake": unet()}
     if use_gan:
-        models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], mesh, precision, device,
-                                        seed, sharding.cpu_offload)
+        models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], head_size, mesh, precision,
+                                        device, seed, sharding.cpu_offload)
     if ema_decay > 0:
         models["ema"] = unet(load=False)
         fsdp_utils.copy_params(models["ema"], models["generator"])
     return models
 
 
-def build_gan_head(channels: int, mesh, precision, device: torch.device, seed: int, cpu_offload: bool) -> nn.Module:
+def build_gan_head(channels: int, native_size: int, mesh, precision, device: torch.device, seed: int,
+                   cpu_offload: bool) -> nn.Module:
     """The classifier head (algorithms/dmd2.ClassifierHead), randomly initialised from `seed` (the
     same full tensors on every rank, whatever the world size), then sharded as one FSDP unit."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = dm.ClassifierHead(channels)
+        head = dm.ClassifierHead(channels, native_size)
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
     fsdp_utils.apply_fsdp(head, mesh, precision.mp_policy(), block_classes=[], cpu_offload=cpu_offload)
     return head
 
 
-def load_frozen_parts(model_path: str, te_dtype: torch.dtype, vae_dtype: torch.dtype, device: torch.device):
-    """Tokenizer, CLIP text encoder and VAE: small, frozen, replicated on every rank."""
+def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dtype: torch.dtype,
+                      vae_path: str, device: torch.device):
+    """Tokenizers, CLIP text encoders (SDXL: the second with its projection) and the VAE (from
+    `vae_path` when given): small, frozen, replicated on every rank."""
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    tokenizer = CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")
-    text_encoder = CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")
-    vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae", low_cpu_mem_usage=False)
-    fsdp_utils.prepare_frozen(text_encoder, None, Precision.frozen_mp_policy(te_dtype), device, sharded=False)
+    tokenizers = [CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")]
+    encoders = [CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")]
+    if sdxl:
+        tokenizers.append(CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer_2"))
+        encoders.append(CLIPTextModelWithProjection.from_pretrained(model_path, subfolder="text_encoder_2"))
+    vae = (AutoencoderKL.from_pretrained(vae_path, low_cpu_mem_usage=False) if vae_path else
+           AutoencoderKL.from_pretrained(model_path, subfolder="vae", low_cpu_mem_usage=False))
+    for encoder in encoders:
+        fsdp_utils.prepare_frozen(encoder, None, Precision.frozen_mp_policy(te_dtype), device, sharded=False)
     fsdp_utils.prepare_frozen(vae, None, Precision.frozen_mp_policy(vae_dtype), device, sharded=False)
-    return tokenizer, text_encoder, vae
+    return tokenizers, encoders, vae
 
 
 def make_optimizer(module: nn.Module, lr: float, warmup_steps: int):
@@ -277,6 +312,36 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.de
     ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
                     truncation=True, return_tensors="pt").input_ids.to(device)
     return text_encoder(ids).last_hidden_state.float()
+
+
+@torch.no_grad()
+def encode_prompts_sdxl(tokenizers, text_encoders, prompts: list[str], size: int, device: torch.device) -> dm.Cond:
+    """SDXL's conditioning as the official code builds it (tianweiy/DMD2 main/sdxl/sdxl_text_encoder.py
+    lines 26-44; main/sd_unified_model.py lines 113-120, 251-256): both encoders' penultimate hidden
+    states concatenated (B, L, 768 + 1280), the second encoder's projected pooled output as
+    `text_embeds`, and `time_ids` = (original size, crop top-left, target size) =
+    (size, size, 0, 0, size, size), all fp32."""
+    hidden = []
+    for tokenizer, encoder in zip(tokenizers, text_encoders):
+        ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                        truncation=True, return_tensors="pt").input_ids.to(device)
+        out = encoder(ids, output_hidden_states=True)
+        hidden.append(out.hidden_states[-2])
+    pooled = out[0]  # the last encoder's (CLIPTextModelWithProjection) text_embeds
+    time_ids = torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32, device=device)
+    return dm.Cond(torch.cat(hidden, dim=-1).float(),
+                   {"text_embeds": pooled.float(), "time_ids": time_ids.repeat(len(prompts), 1)})
+
+
+def unconditional(encode, sdxl: bool):
+    """The teacher's CFG unconditional input: SD-1.5 the embedding of "" (official); SDXL zeros for
+    both the token and the pooled embeddings, with the same time_ids (official
+    main/sd_unified_model.py lines 258-262)."""
+    empty = encode([""])
+    if not sdxl:
+        return empty
+    return dm.Cond(torch.zeros_like(empty.text), {"text_embeds": torch.zeros_like(empty.added["text_embeds"]),
+                                                  "time_ids": empty.added["time_ids"]})
 
 
 @torch.no_grad()
@@ -450,12 +515,14 @@ def main() -> None:
     precision = get_precision(PRECISION)
     embedded = not MODEL_PATH
     config = resolve_defaults()
-    run_utils.check_model_folder(MODEL_PATH, "StableDiffusionPipeline", MODEL_COMPONENTS)
+    kind = pipeline_kind(MODEL_PATH)
+    run_utils.check_model_folder(MODEL_PATH, kind, PIPELINES[kind])
+    sdxl = kind == "StableDiffusionXLPipeline"
     run_utils.check_output_dir(OUTPUT_DIR)
 
     d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
     print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
-    print0(f"model {MODEL_PATH} | data {DATA_PATH}" + (" (the embedded default)" if embedded else ""))
+    print0(f"model {MODEL_PATH} ({kind}) | data {DATA_PATH}" + (" (the embedded default)" if embedded else ""))
     run_utils.quiet_known_warnings()
     stopper = run_utils.GracefulStop()
     rows, skipped = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES)
@@ -465,12 +532,15 @@ def main() -> None:
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
     # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
-    from diffusers import DDPMScheduler
+    from diffusers import DDPMScheduler, UNet2DConditionModel
     mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
     unet_dir = os.path.join(MODEL_PATH, "unet")
     sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH)
+    unet_config = UNet2DConditionModel.load_config(unet_dir)
+    # the GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8, SDXL 32)
+    head_size = unet_config["sample_size"] // 2 ** (len(unet_config["block_out_channels"]) - 1) if sdxl else 8
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, ema_decay=EMA_DECAY, seed=SEED)
+                          use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
     teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
@@ -481,8 +551,9 @@ def main() -> None:
         ddp = functools.partial(fsdp_utils.apply_ddp, device=d.device, mp_policy=precision.mp_policy(),
                                 block_classes=BLOCK_CLASSES, activation_checkpointing=ACTIVATION_CHECKPOINTING)
         train_gen, train_fake = ddp(generator), ddp(fake, verbose=False)
-    tokenizer, text_encoder, vae = load_frozen_parts(
-        MODEL_PATH, precision.frozen_dtype(TEXT_ENCODER_DTYPE), precision.frozen_dtype(VAE_DTYPE), d.device)
+    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
+    tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
+                                                       vae_dtype, VAE_PATH, d.device)
     alphas = DDPMScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler").alphas_cumprod.to(d.device)
     num_train_timesteps = len(alphas)
     vae_factor = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -495,8 +566,9 @@ def main() -> None:
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
     opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
     audit = [component_row(n, m, precision.compute_dtype) for n, m in models.items()]
-    audit += [component_row("teacher", teacher, teacher_dtype),
-              component_row("text_encoder", text_encoder, text_encoder.dtype), component_row("vae", vae, vae.dtype)]
+    audit += [component_row("teacher", teacher, teacher_dtype)]
+    audit += [component_row(name, e, e.dtype) for name, e in zip(("text_encoder", "text_encoder_2"), text_encoders)]
+    audit += [component_row("vae", vae, vae.dtype)]
     print0(f"components ({resolution} px, latents {latent_shape}):\n{format_audit(audit)}")
     memory_table = functools.partial(fsdp_utils.memory_report, {**models, "teacher": teacher},
                                      {"generator": opt_g, "guidance": opt_d})
@@ -519,9 +591,12 @@ def main() -> None:
         print0(f"generator and fake score initialised from {INIT_FROM}")
 
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
-    encode = functools.partial(encode_prompts, tokenizer, text_encoder, device=d.device)
+    if sdxl:
+        encode = functools.partial(encode_prompts_sdxl, tokenizers, text_encoders, size=resolution, device=d.device)
+    else:
+        encode = functools.partial(encode_prompts, tokenizers[0], text_encoders[0], device=d.device)
     encode_real = functools.partial(encode_images, vae, size=resolution, device=d.device) if USE_GAN else None
-    uncond = encode([""])
+    uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1, SEED)
     sample = functools.partial(write_samples, ema if ema is not None else generator, vae, encode(sample_prompts),
                                sample_noise.to(d.device), sample_sim, step_list, alphas)
@@ -592,7 +667,8 @@ def main() -> None:
     ckpt.wait()
     print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
     exported = {"unet": ema if ema is not None else generator}
-    checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), exported, parse_dtype(EXPORT_DTYPE))
+    checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), exported, parse_dtype(EXPORT_DTYPE),
+                               frozen={"vae": VAE_PATH} if VAE_PATH else None)
     fsdp_utils.cleanup_distributed()
 
 

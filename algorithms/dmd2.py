@@ -4,7 +4,9 @@ main/sd_guidance.py and main/sd_unified_model.py). No global state, no distribut
 `train_dmd.py` composes these.
 
 UNets are diffusers `UNet2DConditionModel`-like callables predicting epsilon:
-`unet(sample, timestep, encoder_hidden_states=..., return_dict=False)[0]`. Inputs are passed as
+`unet(sample, timestep, encoder_hidden_states=..., return_dict=False)[0]`. The text conditioning
+`text_emb` is a tensor (SD-1.5: CLIP's last hidden state) or a `Cond` (SDXL: both encoders'
+penultimate hidden states concatenated, plus the added `text_embeds` / `time_ids` conditions). Inputs are passed as
 given (FSDP2's MixedPrecisionPolicy or autocast does any casting); every prediction is cast to
 fp32 before arithmetic, x0 conversions run in float64 (as the official code does).
 `alphas_cumprod` is the scheduler's ᾱ table (SD-1.5: scaled-linear betas 0.00085 -> 0.012,
@@ -16,10 +18,47 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# ---------------------------------------------------------------------------- conditioning
+
+@dataclass
+class Cond:
+    """One batch's UNet conditioning when it is more than token embeddings (SDXL): `text` is
+    encoder_hidden_states (B, L, D); `added` is the UNet's added_cond_kwargs, for SDXL
+    {"text_embeds": (B, P) pooled embedding of the second encoder, "time_ids": (B, 6)}."""
+    text: torch.Tensor
+    added: dict
+
+    def __len__(self) -> int:
+        return self.text.shape[0]
+
+
+def cond_kwargs(cond) -> dict:
+    """UNet keyword arguments for a tensor (SD-1.5) or a `Cond` (SDXL) conditioning."""
+    if isinstance(cond, Cond):
+        return {"encoder_hidden_states": cond.text, "added_cond_kwargs": cond.added}
+    return {"encoder_hidden_states": cond}
+
+
+def expand_cond(cond, batch: int):
+    """A batch-1 conditioning (the unconditional one) broadcast to `batch` rows."""
+    if isinstance(cond, Cond):
+        return Cond(cond.text.expand(batch, *cond.text.shape[1:]),
+                    {k: v.expand(batch, *v.shape[1:]) for k, v in cond.added.items()})
+    return cond.expand(batch, *cond.shape[1:])
+
+
+def cat_cond(a, b):
+    """Two conditionings stacked along the batch (the [uncond; cond] batch of CFG)."""
+    if isinstance(a, Cond):
+        return Cond(torch.cat([a.text, b.text]), {k: torch.cat([a.added[k], b.added[k]]) for k in a.added})
+    return torch.cat([a, b])
 
 
 # ---------------------------------------------------------------------------- noise schedule
@@ -68,7 +107,7 @@ def add_noise(x0: torch.Tensor, noise: torch.Tensor, t, alphas_cumprod: torch.Te
 def predict_eps(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
     """ε̂ = unet(z, t, c) as fp32; t broadcast to a per-sample (B,) long tensor."""
     t = _per_sample_t(t, z.shape[0], z.device)
-    return unet(z, t, encoder_hidden_states=text_emb, return_dict=False)[0].float()
+    return unet(z, t, return_dict=False, **cond_kwargs(text_emb))[0].float()
 
 
 def generator_forward(unet, noise_or_zt: torch.Tensor, t, text_emb: torch.Tensor,
@@ -134,9 +173,9 @@ def dm_grad(x: torch.Tensor, t, noise: torch.Tensor, real_unet, fake_unet,
     else:
         if uncond_emb is None:
             raise ValueError("guidance_scale != 1 needs uncond_emb")
-        uncond_emb = uncond_emb.expand(batch, *uncond_emb.shape[1:])
+        uncond_emb = expand_cond(uncond_emb, batch)
         eps_u, eps_c = predict_eps(real_unet, torch.cat([z_t, z_t]), torch.cat([t, t]),
-                                   torch.cat([uncond_emb, text_emb])).chunk(2)
+                                   cat_cond(uncond_emb, text_emb)).chunk(2)
         eps_real = eps_u + guidance_scale * (eps_c - eps_u)
 
     x0_real = x0_from_eps(z_t, eps_real, t, alphas_cumprod, out_dtype=torch.float64)
@@ -176,28 +215,32 @@ def fake_score_loss(fake_unet, x_detached: torch.Tensor, noise: torch.Tensor, t,
 # ---------------------------------------------------------------------------- GAN head
 
 class ClassifierHead(nn.Sequential):
-    """Realism logit from the fake UNet's bottleneck (official SD-1.5 `cls_pred_branch`):
+    """Realism logit from the fake UNet's bottleneck (official `cls_pred_branch`,
+    main/sd_guidance.py lines 107-133): stride-2 stages down to 4×4, then
 
-        conv 4×4 s2 p1 (8×8 -> 4×4), GroupNorm, SiLU,
+        [conv 4×4 s2 p1, GroupNorm, SiLU] × log2(native_size / 4)   (SD-1.5: 8×8 -> 4×4, once;
+                                                                      SDXL: 32×32 -> 4×4, three times)
         conv 4×4 s4 p0 (4×4 -> 1×1), GroupNorm, SiLU, conv 1×1 -> 1 logit
 
-    with C -> C channels throughout (1280 for SD-1.5). Module indices 0..6 match the official
-    nn.Sequential, so its state-dict keys load as they are.
-    Deviations, both no-ops for SD-1.5 at 512 px (1280 channels, 8×8 bottleneck):
-    GroupNorm uses gcd(32, C) groups (32 in the original) so tiny UNets work; an input whose
-    spatial size is not 8×8 is first adaptive-average-pooled to 8×8, so any bottleneck
-    (e.g. 4×4 or 2×2 in tiny test UNets, 16×16 at 1024 px) gives (B, 1) logits.
+    with C -> C channels throughout (1280 for both). `native_size` is the bottleneck's side at
+    the model's native resolution (SD-1.5 at 512 px: 8; SDXL at 1024 px: 32). Module indices
+    match the official nn.Sequential, so its state-dict keys load as they are.
+    Deviations, both no-ops at the native sizes: GroupNorm uses gcd(32, C) groups (32 in the
+    original) so tiny UNets work; an input whose spatial size is not native_size is first
+    adaptive-average-pooled to it, so any bottleneck gives (B, 1) logits.
     """
 
-    native_size = 8
-
-    def __init__(self, in_channels: int):
+    def __init__(self, in_channels: int, native_size: int = 8):
+        if native_size < 4 or native_size & (native_size - 1):
+            raise ValueError(f"native_size {native_size}: must be a power of two >= 4")
+        self.native_size = native_size
         groups = math.gcd(32, in_channels)
         c = in_channels
+        down = []
+        for _ in range(int(math.log2(native_size // 4))):
+            down += [nn.Conv2d(c, c, kernel_size=4, stride=2, padding=1), nn.GroupNorm(groups, c), nn.SiLU()]
         super().__init__(
-            nn.Conv2d(c, c, kernel_size=4, stride=2, padding=1),
-            nn.GroupNorm(groups, c),
-            nn.SiLU(),
+            *down,
             nn.Conv2d(c, c, kernel_size=4, stride=4, padding=0),
             nn.GroupNorm(groups, c),
             nn.SiLU(),
@@ -225,8 +268,7 @@ def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> tor
 
     handle = unet.mid_block.register_forward_hook(hook)
     try:
-        unet(z, _per_sample_t(t, z.shape[0], z.device), encoder_hidden_states=text_emb,
-             return_dict=False)
+        unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
     finally:
         handle.remove()
     if not captured:

@@ -330,3 +330,56 @@ def test_bottleneck_features_under_fsdp2(tmp_path):
         assert unet.mid_block.resnets[0].conv1.weight.grad is not None
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- SDXL conditioning
+
+def tiny_sdxl_unet(seed: int):
+    torch.manual_seed(seed)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=64, norm_num_groups=8, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 16).eval()
+
+
+def sdxl_cond(batch: int, seed: int) -> "dm.Cond":
+    g = torch.Generator().manual_seed(seed)
+    return dm.Cond(torch.randn(batch, 5, 64, generator=g),
+                   {"text_embeds": torch.randn(batch, 16, generator=g),
+                    "time_ids": torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]]).repeat(batch, 1)})
+
+
+def test_sdxl_dm_loss_bar_and_cfg_use_the_added_conditions(alphas):
+    """The published bar holds for SDXL's conditioning too: identical real and fake UNets at
+    guidance 1 give grad ≡ 0 and loss_dm exactly 0; with s > 1 the [uncond; cond] batch carries the
+    added conditions row by row (zeros for the unconditional half, as the official SDXL code)."""
+    unet = tiny_sdxl_unet(0)
+    cond = sdxl_cond(B, 1)
+    uncond = dm.Cond(torch.zeros(1, 5, 64), {"text_embeds": torch.zeros(1, 16), "time_ids": cond.added["time_ids"][:1]})
+    x = dm.generator_forward(tiny_sdxl_unet(1), torch.randn(B, 4, 8, 8), 999, cond, alphas)
+    t, noise = torch.randint(20, 980, (B,)), torch.randn(B, 4, 8, 8)
+    grad, _ = dm.dm_grad(x, t, noise, unet, copy.deepcopy(unet), cond, uncond, 1.0, alphas)
+    assert torch.equal(grad, torch.zeros_like(grad)) and dm.dm_loss(x, grad).item() == 0.0
+    # s > 1: the teacher's CFG equals two separate calls with the matching added conditions
+    grad_cfg, diag = dm.dm_grad(x, t, noise, unet, copy.deepcopy(unet), cond, uncond, 8.0, alphas)
+    with torch.no_grad():
+        eps_c = dm.predict_eps(unet, diag["z_t"], t, cond)
+        eps_u = dm.predict_eps(unet, diag["z_t"], t, dm.expand_cond(uncond, B))
+    x0_real = dm.x0_from_eps(diag["z_t"], eps_u + 8.0 * (eps_c - eps_u), t, alphas, out_dtype=torch.float64)
+    torch.testing.assert_close(diag["x0_real"], x0_real.float(), rtol=1e-4, atol=1e-4)
+    assert grad_cfg.abs().sum() > 0
+    # the added conditions matter (a UNet ignoring them would pass the checks above)
+    other = dm.Cond(cond.text, {**cond.added, "text_embeds": torch.zeros_like(cond.added["text_embeds"])})
+    assert not torch.allclose(dm.predict_eps(unet, diag["z_t"], t, cond), dm.predict_eps(unet, diag["z_t"], t, other))
+
+
+def test_sdxl_classifier_head_matches_the_official_layout():
+    """SDXL: three stride-2 stages (32 -> 4) then the SD-1.5 tail: 13 modules, (B, 1) logits."""
+    head = dm.ClassifierHead(64, native_size=32)
+    assert len(head) == 13 and [type(m).__name__ for m in list(head)[:3]] == ["Conv2d", "GroupNorm", "SiLU"]
+    assert head(torch.randn(2, 64, 32, 32)).shape == (2, 1)
+    assert head(torch.randn(2, 64, 4, 4)).shape == (2, 1)  # a small bottleneck is pooled up to 32
+    assert len(dm.ClassifierHead(64)) == 7  # SD-1.5's, unchanged
+    with pytest.raises(ValueError, match="power of two"):
+        dm.ClassifierHead(64, native_size=12)

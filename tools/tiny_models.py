@@ -183,6 +183,56 @@ def make_tiny_sd15(folder, seed=0):
     return folder
 
 
+def make_tiny_sdxl(folder, seed=0):
+    """Write an SDXL-layout diffusers folder (unet, vae, text_encoder, text_encoder_2, tokenizer,
+    tokenizer_2, scheduler) that StableDiffusionXLPipeline loads: two CLIP text encoders (the
+    second with a projection, whose pooled output is SDXL's `text_embeds`), a UNet with
+    `addition_embed_type="text_time"` taking their concatenated penultimate hidden states
+    (32 + 32 = 64 wide) and the (text_embeds, time_ids) added conditions; 64 px, 16x16 latents."""
+    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    folder = Path(folder)
+    tokenizer = write_clip_tokenizer(folder / "tokenizer")
+    tokenizer_2 = write_clip_tokenizer(folder / "tokenizer_2")
+    text_encoder = _clip_text_encoder(tokenizer, seed)
+    config_2 = CLIPTextConfig(
+        vocab_size=len(tokenizer_2), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=tokenizer_2.model_max_length,
+        projection_dim=16, hidden_act="gelu",  # SDXL's OpenCLIP bigG uses gelu
+        bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
+        pad_token_id=tokenizer_2.pad_token_id)
+    with seeded(seed + 3):
+        text_encoder_2 = CLIPTextModelWithProjection(config_2).eval()
+    time_dim = 8  # addition_time_embed_dim: each of the 6 time ids embedded to 8 numbers
+    with seeded(seed + 1):
+        unet = UNet2DConditionModel(
+            sample_size=IMAGE_SIZE // 4, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
+            cross_attention_dim=text_encoder.config.hidden_size + config_2.hidden_size,
+            attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+            projection_class_embeddings_input_dim=6 * time_dim + config_2.projection_dim)
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            scaling_factor=0.13025, force_upcast=True)  # SDXL's VAE scaling factor
+    # SDXL's noise schedule (stabilityai/stable-diffusion-xl-base-1.0 scheduler_config.json)
+    scheduler = EulerDiscreteScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        prediction_type="epsilon", steps_offset=1, timestep_spacing="leading")
+    pipe = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def make_tiny_flux_kontext(folder, seed=0):
     """Write a FLUX.1-Kontext-layout diffusers folder (transformer, vae, 2 text encoders, ...).
 
@@ -298,12 +348,18 @@ def _build_sd15(root):
     make_image_prompt_dataset(root / "data", 64)  # DMD stage 2: real images for the GAN
 
 
+def _build_sdxl(root):
+    make_tiny_sdxl(root / "model")
+    make_prompts_file(root / "data" / "prompts.txt", 64)
+    make_image_prompt_dataset(root / "data", 64)
+
+
 def _build_flux_kontext(root):
     make_tiny_flux_kontext(root / "model")
     make_edit_dataset(root / "data", 32)
 
 
-BUILDERS = {"sd15": _build_sd15, "flux_kontext": _build_flux_kontext}
+BUILDERS = {"sd15": _build_sd15, "sdxl": _build_sdxl, "flux_kontext": _build_flux_kontext}
 
 
 def default_cache_dir():
@@ -312,7 +368,7 @@ def default_cache_dir():
 
 
 def ensure_default(kind, cache_dir=None, timeout=600.0):
-    """Build the tiny default for `kind` ("sd15" or "flux_kontext") once; return
+    """Build the tiny default for `kind` ("sd15", "sdxl" or "flux_kontext") once; return
     (model_path, data_path) as strings: <cache_dir>/tiny_<kind>_v<N>/{model,data}.
 
     Safe for many ranks at once (`data_utils.build_once`): one of them builds in a temp folder,

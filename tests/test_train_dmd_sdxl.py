@@ -1,0 +1,127 @@
+"""train_dmd.py on an SDXL-layout folder (tools/tiny_models.make_tiny_sdxl: two CLIP text encoders,
+a UNet with SDXL's "text_time" added conditions), run as users run it (torchrun on 2 CPU ranks, or
+python), through the same loading path as real SDXL weights.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd_sdxl.py -q
+
+  run_a        2 ranks, 4 steps, fp32, 4-step generator (backward simulation), GAN on, CFG 8
+  run_b        1 process, the same global batch (2 micro-batches of 1): FSDP vs one process
+  run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, launch, launch_env
+
+sys.path.insert(0, ROOT)
+import train_dmd  # noqa: E402
+from algorithms import dmd2 as dm  # noqa: E402
+
+PROMPT = "a red circle on a white background"
+COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32", "--use_gan=1",
+          "--batch_size=1", "--seed=3", "--save_every=2", "--sample_every=0", "--real_guidance_scale=8",
+          "--denoising_steps=[999,749,499,249]"]
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    from tools import tiny_models
+    cache = tmp_path_factory.mktemp("cache")
+    model, data = tiny_models.ensure_default("sdxl", cache)
+    return {"model": model, "data": os.path.join(data, "data.jsonl"), "env": launch_env(FSDP_DIFFUSION_CACHE=str(cache))}
+
+
+def train(sdxl, out, args=(), ranks=2) -> str:
+    return launch("train_dmd.py", COMMON + [f"--model_path={sdxl['model']}", f"--data_path={sdxl['data']}",
+                                            f"--output_dir={out}", *args], ranks=ranks, env=sdxl["env"]).stdout
+
+
+@pytest.fixture(scope="module")
+def run_a(sdxl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sdxl_a")
+    return out, train(sdxl, out)
+
+
+@pytest.fixture(scope="module")
+def run_b(sdxl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sdxl_b")
+    train(sdxl, out, ["--grad_accum=2"], ranks=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_resumed(sdxl, tmp_path_factory, run_a):
+    out = tmp_path_factory.mktemp("sdxl_resumed")
+    shutil.copytree(run_a[0] / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    log = train(sdxl, out, ["--resume=auto"])
+    assert "resumed from" in log and "(step 2)" in log
+    return out
+
+
+def metrics(out) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "step_ms"} for line in open(out / "metrics.jsonl")]
+
+
+def export_unet(out) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(out / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+def test_sdxl_is_detected_and_its_parts_are_used(run_a):
+    out, log = run_a
+    assert "(StableDiffusionXLPipeline)" in log
+    audit = log.split("components (64 px")[1].split("memory at start")[0]
+    assert "text_encoder_2" in audit
+    vae_row = next(line for line in audit.splitlines() if line.startswith("vae "))
+    assert " fp32 " in vae_row  # SDXL's VAE stays fp32 by default
+    rows = metrics(out)
+    assert [r["step"] for r in rows if "loss_dm" in r] == [1, 3]
+    assert all("loss_guidance_cls" in r and "step_index" in r for r in rows)
+
+
+def test_two_ranks_match_one_process(run_a, run_b):
+    a, b = metrics(run_a[0]), metrics(run_b)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for k in sorted(k for k in ra if k.startswith(("loss", "grad_norm"))):
+            rel = 1e-4 if k.startswith("loss") else 1e-3
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-7), (ra["step"], k)
+    ua, ub = export_unet(run_a[0]), export_unet(run_b)
+    assert ua.keys() == ub.keys()
+    for k in ua:
+        torch.testing.assert_close(ua[k], ub[k], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_is_bit_exact(run_a, run_resumed):
+    ua, ur = export_unet(run_a[0]), export_unet(run_resumed)
+    assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
+    assert metrics(run_a[0])[2:] == metrics(run_resumed)
+
+
+def test_export_is_an_sdxl_pipeline_with_one_and_four_step_sampling(run_a):
+    """The README snippets on the export: StableDiffusionXLPipeline + LCMScheduler at [999] and at
+    [999, 749, 499, 249]; the pipeline's own SDXL conditioning equals the script's, so its 1-step
+    latents are exactly the generator's x0."""
+    from diffusers import LCMScheduler, StableDiffusionXLPipeline
+    out = run_a[0]
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(out / "export"), torch_dtype=torch.float32)
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    latents = pipe(PROMPT, num_inference_steps=1, guidance_scale=0, timesteps=[999], latents=z.clone(),
+                   output_type="latent").images
+    cond = train_dmd.encode_prompts_sdxl([pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2],
+                                         [PROMPT], 64, torch.device("cpu"))
+    with torch.no_grad():
+        x0 = dm.generator_forward(pipe.unet, z, 999, cond, pipe.scheduler.alphas_cumprod)
+    torch.testing.assert_close(latents, x0, rtol=1e-5, atol=1e-5 * x0.abs().max().item())
+    for steps in ([999], [999, 749, 499, 249]):
+        image = pipe(PROMPT, num_inference_steps=len(steps), guidance_scale=0, timesteps=steps, output_type="np").images
+        assert image.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(image)).all()
