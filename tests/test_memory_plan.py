@@ -110,3 +110,62 @@ def test_unit_parameter_counts_sum_to_the_model(name):
         total = sum(q.numel() for q in model.parameters())
         assert sum(n for _, n in units) == total == p["rows"][comp]["count"]
         assert len({n for n, _ in units}) == len(units) and units[-1][0] == "<root>"
+
+
+SDXL_UNET_PARAMS = 2_567_463_684  # REFERENCE: stabilityai/stable-diffusion-xl-base-1.0 unet (≈ 2.567 B)
+
+
+def test_sdxl_unet_shards_to_an_eighth_at_world_size_8():
+    p = memory_plan.plan("sdxl-dmd", Settings(world_size=8, batch_size=1, resolution=64))
+    assert p["kind"] == "sdxl" and p["script"] == "train_dmd.py"
+    rows = p["rows"]
+    for name in ("generator", "fake_score", "teacher"):
+        assert rows[name]["count"] == SDXL_UNET_PARAMS
+        assert abs(rows[name]["local_count"] - SDXL_UNET_PARAMS / 8) < 5000  # dim-0 padding only
+        assert sum(n for _, n in p["units"][name]) == SDXL_UNET_PARAMS
+    local = rows["generator"]["local_count"]
+    assert rows["generator"]["params"] == local * 4 and rows["generator"]["optim"] == 2 * local * 4  # fp32 master
+    assert rows["teacher"]["params"] == local * 2                                                    # bf16 frozen
+    # the second text encoder (OpenCLIP bigG with projection), replicated in the compute dtype
+    te2 = rows["text_encoder_2"]
+    assert te2["local_count"] == te2["count"] and abs(te2["count"] - 694.66e6) < 0.01e6
+    assert te2["params"] == te2["count"] * 2
+    # SDXL's VAE stays fp32 whatever the precision (train_dmd.py's default); SD-1.5's is in the compute dtype
+    assert rows["vae"]["params"] == rows["vae"]["count"] * 4 and "fp32" in rows["vae"]["note"]
+    sd15 = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    assert "text_encoder_2" not in sd15["rows"] and sd15["kind"] == "sd15"
+    assert sd15["rows"]["vae"]["params"] == sd15["rows"]["vae"]["count"] * 2
+
+
+def test_native_resolution_is_the_default():
+    folder = memory_plan.model_folder
+    assert memory_plan.native_resolution(folder("sd15-dmd"), "sd15") == 512
+    assert memory_plan.native_resolution(folder("sdxl-dmd"), "sdxl") == 1024
+    assert memory_plan.native_resolution(folder("flux-kontext-dev"), "flux_kontext") == 512
+    assert Settings(world_size=2).resolution is None  # plan() fills in the native one
+
+
+def test_sdxl_meta_inputs_carry_the_added_conditioning():
+    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sdxl-dmd/unet")
+    pooled = memory_plan._pooled_dim(memory_plan.model_folder("sdxl-dmd"), unet.config)
+    x = memory_plan._meta_inputs("sdxl", unet, 2, 1024, torch.bfloat16, 8, 77, pooled)
+    assert x["sample"].shape == (2, 4, 128, 128) and x["encoder_hidden_states"].shape == (2, 77, 2048)
+    assert x["added_cond_kwargs"]["text_embeds"].shape == (2, 1280)
+    assert x["added_cond_kwargs"]["time_ids"].shape == (2, 6)
+
+
+def test_cli_plans_sdxl():
+    r = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sdxl-dmd", "--world_size=8",
+                        "--gpu_memory_gb=80"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-1000:]
+    assert "sdxl-dmd (sdxl)" in r.stdout and "at 1024px" in r.stdout and "TOTAL per GPU" in r.stdout
+    assert "text_encoder_2" in r.stdout
+
+
+def test_fit_table_is_markdown():
+    table = memory_plan.fit_table("sd15-dmd", world_sizes=(2,), gpu_memory_gbs=(1, 80), resolution=64)
+    lines = table.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| GPUs"))
+    assert lines[head].count("|") == lines[head + 1].count("|") == lines[head + 2].count("|") == 10  # 9 columns
+    row = lines[head + 2]
+    assert row.startswith("| 2 |") and "does not fit" in row and "as is (" in row

@@ -6,13 +6,18 @@ read off the sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapp
 
     python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     python fsdp_utils.py plan --model=sd15-dmd --world_size=8 --batch_size=4 --resolution=512
+    python fsdp_utils.py plan --model=sdxl-dmd --world_size=8 --gpu_memory_gb=80
     python fsdp_utils.py plan --model=/path/to/diffusers/folder --world_size=2
+    python tools/memory_plan.py --fit_table --model=sdxl-dmd   # markdown: world sizes x GPU memory
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
-local diffusers folder (SD-1.5 layout with unet/ -> train_dmd.py's models; FLUX layout with
-transformer/ -> train_flux_kontext.py's). What is counted, per rank:
+local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
+transformer/ -> train_flux_kontext.py's). Optional components of the table (SDXL's text_encoder_2)
+are counted when the folder has them. Without --resolution: the model's native resolution (UNet
+sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is counted, per rank:
   params / grads / optimizer  the local shards (AdamW: 2 states), in the precision mode's dtypes;
-                              frozen parts in their own dtype; with CPU offload these live on the host
+                              frozen parts in their own dtype (SDXL's VAE: fp32, as train_dmd.py holds
+                              it); with CPU offload these live on the host
   gathered                    unsharded FSDP units in compute dtype: the largest two (current + prefetched)
                               with reshard-after-forward, all of them without; plus the largest
                               unit's reduce-scatter buffer
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -43,7 +50,15 @@ RUNTIME_BYTES = 1 * GIB
 
 # Which training script a folder is planned for, by its layout: {subfolder: (script, kind)}. The
 # script's entry in fsdp_utils.SCRIPT_COMPONENTS says what it builds; kind picks the forward inputs.
+# A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
 LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
+
+# components a kind holds in fp32 whatever the precision: train_dmd.py keeps SDXL's VAE in fp32 by
+# default (it overflows in fp16/bf16; the official DMD2 SDXL code does the same)
+FP32_COMPONENTS = {"sdxl": ("vae",)}
+
+# the resolution when none is given, for kinds without a UNet sample_size to take it from
+DEFAULT_RESOLUTION = 512
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,7 @@ HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
 class Part:
     """One component of SCRIPT_COMPONENTS, built at real size on the meta device."""
     spec: fsdp_utils.Component  # name, subfolder, role: from the table
-    module: nn.Module
+    module: nn.Module | None    # None: not built (its sharded counts come from a cache)
     dtype: torch.dtype          # storage dtype
 
     @property
@@ -89,7 +104,7 @@ class Settings:
     reshard_after_forward: bool = True
     dp_replicate: int = 1
     batch_size: int = 1
-    resolution: int = 512
+    resolution: int | None = None  # None: the model's native resolution (native_resolution)
     block_classes: tuple = ()  # the scripts' BLOCK_CLASSES: () = each model's recipe decides
 
 
@@ -106,18 +121,47 @@ def model_folder(name: str) -> str:
     raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(choices)}) nor a folder")
 
 
+def _config(folder: str, subfolder: str) -> dict:
+    path = os.path.join(folder, subfolder, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def is_sdxl(folder: str) -> bool:
+    """An SDXL pipeline folder: its UNet takes SDXL's micro-conditioning (addition_embed_type
+    "text_time"), or it has the second text encoder, or its model_index.json says so."""
+    index = os.path.join(folder, "model_index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            if "StableDiffusionXL" in json.load(f).get("_class_name", ""):
+                return True
+    return (_config(folder, "unet").get("addition_embed_type") == "text_time"
+            or os.path.isdir(os.path.join(folder, "text_encoder_2")))
+
+
 def layout(folder: str) -> tuple[str, str]:
     """(training script, kind) for a pipeline folder, by which trained model's subfolder it has."""
-    for sub, script_kind in LAYOUTS.items():
+    for sub, (script, kind) in LAYOUTS.items():
         if os.path.isdir(os.path.join(folder, sub)):
-            return script_kind
-    raise SystemExit(f"plan: {folder}: neither an SD-1.5 layout (unet/) nor a FLUX layout (transformer/)")
+            return script, ("sdxl" if kind == "sd15" and is_sdxl(folder) else kind)
+    raise SystemExit(f"plan: {folder}: neither an SD-1.5/SDXL layout (unet/) nor a FLUX layout (transformer/)")
+
+
+def native_resolution(folder: str, kind: str) -> int:
+    """The side the script trains at by default: UNet sample_size x VAE factor (train_dmd.py's
+    RESOLUTION=0: 512 for SD-1.5, 1024 for SDXL); DEFAULT_RESOLUTION for FLUX."""
+    size = _config(folder, "unet").get("sample_size") if kind in ("sd15", "sdxl") else None
+    if not isinstance(size, int):
+        return DEFAULT_RESOLUTION
+    return size * _folder_shapes(folder, kind)[0]
 
 
 def meta_model(folder: str) -> nn.Module:
     """The model a component folder's config.json declares (diffusers `_class_name`, transformers
-    `architectures`), built from that config on the meta device: no memory, no init."""
-    import json
+    `architectures`, e.g. SDXL's CLIPTextModelWithProjection), built from that config on the meta
+    device: no memory, no init."""
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         raise SystemExit(f"plan: {folder}: no config.json")
@@ -136,16 +180,22 @@ def meta_model(folder: str) -> nn.Module:
     raise SystemExit(f"plan: {path}: names no model class (no _class_name / architectures)")
 
 
-def build_components(folder: str, precision) -> tuple[str, str, list[Part]]:
+def build_components(folder: str, precision, build: bool = True) -> tuple[str, str, list[Part]]:
     """(script, kind, components): what fsdp_utils.SCRIPT_COMPONENTS says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
-    precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults)."""
+    precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
+    FP32_COMPONENTS). Optional components the folder lacks are skipped. build=False: the specs and
+    dtypes only (module None)."""
     script, kind = layout(folder)
     parts = []
     for spec in fsdp_utils.SCRIPT_COMPONENTS[script]:
-        part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)), precision.compute_dtype)
+        if getattr(spec, "optional", False) and not os.path.isdir(os.path.join(folder, spec.subfolder)):
+            continue
+        part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
         if part.holding.trained:
             part.dtype = precision.param_dtype
+        elif spec.name in FP32_COMPONENTS.get(kind, ()):
+            part.dtype = torch.float32
         parts.append(part)
     return script, kind, parts
 
@@ -255,28 +305,46 @@ def _folder_shapes(folder: str, kind: str) -> tuple[int, int]:
     """(pixels per latent, text tokens) as the scripts see them: the VAE's downsampling factor
     (8 for the real models) and the tokenizer length (CLIP 77 / T5 512, capped at the tokenizer's
     model_max_length when the folder has tokenizers, e.g. 32 for the tiny defaults)."""
-    import json
     with open(os.path.join(folder, "vae", "config.json")) as f:
         factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-    text = 77 if kind == "sd15" else 512
-    tok = os.path.join(folder, "tokenizer" if kind == "sd15" else "tokenizer_2", "tokenizer_config.json")
+    clip = kind in ("sd15", "sdxl")
+    text = 77 if clip else 512
+    tok = os.path.join(folder, "tokenizer" if clip else "tokenizer_2", "tokenizer_config.json")
     if os.path.exists(tok):
         with open(tok) as f:
             text = int(min(text, json.load(f).get("model_max_length", text)))
     return factor, text
 
 
+def _pooled_dim(folder: str, unet_config) -> int:
+    """SDXL's pooled text embedding width: text_encoder_2's projection_dim (1280), else what the
+    UNet's add embedding takes besides the time ids (projection_class_embeddings_input_dim - 6 x
+    addition_time_embed_dim)."""
+    dim = _config(folder, "text_encoder_2").get("projection_dim")
+    if dim:
+        return int(dim)
+    return unet_config.projection_class_embeddings_input_dim - 6 * unet_config.addition_time_embed_dim
+
+
 def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype: torch.dtype,
-                 factor: int = 8, text: int | None = None) -> dict:
+                 factor: int = 8, text: int | None = None, pooled: int | None = None) -> dict:
+    """The trainable model's forward inputs on meta. SDXL: encoder_hidden_states (B, 77, 2048) and
+    added_cond_kwargs text_embeds (B, pooled) + time_ids (B, 6), as train_dmd.py passes them."""
     cfg = model.config
-    text = text or (77 if kind == "sd15" else 512)
+    text = text or (77 if kind in ("sd15", "sdxl") else 512)
     with torch.device("meta"):
-        if kind == "sd15":
+        if kind in ("sd15", "sdxl"):
             lat = resolution // factor
-            return dict(sample=torch.empty(batch, cfg.in_channels, lat, lat, dtype=dtype, requires_grad=True),
-                        timestep=torch.zeros(batch, dtype=torch.long),
-                        encoder_hidden_states=torch.empty(batch, text, cfg.cross_attention_dim, dtype=dtype),
-                        return_dict=False)
+            inputs = dict(sample=torch.empty(batch, cfg.in_channels, lat, lat, dtype=dtype, requires_grad=True),
+                          timestep=torch.zeros(batch, dtype=torch.long),
+                          encoder_hidden_states=torch.empty(batch, text, cfg.cross_attention_dim, dtype=dtype),
+                          return_dict=False)
+            if kind == "sdxl":
+                pooled = pooled or cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+                n_time = (cfg.projection_class_embeddings_input_dim - pooled) // cfg.addition_time_embed_dim
+                inputs["added_cond_kwargs"] = {"text_embeds": torch.empty(batch, pooled, dtype=dtype),
+                                               "time_ids": torch.empty(batch, n_time, dtype=dtype)}
+            return inputs
         tokens = (resolution // (2 * factor)) ** 2  # VAE factor, 2x2 packing
         return dict(hidden_states=torch.empty(batch, 2 * tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
                     encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
@@ -299,18 +367,28 @@ def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtyp
     the units of `unit_names`: those its recipe made."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     factor, text = _folder_shapes(folder, kind)
-    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype, factor, text), list(unit_names),
-                            checkpointing)
+    pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
+    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype, factor, text, pooled),
+                            list(unit_names), checkpointing)
 
 
-def plan(name: str, s: Settings) -> dict:
-    """Per-rank GPU bytes by category (and host bytes with CPU offload) for these settings."""
+def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
+    """Per-rank GPU bytes by category (and host bytes with CPU offload) for these settings.
+    `shard_cache`: a dict to keep shard_components' counts in across calls that differ only in
+    precision, CPU offload, checkpointing, batch or resolution (the counts do not depend on them:
+    fully_shard splits each parameter's dim 0 over the mesh whatever its dtype or where it lives)."""
     from precision import get_precision
     precision = get_precision(s.precision)
     folder = model_folder(name)
-    script, kind, comps = build_components(folder, precision)
+    key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes), s.reshard_after_forward)
+    cached = shard_cache is not None and key in shard_cache
+    script, kind, comps = build_components(folder, precision, build=not cached)
+    if s.resolution is None:
+        s = dataclasses.replace(s, resolution=native_resolution(folder, kind))
     trainable = next(c for c in comps if c.holding.trained)
-    sharded = shard_components(comps, s, precision)
+    sharded = shard_cache[key] if cached else shard_components(comps, s, precision)
+    if shard_cache is not None:
+        shard_cache[key] = sharded
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
     acts = _activations(folder, trainable.spec.subfolder, kind, unit_names, precision.compute_dtype,
@@ -324,8 +402,9 @@ def plan(name: str, s: Settings) -> dict:
                                 sharded=False)
             continue
         local = info["local"] if h.sharded else info["global"]
+        note = c.spec.role + (" (fp32)" if c.name in FP32_COMPONENTS.get(kind, ()) else "")
         rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
-                            optim=2 * local * p_size if h.trained else 0, note=c.spec.role,
+                            optim=2 * local * p_size if h.trained else 0, note=note,
                             count=info["global"], local_count=local, sharded=h.sharded)
         if h.sharded:
             gathered_units += [u * (c_size if h.trained else _size(c.dtype)) for _, u in info["units"]]
@@ -345,15 +424,18 @@ def plan(name: str, s: Settings) -> dict:
                 units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
 
 
-def cheapest_fit(name: str, s: Settings, gpu_bytes: int) -> tuple[Settings, dict] | None:
+# what cheapest_fit tries, in order of what it costs in speed: (checkpointing, CPU offload, bf16 states)
+FIT_ORDER = [(False, False, False), (True, False, False), (False, False, True), (True, False, True),
+             (False, True, False), (True, True, False), (True, True, True)]
+
+
+def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[Settings, dict] | None:
     """Settings that fit, in order of what they cost in speed: nothing, checkpointing, bf16
-    states, CPU offload (slowest), and their combinations."""
-    order = [(False, False, s.precision), (True, False, s.precision), (False, False, "bf16"),
-             (True, False, "bf16"), (False, True, s.precision), (True, True, s.precision),
-             (True, True, "bf16")]
-    for ac, off, prec in order:
-        trial = Settings(**{**s.__dict__, "activation_checkpointing": ac, "cpu_offload": off, "precision": prec})
-        result = plan(name, trial)
+    states, CPU offload (slowest), and their combinations. `planner`: plan, or a cached one."""
+    for ac, off, bf16 in FIT_ORDER:
+        trial = Settings(**{**s.__dict__, "activation_checkpointing": ac, "cpu_offload": off,
+                            "precision": "bf16" if bf16 else s.precision})
+        result = (planner or plan)(name, trial)
         if result["gpu_total"] <= gpu_bytes:
             return trial, result
     return None
@@ -381,13 +463,60 @@ def format_plan(name: str, p: dict) -> str:
     return "\n".join(lines)
 
 
+def _setting_name(s: Settings, base_precision: str) -> str:
+    parts = (["bf16 states"] if s.precision != base_precision else []) + \
+            (["AC"] if s.activation_checkpointing else []) + (["CPU offload"] if s.cpu_offload else [])
+    return " + ".join(parts) or "as is"
+
+
+def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), batch_size: int = 1,
+              resolution: int | None = None, precision: str = "bf16-mixed") -> str:
+    """A markdown table: per world size, the per-rank params (all components) / grads / optimizer /
+    activations (without and with activation checkpointing) in GiB as planned, and per GPU memory
+    the cheapest settings that fit (cheapest_fit's order) with their GPU total, or "does not fit".
+    Plans are memoised, and the sharded counts kept per world size (plan's shard_cache)."""
+    shard_cache, memo = {}, {}
+
+    def planner(n: str, t: Settings) -> dict:
+        key = tuple(sorted(t.__dict__.items()))
+        if key not in memo:
+            memo[key] = plan(n, t, shard_cache)
+        return memo[key]
+
+    gbs = list(gpu_memory_gbs)
+    lines = []
+    for ws in world_sizes:
+        base = Settings(world_size=ws, precision=precision, batch_size=batch_size, resolution=resolution)
+        p = planner(name, base)
+        if not lines:
+            r = p["settings"]
+            lines += [f"{name} ({p['kind']}), {precision}, batch {r.batch_size}/GPU at {r.resolution} px. Per-rank GiB "
+                      f"as planned without checkpointing or offload (params: every component's local share); "
+                      f"per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total.", "",
+                      "| GPUs | params | grads | optimizer | activations | activations (AC) | total as is | "
+                      + " | ".join(f"{g:g} GB" for g in gbs) + " |",
+                      "|" + "---:|" * 7 + "---|" * len(gbs)]
+        ac = planner(name, Settings(**{**base.__dict__, "activation_checkpointing": True}))
+        rows = p["rows"].values()
+        cols = [sum(r[k] for r in rows) for k in ("params", "grads", "optim")]
+        cols += [p["activations"], ac["activations"], p["gpu_total"]]
+        cells = []
+        for g in gbs:
+            fit = cheapest_fit(name, base, int(g * GIB), planner)
+            cells.append("does not fit" if fit is None else
+                         f"{_setting_name(fit[0], precision)} ({fit[1]['gpu_total'] / GIB:.1f})")
+        lines.append(f"| {ws} | " + " | ".join(f"{c / GIB:.2f}" for c in cols) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python fsdp_utils.py plan", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--world_size", type=int, required=True)
+    ap.add_argument("--world_size", type=int, default=None, help="required, except with --fit_table")
     ap.add_argument("--gpu_memory_gb", type=float, default=0.0)
     ap.add_argument("--batch_size", type=int, default=1)
-    ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--resolution", type=int, default=None,
+                    help="image side in px (default: the model's native one: 512 SD-1.5 and FLUX, 1024 SDXL)")
     ap.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "bf16"])
     ap.add_argument("--cpu_offload", type=int, default=0)
     ap.add_argument("--activation_checkpointing", type=int, default=0)
@@ -395,9 +524,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dp_replicate", type=int, default=1)
     ap.add_argument("--block_classes", default="",
                     help="comma-separated FSDP unit classes, as the scripts' BLOCK_CLASSES (default: the recipe's)")
+    ap.add_argument("--fit_table", action="store_true",
+                    help="print a markdown table of the cheapest fitting settings, --world_sizes x --gpu_memory_gbs")
+    ap.add_argument("--world_sizes", default="2,4,8", help="with --fit_table")
+    ap.add_argument("--gpu_memory_gbs", default="24,40,80", help="with --fit_table")
     a = ap.parse_args(argv)
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
+    if a.fit_table:
+        print(fit_table(a.model, [int(w) for w in a.world_sizes.split(",")],
+                        [float(g) for g in a.gpu_memory_gbs.split(",")], a.batch_size, a.resolution, a.precision))
+        return 0
+    if a.world_size is None:
+        ap.error("--world_size is required (or --fit_table)")
     s = Settings(a.world_size, a.precision, bool(a.cpu_offload), bool(a.activation_checkpointing),
                  bool(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution,
                  tuple(c for c in a.block_classes.split(",") if c))

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# DMD2 on SDXL, the published 4-step generator (FID 19.32), on FSDP2. Settings as in
+# tianweiy/DMD2 experiments/sdxl/
+#   sdxl_cond999_8node_lr5e-7_denoising4step_diffusion1000_gan5e-3_guidance8_noinit_noode_backsim_scratch.sh
+#   (lines 9-45): generator and guidance LR 5e-7, batch 2 per GPU on 8 nodes x 8 GPUs (global 128),
+#   1024 px, seed 10, real guidance 8, dfake_gen_update_ratio 5, grad-norm clip 10,
+#   max_step_percent 0.98, GAN on the fake UNet's bottleneck from the start (gen_cls_loss_weight
+#   5e-3, guidance_cls_loss_weight 1e-2, diffusion GAN up to t = 1000), 4 denoising steps
+#   (999, 749, 499, 249) with backward simulation, bf16 mixed precision, SDXL's VAE in fp32.
+# Activation checkpointing is off, as in the official script (64 GPUs); AC=1 turns it on where
+# `python tools/memory_plan.py --fit_table --model=sdxl-dmd` (README) says it is needed.
+# On fewer GPUs the global batch 128 is kept by GRAD_ACCUM = 128 / (2 x GPUs).
+# DATA: a .jsonl of {"prompt", "image"} rows (the paper used SDXL-VAE latents of 500k LAION images).
+#
+#   MODEL=/models/stable-diffusion-xl-base-1.0 DATA=/data/laion.jsonl bash recipes/dmd_sdxl_4step.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline layout)}
+DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
+OUT=${OUT:-out/sdxl_4step}
+NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
+GPUS=$(( NPROC * ${NNODES:-1} ))
+PER_GPU=2
+GLOBAL=128
+if (( GLOBAL % (PER_GPU * GPUS) )); then
+  echo "dmd_sdxl_4step.sh: $GPUS GPUs x $PER_GPU does not divide the published global batch $GLOBAL" >&2
+  exit 2
+fi
+export NPROC
+exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
+    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$(( GLOBAL / (PER_GPU * GPUS) )) \
+    --resolution=1024 --seed=10 --real_guidance_scale=8 --dfake_gen_update_ratio=5 --max_grad_norm=10 \
+    --max_step_percent=0.98 --use_gan=1 --gen_cls_loss_weight=5e-3 --guidance_cls_loss_weight=1e-2 \
+    --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \
+    --conditioning_timestep=999 --denoising_steps=999,749,499,249 \
+    --precision=bf16-mixed --activation_checkpointing=${AC:-0} \
+    --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --resume=auto "$@"
