@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from run_utils import ConfigError, RunError, first_error, print0, rank, world_size
@@ -291,6 +292,43 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
+def model_class(model: nn.Module) -> type:
+    """The model's own class: `fully_shard` swaps in a generated `FSDP<Name>` subclass, whose name
+    no library knows (diffusers' AutoModel, converters and hub tooling read `_class_name`)."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def portable_json(path: str, class_name: str | None = None) -> None:
+    """Rewrite a diffusers JSON (config.json, model_index.json) so it names no machine: drop
+    `_name_or_path` (the folder it was loaded from, an absolute path of whoever built it) and,
+    given `class_name`, set `_class_name` to it."""
+    with open(path) as f:
+        data = json.load(f)
+    data.pop("_name_or_path", None)
+    if class_name:
+        data["_class_name"] = class_name
+    _write_json(path, data)
+
+
+def check_loadable(folder: str, written: dict[str, torch.Size]) -> None:
+    """The exported component's config names a diffusers class that builds (on the meta device,
+    no weights read) a model with exactly the written tensor names and shapes: what
+    `diffusers.AutoModel.from_pretrained(folder)` needs to load it."""
+    import diffusers
+    with open(os.path.join(folder, "config.json")) as f:
+        name = json.load(f)["_class_name"]
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise ValueError(f"export {folder}: config.json names {name!r}, which diffusers does not have")
+    with torch.device("meta"):
+        built = cls.from_config(cls.load_config(folder))
+    expected = {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    got = {k: tuple(s) for k, s in written.items()}
+    if expected != got:
+        diff = sorted(set(expected.items()) ^ set(got.items()))[:3]
+        raise ValueError(f"export {folder}: {name} from its config does not match the written tensors, e.g. {diff}")
+
+
 def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES) -> None:
     """Write `model` (sharded or not) as a diffusers model folder (config.json + safetensors,
     sharded with an index when large). Collective: every rank gathers tensor by tensor, rank 0
@@ -307,6 +345,7 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
     if rank() == 0:
         os.makedirs(folder, exist_ok=True)
         model.save_config(folder)
+        portable_json(os.path.join(folder, "config.json"), model_class(model).__name__)
     for fname, keys in zip(names, shards):
         out = {}
         for k in keys:
@@ -321,6 +360,8 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
         _write_json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"), index)
+    if rank() == 0:
+        check_loadable(folder, {k: v.shape for k, v in sd.items()})
 
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
@@ -343,6 +384,7 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
                 os.symlink(src, dst) if link_frozen else shutil.copytree(src, dst)
             else:
                 shutil.copy2(src, dst)
+        portable_json(os.path.join(partial, "model_index.json"))
     if dist.is_initialized():
         dist.barrier()
     for name, model in trained.items():

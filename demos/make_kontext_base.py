@@ -218,14 +218,26 @@ def pretrain_command(init, data, out, steps, nproc, overrides) -> list[str]:
 
 
 def package(export, dest=ASSET_DIR):
-    """Copy the export (symlinked frozen parts resolved) into `dest`, atomically."""
+    """Copy the export (symlinked frozen parts resolved) into `dest`, atomically, with no path of
+    this machine in any JSON (the frozen parts' configs still name the build folders they were
+    saved from)."""
+    from checkpoint import portable_json
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(export, tmp, symlinks=False)
+    for path in [tmp / "model_index.json", *tmp.glob("*/config.json")]:
+        portable_json(str(path))
     shutil.rmtree(dest, ignore_errors=True)
     os.rename(tmp, dest)
     return dest
+
+
+def relative_command(args) -> str:
+    """A command line for BUILD.json with the repository's paths made relative to its root, so
+    the record names no machine and replays from the root of any checkout."""
+    root = str(ROOT) + os.sep
+    return " ".join(a.replace(root, "") for a in args)
 
 
 def folder_mib(folder) -> float:
@@ -283,7 +295,7 @@ def main(argv=None):
         t0 = time.time()
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-        report.update(pretrain_seconds=round(time.time() - t0, 1), pretrain_command=" ".join(cmd[2:]))
+        report.update(pretrain_seconds=round(time.time() - t0, 1), pretrain_command=relative_command(cmd[2:]))
         save_report()
     if "package" in stages:
         dest = package(out / "export", args.dest)

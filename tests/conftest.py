@@ -113,3 +113,24 @@ def run_ranks(fn, world: int, *args) -> None:
         raise AssertionError(errq.get())
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     assert not bad, f"rank exit codes {[p.exitcode for p in procs]}"
+
+
+def assert_loads_with_automodel(folder) -> None:
+    """An exported component loads with diffusers.AutoModel, as the diffusers class its config
+    names (not fully_shard's FSDP<Name> subclass), with exactly the exported tensors."""
+    import diffusers
+    import json
+    import torch
+    from safetensors.torch import load_file
+    folder = str(folder)
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert not config["_class_name"].startswith("FSDP") and "_name_or_path" not in config, config
+    model = diffusers.AutoModel.from_pretrained(folder)
+    assert type(model).__name__ == config["_class_name"] and type(model).__module__.startswith("diffusers.")
+    weights = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(folder, name)))
+    state = model.state_dict()
+    assert state.keys() == weights.keys()
+    assert all(torch.equal(state[k].to(weights[k].dtype), weights[k]) for k in weights)

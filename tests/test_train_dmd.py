@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, launch, launch_env
+from tests.conftest import ROOT, assert_loads_with_automodel, launch, launch_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -157,6 +157,12 @@ def test_resume_is_bit_exact(run_a, run_resumed):
     la = [{k: v for k, v in r.items() if k != "step_ms"} for r in metrics(run_a)]
     lr = [{k: v for k, v in r.items() if k != "step_ms"} for r in metrics(run_resumed)]
     assert la[2:] == lr and [r["step"] for r in lr] == [3, 4]
+
+
+def test_export_names_the_diffusers_class_and_loads_with_automodel(run_a):
+    assert_loads_with_automodel(run_a / "export" / "unet")
+    index = json.load(open(run_a / "export" / "model_index.json"))
+    assert index["unet"] == ["diffusers", "UNet2DConditionModel"] and "_name_or_path" not in index
 
 
 def test_export_is_a_one_step_pipeline(run_a):

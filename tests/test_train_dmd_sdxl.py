@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, launch, launch_env
+from tests.conftest import ROOT, assert_loads_with_automodel, launch, launch_env
 
 sys.path.insert(0, ROOT)
 import train_dmd  # noqa: E402
@@ -97,6 +97,10 @@ def test_two_ranks_match_one_process(run_a, run_b):
     assert ua.keys() == ub.keys()
     for k in ua:
         torch.testing.assert_close(ua[k], ub[k], rtol=1e-4, atol=1e-5)
+
+
+def test_export_loads_with_automodel(run_a):
+    assert_loads_with_automodel(run_a[0] / "export" / "unet")
 
 
 def test_resume_is_bit_exact(run_a, run_resumed):

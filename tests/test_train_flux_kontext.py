@@ -27,7 +27,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, free_port, launch as launch_script, launch_env
+from tests.conftest import ROOT, assert_loads_with_automodel, free_port, launch as launch_script, launch_env
 
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,7 +82,7 @@ def setup(tmp_path_factory):
     model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
     data, rows = make_mixed_dataset(str(root / "data"))
     env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
-    common = [f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
+    common = [f"--model_path={model_path}", f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
               f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
               "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=1"]
     return {"root": root, "env": env, "common": common, "model_path": model_path, "rows": rows, "data": data}
@@ -212,6 +212,10 @@ def test_export_runs_in_flux_kontext_pipeline(runs):
     assert all(torch.equal(v, trained[k]) for k, v in pipe.transformer.state_dict().items())
 
 
+def test_export_names_the_diffusers_class_and_loads_with_automodel(runs):
+    assert_loads_with_automodel(os.path.join(runs["combo"][0], "export", "transformer"))
+
+
 def test_bad_row_stops_all_ranks_with_file_and_line(setup, tmp_path):
     lines = open(setup["data"]).read().splitlines()
     lines[2] = '{"image": "context/002.png", "target": '  # truncated JSON on line 3
@@ -315,11 +319,11 @@ def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
     ref_loss, ref_grads = loss_and_grads(plain, plain.named_parameters())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        tfk.quiet_known_warnings()
+        run_utils.quiet_known_warnings()
         mesh = fsdp_utils.build_mesh(torch.device("cpu"), 1)
+        sharding = fsdp_utils.Sharding(reshard_after_forward=True, activation_checkpointing=True, prefetch=1)
         sharded = tfk.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
-                                        reshard_after_forward=True, cpu_offload=False,
-                                        activation_checkpointing=True, prefetch=1)
+                                        sharding=sharding, block_classes=[])
         loss, grads = loss_and_grads(sharded, sharded.named_parameters())
     finally:
         dist.destroy_process_group()
