@@ -16,17 +16,11 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SD-1.5 diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/)}
 DATA=${DATA:?set DATA to a prompts file (.txt, one a line, or .jsonl with "prompt")}
 OUT=${OUT:-out/sd15_stage1}
-NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
-GPUS=$(( NPROC * ${NNODES:-1} ))
+. recipes/lib/common.sh
 PER_GPU=32
-GLOBAL=2048
-if (( GLOBAL % (PER_GPU * GPUS) )); then
-  echo "dmd_sd15_stage1.sh: $GPUS GPUs x $PER_GPU does not divide the published global batch $GLOBAL" >&2
-  exit 2
-fi
-export NPROC
+ACCUM=$(grad_accum 2048 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
-    --generator_lr=1e-5 --guidance_lr=1e-5 --batch_size=$PER_GPU --grad_accum=$(( GLOBAL / (PER_GPU * GPUS) )) \
+    --generator_lr=1e-5 --guidance_lr=1e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
     --precision=bf16-mixed --activation_checkpointing=1 --use_gan=0 \
     --max_steps=40000 --save_every=1000 --sample_every=500 --log_every=50 --resume=auto "$@"

@@ -16,19 +16,13 @@ MODEL=${MODEL:?set MODEL to the ORIGINAL SD-1.5 folder (the teacher), not stage 
 DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
 INIT_FROM=${INIT_FROM:?set INIT_FROM to a stage-1 checkpoint folder (OUTPUT_DIR/checkpoints/step_N)}
 OUT=${OUT:-out/sd15_stage2}
-NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
-GPUS=$(( NPROC * ${NNODES:-1} ))
+. recipes/lib/common.sh
 PER_GPU=32
-GLOBAL=2048
-if (( GLOBAL % (PER_GPU * GPUS) )); then
-  echo "dmd_sd15_stage2.sh: $GPUS GPUs x $PER_GPU does not divide the published global batch $GLOBAL" >&2
-  exit 2
-fi
-export NPROC
+ACCUM=$(grad_accum 2048 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --init_from="$INIT_FROM" --use_gan=1 --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2 \
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \
-    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$(( GLOBAL / (PER_GPU * GPUS) )) \
+    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
     --precision=bf16-mixed --activation_checkpointing=1 \
     --max_steps=2000 --save_every=500 --sample_every=250 --log_every=50 --resume=auto "$@"

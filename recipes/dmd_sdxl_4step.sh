@@ -18,17 +18,11 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline layout)}
 DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
 OUT=${OUT:-out/sdxl_4step}
-NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
-GPUS=$(( NPROC * ${NNODES:-1} ))
+. recipes/lib/common.sh
 PER_GPU=2
-GLOBAL=128
-if (( GLOBAL % (PER_GPU * GPUS) )); then
-  echo "dmd_sdxl_4step.sh: $GPUS GPUs x $PER_GPU does not divide the published global batch $GLOBAL" >&2
-  exit 2
-fi
-export NPROC
+ACCUM=$(grad_accum 128 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
-    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$(( GLOBAL / (PER_GPU * GPUS) )) \
+    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=1024 --seed=10 --real_guidance_scale=8 --dfake_gen_update_ratio=5 --max_grad_norm=10 \
     --max_step_percent=0.98 --use_gan=1 --gen_cls_loss_weight=5e-3 --guidance_cls_loss_weight=1e-2 \
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \

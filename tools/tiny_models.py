@@ -134,18 +134,19 @@ def seeded(seed):
         yield
 
 
-def _clip_text_encoder(tokenizer, seed):
-    """A 2-layer, 32-wide CLIPTextModel whose vocab and positions match `tokenizer`."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+def _clip_text_encoder(tokenizer, seed, projection_dim=32, hidden_act="quick_gelu", with_projection=False):
+    """A 2-layer, 32-wide CLIPTextModel whose vocab and positions match `tokenizer`
+    (with_projection: CLIPTextModelWithProjection, SDXL's second encoder)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, max_position_embeddings=tokenizer.model_max_length,
-        projection_dim=32, hidden_act="quick_gelu",  # SD-1.5's CLIP ViT-L uses quick_gelu
+        projection_dim=projection_dim, hidden_act=hidden_act,  # SD-1.5's CLIP ViT-L: quick_gelu
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     with seeded(seed):
-        return CLIPTextModel(config).eval()
+        return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config).eval()
 
 
 def make_tiny_sd15(folder, seed=0):
@@ -191,20 +192,15 @@ def make_tiny_sdxl(folder, seed=0):
     (32 + 32 = 64 wide) and the (text_embeds, time_ids) added conditions; 64 px, 16x16 latents."""
     from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
                            UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     folder = Path(folder)
     tokenizer = write_clip_tokenizer(folder / "tokenizer")
     tokenizer_2 = write_clip_tokenizer(folder / "tokenizer_2")
     text_encoder = _clip_text_encoder(tokenizer, seed)
-    config_2 = CLIPTextConfig(
-        vocab_size=len(tokenizer_2), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=tokenizer_2.model_max_length,
-        projection_dim=16, hidden_act="gelu",  # SDXL's OpenCLIP bigG uses gelu
-        bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
-        pad_token_id=tokenizer_2.pad_token_id)
-    with seeded(seed + 3):
-        text_encoder_2 = CLIPTextModelWithProjection(config_2).eval()
+    # SDXL's second encoder (OpenCLIP bigG): gelu, and a projection whose output is text_embeds
+    text_encoder_2 = _clip_text_encoder(tokenizer_2, seed + 3, projection_dim=16, hidden_act="gelu",
+                                        with_projection=True)
+    config_2 = text_encoder_2.config
     time_dim = 8  # addition_time_embed_dim: each of the 6 time ids embedded to 8 numbers
     with seeded(seed + 1):
         unet = UNet2DConditionModel(

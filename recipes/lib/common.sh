@@ -1,0 +1,15 @@
+# Sourced by the recipes (not a recipe itself).
+#   NPROC            processes per node: default the GPU count, else 2 (exported for run_fsdp.sh)
+#   grad_accum G P   the GRAD_ACCUM that keeps a published global batch G at P samples per GPU on
+#                    this job's NPROC x NNODES GPUs; exits 2 (naming the recipe) if it cannot
+NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
+export NPROC
+
+grad_accum() {
+  local global=$1 per_gpu=$2 gpus=$(( NPROC * ${NNODES:-1} ))
+  if (( global % (per_gpu * gpus) )); then
+    echo "$(basename "$0"): $gpus GPUs x $per_gpu does not divide the published global batch $global" >&2
+    exit 2
+  fi
+  echo $(( global / (per_gpu * gpus) ))
+}
