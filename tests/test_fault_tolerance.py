@@ -34,7 +34,6 @@ from tests.conftest import ROOT, finish, launch, launch_env, run_ranks, start as
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, ROOT)
-import fsdp_utils  # noqa: E402
 import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError, RunError  # noqa: E402

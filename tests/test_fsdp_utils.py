@@ -5,7 +5,6 @@ meta-device loading from a diffusers folder.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 

@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 
 sys.path.insert(0, ROOT)
 from tools import memory_plan  # noqa: E402
-from tools.memory_plan import GIB, Settings  # noqa: E402
+from tools.memory_plan import Settings  # noqa: E402
 
 
 def test_flux_kontext_shards_to_a_quarter_at_world_size_4():

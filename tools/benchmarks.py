@@ -244,7 +244,6 @@ def bench_planner() -> str:
     from tools import memory_plan
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
-    from tools import tiny_models
     root = _root()
     lines = ["| model | planner: model states | measured | error | planner: total (no CUDA reserve) "
              "| measured peak above baseline | error |", "|---|---|---|---|---|---|---|"]
