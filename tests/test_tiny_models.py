@@ -212,4 +212,4 @@ def test_ensure_default_cache_dir_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_DIFFUSION_CACHE", str(tmp_path / "cache"))
     assert tiny_models.default_cache_dir() == tmp_path / "cache"
     with pytest.raises(ValueError, match="unknown tiny default"):
-        tiny_models.ensure_default("sdxl")
+        tiny_models.ensure_default("sd3")
