@@ -149,13 +149,24 @@ def _clip_text_encoder(tokenizer, seed, projection_dim=32, hidden_act="quick_gel
         return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config).eval()
 
 
+def _sd_vae(seed, **config):
+    """The tiny 4-channel, 4x-down AutoencoderKL of the SD-1.5 and SDXL folders (64 px -> 16x16);
+    `config` adds each model's own values (scaling factor, upcast)."""
+    from diffusers import AutoencoderKL
+
+    with seeded(seed):
+        return AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, **config)
+
+
 def make_tiny_sd15(folder, seed=0):
     """Write an SD-1.5-layout diffusers folder (unet, vae, text_encoder, tokenizer, scheduler).
 
     64x64 px images, VAE 4x down to 4x16x16 latents, UNet sample_size 16. Returns the folder.
     """
-    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     folder = Path(folder)
     tokenizer = write_clip_tokenizer(folder / "tokenizer")  # keeps vocab.json + merges.txt
@@ -167,12 +178,7 @@ def make_tiny_sd15(folder, seed=0):
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
             cross_attention_dim=text_encoder.config.hidden_size, attention_head_dim=4)
-    with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            scaling_factor=0.18215)  # SD-1.5's VAE scaling factor
+    vae = _sd_vae(seed + 2, scaling_factor=0.18215)  # SD-1.5's VAE scaling factor
     # SD-1.5's noise schedule (scheduler_config.json of runwayml/stable-diffusion-v1-5).
     scheduler = DDIMScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -190,8 +196,7 @@ def make_tiny_sdxl(folder, seed=0):
     second with a projection, whose pooled output is SDXL's `text_embeds`), a UNet with
     `addition_embed_type="text_time"` taking their concatenated penultimate hidden states
     (32 + 32 = 64 wide) and the (text_embeds, time_ids) added conditions; 64 px, 16x16 latents."""
-    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
-                           UNet2DConditionModel)
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
     folder = Path(folder)
     tokenizer = write_clip_tokenizer(folder / "tokenizer")
@@ -212,12 +217,7 @@ def make_tiny_sdxl(folder, seed=0):
             attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
             addition_embed_type="text_time", addition_time_embed_dim=time_dim,
             projection_class_embeddings_input_dim=6 * time_dim + config_2.projection_dim)
-    with seeded(seed + 2):
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, sample_size=IMAGE_SIZE,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8,
-            scaling_factor=0.13025, force_upcast=True)  # SDXL's VAE scaling factor
+    vae = _sd_vae(seed + 2, scaling_factor=0.13025, force_upcast=True)  # SDXL's VAE scaling factor
     # SDXL's noise schedule (stabilityai/stable-diffusion-xl-base-1.0 scheduler_config.json)
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
