@@ -11,6 +11,13 @@
 # NODE_RANK   this node's index (default 0)
 # MASTER_ADDR / MASTER_PORT   rendezvous host and port of node 0 (multi-node only)
 # DRY_RUN=1   print the torchrun command and exit (check a recipe or a launcher's settings)
+#
+# Under SLURM (SLURM_JOB_ID set) and without an explicit NNODES, the job's allocation decides:
+# NNODES=$SLURM_NNODES, NODE_RANK=$SLURM_NODEID, MASTER_ADDR = the first host of
+# $SLURM_JOB_NODELIST (unless MASTER_ADDR is set), MASTER_PORT 29500 (unless set), NPROC = the
+# node's GPUs ($SLURM_GPUS_ON_NODE, else the count in $SLURM_GPUS_PER_NODE, else as above). Run it
+# as ONE task per node (torchrun starts the per-GPU processes): srun --ntasks-per-node=1, see
+# recipes/slurm_example.sbatch. A one-node job keeps --standalone.
 # Everything after the script name is passed to it (--name=value settings). The recipes in
 # recipes/ call this script with the published settings.
 set -euo pipefail
@@ -24,6 +31,43 @@ shift
 if [ ! -f "$SCRIPT" ]; then
   echo "run_fsdp.sh: no such script: $SCRIPT" >&2
   exit 2
+fi
+
+# first host of a SLURM node list: node[01-04,07] -> node01, gpu-a1,gpu-a2 -> gpu-a1, node7 -> node7
+slurm_first_host() {
+  local list=$1 first="" bracket='^([^[]*)\[([0-9]+)[^]]*\](.*)$'
+  if command -v scontrol >/dev/null 2>&1; then
+    first=$(scontrol show hostnames "$list" 2>/dev/null | head -n1 || true)
+    if [ -n "$first" ]; then
+      echo "$first"
+      return
+    fi
+  fi
+  while [[ $list =~ $bracket ]]; do  # each [ranges] group -> its first number
+    list="${BASH_REMATCH[1]}${BASH_REMATCH[2]}${BASH_REMATCH[3]}"
+  done
+  echo "${list%%,*}"
+}
+
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
+  if [ "${SLURM_LOCALID:-0}" != 0 ]; then
+    echo "run_fsdp.sh: several SLURM tasks on one node (SLURM_LOCALID=$SLURM_LOCALID): run one task per node" \
+         "(srun --ntasks-per-node=1); torchrun starts one process per GPU itself" >&2
+    exit 2
+  fi
+  NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+  NODE_RANK=${SLURM_NODEID:-0}
+  if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+    MASTER_ADDR=$(slurm_first_host "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}")
+  fi
+  if [ -z "${NPROC:-}" ]; then
+    if [[ ${SLURM_GPUS_ON_NODE:-} =~ ^[0-9]+$ ]] && [ "$SLURM_GPUS_ON_NODE" -gt 0 ]; then
+      NPROC=$SLURM_GPUS_ON_NODE
+    elif [[ ${SLURM_GPUS_PER_NODE:-} =~ ([0-9]+)$ ]] && [ "${BASH_REMATCH[1]}" -gt 0 ]; then
+      NPROC=${BASH_REMATCH[1]}  # "8" or "a100:8"
+    fi
+  fi
+  echo "run_fsdp.sh: SLURM job $SLURM_JOB_ID: $NNODES node(s), this is node_rank $NODE_RANK${MASTER_ADDR:+, master $MASTER_ADDR}" >&2
 fi
 
 if [ -z "${NPROC:-}" ]; then

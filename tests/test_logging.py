@@ -1,0 +1,238 @@
+"""run_utils.RunLogger on one process (no process group: rank() is 0): metrics.jsonl, the
+TensorBoard and W&B (offline) backends and their resume, REPORT_TO checks, and the plain progress
+lines printed when stdout is not a terminal. No training; each test takes a few seconds at most.
+
+    python -m pytest tests/test_logging.py -q
+"""
+import glob
+import json
+import os
+import struct
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, ROOT)
+import run_utils  # noqa: E402
+from run_utils import ConfigError, RunLogger  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert run_utils.rank() == 0
+
+
+def metric(step: int, seed: float = 0.0) -> dict:
+    return {"loss": 1.0 / step + seed, "lr": 1e-4 * step, "skipped_steps": 0}
+
+
+def run_steps(logger: RunLogger, steps, log_every: int = 1, seed: float = 0.0) -> None:
+    for step in steps:
+        logger.step_done(step, metric(step, seed) if step % log_every == 0 else None)
+
+
+def read_jsonl(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} as TensorBoard's reader sees them (orphaned data purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_metrics_jsonl_and_lines_are_unchanged_without_backends(tmp_path, capsys):
+    logger = RunLogger(str(tmp_path), 4, progress="bar")
+    run_steps(logger, range(1, 5), log_every=2)
+    logger.close()
+    records = read_jsonl(tmp_path)
+    assert [r["step"] for r in records] == [2, 4]
+    assert list(records[0]) == ["step", "loss", "lr", "skipped_steps", "step_ms"]
+    assert records[1]["loss"] == 0.25 and not os.path.exists(tmp_path / "tensorboard")
+    assert "step 00002/4 | loss 0.5 | lr 0.0002 | skipped_steps 0 | " in capsys.readouterr().out
+
+
+def test_tensorboard_scalars_config_and_images_match_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    from PIL import Image
+    png = tmp_path / "grid.png"
+    Image.new("RGB", (12, 8), (200, 10, 10)).save(png)
+    logger = RunLogger(str(tmp_path), 6, report_to="tensorboard", config={"LR": 1e-4, "NAME": "x"}, progress="lines")
+    run_steps(logger, range(1, 7), log_every=2)
+    logger.log_scalars(6, {"eval_loss": 0.125})
+    logger.log_images(6, "samples", str(png))
+    logger.log_images(6, "missing", str(tmp_path / "nope.png"))  # a warning, not an error
+    logger.close()
+
+    records = read_jsonl(tmp_path)
+    assert records[-1] == {"step": 6, "eval_loss": 0.125}
+    scalars = tensorboard_scalars(tmp_path)
+    assert set(scalars) == {"loss", "lr", "skipped_steps", "step_ms", "eval_loss"}
+    for tag, points in scalars.items():
+        expected = [(r["step"], r[tag]) for r in records if tag in r]
+        assert [s for s, _ in points] == [s for s, _ in expected], tag
+        assert [v for _, v in points] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    images = acc.Images("samples")
+    assert [(i.step, i.width, i.height) for i in images] == [(6, 12, 8)]
+    text = acc.Tensors("config/text_summary")
+    assert text[0].step == 0 and b"LR" in text[0].tensor_proto.string_val[0]
+
+
+def test_tensorboard_resume_continues_the_curves_without_duplicate_steps(tmp_path):
+    """A run logs steps 1..8 and dies (its last checkpoint: step 5); the resumed run starts at 5
+    and logs 6..10 with other values: TensorBoard shows 1..10 once, 6..8 from the resumed run."""
+    pytest.importorskip("tensorboard")
+    crashed = RunLogger(str(tmp_path), 10, report_to="tensorboard", config={"A": 1}, progress="lines")
+    run_steps(crashed, range(1, 9))
+    crashed.tb.flush()  # what a crash leaves on disk (the writer flushes every log step anyway)
+    crashed.file.flush()
+    resumed = RunLogger(str(tmp_path), 10, 5, report_to="tensorboard", config={"A": 1}, progress="lines")
+    resumed.log_scalars(5, {"eval_loss": 9.0})  # a step the crashed run had: not logged again
+    run_steps(resumed, range(6, 11), seed=100.0)
+    resumed.close()
+    crashed.close()
+
+    loss = tensorboard_scalars(tmp_path)["loss"]
+    assert [s for s, _ in loss] == list(range(1, 11))
+    assert [v for _, v in loss] == pytest.approx([1 / s + (100.0 if s > 5 else 0.0) for s in range(1, 11)])
+    assert "eval_loss" not in tensorboard_scalars(tmp_path)
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [*range(1, 9), *range(6, 11)]  # append-only log
+
+    fresh = RunLogger(str(tmp_path), 3, report_to="tensorboard", progress="lines")  # RESUME="" in a used folder
+    run_steps(fresh, range(1, 4), seed=7.0)
+    fresh.close()
+    assert tensorboard_scalars(tmp_path)["loss"] == [(s, pytest.approx(1 / s + 7.0)) for s in (1, 2, 3)]
+
+
+def _wandb_history(run_folder) -> list[dict]:
+    """The history rows of an offline W&B run file (run-<id>.wandb: a header, then records in
+    32 KiB blocks, each record with a 7-byte header: crc, length, type full/first/middle/last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    (path,) = glob.glob(os.path.join(run_folder, "run-*.wandb"))
+    raw = open(path, "rb").read()
+    assert raw[:4] == b":W&B"
+    pos, chunk, rows = 7, b"", []
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0:
+            break
+        chunk += raw[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_keeps_its_id_across_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_CONFIG_DIR", "wandb_config"),
+                      ("WANDB_CACHE_DIR", "wandb_cache"), ("WANDB_DATA_DIR", "wandb_data")):
+        monkeypatch.setenv(name, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from PIL import Image
+    png = tmp_path / "grid.png"
+    Image.new("RGB", (8, 8)).save(png)
+    out = tmp_path / "out"
+
+    logger = RunLogger(str(out), 6, report_to="wandb", config={"LR": 1e-4}, wandb_project="test",
+                       progress="lines")
+    run_steps(logger, range(1, 4))
+    logger.log_images(3, "samples", str(png))
+    logger.close()
+    run_id = (out / "wandb_run_id.txt").read_text().strip()
+    resumed = RunLogger(str(out), 6, 3, report_to="wandb", config={"LR": 1e-4}, wandb_project="test",
+                        progress="lines")
+    run_steps(resumed, range(4, 7))
+    resumed.close()
+
+    assert (out / "wandb_run_id.txt").read_text().strip() == run_id
+    first, second = sorted(glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}")))
+    records = read_jsonl(out)
+    for folder, steps in ((first, [1, 2, 3]), (second, [4, 5, 6])):
+        rows = [r for r in _wandb_history(folder) if "loss" in r]
+        assert [r["_step"] for r in rows] == steps
+        for row in rows:
+            jsonl = next(r for r in records if r["step"] == row["_step"])
+            assert {k: row[k] for k in ("loss", "lr", "step_ms")} == pytest.approx(
+                {k: jsonl[k] for k in ("loss", "lr", "step_ms")})
+    assert glob.glob(os.path.join(first, "files", "media", "images", "samples_*.png"))
+
+    fresh = RunLogger(str(out), 2, report_to="wandb", wandb_project="test", progress="lines")
+    fresh.close()
+    assert (out / "wandb_run_id.txt").read_text().strip() != run_id  # a fresh start is a new W&B run
+
+
+def test_report_to_is_checked_in_one_line(monkeypatch):
+    assert run_utils.check_report_to("") == [] and run_utils.check_report_to("none") == []
+    with pytest.raises(ConfigError) as e:
+        run_utils.check_report_to("nonsense")
+    assert "REPORT_TO=nonsense" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="unknown logger 'mlflow'"):
+        run_utils.check_report_to("tensorboard,mlflow")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec then reports it missing
+    with pytest.raises(ConfigError) as e:
+        run_utils.check_report_to("wandb")
+    assert str(e.value) == "REPORT_TO=wandb: the wandb package is not installed (pip install wandb)"
+    with pytest.raises(ConfigError, match="not installed"):
+        RunLogger("unused", 10, report_to="wandb")
+    if run_utils._installed("tensorboard"):
+        assert run_utils.check_report_to(" TensorBoard , tensorboard") == ["tensorboard"]
+
+
+def test_progress_lines_without_a_terminal(tmp_path, capsys):
+    logger = RunLogger(str(tmp_path), 10, progress="lines", progress_every_steps=4, progress_every_s=3600)
+    run_steps(logger, range(1, 11), log_every=5)
+    logger.close()
+    out = capsys.readouterr().out
+    assert "\r" not in out and logger.bar is None
+    progress = [line for line in out.splitlines() if line.startswith("progress ")]
+    assert [line.split()[1] for line in progress] == ["4/10", "8/10", "10/10"]
+    assert progress[-1].startswith("progress 10/10 (100.0%) | ") and "elapsed " in progress[-1]
+    assert "eta 0s" in progress[-1] and ("it/s" in progress[0] or "s/it" in progress[0])
+    assert sum(line.startswith("step 00005/10 | loss 0.2 |") for line in out.splitlines()) == 1
+
+    logger = RunLogger(str(tmp_path), 1000, 100, progress="lines", progress_every_s=0.0)  # time-based: every step
+    run_steps(logger, range(101, 104), log_every=1000)
+    logger.close()
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["101/1000", "102/1000", "103/1000"]
+
+
+def test_auto_progress_follows_the_terminal(tmp_path, monkeypatch):
+    class Tty:
+        def __init__(self, tty):
+            self.tty, self.text = tty, []
+
+        def isatty(self):
+            return self.tty
+
+        def write(self, s):
+            self.text.append(s)
+
+        def flush(self):
+            pass
+    for tty in (True, False):
+        monkeypatch.setattr(sys, "stdout", Tty(tty))
+        logger = RunLogger(str(tmp_path), 3)
+        assert (logger.bar is not None) == tty
+        run_steps(logger, range(1, 4))
+        logger.close()
+        assert ("\r" in "".join(sys.stdout.text)) == tty

@@ -1,0 +1,102 @@
+"""run_fsdp.sh inside a SLURM job: the torchrun command it builds (DRY_RUN=1) from the job's
+variables, without scontrol (the node list is parsed in bash) and with it (a stand-in scontrol
+earlier in PATH); outside SLURM nothing changes (tests/test_recipes.py).
+
+    python -m pytest tests/test_slurm.py -q
+"""
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def clean_path() -> str:
+    """PATH without any folder that holds an scontrol (none on a test machine, usually)."""
+    dirs = os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+    return os.pathsep.join(d for d in dirs if d and not os.path.exists(os.path.join(d, "scontrol")))
+
+
+def launch(path: str | None = None, **slurm) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("NNODES", "NODE_RANK", "NPROC", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DRY_RUN="1", PATH=path or clean_path(), **slurm)
+    return subprocess.run(["bash", os.path.join(ROOT, "run_fsdp.sh"), "train_dmd.py", "--max_steps=10"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def torchrun(**slurm) -> list[str]:
+    r = launch(**slurm)
+    assert r.returncode == 0, r.stderr
+    line = next(line for line in r.stdout.splitlines() if line.startswith("+ torchrun"))
+    return shlex.split(line[2:])
+
+
+JOB = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="node[03-04]",
+           SLURM_GPUS_ON_NODE="8")
+
+
+def test_two_node_job_gets_its_rendezvous_from_slurm():
+    assert torchrun(**JOB) == ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=node03",
+                               "--master_port=29500", "--nproc_per_node=8", "train_dmd.py", "--max_steps=10"]
+
+
+@pytest.mark.parametrize("nodelist,first", [("node[01-04,07]", "node01"), ("gpu-a1,gpu-a2", "gpu-a1"),
+                                            ("node7,node9", "node7"), ("rack[2-3]-gpu[09-12],login1", "rack2-gpu09")])
+def test_first_host_of_the_node_list(nodelist, first):
+    assert f"--master_addr={first}" in torchrun(**{**JOB, "SLURM_JOB_NODELIST": nodelist})
+
+
+def test_scontrol_is_used_when_present(tmp_path):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames node[03-04]" ] && printf "n-first\\nn-second\\n"\n')
+    fake.chmod(0o755)
+    assert "--master_addr=n-first" in torchrun(path=f"{tmp_path}{os.pathsep}{clean_path()}", **JOB)
+
+
+def test_explicit_settings_win():
+    cmd = torchrun(**JOB, MASTER_ADDR="10.0.0.1", MASTER_PORT="30000", NPROC="4")
+    assert "--master_addr=10.0.0.1" in cmd and "--master_port=30000" in cmd and "--nproc_per_node=4" in cmd
+    cmd = torchrun(**JOB, NNODES="1", NPROC="8")  # NNODES given: SLURM's variables are not read
+    assert "--standalone" in cmd and "--node_rank=1" not in cmd
+
+
+def test_gpu_count_from_gpus_per_node():
+    job = {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"}
+    assert "--nproc_per_node=4" in torchrun(**job, SLURM_GPUS_PER_NODE="h100:4")
+
+
+def test_single_node_job_stays_standalone():
+    cmd = torchrun(SLURM_JOB_ID="7", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="gpu12",
+                   SLURM_GPUS_ON_NODE="4")
+    assert cmd[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=4"]
+
+
+def test_several_tasks_per_node_is_refused():
+    r = launch(**JOB, SLURM_LOCALID="3")
+    assert r.returncode == 2 and "run one task per node" in r.stderr and "+ torchrun" not in r.stdout
+
+
+def test_example_sbatch_runs_one_launcher_per_node(tmp_path):
+    """recipes/slurm_example.sbatch with a stand-in srun that runs its command once, as node 1
+    would: the torchrun command is the two-node one, with settings train_dmd.py has."""
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    sbatch = os.path.join(ROOT, "recipes", "slurm_example.sbatch")
+    text = open(sbatch).read()
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --nodes=2" in text
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(JOB, DRY_RUN="1", SLURM_SUBMIT_DIR=ROOT, PATH=f"{tmp_path}{os.pathsep}{clean_path()}")
+    r = subprocess.run(["bash", sbatch], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(next(line for line in r.stdout.splitlines() if line.startswith("+ torchrun"))[2:])
+    assert cmd[:6] == ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=node03", "--master_port=29500",
+                       "--nproc_per_node=8"] and cmd[6] == "train_dmd.py"
+    constants = set(re.findall(r"^([A-Z][A-Z0-9_]*) *(?::[^=]*)?= ", open(os.path.join(ROOT, "train_dmd.py")).read(),
+                               re.M))
+    for arg in cmd[7:]:
+        assert arg.startswith("--") and arg[2:].split("=")[0].upper() in constants, arg
