@@ -15,6 +15,7 @@ run saved on 2 ranks resumes on 1 or 4.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -93,8 +94,32 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # save / load
 
+def _model_options(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint holds of a model: everything, except for a model that mixes trainable and
+    frozen params (a LoRA model: adapters on a frozen base), of which only the trainable ones —
+    the base is the model folder's, so a LoRA checkpoint is a few MB."""
+    grads = {p.requires_grad for p in model.parameters()}
+    return StateDictOptions(ignore_frozen_params=len(grads) == 2)
+
+
+def _model_state(models: dict[str, nn.Module]) -> dict:
+    return {f"model.{k}": get_model_state_dict(m, options=_model_options(m)) for k, m in models.items()}
+
+
+def _set_models(models: dict[str, nn.Module], state: dict) -> None:
+    """Load each model's entries; a LoRA model's frozen base (not in checkpoints) is left as loaded
+    from the model folder, and any other missing tensor is an error."""
+    for k, m in models.items():
+        options = _model_options(m)
+        loose = dataclasses.replace(options, strict=not options.ignore_frozen_params)
+        missing = set(set_model_state_dict(m, state[f"model.{k}"], options=loose).missing_keys)
+        frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
+        if missing - frozen:
+            raise RunError(f"checkpoint lacks {k} tensors, e.g. {sorted(missing - frozen)[:3]}")
+
+
 def _dcp_state(models: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, torch.optim.Optimizer]]) -> dict:
-    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+    state = _model_state(models)
     state.update({f"optim.{k}": get_optimizer_state_dict(m, o) for k, (m, o) in optimizers.items()})
     return state
 
@@ -220,8 +245,7 @@ class Checkpointer:
         size). Returns trainer_state; the loaded step counts as saved."""
         state = _dcp_state(self.models, self.optimizers)
         dcp.load(state, checkpoint_id=path)
-        for k, m in self.models.items():
-            set_model_state_dict(m, state[f"model.{k}"])
+        _set_models(self.models, state)
         for k, (m, o) in self.optimizers.items():
             set_optimizer_state_dict(m, o, state[f"optim.{k}"])
         with open(os.path.join(path, "trainer_state.json")) as f:
@@ -241,10 +265,9 @@ class Checkpointer:
 def load_models(path: str, models: dict[str, nn.Module]) -> None:
     """Weights only, from a checkpoint's `model.<name>` entries, into already-sharded models (any
     world size): e.g. stage 2 of DMD2 starting its generator and fake score from stage 1."""
-    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+    state = _model_state(models)
     dcp.load(state, checkpoint_id=path)
-    for k, m in models.items():
-        set_model_state_dict(m, state[f"model.{k}"])
+    _set_models(models, state)
 
 
 def _reason(e: BaseException, partial: str) -> str:
@@ -329,13 +352,48 @@ def check_loadable(folder: str, written: dict[str, torch.Size]) -> None:
         raise ValueError(f"export {folder}: {name} from its config does not match the written tensors, e.g. {diff}")
 
 
+def _full_state(model: nn.Module):
+    """(name, full tensor) of every tensor of `model`'s diffusers layout, gathered one at a time
+    (collective: every rank iterates the same names; each tensor is whole on every rank). A LoRA
+    model (fsdp_utils.add_lora) yields its base layout with each adapted weight merged,
+    W + (alpha/rank)·B·A computed in fp32 from the gathered shards; the sharded training weights
+    are never touched, so merging cannot fail on shards or alter the run."""
+    from fsdp_utils import checkpoint_name, is_adapter
+    sd = model.state_dict()
+
+    def full(k):
+        t = sd[k]
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+    for k in sd:
+        if is_adapter(k):
+            continue
+        t = full(k)
+        if k.endswith(".base_layer.weight"):
+            name = k[:-len(".base_layer.weight")]
+            for adapter, scale in model.get_submodule(name).scaling.items():
+                a, b = full(f"{name}.lora_A.{adapter}.weight"), full(f"{name}.lora_B.{adapter}.weight")
+                t = t.float() + scale * _lora_delta(a.float(), b.float(), t.shape)
+        yield checkpoint_name(k), t
+
+
+def _lora_delta(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """B·A for a Linear (b: out×r, a: r×in) or a Conv2d (b: out×r×1×1, a: r×in×k×k), as peft's
+    get_delta_weight computes it, without the scale."""
+    if a.dim() == 2:
+        return b @ a
+    return torch.nn.functional.conv2d(a.permute(1, 0, 2, 3), b).permute(1, 0, 2, 3).reshape(shape)
+
+
 def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES) -> None:
-    """Write `model` (sharded or not) as a diffusers model folder (config.json + safetensors,
-    sharded with an index when large). Collective: every rank gathers tensor by tensor, rank 0
-    keeps them on CPU in `dtype` one shard at a time and writes; peak host memory ≈ one shard."""
+    """Write `model` (sharded or not; a LoRA model merged, see _full_state) as a diffusers model
+    folder (config.json + safetensors, sharded with an index when large). Collective: every rank
+    gathers tensor by tensor, rank 0 keeps them on CPU in `dtype` one shard at a time and writes;
+    peak host memory ≈ one shard."""
+    from fsdp_utils import checkpoint_name, is_adapter
     from safetensors.torch import save_file
 
-    sd = model.state_dict()
+    sd = {checkpoint_name(k): v for k, v in model.state_dict().items() if not is_adapter(k)}
     sizes = {k: v.numel() * torch.empty((), dtype=dtype if v.is_floating_point() else v.dtype).element_size()
              for k, v in sd.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
@@ -346,13 +404,14 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
         os.makedirs(folder, exist_ok=True)
         model.save_config(folder)
         portable_json(os.path.join(folder, "config.json"), model_class(model).__name__)
+    tensors = _full_state(model)
     for fname, keys in zip(names, shards):
         out = {}
         for k in keys:
-            t = sd[k].full_tensor() if isinstance(sd[k], DTensor) else sd[k]
+            name, t = next(tensors)
+            assert name == k, (name, k)
             if rank() == 0:
-                out[k] = t.detach().to("cpu", dtype=dtype if t.is_floating_point() else t.dtype,
-                                       copy=True).contiguous()
+                out[k] = t.to("cpu", dtype=dtype if t.is_floating_point() else t.dtype, copy=True).contiguous()
         if rank() == 0:
             check_state_dict_dtypes(out, dtype, where=f"export {folder}")
             save_file(out, os.path.join(folder, fname), metadata={"format": "pt"})
@@ -362,6 +421,51 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
         _write_json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"), index)
     if rank() == 0:
         check_loadable(folder, {k: v.shape for k, v in sd.items()})
+
+
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: str, dtype: torch.dtype) -> str:
+    """OUTPUT_DIR/export/pytorch_lora_weights.safetensors: the adapters of a LoRA model in
+    diffusers' LoRA format, written by the pipeline's own `save_lora_weights` (peft's key names via
+    `get_peft_model_state_dict`, the LoraConfig as adapter metadata, so alpha travels with the
+    file), as diffusers' LoRA training examples save theirs. Load it with
+    `Pipeline.from_pretrained(base).load_lora_weights(out_dir)`. Collective (gathers the shards)."""
+    import diffusers
+    from fsdp_utils import is_adapter
+    from peft.utils import get_peft_model_state_dict
+
+    adapters = {}
+    for k, v in model.state_dict().items():
+        if is_adapter(k):
+            t = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            if rank() == 0:
+                adapters[k] = t.to("cpu", dtype=dtype, copy=True).contiguous()
+    if rank() == 0:
+        partial = out_dir.rstrip("/") + PARTIAL
+        shutil.rmtree(partial, ignore_errors=True)
+        layers = get_peft_model_state_dict(model, state_dict=adapters, adapter_name="default")
+        getattr(diffusers, pipeline_class).save_lora_weights(
+            partial, weight_name=LORA_WEIGHTS, **{f"{component}_lora_layers": layers,
+                                                   f"{component}_lora_adapter_metadata":
+                                                       model.peft_config["default"].to_dict()})
+        _swap_in(partial, out_dir)
+        size = os.path.getsize(os.path.join(out_dir, LORA_WEIGHTS))
+        print0(f"export: {out_dir}/{LORA_WEIGHTS} ({len(layers)} tensors, {size / 2**20:.2f} MiB, "
+               f"{dtype_name(dtype)}; load with {pipeline_class}.load_lora_weights)")
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def _swap_in(partial: str, out_dir: str) -> None:
+    """Replace out_dir by the finished `partial` folder, so an old export is never half-replaced."""
+    if os.path.exists(out_dir):
+        old = out_dir.rstrip("/") + f".old{int(time.time())}"
+        os.replace(out_dir, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(partial, out_dir)
 
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
@@ -390,11 +494,7 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
     for name, model in trained.items():
         export_model(model, os.path.join(partial, name), dtype)
     if rank() == 0:
-        if os.path.exists(out_dir):
-            old = out_dir.rstrip("/") + f".old{int(time.time())}"
-            os.replace(out_dir, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(partial, out_dir)
+        _swap_in(partial, out_dir)
         print0(f"export: {out_dir} ({', '.join(trained)} in {dtype_name(dtype)}; frozen parts "
                f"{'linked' if link_frozen else 'copied'})")
     if dist.is_initialized():

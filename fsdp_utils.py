@@ -317,6 +317,164 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, int]]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# LoRA under FSDP2: peft adapters on a frozen base, inside the same per-block units
+#
+# Dtypes inside one unit: the base is frozen and stored in its compute dtype (bf16 in the bf16
+# modes), the adapters are trainable and stored in fp32 (so their grads and AdamW state are fp32).
+# They share their block's FSDP unit: FSDP2 shards per parameter and, with the unit's
+# MixedPrecisionPolicy(param_dtype=compute), all-gathers every parameter of the unit cast to the
+# compute dtype, so mixed storage dtypes are fine; only parameters that require grad get grads,
+# reduce-scattered in `Precision.adapter_mp_policy`'s fp32. Separate units per adapter would add
+# two tiny all-gathers per targeted Linear (hundreds per step) for nothing.
+
+LORA_TARGETS = {
+    # diffusers' FLUX Kontext LoRA example's default targets (examples/dreambooth/
+    # train_dreambooth_lora_flux_kontext.py:1442-1456): attention and MLP projections of the
+    # double-stream blocks (image and text streams), attention and proj_mlp of the single blocks
+    "FluxTransformer2DModel": ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                               "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+                               "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"),
+    # the UNet's attention projections (diffusers' text-to-image LoRA example's targets); the
+    # official DMD2 SDXL LoRA also adapts convs, proj_in/out, ff and time_emb_proj
+    # (tianweiy/DMD2 main/sd_unified_model.py:47-62): name them in LORA_TARGET_MODULES for that
+    "UNet2DConditionModel": ("to_q", "to_k", "to_v", "to_out.0"),
+}
+
+
+@dataclass(frozen=True)
+class Lora:
+    """The scripts' LORA_* settings. rank 0 = no adapters (full fine-tuning)."""
+    rank: int = 0
+    alpha: float = 0.0  # scaling = alpha / rank; 0 = alpha equal to rank (scaling 1)
+    targets: tuple[str, ...] = ()  # module-name suffixes (peft's target_modules); () = LORA_TARGETS
+    dropout: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.rank > 0
+
+
+def check_lora(lora: Lora) -> None:
+    """The settings alone (before any model exists)."""
+    if lora.rank < 0:
+        raise ConfigError(f"LORA_RANK={lora.rank}: must be >= 0 (0 = full fine-tuning)")
+    if lora.alpha < 0 or not 0 <= lora.dropout < 1:
+        raise ConfigError(f"LORA_ALPHA={lora.alpha}, LORA_DROPOUT={lora.dropout}: need alpha >= 0 and 0 <= dropout < 1")
+
+
+def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
+    """The target suffixes, each checked to name at least one Linear/Conv of `model` (peft's rule:
+    a module whose full name equals the target or ends with "." + target); a target that matches
+    nothing is a ConfigError naming it (peft alone would ignore it when another one matches)."""
+    targets = list(lora.targets or LORA_TARGETS.get(type(model).__name__, ()))
+    if not targets:
+        raise ConfigError(f"LORA_TARGET_MODULES is empty and {type(model).__name__} has no default targets")
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            raise ConfigError(f"LORA_TARGET_MODULES: {t!r} matches no Linear or Conv2d module of "
+                              f"{type(model).__name__} (e.g. {sorted({n.split('.')[-1] for n in names})[:8]})")
+    return targets
+
+
+def check_lora_targets(class_name: str, folder: str, lora: Lora) -> list[str]:
+    """lora_targets on the diffusers model `class_name` of `folder`, built on the meta device (no
+    memory, a second or two for 12 B): bad targets fail before any work."""
+    import diffusers
+    cls = getattr(diffusers, class_name)
+    with torch.device("meta"):
+        return lora_targets(cls.from_config(cls.load_config(folder)), lora)
+
+
+def add_lora(model: nn.Module, lora: Lora) -> nn.Module:
+    """peft LoRA adapters (diffusers' `add_adapter` with a `LoraConfig`) on the targets of `model`
+    (on the meta device before sharding, or materialised): the base frozen, the adapters trainable
+    and stored in fp32. Call before the parallelize recipe, so each adapter lands in its block's
+    FSDP unit, and after casting the base to its storage dtype."""
+    from peft import LoraConfig
+    targets = lora_targets(model, lora)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha or lora.rank, lora_dropout=lora.dropout,
+                                 target_modules=targets, init_lora_weights="gaussian"))
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (peft's `<layer>.lora_A.<adapter>.weight`)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(is_adapter(n) for n, _ in model.named_parameters())
+
+
+@torch.no_grad()
+def init_lora(model: nn.Module, seed: int) -> None:
+    """Initialise the adapters as peft's "gaussian" init does (lora_A ~ N(0, 1/rank²), lora_B = 0,
+    so the model starts equal to its base), drawing each full lora_A from a generator seeded by
+    (seed, name) and keeping this rank's rows: the same adapters whatever the world size."""
+    import zlib
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        if ".lora_B." in name:
+            _fill_local(p, lambda index: torch.zeros(p.shape)[index] if index is not None else torch.zeros(p.shape))
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.randn(p.shape, generator=g) / p.shape[0]  # std 1/rank (peft: normal_(std=1/r))
+        _fill_local(p, lambda index: full[index] if index is not None else full)
+
+
+class AdapterEMA(nn.Module):
+    """EMA of a LoRA model's adapters only: one fp32 copy per trainable parameter (sharded like it,
+    so the update is shard-local and DCP reshards it), not a second copy of the frozen base."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        reshard_all(model)  # sharded params, not a gathered unit's
+        self.shadow = nn.ParameterList([nn.Parameter(p.detach().clone(), requires_grad=False)
+                                        for p in model.parameters() if p.requires_grad])
+
+
+def _ema_pairs(ema: nn.Module, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ema param, model param) pairs: an AdapterEMA pairs with the model's trainable params, a
+    full EMA copy with all of them."""
+    src = [p for p in model.parameters() if p.requires_grad] if isinstance(ema, AdapterEMA) else model.parameters()
+    return list(zip(ema.parameters(), src, strict=True))
+
+
+@contextlib.contextmanager
+def output_weights(model: nn.Module, ema: nn.Module | None):
+    """The module that samples and exports use: the model, its full EMA copy, or (AdapterEMA) the
+    model with the EMA adapters swapped in for the duration (shard-local, swapped back after)."""
+    if not isinstance(ema, AdapterEMA):
+        yield model if ema is None else ema
+        return
+    reshard_all(model)
+    locals_ = [(_local(pe), _local(pm)) for pe, pm in _ema_pairs(ema, model)]
+
+    def swap():
+        with torch.no_grad():
+            for le, lm in locals_:
+                tmp = lm.clone()
+                lm.copy_(le)
+                le.copy_(tmp)
+    swap()
+    try:
+        yield model
+    finally:
+        reshard_all(model)
+        swap()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 PARALLELISMS = ("fsdp", "ddp")
 
 
@@ -436,14 +594,20 @@ def build_on_meta(model_cls, folder: str) -> nn.Module:
         return model_cls.from_config(config)
 
 
+def checkpoint_name(name: str) -> str:
+    """The tensor name in the model's safetensors for a (possibly LoRA-wrapped) parameter: peft
+    moves a targeted layer's own weight to `<layer>.base_layer.weight`."""
+    return name.replace(".base_layer.", ".")
+
+
 def materialize_and_load(model: nn.Module, folder: str, device: torch.device) -> None:
     """Allocate the (already sharded) meta model on `device` and fill it from safetensors.
 
     Each rank reads only the rows of each tensor that it owns (safetensors slices are lazy, memory-
     mapped), so no rank ever holds more than its shard plus one slice: a 12 B transformer loads
-    without 12 B parameters of host RAM anywhere. Stored dtype is cast to the model's dtype."""
+    without 12 B parameters of host RAM anywhere. Stored dtype is cast to the model's dtype.
+    LoRA adapters (add_lora) are not in the folder: they are initialised by `init_lora`."""
     from safetensors import safe_open
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=device)
     files = weight_map(folder)
@@ -457,33 +621,41 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
             return handles[path].get_slice(name)
 
-        tensors = dict(model.named_parameters())
-        tensors.update(model.named_buffers())
+        tensors = {checkpoint_name(n): t for n, t in model.named_parameters() if not is_adapter(n)}
+        tensors.update((checkpoint_name(n), t) for n, t in model.named_buffers())
         for name, t in tensors.items():
             sl = slice_of(name)
             if list(sl.get_shape()) != list(t.shape):
                 raise ConfigError(f"{folder}: {name} has shape {sl.get_shape()}, model expects {list(t.shape)}")
-            if isinstance(t, DTensor):
-                local = t.to_local()
-                shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-                if local.numel() == 0:
-                    continue
-                index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-                local.copy_(sl[index].to(local.dtype))
-            else:
-                t.copy_(sl[:].to(t.dtype))
+            _fill_local(t, lambda index: sl[index] if index is not None else sl[:])
         extra = set(files) - set(tensors)
         if extra:
             raise ConfigError(f"{folder}: weights hold tensors the model lacks, e.g. {sorted(extra)[:3]}")
 
 
+def _fill_local(t: torch.Tensor, read) -> None:
+    """Copy into `t` (a DTensor shard or a plain tensor) the part of the full tensor it holds;
+    `read(index)` returns the full tensor's rows at `index` (None = all of it)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        if local.numel() == 0:
+            return
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local.copy_(read(tuple(slice(o, o + s) for o, s in zip(offset, shape))).to(local.dtype))
+    else:
+        t.copy_(read(None).to(t.dtype))
+
+
 def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, home: torch.device,
-                     load: bool = True) -> nn.Module:
+                     load: bool = True, lora_seed: int = 0) -> nn.Module:
     """The last step of a meta-device build: allocate the (sharded, or with mesh=None whole) model
     on `home` and load it from `folder` (load=False: allocate only, e.g. an EMA copy filled from
-    the model), then check that every parameter is sharded on `mesh`."""
+    the model), LoRA adapters initialised from `lora_seed`, then check that every parameter is
+    sharded on `mesh`."""
     if load:
         materialize_and_load(model, folder, home)
+        init_lora(model, lora_seed)
     else:
         model.to_empty(device=home)
     if mesh is not None:
@@ -519,23 +691,23 @@ def reshard_all(model: nn.Module) -> None:
 
 @torch.no_grad()
 def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """ema ← decay·ema + (1−decay)·model, shard by shard (both sharded identically, no comms)."""
+    """ema ← decay·ema + (1−decay)·model, shard by shard (both sharded identically, no comms).
+    `ema` is a full copy of the model or an AdapterEMA of its trainable (LoRA) params."""
     reshard_all(ema)
     reshard_all(model)
-    for pe, pm in zip(ema.parameters(), model.parameters()):
-        le = pe.to_local() if isinstance(pe, DTensor) else pe
-        lm = pm.to_local() if isinstance(pm, DTensor) else pm
+    for pe, pm in _ema_pairs(ema, model):
+        le, lm = _local(pe), _local(pm)
         le.lerp_(lm.to(le.dtype), 1.0 - decay)
 
 
 @torch.no_grad()
 def copy_params(dst: nn.Module, src: nn.Module) -> None:
-    """Copy the local shards of src into dst (identically sharded), e.g. to start an EMA."""
+    """Copy the local shards of src into dst (identically sharded), e.g. to start an EMA (dst may
+    be an AdapterEMA of src)."""
     reshard_all(dst)
     reshard_all(src)
-    for pd, ps in zip(dst.parameters(), src.parameters()):
-        ld = pd.to_local() if isinstance(pd, DTensor) else pd
-        ld.copy_(ps.to_local() if isinstance(ps, DTensor) else ps)
+    for pd, ps in _ema_pairs(dst, src):
+        _local(pd).copy_(_local(ps))
 
 
 # ----------------------------------------------------------------------------------------------

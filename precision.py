@@ -53,6 +53,13 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
                                     output_dtype=torch.float32, cast_forward_inputs=True)
 
+    def adapter_mp_policy(self) -> MixedPrecisionPolicy:
+        """Policy for a LoRA model (fsdp_utils.add_lora): the frozen base is stored in the compute
+        dtype and the adapters in fp32; everything is all-gathered in the compute dtype, adapter
+        grads are reduced in fp32 (they are few), outputs handed back in fp32."""
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32, cast_forward_inputs=True)
+
     def frozen_dtype(self, override: str = "") -> torch.dtype:
         """Storage (= compute) dtype of a frozen component: the override if given, else compute."""
         return parse_dtype(override) if override else self.compute_dtype

@@ -22,7 +22,13 @@ for the token embeddings) run once before training to fill an on-disk embedding 
 Data: a .jsonl with rows {"image": context, "target": edited image, "prompt": instruction}, image
 paths relative to the file. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
 (context | output | target per held-out pair), checkpoints/step_XXXXXX/, export/ (a diffusers
-folder for FluxKontextPipeline.from_pretrained), text_cache/.
+folder for FluxKontextPipeline.from_pretrained; with LORA_RANK > 0 the adapters,
+export/pytorch_lora_weights.safetensors, for pipe.load_lora_weights), text_cache/.
+
+LoRA (LORA_RANK > 0): peft adapters on the transformer's attention and MLP projections, in fp32,
+trained on a frozen base stored in the compute dtype, both sharded in the same per-block FSDP
+units (fsdp_utils.add_lora says why); checkpoints hold only the adapters and their optimizer state.
+    torchrun --standalone --nproc_per_node=2 train_flux_kontext.py --lora_rank=16 --lr=1e-4
 
 Choices worth knowing: a global batch always comes from one resolution bucket (see
 bucket_schedule), because the transformer's position ids are shared by the batch; latents are
@@ -79,7 +85,12 @@ RESHARD_AFTER_FORWARD = True  # free gathered block params after forward (re-gat
 CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each block in backward instead of storing activations
 PREFETCH = 1  # blocks to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
-EMA_DECAY = 0.0  # EMA of the transformer (0 = off); exported instead of the raw weights when on
+EMA_DECAY = 0.0  # EMA of the transformer (0 = off; with LoRA, of the adapters); exported instead of the raw weights when on
+LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
+LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = diffusers' Kontext LoRA example's (attention + MLP projections)
+LORA_DROPOUT = 0.0  # dropout on the adapters' input
+LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
 BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
 RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
@@ -114,20 +125,27 @@ _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding
 # models
 
 
-def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes):
-    """FluxTransformer2DModel on meta -> the FLUX recipe (fully_shard per block, then the root) ->
-    each rank loads its slices (load=False: allocate only, e.g. for the EMA copy that is then
-    filled from the model). With CPU offload the shards are materialised in host memory, where FSDP
-    keeps them. mesh=None (DDP): no sharding, every rank loads the whole model (the caller wraps it
-    in DDP)."""
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed):
+    """FluxTransformer2DModel on meta -> (LoRA: adapters added, see fsdp_utils.add_lora) -> the
+    FLUX recipe (fully_shard per block, then the root) -> each rank loads its slices (load=False:
+    allocate only, e.g. for the EMA copy that is then filled from the model). With CPU offload the
+    shards are materialised in host memory, where FSDP keeps them. mesh=None (DDP): no sharding,
+    every rank loads the whole model (the caller wraps it in DDP).
+
+    Dtypes: full fine-tuning stores the params in PRECISION's storage dtype; LoRA stores the frozen
+    base in the compute dtype and the adapters in fp32, in the same per-block units."""
     from diffusers import FluxTransformer2DModel
     model = fsdp_utils.build_on_meta(FluxTransformer2DModel, folder)
-    if prec.param_dtype != torch.float32:  # storage dtype of the trainable params (on meta: free)
-        model.to(prec.param_dtype)
+    storage = prec.compute_dtype if lora else prec.param_dtype
+    if storage != torch.float32:  # storage dtype of the params (on meta: free)
+        model.to(storage)
+    if lora:
+        fsdp_utils.add_lora(model, lora)
+    policy = prec.adapter_mp_policy() if lora else prec.mp_policy()
     if mesh is not None:
-        fsdp_utils.parallelize_flux_transformer(model, mesh, prec.mp_policy(), sharding, block_classes, verbose=load)
+        fsdp_utils.parallelize_flux_transformer(model, mesh, policy, sharding, block_classes, verbose=load)
     home = torch.device("cpu") if sharding.cpu_offload else device
-    return fsdp_utils.fill_built_model(model, folder, mesh, home, load)
+    return fsdp_utils.fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
 
 
 def load_vae(folder, dtype, device):
@@ -376,6 +394,7 @@ def validate_config() -> precision.Precision:
                 precision.parse_dtype(name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    fsdp_utils.check_lora(lora_settings())
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
     run_utils.check_settings({
@@ -391,6 +410,10 @@ def validate_config() -> precision.Precision:
         "MAX_BAD_STEPS >= 1": MAX_BAD_STEPS >= 1, "COLLECTIVE_TIMEOUT_S > 0": COLLECTIVE_TIMEOUT_S > 0,
     })
     return prec
+
+
+def lora_settings() -> fsdp_utils.Lora:
+    return fsdp_utils.Lora(LORA_RANK, LORA_ALPHA, tuple(LORA_TARGET_MODULES), LORA_DROPOUT)
 
 
 _DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
@@ -449,17 +472,21 @@ def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device
     return identity
 
 
-def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype):
+def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed):
     """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
-    EMA sharded identically and copied from it, the frozen VAE, the sampling scheduler."""
+    EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
+    VAE, the sampling scheduler."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     folder = os.path.join(model_path, "transformer")
-    transformer = build_transformer(folder, mesh, prec, device, load=True, sharding=sharding,
-                                    block_classes=block_classes)
+    build = functools.partial(build_transformer, folder, mesh, prec, device, sharding=sharding,
+                              block_classes=block_classes, lora=lora, seed=seed)
+    transformer = build(load=True)
     transformer.train()
     ema = None
-    if ema_decay > 0:
-        ema = build_transformer(folder, mesh, prec, device, load=False, sharding=sharding, block_classes=block_classes)
+    if ema_decay > 0 and lora:
+        ema = fsdp_utils.AdapterEMA(transformer)
+    elif ema_decay > 0:
+        ema = build(load=False)
         ema.requires_grad_(False).eval()
         fsdp_utils.copy_params(ema, transformer)
     vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
@@ -478,6 +505,9 @@ def main():
     embedded = not MODEL_PATH
     config = resolve_defaults()
     run_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
+    lora = lora_settings()
+    if lora:  # unknown target modules fail here, on the meta skeleton, before any work
+        fsdp_utils.check_lora_targets(MODEL_COMPONENTS["transformer"], os.path.join(MODEL_PATH, "transformer"), lora)
     run_utils.check_output_dir(OUTPUT_DIR)
 
     d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
@@ -502,7 +532,7 @@ def main():
     sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
-                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE))
+                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=lora, seed=SEED)
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(
         transformer, d.device, prec.mp_policy(), block_classes=BLOCK_CLASSES,
         activation_checkpointing=ACTIVATION_CHECKPOINTING)
@@ -534,7 +564,7 @@ def main():
     global_batch, micro_global = BATCH_SIZE * d.world_size * GRAD_ACCUM, BATCH_SIZE * d.world_size
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
                         mode_scale=MODE_SCALE, shift=SHIFT)
-    final_model = ema if ema is not None else transformer  # what samples show and export writes
+    final_weights = functools.partial(fsdp_utils.output_weights, transformer, ema)  # what samples show, export writes
     sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
     sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
     logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
@@ -575,8 +605,9 @@ def main():
         logger.step_done(step, metrics)
         ckpt.poll()
         if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
-            grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
-                               SAMPLE_GUIDANCE, SEED, d.device)
+            with final_weights() as final_model:
+                grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
+                                   SAMPLE_GUIDANCE, SEED, d.device)
             if d.rank == 0:
                 data_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
         stopping = stopper.should_stop() or guard.exhausted
@@ -588,8 +619,13 @@ def main():
     logger.close()
     ckpt.wait()
     print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
-    checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), {"transformer": final_model},
-                               precision.parse_dtype(EXPORT_DTYPE))
+    with final_weights() as final_model:
+        if lora:  # the adapters (fp32: a few MB) in diffusers' LoRA format; optionally a merged pipeline too
+            checkpoint.export_lora(final_model, os.path.join(OUTPUT_DIR, "export"), "FluxKontextPipeline",
+                                   "transformer", torch.float32)
+        if not lora or LORA_EXPORT_MERGED:
+            checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export_merged" if lora else "export"),
+                                       {"transformer": final_model}, precision.parse_dtype(EXPORT_DTYPE))
     fsdp_utils.cleanup_distributed()
 
 

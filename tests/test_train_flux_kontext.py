@@ -323,7 +323,7 @@ def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
         mesh = fsdp_utils.build_mesh(torch.device("cpu"), 1)
         sharding = fsdp_utils.Sharding(reshard_after_forward=True, activation_checkpointing=True, prefetch=1)
         sharded = tfk.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
-                                        sharding=sharding, block_classes=[])
+                                        sharding=sharding, block_classes=[], lora=fsdp_utils.Lora(), seed=0)
         loss, grads = loss_and_grads(sharded, sharded.named_parameters())
     finally:
         dist.destroy_process_group()

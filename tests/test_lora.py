@@ -1,0 +1,191 @@
+"""LoRA under FSDP2 (fsdp_utils.add_lora): train_flux_kontext.py with LORA_RANK > 0 end to end on
+the tiny Kontext model, and the adapters' dtypes, frozen base and export in process.
+
+    python -m pytest tests/test_lora.py -q
+
+Runs (module-scoped, fp32 so that 1 process and 2 ranks agree to rounding):
+    ref       python, BATCH_SIZE=4, LoRA rank 4 / alpha 8
+    two       torchrun 2, BATCH_SIZE=2, the same LoRA, EMA of the adapters, a checkpoint at step 2,
+              merged export too
+    resumed   torchrun 2 from a copy of two's step-2 checkpoint (must equal two bit for bit)
+    one       python, BATCH_SIZE=4, from the same 2-rank checkpoint (resharded to a world of one)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, free_port
+from tests.test_train_flux_kontext import checkpoint_state, launch, metrics, setup  # noqa: F401 (fixture)
+
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import checkpoint  # noqa: E402
+import fsdp_utils  # noqa: E402
+import run_utils  # noqa: E402
+import train_flux_kontext as tfk  # noqa: E402
+from run_utils import ConfigError  # noqa: E402
+
+LORA = ["--lora_rank=4", "--lora_alpha=8", "--lr=3e-3"]
+TWO = ["--batch_size=2", "--ema_decay=0.5", "--save_every=2", "--sample_every=0", "--lora_export_merged=1"]
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    root, out = setup["root"] / "lora", {}
+    os.makedirs(root)
+    out["ref"] = launch(setup, root / "ref", LORA + ["--batch_size=4", "--sample_every=0"], ranks=1).stdout
+    out["two"] = launch(setup, root / "two", LORA + TWO).stdout
+    for name, ranks, args in (("resumed", 2, TWO), ("one", 1, ["--batch_size=4", "--ema_decay=0.5", "--sample_every=0"])):
+        os.makedirs(root / name / "checkpoints")
+        shutil.copytree(root / "two" / "checkpoints" / "step_000002", root / name / "checkpoints" / "step_000002")
+        out[name] = launch(setup, root / name, LORA + args + ["--resume=auto"], ranks=ranks).stdout
+    return {k: (str(root / k), v) for k, v in out.items()}
+
+
+def test_two_ranks_match_one_process_losses_and_adapters(runs, setup):
+    ref, two = metrics(runs["ref"][0]), metrics(runs["two"][0])
+    for a, b in zip(ref, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
+    a = checkpoint_state(runs["ref"][0], 3)["model.transformer"]
+    b = checkpoint_state(runs["two"][0], 3)["model.transformer"]
+    assert a.keys() == b.keys() and all(fsdp_utils.is_adapter(k) for k in a)  # adapters only, no base
+    with torch.device("meta"):  # exactly the adapters that add_lora puts on the model
+        from diffusers import FluxTransformer2DModel
+        meta = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(
+            os.path.join(setup["model_path"], "transformer")))
+    fsdp_utils.add_lora(meta, fsdp_utils.Lora(rank=4, alpha=8))
+    assert {k: tuple(v.shape) for k, v in a.items()} == {n: tuple(p.shape) for n, p in meta.named_parameters()
+                                                         if p.requires_grad}
+    for k in a:
+        assert a[k].dtype == torch.float32
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert any(v.abs().max() > 0 for k, v in a.items() if ".lora_B." in k)  # B starts at 0: it trained
+
+
+def test_resume_is_bit_exact_and_reshards_to_one_process(runs):
+    two, resumed = checkpoint_state(runs["two"][0], 3), checkpoint_state(runs["resumed"][0], 3)
+    for name in ("model.transformer", "model.ema"):
+        assert two[name].keys() == resumed[name].keys()
+        assert all(torch.equal(two[name][k], resumed[name][k]) for k in two[name]), name
+    for key, state in two["optim.transformer"]["state"].items():
+        assert all(torch.equal(v, resumed["optim.transformer"]["state"][key][k]) for k, v in state.items())
+    assert metrics(runs["two"][0])[-1]["loss"] == metrics(runs["resumed"][0])[-1]["loss"]
+    one = checkpoint_state(runs["one"][0], 3)["model.transformer"]  # saved on 2 ranks, resumed on 1
+    for k, v in two["model.transformer"].items():
+        torch.testing.assert_close(one[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_checkpoint_holds_only_what_trains(runs):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = os.path.join(runs["two"][0], "checkpoints", "step_000003")
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    model_keys = [k for k in meta if k.startswith("model.transformer.")]
+    assert model_keys and all(fsdp_utils.is_adapter(k) for k in model_keys)
+    assert sorted(k.replace("model.ema.", "") for k in meta if k.startswith("model.ema.")) == [
+        f"shadow.{i}" for i in sorted(map(str, range(len(model_keys))))]  # the EMA of the adapters only
+
+    def nbytes(keys):
+        return sum(meta[k].size.numel() * meta[k].properties.dtype.itemsize for k in keys
+                   if isinstance(meta[k], TensorStorageMetadata))
+    from safetensors import safe_open
+    with safe_open(os.path.join(runs["two"][0], "export_merged", "transformer",
+                                "diffusion_pytorch_model.safetensors"), framework="pt") as f:
+        base = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+    # adapters (fp32) + their EMA + AdamW's two moments: 4 x 4 bytes per adapter param, no base
+    adapters = nbytes(model_keys) // 4
+    assert nbytes(list(meta)) == 16 * adapters + nbytes([k for k in meta if k.endswith(".step")])
+    assert adapters < base / 5
+
+
+def test_export_loads_with_load_lora_weights_and_matches_merged(runs, setup):
+    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+    out = runs["two"][0]
+    assert os.listdir(os.path.join(out, "export")) == [checkpoint.LORA_WEIGHTS]
+    pipe = FluxKontextPipeline.from_pretrained(setup["model_path"], dtype=torch.float32)
+    pipe.load_lora_weights(os.path.join(out, "export"))
+    merged = FluxTransformer2DModel.from_pretrained(os.path.join(out, "export_merged", "transformer"))
+    inputs = transformer_inputs(merged.config)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.transformer(**inputs).sample, merged(**inputs).sample, rtol=1e-4, atol=1e-5)
+
+
+def transformer_inputs(cfg, tokens=16, text=8):
+    g = torch.Generator().manual_seed(0)
+    return dict(hidden_states=torch.randn(1, 2 * tokens, cfg.in_channels, generator=g),
+                encoder_hidden_states=torch.randn(1, text, cfg.joint_attention_dim, generator=g),
+                pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g),
+                timestep=torch.tensor([0.5]), img_ids=torch.randn(2 * tokens, 3, generator=g),
+                txt_ids=torch.zeros(text, 3), guidance=torch.tensor([1.0]) if cfg.guidance_embeds else None)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-mixed"])
+def test_sharded_lora_dtypes_frozen_base_and_export(setup, tmp_path, mode):
+    """LoRA on a world of one: the base stored in the compute dtype with no grads ever, adapters
+    and AdamW state in fp32; after a few steps the base is bit-identical to the folder's weights,
+    and the exported LoRA file, loaded onto the base pipeline, reproduces the trained model's
+    output (fp32: to rounding; bf16-mixed: both compute in bf16 from the same weights)."""
+    import torch.distributed as dist
+    from diffusers import FluxKontextPipeline
+    from precision import get_precision
+    from safetensors.torch import load_file
+    prec = get_precision(mode)
+    folder = os.path.join(setup["model_path"], "transformer")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        run_utils.quiet_known_warnings()
+        mesh = fsdp_utils.build_mesh(torch.device("cpu"), 1)
+        model = tfk.build_transformer(folder, mesh, prec, torch.device("cpu"), load=True,
+                                      sharding=fsdp_utils.Sharding(), block_classes=[], seed=0,
+                                      lora=fsdp_utils.Lora(rank=4, alpha=8))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=1e-2)
+        inputs = transformer_inputs(model.config)
+        for _ in range(3):
+            model(**inputs).sample.square().mean().backward()
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+            opt.step()
+            opt.zero_grad()
+        for name, p in model.named_parameters():
+            assert p.dtype == (torch.float32 if fsdp_utils.is_adapter(name) else prec.compute_dtype), name
+            assert p.requires_grad == fsdp_utils.is_adapter(name), name
+        assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values() if v.dim())
+        fsdp_utils.reshard_all(model)
+        stored = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+        for name, p in model.named_parameters():
+            if not fsdp_utils.is_adapter(name):
+                want = stored[fsdp_utils.checkpoint_name(name)].to(prec.compute_dtype)
+                assert torch.equal(p.full_tensor(), want), name
+        assert any(p.full_tensor().abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
+        with torch.no_grad():
+            trained_out = model(**inputs).sample.float()
+        checkpoint.export_lora(model, str(tmp_path / "export"), "FluxKontextPipeline", "transformer", torch.float32)
+    finally:
+        dist.destroy_process_group()
+    pipe = FluxKontextPipeline.from_pretrained(setup["model_path"], dtype=prec.compute_dtype)
+    pipe.load_lora_weights(str(tmp_path / "export"))
+    cast = {k: v.to(prec.compute_dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        out = pipe.transformer(**cast).sample.float()
+    atol = 1e-5 if mode == "fp32" else 3e-2
+    torch.testing.assert_close(out, trained_out, rtol=0, atol=atol)
+
+
+def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
+    saved = run_utils.script_constants(vars(tfk))
+    try:
+        for argv, message in ((["--lora_rank=-1"], "LORA_RANK=-1: must be >= 0"),
+                              (["--lora_rank=4", "--lora_target_modules=to_qq"],
+                               "LORA_TARGET_MODULES: 'to_qq' matches no Linear")):
+            monkeypatch.setattr(sys, "argv", ["train_flux_kontext.py"] + argv)
+            with pytest.raises(ConfigError, match=message) as e:
+                tfk.main()
+            assert "\n" not in str(e.value)
+            vars(tfk).update(saved)
+    finally:
+        vars(tfk).update(saved)
