@@ -77,7 +77,14 @@ GENERATOR_LR = 1e-5  # AdamW (0.9, 0.999), weight decay 0.01, for the generator
 GUIDANCE_LR = 1e-5  # the same for the fake score (+ GAN head)
 WARMUP_STEPS = 0  # linear LR warmup, counted in each optimizer's own steps (official flag default 500)
 MAX_GRAD_NORM = 10.0  # gradient clipping of each model (0 = off)
-EMA_DECAY = 0.0  # > 0: keep an EMA of the generator (updated per generator step), exported instead of it
+EMA_DECAY = 0.0  # > 0: keep an EMA of the generator (updated per generator step; LoRA: of its adapters), exported instead of it
+# LoRA (the official code's --generator_lora path, main/sd_unified_model.py:44-69; its defaults rank 64, alpha 8)
+LORA_RANK = 0  # 0 = full generator; > 0 = peft LoRA adapters of this rank on the generator (a frozen copy of the teacher)
+LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the UNet's attention projections (to_q, to_k, to_v, to_out.0)
+LORA_DROPOUT = 0.0  # dropout on the adapters' input
+FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too (same settings) instead of all weights
+LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # GAN stage (the paper's stage 2; off = stage 1 as published)
 USE_GAN = False  # classifier head on the fake UNet's bottleneck; needs .jsonl rows with "image"
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
@@ -149,6 +156,7 @@ def validate_config() -> list[int]:
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
     })
+    fsdp_utils.check_lora(lora_settings())
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
     if PARALLELISM == "ddp" and USE_GAN:
@@ -179,6 +187,10 @@ def validate_config() -> list[int]:
         raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
                           "the first step must be the conditioning timestep (pure noise in)")
     return steps
+
+
+def lora_settings() -> fsdp_utils.Lora:
+    return fsdp_utils.Lora(LORA_RANK, LORA_ALPHA, tuple(LORA_TARGET_MODULES), LORA_DROPOUT)
 
 
 def default_paths(use_gan: bool = False) -> tuple[str, str]:
@@ -214,16 +226,20 @@ class Losses:
 
 
 def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
-               sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True) -> nn.Module:
+               sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
+               lora: fsdp_utils.Lora = fsdp_utils.Lora(), seed: int = 0) -> nn.Module:
     """A UNet2DConditionModel built on the meta device, stored in `dtype`, sharded by the UNet
     recipe, then each rank reads only its slices from `folder` (load=False: allocated, unfilled and
     without grads, for the EMA). Trainable: `policy` is the precision's mixed-precision policy and
-    `sharding` applies. Frozen: no grads ever, stored in its compute dtype (the frozen policy).
-    mesh=None (PARALLELISM=ddp): not sharded, every rank loads the whole model (the caller wraps a
-    trainable one in DDP)."""
+    `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
+    frozen base, which the caller stores in its compute dtype (fsdp_utils.add_lora). Frozen: no
+    grads ever, stored in its compute dtype (the frozen policy). mesh=None (PARALLELISM=ddp): not
+    sharded, every rank loads the whole model (the caller wraps a trainable one in DDP)."""
     from diffusers import UNet2DConditionModel
 
     model = fsdp_utils.build_on_meta(UNet2DConditionModel, folder).to(dtype)
+    if trainable and lora:
+        fsdp_utils.add_lora(model, lora)
     if not load or not trainable:
         model.requires_grad_(False)
     if not trainable:
@@ -233,23 +249,29 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     elif mesh is not None:
         fsdp_utils.prepare_frozen(model, mesh, policy, device, sharded=True, block_classes=block_classes)
     home = torch.device("cpu") if trainable and sharding.cpu_offload else device
-    return fsdp_utils.fill_built_model(model, folder, mesh, home, load)
+    return fsdp_utils.fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
-                 seed: int) -> dict[str, nn.Module]:
+                 seed: int, lora: fsdp_utils.Lora = fsdp_utils.Lora(), fake_lora: bool = False) -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder: generator and fake score (sharded,
-    loaded slice by slice), the generator's EMA (sharded identically, so its update is shard-local)
-    and the GAN head (for a bottleneck of `head_size`² at the native resolution). These are what
-    checkpoints hold."""
-    unet = functools.partial(build_unet, unet_dir, mesh, precision.param_dtype, device, policy=precision.mp_policy(),
-                             trainable=True, sharding=sharding, block_classes=block_classes)
-    models = {"generator": unet(), "fake": unet()}
+    loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
+    train LoRA adapters on a frozen base), the generator's EMA (sharded identically, so its update
+    is shard-local; LoRA: of the adapters only) and the GAN head (for a bottleneck of `head_size`²
+    at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters)."""
+    def unet(adapters: fsdp_utils.Lora = fsdp_utils.Lora(), salt: int = 0, **kw):
+        storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
+        policy = precision.adapter_mp_policy() if adapters else precision.mp_policy()
+        return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
+                          block_classes=block_classes, lora=adapters, seed=seed + salt, **kw)
+    models = {"generator": unet(lora), "fake": unet(lora if fake_lora else fsdp_utils.Lora(), salt=1)}
     if use_gan:
         models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], head_size, mesh, precision,
                                         device, seed, sharding.cpu_offload)
-    if ema_decay > 0:
+    if ema_decay > 0 and lora:
+        models["ema"] = fsdp_utils.AdapterEMA(models["generator"])
+    elif ema_decay > 0:
         models["ema"] = unet(load=False)
         fsdp_utils.copy_params(models["ema"], models["generator"])
     return models
@@ -518,6 +540,9 @@ def main() -> None:
     kind = pipeline_kind(MODEL_PATH)
     run_utils.check_model_folder(MODEL_PATH, kind, PIPELINES[kind])
     sdxl = kind == "StableDiffusionXLPipeline"
+    lora = lora_settings()
+    if lora:  # unknown target modules fail here, on the meta skeleton, before any work
+        fsdp_utils.check_lora_targets("UNet2DConditionModel", os.path.join(MODEL_PATH, "unet"), lora)
     run_utils.check_output_dir(OUTPUT_DIR)
 
     d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
@@ -540,7 +565,8 @@ def main() -> None:
     # the GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8, SDXL 32)
     head_size = unet_config["sample_size"] // 2 ** (len(unet_config["block_out_channels"]) - 1) if sdxl else 8
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED)
+                          use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED, lora=lora,
+                          fake_lora=FAKE_LORA)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
     teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
@@ -598,8 +624,12 @@ def main() -> None:
     encode_real = functools.partial(encode_images, vae, size=resolution, device=d.device) if USE_GAN else None
     uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1, SEED)
-    sample = functools.partial(write_samples, ema if ema is not None else generator, vae, encode(sample_prompts),
-                               sample_noise.to(d.device), sample_sim, step_list, alphas)
+    final_weights = functools.partial(fsdp_utils.output_weights, generator, ema)  # what samples show, export writes
+    sample_text = encode(sample_prompts)
+
+    def sample(path):
+        with final_weights() as model:
+            write_samples(model, vae, sample_text, sample_noise.to(d.device), sample_sim, step_list, alphas, path)
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
     global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
     gan_max_t = DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None
@@ -666,9 +696,13 @@ def main() -> None:
     logger.close()
     ckpt.wait()
     print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
-    exported = {"unet": ema if ema is not None else generator}
-    checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"), exported, parse_dtype(EXPORT_DTYPE),
-                               frozen={"vae": VAE_PATH} if VAE_PATH else None)
+    with final_weights() as final_model:
+        if lora:  # the adapters (fp32: a few MB) in diffusers' LoRA format; optionally a merged pipeline too
+            checkpoint.export_lora(final_model, os.path.join(OUTPUT_DIR, "export"), kind, "unet", torch.float32)
+        if not lora or LORA_EXPORT_MERGED:
+            checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export_merged" if lora else "export"),
+                                       {"unet": final_model}, parse_dtype(EXPORT_DTYPE),
+                                       frozen={"vae": VAE_PATH} if VAE_PATH else None)
     fsdp_utils.cleanup_distributed()
 
 

@@ -27,6 +27,9 @@ Metrics, from pixels (the background colour is known, the shapes are flat colour
 
     python -m demos.kontext_eval --model=assets/kontext_base
     python -m demos.kontext_eval --compare base=assets/kontext_base tuned=/tmp/kontext_ft/export
+    # a LoRA fine-tune: the base pipeline + pipe.load_lora_weights(the LoRA export folder or file)
+    python -m demos.kontext_eval --compare base=assets/kontext_base lora=assets/kontext_base \
+        --lora lora=/tmp/kontext_lora/export
     python -m demos.kontext_eval --make_data=out/kontext_task    # write the splits, print the paths
     python -m demos.kontext_eval --make_train=assets/kontext_blue  # rewrite the shipped train split
 
@@ -265,11 +268,15 @@ def score_images(outputs, rows) -> dict:
 # generation through FluxKontextPipeline
 
 
-def load_pipeline(folder, dtype=None):
-    """FluxKontextPipeline.from_pretrained(folder), every component in `dtype` (fp32 default)."""
+def load_pipeline(folder, dtype=None, lora=None):
+    """FluxKontextPipeline.from_pretrained(folder), every component in `dtype` (fp32 default);
+    with `lora` (a folder holding pytorch_lora_weights.safetensors, or the .safetensors file), plus
+    pipe.load_lora_weights(lora), as a user loads a LoRA (adapters kept as peft layers, unfused)."""
     import torch
     from diffusers import FluxKontextPipeline
     pipe = FluxKontextPipeline.from_pretrained(folder, torch_dtype=dtype or torch.float32, low_cpu_mem_usage=False)
+    if lora:
+        pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -299,9 +306,9 @@ def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[
     return outputs
 
 
-def evaluate(folder, rows, steps=20, guidance=1.0, seed=0) -> tuple[dict, list[np.ndarray]]:
-    """(metrics, outputs) of the model in `folder` on `rows`."""
-    pipe = load_pipeline(folder)
+def evaluate(folder, rows, steps=20, guidance=1.0, seed=0, lora=None) -> tuple[dict, list[np.ndarray]]:
+    """(metrics, outputs) of the model in `folder` (plus the LoRA `lora`, see load_pipeline) on `rows`."""
+    pipe = load_pipeline(folder, lora=lora)
     outputs = generate(pipe, rows, steps=steps, guidance=guidance, seed=seed)
     return score_images(outputs, rows), outputs
 
@@ -331,6 +338,9 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a FluxKontextPipeline folder to evaluate")
     p.add_argument("--compare", nargs="+", metavar="NAME=PATH", help="several models, e.g. base=A tuned=B")
+    p.add_argument("--lora", nargs="+", default=[], metavar="NAME=PATH",
+                   help="load a LoRA (a LoRA export folder, or its .safetensors) onto model NAME with "
+                        "load_lora_weights; a bare PATH applies to the only model")
     p.add_argument("--data", default="", help="held-out jsonl (default: the generated heldout split)")
     p.add_argument("--retention", default="", help="retention jsonl ('' = the generated split, 'none' = skip)")
     p.add_argument("--task_dir", default="", help="where the splits are generated (default: the cache)")
@@ -366,6 +376,14 @@ def main(argv=None):
         models[name] = path
     if not models:
         p.error("give --model=PATH or --compare NAME=PATH ...")
+    loras = {}
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or name not in models:  # a bare path (which may itself hold a "=") = the only model's
+            if len(models) != 1:
+                p.error(f"--lora wants NAME=PATH with NAME one of {sorted(models)}, got {item!r}")
+            name, path = next(iter(models)), item
+        loras[name] = path
 
     import torch
     torch.set_num_threads(args.threads)
@@ -382,11 +400,12 @@ def main(argv=None):
         t0 = time.time()
         results[name] = {}
         for split, rows in data.items():
-            metrics, images = evaluate(folder, rows, args.steps, args.guidance, args.seed)
+            metrics, images = evaluate(folder, rows, args.steps, args.guidance, args.seed, loras.get(name))
             results[name][split] = metrics
             if split == "heldout":
                 outputs[name] = images
-        print(f"{name}: {folder} evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
+        lora = f" + LoRA {loras[name]}" if name in loras else ""
+        print(f"{name}: {folder}{lora} evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table({m: {s: {k: v for k, v in r.items() if k != "pairs"} for s, r in by.items()}
                           for m, by in results.items()}))
     if args.grid:
@@ -397,8 +416,9 @@ def main(argv=None):
         print(f"\ngrid: {args.grid} (columns: context | {' | '.join(outputs)} | target)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"models": models, "data": splits, "steps": args.steps,
-                                               "guidance": args.guidance, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"models": models, **({"lora": loras} if loras else {}),
+                                               "data": splits, "steps": args.steps, "guidance": args.guidance,
+                                               "results": results}, indent=1))
     return 0
 
 

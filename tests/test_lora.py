@@ -189,3 +189,66 @@ def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
             vars(tfk).update(saved)
     finally:
         vars(tfk).update(saved)
+
+
+# ----------------------------------------------------------------------------------------------
+# train_dmd.py: LoRA generator and fake score (the official --generator_lora path), GAN, EMA
+
+DMD = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32", "--use_gan=1",
+       "--ema_decay=0.9", "--sample_every=0", "--seed=3", "--save_every=4", "--lora_rank=4", "--lora_alpha=8",
+       "--fake_lora=1", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def dmd_runs(tmp_path_factory):
+    from tests.test_train_dmd import train
+    from tests.conftest import launch_env
+    env = launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
+    root = tmp_path_factory.mktemp("dmd_lora")
+    train(DMD + ["--batch_size=1", "--lora_export_merged=1"], env, root / "two")
+    train(DMD + ["--batch_size=1", "--grad_accum=2"], env, root / "one", ranks=1)
+    return root
+
+
+def test_dmd_lora_two_ranks_match_one_process(dmd_runs):
+    from tests.test_train_dmd import checkpoint_tensors
+    ref, two = metrics(dmd_runs / "one"), metrics(dmd_runs / "two")
+    for a, b in zip(ref, two, strict=True):
+        for k in ("loss_dm", "loss_fake", "loss_gen_cls", "loss_guidance_cls"):
+            if k in a:
+                assert abs(a[k] - b[k]) < 1e-4 * max(1.0, abs(a[k])), (k, a, b)
+    a, b = checkpoint_tensors(dmd_runs / "one", 4), checkpoint_tensors(dmd_runs / "two", 4)
+    assert a.keys() == b.keys()
+    for name in ("generator", "fake"):
+        keys = [k for k in a if k.startswith(f".model.{name}.")]
+        assert keys and all(fsdp_utils.is_adapter(k) for k in keys), name  # adapters only: no base
+        assert any(a[k].abs().max() > 0 for k in keys if ".lora_B." in k), name  # they trained
+    assert any(k.startswith(".model.head.") for k in a)  # the GAN head trains in full
+    for k in a:  # the adapters; Adam turns fp noise in ~0 grads into ±lr steps, so lr 1e-3 bounds it
+        if k.startswith((".model.generator.", ".model.fake.", ".model.ema.")):
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_dmd_lora_export_loads_onto_the_teacher_pipeline(dmd_runs):
+    from diffusers import LCMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    out = dmd_runs / "two"
+    teacher, _ = train_dmd_default()
+    pipe = StableDiffusionPipeline.from_pretrained(teacher, torch_dtype=torch.float32, safety_checker=None)
+    pipe.load_lora_weights(str(out / "export"))
+    merged = UNet2DConditionModel.from_pretrained(str(out / "export_merged" / "unet"))
+    cfg = merged.config
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g)
+    text = torch.randn(2, 77, cfg.cross_attention_dim, generator=g)
+    with torch.no_grad():
+        lora_out = pipe.unet(x, 999, text).sample
+        torch.testing.assert_close(lora_out, merged(x, 999, text).sample, rtol=1e-4, atol=1e-5)
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    image = pipe("a red circle", num_inference_steps=1, guidance_scale=0, timesteps=[999], output_type="pt",
+                 generator=torch.Generator().manual_seed(0)).images
+    assert torch.isfinite(image).all()
+
+
+def train_dmd_default():
+    import train_dmd
+    return train_dmd.default_paths()

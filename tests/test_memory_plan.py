@@ -169,3 +169,143 @@ def test_fit_table_is_markdown():
     assert lines[head].count("|") == lines[head + 1].count("|") == lines[head + 2].count("|") == 10  # 9 columns
     row = lines[head + 2]
     assert row.startswith("| 2 |") and "does not fit" in row and "as is (" in row
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA mode (--lora_rank): adapters added by fsdp_utils.add_lora before the recipe shards the model
+
+# full fine-tuning's report, as the planner printed it before the LoRA mode existed: --lora_rank=0
+# must keep it byte for byte (change only on purpose)
+FULL_FT_PLAN = """\
+plan: sd15-dmd (sd15), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
+component           params   on rank  param GiB  grad GiB  optim GiB  role
+generator            0.86B     0.43B       1.60      1.60       3.20  trainable
+fake_score           0.86B     0.43B       1.60      1.60       3.20  trainable
+teacher              0.86B     0.43B       0.80      0.00       0.00  frozen-sharded
+vae                  0.08B     0.08B       0.16      0.00       0.00  replicated
+text_encoder         0.12B     0.12B       0.23      0.00       0.00  replicated
+model states on: GPU
+all-gathered units in flight: 0.59 GiB (largest unit 0.15 GiB)
+activations (measured on meta): 0.02 GiB
+runtime reserve: 1.00 GiB
+TOTAL per GPU: 15.61 GiB"""
+
+FULL_FT_TABLE = """\
+sd15-dmd (sd15), bf16-mixed, batch 1/GPU at 64 px. Per-rank GiB as planned without checkpointing or offload (params: every component's local share); per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total.
+
+| GPUs | params | grads | optimizer | activations | activations (AC) | total as is | 1 GB | 80 GB |
+|---:|---:|---:|---:|---:|---:|---:|---|---|
+| 2 | 4.39 | 3.20 | 6.40 | 0.02 | 0.01 | 15.61 | does not fit | as is (15.6) |"""
+
+
+def test_full_fine_tuning_report_is_unchanged():
+    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=0))
+    assert memory_plan.format_plan("sd15-dmd", p) == FULL_FT_PLAN and "lora" not in p
+    assert memory_plan.fit_table("sd15-dmd", world_sizes=(2,), gpu_memory_gbs=(1, 80), resolution=64) == FULL_FT_TABLE
+
+
+def _adapters(model, lora):
+    """Direct count: the parameters fsdp_utils.add_lora creates, and rank 0's FSDP shard of them
+    (fully_shard gives rank 0 the first ceil(dim0 / world) rows of each)."""
+    fsdp_utils = memory_plan.fsdp_utils
+    before = {n for n, _ in model.named_parameters()}
+    fsdp_utils.add_lora(model, lora)
+    new = [(n, p) for n, p in model.named_parameters() if n not in before]
+    assert new and all(fsdp_utils.is_adapter(n) and p.requires_grad and p.dtype == torch.float32 for n, p in new)
+    world = SMALL["world_size"]
+    return sum(p.numel() for _, p in new), sum(-(-p.shape[0] // world) * p[0].numel() for _, p in new)
+
+
+def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
+    fsdp_utils = memory_plan.fsdp_utils
+    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
+    base = sum(p.numel() for p in unet.parameters())
+    adapters, adapters_local = _adapters(unet, fsdp_utils.Lora(8))
+    full = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=8))
+    rows = p["rows"]
+    lora, gen = rows["generator.lora"], rows["generator"]
+    assert lora["count"] == adapters and lora["local_count"] == adapters_local
+    assert p["lora"] == {"generator": (adapters, base + adapters)}
+    # adapters: fp32 params, fp32 grads, 2 fp32 AdamW states; the base: compute dtype, nothing else
+    assert (lora["params"], lora["grads"], lora["optim"]) == (adapters_local * 4, adapters_local * 4, adapters_local * 8)
+    assert gen["count"] == base and gen["local_count"] == full["rows"]["generator"]["local_count"]
+    assert gen["params"] == gen["local_count"] * 2 and gen["grads"] == gen["optim"] == 0
+    # the units fsdp_units reads hold the adapters too (all-gathered in bf16 with their block)
+    assert sum(n for _, n in p["units"]["generator"]) == base + adapters
+    # DMD: LoRA on the generator only; the fake score and the teacher are as in full fine-tuning
+    for name in ("fake_score", "teacher", "vae", "text_encoder"):
+        assert rows[name] == full["rows"][name]
+    assert "fake_score.lora" not in rows
+    states = sum(r["params"] + r["grads"] + r["optim"] for n, r in rows.items() if n.startswith("generator"))
+    full_states = sum(full["rows"]["generator"][k] for k in ("params", "grads", "optim"))
+    assert states < full_states / 7  # 16 B/param -> 2 B/param (+ 16 B per adapter param)
+    assert p["gpu_total"] < full["gpu_total"]
+    text = memory_plan.format_plan("sd15-dmd", p)
+    assert "LoRA rank 8 (alpha 8) on generator" in text and f"{adapters:,} LoRA params" in text
+    assert "trainable in all:" in text  # the full fake score trains beside the adapters
+
+
+def test_fake_lora_puts_adapters_on_the_fake_score_too():
+    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=4, fake_lora=True))
+    rows = p["rows"]
+    assert set(p["lora"]) == {"generator", "fake_score"}
+    assert rows["fake_score.lora"] == rows["generator.lora"] and rows["fake_score"]["grads"] == 0
+    assert rows["teacher"]["note"] == "frozen-sharded" and "teacher.lora" not in rows
+    # only adapter grads are reduce-scattered (fp32): the largest unit's adapters, not the unit
+    largest_adapters = max(memory_plan._trainable_per_unit(_lora_unet(4), p["units"]["generator"]))
+    assert p["gathered"] == 2 * p["largest_unit"] + largest_adapters * 4
+    with pytest.raises(SystemExit, match="fake_lora"):
+        memory_plan.plan("flux-kontext-dev", Settings(**SMALL, lora_rank=4, fake_lora=True))
+
+
+def _lora_unet(rank):
+    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
+    return memory_plan.fsdp_utils.add_lora(unet, memory_plan.fsdp_utils.Lora(rank))
+
+
+def test_flux_kontext_lora_rank_16_matches_a_hand_count():
+    p = memory_plan.plan("flux-kontext-dev", Settings(**SMALL, lora_rank=16))
+    # default targets (diffusers' Kontext LoRA example): a rank-r adapter on a Linear(i, o) is
+    # r * (i + o). Double block (19): 8 attention projections 3072->3072 and 2 MLPs 3072->12288->3072
+    # (image and text streams); single block (38): q, k, v 3072->3072 and proj_mlp 3072->12288
+    r, d, m = 16, 3072, 12288
+    double = r * (8 * 2 * d + 4 * (d + m))
+    single = r * (3 * 2 * d + (d + m))
+    adapters = 19 * double + 38 * single
+    assert adapters == 54_165_504
+    assert p["rows"]["transformer.lora"]["count"] == adapters
+    assert abs(p["rows"]["transformer"]["count"] - 11.90e9) < 0.01e9  # the base, as in full fine-tuning
+    assert p["lora"]["transformer"] == (adapters, p["rows"]["transformer"]["count"] + adapters)
+    full = memory_plan.plan("flux-kontext-dev", Settings(**SMALL))
+    lora_states = sum(p["rows"][n][k] for n in ("transformer", "transformer.lora") for k in ("params", "grads", "optim"))
+    full_states = sum(full["rows"]["transformer"][k] for k in ("params", "grads", "optim"))
+    assert lora_states < full_states / 7 and p["gpu_total"] < full["gpu_total"]
+    # the units are all-gathered in bf16 with their adapters: one double block plus its adapters
+    assert p["largest_unit"] == full["largest_unit"] + double * 2
+    text = memory_plan.format_plan("flux-kontext-dev", p)
+    assert "transformer.lora" in text and "54,165,504 LoRA params = 0.45%" in text
+    assert "about as much as full fine-tuning" in text
+
+
+def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags():
+    s = Settings(**SMALL, lora_rank=4)
+    tried = []
+
+    def planner(name, t):
+        tried.append(t.precision)
+        return {"gpu_total": 2**60}
+    assert memory_plan.cheapest_fit("sd15-dmd", s, 1, planner) is None
+    assert set(tried) == {"bf16-mixed"}  # bf16 states change nothing under LoRA
+    r = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sd15-dmd", "--world_size=2",
+                        "--resolution=64", "--lora_rank=4", "--lora_alpha=8", "--lora_targets=to_q,to_v"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-1000:]
+    assert "LoRA rank 4 (alpha 8) on generator" in r.stdout and "LoRA targets: to_q, to_v" in r.stdout
+    bad = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sd15-dmd", "--world_size=2",
+                          "--lora_rank=4", "--lora_targets=no_such_layer"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode != 0 and "no_such_layer" in bad.stderr + bad.stdout
+    missing = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sd15-dmd", "--world_size=2",
+                              "--fake_lora=1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert missing.returncode == 2 and "--lora_rank" in missing.stderr

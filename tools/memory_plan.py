@@ -9,6 +9,8 @@ read off the sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapp
     python fsdp_utils.py plan --model=sdxl-dmd --world_size=8 --gpu_memory_gb=80
     python fsdp_utils.py plan --model=/path/to/diffusers/folder --world_size=2
     python tools/memory_plan.py --fit_table --model=sdxl-dmd   # markdown: world sizes x GPU memory
+    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=2 --lora_rank=16   # LoRA fine-tuning
+    python tools/memory_plan.py --fit_table --model=flux-kontext-dev --lora_rank=16 --world_sizes=1,2,4 --gpu_memory_gbs=24
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
@@ -25,6 +27,19 @@ sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is 
                               batch and resolution, measured on the meta device with saved-tensor
                               hooks (with activation checkpointing: block inputs + one block's worth)
   runtime                     a fixed 1 GiB for the CUDA context and allocator slack
+
+LoRA (--lora_rank=R > 0; --lora_alpha, --lora_targets as the scripts' LORA_*): the adapters are added
+with fsdp_utils.add_lora to the meta model before its recipe shards it, as the scripts do, so the
+units fsdp_units reads include them. The script's model (FLUX's transformer, DMD's generator; with
+--fake_lora DMD's fake score too) is then counted as two rows: its base, frozen and stored in the
+compute dtype (sharded; no grads, no optimizer state), and its adapters (`<name>.lora`: fp32 params,
+fp32 grads, 2 fp32 AdamW states, sharded). Units are all-gathered in the compute dtype, adapters
+included; only the adapter grads are reduce-scattered (fp32). Activations are measured on the LoRA
+model (inputs without grad, as the latents are): the frozen base's activations are still saved for
+backward through the adapters, so they are about as large as full fine-tuning's. With CPU offload
+the base shards live on the host too (FSDP offloads every parameter of a unit). bf16 states change
+nothing under LoRA (the base is already in the compute dtype, add_lora keeps adapters in fp32), so
+the fit search skips them.
 """
 from __future__ import annotations
 
@@ -44,6 +59,7 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402  (the recipes and the table; fsdp_utils never imports this module)
+from precision import dtype_name, get_precision  # noqa: E402
 
 GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
@@ -59,6 +75,10 @@ FP32_COMPONENTS = {"sdxl": ("vae",)}
 
 # the resolution when none is given, for kinds without a UNet sample_size to take it from
 DEFAULT_RESOLUTION = 512
+
+# LoRA adapters' storage dtype (hence their grads' and AdamW states'): fsdp_utils.add_lora keeps them
+# in fp32 whatever the precision mode; Precision.adapter_mp_policy reduce-scatters their grads in fp32
+ADAPTER_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
@@ -81,7 +101,8 @@ class Part:
     """One component of SCRIPT_COMPONENTS, built at real size on the meta device."""
     spec: fsdp_utils.Component  # name, subfolder, role: from the table
     module: nn.Module | None    # None: not built (its sharded counts come from a cache)
-    dtype: torch.dtype          # storage dtype
+    dtype: torch.dtype          # storage dtype (LoRA: of the frozen base)
+    lora: fsdp_utils.Lora = fsdp_utils.Lora()  # adapters added before sharding (rank 0: none)
 
     @property
     def name(self) -> str:
@@ -106,6 +127,14 @@ class Settings:
     batch_size: int = 1
     resolution: int | None = None  # None: the model's native resolution (native_resolution)
     block_classes: tuple = ()  # the scripts' BLOCK_CLASSES: () = each model's recipe decides
+    lora_rank: int = 0         # the scripts' LORA_RANK: 0 = full fine-tuning
+    lora_alpha: float = 0.0    # LORA_ALPHA: 0 = the rank
+    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = fsdp_utils.LORA_TARGETS for the model's class
+    fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
+
+    @property
+    def lora(self) -> fsdp_utils.Lora:
+        return fsdp_utils.Lora(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,23 +209,31 @@ def meta_model(folder: str) -> nn.Module:
     raise SystemExit(f"plan: {path}: names no model class (no _class_name / architectures)")
 
 
-def build_components(folder: str, precision, build: bool = True) -> tuple[str, str, list[Part]]:
+def build_components(folder: str, precision, build: bool = True, lora: fsdp_utils.Lora = fsdp_utils.Lora(),
+                     fake_lora: bool = False) -> tuple[str, str, list[Part]]:
     """(script, kind, components): what fsdp_utils.SCRIPT_COMPONENTS says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
     FP32_COMPONENTS). Optional components the folder lacks are skipped. build=False: the specs and
-    dtypes only (module None)."""
+    dtypes only (module None). With `lora`, the first trainable component (the script's model) and,
+    with `fake_lora`, the other trainable ones get adapters (Part.lora, added when sharded) and
+    their base is stored in the compute dtype, as the scripts store it."""
     script, kind = layout(folder)
     parts = []
     for spec in fsdp_utils.SCRIPT_COMPONENTS[script]:
         if getattr(spec, "optional", False) and not os.path.isdir(os.path.join(folder, spec.subfolder)):
             continue
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
-        if part.holding.trained:
+        if part.holding.trained and lora and (fake_lora or not any(q.holding.trained for q in parts)):
+            part.lora = lora  # the base keeps the compute dtype
+        elif part.holding.trained:
             part.dtype = precision.param_dtype
         elif spec.name in FP32_COMPONENTS.get(kind, ()):
             part.dtype = torch.float32
         parts.append(part)
+    if fake_lora and sum(1 for q in parts if q.lora) < 2:
+        raise SystemExit(f"plan: --fake_lora: {script} trains no second model (only DMD's fake score takes it), "
+                         f"or --lora_rank is 0")
     return script, kind, parts
 
 
@@ -220,8 +257,11 @@ def fake_world(world_size: int):
 def shard_components(parts: list[Part], s: Settings, precision) -> dict:
     """Shard each component at world size s.world_size as the scripts do: trainable ones by their
     model's recipe (fsdp_utils.parallelize), frozen-sharded ones by fsdp_utils.prepare_frozen.
-    Returns {name: local and global parameter counts, and the FSDP units fully_shard made (as
-    fsdp_utils.fsdp_units reads them off the sharded model: [(module name, params)], root last)}."""
+    A component with LoRA (Part.lora) gets its adapters by fsdp_utils.add_lora after the cast to its
+    storage dtype and before its recipe, which then shards it with the adapter policy, as the scripts
+    do. Returns {name: local and global parameter counts, and the FSDP units fully_shard made (as
+    fsdp_utils.fsdp_units reads them off the sharded model: [(module name, params)], root last);
+    with LoRA also the trainable (adapter) counts: local, global and per unit}."""
     out = {}
     block_classes = list(s.block_classes) or None
     sharding = fsdp_utils.Sharding(s.reshard_after_forward, s.cpu_offload, s.activation_checkpointing)
@@ -229,13 +269,19 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
         mesh = fsdp_utils.build_mesh(torch.device("cpu"), s.dp_replicate)
         for c in parts:
             c.module.to(c.dtype)
+            if c.lora:
+                try:
+                    fsdp_utils.add_lora(c.module, c.lora)
+                except fsdp_utils.ConfigError as e:
+                    raise SystemExit(f"plan: --lora_targets: {e}") from None
             if c.holding.sharded and block_classes:  # a misspelt class would silently make one whole-model unit
                 try:
                     fsdp_utils.find_block_classes(c.module, block_classes)
                 except fsdp_utils.ConfigError as e:
                     raise SystemExit(f"plan: --block_classes: {e}") from None
             if c.holding.sharded and c.holding.trained:
-                fsdp_utils.parallelize(c.module, mesh, precision.mp_policy(), sharding, block_classes, verbose=False)
+                policy = precision.adapter_mp_policy() if c.lora else precision.mp_policy()
+                fsdp_utils.parallelize(c.module, mesh, policy, sharding, block_classes, verbose=False)
             elif c.holding.sharded:
                 fsdp_utils.prepare_frozen(c.module, mesh, precision.frozen_mp_policy(c.dtype), torch.device("meta"),
                                           sharded=True, block_classes=block_classes, verbose=False)
@@ -243,6 +289,24 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
             out[c.name] = {"local": local, "global": total, "units": units}
+            if c.lora:
+                trainable = [p for p in c.module.parameters() if p.requires_grad]
+                out[c.name].update(
+                    trainable_local=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainable),
+                    trainable_global=sum(p.numel() for p in trainable),
+                    trainable_units=_trainable_per_unit(c.module, units))
+    return out
+
+
+def _trainable_per_unit(model: nn.Module, units: list[tuple[str, int]]) -> list[int]:
+    """For fsdp_units' list (inner units first, root last), the parameters that require grad among
+    those each unit owns (its own, not those of units nested in it): what its reduce-scatter carries."""
+    owned, out = set(), []
+    for name, _ in units:
+        module = model if name == "<root>" else model.get_submodule(name)
+        ps = [p for p in module.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in ps)
+        out.append(sum(p.numel() for p in ps if p.requires_grad))
     return out
 
 
@@ -362,27 +426,40 @@ def _size(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtype: torch.dtype, batch: int,
-                 resolution: int, checkpointing: bool) -> int:
+                 resolution: int, checkpointing: bool, lora: fsdp_utils.Lora = fsdp_utils.Lora()) -> int:
     """Activation bytes of one forward of the trainable model (folder/subfolder), its blocks being
-    the units of `unit_names`: those its recipe made."""
+    the units of `unit_names`: those its recipe made. With `lora`: of the model with its adapters
+    (computed in `dtype`, as FSDP all-gathers them) on a frozen base, its inputs not requiring grad
+    (the latents do not): what backward through the adapters needs, which still includes most of the
+    base's activations (the adapted layers' inputs, norms, attention, nonlinearities)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
+    if lora:
+        fsdp_utils.add_lora(model, lora)
+        model.to(dtype)
     factor, text = _folder_shapes(folder, kind)
     pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
-    return activation_bytes(model, _meta_inputs(kind, model, batch, resolution, dtype, factor, text, pooled),
-                            list(unit_names), checkpointing)
+    inputs = _meta_inputs(kind, model, batch, resolution, dtype, factor, text, pooled)
+    if lora:
+        for x in inputs.values():
+            if torch.is_tensor(x):
+                x.requires_grad_(False)
+    return activation_bytes(model, inputs, list(unit_names), checkpointing)
 
 
 def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     """Per-rank GPU bytes by category (and host bytes with CPU offload) for these settings.
     `shard_cache`: a dict to keep shard_components' counts in across calls that differ only in
     precision, CPU offload, checkpointing, batch or resolution (the counts do not depend on them:
-    fully_shard splits each parameter's dim 0 over the mesh whatever its dtype or where it lives)."""
-    from precision import get_precision
+    fully_shard splits each parameter's dim 0 over the mesh whatever its dtype or where it lives).
+    LoRA (s.lora_rank > 0): see the module's docstring; the LoRA components' rows are their frozen
+    base (name) and their adapters (name + ".lora"), and the plan says what is trainable (`lora`)."""
     precision = get_precision(s.precision)
     folder = model_folder(name)
     key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes), s.reshard_after_forward)
+    if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
+        key += (s.lora_rank, tuple(s.lora_targets), s.fake_lora)
     cached = shard_cache is not None and key in shard_cache
-    script, kind, comps = build_components(folder, precision, build=not cached)
+    script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora)
     if s.resolution is None:
         s = dataclasses.replace(s, resolution=native_resolution(folder, kind))
     trainable = next(c for c in comps if c.holding.trained)
@@ -392,7 +469,12 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
     acts = _activations(folder, trainable.spec.subfolder, kind, unit_names, precision.compute_dtype,
-                        s.batch_size, s.resolution, s.activation_checkpointing)
+                        s.batch_size, s.resolution, s.activation_checkpointing, trainable.lora)
+    for c in comps:  # LoRA: a trained model without adapters (DMD's full fake score) may save more
+        if s.lora and c.holding.trained and c is not trainable:
+            names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
+            acts = max(acts, _activations(folder, c.spec.subfolder, kind, names, precision.compute_dtype,
+                                          s.batch_size, s.resolution, s.activation_checkpointing, c.lora))
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
     rows, gathered_units = {}, []
     for c in comps:
@@ -403,6 +485,16 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             continue
         local = info["local"] if h.sharded else info["global"]
         note = c.spec.role + (" (fp32)" if c.name in FP32_COMPONENTS.get(kind, ()) else "")
+        if c.lora:  # the frozen base, then its adapters: only they have grads and optimizer state
+            n, a = info["trainable_local"], _size(ADAPTER_DTYPE)
+            rows[c.name] = dict(params=(local - n) * _size(c.dtype), grads=0, optim=0,
+                                note=f"frozen LoRA base ({dtype_name(c.dtype)})",
+                                count=info["global"] - info["trainable_global"], local_count=local - n, sharded=True)
+            rows[c.name + ".lora"] = dict(params=n * a, grads=n * a, optim=2 * n * a,
+                                          note=f"LoRA adapters, rank {c.lora.rank} ({dtype_name(ADAPTER_DTYPE)})",
+                                          count=info["trainable_global"], local_count=n, sharded=True, adapters=True)
+            gathered_units += [u * c_size for _, u in info["units"]]  # base and adapters, all in compute dtype
+            continue
         rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
                             optim=2 * local * p_size if h.trained else 0, note=note,
                             count=info["global"], local_count=local, sharded=h.sharded)
@@ -413,15 +505,25 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         gathered = sum(biggest[:2])
     else:
         gathered = sum(u for c in comps if c.holding.trained for _, u in sharded[c.name]["units"]) * c_size
-    gathered += max(u for _, u in sharded[trainable.name]["units"]) * r_size  # reduce-scatter input of the largest unit
-    trained = {c.name for c in comps if c.holding.trained}
+    if s.lora:  # reduce-scatter input of the largest unit's grads: LoRA units' adapters only, in fp32
+        gathered += max(max(sharded[c.name]["trainable_units"]) * _size(ADAPTER_DTYPE) if c.lora else
+                        max(u for _, u in sharded[c.name]["units"]) * r_size for c in comps if c.holding.trained)
+    else:
+        gathered += max(u for _, u in sharded[trainable.name]["units"]) * r_size  # reduce-scatter input of the largest unit
+    trained = {c.name for c in comps if c.holding.trained} | {c.name + ".lora" for c in comps if c.lora}
     states = sum(r["params"] + r["grads"] + r["optim"] for n, r in rows.items() if n in trained)
     frozen = sum(r["params"] for n, r in rows.items() if n not in trained)
     host = states if s.cpu_offload else 0
     gpu = (0 if s.cpu_offload else states) + frozen + gathered + acts + RUNTIME_BYTES
-    return dict(kind=kind, script=script, rows=rows, gathered=gathered, largest_unit=biggest[0] if biggest else 0,
-                activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s,
-                units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
+    result = dict(kind=kind, script=script, rows=rows, gathered=gathered, largest_unit=biggest[0] if biggest else 0,
+                  activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s,
+                  units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
+    if s.lora:  # what trains: {component: (adapter params, all its params incl. adapters)}, and the targets
+        result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
+                          for c in comps if c.lora}
+        result["lora_targets"] = tuple(s.lora_targets) or fsdp_utils.LORA_TARGETS.get(
+            _config(folder, trainable.spec.subfolder).get("_class_name", ""), ())
+    return result
 
 
 # what cheapest_fit tries, in order of what it costs in speed: (checkpointing, CPU offload, bf16 states)
@@ -433,6 +535,8 @@ def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[
     """Settings that fit, in order of what they cost in speed: nothing, checkpointing, bf16
     states, CPU offload (slowest), and their combinations. `planner`: plan, or a cached one."""
     for ac, off, bf16 in FIT_ORDER:
+        if bf16 and s.lora_rank > 0:  # LoRA: the base is already in the compute dtype, adapters stay fp32
+            continue
         trial = Settings(**{**s.__dict__, "activation_checkpointing": ac, "cpu_offload": off,
                             "precision": "bf16" if bf16 else s.precision})
         result = (planner or plan)(name, trial)
@@ -447,20 +551,48 @@ def format_plan(name: str, p: dict) -> str:
             f"{s.precision}, batch {s.batch_size}/rank at {s.resolution}px, activation_checkpointing="
             f"{int(s.activation_checkpointing)}, cpu_offload={int(s.cpu_offload)}, "
             f"reshard_after_forward={int(s.reshard_after_forward)}")
+    if s.lora:
+        head += f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}"
     lines = [head, f"{'component':<16}{'params':>10}{'on rank':>10}{'param GiB':>11}{'grad GiB':>10}"
                    f"{'optim GiB':>11}  role"]
     for n, r in p["rows"].items():
-        count = f"{r.get('count', 0) / 1e9:.2f}B" if r.get("count") else "-"
-        local = f"{r.get('local_count', 0) / 1e9:.2f}B" if r.get("local_count") else "-"
+        count, local = (_count(r.get(k, 0), r.get("adapters", False)) for k in ("count", "local_count"))
         lines.append(f"{n:<16}{count:>10}{local:>10}{r['params'] / GIB:>11.2f}{r['grads'] / GIB:>10.2f}"
                      f"{r['optim'] / GIB:>11.2f}  {r['note']}")
     where = "host (CPU offload)" if s.cpu_offload else "GPU"
+    acts = f"activations (measured on meta): {p['activations'] / GIB:.2f} GiB"
+    if s.lora:
+        lines += _lora_lines(p)
+        acts += (" (LoRA: backward through the adapters still needs the frozen base's activations, "
+                 "so about as much as full fine-tuning)")
     lines += [f"model states on: {where}" + (f", {p['host_total'] / GIB:.2f} GiB per rank" if s.cpu_offload else ""),
               f"all-gathered units in flight: {p['gathered'] / GIB:.2f} GiB (largest unit {p['largest_unit'] / GIB:.2f} GiB)",
-              f"activations (measured on meta): {p['activations'] / GIB:.2f} GiB",
+              acts,
               f"runtime reserve: {p['runtime'] / GIB:.2f} GiB",
               f"TOTAL per GPU: {p['gpu_total'] / GIB:.2f} GiB"]
     return "\n".join(lines)
+
+
+def _count(n: int, adapters: bool = False) -> str:
+    """A parameter count as the table prints it: billions, or millions for adapters ("-": none)."""
+    if not n:
+        return "-"
+    return f"{n / 1e6:.2f}M" if adapters else f"{n / 1e9:.2f}B"
+
+
+def _lora_lines(p: dict) -> list[str]:
+    """What trains under LoRA: per LoRA component its adapter count and share (peft's trainable%:
+    of all its parameters, adapters included), and the targets; then every trained parameter."""
+    lines = []
+    for name, (adapters, total) in p["lora"].items():
+        lines.append(f"trainable in {name}: {adapters:,} LoRA params = {100 * adapters / total:.2f}% of its "
+                     f"{total / 1e9:.2f}B (base frozen: no grads, no optimizer state)")
+    lines.append(f"LoRA targets: {', '.join(p['lora_targets'])}")
+    trained = sum(r["count"] for r in p["rows"].values() if r["grads"])
+    if trained != sum(a for a, _ in p["lora"].values()):  # a full model trains beside (DMD's fake score)
+        lines.append(f"trainable in all: {trained:,} params (with the full "
+                     f"{', '.join(n for n, r in p['rows'].items() if r['grads'] and not r.get('adapters'))})")
+    return lines
 
 
 def _setting_name(s: Settings, base_precision: str) -> str:
@@ -470,11 +602,12 @@ def _setting_name(s: Settings, base_precision: str) -> str:
 
 
 def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), batch_size: int = 1,
-              resolution: int | None = None, precision: str = "bf16-mixed") -> str:
+              resolution: int | None = None, precision: str = "bf16-mixed", **lora) -> str:
     """A markdown table: per world size, the per-rank params (all components) / grads / optimizer /
     activations (without and with activation checkpointing) in GiB as planned, and per GPU memory
     the cheapest settings that fit (cheapest_fit's order) with their GPU total, or "does not fit".
-    Plans are memoised, and the sharded counts kept per world size (plan's shard_cache)."""
+    Plans are memoised, and the sharded counts kept per world size (plan's shard_cache). `lora`:
+    Settings' lora_rank / lora_alpha / lora_targets / fake_lora."""
     shard_cache, memo = {}, {}
 
     def planner(n: str, t: Settings) -> dict:
@@ -486,13 +619,14 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
     gbs = list(gpu_memory_gbs)
     lines = []
     for ws in world_sizes:
-        base = Settings(world_size=ws, precision=precision, batch_size=batch_size, resolution=resolution)
+        base = Settings(world_size=ws, precision=precision, batch_size=batch_size, resolution=resolution, **lora)
         p = planner(name, base)
         if not lines:
             r = p["settings"]
-            lines += [f"{name} ({p['kind']}), {precision}, batch {r.batch_size}/GPU at {r.resolution} px. Per-rank GiB "
-                      f"as planned without checkpointing or offload (params: every component's local share); "
-                      f"per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total.", "",
+            lines += [f"{name} ({p['kind']}), {precision}, batch {r.batch_size}/GPU at {r.resolution} px"
+                      + (_lora_caption(p) if r.lora else "") + ". Per-rank GiB "
+                      "as planned without checkpointing or offload (params: every component's local share); "
+                      "per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total.", "",
                       "| GPUs | params | grads | optimizer | activations | activations (AC) | total as is | "
                       + " | ".join(f"{g:g} GB" for g in gbs) + " |",
                       "|" + "---:|" * 7 + "---|" * len(gbs)]
@@ -507,6 +641,15 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
                          f"{_setting_name(fit[0], precision)} ({fit[1]['gpu_total'] / GIB:.1f})")
         lines.append(f"| {ws} | " + " | ".join(f"{c / GIB:.2f}" for c in cols) + " | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _lora_caption(p: dict) -> str:
+    s, (adapters, total) = p["settings"], next(iter(p["lora"].values()))
+    return (f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}: "
+            f"{adapters / 1e6:.2f}M trainable params ({100 * adapters / total:.2f}% of {next(iter(p['lora']))}), "
+            f"frozen base in {dtype_name(get_precision(s.precision).compute_dtype)} without grads or optimizer "
+            f"state, adapters fp32 with fp32 grads and AdamW states; activations measured on the LoRA model "
+            f"(about as much as full fine-tuning: the base's are still saved for backward)")
 
 
 def main(argv: list[str]) -> int:
@@ -528,18 +671,34 @@ def main(argv: list[str]) -> int:
                     help="print a markdown table of the cheapest fitting settings, --world_sizes x --gpu_memory_gbs")
     ap.add_argument("--world_sizes", default="2,4,8", help="with --fit_table")
     ap.add_argument("--gpu_memory_gbs", default="24,40,80", help="with --fit_table")
+    ap.add_argument("--lora_rank", type=int, default=0,
+                    help="plan LoRA fine-tuning with adapters of this rank, as the scripts' LORA_RANK (0: full fine-tuning)")
+    ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
+    ap.add_argument("--lora_targets", default="",
+                    help="comma-separated module-name suffixes to adapt (default: fsdp_utils.LORA_TARGETS for the model)")
+    ap.add_argument("--fake_lora", type=int, default=0,
+                    help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     a = ap.parse_args(argv)
+    lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
+                lora_targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()))
+    try:
+        fsdp_utils.check_lora(Settings(1, **lora).lora)
+    except fsdp_utils.ConfigError as e:
+        ap.error(str(e))
+    if not a.lora_rank and (a.fake_lora or lora["lora_targets"] or a.lora_alpha):
+        ap.error("--lora_alpha, --lora_targets and --fake_lora need --lora_rank > 0")
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
     if a.fit_table:
         print(fit_table(a.model, [int(w) for w in a.world_sizes.split(",")],
-                        [float(g) for g in a.gpu_memory_gbs.split(",")], a.batch_size, a.resolution, a.precision))
+                        [float(g) for g in a.gpu_memory_gbs.split(",")], a.batch_size, a.resolution, a.precision,
+                        **lora))
         return 0
     if a.world_size is None:
         ap.error("--world_size is required (or --fit_table)")
     s = Settings(a.world_size, a.precision, bool(a.cpu_offload), bool(a.activation_checkpointing),
                  bool(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution,
-                 tuple(c for c in a.block_classes.split(",") if c))
+                 tuple(c for c in a.block_classes.split(",") if c), **lora)
     result = plan(a.model, s)
     print(format_plan(a.model, result))
     if a.gpu_memory_gb > 0:
