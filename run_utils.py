@@ -253,11 +253,27 @@ def quiet_known_warnings() -> None:
       the view is then changed in place, which neither diffusers' model code nor the scripts do
       (the parity tests check losses and gradients against unwrapped models);
     - diffusers' ModelMixin.to(dtype) warns "modules ... should be kept in float32: []" even when
-      there are none (UNet, VAE, FLUX transformer).
+      there are none (UNet, VAE, FLUX transformer);
+    - diffusers' from_pretrained recommends installing accelerate for low_cpu_mem_usage: this suite
+      uses no accelerate by design (big models are built on meta and loaded shard by shard);
+    - transformers says its CLIP/Siglip image processors fall back to PIL without torchvision: no
+      image processor is used here;
+    - the per-file "Loading weights" bars of transformers/diffusers from_pretrained, which write
+      carriage returns into log files (the run's own bar and log lines stay).
     Every other warning stays visible."""
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     logging.getLogger("diffusers.models.modeling_utils").addFilter(
-        lambda record: "should be kept in float32: []" not in record.getMessage())
+        lambda record: not any(s in record.getMessage() for s in ("should be kept in float32: []",
+                                                                  "because `accelerate` was not found")))
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        lambda record: "requires torchvision (not installed)" not in record.getMessage())
+    try:
+        import diffusers.utils.logging
+        import transformers.utils.logging
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------

@@ -116,6 +116,9 @@ ASYNC_SAVE = False  # write checkpoints in the background while training goes on
 RESUME = ""  # "" = fresh start, "auto" = newest checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
 INIT_FROM = ""  # a checkpoint folder whose generator and fake score start a fresh run (stage 2 from stage 1)
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
+REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
+WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
+WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 25  # steps between sample grids (0 = only at the end)
 SAMPLE_COUNT = 8  # fixed prompts (the data's first distinct ones) and seeds in every grid
 
@@ -157,6 +160,7 @@ def validate_config() -> list[int]:
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
     })
     fsdp_utils.check_lora(lora_settings())
+    run_utils.check_report_to(REPORT_TO)
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
     if PARALLELISM == "ddp" and USE_GAN:
@@ -633,7 +637,8 @@ def main() -> None:
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
     global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
     gan_max_t = DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None
-    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
+    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start, report_to=REPORT_TO, config=config,
+                                 wandb_project=WANDB_PROJECT, wandb_run_name=WANDB_RUN_NAME)
     window = {}
 
     # the loop: step s (1-based, as in both scripts) is the official code's iteration it = s - 1,
@@ -686,10 +691,12 @@ def main() -> None:
         ckpt.poll()
         if (SAMPLE_EVERY and step % SAMPLE_EVERY == 0) or step == MAX_STEPS:
             sample(os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"))
+            logger.log_images(step, "samples", os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"))
         stopping = stopper.should_stop() or guard.exhausted
         ckpt.save(step, {"samples_seen": step * global_batch, "skipped_samples": skipped, **guard.state()},
                   stopping=stopping)
         if stopping:
+            logger.close()
             raise guard.error(step) if guard.exhausted else stopper.preempted(step)
 
     # export (the final checkpoint and samples were written at MAX_STEPS) and teardown

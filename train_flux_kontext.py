@@ -112,6 +112,10 @@ KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training continues
 RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR, or a checkpoint path
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
+VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none
+REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
+WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
+WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
 
@@ -347,6 +351,32 @@ def micro_batch_loss(transformer, vae, rows, sigmas, noise, flips, size, text, g
     return km.flow_matching_loss(pred, inputs["target"], inputs["n_target_tokens"], weights)
 
 
+VAL_SIGMAS = (0.25, 0.5, 0.75)  # each held-out pair is scored at these noise levels
+
+
+def validation_inputs(sizes, latent_channels, vae_factor, seed):
+    """Fixed (size, sigmas, noise) per held-out pair: the same at every validation and in every
+    run with this SEED, so the validation loss is comparable across steps and runs."""
+    g = data_utils.step_generator(seed, 0, stream=11)
+    return [((h, w), torch.tensor(VAL_SIGMAS),
+             torch.randn(len(VAL_SIGMAS), latent_channels, h // vae_factor, w // vae_factor, generator=g))
+            for h, w in sizes]
+
+
+@torch.no_grad()
+def validation_loss(transformer, vae, pairs, inputs, text, guidance, loss_weighting, device) -> float:
+    """The flow-matching loss of the held-out pairs (never trained on) at fixed sigmas and noise,
+    averaged; every rank computes the same (FSDP gathers inside each forward)."""
+    losses = []
+    for i, (row, (size, sigmas, noise)) in enumerate(zip(pairs, inputs)):
+        n = len(sigmas)
+        pair_text = (text[0][i:i + 1].expand(n, -1, -1), text[1][i:i + 1].expand(n, -1))
+        losses.append(micro_batch_loss(transformer, vae, [row] * n, sigmas, noise, torch.zeros(n, dtype=torch.bool),
+                                       size, pair_text, guidance, loss_weighting, device).item())
+    fsdp_utils.reshard_all(transformer)
+    return sum(losses) / len(losses)
+
+
 # ----------------------------------------------------------------------------------------------
 # samples: held-out pairs through diffusers' FluxKontextPipeline with the current weights
 
@@ -395,6 +425,7 @@ def validate_config() -> precision.Precision:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     fsdp_utils.check_lora(lora_settings())
+    run_utils.check_report_to(REPORT_TO)
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
     run_utils.check_settings({
@@ -406,7 +437,7 @@ def validate_config() -> precision.Precision:
         "BUCKET_ASPECTS non-empty and > 0": bool(BUCKET_ASPECTS) and all(a > 0 for a in BUCKET_ASPECTS),
         "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
         "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "PREFETCH >= 0": PREFETCH >= 0,
-        "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0": min(LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY) >= 0,
+        "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY, VAL_EVERY >= 0": min(LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY, VAL_EVERY) >= 0,
         "MAX_BAD_STEPS >= 1": MAX_BAD_STEPS >= 1, "COLLECTIVE_TIMEOUT_S > 0": COLLECTIVE_TIMEOUT_S > 0,
     })
     return prec
@@ -567,7 +598,9 @@ def main():
     final_weights = functools.partial(fsdp_utils.output_weights, transformer, ema)  # what samples show, export writes
     sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
     sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start)
+    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start, report_to=REPORT_TO, config=config,
+                                 wandb_project=WANDB_PROJECT, wandb_run_name=WANDB_RUN_NAME)
+    val_inputs = validation_inputs(sample_sizes, vae.config.latent_channels, vae_factor, SEED)
 
     # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
     # schedule and draws its randomness from (SEED, s)
@@ -602,6 +635,11 @@ def main():
         if LOG_EVERY and (step % LOG_EVERY == 0 or step == MAX_STEPS):
             metrics = {**run_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
                        "skipped_steps": guard.skipped}
+        if VAL_EVERY and held_out and step % VAL_EVERY == 0:  # logged with the step's line (one record per step)
+            with final_weights() as final_model:
+                val = validation_loss(final_model, vae, held_out, val_inputs, sample_text, GUIDANCE, LOSS_WEIGHTING,
+                                      d.device)
+            metrics = {**(metrics or {}), "val_loss": val}
         logger.step_done(step, metrics)
         ckpt.poll()
         if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
@@ -610,9 +648,11 @@ def main():
                                    SAMPLE_GUIDANCE, SEED, d.device)
             if d.rank == 0:
                 data_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
+                logger.log_images(step, "samples", os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"))
         stopping = stopper.should_stop() or guard.exhausted
         ckpt.save(step, {"samples_seen": step * global_batch, **guard.state()}, stopping=stopping)
         if stopping:
+            logger.close()
             raise guard.error(step) if guard.exhausted else stopper.preempted(step)
 
     # export (the final checkpoint and samples were written at MAX_STEPS) and teardown

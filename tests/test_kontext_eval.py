@@ -1,5 +1,6 @@
 """Tests of demos/kontext_eval.py: the "make it blue" task data (and its shipped train split,
-assets/kontext_blue) and the pixel metrics on known inputs (no model, no training).
+assets/kontext_blue), the pixel metrics on known inputs, and --lora's loading of a LoRA onto the
+shipped tiny base (assets/kontext_base; no training).
 
     python -m pytest tests/test_kontext_eval.py -q
 """
@@ -12,6 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from demos import kontext_eval as ke  # noqa: E402
+
+SHIPPED_BASE = Path(__file__).resolve().parents[1] / "assets" / "kontext_base"
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +152,45 @@ def test_task_data_is_built_once(tmp_path):
     (tmp_path / "half").mkdir()  # a folder without the marker was not written by ensure_task_data
     with pytest.raises(RuntimeError, match="no READY marker"):
         ke.ensure_task_data(tmp_path / "half")
+
+
+def test_lora_option_needs_a_known_model_name():
+    """--lora NAME=PATH names one of the models; a bare PATH is only allowed with one model."""
+    for argv in (["--compare", "a=x", "b=y", "--lora", "c=z"], ["--compare", "a=x", "b=y", "--lora", "z"]):
+        with pytest.raises(SystemExit) as e:
+            ke.main(argv)
+        assert e.value.code == 2
+
+
+def test_load_pipeline_with_lora_is_the_adapted_model(tmp_path):
+    """load_pipeline(base, lora=folder) = the base + FluxKontextPipeline.load_lora_weights: the
+    transformer computes what the adapted model that saved the LoRA computed (alpha included)."""
+    import torch
+    from diffusers import FluxKontextPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    base_dir = str(SHIPPED_BASE)
+    adapted = ke.load_pipeline(base_dir).transformer
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "proj_mlp"], init_lora_weights="gaussian")
+    adapted.add_adapter(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:  # peft starts B at 0 (no change); make the adapters do something
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    FluxKontextPipeline.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(adapted),
+                                          transformer_lora_adapter_metadata=config.to_dict())
+    loaded = ke.load_pipeline(base_dir, lora=str(tmp_path)).transformer
+    plain = ke.load_pipeline(base_dir).transformer
+    c = adapted.config
+    n, s = 16, 8
+    inputs = dict(hidden_states=torch.randn(1, n, c.in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(1, s, c.joint_attention_dim, generator=g),
+                  pooled_projections=torch.randn(1, c.pooled_projection_dim, generator=g),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([1.0]),
+                  img_ids=torch.zeros(n, 3), txt_ids=torch.zeros(s, 3), return_dict=False)
+    with torch.no_grad():
+        want, got, before = (m(**inputs)[0] for m in (adapted, loaded, plain))
+    assert (want - before).abs().max() > 1e-2  # the LoRA changes the output
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

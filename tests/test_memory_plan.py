@@ -208,10 +208,12 @@ def _adapters(model, lora):
     """Direct count: the parameters fsdp_utils.add_lora creates, and rank 0's FSDP shard of them
     (fully_shard gives rank 0 the first ceil(dim0 / world) rows of each)."""
     fsdp_utils = memory_plan.fsdp_utils
-    before = {n for n, _ in model.named_parameters()}
+    before = sum(p.numel() for p in model.parameters())
     fsdp_utils.add_lora(model, lora)
-    new = [(n, p) for n, p in model.named_parameters() if n not in before]
-    assert new and all(fsdp_utils.is_adapter(n) and p.requires_grad and p.dtype == torch.float32 for n, p in new)
+    new = [(n, p) for n, p in model.named_parameters() if fsdp_utils.is_adapter(n)]
+    assert new and all(p.requires_grad and p.dtype == torch.float32 for _, p in new)
+    assert sum(p.numel() for p in model.parameters()) == before + sum(p.numel() for _, p in new)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if not fsdp_utils.is_adapter(n))
     world = SMALL["world_size"]
     return sum(p.numel() for _, p in new), sum(-(-p.shape[0] // world) * p[0].numel() for _, p in new)
 

@@ -109,7 +109,7 @@ def load_export(out):
 
 
 COMBO = ["--batch_size=1", "--grad_accum=2", "--activation_checkpointing=1", "--cpu_offload=1",
-         "--ema_decay=0.5", "--sample_every=2", "--save_every=2"]
+         "--ema_decay=0.5", "--sample_every=2", "--save_every=2", "--val_every=2", "--report_to=tensorboard"]
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +331,32 @@ def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
     assert grads.keys() == ref_grads.keys()
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def tensorboard_scalars(out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    files = os.listdir(os.path.join(out, "tensorboard"))
+    assert len(files) == 1, files  # one event file per run
+    acc = EventAccumulator(os.path.join(out, "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_equals_metrics_and_validation_loss_is_logged(runs):
+    pytest.importorskip("tensorboard")
+    for name, steps in (("combo", [1, 2, 3]), ("resumed", [3])):  # the resumed run continues at step 3
+        rows = metrics(runs[name][0])
+        scalars = tensorboard_scalars(runs[name][0])
+        assert [s for s, _ in scalars["loss"]] == steps
+        for r in rows:
+            for k, v in r.items():
+                if k != "step":
+                    assert (r["step"], pytest.approx(v, rel=1e-6)) in scalars[k], (name, k, r)
+    val = [r for r in metrics(runs["combo"][0]) if "val_loss" in r]
+    assert [r["step"] for r in val] == [2] and 0 < val[0]["val_loss"] < 10
+
+
+def test_no_third_party_nag_lines(runs):
+    for _, stdout in runs.values():
+        for nag in ("torchvision", "accelerate", "Loading weights", "low_cpu_mem_usage"):
+            assert nag not in stdout, nag

@@ -643,6 +643,18 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
     return "\n".join(lines)
 
 
+def check_lora_targets(name: str, lora: fsdp_utils.Lora) -> list[str]:
+    """The LoRA targets of the model a configuration trains (its first trainable component), each
+    checked to name a layer of it (fsdp_utils.lora_targets; SystemExit naming a bad one)."""
+    folder = model_folder(name)
+    script, _ = layout(folder)
+    spec = next(c for c in fsdp_utils.SCRIPT_COMPONENTS[script] if HOLDING.get(c.role) and HOLDING[c.role].trained)
+    try:
+        return fsdp_utils.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
+    except fsdp_utils.ConfigError as e:
+        raise SystemExit(f"plan: --lora_targets: {e}") from None
+
+
 def _lora_caption(p: dict) -> str:
     s, (adapters, total) = p["settings"], next(iter(p["lora"].values()))
     return (f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}: "
@@ -687,6 +699,8 @@ def main(argv: list[str]) -> int:
         ap.error(str(e))
     if not a.lora_rank and (a.fake_lora or lora["lora_targets"] or a.lora_alpha):
         ap.error("--lora_alpha, --lora_targets and --fake_lora need --lora_rank > 0")
+    if a.lora_rank:  # unknown targets fail here, on one meta model, as in the scripts, before any planning
+        check_lora_targets(a.model, Settings(1, **lora).lora)
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
     if a.fit_table:
