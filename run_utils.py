@@ -147,17 +147,22 @@ def _teardown_quietly() -> None:
 class GracefulStop:
     """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; the training loop asks
     `should_stop()` once per step (a collective), so all ranks finish the same step, save together
-    and exit. A second signal exits at once."""
+    and exit. A second signal exits at once, except a SIGTERM within `duplicate_window_s` of a
+    first SIGTERM: that is the same stop delivered twice (SLURM signals every process of the job
+    step, and torchrun forwards the one it got to its workers), and must not cut the save short."""
 
-    def __init__(self):
+    def __init__(self, duplicate_window_s: float = 10.0):
         self.signum: int | None = None
+        self.window, self._at = duplicate_window_s, 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         if self.signum is not None:
+            if signum == self.signum == signal.SIGTERM and time.monotonic() - self._at < self.window:
+                return
             os._exit(128 + signum)
-        self.signum = signum
+        self.signum, self._at = signum, time.monotonic()
         print(f"[rank {rank()}] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
               "(signal again to quit at once)", file=sys.stderr, flush=True)
 

@@ -699,10 +699,10 @@ def main(argv: list[str]) -> int:
         ap.error(str(e))
     if not a.lora_rank and (a.fake_lora or lora["lora_targets"] or a.lora_alpha):
         ap.error("--lora_alpha, --lora_targets and --fake_lora need --lora_rank > 0")
-    if a.lora_rank:  # unknown targets fail here, on one meta model, as in the scripts, before any planning
-        check_lora_targets(a.model, Settings(1, **lora).lora)
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
+    if a.lora_rank:  # unknown targets fail here, on one meta model, as in the scripts, before any planning
+        check_lora_targets(a.model, Settings(1, **lora).lora)
     if a.fit_table:
         print(fit_table(a.model, [int(w) for w in a.world_sizes.split(",")],
                         [float(g) for g in a.gpu_memory_gbs.split(",")], a.batch_size, a.resolution, a.precision,
