@@ -468,14 +468,51 @@ def _swap_in(partial: str, out_dir: str) -> None:
     os.replace(partial, out_dir)
 
 
+def _weight_dtypes(folder: str) -> set[torch.dtype]:
+    """Dtypes of the floating tensors in a component folder's safetensors files (headers only)."""
+    import glob
+    from safetensors import safe_open
+    found = set()
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(
+                    f.get_slice(k).get_dtype(), "uint8"))
+                if dtype.is_floating_point:
+                    found.add(dtype)
+    return found
+
+
+def _copy_as(src: str, dst: str, dtype: torch.dtype) -> None:
+    """A copy of a component folder with its floating tensors cast to `dtype`, file by file."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(os.path.join(src, name)).items()}
+            save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
+    config = os.path.join(dst, "config.json")
+    if os.path.exists(config):  # transformers loads in the config's dtype by default
+        with open(config) as f:
+            data = json.load(f)
+        for key in ("torch_dtype", "dtype"):
+            if key in data:
+                data[key] = str(dtype).replace("torch.", "")
+        _write_json(config, data)
+
+
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
                     link_frozen: bool = True, frozen: dict[str, str] | None = None) -> str:
     """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
     frozen components (symlinked, or copied when link_frozen=False) + the trained components.
-    `frozen` maps a component to another folder to use in place of the source's (e.g. a VAE the
-    run used instead of the pipeline's own). Written to export.partial/ and swapped in at the
-    end, so an old export is never half-replaced."""
+    Every component ends up in `dtype`: a frozen one stored in another dtype (a shipped fp16 text
+    encoder beside an fp32 UNet) is written as a converted copy instead of a link, so a plain
+    `Pipeline.from_pretrained(export)` runs without a torch_dtype. `frozen` maps a component to
+    another folder to use in place of the source's (e.g. a VAE the run used instead of the
+    pipeline's own). Written to export.partial/ and swapped in at the end, so an old export is
+    never half-replaced."""
     partial = out_dir.rstrip("/") + PARTIAL
+    converted = []
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
@@ -484,7 +521,10 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
             dst = os.path.join(partial, name)
             if name in trained:
                 continue
-            if os.path.isdir(src):
+            if os.path.isdir(src) and _weight_dtypes(src) - {dtype}:
+                _copy_as(src, dst, dtype)
+                converted.append(name)
+            elif os.path.isdir(src):
                 os.symlink(src, dst) if link_frozen else shutil.copytree(src, dst)
             else:
                 shutil.copy2(src, dst)
@@ -496,7 +536,8 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
     if rank() == 0:
         _swap_in(partial, out_dir)
         print0(f"export: {out_dir} ({', '.join(trained)} in {dtype_name(dtype)}; frozen parts "
-               f"{'linked' if link_frozen else 'copied'})")
+               f"{'linked' if link_frozen else 'copied'}"
+               + (f", {', '.join(converted)} converted to {dtype_name(dtype)}" if converted else "") + ")")
     if dist.is_initialized():
         dist.barrier()
     return out_dir

@@ -75,7 +75,7 @@ MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timest
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
 GENERATOR_LR = 1e-5  # AdamW (0.9, 0.999), weight decay 0.01, for the generator
 GUIDANCE_LR = 1e-5  # the same for the fake score (+ GAN head)
-WARMUP_STEPS = 0  # linear LR warmup, counted in each optimizer's own steps (official flag default 500)
+WARMUP_STEPS = 0.0  # LR warmup over this many iterations, both optimizers (official --warmup_step 500 / 64 GPUs = 7.8125; dmd2.warmup_factor)
 MAX_GRAD_NORM = 10.0  # gradient clipping of each model (0 = off)
 EMA_DECAY = 0.0  # > 0: keep an EMA of the generator (updated per generator step; LoRA: of its adapters), exported instead of it
 # LoRA (the official code's --generator_lora path, main/sd_unified_model.py:44-69; its defaults rank 64, alpha 8)
@@ -313,11 +313,13 @@ def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dt
     return tokenizers, encoders, vae
 
 
-def make_optimizer(module: nn.Module, lr: float, warmup_steps: int):
-    """AdamW as published (betas 0.9/0.999, weight decay 0.01) with a constant LR after warmup."""
+def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
+    """AdamW as published (betas 0.9/0.999, weight decay 0.01) with the published warmup: its
+    scheduler is stepped once per iteration (see dmd2.warmup_factor), whether or not the
+    optimizer stepped."""
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
                             betas=(0.9, 0.999), weight_decay=0.01)
-    return opt, run_utils.warmup_scheduler(opt, warmup_steps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(dm.warmup_factor, warmup=warmup_steps))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,17 +470,16 @@ def guidance_loss(x, mb, fake, head, alphas, losses: Losses) -> tuple[torch.Tens
 
 
 def finish_updates(updates: list, guard, logs: dict, max_grad_norm: float) -> bool:
-    """The step's optimizer updates, [(params, optimizer, scheduler, name)]: clip each (the norm over
-    all shards), then, only when every loss and norm is finite on every rank (one collective),
-    step them all. Grads are zeroed and LR schedules advance either way. Returns whether it stepped."""
-    for params, _, _, name in updates:
+    """The step's optimizer updates, [(params, optimizer, name)]: clip each (the norm over all
+    shards), then, only when every loss and norm is finite on every rank (one collective), step
+    them all. Grads are zeroed either way. Returns whether it stepped."""
+    for params, _, name in updates:
         logs[f"grad_norm_{name}"] = float(fsdp_utils.clip_grad_norm_(params, max_grad_norm))
     ok = guard.step_ok(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
-    for _, opt, sched, _ in updates:
+    for _, opt, _ in updates:
         if ok:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        sched.step()
     return ok
 
 
@@ -671,9 +672,10 @@ def main() -> None:
             loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
             (loss / GRAD_ACCUM).backward()
             add_logs(logs, parts, 1 / GRAD_ACCUM)
-        updates = [(list(guidance.parameters()), opt_d, sched_d, "guidance")]
+        updates = [(list(guidance.parameters()), opt_d, "guidance")]
         if gen_turn:
-            updates.insert(0, (list(generator.parameters()), opt_g, sched_g, "generator"))
+            updates.insert(0, (list(generator.parameters()), opt_g, "generator"))
+        lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
         if finish_updates(updates, guard, logs, MAX_GRAD_NORM):
             if gen_turn and ema is not None:
                 fsdp_utils.ema_update(ema, generator, EMA_DECAY)
@@ -681,12 +683,14 @@ def main() -> None:
             print0(f"step {step}: non-finite loss or grad norm on some rank, updates skipped on all "
                    f"({guard.in_a_row} in a row, {guard.skipped} in all)")
 
+        sched_g.step()  # both every iteration, as published (dmd2.warmup_factor)
+        sched_d.step()
+
         # log, samples, checkpoint (when due), stop
         window_add(window, logs)
         metrics = None
         if step % LOG_EVERY == 0 or step == MAX_STEPS:
-            metrics = window_metrics(window, {"lr_generator": sched_g.get_last_lr()[0],
-                                              "lr_guidance": sched_d.get_last_lr()[0], "skipped_steps": guard.skipped})
+            metrics = window_metrics(window, {**lrs, "skipped_steps": guard.skipped})
         logger.step_done(step, metrics)
         ckpt.poll()
         if (SAMPLE_EVERY and step % SAMPLE_EVERY == 0) or step == MAX_STEPS:

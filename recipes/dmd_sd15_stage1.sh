@@ -11,6 +11,8 @@
 #   MODEL=/models/stable-diffusion-v1-5 DATA=/data/prompts.txt bash recipes/dmd_sd15_stage1.sh
 #   NNODES=8 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash recipes/dmd_sd15_stage1.sh   # on each node
 # Extra --name=value arguments override these (e.g. --max_steps=100 for a trial).
+# Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
+# (algorithms/dmd2.warmup_factor), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SD-1.5 diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/)}
@@ -23,4 +25,4 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --generator_lr=1e-5 --guidance_lr=1e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
     --precision=bf16-mixed --activation_checkpointing=1 --use_gan=0 \
-    --max_steps=40000 --save_every=1000 --sample_every=500 --log_every=50 --resume=auto "$@"
+    --max_steps=40000 --save_every=1000 --sample_every=500 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

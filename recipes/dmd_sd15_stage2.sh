@@ -10,6 +10,8 @@
 #
 #   MODEL=/models/stable-diffusion-v1-5 DATA=/data/laion.jsonl \
 #   INIT_FROM=out/sd15_stage1/checkpoints/step_040000 bash recipes/dmd_sd15_stage2.sh
+# Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
+# (algorithms/dmd2.warmup_factor), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to the ORIGINAL SD-1.5 folder (the teacher), not stage 1 export}
@@ -25,4 +27,4 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
     --precision=bf16-mixed --activation_checkpointing=1 \
-    --max_steps=2000 --save_every=500 --sample_every=250 --log_every=50 --resume=auto "$@"
+    --max_steps=2000 --save_every=500 --sample_every=250 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

@@ -10,6 +10,8 @@
 # to start from the teacher, as the 4-step recipe does.
 #
 #   MODEL=/models/stable-diffusion-xl-base-1.0 DATA=/data/laion.jsonl bash recipes/dmd_sdxl_1step.sh
+# Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
+# (algorithms/dmd2.warmup_factor), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline layout)}
@@ -25,4 +27,4 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --max_step_percent=0.98 --use_gan=1 --gen_cls_loss_weight=5e-3 --guidance_cls_loss_weight=1e-2 \
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 --conditioning_timestep=399 \
     --precision=bf16-mixed --activation_checkpointing=${AC:-0} \
-    --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --resume=auto "$@"
+    --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

@@ -13,6 +13,8 @@
 # DATA: a .jsonl of {"prompt", "image"} rows (the paper used SDXL-VAE latents of 500k LAION images).
 #
 #   MODEL=/models/stable-diffusion-xl-base-1.0 DATA=/data/laion.jsonl bash recipes/dmd_sdxl_4step.sh
+# Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
+# (algorithms/dmd2.warmup_factor), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline layout)}
@@ -28,4 +30,4 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \
     --conditioning_timestep=999 --denoising_steps=999,749,499,249 \
     --precision=bf16-mixed --activation_checkpointing=${AC:-0} \
-    --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --resume=auto "$@"
+    --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

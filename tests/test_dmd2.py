@@ -383,3 +383,23 @@ def test_sdxl_classifier_head_matches_the_official_layout():
     assert len(dm.ClassifierHead(64)) == 7  # SD-1.5's, unchanged
     with pytest.raises(ValueError, match="power of two"):
         dm.ClassifierHead(64, native_size=12)
+
+
+def test_warmup_is_the_published_schedule_for_both_optimizers():
+    """LR at (0-based) iteration k = LR·min(1, k·P/500) in the official code (P GPUs, schedulers
+    stepped every iteration, accelerate stepping P times per call); here WARMUP_STEPS = 500/P
+    iterations, the factor min(1, k / WARMUP_STEPS), the generator's schedule advancing also on
+    iterations where it does not update."""
+    import train_dmd
+    gen, fake = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    warmup = 500 / 64
+    (opt_g, sched_g), (opt_d, sched_d) = (train_dmd.make_optimizer(m, 1e-5, warmup) for m in (gen, fake))
+    for k in range(12):
+        published = 1e-5 * min(1.0, k * 64 / 500)
+        assert sched_g.get_last_lr()[0] == pytest.approx(published, rel=1e-12, abs=0)
+        assert sched_d.get_last_lr()[0] == pytest.approx(published, rel=1e-12, abs=0)
+        if k % 10 == 0:  # the generator steps only every DFAKE_GEN_UPDATE_RATIO iterations ...
+            opt_g.step()
+        opt_d.step()
+        sched_g.step()  # ... but both schedules advance every iteration, as the training loop does
+        sched_d.step()

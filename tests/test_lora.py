@@ -196,7 +196,7 @@ def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
 
 DMD = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32", "--use_gan=1",
        "--ema_decay=0.9", "--sample_every=0", "--seed=3", "--save_every=4", "--lora_rank=4", "--lora_alpha=8",
-       "--fake_lora=1", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
+       "--fake_lora=1", "--generator_lr=1e-3", "--guidance_lr=1e-3", "--warmup_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +213,10 @@ def dmd_runs(tmp_path_factory):
 def test_dmd_lora_two_ranks_match_one_process(dmd_runs):
     from tests.test_train_dmd import checkpoint_tensors
     ref, two = metrics(dmd_runs / "one"), metrics(dmd_runs / "two")
+    # the published warmup (dmd2.warmup_factor): both LRs at iteration k = 1e-3·min(1, k/2), the
+    # generator's advancing on step 2 too, where it does not update (DFAKE_GEN_UPDATE_RATIO=2)
+    for r in two:
+        assert r["lr_generator"] == r["lr_guidance"] == pytest.approx(1e-3 * min(1.0, (r["step"] - 1) / 2))
     for a, b in zip(ref, two, strict=True):
         for k in ("loss_dm", "loss_fake", "loss_gen_cls", "loss_guidance_cls"):
             if k in a:

@@ -184,6 +184,23 @@ def test_export_is_a_one_step_pipeline(run_a):
     assert image.shape == (1, 32, 32, 3) and torch.isfinite(torch.from_numpy(image)).all()
 
 
+def test_export_runs_without_a_torch_dtype(run_a):
+    """The shipped teacher's text encoder and VAE are fp16, the exported UNet fp32: the export holds
+    them converted to fp32, so a plain from_pretrained (no torch_dtype) runs a 1-step call."""
+    from diffusers import LCMScheduler, StableDiffusionPipeline
+    from safetensors import safe_open
+    export = os.path.join(run_a, "export")
+    pipe = StableDiffusionPipeline.from_pretrained(export)
+    assert {pipe.unet.dtype, pipe.text_encoder.dtype, pipe.vae.dtype} == {torch.float32}
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(PROMPT, num_inference_steps=1, guidance_scale=0, timesteps=[999], output_type="pt").images
+    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+    assert os.path.islink(os.path.join(export, "tokenizer"))  # what needs no conversion stays a link
+    with safe_open(os.path.join(export, "vae", "diffusion_pytorch_model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
 # ----------------------------------------------------------------------------------------------
 # few-step mode, data errors, config errors
 
