@@ -656,10 +656,13 @@ def check_lora_targets(name: str, lora: fsdp_utils.Lora) -> list[str]:
 
 
 def _lora_caption(p: dict) -> str:
-    s, (adapters, total) = p["settings"], next(iter(p["lora"].values()))
-    return (f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}: "
-            f"{adapters / 1e6:.2f}M trainable params ({100 * adapters / total:.2f}% of {next(iter(p['lora']))}), "
-            f"frozen base in {dtype_name(get_precision(s.precision).compute_dtype)} without grads or optimizer "
+    """fit_table's words on LoRA: rank, trainable adapter params per LoRA model, and how it is counted."""
+    s = p["settings"]
+    each = ", ".join(f"{n} {a / 1e6:.2f}M ({100 * a / total:.2f}%)" for n, (a, total) in p["lora"].items())
+    full = [n for n, r in p["rows"].items() if r["grads"] and not r.get("adapters")]
+    return (f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}), trainable adapter params: {each}"
+            + (f" ({', '.join(full)} fully trained)" if full else "")
+            + f"; frozen base in {dtype_name(get_precision(s.precision).compute_dtype)} without grads or optimizer "
             f"state, adapters fp32 with fp32 grads and AdamW states; activations measured on the LoRA model "
             f"(about as much as full fine-tuning: the base's are still saved for backward)")
 
