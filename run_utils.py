@@ -493,6 +493,15 @@ class RunLogger:
 
     # what the scripts call
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Work inside (a validation pass) is not counted in the step's step_ms."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._t += time.perf_counter() - start
+
     def step_done(self, step: int, metrics: dict | None) -> None:
         """Advance the progress; if metrics were given (a logging step), write the line, the JSONL
         record and the backends' scalars."""

@@ -636,7 +636,7 @@ def main():
             metrics = {**run_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
                        "skipped_steps": guard.skipped}
         if VAL_EVERY and held_out and step % VAL_EVERY == 0:  # logged with the step's line (one record per step)
-            with final_weights() as final_model:
+            with logger.paused(), final_weights() as final_model:
                 val = validation_loss(final_model, vae, held_out, val_inputs, sample_text, GUIDANCE, LOSS_WEIGHTING,
                                       d.device)
             metrics = {**(metrics or {}), "val_loss": val}

@@ -236,3 +236,14 @@ def test_auto_progress_follows_the_terminal(tmp_path, monkeypatch):
         run_steps(logger, range(1, 4))
         logger.close()
         assert ("\r" in "".join(sys.stdout.text)) == tty
+
+
+def test_paused_work_is_not_counted_in_step_ms(tmp_path):
+    import time
+    logger = RunLogger(str(tmp_path), 2, progress="lines")
+    logger.step_done(1, None)
+    with logger.paused():  # e.g. a validation pass before the step's log line
+        time.sleep(0.3)
+    logger.step_done(2, {"loss": 1.0})
+    logger.close()
+    assert read_jsonl(tmp_path)[-1]["step_ms"] < 200
