@@ -25,7 +25,10 @@ sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is 
                               unit's reduce-scatter buffer
   activations                 bytes saved for backward by one forward of the trainable model at the
                               batch and resolution, measured on the meta device with saved-tensor
-                              hooks (with activation checkpointing: block inputs + one block's worth)
+                              hooks (with activation checkpointing: block inputs + one block's worth);
+                              attention counted as the GPU's flash / memory-efficient SDPA kernels
+                              save it (q, k, v, out, fp32 logsumexp), not as the math reference that
+                              runs on meta (two fp32 L x L matrices per call): flash_attention_saves
   runtime                     a fixed 1 GiB for the CUDA context and allocator slack
 
 LoRA (--lora_rank=R > 0; --lora_alpha, --lora_targets as the scripts' LORA_*): the adapters are added
@@ -313,11 +316,67 @@ def _trainable_per_unit(model: nn.Module, units: list[tuple[str, int]]) -> list[
 # ----------------------------------------------------------------------------------------------
 # activations, measured on meta
 
-def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], checkpointing: bool) -> int:
+ATTENTION_NOTE = "attention counted as flash/memory-efficient SDPA saves it: q, k, v, out, logsumexp"
+
+
+class _FlashSDPA(torch.autograd.Function):
+    """scaled_dot_product_attention saving for backward what the GPU's flash / memory-efficient
+    kernels save: q, k, v, the output and an fp32 logsumexp of shape (..., heads, L_q) (plus the
+    mask, when one is given: the memory-efficient kernel keeps its attention bias). The output is
+    the original SDPA's, computed without grad (on meta nothing is materialised; elsewhere its
+    L x L temporaries are freed, not saved); backward recomputes through the original (math) SDPA."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        kw = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        if enable_gqa:
+            kw["enable_gqa"] = True
+        out = _ORIGINAL_SDPA(q, k, v, **kw)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.kw = kw
+        ctx.save_for_backward(q, k, v, out, lse, *([attn_mask] if torch.is_tensor(attn_mask) else []))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors[:3])
+        with torch.enable_grad():
+            out = _ORIGINAL_SDPA(q, k, v, **ctx.kw)
+        wanted = [t for t in (q, k, v) if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
+        return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 5
+
+
+_ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _FlashSDPA.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@contextlib.contextmanager
+def flash_attention_saves():
+    """Within: torch.nn.functional.scaled_dot_product_attention (which diffusers' attention calls,
+    looked up at call time) is _FlashSDPA, so saved-tensor hooks count what a GPU's flash /
+    memory-efficient kernel keeps for backward, not the math reference's L x L matrices (meta and CPU
+    run the math one). The original is restored on exit."""
+    F = torch.nn.functional
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
+def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], checkpointing: bool,
+                     flash_attention: bool = True) -> int:
     """Bytes autograd saves for backward in one forward (parameters excluded, views counted once).
     `unit_names`: the submodules (by name) that are FSDP units; the outermost of them are the blocks
     activation checkpointing recomputes. With checkpointing: what is saved outside blocks + every
-    block's inputs + the largest block's own saved bytes (recomputed one block at a time in backward)."""
+    block's inputs + the largest block's own saved bytes (recomputed one block at a time in backward).
+    `flash_attention`: attention saves what the GPU's flash / memory-efficient SDPA saves
+    (flash_attention_saves); False: what the math reference saves (two fp32 L x L per call)."""
     params = {id(p) for p in model.parameters()}
     seen, per_block, outside, inputs_b = set(), {}, [0], [0]
     current: list = [None]
@@ -354,7 +413,8 @@ def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], chec
         hooks.append(b.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(b.register_forward_hook(leave, with_kwargs=True))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention = flash_attention_saves() if flash_attention else contextlib.nullcontext()
+        with attention, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**inputs)
     finally:
         for h in hooks:
@@ -563,11 +623,12 @@ def format_plan(name: str, p: dict) -> str:
     acts = f"activations (measured on meta): {p['activations'] / GIB:.2f} GiB"
     if s.lora:
         lines += _lora_lines(p)
-        acts += (" (LoRA: backward through the adapters still needs the frozen base's activations, "
-                 "so about as much as full fine-tuning)")
+        acts += (" (LoRA: backward through the adapters still needs most of the frozen base's activations; "
+                 "frozen Linears save no inputs of their own, so somewhat less than full fine-tuning)")
     lines += [f"model states on: {where}" + (f", {p['host_total'] / GIB:.2f} GiB per rank" if s.cpu_offload else ""),
               f"all-gathered units in flight: {p['gathered'] / GIB:.2f} GiB (largest unit {p['largest_unit'] / GIB:.2f} GiB)",
               acts,
+              ATTENTION_NOTE,
               f"runtime reserve: {p['runtime'] / GIB:.2f} GiB",
               f"TOTAL per GPU: {p['gpu_total'] / GIB:.2f} GiB"]
     return "\n".join(lines)
@@ -626,7 +687,8 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
             lines += [f"{name} ({p['kind']}), {precision}, batch {r.batch_size}/GPU at {r.resolution} px"
                       + (_lora_caption(p) if r.lora else "") + ". Per-rank GiB "
                       "as planned without checkpointing or offload (params: every component's local share); "
-                      "per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total.", "",
+                      "per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total. "
+                      f"Activations: {ATTENTION_NOTE}.", "",
                       "| GPUs | params | grads | optimizer | activations | activations (AC) | total as is | "
                       + " | ".join(f"{g:g} GB" for g in gbs) + " |",
                       "|" + "---:|" * 7 + "---|" * len(gbs)]
@@ -664,7 +726,7 @@ def _lora_caption(p: dict) -> str:
             + (f" ({', '.join(full)} fully trained)" if full else "")
             + f"; frozen base in {dtype_name(get_precision(s.precision).compute_dtype)} without grads or optimizer "
             f"state, adapters fp32 with fp32 grads and AdamW states; activations measured on the LoRA model "
-            f"(about as much as full fine-tuning: the base's are still saved for backward)")
+            f"(somewhat less than full fine-tuning: backward through the adapters still needs most of the base's)")
 
 
 def main(argv: list[str]) -> int:
