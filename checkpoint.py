@@ -360,21 +360,21 @@ def _full_state(model: nn.Module):
     are never touched, so merging cannot fail on shards or alter the run."""
     from fsdp_utils import checkpoint_name, is_adapter
     sd = model.state_dict()
-
-    def full(k):
-        t = sd[k]
-        return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-
     for k in sd:
         if is_adapter(k):
             continue
-        t = full(k)
+        t = _gathered(sd[k])
         if k.endswith(".base_layer.weight"):
             name = k[:-len(".base_layer.weight")]
             for adapter, scale in model.get_submodule(name).scaling.items():
-                a, b = full(f"{name}.lora_A.{adapter}.weight"), full(f"{name}.lora_B.{adapter}.weight")
+                a, b = (_gathered(sd[f"{name}.lora_{ab}.{adapter}.weight"]) for ab in "AB")
                 t = t.float() + scale * _lora_delta(a.float(), b.float(), t.shape)
         yield checkpoint_name(k), t
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly DTensor-sharded) parameter; collective for a DTensor."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 def _lora_delta(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -439,7 +439,7 @@ def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: 
     adapters = {}
     for k, v in model.state_dict().items():
         if is_adapter(k):
-            t = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            t = _gathered(v)
             if rank() == 0:
                 adapters[k] = t.to("cpu", dtype=dtype, copy=True).contiguous()
     if rank() == 0:

@@ -422,11 +422,11 @@ def init_lora(model: nn.Module, seed: int) -> None:
         if not is_adapter(name):
             continue
         if ".lora_B." in name:
-            _fill_local(p, lambda index: torch.zeros(p.shape)[index] if index is not None else torch.zeros(p.shape))
+            _local(p).zero_()
             continue
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.randn(p.shape, generator=g) / p.shape[0]  # std 1/rank (peft: normal_(std=1/r))
-        _fill_local(p, lambda index: full[index] if index is not None else full)
+        _fill_local(p, lambda index: full[index])
 
 
 class AdapterEMA(nn.Module):
@@ -627,7 +627,7 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
             sl = slice_of(name)
             if list(sl.get_shape()) != list(t.shape):
                 raise ConfigError(f"{folder}: {name} has shape {sl.get_shape()}, model expects {list(t.shape)}")
-            _fill_local(t, lambda index: sl[index] if index is not None else sl[:])
+            _fill_local(t, lambda index: sl[index])
         extra = set(files) - set(tensors)
         if extra:
             raise ConfigError(f"{folder}: weights hold tensors the model lacks, e.g. {sorted(extra)[:3]}")
@@ -635,7 +635,7 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
 
 def _fill_local(t: torch.Tensor, read) -> None:
     """Copy into `t` (a DTensor shard or a plain tensor) the part of the full tensor it holds;
-    `read(index)` returns the full tensor's rows at `index` (None = all of it)."""
+    `read(index)` returns the full tensor at `index` (a tuple of slices, or slice(None): all of it)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     if isinstance(t, DTensor):
         local = t.to_local()
@@ -644,7 +644,7 @@ def _fill_local(t: torch.Tensor, read) -> None:
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local.copy_(read(tuple(slice(o, o + s) for o, s in zip(offset, shape))).to(local.dtype))
     else:
-        t.copy_(read(None).to(t.dtype))
+        t.copy_(read(slice(None)).to(t.dtype))
 
 
 def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, home: torch.device,
@@ -714,7 +714,7 @@ def copy_params(dst: nn.Module, src: nn.Module) -> None:
 # memory
 
 def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
