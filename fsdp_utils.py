@@ -4,7 +4,8 @@ parallelize recipes, frozen components, meta-device build with sharded loading f
 folders, grad clipping over DTensor shards, resharding, EMA of sharded params, memory report.
 
 Everything here calls PyTorch directly: `torch.distributed.fsdp.fully_shard` per block, then the
-root; DTensor for sharded params; `init_device_mesh` for FSDP (1-D) and HSDP (2-D). Run control
+root; DTensor for sharded params; `init_device_mesh` for FSDP (1-D) and HSDP (2-D), and for the
+data-parallel x context-parallel layout (build_meshes, enable_context_parallel). Run control
 (errors, signals, settings, logging) is run_utils.py; data order and files are data_utils.py.
 
     python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
@@ -113,14 +114,95 @@ def check_dp_replicate(dp_replicate: int, world: int | None = None) -> None:
 def build_mesh(device: torch.device, dp_replicate: int = 1) -> DeviceMesh:
     """FSDP: a 1-D mesh ("dp_shard",). HSDP: a 2-D mesh ("dp_replicate", "dp_shard") — parameters
     sharded inside each replica group, replicated (all-reduced) across groups."""
+    return build_meshes(device, dp_replicate)[0]
+
+
+def check_context_parallel(context_parallel: int, dp_replicate: int, world: int | None = None) -> None:
+    """Fails before any work if the world cannot be laid out as replicas x shards x CP groups."""
+    world = world_size() if world is None else world
+    if context_parallel < 1:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: must be >= 1 (1 = off)")
+    if world % (context_parallel * dp_replicate):
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel} x DP_REPLICATE={dp_replicate} does not divide "
+                          f"the world size {world}")
+
+
+def build_meshes(device: torch.device, dp_replicate: int = 1,
+                 context_parallel: int = 1) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(FSDP mesh, CP mesh or None). Without CP: build_mesh's 1-D or 2-D mesh. With
+    context_parallel = C > 1 the world is laid out (dp_replicate, dp_shard, ring=1, ulysses=C), CP
+    innermost: a CP group is C consecutive ranks (one node's GPUs, where the all-to-alls are
+    cheapest), the data-parallel rank is rank // C. FSDP shards over dp_shard x ring x ulysses
+    flattened ("dp_shard_cp"), so the model states spread over every rank as without CP
+    (torchtitan's layout, torchtitan/distributed/parallel_dims.py). The CP mesh has the
+    ("ring", "ulysses") dims diffusers' ContextParallelConfig(mesh=...) expects."""
     world = world_size()
     check_dp_replicate(dp_replicate, world)
-    if dp_replicate == 1:
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    check_context_parallel(context_parallel, dp_replicate, world)
+    if context_parallel == 1:
+        if dp_replicate == 1:
+            return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",)), None
+        return init_device_mesh(device.type, (dp_replicate, world // dp_replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard")), None
+    shard = world // (dp_replicate * context_parallel)
+    root = init_device_mesh(device.type, (dp_replicate, shard, 1, context_parallel),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "ring", "ulysses"))
+    root["dp_shard", "ring", "ulysses"]._flatten("dp_shard_cp")
+    fsdp_mesh = root["dp_shard_cp"] if dp_replicate == 1 else root["dp_replicate", "dp_shard_cp"]
+    return fsdp_mesh, root["ring", "ulysses"]
 
 
+def data_parallel_rank(context_parallel: int = 1) -> tuple[int, int]:
+    """(rank, size) of this rank's data-parallel group: the C ranks of a CP group (consecutive, see
+    build_meshes) share one slice of every batch."""
+    return rank() // context_parallel, world_size() // context_parallel
+
+
+@contextlib.contextmanager
+def _accelerator_count_at_least_one():
+    """diffusers' enable_parallelism records a device as rank % torch.accelerator.device_count(),
+    which divides by zero on a CPU-only machine (diffusers/models/modeling_utils.py,
+    _resolve_parallel_config); that device is not used by the CP attention or hooks. Only then,
+    and only for the call, the count reads 1."""
+    real = torch.accelerator.device_count
+    if real() > 0:
+        yield
+        return
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = real
+
+
+def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Context parallelism on a (sharded) diffusers model, by diffusers' own implementation:
+    Ulysses attention (ContextParallelConfig(ulysses_degree=C)), whose autograd function
+    all-to-alls q/k/v from sequence-split to head-split, runs the attention over the full
+    sequence for H/C heads, and all-to-alls the output and, in backward, the grads back
+    (diffusers/models/attention_dispatch.py, TemplatedUlyssesAttention). The model's _cp_plan
+    (FluxTransformer2DModel: hidden_states, encoder_hidden_states, img_ids, txt_ids split along the
+    sequence at the root; proj_out's output all-gathered, whose backward keeps this rank's slice)
+    places the splits, so every rank of a CP group returns the full output.
+
+    Why Ulysses and not ring: it is exact with the ordinary (flash / memory-efficient) SDPA kernel,
+    needs two all-to-alls per attention instead of C-1 KV rotations, and FLUX's 24 heads divide
+    every CP size a node offers (2, 4, 8); diffusers' ring attention merges partial results by their
+    log-sum-exp, which its native SDPA backend (the one that runs everywhere, CPU included) cannot
+    return. Gradient scale: every rank of a CP group
+    computes the same loss from the gathered output, and its param grads hold only its tokens'
+    share; FSDP2 averages over dp x cp ranks, so the caller multiplies the loss by C before
+    backward (FSDP's set_gradient_divide_factor would do it, but needs PREMUL_SUM, which gloo lacks)."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+    from diffusers.utils import logging as diffusers_logging
+    config = ContextParallelConfig(ulysses_degree=cp_mesh["ulysses"].size(), mesh=cp_mesh)
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its "experimental feature" warning, once per model and rank
+    try:
+        with _accelerator_count_at_least_one():
+            model.enable_parallelism(config=config)
+    finally:
+        diffusers_logging.set_verbosity(level)
 
 
 # ----------------------------------------------------------------------------------------------

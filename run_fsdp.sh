@@ -3,6 +3,7 @@
 #
 #   bash run_fsdp.sh train_dmd.py --max_steps=100
 #   NPROC=8 bash run_fsdp.sh train_flux_kontext.py --cpu_offload=1
+#   NPROC=8 bash run_fsdp.sh train_flux_kontext.py --context_parallel=4   # 2 DP groups x 4 CP ranks
 #   # two nodes (run on each, NODE_RANK=0 on the one at MASTER_ADDR):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 bash run_fsdp.sh train_dmd.py
 #
@@ -83,6 +84,16 @@ if [ "$NNODES" -gt 1 ]; then
 else
   RDZV=(--standalone --nnodes=1)
 fi
+
+# context parallelism (train_flux_kontext.py --context_parallel=C): a CP group is C consecutive
+# ranks and all-to-alls inside every attention, so it should sit inside one node
+for arg in "$@"; do
+  if [[ $arg =~ ^--context_parallel=([0-9]+)$ ]] && [ "${BASH_REMATCH[1]}" -gt 1 ] \
+      && [ $((NPROC % BASH_REMATCH[1])) -ne 0 ]; then
+    echo "run_fsdp.sh: warning: --context_parallel=${BASH_REMATCH[1]} does not divide NPROC=$NPROC: CP groups" \
+         "would span nodes (correct, but every attention's all-to-all crosses the network)" >&2
+  fi
+done
 
 CMD=(torchrun "${RDZV[@]}" --nproc_per_node="$NPROC" "$SCRIPT" "$@")
 echo "+ ${CMD[*]}"

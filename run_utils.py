@@ -264,9 +264,13 @@ def quiet_known_warnings() -> None:
     - transformers says its CLIP/Siglip image processors fall back to PIL without torchvision: no
       image processor is used here;
     - the per-file "Loading weights" bars of transformers/diffusers from_pretrained, which write
-      carriage returns into log files (the run's own bar and log lines stay).
+      carriage returns into log files (the run's own bar and log lines stay);
+    - torch's deprecation notice for funcol.all_gather_tensor, which diffusers' context-parallel
+      output gather still calls (a FutureWarning about diffusers' code, nothing users can change).
     Every other warning stays visible."""
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=r"`torch.distributed._functional_collectives.all_gather_tensor` is "
+                            r"deprecated", category=FutureWarning)
     logging.getLogger("diffusers.models.modeling_utils").addFilter(
         lambda record: not any(s in record.getMessage() for s in ("should be kept in float32: []",
                                                                   "because `accelerate` was not found")))

@@ -30,6 +30,12 @@ trained on a frozen base stored in the compute dtype, both sharded in the same p
 units (fsdp_utils.add_lora says why); checkpoints hold only the adapters and their optimizer state.
     torchrun --standalone --nproc_per_node=2 train_flux_kontext.py --lora_rank=16 --lr=1e-4
 
+Context parallelism (CONTEXT_PARALLEL = C > 1, for long sequences: Kontext at 1024 px is 8192 image
+tokens + 512 text tokens per sample): each group of C consecutive ranks takes the same samples and
+splits their token sequence C ways, with diffusers' Ulysses attention; FSDP2 still shards over all
+ranks (fsdp_utils.build_meshes, enable_context_parallel). Same updates as without it.
+    torchrun --standalone --nproc_per_node=8 train_flux_kontext.py --context_parallel=4
+
 Choices worth knowing: a global batch always comes from one resolution bucket (see
 bucket_schedule), because the transformer's position ids are shared by the batch; latents are
 encoded by the frozen VAE at every step (no latent cache, so flips and re-bucketing stay free; the
@@ -81,6 +87,7 @@ TEXT_ENCODER_DTYPE = ""  # CLIP / T5 dtype for the cache; "" = the precision's c
 EXPORT_DTYPE = "bf16"  # dtype of the exported transformer
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
 DP_REPLICATE = 1  # HSDP: replica groups (1 = plain FSDP over all ranks); must divide the world
+CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see README
 RESHARD_AFTER_FORWARD = True  # free gathered block params after forward (re-gathered in backward)
 CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each block in backward instead of storing activations
@@ -428,6 +435,10 @@ def validate_config() -> precision.Precision:
     run_utils.check_report_to(REPORT_TO)
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
+    fsdp_utils.check_context_parallel(CONTEXT_PARALLEL, DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
+    if PARALLELISM == "ddp" and CONTEXT_PARALLEL > 1:
+        raise ConfigError(f"PARALLELISM=ddp with CONTEXT_PARALLEL={CONTEXT_PARALLEL}: context parallelism is "
+                          "built on the FSDP mesh; use fsdp")
     run_utils.check_settings({
         "MAX_STEPS >= 1": MAX_STEPS >= 1, "BATCH_SIZE >= 1": BATCH_SIZE >= 1, "GRAD_ACCUM >= 1": GRAD_ACCUM >= 1,
         "0 <= EMA_DECAY < 1": 0 <= EMA_DECAY < 1, "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
@@ -493,6 +504,28 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
     return train, held_out, buckets, bucket_of
 
 
+def check_context_parallel_shapes(model_path, context_parallel, text_length, sizes, vae_factor) -> None:
+    """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads
+    C ways, and the sequence is split C ways at the transformer's input, text tokens and image
+    tokens (target + context, 2 x (h/2f) x (w/2f) for an h x w bucket) each on their own, so all
+    three must divide by C. `sizes` = every (h, w) the run will use (training buckets, samples)."""
+    if context_parallel == 1:
+        return
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        heads = json.load(f)["num_attention_heads"]
+    if heads % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {heads} attention heads "
+                          f"(transformer/config.json) do not divide by it (Ulysses splits the heads)")
+    if text_length % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: {text_length} T5 tokens (MAX_SEQUENCE_LENGTH, "
+                          f"capped by the tokenizer) do not divide by it; set MAX_SEQUENCE_LENGTH to a multiple")
+    for h, w in sorted(set(sizes)):
+        tokens = 2 * (h // (2 * vae_factor)) * (w // (2 * vae_factor))
+        if tokens % context_parallel:
+            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the {h}x{w} bucket has {tokens} image tokens "
+                              f"(target + context), not divisible by it; change RESOLUTION or BUCKET_ASPECTS")
+
+
 def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
     """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
     length = t5_length(model_path, max_length)
@@ -554,16 +587,29 @@ def main():
     train, held_out, buckets, bucket_of = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS,
                                                     2 * vae_factor, SKIP_BAD_SAMPLES)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
+    sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
+    check_context_parallel_shapes(MODEL_PATH, CONTEXT_PARALLEL, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
+                                  [buckets[b] for b, _ in schedule] + sample_sizes, vae_factor)
     identity = prepare_text_cache([r["prompt"] for r in train + held_out], MODEL_PATH, TEXT_CACHE_DIR,
                                   MAX_SEQUENCE_LENGTH, prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
     # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
-    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
+    mesh, cp_mesh = fsdp_utils.build_meshes(d.device, DP_REPLICATE, CONTEXT_PARALLEL) if PARALLELISM == "fsdp" \
+        else (None, None)
     sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=lora, seed=SEED)
+    if cp_mesh is not None:  # every forward of these models (training, validation, samples) splits the sequence
+        for model in (transformer, ema):
+            if isinstance(model, torch.nn.Module) and not isinstance(model, fsdp_utils.AdapterEMA):
+                fsdp_utils.enable_context_parallel(model, cp_mesh)
+    dp_rank, dp_size = fsdp_utils.data_parallel_rank(CONTEXT_PARALLEL)
+    if CONTEXT_PARALLEL > 1:
+        print0(f"context parallel: {dp_size} data-parallel group(s) of {CONTEXT_PARALLEL} ranks; each group splits "
+               f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
+               f"{d.world_size} ranks")
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(
         transformer, d.device, prec.mp_policy(), block_classes=BLOCK_CLASSES,
         activation_checkpointing=ACTIVATION_CHECKPOINTING)
@@ -592,11 +638,10 @@ def main():
         guard.load(meta)
         print0(f"resumed from {resume_path} (step {start})")
 
-    global_batch, micro_global = BATCH_SIZE * d.world_size * GRAD_ACCUM, BATCH_SIZE * d.world_size
+    global_batch, micro_global = BATCH_SIZE * dp_size * GRAD_ACCUM, BATCH_SIZE * dp_size
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
                         mode_scale=MODE_SCALE, shift=SHIFT)
     final_weights = functools.partial(fsdp_utils.output_weights, transformer, ema)  # what samples show, export writes
-    sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
     sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
     logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start, report_to=REPORT_TO, config=config,
                                  wandb_project=WANDB_PROJECT, wandb_run_name=WANDB_RUN_NAME)
@@ -610,13 +655,15 @@ def main():
         latent_shape = (vae.config.latent_channels, h // vae_factor, w // vae_factor)
         sigmas, noise, flips = draw_step_randomness(SEED, step, global_batch, latent_shape, sigma_kwargs, RANDOM_FLIP)
         loss_sum = 0.0
-        for m in range(GRAD_ACCUM):  # micro-batch m = m-th chunk of the global batch, split over ranks
-            mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), d.rank, d.world_size))
+        for m in range(GRAD_ACCUM):  # micro-batch m = m-th chunk of the global batch, split over DP groups
+            mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
             rows = [train[indices[i]] for i in mine]
             text = load_text_embeds([r["prompt"] for r in rows], TEXT_CACHE_DIR, identity, d.device)
             loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
                                     text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
-            loss.backward()  # FSDP reduce-scatters (averages over ranks) after every micro-batch
+            # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP group
+            # each hold a 1/C share of one loss's grads, hence x C (fsdp_utils.enable_context_parallel)
+            (loss * CONTEXT_PARALLEL).backward()
             loss_sum += loss.item()
         grad_norm = float(fsdp_utils.clip_grad_norm_(params, MAX_GRAD_NORM))
         if guard.step_ok(loss_sum, grad_norm):  # collective: every rank takes the same branch

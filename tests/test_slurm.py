@@ -100,3 +100,19 @@ def test_example_sbatch_runs_one_launcher_per_node(tmp_path):
                                re.M))
     for arg in cmd[7:]:
         assert arg.startswith("--") and arg[2:].split("=")[0].upper() in constants, arg
+
+
+def test_context_parallel_group_spanning_nodes_is_warned():
+    """A CP group should sit inside one node: with 6 GPUs per node, --context_parallel=4 warns
+    (and still launches); 2 and 3 do not."""
+    def run(cp):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env.update(DRY_RUN="1", NPROC="6", NNODES="2", NODE_RANK="0", MASTER_ADDR="node01", PATH=clean_path())
+        return subprocess.run(["bash", os.path.join(ROOT, "run_fsdp.sh"), "train_flux_kontext.py",
+                               f"--context_parallel={cp}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+    spanning = run(4)
+    assert spanning.returncode == 0 and "--context_parallel=4 does not divide NPROC=6" in spanning.stderr
+    assert "--context_parallel=4" in spanning.stdout
+    for cp in (2, 3):
+        assert "warning" not in run(cp).stderr

@@ -75,9 +75,12 @@ def make_mixed_dataset(folder):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory.mktemp("kontext"))
+
+
+def make_setup(root):
     """The tiny default built once into a private cache, the mixed dataset, launch environment."""
     from tools import tiny_models
-    root = tmp_path_factory.mktemp("kontext")
     cache = root / "cache"
     model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
     data, rows = make_mixed_dataset(str(root / "data"))
