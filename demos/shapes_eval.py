@@ -38,6 +38,8 @@ N = len(prompts) x seeds images from fixed noise, scored on
     python -m demos.shapes_eval --model=assets/shapes_teacher --sampler=onestep
     python -m demos.shapes_eval --compare teacher=assets/shapes_teacher student=out/dmd/export \
         --grid=shapes_grid.png
+    python -m demos.shapes_eval --compare teacher=assets/shapes_teacher stage1=out/dmd/export \
+        stage2=out/dmd_gan/export four_step=out/dmd_4step/export@4
 
 Importable: `score_images(images, prompts)`, `evaluate_components(...)` (for a training loop that
 holds the UNet etc. in memory), `evaluate_folder(path, ...)`, `compare(...)`.
@@ -519,14 +521,35 @@ def save_grid(columns: list[tuple[str, np.ndarray]], prompts: list[str], seeds: 
     return shapes.save_png(canvas, path)
 
 
-def compare(teacher: str, student: str | None, steps=25, cfg=4.0, seeds=8, grid=None,
+def generator_runs(generators: dict[str, str]) -> list[tuple[str, str, str, int]]:
+    """(label, path, sampler, steps) for --compare's generator entries NAME=PATH[@STEPS]: without
+    @STEPS (or @1) the 1-step sampler at t=999, with @4 DMD2's few-step sampler over
+    denoising_step_list(4) = 999/749/499/249, re-noising each x0 (the official inference)."""
+    from algorithms import dmd2 as dm
+    runs = []
+    for name, spec in generators.items():
+        path, _, n = spec.partition("@")
+        n = int(n or 1)
+        if n == 1:
+            runs.append((f"{name}, 1 step (t=999, no CFG)", path, "onestep", 1))
+        else:
+            ts = "/".join(str(t) for t in dm.denoising_step_list(n))
+            runs.append((f"{name}, {n} steps ({ts}, no CFG)", path, "fewstep", n))
+    return runs
+
+
+def compare(teacher: str, generators: dict[str, str] | str | None, steps=25, cfg=4.0, seeds=8, grid=None,
             json_out=None, prompts=None, grid_every=1):
+    """The teacher (DDIM `steps` with CFG `cfg`, and its own 1-step prediction) beside each DMD2
+    generator in `generators` ({name: PATH[@STEPS]}; a plain path is {"student": path}), on the
+    same prompts and noise, then real data of another draw."""
     prompts = list(prompts or all_prompts())
     reference = Reference(prompts)
+    if isinstance(generators, str):
+        generators = {"student": generators}
     runs = [("teacher, %d-step DDIM, CFG %g" % (steps, cfg), teacher, "ddim", steps, cfg),
             ("teacher, 1 step (t=999, no CFG)", teacher, "onestep", 1, 1.0)]
-    if student:
-        runs.append(("student, 1 step (t=999, no CFG)", student, "onestep", 1, 1.0))
+    runs += [(label, path, sampler, n, 1.0) for label, path, sampler, n in generator_runs(generators or {})]
     rows, columns, image_prompts = [], [], None
     parts_cache = {}
     for name, path, sampler, n_steps, scale in runs:
@@ -538,14 +561,12 @@ def compare(teacher: str, student: str | None, steps=25, cfg=4.0, seeds=8, grid=
         print(f"{name}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}),
               flush=True)
         rows.append((name, m))
-        columns.append((name.split(",")[0] + (" 25" if sampler == "ddim" else " 1"), images))
+        columns.append((f"{name.split(',')[0]} {n_steps}-step", images))
     rows.append(("real data (other draw)", real_row(reference, seeds)))
     table = markdown_table(rows, rows[0][1]["real_diversity"])
     print(table)
     if grid:
-        names = [f"teacher {steps}-step" if i == 0 else ("teacher 1-step" if i == 1 else "student 1-step")
-                 for i in range(len(columns))]
-        save_grid([(n, im) for n, (_, im) in zip(names, columns)], prompts, seeds, grid, every=grid_every)
+        save_grid(columns, prompts, seeds, grid, every=grid_every)
         print(f"grid: {grid}")
     if json_out:
         Path(json_out).write_text(json.dumps([{"name": n, **m} for n, m in rows], indent=1))
@@ -570,7 +591,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--cfg", type=float, default=None, help="CFG scale (default 4 for ddim, 1 otherwise)")
     ap.add_argument("--seeds", type=int, default=8, help="images per prompt")
-    ap.add_argument("--compare", nargs="+", metavar="NAME=PATH", help="teacher=PATH [student=PATH]")
+    ap.add_argument("--compare", nargs="+", metavar="NAME=PATH",
+                    help="teacher=PATH, then DMD2 generators NAME=PATH (1 step) or NAME=PATH@4 (4 steps)")
     ap.add_argument("--grid", default=None, help="PNG path for the image grid")
     ap.add_argument("--grid_every", type=int, default=1, help="grid rows: every n-th prompt (5: shapes, colours and backgrounds all vary)")
     ap.add_argument("--json_out", default=None)
@@ -582,7 +604,8 @@ def main(argv=None):
         if "teacher" not in paths:
             ap.error("--compare needs teacher=PATH")
         cfg = 4.0 if args.cfg is None else args.cfg
-        compare(paths["teacher"], paths.get("student"), args.steps, cfg, args.seeds,
+        teacher = paths.pop("teacher")
+        compare(teacher, paths, args.steps, cfg, args.seeds,
                 args.grid or "shapes_grid.png", args.json_out, grid_every=args.grid_every)
         return
     if not args.model:

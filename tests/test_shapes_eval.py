@@ -185,3 +185,9 @@ def test_shapes_world():
     assert (image[3:10, 2:6] == (1, 2, 3)).all() and (image == (1, 2, 3)).all(-1).sum() == 7 * 4
     table = shapes.md_table(["a", "b"], [["1", "2"]], align=["---", "---:"])
     assert table == "| a | b |\n|---|---:|\n| 1 | 2 |"
+
+
+def test_compare_takes_named_one_and_four_step_generators():
+    runs = se.generator_runs({"stage1": "out/a/export", "four_step": "out/b/export@4"})
+    assert runs == [("stage1, 1 step (t=999, no CFG)", "out/a/export", "onestep", 1),
+                    ("four_step, 4 steps (999/749/499/249, no CFG)", "out/b/export", "fewstep", 4)]
