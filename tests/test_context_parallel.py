@@ -21,10 +21,11 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 from tests.test_train_flux_kontext import checkpoint_state, launch, load_export, make_setup, metrics
 
 sys.path.insert(0, ROOT)
+import fsdp_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
 
@@ -114,3 +115,19 @@ def test_cp_config_errors_before_any_work(setup, tmp_path):
     tfk.check_context_parallel_shapes(shipped, 4, 32, [(64, 64)], 8)
     with pytest.raises(ConfigError, match="the 48x80 bucket has 30 image tokens"):  # 2 x 3 x 5
         tfk.check_context_parallel_shapes(shipped, 4, 32, [(64, 64), (48, 80)], 8)
+
+
+def _mesh_layout(rank, world):
+    fsdp_mesh, cp_mesh = fsdp_utils.build_meshes(torch.device("cpu"), dp_replicate=2, context_parallel=2)
+    assert fsdp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and fsdp_mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    assert cp_mesh.mesh_dim_names == ("ring", "ulysses") and cp_mesh.mesh.tolist() == [[rank // 2 * 2, rank // 2 * 2 + 1]]
+    assert fsdp_utils.data_parallel_rank(2) == (rank // 2, 2)
+    fsdp_mesh, cp_mesh = fsdp_utils.build_meshes(torch.device("cpu"), dp_replicate=1, context_parallel=2)
+    assert fsdp_mesh.mesh_dim_names == ("dp_shard_cp",) and fsdp_mesh.mesh.tolist() == [0, 1, 2, 3]
+    assert fsdp_utils.build_meshes(torch.device("cpu"), 2)[1] is None
+
+
+def test_hsdp_with_cp_mesh_layout():
+    """4 ranks, DP_REPLICATE=2 x CONTEXT_PARALLEL=2: HSDP over (replicate, shard x cp), CP groups
+    {0, 1} and {2, 3} (consecutive ranks), data-parallel rank = rank // 2."""
+    run_ranks(_mesh_layout, 4)
