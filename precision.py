@@ -47,17 +47,18 @@ class Precision:
     compute_dtype: torch.dtype  # what matmuls / convs run in
     reduce_dtype: torch.dtype   # gradient reduce-scatter / all-reduce
 
-    def mp_policy(self) -> MixedPrecisionPolicy:
+    def mp_policy(self, compute_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
         """Policy for trainable models: cast params to compute dtype for forward/backward,
-        reduce grads in reduce_dtype, hand outputs back in fp32 so losses are fp32."""
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+        reduce grads in reduce_dtype, hand outputs back in fp32 so losses are fp32.
+        `compute_dtype` overrides the mode's for one model (DMD2's fp32 fake score)."""
+        return MixedPrecisionPolicy(param_dtype=compute_dtype or self.compute_dtype, reduce_dtype=self.reduce_dtype,
                                     output_dtype=torch.float32, cast_forward_inputs=True)
 
-    def adapter_mp_policy(self) -> MixedPrecisionPolicy:
+    def adapter_mp_policy(self, compute_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
         """Policy for a LoRA model (fsdp_utils.add_lora): the frozen base is stored in the compute
         dtype and the adapters in fp32; everything is all-gathered in the compute dtype, adapter
         grads are reduced in fp32 (they are few), outputs handed back in fp32."""
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
+        return MixedPrecisionPolicy(param_dtype=compute_dtype or self.compute_dtype, reduce_dtype=torch.float32,
                                     output_dtype=torch.float32, cast_forward_inputs=True)
 
     def frozen_dtype(self, override: str = "") -> torch.dtype:

@@ -93,6 +93,7 @@ DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_
 DIFFUSION_GAN_MAX_TIMESTEP = 1000  # published stage 2: the whole range
 # precision: bf16 autocast as published; frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16
+FAKE_SCORE_FP32 = True  # the fake score computes in fp32 (as published: the DM loss runs it "at full precision", main/sd_guidance.py:191; its own loss then too, where the official uses bf16 autocast); False = PRECISION's compute dtype
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
 TEXT_ENCODER_DTYPE = ""  # "" = PRECISION's compute dtype (the official code keeps CLIP in fp32)
 VAE_DTYPE = ""  # "" = PRECISION's compute dtype for SD-1.5 (official: fp16), fp32 for SDXL (its VAE overflows in half precision)
@@ -258,18 +259,22 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
-                 seed: int, lora: fsdp_utils.Lora = fsdp_utils.Lora(), fake_lora: bool = False) -> dict[str, nn.Module]:
+                 seed: int, lora: fsdp_utils.Lora = fsdp_utils.Lora(), fake_lora: bool = False,
+                 fake_compute: torch.dtype | None = None) -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder: generator and fake score (sharded,
     loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
     train LoRA adapters on a frozen base), the generator's EMA (sharded identically, so its update
     is shard-local; LoRA: of the adapters only) and the GAN head (for a bottleneck of `head_size`²
-    at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters)."""
-    def unet(adapters: fsdp_utils.Lora = fsdp_utils.Lora(), salt: int = 0, **kw):
+    at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters).
+    `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
+    (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged."""
+    def unet(adapters: fsdp_utils.Lora = fsdp_utils.Lora(), salt: int = 0, compute: torch.dtype | None = None, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
-        policy = precision.adapter_mp_policy() if adapters else precision.mp_policy()
+        policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
         return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
                           block_classes=block_classes, lora=adapters, seed=seed + salt, **kw)
-    models = {"generator": unet(lora), "fake": unet(lora if fake_lora else fsdp_utils.Lora(), salt=1)}
+    models = {"generator": unet(lora),
+              "fake": unet(lora if fake_lora else fsdp_utils.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
         models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], head_size, mesh, precision,
                                         device, seed, sharding.cpu_offload)
@@ -569,9 +574,10 @@ def main() -> None:
     unet_config = UNet2DConditionModel.load_config(unet_dir)
     # the GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8, SDXL 32)
     head_size = unet_config["sample_size"] // 2 ** (len(unet_config["block_out_channels"]) - 1) if sdxl else 8
+    fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                           use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED, lora=lora,
-                          fake_lora=FAKE_LORA)
+                          fake_lora=FAKE_LORA, fake_compute=fake_compute)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
     teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
@@ -581,7 +587,7 @@ def main() -> None:
     if mesh is None:
         ddp = functools.partial(fsdp_utils.apply_ddp, device=d.device, mp_policy=precision.mp_policy(),
                                 block_classes=BLOCK_CLASSES, activation_checkpointing=ACTIVATION_CHECKPOINTING)
-        train_gen, train_fake = ddp(generator), ddp(fake, verbose=False)
+        train_gen, train_fake = ddp(generator), ddp(fake, verbose=False, mp_policy=precision.mp_policy(fake_compute))
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)
@@ -596,7 +602,7 @@ def main() -> None:
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
     opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
-    audit = [component_row(n, m, precision.compute_dtype) for n, m in models.items()]
+    audit = [component_row(n, m, fake_compute if n == "fake" else precision.compute_dtype) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype)]
     audit += [component_row(name, e, e.dtype) for name, e in zip(("text_encoder", "text_encoder_2"), text_encoders)]
     audit += [component_row("vae", vae, vae.dtype)]

@@ -260,3 +260,38 @@ def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)
     with pytest.raises(ConfigError, match="DP_REPLICATE"):
         train_dmd.validate_config()
+
+
+def _fake_score_compute_dtypes(rank, world, fake_fp32):
+    """Under bf16-mixed, the weights a fake-score block computes with (read inside its forward,
+    where FSDP2 has all-gathered them in the policy's dtype) vs the generator's."""
+    import fsdp_utils
+    import precision as prec
+    folder = os.path.join(train_dmd.default_paths()[0], "unet")
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    p = prec.get_precision("bf16-mixed")
+    models = train_dmd.build_models(folder, mesh, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
+                                    block_classes=[], use_gan=False, head_size=8, ema_decay=0.0, seed=0,
+                                    fake_compute=torch.float32 if fake_fp32 else None)
+    seen = {}
+    for name in ("generator", "fake"):
+        block = next(m for m in models[name].modules() if type(m).__name__.endswith("ResnetBlock2D"))
+        def look(m, args, n=name):
+            seen.setdefault(n, (m.conv1.weight.dtype, args[0].dtype))
+        block.register_forward_pre_hook(look)
+        cfg = models[name].config
+        x = torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+        with torch.no_grad():
+            models[name](x, torch.tensor([500]), torch.randn(1, 4, cfg.cross_attention_dim))
+        fsdp_utils.reshard_all(models[name])  # the root unit keeps its gathered params after forward
+        assert all(p.dtype == torch.float32 for p in models[name].parameters())  # storage: fp32 master weights
+    want = torch.float32 if fake_fp32 else torch.bfloat16
+    assert seen == {"generator": (torch.bfloat16, torch.bfloat16), "fake": (want, want)}, seen
+
+
+@pytest.mark.parametrize("fake_fp32", [True, False])
+def test_fake_score_computes_in_fp32_as_published(fake_fp32):
+    """FAKE_SCORE_FP32 (default on): the fake score's units gather and compute in fp32 under
+    bf16-mixed, as the official DM loss runs it; off: in the mode's bf16, like the generator."""
+    from tests.conftest import run_ranks
+    run_ranks(_fake_score_compute_dtypes, 2, fake_fp32)
