@@ -341,3 +341,145 @@ def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags(capsys):
     with pytest.raises(SystemExit) as missing:
         memory_plan.main(["--model=sd15-dmd", "--world_size=2", "--fake_lora=1"])
     assert missing.value.code == 2 and "--lora_rank" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# context parallelism (--context_parallel, FLUX Kontext only): the sequence split C ways
+
+# the FLUX report and fit table as the planner printed them before context parallelism existed
+# (generated with the previous tools/memory_plan.py): CP 1 must keep them byte for byte
+FLUX_PLAN = """\
+plan: flux-kontext-dev (flux_kontext), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
+component           params   on rank  param GiB  grad GiB  optim GiB  role
+transformer         11.90B     5.95B      22.17     22.17      44.34  trainable
+vae                  0.08B     0.08B       0.16      0.00       0.00  replicated
+text_encoder             -         -       0.00      0.00       0.00  text embeddings cached before training
+text_encoder_2           -         -       0.00      0.00       0.00  text embeddings cached before training
+model states on: GPU
+all-gathered units in flight: 2.53 GiB (largest unit 0.63 GiB)
+activations (measured on meta): 4.69 GiB
+attention counted as flash/memory-efficient SDPA saves it: q, k, v, out, logsumexp
+runtime reserve: 1.00 GiB
+TOTAL per GPU: 97.05 GiB"""
+
+FLUX_TABLE_ROW = "| 2 | 22.32 | 22.17 | 44.34 | 4.69 | 0.28 | 97.05 | CPU offload (8.4) | bf16 states (52.1) |"
+
+
+@pytest.fixture(scope="module")
+def flux_cp():
+    """FLUX Kontext at world size 2, 64 px (512 text + 32 image tokens): {C: plan} for CP 1 and 2,
+    each sharded on its own mesh (no shard cache shared)."""
+    return {c: memory_plan.plan("flux-kontext-dev", Settings(**SMALL, context_parallel=c)) for c in (1, 2)}
+
+
+def test_context_parallel_halves_the_activations_and_keeps_the_states(flux_cp):
+    one, two = flux_cp[1], flux_cp[2]
+    assert "cp" not in one and two["cp"] == dict(degree=2, heads=24, text=512, image=32,
+                                                   one_forward=one["activations"])
+    assert two["activations"] == -(-one["activations"] // 2)          # one forward's, split 2 ways
+    # sharded on train_flux_kontext.py's dp x cp mesh: FSDP spans every rank, so the same shards
+    assert two["rows"] == one["rows"] and two["units"] == one["units"]
+    assert (two["gathered"], two["runtime"], two["host_total"]) == (one["gathered"], one["runtime"], one["host_total"])
+    assert one["gpu_total"] - two["gpu_total"] == one["activations"] - two["activations"]
+    text = memory_plan.format_plan("flux-kontext-dev", two)
+    assert "batch 1/CP group at 64px" in text
+    assert ("context parallel 2: each rank holds 1/2 of the sequence (512 text + 32 image tokens (target + context) "
+            "= 544, 272 per rank); Ulysses attention over all 544 tokens for 12 of 24 heads per rank") in text
+    assert "global batch 1 x 2 / 2 = 1 per step" in text
+    assert f"divided by CP 2): {two['activations'] / 2**30:.2f} GiB ({one['activations'] / 2**30:.2f} GiB" in text
+
+
+def test_cp_1_report_is_unchanged(flux_cp):
+    assert memory_plan.format_plan("flux-kontext-dev", flux_cp[1]) == FLUX_PLAN
+    table = memory_plan.fit_table("flux-kontext-dev", world_sizes=(2,), gpu_memory_gbs=(24, 80), resolution=64)
+    assert table.splitlines()[-1] == FLUX_TABLE_ROW and "context parallel" not in table
+
+
+def test_activations_are_almost_all_along_the_sequence():
+    # the planner's CP assumption: activations split C ways with the sequence. With flash attention every
+    # saved tensor is linear in the tokens L, A(L) = a + b L; a (no sequence dim: embeddings, modulation)
+    # is what each rank really holds whole. Both text and image tokens x 4: a = (4 A(L) - A(4L)) / 3
+    folder = memory_plan.model_folder("flux-kontext-dev")
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+
+    def acts(text, resolution):  # 128 + 2 x 16^2 = 640 tokens; 512 + 2 x 32^2 = 2560
+        x = memory_plan._meta_inputs("flux_kontext", model, 1, resolution, torch.bfloat16, 8, text)
+        return memory_plan.activation_bytes(model, x, [], False)
+    small, large = acts(128, 256), acts(512, 512)
+    whole = (4 * small - large) / 3
+    assert 0 <= whole < 16 * 2**20 and whole < 0.002 * large   # under 16 MiB of 22 GiB at 512 px
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(context_parallel=0), r"^plan: --context_parallel=0: must be >= 1 \(1 = off\)$"),
+    (dict(world_size=8, context_parallel=3), r"^plan: --context_parallel=3 x --dp_replicate=1 does not divide --world_size=8$"),
+    (dict(world_size=8, dp_replicate=4, context_parallel=4), r"--context_parallel=4 x --dp_replicate=4 does not divide"),
+    (dict(world_size=16, context_parallel=16), r"^plan: --context_parallel=16: the transformer's 24 attention heads do not divide"),
+    (dict(world_size=3, context_parallel=3), r"^plan: --context_parallel=3: the 512 text tokens \(T5 length\) do not divide"),
+    (dict(world_size=4, context_parallel=4, resolution=48), r"^plan: --context_parallel=4: 48 px has 18 image tokens"),
+])
+def test_context_parallel_checks_fail_with_one_line_before_any_work(settings, message, monkeypatch):
+    def no_work(*a, **k):
+        raise AssertionError("built models before checking --context_parallel")
+    monkeypatch.setattr(memory_plan, "build_components", no_work)
+    with pytest.raises(SystemExit, match=message) as e:
+        memory_plan.plan("flux-kontext-dev", Settings(**{**SMALL, **settings}))
+    assert "\n" not in str(e.value)
+
+
+def test_context_parallel_is_flux_only(capsys):
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext.py's"):
+        memory_plan.plan("sd15-dmd", Settings(**SMALL, context_parallel=2))
+    with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
+        memory_plan.cp_table("sdxl-dmd")
+    # the CLI: one line on stderr, exit status 1, before any model is built
+    r = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sd15-dmd", "--world_size=2",
+                        "--context_parallel=2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "plan: --context_parallel=2: context parallelism is train_flux_kontext.py's (FLUX layout); sd15-dmd is "
+        "planned for train_dmd.py, which has none"]
+    with pytest.raises(SystemExit, match="--context_parallel=2 x --dp_replicate=1 does not divide --world_size=3"):
+        memory_plan.main(["--model=flux-kontext-dev", "--fit_table", "--world_sizes=2,3", "--context_parallel=2"])
+    with pytest.raises(SystemExit, match="--context_parallels: 0: must be >= 1"):
+        memory_plan.main(["--model=flux-kontext-dev", "--cp_table", "--context_parallels=0,2"])
+    with pytest.raises(SystemExit) as both:
+        memory_plan.main(["--model=flux-kontext-dev", "--cp_table", "--context_parallel=2"])
+    assert both.value.code == 2 and "--cp_table tries every" in capsys.readouterr().err
+
+
+def test_cp_table_names_the_smallest_cp_that_fits_and_larger_ones_that_need_less():
+    # a stand-in model: 20 GiB of states (10 with bf16 states, 0 on the GPU with CPU offload), 60 GiB of
+    # activations (4 with AC) at 1024 px, 4x at 2048, divided by C; 1 GiB runtime. The real checks pick
+    # the CP sizes: 3 (512 text tokens), 16 (24 heads) never; 4 and 8 not on 2 GPUs
+    seen = []
+
+    def planner(name, t):
+        seen.append((t.world_size, t.context_parallel))
+        states = 10 if t.precision == "bf16" else 20
+        acts = (4 if t.activation_checkpointing else 60) * (t.resolution // 1024) ** 2 * 2**30 / t.context_parallel
+        return dict(kind="flux_kontext", settings=t, activations=acts,
+                    gpu_total=(0 if t.cpu_offload else states * 2**30) + acts + 2**30)
+    table = memory_plan.cp_table("flux-kontext-dev", world_sizes=(2, 16), context_parallels=(1, 2, 3, 4, 8, 16),
+                                 planner=planner)
+    lines = table.splitlines()
+    assert lines[2:] == [
+        "| resolution | GPU memory | activations at CP 1 (AC) | 2 GPUs | 16 GPUs |",
+        "|---:|---:|---:|---|---|",
+        "| 1024 px | 24 GB | 60.00 (4.00) | CP 1: bf16 states + AC (15.0); CP 2: AC (23.0) "
+        "| CP 1: bf16 states + AC (15.0); CP 2: AC (23.0) |",
+        "| 1024 px | 80 GB | 60.00 (4.00) | CP 1: AC (25.0); CP 2: as is (51.0) | CP 1: AC (25.0); CP 2: as is (51.0) |",
+        "| 2048 px | 24 GB | 240.00 (16.00) | CP 1: AC + CPU offload (17.0); CP 2: bf16 states + AC (19.0) "
+        "| CP 1: AC + CPU offload (17.0); CP 2: bf16 states + AC (19.0); CP 8: AC (23.0) |",
+        "| 2048 px | 80 GB | 240.00 (16.00) | CP 1: AC (37.0) | CP 1: AC (37.0); CP 8: as is (51.0) |"]
+    assert {c for _, c in seen} == {1, 2, 4, 8} and {c for w, c in seen if w == 2} == {1, 2}
+
+
+def test_cp_table_runs_on_the_real_size_model():
+    table = memory_plan.cp_table("flux-kontext-dev", resolutions=(64,), gpu_memory_gbs=(1, 80), world_sizes=(2,),
+                                 context_parallels=(1, 2))
+    lines = table.splitlines()
+    assert lines[0].startswith("flux-kontext-dev (flux_kontext), bf16-mixed, batch 1 per CP group")
+    assert lines[4] == "| 64 px | 1 GB | 4.69 (0.28) | does not fit at CP <= 2 |"
+    # the states (95 GiB at 2 ranks) need bf16 states at any CP; CP 2 needs no less, so it is not listed
+    assert lines[5] == "| 64 px | 80 GB | 4.69 (0.28) | CP 1: bf16 states (52.1) |"

@@ -11,6 +11,8 @@ read off the sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapp
     python tools/memory_plan.py --fit_table --model=sdxl-dmd   # markdown: world sizes x GPU memory
     python fsdp_utils.py plan --model=flux-kontext-dev --world_size=2 --lora_rank=16   # LoRA fine-tuning
     python tools/memory_plan.py --fit_table --model=flux-kontext-dev --lora_rank=16 --world_sizes=1,2,4 --gpu_memory_gbs=24
+    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=8 --resolution=1024 --context_parallel=2
+    python tools/memory_plan.py --cp_table --model=flux-kontext-dev   # which CP fits 1024 / 2048 px on 24 / 80 GB
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
@@ -43,6 +45,22 @@ backward through the adapters, so they are about as large as full fine-tuning's.
 the base shards live on the host too (FSDP offloads every parameter of a unit). bf16 states change
 nothing under LoRA (the base is already in the compute dtype, add_lora keeps adapters in fp32), so
 the fit search skips them.
+
+Context parallelism (--context_parallel=C, train_flux_kontext.py's CONTEXT_PARALLEL; FLUX layout only):
+the C ranks of a CP group take the same samples and each holds 1/C of the joint sequence (text +
+target + context image tokens), with Ulysses attention (each rank attends over the full sequence for
+H/C heads). The components are sharded on the script's mesh (fsdp_utils.build_meshes: FSDP over all
+dp x cp ranks), so the state rows and the gathered units are as without CP. The activations are
+ASSUMED to split C ways: the planner measures one forward over the full sequence, as without CP,
+and divides it by C. Token-wise tensors are split exactly, and attention's flash saves (q, k, v, out
+over all tokens for H/C heads, logsumexp) are 1/C too; what has no sequence dimension (timestep,
+guidance and pooled embeddings, each block's modulation vectors: 3.2 MiB at batch 1, against 8.8
+MiB per token, measured by tests/test_memory_plan.py's linear fit) is in fact held whole on every
+rank, and the all-gathered final output (for the loss: 1 MiB at 1024 px) is not counted; nor are
+the all-to-all buffers (transient, as every temporary). The global batch is batch x world / C. Checked before any work, one line each: C >= 1, C x dp_replicate
+divides the world, C divides the transformer's attention heads, the text tokens and the image
+tokens (target + context). --cp_table: for resolutions x GPU memory, per world size, the smallest
+CP that fits and the cheapest settings (cheapest_fit) it needs, then any larger CP that needs fewer.
 """
 from __future__ import annotations
 
@@ -53,6 +71,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +153,7 @@ class Settings:
     lora_alpha: float = 0.0    # LORA_ALPHA: 0 = the rank
     lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = fsdp_utils.LORA_TARGETS for the model's class
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
+    context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
 
     @property
     def lora(self) -> fsdp_utils.Lora:
@@ -268,8 +288,11 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
     out = {}
     block_classes = list(s.block_classes) or None
     sharding = fsdp_utils.Sharding(s.reshard_after_forward, s.cpu_offload, s.activation_checkpointing)
-    with fake_world(s.world_size):
-        mesh = fsdp_utils.build_mesh(torch.device("cpu"), s.dp_replicate)
+    with fake_world(s.world_size), warnings.catch_warnings():
+        # torch's note on slicing the flattened dp x cp dim (build_meshes with CP) is not the user's concern
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        # the script's FSDP mesh: with CP, FSDP shards over all dp x cp ranks (the CP mesh is not needed here)
+        mesh = fsdp_utils.build_meshes(torch.device("cpu"), s.dp_replicate, s.context_parallel)[0]
         for c in parts:
             c.module.to(c.dtype)
             if c.lora:
@@ -469,12 +492,53 @@ def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype
                 inputs["added_cond_kwargs"] = {"text_embeds": torch.empty(batch, pooled, dtype=dtype),
                                                "time_ids": torch.empty(batch, n_time, dtype=dtype)}
             return inputs
-        tokens = (resolution // (2 * factor)) ** 2  # VAE factor, 2x2 packing
-        return dict(hidden_states=torch.empty(batch, 2 * tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
+        tokens = _image_tokens(resolution, factor)  # target + context: VAE factor, 2x2 packing
+        return dict(hidden_states=torch.empty(batch, tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
                     encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
                     pooled_projections=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype),
-                    timestep=torch.empty(batch, dtype=dtype), img_ids=torch.zeros(2 * tokens, 3),
+                    timestep=torch.empty(batch, dtype=dtype), img_ids=torch.zeros(tokens, 3),
                     txt_ids=torch.zeros(text, 3), guidance=torch.empty(batch), return_dict=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# context parallelism (train_flux_kontext.py's CONTEXT_PARALLEL)
+
+def check_context_parallel(folder: str, s: Settings) -> dict:
+    """The checks train_flux_kontext.py makes before any work (fsdp_utils.check_context_parallel,
+    check_context_parallel_shapes), on the planner's flags: SystemExit with one line if one fails.
+    Returns the sequence CP splits: {"heads", "text", "image"} (image: target + context tokens at
+    s.resolution, the model's native one if None); {} without CP (nothing is read)."""
+    c = s.context_parallel
+    if not isinstance(c, int) or c < 1:
+        raise SystemExit(f"plan: --context_parallel={c}: must be >= 1 (1 = off)")
+    if c == 1:
+        return {}
+    script, kind = layout(folder)
+    if kind != "flux_kontext":
+        raise SystemExit(f"plan: --context_parallel={c}: context parallelism is train_flux_kontext.py's (FLUX "
+                         f"layout); {os.path.basename(os.path.normpath(folder))} is planned for {script}, "
+                         f"which has none")
+    if s.world_size % (c * s.dp_replicate):
+        raise SystemExit(f"plan: --context_parallel={c} x --dp_replicate={s.dp_replicate} does not divide "
+                         f"--world_size={s.world_size}")
+    heads = _config(folder, "transformer")["num_attention_heads"]
+    if heads % c:
+        raise SystemExit(f"plan: --context_parallel={c}: the transformer's {heads} attention heads do not divide "
+                         f"by it (Ulysses splits the heads)")
+    factor, text = _folder_shapes(folder, kind)
+    if text % c:
+        raise SystemExit(f"plan: --context_parallel={c}: the {text} text tokens (T5 length) do not divide by it")
+    resolution = s.resolution or native_resolution(folder, kind)
+    image = _image_tokens(resolution, factor)
+    if image % c:
+        raise SystemExit(f"plan: --context_parallel={c}: {resolution} px has {image} image tokens (target + context, "
+                         f"2 x ({resolution}/{2 * factor})^2), not divisible by it; change --resolution")
+    return dict(heads=heads, text=text, image=image)
+
+
+def _image_tokens(resolution: int, factor: int) -> int:
+    """FLUX Kontext's image tokens at a square resolution: target + context, 2x2-packed latents."""
+    return 2 * (resolution // (2 * factor)) ** 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,12 +576,19 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     precision, CPU offload, checkpointing, batch or resolution (the counts do not depend on them:
     fully_shard splits each parameter's dim 0 over the mesh whatever its dtype or where it lives).
     LoRA (s.lora_rank > 0): see the module's docstring; the LoRA components' rows are their frozen
-    base (name) and their adapters (name + ".lora"), and the plan says what is trainable (`lora`)."""
+    base (name) and their adapters (name + ".lora"), and the plan says what is trainable (`lora`).
+    Context parallelism (s.context_parallel = C > 1, FLUX only; checked first, check_context_parallel):
+    sharded on the script's dp x cp mesh; the activations are one forward's over the full sequence
+    divided by C (an assumption, see the module's docstring), and the plan has `cp`: the degree, the
+    sequence it splits and that one forward's activations."""
     precision = get_precision(s.precision)
     folder = model_folder(name)
+    sequence = check_context_parallel(folder, s)
     key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes), s.reshard_after_forward)
     if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
         key += (s.lora_rank, tuple(s.lora_targets), s.fake_lora)
+    if s.context_parallel > 1:  # another mesh (same shards: FSDP spans dp x cp), so sharded again
+        key += (s.context_parallel,)
     cached = shard_cache is not None and key in shard_cache
     script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora)
     if s.resolution is None:
@@ -535,6 +606,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, _activations(folder, c.spec.subfolder, kind, names, precision.compute_dtype,
                                           s.batch_size, s.resolution, s.activation_checkpointing, c.lora))
+    one_forward, acts = acts, -(-acts // s.context_parallel)  # CP: each rank holds 1/C of the sequence
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
     rows, gathered_units = {}, []
     for c in comps:
@@ -578,6 +650,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     result = dict(kind=kind, script=script, rows=rows, gathered=gathered, largest_unit=biggest[0] if biggest else 0,
                   activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s,
                   units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
+    if s.context_parallel > 1:
+        result["cp"] = dict(sequence, degree=s.context_parallel, one_forward=one_forward)
     if s.lora:  # what trains: {component: (adapter params, all its params incl. adapters)}, and the targets
         result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
                           for c in comps if c.lora}
@@ -608,19 +682,23 @@ def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[
 def format_plan(name: str, p: dict) -> str:
     s = p["settings"]
     head = (f"plan: {name} ({p['kind']}), world size {s.world_size} (dp_replicate {s.dp_replicate}), "
-            f"{s.precision}, batch {s.batch_size}/rank at {s.resolution}px, activation_checkpointing="
-            f"{int(s.activation_checkpointing)}, cpu_offload={int(s.cpu_offload)}, "
+            f"{s.precision}, batch {s.batch_size}/{'CP group' if 'cp' in p else 'rank'} at {s.resolution}px, "
+            f"activation_checkpointing={int(s.activation_checkpointing)}, cpu_offload={int(s.cpu_offload)}, "
             f"reshard_after_forward={int(s.reshard_after_forward)}")
     if s.lora:
         head += f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}"
-    lines = [head, f"{'component':<16}{'params':>10}{'on rank':>10}{'param GiB':>11}{'grad GiB':>10}"
-                   f"{'optim GiB':>11}  role"]
+    lines = [head] + _cp_lines(p)
+    lines.append(f"{'component':<16}{'params':>10}{'on rank':>10}{'param GiB':>11}{'grad GiB':>10}{'optim GiB':>11}  role")
     for n, r in p["rows"].items():
         count, local = (_count(r.get(k, 0), r.get("adapters", False)) for k in ("count", "local_count"))
         lines.append(f"{n:<16}{count:>10}{local:>10}{r['params'] / GIB:>11.2f}{r['grads'] / GIB:>10.2f}"
                      f"{r['optim'] / GIB:>11.2f}  {r['note']}")
     where = "host (CPU offload)" if s.cpu_offload else "GPU"
     acts = f"activations (measured on meta): {p['activations'] / GIB:.2f} GiB"
+    if "cp" in p:
+        acts = (f"activations (measured on meta over the full sequence, divided by CP {s.context_parallel}): "
+                f"{p['activations'] / GIB:.2f} GiB ({p['cp']['one_forward'] / GIB:.2f} GiB for one forward "
+                f"without CP)")
     if s.lora:
         lines += _lora_lines(p)
         acts += (" (LoRA: backward through the adapters still needs most of the frozen base's activations; "
@@ -632,6 +710,21 @@ def format_plan(name: str, p: dict) -> str:
               f"runtime reserve: {p['runtime'] / GIB:.2f} GiB",
               f"TOTAL per GPU: {p['gpu_total'] / GIB:.2f} GiB"]
     return "\n".join(lines)
+
+
+def _cp_lines(p: dict) -> list[str]:
+    """format_plan's words on context parallelism (none without it)."""
+    if "cp" not in p:
+        return []
+    s, cp = p["settings"], p["cp"]
+    c, tokens = cp["degree"], cp["text"] + cp["image"]
+    groups = s.world_size // c
+    return [f"context parallel {c}: each rank holds 1/{c} of the sequence ({cp['text']} text + {cp['image']} image "
+            f"tokens (target + context) = {tokens}, {tokens // c} per rank); Ulysses attention over all {tokens} "
+            f"tokens for {cp['heads'] // c} of {cp['heads']} heads per rank",
+            f"global batch {s.batch_size} x {s.world_size} / {c} = {s.batch_size * groups} per step (x GRAD_ACCUM): "
+            f"{groups} data-parallel group(s) of {c} ranks, each group's ranks on the same samples; "
+            f"model states sharded over all {s.world_size} ranks, as without CP"]
 
 
 def _count(n: int, adapters: bool = False) -> str:
@@ -668,15 +761,9 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
     activations (without and with activation checkpointing) in GiB as planned, and per GPU memory
     the cheapest settings that fit (cheapest_fit's order) with their GPU total, or "does not fit".
     Plans are memoised, and the sharded counts kept per world size (plan's shard_cache). `lora`:
-    Settings' lora_rank / lora_alpha / lora_targets / fake_lora."""
-    shard_cache, memo = {}, {}
-
-    def planner(n: str, t: Settings) -> dict:
-        key = tuple(sorted(t.__dict__.items()))
-        if key not in memo:
-            memo[key] = plan(n, t, shard_cache)
-        return memo[key]
-
+    Settings' lora_rank / lora_alpha / lora_targets / fake_lora, and context_parallel (every world
+    size planned with that CP)."""
+    planner = memo_planner()
     gbs = list(gpu_memory_gbs)
     lines = []
     for ws in world_sizes:
@@ -685,7 +772,7 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
         if not lines:
             r = p["settings"]
             lines += [f"{name} ({p['kind']}), {precision}, batch {r.batch_size}/GPU at {r.resolution} px"
-                      + (_lora_caption(p) if r.lora else "") + ". Per-rank GiB "
+                      + (_lora_caption(p) if r.lora else "") + _cp_caption(p) + ". Per-rank GiB "
                       "as planned without checkpointing or offload (params: every component's local share); "
                       "per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total. "
                       f"Activations: {ATTENTION_NOTE}.", "",
@@ -702,6 +789,101 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
             cells.append("does not fit" if fit is None else
                          f"{_setting_name(fit[0], precision)} ({fit[1]['gpu_total'] / GIB:.1f})")
         lines.append(f"| {ws} | " + " | ".join(f"{c / GIB:.2f}" for c in cols) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memo_planner():
+    """plan, memoised per Settings, the sharded counts kept across settings that share them (plan's
+    shard_cache): what fit_table and cp_table plan with."""
+    shard_cache, memo = {}, {}
+
+    def planner(n: str, t: Settings) -> dict:
+        key = tuple(sorted(t.__dict__.items()))
+        if key not in memo:
+            memo[key] = plan(n, t, shard_cache)
+        return memo[key]
+    return planner
+
+
+def _cp_caption(p: dict) -> str:
+    """fit_table's words on context parallelism (none without it)."""
+    if "cp" not in p:
+        return ""
+    c = p["cp"]["degree"]
+    return (f", context parallel {c} (each rank holds 1/{c} of the sequence: activations are one forward's / {c}; "
+            f"global batch = batch x GPUs / {c})")
+
+
+def cp_frontier(name: str, base: Settings, gpu_bytes: int, context_parallels,
+                planner=None) -> list[tuple[Settings, dict]]:
+    """The context-parallel sizes worth knowing for these settings and this GPU memory: the smallest CP
+    with which anything fits (with cheapest_fit's settings for it), then each larger CP that needs
+    less (earlier in FIT_ORDER: fewer of AC, bf16 states, CPU offload), up to one that fits as is.
+    CP sizes the world size, heads or tokens do not allow (check_context_parallel) are skipped.
+    [] if nothing fits at any of them."""
+    folder, out, best = model_folder(name), [], len(FIT_ORDER)
+    for c in sorted(set(context_parallels)):
+        trial = dataclasses.replace(base, context_parallel=c)
+        try:
+            check_context_parallel(folder, trial)
+        except SystemExit:
+            continue
+        fit = cheapest_fit(name, trial, gpu_bytes, planner)
+        if fit is None:
+            continue
+        t = fit[0]
+        rank = FIT_ORDER.index((t.activation_checkpointing, t.cpu_offload, t.precision != base.precision))
+        if rank < best:
+            out.append(fit)
+            best = rank
+        if rank == 0:
+            break
+    return out
+
+
+def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world_sizes=(8,),
+             context_parallels=(1, 2, 4, 8), batch_size: int = 1, precision: str = "bf16-mixed",
+             planner=None, **lora) -> str:
+    """A markdown table for FLUX Kontext: which context parallelism fits. Rows: resolution x GPU
+    memory (a budget of N GiB); columns: the activations per rank of one forward (and with
+    activation checkpointing) at CP 1, then per world size the smallest CP that fits with the cheapest
+    settings it needs (cheapest_fit) and its per-GPU total in GiB, then any larger CP that needs less
+    (cp_frontier). `planner`: plan, or a stand-in (default: memo_planner()). `lora`: as fit_table's."""
+    folder = model_folder(name)
+    script, kind = layout(folder)
+    if kind != "flux_kontext":
+        raise SystemExit(f"plan: --cp_table: context parallelism is train_flux_kontext.py's (FLUX layout); "
+                         f"{name} is planned for {script}, which has none")
+    for c in context_parallels:  # the other checks are per cell: a CP size they rule out is skipped there
+        if c < 1:
+            raise SystemExit(f"plan: --context_parallels: {c}: must be >= 1 (1 = off)")
+    planner = planner or memo_planner()
+    cps, gbs, wss = sorted(set(context_parallels)), list(gpu_memory_gbs), list(world_sizes)
+    lines = []
+    for res in resolutions:
+        base = Settings(world_size=wss[0], precision=precision, batch_size=batch_size, resolution=res, **lora)
+        p = planner(name, base)
+        ac = planner(name, dataclasses.replace(base, activation_checkpointing=True))
+        if not lines:
+            lines += [f"{name} ({p['kind']}), {precision}, batch {batch_size} per CP group"
+                      + (_lora_caption(p) if base.lora else "") + ". Per GPU count and GPU memory (budget N GiB): "
+                      f"the smallest context parallelism (CP c: each rank holds 1/c of the sequence; global batch "
+                      f"= batch x GPUs / c) that fits, with the cheapest settings it needs and its per-GPU total "
+                      f"in GiB; then any larger CP that needs less. CP tried: {', '.join(map(str, cps))} (those the "
+                      f"GPU count, the attention heads and the token counts divide). Activations per rank: one "
+                      f"forward's (measured on meta) / c; {ATTENTION_NOTE}.", "",
+                      "| resolution | GPU memory | activations at CP 1 (AC) | "
+                      + " | ".join(f"{w} GPUs" for w in wss) + " |",
+                      "|---:|---:|---:|" + "---|" * len(wss)]
+        for g in gbs:
+            cells = []
+            for ws in wss:
+                front = cp_frontier(name, dataclasses.replace(base, world_size=ws), int(g * GIB), cps, planner)
+                cells.append("; ".join(f"CP {t.context_parallel}: {_setting_name(t, precision)} "
+                                       f"({r['gpu_total'] / GIB:.1f})" for t, r in front)
+                             or f"does not fit at CP <= {max(cps)}")
+            lines.append(f"| {p['settings'].resolution} px | {g:g} GB | {p['activations'] / GIB:.2f} "
+                         f"({ac['activations'] / GIB:.2f}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -746,8 +928,17 @@ def main(argv: list[str]) -> int:
                     help="comma-separated FSDP unit classes, as the scripts' BLOCK_CLASSES (default: the recipe's)")
     ap.add_argument("--fit_table", action="store_true",
                     help="print a markdown table of the cheapest fitting settings, --world_sizes x --gpu_memory_gbs")
-    ap.add_argument("--world_sizes", default="2,4,8", help="with --fit_table")
-    ap.add_argument("--gpu_memory_gbs", default="24,40,80", help="with --fit_table")
+    ap.add_argument("--world_sizes", default=None, help="with --fit_table (default 2,4,8) or --cp_table (default 8)")
+    ap.add_argument("--gpu_memory_gbs", default=None,
+                    help="with --fit_table (default 24,40,80) or --cp_table (default 24,80)")
+    ap.add_argument("--context_parallel", type=int, default=1,
+                    help="FLUX Kontext: ranks that split each sample's sequence, as train_flux_kontext.py's "
+                         "CONTEXT_PARALLEL (1 = off); activations per rank: one forward's / C")
+    ap.add_argument("--cp_table", action="store_true",
+                    help="FLUX Kontext: markdown table of the smallest context parallelism that fits, "
+                         "--resolutions x --gpu_memory_gbs, per --world_sizes")
+    ap.add_argument("--context_parallels", default="1,2,4,8", help="with --cp_table: the CP sizes to try")
+    ap.add_argument("--resolutions", default="1024,2048", help="with --cp_table")
     ap.add_argument("--lora_rank", type=int, default=0,
                     help="plan LoRA fine-tuning with adapters of this rank, as the scripts' LORA_RANK (0: full fine-tuning)")
     ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
@@ -764,20 +955,34 @@ def main(argv: list[str]) -> int:
         ap.error(str(e))
     if not a.lora_rank and (a.fake_lora or lora["lora_targets"] or a.lora_alpha):
         ap.error("--lora_alpha, --lora_targets and --fake_lora need --lora_rank > 0")
+    if a.fit_table and a.cp_table:
+        ap.error("--fit_table and --cp_table: one table at a time")
+    if a.cp_table and a.context_parallel != 1:
+        ap.error("--cp_table tries every --context_parallels size; --context_parallel is for a plan or --fit_table")
+    table = a.fit_table or a.cp_table
+    world_sizes = [int(w) for w in (a.world_sizes or ("8" if a.cp_table else "2,4,8")).split(",")]
+    gbs = [float(g) for g in (a.gpu_memory_gbs or ("24,80" if a.cp_table else "24,40,80")).split(",")]
+    if a.world_size is None and not table:
+        ap.error("--world_size is required (or --fit_table / --cp_table)")
+    # context parallelism's checks, one line each, before any work (no model is built for them)
+    for ws in ([] if a.cp_table else world_sizes if a.fit_table else [a.world_size]):
+        check_context_parallel(model_folder(a.model), Settings(ws, dp_replicate=a.dp_replicate, resolution=a.resolution,
+                                                               context_parallel=a.context_parallel))
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
     if a.lora_rank:  # unknown targets fail here, on one meta model, as in the scripts, before any planning
         check_lora_targets(a.model, Settings(1, **lora).lora)
-    if a.fit_table:
-        print(fit_table(a.model, [int(w) for w in a.world_sizes.split(",")],
-                        [float(g) for g in a.gpu_memory_gbs.split(",")], a.batch_size, a.resolution, a.precision,
-                        **lora))
+    if a.cp_table:
+        print(cp_table(a.model, [int(r) for r in a.resolutions.split(",")], gbs, world_sizes,
+                       [int(c) for c in a.context_parallels.split(",")], a.batch_size, a.precision, **lora))
         return 0
-    if a.world_size is None:
-        ap.error("--world_size is required (or --fit_table)")
+    if a.fit_table:
+        cp = {"context_parallel": a.context_parallel} if a.context_parallel != 1 else {}
+        print(fit_table(a.model, world_sizes, gbs, a.batch_size, a.resolution, a.precision, **lora, **cp))
+        return 0
     s = Settings(a.world_size, a.precision, bool(a.cpu_offload), bool(a.activation_checkpointing),
                  bool(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution,
-                 tuple(c for c in a.block_classes.split(",") if c), **lora)
+                 tuple(c for c in a.block_classes.split(",") if c), **lora, context_parallel=a.context_parallel)
     result = plan(a.model, s)
     print(format_plan(a.model, result))
     if a.gpu_memory_gb > 0:
@@ -793,7 +998,9 @@ def main(argv: list[str]) -> int:
         t, r = fit
         print(f"does NOT fit in {a.gpu_memory_gb:g} GB; cheapest settings that fit: "
               f"--precision={t.precision} --activation_checkpointing={int(t.activation_checkpointing)} "
-              f"--cpu_offload={int(t.cpu_offload)} ({r['gpu_total'] / GIB:.2f} GiB)")
+              f"--cpu_offload={int(t.cpu_offload)}"
+              + (f" --context_parallel={t.context_parallel}" if t.context_parallel > 1 else "")
+              + f" ({r['gpu_total'] / GIB:.2f} GiB)")
     return 0
 
 
