@@ -105,13 +105,13 @@ def test_planner_follows_the_recipes_and_the_table(monkeypatch):
     for classes in fsdp_utils.MODEL_BLOCKS.values():  # no wrapping decision repeated in the planner
         assert not any(f'"{c}"' in src for c in classes)
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
-    base = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    base = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     default = _unit_params(unet, fsdp_utils.MODEL_BLOCKS["UNet2DConditionModel"])
     assert dict(base["units"]["generator"]) == default
     assert base["largest_unit"] == max(default.values()) * 2  # bf16 compute dtype
     # another unit choice in the UNet recipe: the planner's units, largest unit and gathered bytes follow
     monkeypatch.setitem(fsdp_utils.MODEL_BLOCKS, "UNet2DConditionModel", ("ResnetBlock2D",))
-    coarse = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    coarse = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     want = _unit_params(unet, ("ResnetBlock2D",))
     for name in ("generator", "fake_score", "teacher"):
         assert dict(coarse["units"][name]) == want
@@ -123,9 +123,22 @@ def test_planner_follows_the_recipes_and_the_table(monkeypatch):
     dmd = fsdp_utils.SCRIPT_COMPONENTS["train_dmd.py"]
     monkeypatch.setitem(fsdp_utils.SCRIPT_COMPONENTS, "train_dmd.py", tuple(
         fsdp_utils.Component(c.name, c.subfolder, "replicated") if c.name == "teacher" else c for c in dmd))
-    replicated = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    replicated = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     row = replicated["rows"]["teacher"]
     assert row["note"] == "replicated" and row["local_count"] == row["count"] and "teacher" not in replicated["units"]
+
+
+def test_fake_score_fp32_is_counted_in_fp32():
+    """train_dmd.py's FAKE_SCORE_FP32 (default on): the fake score's units are gathered in fp32 and
+    its training forward saves fp32 activations; states are the same."""
+    on = memory_plan.plan("sd15-dmd", Settings(**SMALL))
+    off = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
+    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
+    biggest = max(_unit_params(unet, memory_plan.fsdp_utils.MODEL_BLOCKS["UNet2DConditionModel"]).values())
+    assert on["largest_unit"] == biggest * 4 and off["largest_unit"] == biggest * 2
+    assert on["rows"]["fake_score"]["note"] == "trainable (fp32 compute)" and off["rows"]["fake_score"]["note"] == "trainable"
+    assert {k: v["params"] for k, v in on["rows"].items()} == {k: v["params"] for k, v in off["rows"].items()}
+    assert 1.9 * off["activations"] < on["activations"] <= 2 * off["activations"]  # fp32 instead of bf16
 
 
 @pytest.mark.parametrize("name", ["sd15-dmd", "flux-kontext-dev"])
@@ -230,9 +243,11 @@ sd15-dmd (sd15), bf16-mixed, batch 1/GPU at 64 px. Per-rank GiB as planned witho
 
 
 def test_full_fine_tuning_report_is_unchanged():
-    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=0))
+    # pinned before LoRA existed, when the fake score computed in bf16 (FAKE_SCORE_FP32 came later)
+    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=0, fake_score_fp32=False))
     assert memory_plan.format_plan("sd15-dmd", p) == FULL_FT_PLAN and "lora" not in p
-    assert memory_plan.fit_table("sd15-dmd", world_sizes=(2,), gpu_memory_gbs=(1, 80), resolution=64) == FULL_FT_TABLE
+    assert memory_plan.fit_table("sd15-dmd", world_sizes=(2,), gpu_memory_gbs=(1, 80), resolution=64,
+                                 fake_score_fp32=False) == FULL_FT_TABLE
 
 
 def _adapters(model, lora):
@@ -280,7 +295,7 @@ def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
 
 
 def test_fake_lora_puts_adapters_on_the_fake_score_too():
-    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=4, fake_lora=True))
+    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=4, fake_lora=True, fake_score_fp32=False))
     rows = p["rows"]
     assert set(p["lora"]) == {"generator", "fake_score"}
     assert rows["fake_score.lora"] == rows["generator.lora"] and rows["fake_score"]["grads"] == 0

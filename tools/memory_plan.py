@@ -32,6 +32,9 @@ sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is 
                               save it (q, k, v, out, fp32 logsumexp), not as the math reference that
                               runs on meta (two fp32 L x L matrices per call): flash_attention_saves
   runtime                     a fixed 1 GiB for the CUDA context and allocator slack
+DMD2's fake score is counted as train_dmd.py runs it by default (FAKE_SCORE_FP32): its units gathered
+and its training forward's activations in fp32, whatever the precision mode (--fake_score_fp32=0:
+in the mode's compute dtype).
 
 LoRA (--lora_rank=R > 0; --lora_alpha, --lora_targets as the scripts' LORA_*): the adapters are added
 with fsdp_utils.add_lora to the meta model before its recipe shards it, as the scripts do, so the
@@ -154,6 +157,7 @@ class Settings:
     lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = fsdp_utils.LORA_TARGETS for the model's class
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
+    fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
 
     @property
     def lora(self) -> fsdp_utils.Lora:
@@ -606,8 +610,18 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, _activations(folder, c.spec.subfolder, kind, names, precision.compute_dtype,
                                           s.batch_size, s.resolution, s.activation_checkpointing, c.lora))
+    # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
+    fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
+    for c in comps:
+        if c.name in fp32_compute and precision.compute_dtype != torch.float32:
+            names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
+            acts = max(acts, _activations(folder, c.spec.subfolder, kind, names, torch.float32, s.batch_size,
+                                          s.resolution, s.activation_checkpointing, c.lora))
     one_forward, acts = acts, -(-acts // s.context_parallel)  # CP: each rank holds 1/C of the sequence
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
+
+    def compute_size(c: Part) -> int:
+        return _size(torch.float32) if c.name in fp32_compute else c_size
     rows, gathered_units = {}, []
     for c in comps:
         info, h = sharded[c.name], c.holding
@@ -616,7 +630,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                                 sharded=False)
             continue
         local = info["local"] if h.sharded else info["global"]
-        note = c.spec.role + (" (fp32)" if c.name in FP32_COMPONENTS.get(kind, ()) else "")
+        note = c.spec.role + (" (fp32)" if c.name in FP32_COMPONENTS.get(kind, ()) else "") + \
+            (" (fp32 compute)" if c.name in fp32_compute and c_size != _size(torch.float32) else "")
         if c.lora:  # the frozen base, then its adapters: only they have grads and optimizer state
             n, a = info["trainable_local"], _size(ADAPTER_DTYPE)
             rows[c.name] = dict(params=(local - n) * _size(c.dtype), grads=0, optim=0,
@@ -625,18 +640,18 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             rows[c.name + ".lora"] = dict(params=n * a, grads=n * a, optim=2 * n * a,
                                           note=f"LoRA adapters, rank {c.lora.rank} ({dtype_name(ADAPTER_DTYPE)})",
                                           count=info["trainable_global"], local_count=n, sharded=True, adapters=True)
-            gathered_units += [u * c_size for _, u in info["units"]]  # base and adapters, all in compute dtype
+            gathered_units += [u * compute_size(c) for _, u in info["units"]]  # base and adapters, in compute dtype
             continue
         rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
                             optim=2 * local * p_size if h.trained else 0, note=note,
                             count=info["global"], local_count=local, sharded=h.sharded)
         if h.sharded:
-            gathered_units += [u * (c_size if h.trained else _size(c.dtype)) for _, u in info["units"]]
+            gathered_units += [u * (compute_size(c) if h.trained else _size(c.dtype)) for _, u in info["units"]]
     biggest = sorted(gathered_units, reverse=True)
     if s.reshard_after_forward:
         gathered = sum(biggest[:2])
     else:
-        gathered = sum(u for c in comps if c.holding.trained for _, u in sharded[c.name]["units"]) * c_size
+        gathered = sum(u * compute_size(c) for c in comps if c.holding.trained for _, u in sharded[c.name]["units"])
     if s.lora:  # reduce-scatter input of the largest unit's grads: LoRA units' adapters only, in fp32
         gathered += max(max(sharded[c.name]["trainable_units"]) * _size(ADAPTER_DTYPE) if c.lora else
                         max(u for _, u in sharded[c.name]["units"]) * r_size for c in comps if c.holding.trained)
@@ -946,8 +961,11 @@ def main(argv: list[str]) -> int:
                     help="comma-separated module-name suffixes to adapt (default: fsdp_utils.LORA_TARGETS for the model)")
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
+    ap.add_argument("--fake_score_fp32", type=int, default=1,
+                    help="DMD: the fake score gathers and computes in fp32 (train_dmd.py's FAKE_SCORE_FP32, default on)")
     a = ap.parse_args(argv)
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
+                fake_score_fp32=bool(a.fake_score_fp32),
                 lora_targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()))
     try:
         fsdp_utils.check_lora(Settings(1, **lora).lora)
