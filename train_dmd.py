@@ -107,6 +107,7 @@ RESHARD_AFTER_FORWARD = True  # free gathered params after each block's forward 
 CPU_OFFLOAD = False  # keep trainable params, grads and optimizer state on the CPU
 ACTIVATION_CHECKPOINTING = False  # recompute blocks in backward (the published run used it on GPUs)
 PREFETCH = 0  # > 0: explicitly prefetch this many blocks ahead in forward and backward
+COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
@@ -164,6 +165,7 @@ def validate_config() -> list[int]:
     run_utils.check_report_to(REPORT_TO)
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
+    fsdp_utils.check_compile(COMPILE)
     if PARALLELISM == "ddp" and USE_GAN:
         raise ConfigError("PARALLELISM=ddp with USE_GAN=1: the GAN head runs the fake UNet several times per "
                           "backward, which DistributedDataParallel does not support; use fsdp")
@@ -252,7 +254,10 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     if mesh is not None and trainable:
         fsdp_utils.parallelize_unet(model, mesh, policy, sharding, block_classes)
     elif mesh is not None:
-        fsdp_utils.prepare_frozen(model, mesh, policy, device, sharded=True, block_classes=block_classes)
+        fsdp_utils.prepare_frozen(model, mesh, policy, device, sharded=True, block_classes=block_classes,
+                                  compile=sharding.compile)
+    elif sharding.compile and not trainable:  # ddp: the teacher replica's blocks (apply_ddp: the trained ones)
+        fsdp_utils.compile_blocks(model, block_classes, policy)
     home = torch.device("cpu") if trainable and sharding.cpu_offload else device
     return fsdp_utils.fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
 
@@ -570,7 +575,7 @@ def main() -> None:
     from diffusers import DDPMScheduler, UNet2DConditionModel
     mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
     unet_dir = os.path.join(MODEL_PATH, "unet")
-    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH)
+    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH, COMPILE)
     unet_config = UNet2DConditionModel.load_config(unet_dir)
     # the GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8, SDXL 32)
     head_size = unet_config["sample_size"] // 2 ** (len(unet_config["block_out_channels"]) - 1) if sdxl else 8
@@ -586,7 +591,8 @@ def main() -> None:
     train_gen, train_fake = generator, fake
     if mesh is None:
         ddp = functools.partial(fsdp_utils.apply_ddp, device=d.device, mp_policy=precision.mp_policy(),
-                                block_classes=BLOCK_CLASSES, activation_checkpointing=ACTIVATION_CHECKPOINTING)
+                                block_classes=BLOCK_CLASSES, activation_checkpointing=ACTIVATION_CHECKPOINTING,
+                                compile=COMPILE)
         train_gen, train_fake = ddp(generator), ddp(fake, verbose=False, mp_policy=precision.mp_policy(fake_compute))
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
@@ -691,6 +697,8 @@ def main() -> None:
 
         sched_g.step()  # both every iteration, as published (dmd2.warmup_factor)
         sched_d.step()
+        if COMPILE and step == start + 1:  # the training step's graphs, breaks and compile time (rank 0's)
+            print0(fsdp_utils.compile_report())
 
         # log, samples, checkpoint (when due), stop
         window_add(window, logs)
@@ -713,6 +721,8 @@ def main() -> None:
     logger.close()
     ckpt.wait()
     print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
+    if COMPILE:  # with the samples' recompiles (no-grad graphs of the generator or its EMA)
+        print0(fsdp_utils.compile_report("compile, whole run"))
     with final_weights() as final_model:
         if lora:  # the adapters (fp32: a few MB) in diffusers' LoRA format; optionally a merged pipeline too
             checkpoint.export_lora(final_model, os.path.join(OUTPUT_DIR, "export"), kind, "unet", torch.float32)

@@ -92,6 +92,7 @@ RESHARD_AFTER_FORWARD = True  # free gathered block params after forward (re-gat
 CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each block in backward instead of storing activations
 PREFETCH = 1  # blocks to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
+COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
 EMA_DECAY = 0.0  # EMA of the transformer (0 = off; with LoRA, of the adapters); exported instead of the raw weights when on
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
@@ -436,6 +437,7 @@ def validate_config() -> precision.Precision:
     fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
     fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
     fsdp_utils.check_context_parallel(CONTEXT_PARALLEL, DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
+    fsdp_utils.check_compile(COMPILE)
     if PARALLELISM == "ddp" and CONTEXT_PARALLEL > 1:
         raise ConfigError(f"PARALLELISM=ddp with CONTEXT_PARALLEL={CONTEXT_PARALLEL}: context parallelism is "
                           "built on the FSDP mesh; use fsdp")
@@ -597,7 +599,7 @@ def main():
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
     mesh, cp_mesh = fsdp_utils.build_meshes(d.device, DP_REPLICATE, CONTEXT_PARALLEL) if PARALLELISM == "fsdp" \
         else (None, None)
-    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH)
+    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH, COMPILE)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=lora, seed=SEED)
@@ -612,7 +614,7 @@ def main():
                f"{d.world_size} ranks")
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(
         transformer, d.device, prec.mp_policy(), block_classes=BLOCK_CLASSES,
-        activation_checkpointing=ACTIVATION_CHECKPOINTING)
+        activation_checkpointing=ACTIVATION_CHECKPOINTING, compile=COMPILE)
 
     # optimizer: AdamW (foreach: one dispatch per op over all DTensor shards, ~15x faster than
     # per-tensor on CPU) with a linear warmup
@@ -676,6 +678,8 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         lr = lr_sched.get_last_lr()[0]
         lr_sched.step()
+        if COMPILE and step == start + 1:  # the training step's graphs, breaks and compile time (rank 0's)
+            print0(fsdp_utils.compile_report())
 
         # log, samples, checkpoint (when due), stop
         metrics = None
@@ -706,6 +710,8 @@ def main():
     logger.close()
     ckpt.wait()
     print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
+    if COMPILE:  # with validation and samples' recompiles (their no-grad and new-shape graphs)
+        print0(fsdp_utils.compile_report("compile, whole run"))
     with final_weights() as final_model:
         if lora:  # the adapters (fp32: a few MB) in diffusers' LoRA format; optionally a merged pipeline too
             checkpoint.export_lora(final_model, os.path.join(OUTPUT_DIR, "export"), "FluxKontextPipeline",

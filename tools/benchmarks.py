@@ -3,12 +3,13 @@
     python tools/benchmarks.py save       # checkpoint save: synchronous vs asynchronous (how long training waits)
     python tools/benchmarks.py step       # FSDP2 vs DDP per script step: per-rank memory and step time
     python tools/benchmarks.py planner    # memory planner estimate vs measured peak
+    python tools/benchmarks.py compile    # COMPILE=1 vs eager per script step: step time, peak memory, compile time
     python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
 worker mode (save), or of the training scripts train_dmd.py / train_flux_kontext.py in the
-repository root (step, planner), and prints a markdown table; the numbers in BENCHMARKS.md come
-from exactly these commands.
+repository root (step, planner, compile), and prints a markdown table; the numbers in BENCHMARKS.md
+come from exactly these commands.
 """
 from __future__ import annotations
 
@@ -158,7 +159,8 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
     path, kind = SCRIPTS[script]
     out = os.path.join(root, f"{script}_{size}_{parallelism}".replace(", ", "_").replace(" ", "_"))
     mode = {"fsdp": ["--parallelism=fsdp"], "ddp": ["--parallelism=ddp"],
-            "fsdp, no reshard": ["--parallelism=fsdp", "--reshard_after_forward=0"]}[parallelism]
+            "fsdp, no reshard": ["--parallelism=fsdp", "--reshard_after_forward=0"],
+            "fsdp, compiled": ["--parallelism=fsdp", "--compile=1"]}[parallelism]
     args = [*mode, "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
             "--sample_every=0", "--save_every=0", f"--output_dir={out}"]
     if script == "dmd":  # every step a full DMD2 step (generator and fake score update)
@@ -173,7 +175,9 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
         args.append(f"--data_path={next(os.path.join(data, f) for f in sorted(os.listdir(data)) if f.endswith(('.jsonl', '.txt')))}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, path), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
+           # a fresh inductor cache per run: compile times are cold, never another run's cache hits
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(out, "inductor_cache")}
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode:
@@ -184,7 +188,11 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
         steps = [json.loads(line) for line in f]
     run = {"mem": mem, "step_ms": statistics.median(s["step_ms"] for s in steps if s["step"] > WARMUP),
            "state": max(m["params"] + m["grads_held"] + m["optim"] for m in mem),
-           "peak": max(m["rss_peak"] - m["rss_base"] for m in mem), "wall_s": time.perf_counter() - t0}
+           "peak": max(m["rss_peak"] - m["rss_base"] for m in mem), "wall_s": time.perf_counter() - t0,
+           "first_step_ms": steps[0]["step_ms"], "losses": [{k: v for k, v in s.items() if k.startswith("loss")}
+                                                           for s in steps],
+           # COMPILE=1: rank 0's lines after the first step and at the end (graphs, breaks, compile s)
+           "compile": [line for line in r.stdout.splitlines() if line.startswith("compile")]}
     _RUNS[key] = run
     return run
 
@@ -269,9 +277,52 @@ def bench_planner() -> str:
     return "\n".join(lines)
 
 
+def _compile_seconds(line: str) -> float:
+    import re
+    m = re.search(r"\(([\d.]+) s compiling\)", line)
+    return float(m.group(1)) if m else float("nan")
+
+
+def bench_compile() -> str:
+    """COMPILE=1 vs eager, side by side: the `step` benchmark's medium models and settings (FSDP,
+    fp32, no activation checkpointing), the compiled run after its warm-up steps, which hold the
+    whole compile (no recompile follows: one bucket, every DMD step the same kind). Compile time
+    is rank 0's dynamo + AOTAutograd + inductor seconds (the `compile:` line), cold (a fresh
+    inductor cache per run)."""
+    root = _root()
+    lines = ["| script (model) | mode | step time (median) | peak RSS above baseline / rank | first step | "
+             "compile time (rank 0) | graphs, graph breaks |", "|---|---|---|---|---|---|---|"]
+    ratios, notes = [], []
+    for script in _scripts_ready():
+        runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "fsdp, compiled")}
+        eager, comp = runs["fsdp"], runs["fsdp, compiled"]
+        first = comp["compile"][0] if comp["compile"] else "compile: (no line)"
+        whole = comp["compile"][-1] if comp["compile"] else first
+        graphs = first.split(": ", 1)[1].split(" (")[0]
+        for p, r in runs.items():
+            compiled = p == "fsdp, compiled"
+            compile_cols = f"{_compile_seconds(first):.0f} s | {graphs}" if compiled else "— | —"
+            lines.append(f"| {SCRIPTS[script][0]} (medium) | {'compiled' if compiled else 'eager'} "
+                         f"| {r['step_ms']:.0f} ms | {r['peak'] / 2**20:.0f} MiB | {r['first_step_ms'] / 1000:.1f} s "
+                         f"| {compile_cols} |")
+        loss_diff = max((abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for a, b in zip(eager["losses"], comp["losses"])
+                         for k in a if k in b), default=float("nan"))
+        ratios.append(f"| {SCRIPTS[script][0]} | {comp['step_ms'] / eager['step_ms']:.2f} "
+                      f"| {comp['peak'] / eager['peak']:.2f} | {_compile_seconds(first):.0f} s | {loss_diff:.1e} |")
+        if whole != first:
+            notes.append(f"{SCRIPTS[script][0]}: {whole}")
+    lines += ["", "| script | compiled / eager step time | compiled / eager peak RSS | compile time "
+              "| max relative loss difference, all steps |", "|---|---|---|---|---|", *ratios,
+              "", f"2 CPU ranks (gloo), fp32, batch 1/rank at 64 px, {STEP_STEPS} steps, median step_ms of steps > "
+              f"{WARMUP} (the first step holds the compile); peak = max over ranks of peak RSS minus RSS before the "
+              "first model build, which in the compiled run also holds dynamo's and inductor's own state. "
+              "Compile: torch.compile (inductor, C++ kernels via g++) of each FSDP unit's forward.", *notes]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 
-BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner}
+BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile}
 WORKERS = {"save": worker_save}
 
 

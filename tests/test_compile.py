@@ -1,0 +1,229 @@
+"""COMPILE=1: torch.compile of each FSDP unit's forward (fsdp_utils.compile_units), AC -> compile ->
+fully_shard, against eager.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_compile.py -q
+
+- train_flux_kontext.py end to end, as users launch it (2 CPU ranks, fp32, activation
+  checkpointing on, 3 AdamW steps at lr 1e-3), eager and compiled with inductor (the default
+  backend: C++ kernels built with g++): the same losses and grad norms to 1e-5 relative, the same
+  trained weights to 5e-5 absolute (a twentieth of one lr step; measured: 3e-6), the same checkpoint
+  and export keys (no `_orig_mod.`), and the start-up line `compile: 2 graphs, 0 graph breaks` (one
+  graph per FLUX block kind, shared by every block of that kind); a compiled run resumed from the
+  eager run's step-2 checkpoint ends where the eager run does.
+- The DMD UNet in process, on 2 spawned ranks: train_dmd.build_unet with activation checkpointing
+  and COMPILE, 2 AdamW steps against the same model eager. Its 15 units have 9 distinct shapes
+  (ResnetBlock2D at 7 channel pairs, BasicTransformerBlock at 2 widths), each a graph of the
+  checkpoint wrapper's one code object: more than dynamo's default recompile limit (8), which
+  compile_units raises, so no unit falls back to eager. Compiling those 9 graphs with inductor
+  costs minutes on 2 CPU cores, and a DMD step compiles 27 (generator, fake score, teacher; with
+  and without grad), so this check compiles with backend="aot_eager": dynamo's capture (graph
+  breaks, guards, recompiles) and AOTAutograd's joint graph with the checkpoint op are exactly
+  the inductor path's; inductor's own numerics on the UNet are measured by
+  `python tools/benchmarks.py compile` (compiled vs eager train_dmd.py, side by side).
+
+Runtime: the inductor compile dominates. With an empty inductor cache (TORCHINDUCTOR_CACHE_DIR,
+by default /tmp/torchinductor_$USER) the file took 183 s on 2 cores shared with other jobs: the
+three FLUX launches 139 s (eager, compiled, and the resumed compiled run, which reuses the compiled
+run's cache), the UNet check 39 s. With a warm cache, about 100 s.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, launch, launch_env, run_ranks
+
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import fsdp_utils  # noqa: E402
+import train_dmd  # noqa: E402
+import train_flux_kontext as tfk  # noqa: E402
+from run_utils import ConfigError  # noqa: E402
+
+STEPS = 3
+LR = 1e-3
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def export(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))
+
+
+def checkpoint_keys(out, step):
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(out, "checkpoints", f"step_{step:06d}")
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+@pytest.fixture(scope="module")
+def flux_runs(tmp_path_factory):
+    """The tiny Kontext default trained eagerly and compiled, otherwise identical."""
+    from tools import tiny_models
+    root = tmp_path_factory.mktemp("compile_flux")
+    model, data = tiny_models.ensure_default("flux_kontext", root / "cache")
+    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
+              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", "--resolution=32",
+              f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--sample_every=0", "--val_every=0",
+              "--save_every=2", f"--lr={LR}", "--warmup_steps=0", "--export_dtype=fp32", "--activation_checkpointing=1"]
+    env = launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
+    runs = {}
+    for name, flag in (("eager", "0"), ("compiled", "1"), ("resumed", "1")):
+        out = root / name
+        if name == "resumed":  # compiled, from the eager run's step-2 checkpoint (hits the compiled run's cache)
+            shutil.copytree(root / "eager" / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+        args = [f"--compile={flag}", f"--output_dir={out}"] + (["--resume=auto"] if name == "resumed" else [])
+        runs[name] = (str(out), launch("train_flux_kontext.py", common + args, env=env, timeout=900).stdout)
+    return runs
+
+
+def test_flux_compiled_matches_eager(flux_runs):
+    (eager, _), (compiled, _) = flux_runs["eager"], flux_runs["compiled"]
+    a, b = metrics(eager), metrics(compiled)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b):
+        for k in ("loss", "grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5), (ra["step"], k, ra[k], rb[k])
+    wa, wb = export(eager), export(compiled)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=LR / 20, msg=k)
+    # module tree untouched: the same checkpoint keys, none with torch.compile's `_orig_mod.`
+    keys = checkpoint_keys(compiled, STEPS)
+    assert keys == checkpoint_keys(eager, STEPS) and not any("_orig_mod" in k for k in keys)
+
+
+def test_compiled_run_resumes_an_eager_checkpoint(flux_runs):
+    (eager, _), (resumed, log) = flux_runs["eager"], flux_runs["resumed"]
+    assert "resumed from" in log and "(step 2)" in log
+    last = metrics(resumed)
+    assert [r["step"] for r in last] == [STEPS]
+    assert last[0]["loss"] == pytest.approx(metrics(eager)[-1]["loss"], rel=1e-5)
+    wa, wb = export(eager), export(resumed)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=LR / 20, msg=k)
+
+
+def test_flux_prints_graphs_and_no_graph_breaks(flux_runs):
+    eager_log, log = flux_runs["eager"][1], flux_runs["compiled"][1]
+    lines = [line for line in log.splitlines() if line.startswith("compile: ")]
+    assert len(lines) == 1, lines  # once, after the first step, on rank 0
+    m = re.match(r"compile: (\d+) graphs, (\d+) graph breaks \((\d+\.\d) s compiling\)$", lines[0])
+    assert m, lines[0]
+    # one graph per block kind (FluxTransformerBlock, FluxSingleTransformerBlock), 0 breaks
+    assert (int(m.group(1)), int(m.group(2))) == (2, 0), lines[0]
+    assert not any(line.startswith("compile") for line in eager_log.splitlines())  # COMPILE=0: no line
+    assert "recompile_limit" not in log  # dynamo's warning when it falls back to eager
+
+
+# ----------------------------------------------------------------------------------------------
+# the UNet, in process
+
+
+def _unet_steps(rank, world, unet_dir, compile_: bool, steps: int = 2):
+    """2 AdamW steps of an FSDP UNet (the DMD recipe, activation checkpointing on) on fixed
+    per-rank inputs; returns (losses, full params, state-dict keys)."""
+    from precision import get_precision
+    prec = get_precision("fp32")
+    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    sharding = fsdp_utils.Sharding(activation_checkpointing=True, compile=compile_)
+    model = train_dmd.build_unet(unet_dir, mesh, torch.float32, torch.device("cpu"), policy=prec.mp_policy(),
+                                 trainable=True, sharding=sharding, block_classes=[])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x, target = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+        t, text = torch.randint(0, 1000, (2,), generator=g), torch.randn(2, 8, 64, generator=g)
+        loss = (model(x, t, text).sample - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    fsdp_utils.reshard_all(model)
+    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return losses, params, list(model.state_dict())
+
+
+def _unet_parity(rank, world, unet_dir):
+    from torch._dynamo.utils import counters
+    real = torch.compile
+    torch.compile = functools.partial(real, backend="aot_eager")  # see the module docstring
+    try:
+        eager = _unet_steps(rank, world, unet_dir, compile_=False)
+        compiled = _unet_steps(rank, world, unet_dir, compile_=True)
+    finally:
+        torch.compile = real
+    assert compiled[2] == eager[2]  # state-dict keys: unchanged, no `_orig_mod.`
+    for a, b in zip(eager[0], compiled[0]):
+        assert b == pytest.approx(a, rel=1e-5), (eager[0], compiled[0])
+    for k, v in eager[1].items():
+        torch.testing.assert_close(compiled[1][k], v, rtol=0, atol=LR / 20, msg=k)
+    report = fsdp_utils.compile_report()
+    # 9 unit shapes, one graph each, all under the checkpoint wrapper's code object, 0 breaks
+    assert report.startswith("compile: 9 graphs, 0 graph breaks"), report
+    assert "recompile limit" not in report and not counters["graph_break"]
+    assert len(fsdp_utils._COMPILED_UNIT_SHAPES) == 9
+    assert torch._dynamo.config.recompile_limit == 36 > 9 > 8
+
+
+def test_unet_compiled_matches_eager_without_breaks_or_eager_fallback():
+    unet_dir = os.path.join(train_dmd.default_paths()[0], "unet")  # the shipped shapes teacher
+    run_ranks(_unet_parity, 2, unet_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# settings
+
+
+def test_compile_is_off_by_default_and_checked_before_any_work():
+    assert tfk.COMPILE is False and train_dmd.COMPILE is False
+    fsdp_utils.check_compile(False)  # off: nothing to check
+    fsdp_utils.check_compile(True)  # g++ is here
+
+
+def test_nested_units_compile_only_the_innermost():
+    """A unit holding another unit stays eager (compiling it would trace the inner unit's FSDP
+    hooks); the inner one gets the compiled forward, on the instance (no module is replaced)."""
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    outer = torch.nn.Sequential(inner, torch.nn.Linear(4, 4))
+    other = torch.nn.Linear(4, 4)
+    keys = list(outer.state_dict())
+    assert fsdp_utils.compile_units([outer, inner, other]) == [inner, other]
+    assert "forward" in vars(inner) and "forward" in vars(other) and "forward" not in vars(outer)
+    assert list(outer.state_dict()) == keys and outer[0] is inner
+
+
+def test_compile_report_names_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    def fn(x):
+        print("a graph break")  # dynamo cannot trace print: it breaks the graph there
+        return x + 1
+    counters.clear()
+    torch.compile(fn, backend="eager")(torch.ones(2))
+    report = fsdp_utils.compile_report()
+    assert re.match(r"compile: 1 graphs, 1 graph breaks \(\d+\.\d s compiling\); breaks: ", report), report
+    assert "breaks: Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print`" \
+        in report
+    counters.clear()
+
+
+def test_missing_cxx_compiler_is_one_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the C++ compiler is checked on CPU only")
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++",))
+    with pytest.raises(ConfigError, match="COMPILE=1 on CPU needs a C\\+\\+ compiler"):
+        fsdp_utils.check_compile(True)
