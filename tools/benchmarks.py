@@ -4,6 +4,7 @@
     python tools/benchmarks.py step       # FSDP2 vs DDP per script step: per-rank memory and step time
     python tools/benchmarks.py planner    # memory planner estimate vs measured peak
     python tools/benchmarks.py compile    # COMPILE=1 vs eager per script step: step time, peak memory, compile time
+    python tools/benchmarks.py stack      # FSDP1 (the DMD2 repository's settings) vs FSDP2 vs DDP, UNet and DMD2 steps
     python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
@@ -321,9 +322,215 @@ def bench_compile() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# the stack users come from: FSDP1 with the DMD2 repository's settings, beside FSDP2 and DDP
+#
+# The official DMD2 code wraps its UNets with accelerate + torch FSDP1 (seed 000's config):
+# TRANSFORMER_BASED_WRAP on BasicTransformerBlock and ResnetBlock2D, FULL_SHARD, bf16
+# MixedPrecision (params, reduce, buffers), use_orig_params, BACKWARD_PRE, no forward prefetch.
+# Here that is torch's own FullyShardedDataParallel with those arguments (accelerate only passes
+# them through); on CPU it needs device_id=cpu and no sync_module_states (every rank builds the
+# same seeded model). FSDP1 lives in this benchmark only, never in the training path.
+#
+# Modes (each its own 2-rank launch, so each peak is its own):
+#   fsdp1             the settings above
+#   fsdp2             this project's recipe as the scripts run it (fsdp_utils.parallelize, PRECISION=bf16)
+#   fsdp2 bare        fully_shard per block and on the root, MixedPrecisionPolicy(bf16, bf16), nothing else
+#   ddp               DistributedDataParallel of the bf16 model
+#   fsdp2 + KNOB      the recipe with one knob changed (see STACK_KNOBS)
+# Workloads: `unet` = one UNet forward + backward + AdamW; `dmd` = one full DMD2 step (the
+# generator's 1-step sample, the DM gradient from the fake score and the CFG teacher, the
+# generator's backward and AdamW, the fake score's denoising loss, backward and AdamW), with
+# algorithms/dmd2's functions, all three UNets wrapped by the mode (the teacher frozen).
 
-BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile}
-WORKERS = {"save": worker_save}
+STACK_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D")
+UNET_STAGES = ["CrossAttnDownBlock2D", "DownBlock2D", "UNetMidBlock2DCrossAttn", "CrossAttnUpBlock2D", "UpBlock2D"]
+STACK_KNOBS = {  # mode -> changes to the recipe (fsdp_utils.Sharding fields, block classes, reduce dtype)
+    "fsdp2 + per stage": {"blocks": UNET_STAGES},     # a unit per down/mid/up block: fewer, larger all-gathers
+    "fsdp2 + prefetch 1": {"prefetch": 1},            # explicit prefetch of the next unit
+    "fsdp2 + prefetch 2": {"prefetch": 2},
+    "fsdp2 + no reshard": {"reshard_after_forward": False},  # no all-gathers in backward (holds full params)
+    "fsdp2 + fp32 reduce": {"reduce": "fp32"},        # reduce-scatter in fp32 (bf16-mixed's choice)
+}
+
+
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed build-time memory back first
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _wrap(model, mode: str, mesh, device, trainable: bool):
+    """`model` (bf16, on CPU) wrapped as `mode` does it; returns the module to call."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    import fsdp_utils
+    from precision import get_precision
+    bf16 = torch.bfloat16
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        classes = {type(m) for m in model.modules() if type(m).__name__ in STACK_BLOCKS}
+        return FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy(classes), sharding_strategy=ShardingStrategy.FULL_SHARD,
+            mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16),
+            use_orig_params=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,
+            device_id=device, sync_module_states=False)
+    if mode == "ddp":  # the scripts' DDP path (inputs cast to bf16); the teacher replicated, inputs cast
+        if trainable:
+            return fsdp_utils.apply_ddp(model, device, get_precision("bf16").mp_policy(), verbose=False)
+        return lambda x, *a, **k: model(x.to(bf16), *a, **{n: v.to(bf16) if torch.is_tensor(v) and v.is_floating_point() else v
+                                                            for n, v in k.items()})
+    if mode == "fsdp2 bare":
+        policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+        for name in STACK_BLOCKS:
+            for m in model.modules():
+                if type(m).__name__ == name:
+                    fully_shard(m, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+    knob = STACK_KNOBS.get(mode, {})
+    prec = get_precision("bf16")
+    if not trainable:  # the scripts' frozen teacher: prepare_frozen (sharded, its recipe)
+        return fsdp_utils.prepare_frozen(model, mesh, prec.frozen_mp_policy(bf16), device, sharded=True,
+                                         block_classes=knob.get("blocks"), verbose=False)
+    policy = prec.mp_policy()
+    if knob.get("reduce") == "fp32":
+        import dataclasses
+        policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+    sharding = fsdp_utils.Sharding(reshard_after_forward=knob.get("reshard_after_forward", True),
+                                   prefetch=knob.get("prefetch", 0))
+    fsdp_utils.parallelize(model, mesh, policy, sharding, knob.get("blocks"), verbose=False)
+    return model
+
+
+def worker_stack(workload: str, mode: str, width: str, steps: str) -> None:
+    import statistics
+    import torch
+    import fsdp_utils
+    from algorithms import dmd2
+    d = fsdp_utils.init_distributed()
+    mesh = fsdp_utils.build_mesh(d.device) if mode.startswith("fsdp2") else None
+    bf16, batch, latent, tokens = torch.bfloat16, 2, 32, 77
+    names = ("unet",) if workload == "unet" else ("generator", "fake", "teacher")
+    models = {n: medium_unet(int(width)).to(bf16) for n in names}  # same seed: the same weights
+    models["teacher"].requires_grad_(False) if "teacher" in models else None
+    wrapped = {n: _wrap(m, mode, mesh, d.device, trainable=(n != "teacher")) for n, m in models.items()}
+    trained = [n for n in names if n != "teacher"]
+    opts = {n: torch.optim.AdamW(wrapped[n].parameters(), lr=1e-5) for n in trained}
+    n_params = sum(p.numel() for p in models[names[0]].parameters()) if mode != "fsdp1" else \
+        sum(p.numel() for p in medium_unet(int(width)).parameters())
+    betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
+    alphas = torch.cumprod(1 - betas, 0)
+    g = torch.Generator().manual_seed(1 + d.rank)
+
+    def step():
+        text = torch.randn(batch, tokens, 256, generator=g).to(bf16)
+        if workload == "unet":
+            x, target = torch.randn(batch, 4, latent, latent, generator=g), torch.randn(batch, 4, latent, latent, generator=g)
+            t = torch.randint(0, 1000, (batch,), generator=g)
+            out = wrapped["unet"](x.to(bf16), t, text).sample.float()
+            loss = (out - target).square().mean()
+            loss.backward()
+            opts["unet"].step()
+            opts["unet"].zero_grad(set_to_none=True)
+            return
+        noise = torch.randn(batch, 4, latent, latent, generator=g)
+        x = dmd2.generator_forward(wrapped["generator"], noise.to(bf16), 999, text, alphas).float()
+        t = torch.randint(20, 981, (batch,), generator=g)
+        grad, _ = dmd2.dm_grad(x.to(bf16), t, torch.randn(batch, 4, latent, latent, generator=g).to(bf16),
+                               wrapped["teacher"], wrapped["fake"], text, torch.zeros(1, tokens, 256, dtype=bf16),
+                               1.75, alphas)
+        dmd2.dm_loss(x, grad).backward()
+        opts["generator"].step()
+        opts["generator"].zero_grad(set_to_none=True)
+        loss = dmd2.fake_score_loss(wrapped["fake"], x.detach().to(bf16),
+                                    torch.randn(batch, 4, latent, latent, generator=g).to(bf16),
+                                    torch.randint(0, 1000, (batch,), generator=g), text, alphas)
+        loss.backward()
+        opts["fake"].step()
+        opts["fake"].zero_grad(set_to_none=True)
+
+    step()  # warm-up: allocator, AdamW state, FSDP lazy init
+    _reset_peak_rss()
+    base = fsdp_utils.host_rss_bytes()
+    times = []
+    for _ in range(int(steps)):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        step()
+        torch.distributed.barrier()
+        times.append(time.perf_counter() - t0)
+    peak = torch.tensor([_vm_hwm(), _vm_hwm() - base, base], dtype=torch.float64)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    states = fsdp_utils.local_state_bytes({n: wrapped[n] for n in trained}, opts)  # after zero_grad: no grads
+    states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
+    _emit({"workload": workload, "mode": mode, "params": n_params, "states": states,
+           "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item()})
+    fsdp_utils.cleanup_distributed()
+
+
+STACK_RUNS = {  # workload -> (UNet width, timed steps, modes)
+    "unet": (160, 4, ["fsdp1", "fsdp2", "fsdp2 bare", "ddp", *STACK_KNOBS]),
+    "dmd": (96, 3, ["fsdp1", "fsdp2", "fsdp2 bare", "ddp"]),
+}
+STACK_ROUNDS = 2  # every mode runs this often, the rounds interleaved (drift hits all modes alike)
+
+
+def bench_stack() -> str:
+    import statistics
+
+    def each(rs: list, key: str, unit: float, fmt: str = ".2f") -> str:
+        return ", ".join(format(r[key] / unit, fmt) for r in rs)
+    lines = []
+    for workload, (width, steps, modes) in STACK_RUNS.items():
+        runs: dict = {m: [] for m in modes}
+        for _ in range(STACK_ROUNDS):
+            for m in modes:
+                runs[m] += _torchrun("stack", workload, m, str(width), str(steps))
+        ref = runs["fsdp1"]
+        t_ref = statistics.mean(r["step_s"] for r in ref)
+        p_ref = statistics.mean(r["peak_above"] for r in ref)
+        what = ("UNet forward + backward + AdamW" if workload == "unet" else
+                "full DMD2 step: generator, fake score (trained), teacher (frozen, CFG)")
+        lines += [f"**{what}**: SD-1.5-layout UNet of {ref[0]['params'] / 1e6:.0f} M params in bf16, batch 2 "
+                  f"at 32×32 latents, 77 text tokens; median of {steps} steps after one warm-up step, "
+                  f"{STACK_ROUNDS} runs per mode (interleaved)", "",
+                  "| mode | step time (s), each run | step / FSDP1 | peak RSS in steps above start / rank (MiB), "
+                  "each run | peak / FSDP1 | peak RSS / rank (GiB) | model states / rank (MiB) |",
+                  "|---|---|---|---|---|---|---|"]
+        for m, rs in runs.items():
+            t = statistics.mean(r["step_s"] for r in rs)
+            p = statistics.mean(r["peak_above"] for r in rs)
+            lines.append(f"| {m} | {each(rs, 'step_s', 1)} | {t / t_ref:.2f} "
+                         f"| {each(rs, 'peak_above', 2**20, '.0f')} | {p / p_ref:.2f} "
+                         f"| {max(r['rss_peak'] for r in rs) / 2**30:.2f} | {rs[0]['states'] / 2**20:.0f} |")
+        lines.append("")
+    lines.append("2 CPU ranks (gloo), one thread each. Peak RSS in steps: the largest rank's peak RSS during the "
+                 "timed steps (reset with /proc/self/clear_refs after the warm-up step) minus its RSS then: "
+                 "what the step itself adds (gathered params, activations, grads, buffers). Peak RSS: the "
+                 "whole process's, model build included (every mode builds the full bf16 model on every rank "
+                 "first). Model states: params + grads (as held in a step) + AdamW state of the trained "
+                 "model(s) on one rank. FSDP1: torch's FullyShardedDataParallel with the DMD2 repository's "
+                 "settings (benchmark only).")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+
+BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile, "stack": bench_stack}
+WORKERS = {"save": worker_save, "stack": worker_stack}
 
 
 def usage() -> str:
