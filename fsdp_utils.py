@@ -883,6 +883,24 @@ def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, hom
 
 
 # ----------------------------------------------------------------------------------------------
+# optimizer
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")  # where torch has a fused AdamW kernel
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """torch's AdamW over (possibly DTensor) params, with its fused kernel where the params' devices
+    have one. AdamW's default for DTensor params is the per-tensor loop: every elementwise op
+    dispatches through DTensor once per param (~700 per SD UNet). Measured on 2 CPU ranks for an
+    FSDP2 UNet of 78 M params (tools/benchmarks.py stack): per-tensor 0.85 s a step, foreach 0.32 s,
+    fused 0.12 s; FSDP1's flat params are plain tensors, so it gets foreach (0.32 s) by default.
+    Same algorithm, same state_dict layout; fused differs from foreach only in rounding."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {"foreach": True}))
+
+
+# ----------------------------------------------------------------------------------------------
 # gradients
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:

@@ -324,11 +324,12 @@ def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dt
 
 
 def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
-    """AdamW as published (betas 0.9/0.999, weight decay 0.01) with the published warmup: its
+    """AdamW as published (betas 0.9/0.999, weight decay 0.01; torch's fused kernel, see
+    fsdp_utils.adamw) with the published warmup: its
     scheduler is stepped once per iteration (see dmd2.warmup_factor), whether or not the
     optimizer stepped."""
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
-                            betas=(0.9, 0.999), weight_decay=0.01)
+    opt = fsdp_utils.adamw([p for p in module.parameters() if p.requires_grad], lr=lr,
+                           betas=(0.9, 0.999), weight_decay=0.01)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(dm.warmup_factor, warmup=warmup_steps))
 
 

@@ -332,10 +332,13 @@ def bench_compile() -> str:
 # same seeded model). FSDP1 lives in this benchmark only, never in the training path.
 #
 # Modes (each its own 2-rank launch, so each peak is its own):
-#   fsdp1             the settings above
+#   fsdp1             the settings above, AdamW as the DMD2 repository makes it (torch's default)
+#   fsdp1 + fused     the same with the scripts' optimizer (fsdp_utils.adamw: fused AdamW)
 #   fsdp2             this project's recipe as the scripts run it (fsdp_utils.parallelize, PRECISION=bf16)
 #   fsdp2 bare        fully_shard per block and on the root, MixedPrecisionPolicy(bf16, bf16), nothing else
 #   ddp               DistributedDataParallel of the bf16 model
+# (bf16 where the CPU computes it natively, else fp32 throughout: see native_bf16)
+# Every mode but fsdp1 uses the scripts' optimizer, fsdp_utils.adamw.
 #   fsdp2 + KNOB      the recipe with one knob changed (see STACK_KNOBS)
 # Workloads: `unet` = one UNet forward + backward + AdamW; `dmd` = one full DMD2 step (the
 # generator's 1-step sample, the DM gradient from the fake score and the CFG teacher, the
@@ -347,9 +350,8 @@ UNET_STAGES = ["CrossAttnDownBlock2D", "DownBlock2D", "UNetMidBlock2DCrossAttn",
 STACK_KNOBS = {  # mode -> changes to the recipe (fsdp_utils.Sharding fields, block classes, reduce dtype)
     "fsdp2 + per stage": {"blocks": UNET_STAGES},     # a unit per down/mid/up block: fewer, larger all-gathers
     "fsdp2 + prefetch 1": {"prefetch": 1},            # explicit prefetch of the next unit
-    "fsdp2 + prefetch 2": {"prefetch": 2},
     "fsdp2 + no reshard": {"reshard_after_forward": False},  # no all-gathers in backward (holds full params)
-    "fsdp2 + fp32 reduce": {"reduce": "fp32"},        # reduce-scatter in fp32 (bf16-mixed's choice)
+    "fsdp2 + fp32 reduce": {"reduce": "fp32"},        # reduce-scatter in fp32 (bf16-mixed's choice; bf16 runs only)
 }
 
 
@@ -371,29 +373,29 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _wrap(model, mode: str, mesh, device, trainable: bool):
-    """`model` (bf16, on CPU) wrapped as `mode` does it; returns the module to call."""
+def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
+    """`model` (in `dtype`, on CPU) wrapped as `mode` does it; returns the module to call."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import fsdp_utils
     from precision import get_precision
-    bf16 = torch.bfloat16
-    if mode == "fsdp1":
+    prec = get_precision("bf16" if dtype == torch.bfloat16 else "fp32")  # pure: params, compute, reduce alike
+    if mode.startswith("fsdp1"):
         from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         classes = {type(m) for m in model.modules() if type(m).__name__ in STACK_BLOCKS}
         return FullyShardedDataParallel(
             model, auto_wrap_policy=ModuleWrapPolicy(classes), sharding_strategy=ShardingStrategy.FULL_SHARD,
-            mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16),
+            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype),
             use_orig_params=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,
             device_id=device, sync_module_states=False)
-    if mode == "ddp":  # the scripts' DDP path (inputs cast to bf16); the teacher replicated, inputs cast
+    if mode == "ddp":  # the scripts' DDP path (inputs cast); the teacher replicated, its inputs cast
         if trainable:
-            return fsdp_utils.apply_ddp(model, device, get_precision("bf16").mp_policy(), verbose=False)
-        return lambda x, *a, **k: model(x.to(bf16), *a, **{n: v.to(bf16) if torch.is_tensor(v) and v.is_floating_point() else v
-                                                            for n, v in k.items()})
+            return fsdp_utils.apply_ddp(model, device, prec.mp_policy(), verbose=False)
+        return lambda x, *a, **k: model(x.to(dtype), *a, **{n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                                                             for n, v in k.items()})
     if mode == "fsdp2 bare":
-        policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         for name in STACK_BLOCKS:
             for m in model.modules():
                 if type(m).__name__ == name:
@@ -401,9 +403,8 @@ def _wrap(model, mode: str, mesh, device, trainable: bool):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     knob = STACK_KNOBS.get(mode, {})
-    prec = get_precision("bf16")
     if not trainable:  # the scripts' frozen teacher: prepare_frozen (sharded, its recipe)
-        return fsdp_utils.prepare_frozen(model, mesh, prec.frozen_mp_policy(bf16), device, sharded=True,
+        return fsdp_utils.prepare_frozen(model, mesh, prec.frozen_mp_policy(dtype), device, sharded=True,
                                          block_classes=knob.get("blocks"), verbose=False)
     policy = prec.mp_policy()
     if knob.get("reduce") == "fp32":
@@ -415,20 +416,34 @@ def _wrap(model, mode: str, mesh, device, trainable: bool):
     return model
 
 
-def worker_stack(workload: str, mode: str, width: str, steps: str) -> None:
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without, oneDNN emulates bf16
+    matmuls and convolutions some 50-90x slower than fp32, which drowns every FSDP cost measured."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = "bf16") -> None:
     import statistics
     import torch
     import fsdp_utils
     from algorithms import dmd2
     d = fsdp_utils.init_distributed()
     mesh = fsdp_utils.build_mesh(d.device) if mode.startswith("fsdp2") else None
-    bf16, batch, latent, tokens = torch.bfloat16, 2, 32, 77
+    dt, batch, latent, tokens = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]), 2, 32, 77
     names = ("unet",) if workload == "unet" else ("generator", "fake", "teacher")
-    models = {n: medium_unet(int(width)).to(bf16) for n in names}  # same seed: the same weights
+    models = {n: medium_unet(int(width)).to(dt) for n in names}  # same seed: the same weights
     models["teacher"].requires_grad_(False) if "teacher" in models else None
-    wrapped = {n: _wrap(m, mode, mesh, d.device, trainable=(n != "teacher")) for n, m in models.items()}
+    wrapped = {n: _wrap(m, mode, mesh, d.device, (n != "teacher"), dt) for n, m in models.items()}
     trained = [n for n in names if n != "teacher"]
-    opts = {n: torch.optim.AdamW(wrapped[n].parameters(), lr=1e-5) for n in trained}
+    # FSDP1: AdamW as the DMD2 repository makes it (torch's default: foreach over its plain
+    # tensors); the rest the scripts' optimizer (fsdp_utils.adamw: fused)
+    opts = {n: torch.optim.AdamW(wrapped[n].parameters(), lr=1e-5) if mode == "fsdp1" else
+            fsdp_utils.adamw(wrapped[n].parameters(), lr=1e-5) for n in trained}
     n_params = sum(p.numel() for p in models[names[0]].parameters()) if mode != "fsdp1" else \
         sum(p.numel() for p in medium_unet(int(width)).parameters())
     betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
@@ -436,27 +451,27 @@ def worker_stack(workload: str, mode: str, width: str, steps: str) -> None:
     g = torch.Generator().manual_seed(1 + d.rank)
 
     def step():
-        text = torch.randn(batch, tokens, 256, generator=g).to(bf16)
+        text = torch.randn(batch, tokens, 256, generator=g).to(dt)
         if workload == "unet":
             x, target = torch.randn(batch, 4, latent, latent, generator=g), torch.randn(batch, 4, latent, latent, generator=g)
             t = torch.randint(0, 1000, (batch,), generator=g)
-            out = wrapped["unet"](x.to(bf16), t, text).sample.float()
+            out = wrapped["unet"](x.to(dt), t, text).sample.float()
             loss = (out - target).square().mean()
             loss.backward()
             opts["unet"].step()
             opts["unet"].zero_grad(set_to_none=True)
             return
         noise = torch.randn(batch, 4, latent, latent, generator=g)
-        x = dmd2.generator_forward(wrapped["generator"], noise.to(bf16), 999, text, alphas).float()
+        x = dmd2.generator_forward(wrapped["generator"], noise.to(dt), 999, text, alphas).float()
         t = torch.randint(20, 981, (batch,), generator=g)
-        grad, _ = dmd2.dm_grad(x.to(bf16), t, torch.randn(batch, 4, latent, latent, generator=g).to(bf16),
-                               wrapped["teacher"], wrapped["fake"], text, torch.zeros(1, tokens, 256, dtype=bf16),
+        grad, _ = dmd2.dm_grad(x.to(dt), t, torch.randn(batch, 4, latent, latent, generator=g).to(dt),
+                               wrapped["teacher"], wrapped["fake"], text, torch.zeros(1, tokens, 256, dtype=dt),
                                1.75, alphas)
         dmd2.dm_loss(x, grad).backward()
         opts["generator"].step()
         opts["generator"].zero_grad(set_to_none=True)
-        loss = dmd2.fake_score_loss(wrapped["fake"], x.detach().to(bf16),
-                                    torch.randn(batch, 4, latent, latent, generator=g).to(bf16),
+        loss = dmd2.fake_score_loss(wrapped["fake"], x.detach().to(dt),
+                                    torch.randn(batch, 4, latent, latent, generator=g).to(dt),
                                     torch.randint(0, 1000, (batch,), generator=g), text, alphas)
         loss.backward()
         opts["fake"].step()
@@ -476,14 +491,14 @@ def worker_stack(workload: str, mode: str, width: str, steps: str) -> None:
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     states = fsdp_utils.local_state_bytes({n: wrapped[n] for n in trained}, opts)  # after zero_grad: no grads
     states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
-    _emit({"workload": workload, "mode": mode, "params": n_params, "states": states,
+    _emit({"workload": workload, "mode": mode, "dtype": dtype, "params": n_params, "states": states,
            "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item()})
     fsdp_utils.cleanup_distributed()
 
 
 STACK_RUNS = {  # workload -> (UNet width, timed steps, modes)
-    "unet": (160, 4, ["fsdp1", "fsdp2", "fsdp2 bare", "ddp", *STACK_KNOBS]),
-    "dmd": (96, 3, ["fsdp1", "fsdp2", "fsdp2 bare", "ddp"]),
+    "unet": (96, 3, ["fsdp1", "fsdp1 + fused", "fsdp2", "fsdp2 bare", "ddp", *STACK_KNOBS]),
+    "dmd": (64, 3, ["fsdp1", "fsdp2", "fsdp2 bare", "ddp"]),
 }
 STACK_ROUNDS = 2  # every mode runs this often, the rounds interleaved (drift hits all modes alike)
 
@@ -493,18 +508,24 @@ def bench_stack() -> str:
 
     def each(rs: list, key: str, unit: float, fmt: str = ".2f") -> str:
         return ", ".join(format(r[key] / unit, fmt) for r in rs)
-    lines = []
+    dtype = "bf16" if native_bf16() else "fp32"
+    lines = [] if dtype == "bf16" else [
+        "This CPU has no native bf16 (no AVX512-BF16 / AMX): oneDNN emulates bf16 matmuls and convolutions "
+        "some 50-90x slower than fp32, which would drown every FSDP cost, so every mode runs in fp32 "
+        "(FSDP1's MixedPrecision and FSDP2's MixedPrecisionPolicy name fp32; all else as listed).", ""]
     for workload, (width, steps, modes) in STACK_RUNS.items():
+        if dtype == "fp32":  # a bf16 -> fp32 knob is a no-op in fp32
+            modes = [m for m in modes if STACK_KNOBS.get(m, {}).get("reduce") != "fp32"]
         runs: dict = {m: [] for m in modes}
         for _ in range(STACK_ROUNDS):
             for m in modes:
-                runs[m] += _torchrun("stack", workload, m, str(width), str(steps))
+                runs[m] += _torchrun("stack", workload, m, str(width), str(steps), dtype)
         ref = runs["fsdp1"]
         t_ref = statistics.mean(r["step_s"] for r in ref)
         p_ref = statistics.mean(r["peak_above"] for r in ref)
         what = ("UNet forward + backward + AdamW" if workload == "unet" else
                 "full DMD2 step: generator, fake score (trained), teacher (frozen, CFG)")
-        lines += [f"**{what}**: SD-1.5-layout UNet of {ref[0]['params'] / 1e6:.0f} M params in bf16, batch 2 "
+        lines += [f"**{what}**: SD-1.5-layout UNet of {ref[0]['params'] / 1e6:.0f} M params in {dtype}, batch 2 "
                   f"at 32×32 latents, 77 text tokens; median of {steps} steps after one warm-up step, "
                   f"{STACK_ROUNDS} runs per mode (interleaved)", "",
                   "| mode | step time (s), each run | step / FSDP1 | peak RSS in steps above start / rank (MiB), "
@@ -520,7 +541,7 @@ def bench_stack() -> str:
     lines.append("2 CPU ranks (gloo), one thread each. Peak RSS in steps: the largest rank's peak RSS during the "
                  "timed steps (reset with /proc/self/clear_refs after the warm-up step) minus its RSS then: "
                  "what the step itself adds (gathered params, activations, grads, buffers). Peak RSS: the "
-                 "whole process's, model build included (every mode builds the full bf16 model on every rank "
+                 "whole process's, model build included (every mode builds the full model on every rank "
                  "first). Model states: params + grads (as held in a step) + AdamW state of the trained "
                  "model(s) on one rank. FSDP1: torch's FullyShardedDataParallel with the DMD2 repository's "
                  "settings (benchmark only).")
