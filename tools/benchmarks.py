@@ -416,6 +416,47 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     return model
 
 
+def _step_memory(fn) -> tuple[int, int]:
+    """Run fn once under torch's profiler with memory events; return (tensor peak, malloc peak): the
+    most tensor bytes that fn's thread allocated and had not freed at once, and the most bytes glibc
+    reported in use (mallinfo2, sampled every 2 ms from a thread: all threads' mallocs, tensors and
+    everything else), each above the start. The first is what a caching allocator would have to
+    hold, free of glibc's heap that RSS also counts; the gap between the two is host memory that
+    is not the step's tensors (or is allocated on other threads: gloo's)."""
+    import ctypes
+    import threading
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+        mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        mallinfo2 = None
+    in_use = (lambda: (lambda m: m.uordblks + m.hblkhd)(mallinfo2())) if mallinfo2 else (lambda: 0)
+    start, peak_malloc, done = in_use(), [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.002):
+            peak_malloc[0] = max(peak_malloc[0], in_use() - start)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    done.set()
+    sampler.join()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, peak_malloc[0]
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); without, oneDNN emulates bf16
     matmuls and convolutions some 50-90x slower than fp32, which drowns every FSDP cost measured."""
@@ -489,10 +530,13 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
         times.append(time.perf_counter() - t0)
     peak = torch.tensor([_vm_hwm(), _vm_hwm() - base, base], dtype=torch.float64)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    live = torch.tensor(_step_memory(step), dtype=torch.float64)  # one more step, untimed (profiled)
+    torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX)
     states = fsdp_utils.local_state_bytes({n: wrapped[n] for n in trained}, opts)  # after zero_grad: no grads
     states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
     _emit({"workload": workload, "mode": mode, "dtype": dtype, "params": n_params, "states": states,
-           "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item()})
+           "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item(),
+           "live_peak": live[0].item(), "malloc_peak": live[1].item()})
     fsdp_utils.cleanup_distributed()
 
 
@@ -500,7 +544,7 @@ STACK_RUNS = {  # workload -> (UNet width, timed steps, modes)
     "unet": (96, 3, ["fsdp1", "fsdp1 + fused", "fsdp2", "fsdp2 bare", "ddp", *STACK_KNOBS]),
     "dmd": (64, 3, ["fsdp1", "fsdp2", "fsdp2 bare", "ddp"]),
 }
-STACK_ROUNDS = 2  # every mode runs this often, the rounds interleaved (drift hits all modes alike)
+STACK_ROUNDS = 3  # every mode runs this often, the rounds interleaved (drift hits all modes alike)
 
 
 def bench_stack() -> str:
@@ -523,24 +567,33 @@ def bench_stack() -> str:
         ref = runs["fsdp1"]
         t_ref = statistics.mean(r["step_s"] for r in ref)
         p_ref = statistics.mean(r["peak_above"] for r in ref)
+        l_ref = statistics.mean(r["live_peak"] for r in ref)
         what = ("UNet forward + backward + AdamW" if workload == "unet" else
                 "full DMD2 step: generator, fake score (trained), teacher (frozen, CFG)")
         lines += [f"**{what}**: SD-1.5-layout UNet of {ref[0]['params'] / 1e6:.0f} M params in {dtype}, batch 2 "
                   f"at 32×32 latents, 77 text tokens; median of {steps} steps after one warm-up step, "
                   f"{STACK_ROUNDS} runs per mode (interleaved)", "",
                   "| mode | step time (s), each run | step / FSDP1 | peak RSS in steps above start / rank (MiB), "
-                  "each run | peak / FSDP1 | peak RSS / rank (GiB) | model states / rank (MiB) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "each run | RSS peak / FSDP1 | tensor peak in a step / rank (MiB), each run | tensor peak / FSDP1 "
+                  "| malloc in use, peak in a step / rank (MiB) | peak RSS / rank (GiB) | model states / rank (MiB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for m, rs in runs.items():
             t = statistics.mean(r["step_s"] for r in rs)
             p = statistics.mean(r["peak_above"] for r in rs)
+            lv = statistics.mean(r["live_peak"] for r in rs)
             lines.append(f"| {m} | {each(rs, 'step_s', 1)} | {t / t_ref:.2f} "
                          f"| {each(rs, 'peak_above', 2**20, '.0f')} | {p / p_ref:.2f} "
+                         f"| {each(rs, 'live_peak', 2**20, '.0f')} | {lv / l_ref:.2f} "
+                         f"| {each(rs, 'malloc_peak', 2**20, '.0f')} "
                          f"| {max(r['rss_peak'] for r in rs) / 2**30:.2f} | {rs[0]['states'] / 2**20:.0f} |")
         lines.append("")
     lines.append("2 CPU ranks (gloo), one thread each. Peak RSS in steps: the largest rank's peak RSS during the "
                  "timed steps (reset with /proc/self/clear_refs after the warm-up step) minus its RSS then: "
-                 "what the step itself adds (gathered params, activations, grads, buffers). Peak RSS: the "
+                 "what the step itself adds (gathered params, activations, grads, buffers). Tensor peak: the most "
+                 "tensor bytes live at once above the step's start, from torch's profiler memory events over one "
+                 "more (untimed) step: what a caching allocator would have to hold, free of glibc's heap. Malloc in use: "
+                 "glibc's bytes in use (all threads, tensors and all else) above the start of that step, sampled every "
+                 "2 ms. Peak RSS: the "
                  "whole process's, model build included (every mode builds the full model on every rank "
                  "first). Model states: params + grads (as held in a step) + AdamW state of the trained "
                  "model(s) on one rank. FSDP1: torch's FullyShardedDataParallel with the DMD2 repository's "
