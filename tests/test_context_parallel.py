@@ -60,8 +60,17 @@ def test_cp2_matches_one_process(runs):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
     w_ref, w_cp = load_export(runs["ref"][0]), load_export(runs["cp"][0])  # the EMA, trained for 3 steps
     assert w_ref.keys() == w_cp.keys()
+    # CP sums attention and grads in another order, and AdamW divides each element's update by its
+    # own grad scale, so an element whose grad is near zero turns a rounding difference into a
+    # visible one. Measured on an AMD EPYC (Zen 4): 3 of 132 k elements beyond rtol 1e-5 + atol 2e-6,
+    # the largest 8.2e-6 (none on the machines before it). A wrong CP would move nearly every element
+    # by ~LR (1e-3). So: every element within 2 % of one step's LR, all but 1 in 10^4 within 2e-6.
+    tight = total = 0
     for k in w_ref:
-        torch.testing.assert_close(w_cp[k], w_ref[k], rtol=1e-5, atol=2e-6, msg=k)
+        torch.testing.assert_close(w_cp[k], w_ref[k], rtol=1e-5, atol=2e-5, msg=k)
+        tight += int(((w_cp[k] - w_ref[k]).abs() > 2e-6 + 1e-5 * w_ref[k].abs()).sum())
+        total += w_ref[k].numel()
+    assert tight <= total // 10_000, f"{tight} of {total} elements beyond rtol 1e-5, atol 2e-6"
 
 
 def test_cp_samples_match_one_process(runs):
