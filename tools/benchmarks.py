@@ -161,7 +161,9 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
     out = os.path.join(root, f"{script}_{size}_{parallelism}".replace(", ", "_").replace(" ", "_"))
     mode = {"fsdp": ["--parallelism=fsdp"], "ddp": ["--parallelism=ddp"],
             "fsdp, no reshard": ["--parallelism=fsdp", "--reshard_after_forward=0"],
-            "fsdp, compiled": ["--parallelism=fsdp", "--compile=1"]}[parallelism]
+            "fsdp, compiled": ["--parallelism=fsdp", "--compile=1"],
+            "fsdp, prefetch 0": ["--parallelism=fsdp", "--prefetch=0"],
+            "fsdp, prefetch 1": ["--parallelism=fsdp", "--prefetch=1"]}[parallelism]
     args = [*mode, "--precision=fp32", f"--max_steps={STEP_STEPS}", "--log_every=1",
             "--sample_every=0", "--save_every=0", f"--output_dir={out}"]
     if script == "dmd":  # every step a full DMD2 step (generator and fake score update)
@@ -225,13 +227,21 @@ def _root() -> str:
     return _RUNS["root"]
 
 
+def default_prefetch(script: str) -> int:
+    """The script's PREFETCH constant, read from its source (importing it would load diffusers)."""
+    import re
+    with open(os.path.join(ROOT, SCRIPTS[script][0])) as f:
+        return int(re.search(r"^PREFETCH = (\d+)", f.read(), re.M).group(1))
+
+
 def bench_step() -> str:
     root = _root()
     lines = ["| script (model) | trainable params | mode | model states / rank | peak RSS above baseline / rank "
              "| step time (median) |", "|---|---|---|---|---|---|"]
     ratios = []
     for script in _scripts_ready():
-        runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp", "fsdp, no reshard")}
+        other = f"fsdp, prefetch {1 - default_prefetch(script)}"  # the script's PREFETCH is 0 or 1
+        runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp", "fsdp, no reshard", other)}
         n_params = runs["ddp"]["mem"][0]["grads_held"] / 4  # fp32
         for p, r in runs.items():
             lines.append(f"| {SCRIPTS[script][0]} (medium) | {n_params / 1e6:.1f} M | {p} | {r['state'] / 2**20:.0f} MiB "
@@ -239,10 +249,13 @@ def bench_step() -> str:
         ratios.append(f"| {SCRIPTS[script][0]} | {runs['fsdp']['state'] / runs['ddp']['state']:.2f} "
                       f"| {runs['fsdp']['peak'] / runs['ddp']['peak']:.2f} "
                       f"| {runs['fsdp']['step_ms'] / runs['ddp']['step_ms']:.2f} "
-                      f"| {runs['fsdp, no reshard']['step_ms'] / runs['ddp']['step_ms']:.2f} |")
+                      f"| {runs['fsdp, no reshard']['step_ms'] / runs['ddp']['step_ms']:.2f} "
+                      f"| {default_prefetch(script)} | {runs[other]['step_ms'] / runs['fsdp']['step_ms']:.2f}, "
+                      f"{runs[other]['peak'] / runs['fsdp']['peak']:.2f} |")
     lines += ["", "| script | FSDP / DDP model states (target ≈ 1/2) | FSDP / DDP peak | FSDP / DDP step time "
-              "| FSDP without reshard-after-forward / DDP step time |",
-              "|---|---|---|---|---|", *ratios,
+              "| FSDP without reshard-after-forward / DDP step time | script's PREFETCH "
+              "| the other PREFETCH / the script's: step time, peak |",
+              "|---|---|---|---|---|---|---|", *ratios,
               "", f"2 CPU ranks (gloo), fp32, batch 1/rank at 64 px, {STEP_STEPS} steps, median step_ms of steps > "
               f"{WARMUP}; model states = params + grads (as held in a step) + AdamW state of everything the script "
               "keeps in its memory report; peak = max over ranks of peak RSS minus RSS before the first model build."]
@@ -292,7 +305,7 @@ def bench_compile() -> str:
     inductor cache per run)."""
     root = _root()
     lines = ["| script (model) | mode | step time (median) | peak RSS above baseline / rank | first step | "
-             "compile time (rank 0) | graphs, graph breaks |", "|---|---|---|---|---|---|---|"]
+             "compile time (rank 0) | graphs, graph breaks (after step 1) |", "|---|---|---|---|---|---|---|"]
     ratios, notes = [], []
     for script in _scripts_ready():
         runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "fsdp, compiled")}
@@ -310,8 +323,8 @@ def bench_compile() -> str:
                          for k in a if k in b), default=float("nan"))
         ratios.append(f"| {SCRIPTS[script][0]} | {comp['step_ms'] / eager['step_ms']:.2f} "
                       f"| {comp['peak'] / eager['peak']:.2f} | {_compile_seconds(first):.0f} s | {loss_diff:.1e} |")
-        if whole != first:
-            notes.append(f"{SCRIPTS[script][0]}: {whole}")
+        if whole.split(": ", 2)[-1].split(" (")[0] != graphs:  # more graphs than after step 1
+            notes.append(f"{SCRIPTS[script][0]}: {whole} (the end-of-run sample grid's no-grad forwards are graphs of their own)")
     lines += ["", "| script | compiled / eager step time | compiled / eager peak RSS | compile time "
               "| max relative loss difference, all steps |", "|---|---|---|---|---|", *ratios,
               "", f"2 CPU ranks (gloo), fp32, batch 1/rank at 64 px, {STEP_STEPS} steps, median step_ms of steps > "
@@ -417,12 +430,14 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
 
 
 def _step_memory(fn) -> tuple[int, int]:
-    """Run fn once under torch's profiler with memory events; return (tensor peak, malloc peak): the
-    most tensor bytes that fn's thread allocated and had not freed at once, and the most bytes glibc
-    reported in use (mallinfo2, sampled every 2 ms from a thread: all threads' mallocs, tensors and
-    everything else), each above the start. The first is what a caching allocator would have to
-    hold, free of glibc's heap that RSS also counts; the gap between the two is host memory that
-    is not the step's tensors (or is allocated on other threads: gloo's)."""
+    """Run fn twice; return (tensor peak, malloc peak), each above its run's start. Tensor peak: the
+    most tensor bytes that fn's thread allocated and had not freed at once, from torch's profiler
+    memory events (first run): what a caching allocator would have to hold, free of glibc's heap
+    that RSS also counts. Malloc peak: the most bytes glibc reported in use (mallinfo2, sampled
+    every 2 ms from a thread: all threads' mallocs, tensors and everything else) during the second
+    run, which is not profiled (the profiler's own event records would count). RSS above the
+    malloc peak is freed heap that glibc keeps mapped (fragmentation); malloc above the tensor peak
+    is host memory that is not the step's tensors (or is allocated on other threads: gloo's)."""
     import ctypes
     import threading
     import torch
@@ -437,6 +452,8 @@ def _step_memory(fn) -> tuple[int, int]:
     except (OSError, AttributeError):  # not glibc >= 2.33
         mallinfo2 = None
     in_use = (lambda: (lambda m: m.uordblks + m.hblkhd)(mallinfo2())) if mallinfo2 else (lambda: 0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
     start, peak_malloc, done = in_use(), [0], threading.Event()
 
     def sample():
@@ -444,8 +461,7 @@ def _step_memory(fn) -> tuple[int, int]:
             peak_malloc[0] = max(peak_malloc[0], in_use() - start)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    fn()
     done.set()
     sampler.join()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
@@ -530,7 +546,7 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
         times.append(time.perf_counter() - t0)
     peak = torch.tensor([_vm_hwm(), _vm_hwm() - base, base], dtype=torch.float64)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    live = torch.tensor(_step_memory(step), dtype=torch.float64)  # one more step, untimed (profiled)
+    live = torch.tensor(_step_memory(step), dtype=torch.float64)  # two more steps, untimed
     torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX)
     states = fsdp_utils.local_state_bytes({n: wrapped[n] for n in trained}, opts)  # after zero_grad: no grads
     states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
@@ -592,8 +608,8 @@ def bench_stack() -> str:
                  "what the step itself adds (gathered params, activations, grads, buffers). Tensor peak: the most "
                  "tensor bytes live at once above the step's start, from torch's profiler memory events over one "
                  "more (untimed) step: what a caching allocator would have to hold, free of glibc's heap. Malloc in use: "
-                 "glibc's bytes in use (all threads, tensors and all else) above the start of that step, sampled every "
-                 "2 ms. Peak RSS: the "
+                 "glibc's bytes in use (all threads, tensors and all else) above the start of one more step, not "
+                 "profiled, sampled every 2 ms; RSS above it is freed heap glibc keeps mapped. Peak RSS: the "
                  "whole process's, model build included (every mode builds the full model on every rank "
                  "first). Model states: params + grads (as held in a step) + AdamW state of the trained "
                  "model(s) on one rank. FSDP1: torch's FullyShardedDataParallel with the DMD2 repository's "
