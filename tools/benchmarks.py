@@ -429,15 +429,17 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     return model
 
 
-def _step_memory(fn) -> tuple[int, int]:
-    """Run fn twice; return (tensor peak, malloc peak), each above its run's start. Tensor peak: the
-    most tensor bytes that fn's thread allocated and had not freed at once, from torch's profiler
-    memory events (first run): what a caching allocator would have to hold, free of glibc's heap
-    that RSS also counts. Malloc peak: the most bytes glibc reported in use (mallinfo2, sampled
-    every 2 ms from a thread: all threads' mallocs, tensors and everything else) during the second
-    run, which is not profiled (the profiler's own event records would count). RSS above the
-    malloc peak is freed heap that glibc keeps mapped (fragmentation); malloc above the tensor peak
-    is host memory that is not the step's tensors (or is allocated on other threads: gloo's)."""
+def _step_memory(fn) -> tuple[int, int, int]:
+    """Run fn twice; return (tensor peak above the start, malloc peak above the start, malloc in use
+    at that peak). Tensor peak: the most bytes of tensors allocated during the first run that were
+    live at once, from torch's profiler memory events: what a caching allocator would have to add.
+    The profiler does not see frees of tensors made before it started, so a tensor the step frees
+    and makes again (FSDP1's sharded gradient, kept until the next forward) counts in full. Malloc:
+    the bytes glibc reports in use (mallinfo2, sampled every 2 ms from a thread: all threads'
+    mallocs, tensors and everything else) during the second run, which is not profiled (the
+    profiler's own event records would count); start + peak is the heap in use at the step's
+    peak, comparable across modes that carry different things from one step into the next. RSS
+    above it is freed heap that glibc keeps mapped."""
     import ctypes
     import threading
     import torch
@@ -470,7 +472,7 @@ def _step_memory(fn) -> tuple[int, int]:
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return peak, peak_malloc[0]
+    return peak, peak_malloc[0], start + peak_malloc[0]
 
 
 def native_bf16() -> bool:
@@ -552,7 +554,7 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
     _emit({"workload": workload, "mode": mode, "dtype": dtype, "params": n_params, "states": states,
            "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item(),
-           "live_peak": live[0].item(), "malloc_peak": live[1].item()})
+           "live_peak": live[0].item(), "malloc_peak": live[1].item(), "malloc_at_peak": live[2].item()})
     fsdp_utils.cleanup_distributed()
 
 
@@ -582,38 +584,41 @@ def bench_stack() -> str:
                 runs[m] += _torchrun("stack", workload, m, str(width), str(steps), dtype)
         ref = runs["fsdp1"]
         t_ref = statistics.mean(r["step_s"] for r in ref)
-        p_ref = statistics.mean(r["peak_above"] for r in ref)
-        l_ref = statistics.mean(r["live_peak"] for r in ref)
+        p_ref = statistics.mean(r["rss_peak"] for r in ref)
+        h_ref = statistics.mean(r["malloc_at_peak"] for r in ref)
         what = ("UNet forward + backward + AdamW" if workload == "unet" else
                 "full DMD2 step: generator, fake score (trained), teacher (frozen, CFG)")
         lines += [f"**{what}**: SD-1.5-layout UNet of {ref[0]['params'] / 1e6:.0f} M params in {dtype}, batch 2 "
                   f"at 32×32 latents, 77 text tokens; median of {steps} steps after one warm-up step, "
                   f"{STACK_ROUNDS} runs per mode (interleaved)", "",
-                  "| mode | step time (s), each run | step / FSDP1 | peak RSS in steps above start / rank (MiB), "
-                  "each run | RSS peak / FSDP1 | tensor peak in a step / rank (MiB), each run | tensor peak / FSDP1 "
-                  "| malloc in use, peak in a step / rank (MiB) | peak RSS / rank (GiB) | model states / rank (MiB) |",
+                  "| mode | step time (s), each run | step / FSDP1 | peak RSS in the steps / rank (GiB), each run "
+                  "| peak RSS / FSDP1 | heap in use at the step's peak / rank (MiB) | heap / FSDP1 "
+                  "| RSS the steps add / rank (MiB), each run | tensors the step allocates, peak / rank (MiB), each run "
+                  "| model states / rank (MiB) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for m, rs in runs.items():
             t = statistics.mean(r["step_s"] for r in rs)
-            p = statistics.mean(r["peak_above"] for r in rs)
-            lv = statistics.mean(r["live_peak"] for r in rs)
+            p = statistics.mean(r["rss_peak"] for r in rs)
+            h = statistics.mean(r["malloc_at_peak"] for r in rs)
             lines.append(f"| {m} | {each(rs, 'step_s', 1)} | {t / t_ref:.2f} "
-                         f"| {each(rs, 'peak_above', 2**20, '.0f')} | {p / p_ref:.2f} "
-                         f"| {each(rs, 'live_peak', 2**20, '.0f')} | {lv / l_ref:.2f} "
-                         f"| {each(rs, 'malloc_peak', 2**20, '.0f')} "
-                         f"| {max(r['rss_peak'] for r in rs) / 2**30:.2f} | {rs[0]['states'] / 2**20:.0f} |")
+                         f"| {each(rs, 'rss_peak', 2**30, '.3f')} | {p / p_ref:.2f} "
+                         f"| {h / 2**20:.0f} | {h / h_ref:.2f} "
+                         f"| {each(rs, 'peak_above', 2**20, '.0f')} | {each(rs, 'live_peak', 2**20, '.0f')} "
+                         f"| {rs[0]['states'] / 2**20:.0f} |")
         lines.append("")
-    lines.append("2 CPU ranks (gloo), one thread each. Peak RSS in steps: the largest rank's peak RSS during the "
-                 "timed steps (reset with /proc/self/clear_refs after the warm-up step) minus its RSS then: "
-                 "what the step itself adds (gathered params, activations, grads, buffers). Tensor peak: the most "
-                 "tensor bytes live at once above the step's start, from torch's profiler memory events over one "
-                 "more (untimed) step: what a caching allocator would have to hold, free of glibc's heap. Malloc in use: "
-                 "glibc's bytes in use (all threads, tensors and all else) above the start of one more step, not "
-                 "profiled, sampled every 2 ms; RSS above it is freed heap glibc keeps mapped. Peak RSS: the "
-                 "whole process's, model build included (every mode builds the full model on every rank "
-                 "first). Model states: params + grads (as held in a step) + AdamW state of the trained "
-                 "model(s) on one rank. FSDP1: torch's FullyShardedDataParallel with the DMD2 repository's "
-                 "settings (benchmark only).")
+    lines.append("2 CPU ranks (gloo), one thread each. Peak RSS in the steps: the largest rank's peak RSS during the "
+                 "timed steps (reset with /proc/self/clear_refs after the warm-up step): what the rank occupies, "
+                 "model states included. Heap in use at the step's peak: glibc's bytes in use (mallinfo2: all "
+                 "threads, tensors and all else) at the highest point of one more step, not profiled, sampled every "
+                 "2 ms: what a caching allocator plus the libraries would hold; RSS above it is freed heap that "
+                 "glibc keeps mapped. RSS the steps add: the peak RSS in the steps minus the RSS before them. "
+                 "Tensors the step allocates: the most bytes of tensors made during one more step that were live "
+                 "at once (torch's profiler memory events). The last two start from what each mode carries from "
+                 "one step into the next: FSDP1 keeps its sharded gradient (the flat parameter's .grad) until the "
+                 "next forward, FSDP2 and DDP free gradients at zero_grad(set_to_none=True), so FSDP1's \"adds\" "
+                 "start from a higher floor; the two absolute columns and their ratios are the fair comparison. "
+                 "Model states: params + grads (as held in a step) + AdamW state of the trained model(s) on one "
+                 "rank. FSDP1: torch's FullyShardedDataParallel with the DMD2 repository's settings (benchmark only).")
     return "\n".join(lines)
 
 
