@@ -240,7 +240,8 @@ def bench_step() -> str:
              "| step time (median) |", "|---|---|---|---|---|---|"]
     ratios = []
     for script in _scripts_ready():
-        other = f"fsdp, prefetch {1 - default_prefetch(script)}"  # the script's PREFETCH is 0 or 1
+        prefetch = default_prefetch(script)
+        other = f"fsdp, prefetch {1 - prefetch}"  # the script's PREFETCH is 0 or 1
         runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp", "fsdp, no reshard", other)}
         n_params = runs["ddp"]["mem"][0]["grads_held"] / 4  # fp32
         for p, r in runs.items():
@@ -250,7 +251,7 @@ def bench_step() -> str:
                       f"| {runs['fsdp']['peak'] / runs['ddp']['peak']:.2f} "
                       f"| {runs['fsdp']['step_ms'] / runs['ddp']['step_ms']:.2f} "
                       f"| {runs['fsdp, no reshard']['step_ms'] / runs['ddp']['step_ms']:.2f} "
-                      f"| {default_prefetch(script)} | {runs[other]['step_ms'] / runs['fsdp']['step_ms']:.2f}, "
+                      f"| {prefetch} | {runs[other]['step_ms'] / runs['fsdp']['step_ms']:.2f}, "
                       f"{runs[other]['peak'] / runs['fsdp']['peak']:.2f} |")
     lines += ["", "| script | FSDP / DDP model states (target ≈ 1/2) | FSDP / DDP peak | FSDP / DDP step time "
               "| FSDP without reshard-after-forward / DDP step time | script's PREFETCH "
@@ -297,6 +298,11 @@ def _compile_seconds(line: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
+def _compile_graphs(line: str) -> str:
+    """"N graphs, M graph breaks" of a `compile: ...` or `compile, whole run: ...` line."""
+    return line.split(": ", 1)[-1].split(" (")[0]
+
+
 def bench_compile() -> str:
     """COMPILE=1 vs eager, side by side: the `step` benchmark's medium models and settings (FSDP,
     fp32, no activation checkpointing), the compiled run after its warm-up steps, which hold the
@@ -312,7 +318,7 @@ def bench_compile() -> str:
         eager, comp = runs["fsdp"], runs["fsdp, compiled"]
         first = comp["compile"][0] if comp["compile"] else "compile: (no line)"
         whole = comp["compile"][-1] if comp["compile"] else first
-        graphs = first.split(": ", 1)[1].split(" (")[0]
+        graphs = _compile_graphs(first)
         for p, r in runs.items():
             compiled = p == "fsdp, compiled"
             compile_cols = f"{_compile_seconds(first):.0f} s | {graphs}" if compiled else "— | —"
@@ -323,7 +329,7 @@ def bench_compile() -> str:
                          for k in a if k in b), default=float("nan"))
         ratios.append(f"| {SCRIPTS[script][0]} | {comp['step_ms'] / eager['step_ms']:.2f} "
                       f"| {comp['peak'] / eager['peak']:.2f} | {_compile_seconds(first):.0f} s | {loss_diff:.1e} |")
-        if whole.split(": ", 2)[-1].split(" (")[0] != graphs:  # more graphs than after step 1
+        if _compile_graphs(whole) != graphs:  # more graphs than after step 1
             notes.append(f"{SCRIPTS[script][0]}: {whole} (the end-of-run sample grid's no-grad forwards are graphs of their own)")
     lines += ["", "| script | compiled / eager step time | compiled / eager peak RSS | compile time "
               "| max relative loss difference, all steps |", "|---|---|---|---|---|", *ratios,
@@ -429,15 +435,15 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     return model
 
 
-def _step_memory(fn) -> tuple[int, int, int]:
-    """Run fn twice; return (tensor peak above the start, malloc peak above the start, malloc in use
-    at that peak). Tensor peak: the most bytes of tensors allocated during the first run that were
-    live at once, from torch's profiler memory events: what a caching allocator would have to add.
+def _step_memory(fn) -> tuple[int, int]:
+    """Run fn twice; return (tensor peak above the start, heap in use at the peak). Tensor peak: the
+    most bytes of tensors allocated during the first run that were live at once, from torch's
+    profiler memory events: what a caching allocator would have to add.
     The profiler does not see frees of tensors made before it started, so a tensor the step frees
     and makes again (FSDP1's sharded gradient, kept until the next forward) counts in full. Malloc:
     the bytes glibc reports in use (mallinfo2, sampled every 2 ms from a thread: all threads'
     mallocs, tensors and everything else) during the second run, which is not profiled (the
-    profiler's own event records would count); start + peak is the heap in use at the step's
+    profiler's own event records would count); its highest value is the heap in use at the step's
     peak, comparable across modes that carry different things from one step into the next. RSS
     above it is freed heap that glibc keeps mapped."""
     import ctypes
@@ -456,11 +462,11 @@ def _step_memory(fn) -> tuple[int, int, int]:
     in_use = (lambda: (lambda m: m.uordblks + m.hblkhd)(mallinfo2())) if mallinfo2 else (lambda: 0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    start, peak_malloc, done = in_use(), [0], threading.Event()
+    heap_peak, done = [in_use()], threading.Event()
 
     def sample():
         while not done.wait(0.002):
-            peak_malloc[0] = max(peak_malloc[0], in_use() - start)
+            heap_peak[0] = max(heap_peak[0], in_use())
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     fn()
@@ -472,7 +478,7 @@ def _step_memory(fn) -> tuple[int, int, int]:
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return peak, peak_malloc[0], start + peak_malloc[0]
+    return peak, heap_peak[0]
 
 
 def native_bf16() -> bool:
@@ -554,7 +560,7 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
     _emit({"workload": workload, "mode": mode, "dtype": dtype, "params": n_params, "states": states,
            "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item(),
-           "live_peak": live[0].item(), "malloc_peak": live[1].item(), "malloc_at_peak": live[2].item()})
+           "live_peak": live[0].item(), "malloc_at_peak": live[1].item()})
     fsdp_utils.cleanup_distributed()
 
 
