@@ -70,17 +70,24 @@ def checkpoint_keys(out, step):
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
+def flux_setup(root):
+    """(arguments, environment) that every FLUX launch here shares: the tiny Kontext default at 32 px,
+    STEPS AdamW steps at LR, activation checkpointing, a loss line per step, no samples."""
+    from tools import tiny_models
+    model, data = tiny_models.ensure_default("flux_kontext", root / "cache")
+    args = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
+            f"--text_cache_dir={root / 'text_cache'}", "--resolution=32", f"--max_steps={STEPS}", "--log_every=1",
+            "--num_sample_pairs=2", "--sample_every=0", "--val_every=0", f"--lr={LR}", "--warmup_steps=0",
+            "--activation_checkpointing=1"]
+    return args, launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
+
+
 @pytest.fixture(scope="module")
 def flux_runs(tmp_path_factory):
     """The tiny Kontext default trained eagerly and compiled, otherwise identical."""
-    from tools import tiny_models
     root = tmp_path_factory.mktemp("compile_flux")
-    model, data = tiny_models.ensure_default("flux_kontext", root / "cache")
-    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
-              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", "--resolution=32",
-              f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--sample_every=0", "--val_every=0",
-              "--save_every=2", f"--lr={LR}", "--warmup_steps=0", "--export_dtype=fp32", "--activation_checkpointing=1"]
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
+    common, env = flux_setup(root)
+    common += ["--precision=fp32", "--save_every=2", "--export_dtype=fp32"]
     runs = {}
     for name, flag in (("eager", "0"), ("compiled", "1"), ("resumed", "1")):
         out = root / name
@@ -135,14 +142,9 @@ def flux_lora_runs(tmp_path_factory):
     """LoRA adapters on the tiny Kontext default at the scripts' default precision (bf16-mixed:
     fp32 adapters and AdamW state, bf16 compute), eager and compiled, otherwise identical; and
     eager in fp32, the yardstick for how far bf16 rounding alone moves the adapters."""
-    from tools import tiny_models
     root = tmp_path_factory.mktemp("compile_flux_lora")
-    model, data = tiny_models.ensure_default("flux_kontext", root / "cache")
-    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
-              f"--text_cache_dir={root / 'text_cache'}", "--lora_rank=4", "--resolution=32", f"--max_steps={STEPS}",
-              "--log_every=1", "--num_sample_pairs=2", "--sample_every=0", "--val_every=0", "--save_every=0",
-              f"--lr={LR}", "--warmup_steps=0", "--activation_checkpointing=1"]
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
+    common, env = flux_setup(root)
+    common += ["--lora_rank=4", "--save_every=0"]
     runs = {}
     for name, precision, flag in (("eager", "bf16-mixed", "0"), ("compiled", "bf16-mixed", "1"), ("fp32", "fp32", "0")):
         args = [f"--precision={precision}", f"--compile={flag}", f"--output_dir={root / name}"]
