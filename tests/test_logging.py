@@ -9,6 +9,7 @@ import json
 import os
 import struct
 import sys
+import time
 
 import pytest
 
@@ -159,6 +160,10 @@ def test_wandb_offline_run_keeps_its_id_across_resume(tmp_path, monkeypatch):
     logger.log_images(3, "samples", str(png))
     logger.close()
     run_id = (out / "wandb_run_id.txt").read_text().strip()
+    # W&B names an offline run's folder offline-run-<start, to the second>-<id>: a resume started
+    # within the first run's second (this test is that fast) would share its folder. Real resumes
+    # come minutes later; wait for the next second (a CI run once failed here on the collision).
+    time.sleep(1 - time.time() % 1 + 0.01)
     resumed = RunLogger(str(out), 6, 3, report_to="wandb", config={"LR": 1e-4}, wandb_project="test",
                         progress="lines")
     run_steps(resumed, range(4, 7))
