@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from run_utils import ConfigError, RunError, first_error, print0, rank, world_size
+from parallel.lora import is_adapter, safetensors_key
 from precision import check_state_dict_dtypes, dtype_name
+from run_utils import ConfigError, RunError, first_error, print0, rank, world_size
 
 PARTIAL = ".partial"
 
@@ -355,10 +356,9 @@ def check_loadable(folder: str, written: dict[str, torch.Size]) -> None:
 def _full_state(model: nn.Module):
     """(name, full tensor) of every tensor of `model`'s diffusers layout, gathered one at a time
     (collective: every rank iterates the same names; each tensor is whole on every rank). A LoRA
-    model (fsdp_utils.add_lora) yields its base layout with each adapted weight merged,
+    model (parallel.lora.add_lora) yields its base layout with each adapted weight merged,
     W + (alpha/rank)·B·A computed in fp32 from the gathered shards; the sharded training weights
     are never touched, so merging cannot fail on shards or alter the run."""
-    from fsdp_utils import checkpoint_name, is_adapter
     sd = model.state_dict()
     for k in sd:
         if is_adapter(k):
@@ -369,7 +369,7 @@ def _full_state(model: nn.Module):
             for adapter, scale in model.get_submodule(name).scaling.items():
                 a, b = (_gathered(sd[f"{name}.lora_{ab}.{adapter}.weight"]) for ab in "AB")
                 t = t.float() + scale * _lora_delta(a.float(), b.float(), t.shape)
-        yield checkpoint_name(k), t
+        yield safetensors_key(k), t
 
 
 def _gathered(t: torch.Tensor) -> torch.Tensor:
@@ -390,10 +390,9 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
     folder (config.json + safetensors, sharded with an index when large). Collective: every rank
     gathers tensor by tensor, rank 0 keeps them on CPU in `dtype` one shard at a time and writes;
     peak host memory ≈ one shard."""
-    from fsdp_utils import checkpoint_name, is_adapter
     from safetensors.torch import save_file
 
-    sd = {checkpoint_name(k): v for k, v in model.state_dict().items() if not is_adapter(k)}
+    sd = {safetensors_key(k): v for k, v in model.state_dict().items() if not is_adapter(k)}
     sizes = {k: v.numel() * torch.empty((), dtype=dtype if v.is_floating_point() else v.dtype).element_size()
              for k, v in sd.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
@@ -433,7 +432,6 @@ def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: 
     file), as diffusers' LoRA training examples save theirs. Load it with
     `Pipeline.from_pretrained(base).load_lora_weights(out_dir)`. Collective (gathers the shards)."""
     import diffusers
-    from fsdp_utils import is_adapter
     from peft.utils import get_peft_model_state_dict
 
     adapters = {}

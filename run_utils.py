@@ -637,14 +637,19 @@ class NonFiniteGuard:
         return RunError(f"{self.in_a_row} non-finite steps in a row (MAX_BAD_STEPS={self.max_in_a_row}) at step "
                         f"{step}; checkpoint saved. Lower the LR or check the data, then --resume=auto")
 
-def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Constant LR after a linear warmup over `warmup_steps` optimizer steps (DMD2's schedule)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps))
+def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: float,
+                     first_step: int = 1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Constant LR after a linear warmup over `warmup_steps` scheduler steps: the factor of the base
+    LR at scheduler step i (0-based) is min(1, (i + first_step) / warmup_steps), 1 when
+    warmup_steps = 0. first_step=1: the first update already at LR / warmup_steps; first_step=0:
+    the first at LR 0, as diffusers' constant_with_warmup and so the official DMD2 code count
+    (train_dmd.make_optimizer says why its warmup may be fractional)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps, first_step))
 
 
 class _Warmup:
-    def __init__(self, steps: int):
-        self.steps = steps
+    def __init__(self, steps: float, first_step: int):
+        self.steps, self.first_step = steps, first_step
 
     def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.steps) if self.steps > 0 else 1.0
+        return min(1.0, (step + self.first_step) / self.steps) if self.steps > 0 else 1.0

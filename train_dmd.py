@@ -3,16 +3,17 @@
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
 Three UNets start from the same teacher weights: the generator G (trained), the frozen teacher
 ("real score") and the fake score (trained to follow G's output distribution). Each is sharded by
-fsdp_utils.parallelize_unet (a `fully_shard` unit per BasicTransformerBlock / ResnetBlock2D) and
-loaded straight into its shards. Per step (two time scales, as published):
+the UNet recipe (parallel/parallelize.py: a `fully_shard` unit per BasicTransformerBlock /
+ResnetBlock2D, in execution order) and loaded straight into its shards. Per step (two time
+scales, as published):
   - every DFAKE_GEN_UPDATE_RATIO steps, G steps on the distribution-matching loss `loss_dm`
     (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
-The math lives in algorithms/dmd2.py; this file builds the models, runs the loop, saves and exports.
-The pipeline kind comes from MODEL_PATH's model_index.json: StableDiffusionPipeline (CLIP text
-embeddings) or StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32 VAE),
-through the same loop.
+The math lives in algorithms/dmd2.py; what both scripts do around the loop in train_common.py;
+this file builds the models and runs the loop. The pipeline kind comes from MODEL_PATH's
+model_index.json: StableDiffusionPipeline (CLIP text embeddings) or StableDiffusionXLPipeline
+(two text encoders, added time/text conditions, fp32 VAE), through the same loop.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default (the shipped shapes teacher): a smoke run
     torchrun --standalone --nproc_per_node=2 train_dmd.py
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -48,24 +48,37 @@ import checkpoint
 import data_utils
 import fsdp_utils
 import run_utils
+import train_common
 from algorithms import dmd2 as dm
-from precision import Precision, component_row, format_audit, get_precision, parse_dtype
+from parallel import ema as ema_lib
+from parallel import lora as lora_lib
+from parallel.loading import build_on_meta, fill_built_model
+from parallel.models import vae_scale_factor
+from parallel.parallelize import parallelize, parallelize_unet
+from precision import Precision, component_row, get_precision, parse_dtype
 from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
-# config (every UPPER_CASE constant can be overridden as --name=value)
+# config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
+# settings are in the same order in train_flux_kontext.py, and mean the same: train_common.py)
 
 # models and data
 MODEL_PATH = ""  # SD-1.5 or SDXL diffusers folder (model_index.json says which); "" = the shipped shapes teacher
 DATA_PATH = ""  # .txt (a prompt per line) or .jsonl ("prompt", "image" for the GAN); "" = the teacher's prompts (or images)
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
 RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
-SKIP_BAD_SAMPLES = False  # drop (and count) malformed data rows instead of stopping with file:line
+SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
-GRAD_ACCUM = 1  # micro-batches per optimizer step; global batch = BATCH_SIZE × world × GRAD_ACCUM
-SEED = 0  # data order, noise, timesteps: all drawn from (SEED, step), identical on every rank
+GRAD_ACCUM = 1  # micro-batches per optimizer step; global batch = BATCH_SIZE × data-parallel ranks × GRAD_ACCUM
+SEED = 0  # data order, noise, timesteps, sample seeds: all drawn from (SEED, step), identical on every rank
+# optimizer: AdamW (0.9, 0.999), weight decay 0.01, as published
+GENERATOR_LR = 1e-5  # the generator's learning rate
+GUIDANCE_LR = 1e-5  # the fake score's (+ GAN head's)
+WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (official --warmup_step 500 / 64 GPUs = 7.8125, see make_optimizer)
+MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
+EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it; DMD2: of the generator, per generator step
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 1.75  # teacher CFG scale inside the distribution-matching loss
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
@@ -73,109 +86,72 @@ CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
-GENERATOR_LR = 1e-5  # AdamW (0.9, 0.999), weight decay 0.01, for the generator
-GUIDANCE_LR = 1e-5  # the same for the fake score (+ GAN head)
-WARMUP_STEPS = 0.0  # LR warmup over this many iterations, both optimizers (official --warmup_step 500 / 64 GPUs = 7.8125; dmd2.warmup_factor)
-MAX_GRAD_NORM = 10.0  # gradient clipping of each model (0 = off)
-EMA_DECAY = 0.0  # > 0: keep an EMA of the generator (updated per generator step; LoRA: of its adapters), exported instead of it
-# LoRA (the official code's --generator_lora path, main/sd_unified_model.py:44-69; its defaults rank 64, alpha 8)
-LORA_RANK = 0  # 0 = full generator; > 0 = peft LoRA adapters of this rank on the generator (a frozen copy of the teacher)
-LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the UNet's attention projections (to_q, to_k, to_v, to_out.0)
-LORA_DROPOUT = 0.0  # dropout on the adapters' input
-FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too (same settings) instead of all weights
-LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
-# GAN stage (the paper's stage 2; off = stage 1 as published)
-USE_GAN = False  # classifier head on the fake UNet's bottleneck; needs .jsonl rows with "image"
+USE_GAN = False  # the paper's stage 2: classifier head on the fake UNet's bottleneck; needs .jsonl rows with "image"
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
 DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_GAN_MAX_TIMESTEP first
 DIFFUSION_GAN_MAX_TIMESTEP = 1000  # published stage 2: the whole range
-# precision: bf16 autocast as published; frozen parts are stored in their compute dtype
-PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16
+# LoRA
+LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (DMD2: the generator's; the official --generator_lora path, main/sd_unified_model.py:44-69, rank 64, alpha 8)
+LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; UNet: to_q, to_k, to_v, to_out.0)
+LORA_DROPOUT = 0.0  # dropout on the adapters' input
+FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too (same settings) instead of all weights
+LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
+# precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
+PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
 FAKE_SCORE_FP32 = True  # the fake score computes in fp32 (as published: the DM loss runs it "at full precision", main/sd_guidance.py:191; its own loss then too, where the official uses bf16 autocast); False = PRECISION's compute dtype
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
-TEXT_ENCODER_DTYPE = ""  # "" = PRECISION's compute dtype (the official code keeps CLIP in fp32)
-VAE_DTYPE = ""  # "" = PRECISION's compute dtype for SD-1.5 (official: fp16), fp32 for SDXL (its VAE overflows in half precision)
+TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype; "" = PRECISION's compute dtype (the official DMD2 code keeps CLIP in fp32)
+VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype (DMD2 on SDXL: fp32, its VAE overflows in half precision)
 VAE_PATH = ""  # a VAE folder to use instead of MODEL_PATH/vae (e.g. an fp16-safe SDXL VAE); linked into the export
-EXPORT_DTYPE = "fp32"  # dtype of the exported UNet (fp16 halves the file)
+EXPORT_DTYPE = "fp32"  # dtype of the exported trained model (fp16/bf16 halve the file)
 # parallelism
-PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; no GAN head)
-BLOCK_CLASSES = []  # FSDP units; [] = the UNet recipe's (BasicTransformerBlock, ResnetBlock2D, as DMD2's FSDP config)
-DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
-RESHARD_AFTER_FORWARD = True  # free gathered params after each block's forward (ZeRO-3); False = ZeRO-2-like
-CPU_OFFLOAD = False  # keep trainable params, grads and optimizer state on the CPU
-ACTIVATION_CHECKPOINTING = False  # recompute blocks in backward (the published run used it on GPUs)
-PREFETCH = 0  # > 0: explicitly prefetch this many blocks ahead in forward and backward
+PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; DMD2: no GAN head)
+BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py; UNet: BasicTransformerBlock, ResnetBlock2D, as DMD2's FSDP config)
+DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across; must divide the world
+RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3; re-gathered in backward); False = ZeRO-2-like
+CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
+ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations (the published run used it on GPUs)
+PREFETCH = 0  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
 # checkpoints, logging, samples
-SAVE_EVERY = 50  # steps between checkpoints (a final one is always written at MAX_STEPS)
+SAVE_EVERY = 50  # steps between checkpoints, and always one at MAX_STEPS; 0 = only that one
 KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training goes on
-RESUME = ""  # "" = fresh start, "auto" = newest checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
+RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
 INIT_FROM = ""  # a checkpoint folder whose generator and fake score start a fresh run (stage 2 from stage 1)
-LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
+LOG_EVERY = 10  # steps between log lines / metrics.jsonl records (means over those steps), and one at MAX_STEPS; 0 = none
 REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
-SAMPLE_EVERY = 25  # steps between sample grids (0 = only at the end)
+SAMPLE_EVERY = 25  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
 SAMPLE_COUNT = 8  # fixed prompts (the data's first distinct ones) and seeds in every grid
 
-_SD15_COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
-                    "tokenizer": None, "scheduler": None}
-PIPELINES = {  # the layouts this script trains, by model_index.json's _class_name: {subfolder: class}
-    "StableDiffusionPipeline": _SD15_COMPONENTS,
-    "StableDiffusionXLPipeline": {**_SD15_COMPONENTS, "text_encoder_2": "CLIPTextModelWithProjection",
-                                  "tokenizer_2": None},
-}
-
-
-def pipeline_kind(folder: str) -> str:
-    """The folder's pipeline class when it is one of PIPELINES, else StableDiffusionPipeline (whose
-    folder check then names what the folder lacks)."""
-    import json
-    try:
-        with open(os.path.join(folder, "model_index.json")) as f:
-            kind = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        return "StableDiffusionPipeline"
-    return kind if kind in PIPELINES else "StableDiffusionPipeline"
-
 # ----------------------------------------------------------------------------------------------
-# setup: settings checked before any work, the embedded default
+# setup: the script's own settings checked before any work (train_common checks the shared ones),
+# the embedded default
 
 
 def validate_config() -> list[int]:
     """Reject bad or contradictory settings before any work. Returns the generator's step list."""
     run_utils.check_settings({
-        "MAX_STEPS >= 1": MAX_STEPS >= 1, "BATCH_SIZE >= 1": BATCH_SIZE >= 1, "GRAD_ACCUM >= 1": GRAD_ACCUM >= 1,
-        "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "LOG_EVERY >= 1": LOG_EVERY >= 1,
-        "SAVE_EVERY, SAMPLE_EVERY, WARMUP_STEPS, RESOLUTION >= 0": min(SAVE_EVERY, SAMPLE_EVERY, WARMUP_STEPS,
-                                                                       RESOLUTION) >= 0,
-        "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1, "PREFETCH >= 0": PREFETCH >= 0, "0 <= EMA_DECAY < 1": 0 <= EMA_DECAY < 1,
-        "MAX_BAD_STEPS >= 1": MAX_BAD_STEPS >= 1, "COLLECTIVE_TIMEOUT_S > 0": COLLECTIVE_TIMEOUT_S > 0,
+        "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
     })
-    fsdp_utils.check_lora(lora_settings())
-    run_utils.check_report_to(REPORT_TO)
-    fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
-    fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
-    fsdp_utils.check_compile(COMPILE)
     if PARALLELISM == "ddp" and USE_GAN:
         raise ConfigError("PARALLELISM=ddp with USE_GAN=1: the GAN head runs the fake UNet several times per "
                           "backward, which DistributedDataParallel does not support; use fsdp")
-    try:
-        get_precision(PRECISION)
-        for dtype in (TEACHER_DTYPE, TEXT_ENCODER_DTYPE, VAE_DTYPE, EXPORT_DTYPE):
-            if dtype:
-                parse_dtype(dtype)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    if TEACHER_DTYPE:
+        try:
+            parse_dtype(TEACHER_DTYPE)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if VAE_PATH and not os.path.isfile(os.path.join(VAE_PATH, "config.json")):
         raise ConfigError(f"VAE_PATH={VAE_PATH}: no config.json, not a diffusers AutoencoderKL folder")
     if INIT_FROM and not checkpoint.is_complete(INIT_FROM):
@@ -194,10 +170,6 @@ def validate_config() -> list[int]:
         raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
                           "the first step must be the conditioning timestep (pure noise in)")
     return steps
-
-
-def lora_settings() -> fsdp_utils.Lora:
-    return fsdp_utils.Lora(LORA_RANK, LORA_ALPHA, tuple(LORA_TARGET_MODULES), LORA_DROPOUT)
 
 
 def default_paths(use_gan: bool = False) -> tuple[str, str]:
@@ -234,37 +206,33 @@ class Losses:
 
 def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
                sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
-               lora: fsdp_utils.Lora = fsdp_utils.Lora(), seed: int = 0) -> nn.Module:
+               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0) -> nn.Module:
     """A UNet2DConditionModel built on the meta device, stored in `dtype`, sharded by the UNet
     recipe, then each rank reads only its slices from `folder` (load=False: allocated, unfilled and
     without grads, for the EMA). Trainable: `policy` is the precision's mixed-precision policy and
     `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
-    frozen base, which the caller stores in its compute dtype (fsdp_utils.add_lora). Frozen: no
-    grads ever, stored in its compute dtype (the frozen policy). mesh=None (PARALLELISM=ddp): not
-    sharded, every rank loads the whole model (the caller wraps a trainable one in DDP)."""
+    frozen base, which the caller stores in its compute dtype (parallel/lora.py). Frozen: no grads
+    ever, stored in its compute dtype (the frozen policy), resharded after every forward. mesh=None
+    (PARALLELISM=ddp): the recipe's AC and compile only, every rank loads the whole model (the
+    caller wraps a trainable one in DDP)."""
     from diffusers import UNet2DConditionModel
 
-    model = fsdp_utils.build_on_meta(UNet2DConditionModel, folder).to(dtype)
+    model = build_on_meta(UNet2DConditionModel, folder).to(dtype)
     if trainable and lora:
-        fsdp_utils.add_lora(model, lora)
+        lora_lib.add_lora(model, lora)
     if not load or not trainable:
         model.requires_grad_(False)
     if not trainable:
         model.eval()
-    if mesh is not None and trainable:
-        fsdp_utils.parallelize_unet(model, mesh, policy, sharding, block_classes)
-    elif mesh is not None:
-        fsdp_utils.prepare_frozen(model, mesh, policy, device, sharded=True, block_classes=block_classes,
-                                  compile=sharding.compile)
-    elif sharding.compile and not trainable:  # ddp: the teacher replica's blocks (apply_ddp: the trained ones)
-        fsdp_utils.compile_blocks(model, block_classes, policy)
-    home = torch.device("cpu") if trainable and sharding.cpu_offload else device
-    return fsdp_utils.fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
+        sharding = fsdp_utils.Sharding(compile=sharding.compile)
+    parallelize_unet(model, mesh, policy, sharding, block_classes)
+    home = torch.device("cpu") if sharding.cpu_offload else device
+    return fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
-                 seed: int, lora: fsdp_utils.Lora = fsdp_utils.Lora(), fake_lora: bool = False,
+                 seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
                  fake_compute: torch.dtype | None = None) -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder: generator and fake score (sharded,
     loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
@@ -273,22 +241,18 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters).
     `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
     (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged."""
-    def unet(adapters: fsdp_utils.Lora = fsdp_utils.Lora(), salt: int = 0, compute: torch.dtype | None = None, **kw):
+    def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
         return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
                           block_classes=block_classes, lora=adapters, seed=seed + salt, **kw)
     models = {"generator": unet(lora),
-              "fake": unet(lora if fake_lora else fsdp_utils.Lora(), salt=1, compute=fake_compute)}
+              "fake": unet(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
         models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], head_size, mesh, precision,
                                         device, seed, sharding.cpu_offload)
-    if ema_decay > 0 and lora:
-        models["ema"] = fsdp_utils.AdapterEMA(models["generator"])
-    elif ema_decay > 0:
-        models["ema"] = unet(load=False)
-        fsdp_utils.copy_params(models["ema"], models["generator"])
-    return models
+    ema = ema_lib.build_ema(models["generator"], ema_decay, functools.partial(unet, load=False))
+    return models if ema is None else {**models, "ema": ema}
 
 
 def build_gan_head(channels: int, native_size: int, mesh, precision, device: torch.device, seed: int,
@@ -299,7 +263,7 @@ def build_gan_head(channels: int, native_size: int, mesh, precision, device: tor
         torch.manual_seed(seed)
         head = dm.ClassifierHead(channels, native_size)
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
-    fsdp_utils.apply_fsdp(head, mesh, precision.mp_policy(), block_classes=[], cpu_offload=cpu_offload)
+    parallelize(head, mesh, precision.mp_policy(), fsdp_utils.Sharding(cpu_offload=cpu_offload))
     return head
 
 
@@ -318,19 +282,22 @@ def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dt
     vae = (AutoencoderKL.from_pretrained(vae_path, low_cpu_mem_usage=False) if vae_path else
            AutoencoderKL.from_pretrained(model_path, subfolder="vae", low_cpu_mem_usage=False))
     for encoder in encoders:
-        fsdp_utils.prepare_frozen(encoder, None, Precision.frozen_mp_policy(te_dtype), device, sharded=False)
-    fsdp_utils.prepare_frozen(vae, None, Precision.frozen_mp_policy(vae_dtype), device, sharded=False)
+        fsdp_utils.prepare_frozen(encoder, te_dtype, device)
+    fsdp_utils.prepare_frozen(vae, vae_dtype, device)
     return tokenizers, encoders, vae
 
 
 def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     """AdamW as published (betas 0.9/0.999, weight decay 0.01; torch's fused kernel, see
-    fsdp_utils.adamw) with the published warmup: its
-    scheduler is stepped once per iteration (see dmd2.warmup_factor), whether or not the
-    optimizer stepped."""
+    fsdp_utils.adamw) with the published warmup, its scheduler stepped once per iteration whether
+    or not the optimizer stepped: the official code steps both schedulers every iteration
+    (tianweiy/DMD2 main/train_sd.py:383, 408) with diffusers' constant_with_warmup (factor =
+    s / warmup_step after s scheduler steps), and accelerate advances a prepared scheduler once per
+    process per call ("500 / num_gpu steps", train_sd.py:204). So WARMUP_STEPS = warmup_step /
+    num_processes iterations (500 / 64 = 7.8125 for the published runs), the first at LR 0."""
     opt = fsdp_utils.adamw([p for p in module.parameters() if p.requires_grad], lr=lr,
                            betas=(0.9, 0.999), weight_decay=0.01)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(dm.warmup_factor, warmup=warmup_steps))
+    return opt, run_utils.warmup_scheduler(opt, warmup_steps, first_step=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,41 +447,9 @@ def guidance_loss(x, mb, fake, head, alphas, losses: Losses) -> tuple[torch.Tens
     return loss_fake + losses.guidance_cls_weight * loss_cls, logs
 
 
-def finish_updates(updates: list, guard, logs: dict, max_grad_norm: float) -> bool:
-    """The step's optimizer updates, [(params, optimizer, name)]: clip each (the norm over all
-    shards), then, only when every loss and norm is finite on every rank (one collective), step
-    them all. Grads are zeroed either way. Returns whether it stepped."""
-    for params, _, name in updates:
-        logs[f"grad_norm_{name}"] = float(fsdp_utils.clip_grad_norm_(params, max_grad_norm))
-    ok = guard.step_ok(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
-    for _, opt, _ in updates:
-        if ok:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-    return ok
-
-
 def add_logs(total: dict, logs: dict, weight: float) -> None:
     for k, v in logs.items():
         total[k] = total.get(k, 0.0) + v * weight
-
-
-def window_add(window: dict, logs: dict) -> None:
-    """Collect a step's values for the next log line: each metric is averaged over the steps of
-    the logging window that produced it (so loss_dm, made every DFAKE_GEN_UPDATE_RATIO steps,
-    shows up whenever the window held a generator step)."""
-    for k, v in logs.items():
-        total, count = window.get(k, (0.0, 0))
-        window[k] = (total + float(v), count + 1)
-
-
-def window_metrics(window: dict, extra: dict) -> dict:
-    """The log line: window means, losses averaged over ranks too (grad norms are global already)."""
-    means = {k: total / count for k, (total, count) in window.items()}
-    metrics = run_utils.mean_across_ranks({k: v for k, v in means.items() if k.startswith("loss")})
-    metrics.update({k: v for k, v in means.items() if not k.startswith("loss")}, **extra)
-    window.clear()
-    return dict(sorted(metrics.items()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,45 +479,27 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
 
 # ----------------------------------------------------------------------------------------------
 # main: config -> distributed init -> models (meta, sharded, loaded) -> optimizers -> resume ->
-# loop -> export -> teardown
+# loop -> export -> teardown (train_common.py: what both scripts do before and after the loop)
 
 
 def main() -> None:
-    run_utils.apply_overrides(globals(), sys.argv[1:])
-    step_list = validate_config()
-    precision = get_precision(PRECISION)
-    embedded = not MODEL_PATH
-    config = resolve_defaults()
-    kind = pipeline_kind(MODEL_PATH)
-    run_utils.check_model_folder(MODEL_PATH, kind, PIPELINES[kind])
-    sdxl = kind == "StableDiffusionXLPipeline"
-    lora = lora_settings()
-    if lora:  # unknown target modules fail here, on the meta skeleton, before any work
-        fsdp_utils.check_lora_targets("UNet2DConditionModel", os.path.join(MODEL_PATH, "unet"), lora)
-    run_utils.check_output_dir(OUTPUT_DIR)
-
-    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
-    print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
-    print0(f"model {MODEL_PATH} ({kind}) | data {DATA_PATH}" + (" (the embedded default)" if embedded else ""))
-    run_utils.quiet_known_warnings()
-    stopper = run_utils.GracefulStop()
+    run, step_list = train_common.start(globals(), validate_config, resolve_defaults)
+    d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
     rows, skipped = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES)
     print0(f"data: {len(rows)} rows from {DATA_PATH}" + (f", {skipped} bad rows skipped" if skipped else ""))
-    resume_path = checkpoint.resolve_resume(RESUME, OUTPUT_DIR)  # a bad path fails here, before any work
 
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
     # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
     from diffusers import DDPMScheduler, UNet2DConditionModel
-    mesh = fsdp_utils.build_mesh(d.device, DP_REPLICATE) if PARALLELISM == "fsdp" else None
+    mesh, _, sharding = train_common.mesh_and_sharding(run)
     unet_dir = os.path.join(MODEL_PATH, "unet")
-    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH, COMPILE)
     unet_config = UNet2DConditionModel.load_config(unet_dir)
     # the GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8, SDXL 32)
     head_size = unet_config["sample_size"] // 2 ** (len(unet_config["block_out_channels"]) - 1) if sdxl else 8
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED, lora=lora,
+                          use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED, lora=run.lora,
                           fake_lora=FAKE_LORA, fake_compute=fake_compute)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
@@ -591,16 +508,13 @@ def main() -> None:
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     train_gen, train_fake = generator, fake
     if mesh is None:
-        ddp = functools.partial(fsdp_utils.apply_ddp, device=d.device, mp_policy=precision.mp_policy(),
-                                block_classes=BLOCK_CLASSES, activation_checkpointing=ACTIVATION_CHECKPOINTING,
-                                compile=COMPILE)
-        train_gen, train_fake = ddp(generator), ddp(fake, verbose=False, mp_policy=precision.mp_policy(fake_compute))
+        train_gen = fsdp_utils.apply_ddp(generator, d.device, precision.mp_policy())
+        train_fake = fsdp_utils.apply_ddp(fake, d.device, precision.mp_policy(fake_compute), verbose=False)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)
     alphas = DDPMScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler").alphas_cumprod.to(d.device)
-    num_train_timesteps = len(alphas)
-    vae_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    vae_factor = vae_scale_factor(vae.config)
     resolution = RESOLUTION or generator.config.sample_size * vae_factor
     if resolution % vae_factor:
         raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of the VAE factor {vae_factor}")
@@ -612,26 +526,17 @@ def main() -> None:
     audit = [component_row(n, m, fake_compute if n == "fake" else precision.compute_dtype) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype)]
     audit += [component_row(name, e, e.dtype) for name, e in zip(("text_encoder", "text_encoder_2"), text_encoders)]
-    audit += [component_row("vae", vae, vae.dtype)]
-    print0(f"components ({resolution} px, latents {latent_shape}):\n{format_audit(audit)}")
-    memory_table = functools.partial(fsdp_utils.memory_report, {**models, "teacher": teacher},
-                                     {"generator": opt_g, "guidance": opt_d})
-    print0(f"memory at start:\n{memory_table()}")
+    train_common.report_components(run, f"{resolution} px, latents {latent_shape}",
+                                   audit + [component_row("vae", vae, vae.dtype)], {**models, "teacher": teacher},
+                                   {"generator": opt_g, "guidance": opt_d})
 
-    # checkpoints: what they hold, when they are written (the checkpointer decides), resume
-    ckpt = checkpoint.Checkpointer(OUTPUT_DIR, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
-                                   {"generator": sched_g, "guidance": sched_d}, config, keep_last=KEEP_LAST,
-                                   async_save=ASYNC_SAVE, save_every=SAVE_EVERY, last_step=MAX_STEPS)
-    start, guard = 0, run_utils.NonFiniteGuard(MAX_BAD_STEPS)
-    if resume_path:
-        meta = ckpt.load(resume_path)
-        start = meta["step"]
-        guard.load(meta)
-        print0(f"resumed from {resume_path} (step {start})")
-    elif INIT_FROM:  # weights only: optimizers, LR schedule and step start fresh
+    # checkpoints (the checkpointer decides when), resume; or weights only from INIT_FROM
+    start = train_common.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
+                                 {"generator": sched_g, "guidance": sched_d})
+    if not run.resume_path and INIT_FROM:  # optimizers, LR schedule and step start fresh
         checkpoint.load_models(INIT_FROM, {"generator": generator, "fake": fake})
         if ema is not None:
-            fsdp_utils.copy_params(ema, generator)
+            ema_lib.copy_params(ema, generator)
         print0(f"generator and fake score initialised from {INIT_FROM}")
 
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
@@ -642,7 +547,7 @@ def main() -> None:
     encode_real = functools.partial(encode_images, vae, size=resolution, device=d.device) if USE_GAN else None
     uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1, SEED)
-    final_weights = functools.partial(fsdp_utils.output_weights, generator, ema)  # what samples show, export writes
+    final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
     sample_text = encode(sample_prompts)
 
     def sample(path):
@@ -651,9 +556,6 @@ def main() -> None:
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
     global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
     gan_max_t = DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None
-    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start, report_to=REPORT_TO, config=config,
-                                 wandb_project=WANDB_PROJECT, wandb_run_name=WANDB_RUN_NAME)
-    window = {}
 
     # the loop: step s (1-based, as in both scripts) is the official code's iteration it = s - 1,
     # which decides the generator's turn and seeds the step's randomness
@@ -661,7 +563,7 @@ def main() -> None:
         it = step - 1
         gen_turn = dm.should_update_generator(it, DFAKE_GEN_UPDATE_RATIO)
         index = dm.choose_step_index(it, SEED, len(step_list)) if len(step_list) > 1 else 0
-        noise = draw_step_noise(SEED, it, global_batch, latent_shape, len(step_list) - 1, num_train_timesteps,
+        noise = draw_step_noise(SEED, it, global_batch, latent_shape, len(step_list) - 1, len(alphas),
                                 (MIN_STEP_PERCENT, MAX_STEP_PERCENT), gan_max_t)
         batches = micro_batches(it, rows, noise, BATCH_SIZE, GRAD_ACCUM, SEED, d, encode, encode_real)
         logs, images = ({"step_index": index} if len(step_list) > 1 else {}), []
@@ -685,53 +587,17 @@ def main() -> None:
             loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
             (loss / GRAD_ACCUM).backward()
             add_logs(logs, parts, 1 / GRAD_ACCUM)
-        updates = [(list(guidance.parameters()), opt_d, "guidance")]
-        if gen_turn:
-            updates.insert(0, (list(generator.parameters()), opt_g, "generator"))
+        updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
+        updates.append((list(guidance.parameters()), opt_d, "guidance"))
         lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
-        if finish_updates(updates, guard, logs, MAX_GRAD_NORM):
-            if gen_turn and ema is not None:
-                fsdp_utils.ema_update(ema, generator, EMA_DECAY)
-        else:
-            print0(f"step {step}: non-finite loss or grad norm on some rank, updates skipped on all "
-                   f"({guard.in_a_row} in a row, {guard.skipped} in all)")
-
-        sched_g.step()  # both every iteration, as published (dmd2.warmup_factor)
+        if train_common.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
+            ema_lib.ema_update(ema, generator, EMA_DECAY)
+        sched_g.step()  # both every iteration, as published (make_optimizer)
         sched_d.step()
-        if COMPILE and step == start + 1:  # the training step's graphs, breaks and compile time (rank 0's)
-            print0(fsdp_utils.compile_report())
+        train_common.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
+                              sample=sample)
 
-        # log, samples, checkpoint (when due), stop
-        window_add(window, logs)
-        metrics = None
-        if step % LOG_EVERY == 0 or step == MAX_STEPS:
-            metrics = window_metrics(window, {**lrs, "skipped_steps": guard.skipped})
-        logger.step_done(step, metrics)
-        ckpt.poll()
-        if (SAMPLE_EVERY and step % SAMPLE_EVERY == 0) or step == MAX_STEPS:
-            sample(os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"))
-            logger.log_images(step, "samples", os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"))
-        stopping = stopper.should_stop() or guard.exhausted
-        ckpt.save(step, {"samples_seen": step * global_batch, "skipped_samples": skipped, **guard.state()},
-                  stopping=stopping)
-        if stopping:
-            logger.close()
-            raise guard.error(step) if guard.exhausted else stopper.preempted(step)
-
-    # export (the final checkpoint and samples were written at MAX_STEPS) and teardown
-    logger.close()
-    ckpt.wait()
-    print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
-    if COMPILE:  # with the samples' recompiles (no-grad graphs of the generator or its EMA)
-        print0(fsdp_utils.compile_report("compile, whole run"))
-    with final_weights() as final_model:
-        if lora:  # the adapters (fp32: a few MB) in diffusers' LoRA format; optionally a merged pipeline too
-            checkpoint.export_lora(final_model, os.path.join(OUTPUT_DIR, "export"), kind, "unet", torch.float32)
-        if not lora or LORA_EXPORT_MERGED:
-            checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export_merged" if lora else "export"),
-                                       {"unet": final_model}, parse_dtype(EXPORT_DTYPE),
-                                       frozen={"vae": VAE_PATH} if VAE_PATH else None)
-    fsdp_utils.cleanup_distributed()
+    train_common.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
 
 
 if __name__ == "__main__":

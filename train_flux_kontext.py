@@ -2,9 +2,10 @@
 target image, instruction).
 
 The transformer (12 B for the real model) is the only trained part: it is built on the meta device,
-sharded per FluxTransformerBlock / FluxSingleTransformerBlock, and each rank loads only its slices of
-the weights. The VAE is frozen and replicated; the two text encoders (CLIP for the pooled vector, T5
-for the token embeddings) run once before training to fill an on-disk embedding cache and are freed.
+sharded per FluxTransformerBlock / FluxSingleTransformerBlock by the FLUX recipe
+(parallel/parallelize.py), and each rank loads only its slices of the weights. The VAE is frozen
+and replicated; the two text encoders (CLIP for the pooled vector, T5 for the token embeddings) run
+once before training to fill an on-disk embedding cache and are freed.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default: the shipped tiny Kontext base
     # (assets/kontext_base) fine-tuned on the shipped "make it blue" pairs (assets/kontext_blue)
@@ -27,13 +28,13 @@ export/pytorch_lora_weights.safetensors, for pipe.load_lora_weights), text_cache
 
 LoRA (LORA_RANK > 0): peft adapters on the transformer's attention and MLP projections, in fp32,
 trained on a frozen base stored in the compute dtype, both sharded in the same per-block FSDP
-units (fsdp_utils.add_lora says why); checkpoints hold only the adapters and their optimizer state.
+units (parallel/lora.py says why); checkpoints hold only the adapters and their optimizer state.
     torchrun --standalone --nproc_per_node=2 train_flux_kontext.py --lora_rank=16 --lr=1e-4
 
 Context parallelism (CONTEXT_PARALLEL = C > 1, for long sequences: Kontext at 1024 px is 8192 image
 tokens + 512 text tokens per sample): each group of C consecutive ranks takes the same samples and
 splits their token sequence C ways, with diffusers' Ulysses attention; FSDP2 still shards over all
-ranks (fsdp_utils.build_meshes, enable_context_parallel). Same updates as without it.
+ranks (fsdp_utils.build_meshes, parallel/context_parallel.py). Same updates as without it.
     torchrun --standalone --nproc_per_node=8 train_flux_kontext.py --context_parallel=4
 
 Choices worth knowing: a global batch always comes from one resolution bucket (see
@@ -51,57 +52,51 @@ import hashlib
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-import checkpoint
 import data_utils
 import fsdp_utils
 import precision
 import run_utils
+import train_common
 from algorithms import flux_kontext as km
+from parallel import ema as ema_lib
+from parallel.context_parallel import enable_context_parallel
+from parallel.loading import build_on_meta, fill_built_model
+from parallel.lora import add_lora
+from parallel.models import vae_scale_factor
+from parallel.parallelize import parallelize_flux
 from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
-# config (every UPPER_CASE constant can be overridden as --name=value)
+# config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
+# settings are in the same order in train_dmd.py, and mean the same: train_common.py)
 
+# models and data
 MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
 DATA_PATH = ""  # .jsonl of {"image", "target", "prompt"}; "" = the shipped "make it blue" pairs (assets/kontext_blue)
-OUTPUT_DIR = "out/flux_kontext"  # metrics, samples, checkpoints, export, text cache
+OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
+RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
+SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 TEXT_CACHE_DIR = ""  # text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
+BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
+RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
+# schedule
 MAX_STEPS = 200  # optimizer steps
 BATCH_SIZE = 1  # pairs per rank per micro-batch
-GRAD_ACCUM = 1  # micro-batches per optimizer step (global batch = BATCH_SIZE x world x GRAD_ACCUM)
-SEED = 0  # data order, noise, timesteps, sample seeds: all derived from (SEED, step)
-LR = 1e-5  # AdamW learning rate (full fine-tunes of FLUX use ~1e-5; LoRA uses ~1e-4)
+GRAD_ACCUM = 1  # micro-batches per optimizer step; global batch = BATCH_SIZE × data-parallel ranks × GRAD_ACCUM
+SEED = 0  # data order, noise, timesteps, sample seeds: all drawn from (SEED, step), identical on every rank
+# optimizer: AdamW
+LR = 1e-5  # learning rate (full fine-tunes of FLUX use ~1e-5; LoRA uses ~1e-4)
 ADAM_BETAS = [0.9, 0.999]  # AdamW betas (torch / diffusers example defaults)
 WEIGHT_DECAY = 1e-4  # AdamW weight decay: diffusers' Kontext example's --adam_weight_decay default
 ADAM_EPS = 1e-8  # AdamW epsilon
-WARMUP_STEPS = 10  # linear LR warmup, then constant
-MAX_GRAD_NORM = 1.0  # clip the total grad norm (0 = no clipping); a non-finite norm skips the step
-PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master, bf16 compute) | bf16 (everything bf16)
-VAE_DTYPE = ""  # frozen VAE dtype; "" = the precision's compute dtype
-TEXT_ENCODER_DTYPE = ""  # CLIP / T5 dtype for the cache; "" = the precision's compute dtype
-EXPORT_DTYPE = "bf16"  # dtype of the exported transformer
-PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
-DP_REPLICATE = 1  # HSDP: replica groups (1 = plain FSDP over all ranks); must divide the world
-CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see README
-RESHARD_AFTER_FORWARD = True  # free gathered block params after forward (re-gathered in backward)
-CPU_OFFLOAD = False  # keep sharded params, grads and AdamW state in host memory
-ACTIVATION_CHECKPOINTING = False  # recompute each block in backward instead of storing activations
-PREFETCH = 1  # blocks to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
-COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
-EMA_DECAY = 0.0  # EMA of the transformer (0 = off; with LoRA, of the adapters); exported instead of the raw weights when on
-LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
-LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = diffusers' Kontext LoRA example's (attention + MLP projections)
-LORA_DROPOUT = 0.0  # dropout on the adapters' input
-LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
-RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
-BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
-RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
+WARMUP_STEPS = 10  # linear LR warmup over this many steps, then constant
+MAX_GRAD_NORM = 1.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
+EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it
+# flow matching (the diffusers Kontext example's settings)
 MAX_SEQUENCE_LENGTH = 512  # T5 tokens (FLUX uses 512; capped at the tokenizer's model_max_length)
 GUIDANCE = 1.0  # guidance-embedding value during training (Kontext [dev] is guidance-distilled)
 WEIGHTING_SCHEME = "uniform"  # sigma density: uniform | logit_normal | mode (SD3 paper, sec. 3.1)
@@ -110,61 +105,164 @@ LOGIT_STD = 1.0  # logit_normal std
 MODE_SCALE = 1.29  # "mode" density scale (SD3 paper's value)
 SHIFT = 1.0  # sigma shift s*sigma/(1+(s-1)*sigma); >1 favours noisier timesteps
 LOSS_WEIGHTING = "none"  # none | sigma_sqrt | cosmap (diffusers' compute_loss_weighting_for_sd3)
-SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
-NUM_SAMPLE_PAIRS = 4  # held-out pairs (the last rows of DATA_PATH), never trained on, for samples
-SAMPLE_EVERY = 100  # steps between sample grids (and one at the end); 0 = no samples
-SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
-SAMPLE_GUIDANCE = 2.5  # guidance for samples (FluxKontextPipeline's default)
-SAVE_EVERY = 100  # steps between checkpoints (and always one at MAX_STEPS); 0 = only at the end
+# LoRA
+LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
+LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; FLUX: diffusers' Kontext LoRA example's attention + MLP projections)
+LORA_DROPOUT = 0.0  # dropout on the adapters' input
+LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
+# precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
+PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
+TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype (here: for the text cache); "" = PRECISION's compute dtype
+VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype
+EXPORT_DTYPE = "bf16"  # dtype of the exported trained model (fp16/bf16 halve the file)
+# parallelism
+PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
+BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py; FLUX: each FluxTransformerBlock and FluxSingleTransformerBlock)
+DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across; must divide the world
+CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see README
+RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3; re-gathered in backward); False = ZeRO-2-like
+CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
+ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
+PREFETCH = 1  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
+COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
+# fault tolerance
+MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
+COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
+# checkpoints, logging, samples, validation
+SAVE_EVERY = 100  # steps between checkpoints, and always one at MAX_STEPS; 0 = only that one
 KEEP_LAST = 2  # complete checkpoints kept
-ASYNC_SAVE = False  # write checkpoints in the background while training continues
-RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR, or a checkpoint path
-LOG_EVERY = 10  # steps between log lines / metrics.jsonl records
-VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none
+ASYNC_SAVE = False  # write checkpoints in the background while training goes on
+RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
+LOG_EVERY = 10  # steps between log lines / metrics.jsonl records (means over those steps), and one at MAX_STEPS; 0 = none
 REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
-MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
-COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
+SAMPLE_EVERY = 100  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
+NUM_SAMPLE_PAIRS = 4  # held-out pairs (the last rows of DATA_PATH), never trained on, for samples and validation
+SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
+SAMPLE_GUIDANCE = 2.5  # guidance for samples (FluxKontextPipeline's default)
+VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none
+VAL_SIGMAS = [0.25, 0.5, 0.75]  # noise levels each held-out pair is scored at
 
-BLOCK_CLASSES = []  # FSDP units; [] = the FLUX recipe's (each FluxTransformerBlock and FluxSingleTransformerBlock)
-
-MODEL_COMPONENTS = {"transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL", "text_encoder": None,
-                    "text_encoder_2": None, "tokenizer": None, "tokenizer_2": None, "scheduler": None}
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
+_DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
+
+# ----------------------------------------------------------------------------------------------
+# setup: the script's own settings checked before any work (train_common checks the shared ones),
+# the embedded default
+
+
+def validate_config() -> precision.Precision:
+    """Everything checkable before any work; identical on every rank."""
+    fsdp_utils.check_context_parallel(CONTEXT_PARALLEL, DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
+    if PARALLELISM == "ddp" and CONTEXT_PARALLEL > 1:
+        raise ConfigError(f"PARALLELISM=ddp with CONTEXT_PARALLEL={CONTEXT_PARALLEL}: context parallelism is "
+                          "built on the FSDP mesh; use fsdp")
+    run_utils.check_settings({
+        "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
+        f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
+        f"LOSS_WEIGHTING in {km.WEIGHTING_SCHEMES}": LOSS_WEIGHTING in km.WEIGHTING_SCHEMES,
+        "SHIFT > 0": SHIFT > 0, "LOGIT_STD > 0": LOGIT_STD > 0,
+        "BUCKET_ASPECTS non-empty and > 0": bool(BUCKET_ASPECTS) and all(a > 0 for a in BUCKET_ASPECTS),
+        "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
+        "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "VAL_EVERY >= 0": VAL_EVERY >= 0,
+        "VAL_SIGMAS non-empty, each in (0, 1]": bool(VAL_SIGMAS) and all(0 < s <= 1 for s in VAL_SIGMAS),
+    })
+    return precision.get_precision(PRECISION)
+
+
+def default_paths() -> tuple[str, str]:
+    """The embedded default, shipped in assets/ and loaded through the same code path as real
+    weights: the tiny Kontext base (demos/make_kontext_base.py rebuilds it) and the "make it blue"
+    training pairs (demos/kontext_eval.py writes them)."""
+    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+    return os.path.join(assets, "kontext_base"), os.path.join(assets, "kontext_blue", "train.jsonl")
+
+
+def resolve_defaults() -> dict:
+    """Fill the "" / 0 settings (the embedded default, resolution, cache dir) and return the
+    resolved config, which is what the run prints and every checkpoint records."""
+    global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR
+    if not MODEL_PATH:
+        MODEL_PATH, default_data = default_paths()
+        DATA_PATH = DATA_PATH or default_data
+        RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
+    RESOLUTION = RESOLUTION or 512
+    TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
+    return run_utils.script_constants(globals())
+
+
+def check_context_parallel_shapes(model_path, context_parallel, text_length, sizes, vae_factor) -> None:
+    """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads
+    C ways, and the sequence is split C ways at the transformer's input, text tokens and image
+    tokens (target + context, 2 x (h/2f) x (w/2f) for an h x w bucket) each on their own, so all
+    three must divide by C. `sizes` = every (h, w) the run will use (training buckets, samples)."""
+    if context_parallel == 1:
+        return
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        heads = json.load(f)["num_attention_heads"]
+    if heads % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {heads} attention heads "
+                          f"(transformer/config.json) do not divide by it (Ulysses splits the heads)")
+    if text_length % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: {text_length} T5 tokens (MAX_SEQUENCE_LENGTH, "
+                          f"capped by the tokenizer) do not divide by it; set MAX_SEQUENCE_LENGTH to a multiple")
+    for h, w in sorted(set(sizes)):
+        tokens = 2 * (h // (2 * vae_factor)) * (w // (2 * vae_factor))
+        if tokens % context_parallel:
+            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the {h}x{w} bucket has {tokens} image tokens "
+                              f"(target + context), not divisible by it; change RESOLUTION or BUCKET_ASPECTS")
+
 
 # ----------------------------------------------------------------------------------------------
 # models
 
 
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed):
-    """FluxTransformer2DModel on meta -> (LoRA: adapters added, see fsdp_utils.add_lora) -> the
-    FLUX recipe (fully_shard per block, then the root) -> each rank loads its slices (load=False:
-    allocate only, e.g. for the EMA copy that is then filled from the model). With CPU offload the
-    shards are materialised in host memory, where FSDP keeps them. mesh=None (DDP): no sharding,
-    every rank loads the whole model (the caller wraps it in DDP).
+    """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
+    recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
+    slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
+    With CPU offload the shards are materialised in host memory, where FSDP keeps them. mesh=None
+    (DDP): the recipe's AC and compile only, every rank loads the whole model (the caller wraps it
+    in DDP).
 
     Dtypes: full fine-tuning stores the params in PRECISION's storage dtype; LoRA stores the frozen
     base in the compute dtype and the adapters in fp32, in the same per-block units."""
     from diffusers import FluxTransformer2DModel
-    model = fsdp_utils.build_on_meta(FluxTransformer2DModel, folder)
+    model = build_on_meta(FluxTransformer2DModel, folder)
     storage = prec.compute_dtype if lora else prec.param_dtype
     if storage != torch.float32:  # storage dtype of the params (on meta: free)
         model.to(storage)
     if lora:
-        fsdp_utils.add_lora(model, lora)
+        add_lora(model, lora)
     policy = prec.adapter_mp_policy() if lora else prec.mp_policy()
-    if mesh is not None:
-        fsdp_utils.parallelize_flux_transformer(model, mesh, policy, sharding, block_classes, verbose=load)
+    parallelize_flux(model, mesh, policy, sharding, block_classes, verbose=load)
     home = torch.device("cpu") if sharding.cpu_offload else device
-    return fsdp_utils.fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
+    return fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
 
 
 def load_vae(folder, dtype, device):
     """The frozen VAE, replicated on every rank in its own dtype."""
     from diffusers import AutoencoderKL
     vae = AutoencoderKL.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)  # small: plain load
-    return fsdp_utils.prepare_frozen(vae, None, precision.Precision.frozen_mp_policy(dtype), device, sharded=False, verbose=False)
+    return fsdp_utils.prepare_frozen(vae, dtype, device)
+
+
+def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed):
+    """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
+    EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
+    VAE, the sampling scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    folder = os.path.join(model_path, "transformer")
+    build = functools.partial(build_transformer, folder, mesh, prec, device, sharding=sharding,
+                              block_classes=block_classes, lora=lora, seed=seed)
+    transformer = build(load=True)
+    transformer.train()
+    ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False))
+    vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
+    return transformer, ema, vae, scheduler
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,6 +355,16 @@ def load_text_embeds(prompts, cache_dir, identity, device):
     return embeds, pooled
 
 
+def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
+    """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
+    length = t5_length(model_path, max_length)
+    identity = encoder_identity(model_path, length, dtype)
+    computed, reused = fill_text_cache(prompts, model_path, cache_dir, identity, length, dtype, device)
+    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
+           f"({cache_dir}; T5 length {length}, {precision.dtype_name(dtype)})")
+    return identity
+
+
 # ----------------------------------------------------------------------------------------------
 # data: pairs, resolution buckets, one bucket per global batch
 
@@ -331,6 +439,22 @@ def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(contexts), torch.stack(targets)
 
 
+def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
+    """(train rows, held-out rows, buckets, bucket of each train row). The last `num_held_out`
+    rows are kept out of training for samples. Bad rows stop the run (file:line) or are skipped."""
+    rows, skipped = data_utils.load_records(data_path, required=("image", "target", "prompt"),
+                                            image_keys=("image", "target"), skip_bad=skip_bad)
+    if len(rows) <= num_held_out:
+        raise ConfigError(f"{data_path}: {len(rows)} usable pairs; need more than NUM_SAMPLE_PAIRS={num_held_out}")
+    train, held_out = rows[:len(rows) - num_held_out], rows[len(rows) - num_held_out:]
+    buckets = make_buckets(resolution, aspects, multiple)
+    bucket_of = assign_buckets(train, buckets)
+    sizes = ", ".join(f"{h}x{w}: {bucket_of.count(i)}" for i, (h, w) in enumerate(buckets) if i in bucket_of)
+    print0(f"data: {len(train)} training pairs, {len(held_out)} held out for samples, {skipped} bad rows "
+           f"skipped; buckets (h x w: pairs) {sizes}")
+    return train, held_out, buckets, bucket_of
+
+
 # ----------------------------------------------------------------------------------------------
 # the training step
 
@@ -359,15 +483,12 @@ def micro_batch_loss(transformer, vae, rows, sigmas, noise, flips, size, text, g
     return km.flow_matching_loss(pred, inputs["target"], inputs["n_target_tokens"], weights)
 
 
-VAL_SIGMAS = (0.25, 0.5, 0.75)  # each held-out pair is scored at these noise levels
-
-
-def validation_inputs(sizes, latent_channels, vae_factor, seed):
+def validation_inputs(sizes, sigmas, latent_channels, vae_factor, seed):
     """Fixed (size, sigmas, noise) per held-out pair: the same at every validation and in every
     run with this SEED, so the validation loss is comparable across steps and runs."""
     g = data_utils.step_generator(seed, 0, stream=11)
-    return [((h, w), torch.tensor(VAL_SIGMAS),
-             torch.randn(len(VAL_SIGMAS), latent_channels, h // vae_factor, w // vae_factor, generator=g))
+    return [((h, w), torch.tensor(sigmas),
+             torch.randn(len(sigmas), latent_channels, h // vae_factor, w // vae_factor, generator=g))
             for h, w in sizes]
 
 
@@ -408,7 +529,7 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
         tokens = pipe(image=ctx, prompt_embeds=text[0][i:i + 1].float(), pooled_prompt_embeds=text[1][i:i + 1].float(),
                       height=h, width=w, max_area=h * w, num_inference_steps=steps, guidance_scale=guidance,
                       generator=torch.Generator().manual_seed(seed + i), output_type="latent").images
-        f = 2 ** (len(vae.config.block_out_channels) - 1)
+        f = vae_scale_factor(vae.config)
         latents = km.unpack_latents(tokens.float(), h // f, w // f) / scale + shift
         with torch.no_grad():
             out = vae.decode(latents.to(next(vae.parameters()).dtype)).sample.float().cpu()
@@ -420,172 +541,18 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
 
 
 # ----------------------------------------------------------------------------------------------
-# setup
-
-
-def validate_config() -> precision.Precision:
-    """Everything checkable before any work; identical on every rank."""
-    try:
-        prec = precision.get_precision(PRECISION)
-        for name in (VAE_DTYPE, TEXT_ENCODER_DTYPE, EXPORT_DTYPE):
-            if name:
-                precision.parse_dtype(name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    fsdp_utils.check_lora(lora_settings())
-    run_utils.check_report_to(REPORT_TO)
-    fsdp_utils.check_dp_replicate(DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
-    fsdp_utils.check_parallelism(PARALLELISM, CPU_OFFLOAD, DP_REPLICATE)
-    fsdp_utils.check_context_parallel(CONTEXT_PARALLEL, DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
-    fsdp_utils.check_compile(COMPILE)
-    if PARALLELISM == "ddp" and CONTEXT_PARALLEL > 1:
-        raise ConfigError(f"PARALLELISM=ddp with CONTEXT_PARALLEL={CONTEXT_PARALLEL}: context parallelism is "
-                          "built on the FSDP mesh; use fsdp")
-    run_utils.check_settings({
-        "MAX_STEPS >= 1": MAX_STEPS >= 1, "BATCH_SIZE >= 1": BATCH_SIZE >= 1, "GRAD_ACCUM >= 1": GRAD_ACCUM >= 1,
-        "0 <= EMA_DECAY < 1": 0 <= EMA_DECAY < 1, "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
-        f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
-        f"LOSS_WEIGHTING in {km.WEIGHTING_SCHEMES}": LOSS_WEIGHTING in km.WEIGHTING_SCHEMES,
-        "SHIFT > 0": SHIFT > 0, "LOGIT_STD > 0": LOGIT_STD > 0, "RESOLUTION >= 0": RESOLUTION >= 0,
-        "BUCKET_ASPECTS non-empty and > 0": bool(BUCKET_ASPECTS) and all(a > 0 for a in BUCKET_ASPECTS),
-        "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
-        "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "PREFETCH >= 0": PREFETCH >= 0,
-        "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY, VAL_EVERY >= 0": min(LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY, VAL_EVERY) >= 0,
-        "MAX_BAD_STEPS >= 1": MAX_BAD_STEPS >= 1, "COLLECTIVE_TIMEOUT_S > 0": COLLECTIVE_TIMEOUT_S > 0,
-    })
-    return prec
-
-
-def lora_settings() -> fsdp_utils.Lora:
-    return fsdp_utils.Lora(LORA_RANK, LORA_ALPHA, tuple(LORA_TARGET_MODULES), LORA_DROPOUT)
-
-
-_DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
-
-
-def default_paths() -> tuple[str, str]:
-    """The embedded default, shipped in assets/ and loaded through the same code path as real
-    weights: the tiny Kontext base (demos/make_kontext_base.py rebuilds it) and the "make it blue"
-    training pairs (demos/kontext_eval.py writes them)."""
-    assets = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-    return os.path.join(assets, "kontext_base"), os.path.join(assets, "kontext_blue", "train.jsonl")
-
-
-def resolve_defaults() -> dict:
-    """Fill the "" / 0 settings (the embedded default, resolution, cache dir) and return the
-    resolved config, which is what the run prints and every checkpoint records."""
-    global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR
-    if not MODEL_PATH:
-        MODEL_PATH, default_data = default_paths()
-        DATA_PATH = DATA_PATH or default_data
-        RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
-    RESOLUTION = RESOLUTION or 512
-    TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
-    return run_utils.script_constants(globals())
-
-
-def vae_scale_factor(model_path) -> int:
-    """Pixels per latent (8 for FLUX), from the VAE config as diffusers computes it."""
-    with open(os.path.join(model_path, "vae", "config.json")) as f:
-        return 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-
-
-def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
-    """(train rows, held-out rows, buckets, bucket of each train row). The last `num_held_out`
-    rows are kept out of training for samples. Bad rows stop the run (file:line) or are skipped."""
-    rows, skipped = data_utils.load_records(data_path, required=("image", "target", "prompt"),
-                                            image_keys=("image", "target"), skip_bad=skip_bad)
-    if len(rows) <= num_held_out:
-        raise ConfigError(f"{data_path}: {len(rows)} usable pairs; need more than NUM_SAMPLE_PAIRS={num_held_out}")
-    train, held_out = rows[:len(rows) - num_held_out], rows[len(rows) - num_held_out:]
-    buckets = make_buckets(resolution, aspects, multiple)
-    bucket_of = assign_buckets(train, buckets)
-    sizes = ", ".join(f"{h}x{w}: {bucket_of.count(i)}" for i, (h, w) in enumerate(buckets) if i in bucket_of)
-    print0(f"data: {len(train)} training pairs, {len(held_out)} held out for samples, {skipped} bad rows "
-           f"skipped; buckets (h x w: pairs) {sizes}")
-    return train, held_out, buckets, bucket_of
-
-
-def check_context_parallel_shapes(model_path, context_parallel, text_length, sizes, vae_factor) -> None:
-    """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads
-    C ways, and the sequence is split C ways at the transformer's input, text tokens and image
-    tokens (target + context, 2 x (h/2f) x (w/2f) for an h x w bucket) each on their own, so all
-    three must divide by C. `sizes` = every (h, w) the run will use (training buckets, samples)."""
-    if context_parallel == 1:
-        return
-    with open(os.path.join(model_path, "transformer", "config.json")) as f:
-        heads = json.load(f)["num_attention_heads"]
-    if heads % context_parallel:
-        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {heads} attention heads "
-                          f"(transformer/config.json) do not divide by it (Ulysses splits the heads)")
-    if text_length % context_parallel:
-        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: {text_length} T5 tokens (MAX_SEQUENCE_LENGTH, "
-                          f"capped by the tokenizer) do not divide by it; set MAX_SEQUENCE_LENGTH to a multiple")
-    for h, w in sorted(set(sizes)):
-        tokens = 2 * (h // (2 * vae_factor)) * (w // (2 * vae_factor))
-        if tokens % context_parallel:
-            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the {h}x{w} bucket has {tokens} image tokens "
-                              f"(target + context), not divisible by it; change RESOLUTION or BUCKET_ASPECTS")
-
-
-def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
-    """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
-    length = t5_length(model_path, max_length)
-    identity = encoder_identity(model_path, length, dtype)
-    computed, reused = fill_text_cache(prompts, model_path, cache_dir, identity, length, dtype, device)
-    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
-           f"({cache_dir}; T5 length {length}, {precision.dtype_name(dtype)})")
-    return identity
-
-
-def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed):
-    """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
-    EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
-    VAE, the sampling scheduler."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    folder = os.path.join(model_path, "transformer")
-    build = functools.partial(build_transformer, folder, mesh, prec, device, sharding=sharding,
-                              block_classes=block_classes, lora=lora, seed=seed)
-    transformer = build(load=True)
-    transformer.train()
-    ema = None
-    if ema_decay > 0 and lora:
-        ema = fsdp_utils.AdapterEMA(transformer)
-    elif ema_decay > 0:
-        ema = build(load=False)
-        ema.requires_grad_(False).eval()
-        fsdp_utils.copy_params(ema, transformer)
-    vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
-    return transformer, ema, vae, scheduler
-
-
-# ----------------------------------------------------------------------------------------------
 # main: config -> distributed init -> data and text cache -> models (meta, sharded, loaded) ->
-# optimizer -> resume -> loop -> export -> teardown
+# optimizer -> resume -> loop -> export -> teardown (train_common.py: what both scripts do before
+# and after the loop)
 
 
 def main():
-    run_utils.apply_overrides(globals(), sys.argv[1:])
-    prec = validate_config()
-    embedded = not MODEL_PATH
-    config = resolve_defaults()
-    run_utils.check_model_folder(MODEL_PATH, "FluxKontextPipeline", MODEL_COMPONENTS)
-    lora = lora_settings()
-    if lora:  # unknown target modules fail here, on the meta skeleton, before any work
-        fsdp_utils.check_lora_targets(MODEL_COMPONENTS["transformer"], os.path.join(MODEL_PATH, "transformer"), lora)
-    run_utils.check_output_dir(OUTPUT_DIR)
-
-    d = fsdp_utils.init_distributed(cpu_offload=CPU_OFFLOAD, timeout_s=COLLECTIVE_TIMEOUT_S)
-    print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
-    print0(f"model {MODEL_PATH} | data {DATA_PATH} | resolution {RESOLUTION}"
-           + (" (the embedded default)" if embedded else ""))
-    run_utils.quiet_known_warnings()
-    stopper = run_utils.GracefulStop()
-    resume_path = checkpoint.resolve_resume(RESUME, OUTPUT_DIR)  # a bad path fails here, before any work
+    run, prec = train_common.start(globals(), validate_config, resolve_defaults)
+    d = run.d
 
     # data, buckets and the text-embedding cache (text encoders live only inside this call)
-    vae_factor = vae_scale_factor(MODEL_PATH)
+    from diffusers import AutoencoderKL
+    vae_factor = vae_scale_factor(AutoencoderKL.load_config(os.path.join(MODEL_PATH, "vae")))
     train, held_out, buckets, bucket_of = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS,
                                                     2 * vae_factor, SKIP_BAD_SAMPLES)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
@@ -597,24 +564,20 @@ def main():
 
     # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
-    mesh, cp_mesh = fsdp_utils.build_meshes(d.device, DP_REPLICATE, CONTEXT_PARALLEL) if PARALLELISM == "fsdp" \
-        else (None, None)
-    sharding = fsdp_utils.Sharding(RESHARD_AFTER_FORWARD, CPU_OFFLOAD, ACTIVATION_CHECKPOINTING, PREFETCH, COMPILE)
+    mesh, cp_mesh, sharding = train_common.mesh_and_sharding(run, CONTEXT_PARALLEL)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
-                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=lora, seed=SEED)
+                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED)
     if cp_mesh is not None:  # every forward of these models (training, validation, samples) splits the sequence
         for model in (transformer, ema):
-            if isinstance(model, torch.nn.Module) and not isinstance(model, fsdp_utils.AdapterEMA):
-                fsdp_utils.enable_context_parallel(model, cp_mesh)
+            if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
+                enable_context_parallel(model, cp_mesh)
     dp_rank, dp_size = fsdp_utils.data_parallel_rank(CONTEXT_PARALLEL)
     if CONTEXT_PARALLEL > 1:
         print0(f"context parallel: {dp_size} data-parallel group(s) of {CONTEXT_PARALLEL} ranks; each group splits "
                f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
                f"{d.world_size} ranks")
-    train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(
-        transformer, d.device, prec.mp_policy(), block_classes=BLOCK_CLASSES,
-        activation_checkpointing=ACTIVATION_CHECKPOINTING, compile=COMPILE)
+    train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device, prec.mp_policy())
 
     # optimizer: AdamW, torch's fused kernel (see fsdp_utils.adamw), with a linear warmup
     params = [p for p in transformer.parameters() if p.requires_grad]
@@ -622,30 +585,30 @@ def main():
     lr_sched = run_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
-    print0(f"components ({RESOLUTION} px):\n"
-           f"{precision.format_audit(audit + [precision.component_row('vae', vae, vae.dtype)])}")
-    memory_table = functools.partial(fsdp_utils.memory_report, models, {"transformer": optimizer})
-    print0(f"memory at start:\n{memory_table()}")
+    train_common.report_components(run, f"{RESOLUTION} px", audit + [precision.component_row("vae", vae, vae.dtype)],
+                                   models, {"transformer": optimizer})
 
-    # checkpoints: what they hold, when they are written (the checkpointer decides), resume
-    ckpt = checkpoint.Checkpointer(OUTPUT_DIR, models, {"transformer": (transformer, optimizer)},
-                                   {"transformer": lr_sched}, config, keep_last=KEEP_LAST, async_save=ASYNC_SAVE,
-                                   save_every=SAVE_EVERY, last_step=MAX_STEPS)
-    start, guard = 0, run_utils.NonFiniteGuard(MAX_BAD_STEPS)
-    if resume_path:
-        meta = ckpt.load(resume_path)
-        start = meta["step"]
-        guard.load(meta)
-        print0(f"resumed from {resume_path} (step {start})")
+    # checkpoints (the checkpointer decides when), resume
+    start = train_common.restore(run, models, {"transformer": (transformer, optimizer)}, {"transformer": lr_sched})
 
     global_batch, micro_global = BATCH_SIZE * dp_size * GRAD_ACCUM, BATCH_SIZE * dp_size
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
                         mode_scale=MODE_SCALE, shift=SHIFT)
-    final_weights = functools.partial(fsdp_utils.output_weights, transformer, ema)  # what samples show, export writes
+    final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
     sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    logger = run_utils.RunLogger(OUTPUT_DIR, MAX_STEPS, start, report_to=REPORT_TO, config=config,
-                                 wandb_project=WANDB_PROJECT, wandb_run_name=WANDB_RUN_NAME)
-    val_inputs = validation_inputs(sample_sizes, vae.config.latent_channels, vae_factor, SEED)
+    val_inputs = validation_inputs(sample_sizes, VAL_SIGMAS, vae.config.latent_channels, vae_factor, SEED)
+
+    def validate():
+        with final_weights() as model:
+            return {"val_loss": validation_loss(model, vae, held_out, val_inputs, sample_text, GUIDANCE,
+                                                LOSS_WEIGHTING, d.device)}
+
+    def sample(path):
+        with final_weights() as model:
+            grid = sample_grid(model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
+                               SAMPLE_GUIDANCE, SEED, d.device)
+        if d.rank == 0:
+            data_utils.save_image_grid(grid, path, nrow=3)
 
     # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
     # schedule and draws its randomness from (SEED, s)
@@ -662,62 +625,18 @@ def main():
             loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
                                     text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
             # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP group
-            # each hold a 1/C share of one loss's grads, hence x C (fsdp_utils.enable_context_parallel)
+            # each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
             (loss * CONTEXT_PARALLEL).backward()
             loss_sum += loss.item()
-        grad_norm = float(fsdp_utils.clip_grad_norm_(params, MAX_GRAD_NORM))
-        if guard.step_ok(loss_sum, grad_norm):  # collective: every rank takes the same branch
-            optimizer.step()
-            if ema is not None:
-                fsdp_utils.ema_update(ema, transformer, EMA_DECAY)
-        else:
-            print0(f"step {step}: non-finite loss or grad norm on some rank, update skipped on all "
-                   f"({guard.in_a_row} in a row, {guard.skipped} in all)")
-        optimizer.zero_grad(set_to_none=True)
-        lr = lr_sched.get_last_lr()[0]
+        logs, lr = {"loss": loss_sum}, lr_sched.get_last_lr()[0]
+        if train_common.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
+            ema_lib.ema_update(ema, transformer, EMA_DECAY)
         lr_sched.step()
-        if COMPILE and step == start + 1:  # the training step's graphs, breaks and compile time (rank 0's)
-            print0(fsdp_utils.compile_report())
+        train_common.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
+                              validate=validate if held_out and train_common.due(step, VAL_EVERY) else None,
+                              sample=sample if held_out else None)
 
-        # log, samples, checkpoint (when due), stop
-        metrics = None
-        if LOG_EVERY and (step % LOG_EVERY == 0 or step == MAX_STEPS):
-            metrics = {**run_utils.mean_across_ranks({"loss": loss_sum}), "grad_norm": grad_norm, "lr": lr,
-                       "skipped_steps": guard.skipped}
-        if VAL_EVERY and held_out and step % VAL_EVERY == 0:  # logged with the step's line (one record per step)
-            with logger.paused(), final_weights() as final_model:
-                val = validation_loss(final_model, vae, held_out, val_inputs, sample_text, GUIDANCE, LOSS_WEIGHTING,
-                                      d.device)
-            metrics = {**(metrics or {}), "val_loss": val}
-        logger.step_done(step, metrics)
-        ckpt.poll()
-        if SAMPLE_EVERY and held_out and (step % SAMPLE_EVERY == 0 or step == MAX_STEPS):
-            with final_weights() as final_model:
-                grid = sample_grid(final_model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
-                                   SAMPLE_GUIDANCE, SEED, d.device)
-            if d.rank == 0:
-                data_utils.save_image_grid(grid, os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"), nrow=3)
-                logger.log_images(step, "samples", os.path.join(OUTPUT_DIR, "samples", f"step_{step:06d}.png"))
-        stopping = stopper.should_stop() or guard.exhausted
-        ckpt.save(step, {"samples_seen": step * global_batch, **guard.state()}, stopping=stopping)
-        if stopping:
-            logger.close()
-            raise guard.error(step) if guard.exhausted else stopper.preempted(step)
-
-    # export (the final checkpoint and samples were written at MAX_STEPS) and teardown
-    logger.close()
-    ckpt.wait()
-    print0(f"memory after training:\n{memory_table()}")  # its peak is training's, not the export gather's
-    if COMPILE:  # with validation and samples' recompiles (their no-grad and new-shape graphs)
-        print0(fsdp_utils.compile_report("compile, whole run"))
-    with final_weights() as final_model:
-        if lora:  # the adapters (fp32: a few MB) in diffusers' LoRA format; optionally a merged pipeline too
-            checkpoint.export_lora(final_model, os.path.join(OUTPUT_DIR, "export"), "FluxKontextPipeline",
-                                   "transformer", torch.float32)
-        if not lora or LORA_EXPORT_MERGED:
-            checkpoint.export_pipeline(MODEL_PATH, os.path.join(OUTPUT_DIR, "export_merged" if lora else "export"),
-                                       {"transformer": final_model}, precision.parse_dtype(EXPORT_DTYPE))
-    fsdp_utils.cleanup_distributed()
+    train_common.finish(run, final_weights)
 
 
 if __name__ == "__main__":

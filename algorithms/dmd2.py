@@ -352,14 +352,3 @@ def should_update_generator(step: int, ratio: int) -> bool:
     if ratio < 1:
         raise ValueError(f"generator update ratio must be >= 1, got {ratio}")
     return step % ratio == 0
-
-
-def warmup_factor(iteration: int, warmup: float) -> float:
-    """The published LR warmup, as a factor of the base LR at (0-based) `iteration`, the same for
-    the generator and the guidance optimizer: the official code steps both schedulers every
-    iteration (tianweiy/DMD2 main/train_sd.py:383, 408; also when the generator did not update)
-    with diffusers' constant_with_warmup (factor = s / warmup_step, s scheduler steps so far), and
-    accelerate advances a prepared scheduler once per process per call ("500 / num_gpu steps",
-    train_sd.py:204). So with `warmup` = warmup_step / num_processes iterations (500 / 64 = 7.8125
-    for the published runs): factor = min(1, iteration / warmup), 0 at the first iteration."""
-    return 1.0 if warmup <= 0 else min(1.0, iteration / warmup)

@@ -1,6 +1,6 @@
 """The "make it blue" editing task and its evaluation through diffusers' FluxKontextPipeline.
 
-Task: a shape (circle / square / triangle / diamond of demos/shapes.py, in any of its COLOURS
+Task: a shape (circle / square / triangle / diamond of tools/shapes.py, in any of its COLOURS
 but blue) on a plain background (never blue); the edit recolours the shape blue and keeps its
 shape, position, size and the background. Prompt: "make it blue". Splits are drawn
 deterministically from a seed:
@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from data_utils import build_once
-from demos import shapes
-from demos.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
+from tools import shapes
+from tools.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
 from tools import tiny_models
 
 TASK_COLOUR = "blue"

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from demos import kontext_eval as ke
-from demos import shapes
-from demos.shapes import COLOURS, SHAPES, nearest_colour, to_tensor, to_uint8
+from tools import shapes
+from tools.shapes import COLOURS, SHAPES, nearest_colour, to_tensor, to_uint8
 from tools import tiny_models
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from demos import shapes_eval as se
-from demos.shapes import log, to_tensor, to_uint8
+from tools.shapes import log, to_tensor, to_uint8
 from tools.tiny_models import write_clip_tokenizer
 
 TEXT_HIDDEN = 64

@@ -4,7 +4,7 @@ The task (shared with `demos/make_teacher.py`, which trains the shipped teacher 
 images of one filled shape (circle, square, triangle) in one of 4 colours on a plain background of
 one of 3 colours, at a random position and size (side 12..20 px), captioned
 "a red circle on a white background" -> 4 x 3 x 3 = 36 prompts: a corner of the coloured-shapes
-world of `demos/shapes.py`, whose `draw_shape` draws the pixels (PIL, no anti-aliasing).
+world of `tools/shapes.py`, whose `draw_shape` draws the pixels (PIL, no anti-aliasing).
 
 Evaluation of a diffusers SD-1.5-layout folder (the teacher, or a DMD2 export) with a sampler:
 N = len(prompts) x seeds images from fixed noise, scored on
@@ -57,8 +57,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from demos import shapes
-from demos.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
+from tools import shapes
+from tools.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
 
 # ---------------------------------------------------------------------------------------------
 # the task

@@ -19,6 +19,7 @@ from tests.test_fsdp_utils import TinyNet, make_data, tiny_unet
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import fsdp_utils  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
 import data_utils  # noqa: E402
 import run_utils  # noqa: E402
 from precision import get_precision  # noqa: E402
@@ -27,7 +28,7 @@ from precision import get_precision  # noqa: E402
 def build(seed, mesh):
     torch.manual_seed(seed)
     model = TinyNet()
-    fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(), block_classes=["Block"], verbose=False)
+    parallelize(model, mesh, get_precision("fp32").mp_policy(), block_classes=["Block"], verbose=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     return model, opt, sched
@@ -49,7 +50,7 @@ def full(model):
 
 
 def _resume(rank, world, out, async_save):
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     data = make_data(6, 8)
     torch.manual_seed(100 + rank)
     straight = build(0, mesh)
@@ -82,7 +83,7 @@ def test_resume_is_bit_exact(tmp_path, async_save):
 
 
 def _save_two_ranks(rank, world, out):
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     model, opt, sched = build(0, mesh)
     train(model, opt, sched, make_data(2, 8), 0, 2, rank, world)
     checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {}).write(2, {})
@@ -94,7 +95,7 @@ def _save_two_ranks(rank, world, out):
 
 
 def _load_one_rank(rank, world, out):
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     model, opt, sched = build(5, mesh)
     ck = checkpoint.Checkpointer(out, {"m": model}, {"m": (model, opt)}, {"m": sched}, {})
     meta = ck.load(checkpoint.resolve_resume("auto", out))
@@ -120,7 +121,7 @@ import torch.distributed.checkpoint.filesystem as fs
 from tests.test_checkpoint import build, train
 from tests.test_fsdp_utils import make_data
 dist = fsdp_utils.init_distributed()
-mesh = fsdp_utils.build_mesh(dist.device)
+mesh = fsdp_utils.build_meshes(dist.device)[0]
 model, opt, sched = build(0, mesh)
 train(model, opt, sched, make_data(2, 8), 0, 2, 0, 1)
 ck = checkpoint.Checkpointer({out!r}, {{"m": model}}, {{"m": (model, opt)}}, {{"m": sched}}, {{}}, keep_last=1)
@@ -135,7 +136,7 @@ ck.write(4, {{}})
 
 
 def _load_after_kill(rank, world, out):
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     model, opt, sched = build(3, mesh)
     path = checkpoint.resolve_resume("auto", out)
     assert path.endswith("step_000002"), path
@@ -198,12 +199,12 @@ def test_keep_last_prunes_oldest(tmp_path):
 def _export(rank, world, src, out, dtype_name):
     from diffusers import UNet2DConditionModel
     from precision import parse_dtype
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     model = UNet2DConditionModel.from_pretrained(os.path.join(src, "unet"))
     with torch.no_grad():  # "training" changed the weights
         for p in model.parameters():
             p.add_(0.01)
-    fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
+    parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
     trained = full(model)
     checkpoint.export_pipeline(src, out, {"unet": model}, parse_dtype(dtype_name))
     if rank == 0:

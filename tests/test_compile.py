@@ -1,4 +1,4 @@
-"""COMPILE=1: torch.compile of each FSDP unit's forward (fsdp_utils.compile_units), AC -> compile ->
+"""COMPILE=1: torch.compile of each FSDP unit's forward (compiling.compile_units), AC -> compile ->
 fully_shard, against eager.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_compile.py -q
@@ -46,6 +46,7 @@ from tests.conftest import ROOT, launch, launch_env, run_ranks
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils  # noqa: E402
+from parallel import compile as compiling  # noqa: E402
 import train_dmd  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
@@ -193,7 +194,7 @@ def _unet_steps(rank, world, unet_dir, compile_: bool, steps: int = 2):
     per-rank inputs; returns (losses, full params, state-dict keys)."""
     from precision import get_precision
     prec = get_precision("fp32")
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     sharding = fsdp_utils.Sharding(activation_checkpointing=True, compile=compile_)
     model = train_dmd.build_unet(unet_dir, mesh, torch.float32, torch.device("cpu"), policy=prec.mp_policy(),
                                  trainable=True, sharding=sharding, block_classes=[])
@@ -227,11 +228,11 @@ def _unet_parity(rank, world, unet_dir):
         assert b == pytest.approx(a, rel=1e-5), (eager[0], compiled[0])
     for k, v in eager[1].items():
         torch.testing.assert_close(compiled[1][k], v, rtol=0, atol=LR / 20, msg=k)
-    report = fsdp_utils.compile_report()
+    report = compiling.compile_report()
     # 9 unit shapes, one graph each, all under the checkpoint wrapper's code object, 0 breaks
     assert report.startswith("compile: 9 graphs, 0 graph breaks"), report
     assert "recompile limit" not in report and not counters["graph_break"]
-    assert len(fsdp_utils._COMPILED_UNIT_SHAPES) == 9
+    assert len(compiling._COMPILED_UNIT_SHAPES) == 9
     assert torch._dynamo.config.recompile_limit == 36 > 9 > 8
 
 
@@ -246,8 +247,8 @@ def test_unet_compiled_matches_eager_without_breaks_or_eager_fallback():
 
 def test_compile_is_off_by_default_and_checked_before_any_work():
     assert tfk.COMPILE is False and train_dmd.COMPILE is False
-    fsdp_utils.check_compile(False)  # off: nothing to check
-    fsdp_utils.check_compile(True)  # g++ is here
+    compiling.check_compile(False)  # off: nothing to check
+    compiling.check_compile(True)  # g++ is here
 
 
 def test_nested_units_compile_only_the_innermost():
@@ -257,7 +258,7 @@ def test_nested_units_compile_only_the_innermost():
     outer = torch.nn.Sequential(inner, torch.nn.Linear(4, 4))
     other = torch.nn.Linear(4, 4)
     keys = list(outer.state_dict())
-    assert fsdp_utils.compile_units([outer, inner, other]) == [inner, other]
+    assert compiling.compile_units([outer, inner, other]) == [inner, other]
     assert "forward" in vars(inner) and "forward" in vars(other) and "forward" not in vars(outer)
     assert list(outer.state_dict()) == keys and outer[0] is inner
 
@@ -270,7 +271,7 @@ def test_compile_report_names_graph_breaks():
         return x + 1
     counters.clear()
     torch.compile(fn, backend="eager")(torch.ones(2))
-    report = fsdp_utils.compile_report()
+    report = compiling.compile_report()
     assert re.match(r"compile: 1 graphs, 1 graph breaks \(\d+\.\d s compiling\); breaks: ", report), report
     assert "breaks: Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print`" \
         in report
@@ -283,4 +284,4 @@ def test_missing_cxx_compiler_is_one_clear_error(monkeypatch):
     import torch._inductor.config as inductor_config
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++",))
     with pytest.raises(ConfigError, match="COMPILE=1 on CPU needs a C\\+\\+ compiler"):
-        fsdp_utils.check_compile(True)
+        compiling.check_compile(True)

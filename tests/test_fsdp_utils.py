@@ -16,6 +16,8 @@ from tests.conftest import ROOT, run_ranks
 
 sys.path.insert(0, ROOT)
 import fsdp_utils  # noqa: E402
+from parallel import loading, memory  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
 import data_utils  # noqa: E402
 import run_utils  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
@@ -74,10 +76,9 @@ def _parity(rank, world, dp_replicate, ac, prefetch, mode="fp32", offload=False,
     ref_losses, ref_norms, ref_params = train_reference()
     torch.manual_seed(0)
     model = TinyNet()
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"), dp_replicate)
-    blocks = fsdp_utils.apply_fsdp(model, mesh, get_precision(mode).mp_policy(), block_classes=["Block"],
-                                   activation_checkpointing=ac, prefetch=prefetch, cpu_offload=offload,
-                                   verbose=False)
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"), dp_replicate)[0]
+    sharding = fsdp_utils.Sharding(activation_checkpointing=ac, prefetch=prefetch, cpu_offload=offload)
+    blocks = parallelize(model, mesh, get_precision(mode).mp_policy(), sharding, block_classes=["Block"], verbose=False)
     assert len(blocks) == 3
     fsdp_utils.assert_sharded(model, mesh)
     # the scripts' optimizer: fused AdamW over the DTensor shards, against torch's default on one process
@@ -98,7 +99,7 @@ def _parity(rank, world, dp_replicate, ac, prefetch, mode="fp32", offload=False,
         # Adam moves each weight by at most ~lr per step, so bf16 noise can flip a few of 5 updates
         atol = tol / 10 if mode == "fp32" else 5 * 1e-2
         torch.testing.assert_close(v.full_tensor(), ref_params[k], rtol=tol, atol=atol)
-    report = fsdp_utils.memory_report({"m": model}, {"m": opt})
+    report = memory.memory_report({"m": model}, {"m": opt})
     assert "rss_peak" in report
 
 
@@ -117,9 +118,9 @@ def _sharded_bytes(rank, world):
     from precision import get_precision
     model = TinyNet(d=32)
     full = sum(p.numel() for p in model.parameters())
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
-    fsdp_utils.apply_fsdp(model, mesh, get_precision("bf16-mixed").mp_policy(), verbose=False)
-    local = fsdp_utils.local_state_bytes({"m": model}, {})["params"]
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    parallelize(model, mesh, get_precision("bf16-mixed").mp_policy(), verbose=False)
+    local = memory.local_state_bytes({"m": model}, {})["params"]
     # the largest repeated class was detected, and each rank stores about half, in fp32
     assert abs(local - full * 4 / 2) <= full * 4 * 0.02, (local, full)
 
@@ -194,11 +195,11 @@ def _meta_load(rank, world, folder, dtype_name):
     from diffusers import UNet2DConditionModel
     from precision import get_precision, parse_dtype
     ref = UNet2DConditionModel.from_pretrained(folder).state_dict()
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
-    model = fsdp_utils.build_on_meta(UNet2DConditionModel, folder).to(parse_dtype(dtype_name))
-    fsdp_utils.apply_fsdp(model, mesh, get_precision("fp32").mp_policy(),
-                          block_classes=["BasicTransformerBlock", "ResnetBlock2D"], verbose=False)
-    fsdp_utils.materialize_and_load(model, folder, torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    model = loading.build_on_meta(UNet2DConditionModel, folder).to(parse_dtype(dtype_name))
+    parallelize(model, mesh, get_precision("fp32").mp_policy(), block_classes=["BasicTransformerBlock", "ResnetBlock2D"],
+                verbose=False)
+    loading.materialize_and_load(model, folder, torch.device("cpu"))
     for k, v in model.state_dict().items():
         full = v.full_tensor() if hasattr(v, "full_tensor") else v
         assert full.dtype == parse_dtype(dtype_name)
@@ -217,4 +218,4 @@ def test_meta_device_load_equals_original(tmp_path, sharded_files):
 def test_meta_load_rejects_wrong_folder(tmp_path):
     from diffusers import UNet2DConditionModel
     with pytest.raises(ConfigError, match="no config.json"):
-        fsdp_utils.build_on_meta(UNet2DConditionModel, str(tmp_path))
+        loading.build_on_meta(UNet2DConditionModel, str(tmp_path))

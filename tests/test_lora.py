@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import checkpoint  # noqa: E402
 import fsdp_utils  # noqa: E402
+from parallel import lora  # noqa: E402
 import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
@@ -53,12 +54,12 @@ def test_two_ranks_match_one_process_losses_and_adapters(runs, setup):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
     a = checkpoint_state(runs["ref"][0], 3)["model.transformer"]
     b = checkpoint_state(runs["two"][0], 3)["model.transformer"]
-    assert a.keys() == b.keys() and all(fsdp_utils.is_adapter(k) for k in a)  # adapters only, no base
+    assert a.keys() == b.keys() and all(lora.is_adapter(k) for k in a)  # adapters only, no base
     with torch.device("meta"):  # exactly the adapters that add_lora puts on the model
         from diffusers import FluxTransformer2DModel
         meta = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(
             os.path.join(setup["model_path"], "transformer")))
-    fsdp_utils.add_lora(meta, fsdp_utils.Lora(rank=4, alpha=8))
+    lora.add_lora(meta, lora.Lora(rank=4, alpha=8))
     assert {k: tuple(v.shape) for k, v in a.items()} == {n: tuple(p.shape) for n, p in meta.named_parameters()
                                                          if p.requires_grad}
     for k in a:
@@ -86,7 +87,7 @@ def test_checkpoint_holds_only_what_trains(runs):
     path = os.path.join(runs["two"][0], "checkpoints", "step_000003")
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     model_keys = [k for k in meta if k.startswith("model.transformer.")]
-    assert model_keys and all(fsdp_utils.is_adapter(k) for k in model_keys)
+    assert model_keys and all(lora.is_adapter(k) for k in model_keys)
     assert sorted(k.replace("model.ema.", "") for k in meta if k.startswith("model.ema.")) == [
         f"shadow.{i}" for i in sorted(map(str, range(len(model_keys))))]  # the EMA of the adapters only
 
@@ -139,10 +140,10 @@ def test_sharded_lora_dtypes_frozen_base_and_export(setup, tmp_path, mode):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         run_utils.quiet_known_warnings()
-        mesh = fsdp_utils.build_mesh(torch.device("cpu"), 1)
+        mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
         model = tfk.build_transformer(folder, mesh, prec, torch.device("cpu"), load=True,
                                       sharding=fsdp_utils.Sharding(), block_classes=[], seed=0,
-                                      lora=fsdp_utils.Lora(rank=4, alpha=8))
+                                      lora=lora.Lora(rank=4, alpha=8))
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=1e-2)
         inputs = transformer_inputs(model.config)
@@ -152,14 +153,14 @@ def test_sharded_lora_dtypes_frozen_base_and_export(setup, tmp_path, mode):
             opt.step()
             opt.zero_grad()
         for name, p in model.named_parameters():
-            assert p.dtype == (torch.float32 if fsdp_utils.is_adapter(name) else prec.compute_dtype), name
-            assert p.requires_grad == fsdp_utils.is_adapter(name), name
+            assert p.dtype == (torch.float32 if lora.is_adapter(name) else prec.compute_dtype), name
+            assert p.requires_grad == lora.is_adapter(name), name
         assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values() if v.dim())
         fsdp_utils.reshard_all(model)
         stored = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
         for name, p in model.named_parameters():
-            if not fsdp_utils.is_adapter(name):
-                want = stored[fsdp_utils.checkpoint_name(name)].to(prec.compute_dtype)
+            if not lora.is_adapter(name):
+                want = stored[lora.safetensors_key(name)].to(prec.compute_dtype)
                 assert torch.equal(p.full_tensor(), want), name
         assert any(p.full_tensor().abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
         with torch.no_grad():
@@ -225,7 +226,7 @@ def test_dmd_lora_two_ranks_match_one_process(dmd_runs):
     assert a.keys() == b.keys()
     for name in ("generator", "fake"):
         keys = [k for k in a if k.startswith(f".model.{name}.")]
-        assert keys and all(fsdp_utils.is_adapter(k) for k in keys), name  # adapters only: no base
+        assert keys and all(lora.is_adapter(k) for k in keys), name  # adapters only: no base
         assert any(a[k].abs().max() > 0 for k in keys if ".lora_B." in k), name  # they trained
     assert any(k.startswith(".model.head.") for k in a)  # the GAN head trains in full
     for k in a:  # the adapters; Adam turns fp noise in ~0 grads into ±lr steps, so lr 1e-3 bounds it

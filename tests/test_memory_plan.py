@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import subprocess
+import dataclasses
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ from tests.conftest import ROOT
 sys.path.insert(0, ROOT)
 from tools import memory_plan  # noqa: E402
 from tools.memory_plan import Settings  # noqa: E402
+from parallel import lora  # noqa: E402
 
 
 def test_flux_kontext_shards_to_a_quarter_at_world_size_4():
@@ -100,17 +102,18 @@ def _unit_params(model, classes):
 
 
 def test_planner_follows_the_recipes_and_the_table(monkeypatch):
-    fsdp_utils = memory_plan.fsdp_utils
+    models = memory_plan.models
     src = open(memory_plan.__file__).read()
-    for classes in fsdp_utils.MODEL_BLOCKS.values():  # no wrapping decision repeated in the planner
-        assert not any(f'"{c}"' in src for c in classes)
+    for facts in models.MODELS.values():  # no wrapping decision repeated in the planner
+        assert not any(f'"{c}"' in src for c in facts.units)
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
     base = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
-    default = _unit_params(unet, fsdp_utils.MODEL_BLOCKS["UNet2DConditionModel"])
+    default = _unit_params(unet, models.MODELS["UNet2DConditionModel"].units)
     assert dict(base["units"]["generator"]) == default
     assert base["largest_unit"] == max(default.values()) * 2  # bf16 compute dtype
     # another unit choice in the UNet recipe: the planner's units, largest unit and gathered bytes follow
-    monkeypatch.setitem(fsdp_utils.MODEL_BLOCKS, "UNet2DConditionModel", ("ResnetBlock2D",))
+    monkeypatch.setitem(models.MODELS, "UNet2DConditionModel",
+                        dataclasses.replace(models.MODELS["UNet2DConditionModel"], units=("ResnetBlock2D",)))
     coarse = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     want = _unit_params(unet, ("ResnetBlock2D",))
     for name in ("generator", "fake_score", "teacher"):
@@ -120,9 +123,9 @@ def test_planner_follows_the_recipes_and_the_table(monkeypatch):
     # plus the largest trainable unit's fp32 reduce-scatter buffer
     assert coarse["gathered"] == 2 * max(want.values()) * 2 + max(want.values()) * 4 > base["gathered"]
     # the table decides the roles: a replicated teacher is a full copy, and its units gather nothing
-    dmd = fsdp_utils.SCRIPT_COMPONENTS["train_dmd.py"]
-    monkeypatch.setitem(fsdp_utils.SCRIPT_COMPONENTS, "train_dmd.py", tuple(
-        fsdp_utils.Component(c.name, c.subfolder, "replicated") if c.name == "teacher" else c for c in dmd))
+    sd15 = models.PIPELINES["StableDiffusionPipeline"]
+    monkeypatch.setitem(models.PIPELINES, "StableDiffusionPipeline", tuple(
+        dataclasses.replace(c, role="replicated") if c.name == "teacher" else c for c in sd15))
     replicated = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     row = replicated["rows"]["teacher"]
     assert row["note"] == "replicated" and row["local_count"] == row["count"] and "teacher" not in replicated["units"]
@@ -134,7 +137,7 @@ def test_fake_score_fp32_is_counted_in_fp32():
     on = memory_plan.plan("sd15-dmd", Settings(**SMALL))
     off = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
-    biggest = max(_unit_params(unet, memory_plan.fsdp_utils.MODEL_BLOCKS["UNet2DConditionModel"]).values())
+    biggest = max(_unit_params(unet, memory_plan.models.MODELS["UNet2DConditionModel"].units).values())
     assert on["largest_unit"] == biggest * 4 and off["largest_unit"] == biggest * 2
     assert on["rows"]["fake_score"]["note"] == "trainable (fp32 compute)" and off["rows"]["fake_score"]["note"] == "trainable"
     assert {k: v["params"] for k, v in on["rows"].items()} == {k: v["params"] for k, v in off["rows"].items()}
@@ -146,7 +149,7 @@ def test_unit_parameter_counts_sum_to_the_model(name):
     p = memory_plan.plan(name, Settings(**SMALL))
     assert p["units"]
     for comp, units in p["units"].items():
-        spec = next(c for c in memory_plan.fsdp_utils.SCRIPT_COMPONENTS[p["script"]] if c.name == comp)
+        spec = next(c for c in memory_plan.pipeline_components(p["kind"]) if c.name == comp)
         model = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/{name}/{spec.subfolder}")
         total = sum(q.numel() for q in model.parameters())
         assert sum(n for _, n in units) == total == p["rows"][comp]["count"]
@@ -213,7 +216,7 @@ def test_fit_table_is_markdown():
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA mode (--lora_rank): adapters added by fsdp_utils.add_lora before the recipe shards the model
+# LoRA mode (--lora_rank): adapters added by parallel.lora.add_lora before the recipe shards the model
 
 # full fine-tuning's report, as the planner printed it before the LoRA mode existed: --lora_rank=0
 # must keep it byte for byte (change only on purpose). Regenerated when attention came to be counted
@@ -250,33 +253,31 @@ def test_full_fine_tuning_report_is_unchanged():
                                  fake_score_fp32=False) == FULL_FT_TABLE
 
 
-def _adapters(model, lora):
-    """Direct count: the parameters fsdp_utils.add_lora creates, and rank 0's FSDP shard of them
+def _adapters(model, settings):
+    """Direct count: the parameters parallel.lora.add_lora creates, and rank 0's FSDP shard of them
     (fully_shard gives rank 0 the first ceil(dim0 / world) rows of each)."""
-    fsdp_utils = memory_plan.fsdp_utils
     before = sum(p.numel() for p in model.parameters())
-    fsdp_utils.add_lora(model, lora)
-    new = [(n, p) for n, p in model.named_parameters() if fsdp_utils.is_adapter(n)]
+    lora.add_lora(model, settings)
+    new = [(n, p) for n, p in model.named_parameters() if lora.is_adapter(n)]
     assert new and all(p.requires_grad and p.dtype == torch.float32 for _, p in new)
     assert sum(p.numel() for p in model.parameters()) == before + sum(p.numel() for _, p in new)
-    assert not any(p.requires_grad for n, p in model.named_parameters() if not fsdp_utils.is_adapter(n))
+    assert not any(p.requires_grad for n, p in model.named_parameters() if not lora.is_adapter(n))
     world = SMALL["world_size"]
     return sum(p.numel() for _, p in new), sum(-(-p.shape[0] // world) * p[0].numel() for _, p in new)
 
 
 def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
-    fsdp_utils = memory_plan.fsdp_utils
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
     base = sum(p.numel() for p in unet.parameters())
-    adapters, adapters_local = _adapters(unet, fsdp_utils.Lora(8))
+    adapters, adapters_local = _adapters(unet, lora.Lora(8))
     full = memory_plan.plan("sd15-dmd", Settings(**SMALL))
     p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=8))
     rows = p["rows"]
-    lora, gen = rows["generator.lora"], rows["generator"]
-    assert lora["count"] == adapters and lora["local_count"] == adapters_local
+    adapted, gen = rows["generator.lora"], rows["generator"]
+    assert adapted["count"] == adapters and adapted["local_count"] == adapters_local
     assert p["lora"] == {"generator": (adapters, base + adapters)}
     # adapters: fp32 params, fp32 grads, 2 fp32 AdamW states; the base: compute dtype, nothing else
-    assert (lora["params"], lora["grads"], lora["optim"]) == (adapters_local * 4, adapters_local * 4, adapters_local * 8)
+    assert (adapted["params"], adapted["grads"], adapted["optim"]) == (adapters_local * 4, adapters_local * 4, adapters_local * 8)
     assert gen["count"] == base and gen["local_count"] == full["rows"]["generator"]["local_count"]
     assert gen["params"] == gen["local_count"] * 2 and gen["grads"] == gen["optim"] == 0
     # the units fsdp_units reads hold the adapters too (all-gathered in bf16 with their block)
@@ -309,7 +310,7 @@ def test_fake_lora_puts_adapters_on_the_fake_score_too():
 
 def _lora_unet(rank):
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
-    return memory_plan.fsdp_utils.add_lora(unet, memory_plan.fsdp_utils.Lora(rank))
+    return memory_plan.lora_lib.add_lora(unet, memory_plan.lora_lib.Lora(rank))
 
 
 def test_flux_kontext_lora_rank_16_matches_a_hand_count():

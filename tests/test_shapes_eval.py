@@ -170,8 +170,8 @@ def test_shipped_teacher_follows_prompts_and_one_step_does_not():
 
 
 def test_shapes_world():
-    """demos/shapes.py, which shapes_eval, kontext_eval and tools/tiny_models all draw from."""
-    from demos import shapes
+    """tools/shapes.py, which shapes_eval, kontext_eval and tools/tiny_models all draw from."""
+    from tools import shapes
 
     for name, rgb in shapes.COLOURS.items():
         assert shapes.nearest_colour(rgb) == name == se.nearest_colour(rgb)

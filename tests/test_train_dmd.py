@@ -268,7 +268,7 @@ def _fake_score_compute_dtypes(rank, world, fake_fp32):
     import fsdp_utils
     import precision as prec
     folder = os.path.join(train_dmd.default_paths()[0], "unet")
-    mesh = fsdp_utils.build_mesh(torch.device("cpu"))
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     p = prec.get_precision("bf16-mixed")
     models = train_dmd.build_models(folder, mesh, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
                                     block_classes=[], use_gan=False, head_size=8, ema_decay=0.0, seed=0,

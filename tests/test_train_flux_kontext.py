@@ -32,6 +32,7 @@ from tests.conftest import ROOT, assert_loads_with_automodel, free_port, launch 
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils  # noqa: E402
+from parallel import lora  # noqa: E402
 import run_utils  # noqa: E402
 import train_flux_kontext as tfk  # noqa: E402
 from run_utils import ConfigError  # noqa: E402
@@ -323,10 +324,10 @@ def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         run_utils.quiet_known_warnings()
-        mesh = fsdp_utils.build_mesh(torch.device("cpu"), 1)
+        mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
         sharding = fsdp_utils.Sharding(reshard_after_forward=True, activation_checkpointing=True, prefetch=1)
         sharded = tfk.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
-                                        sharding=sharding, block_classes=[], lora=fsdp_utils.Lora(), seed=0)
+                                        sharding=sharding, block_classes=[], lora=lora.Lora(), seed=0)
         loss, grads = loss_and_grads(sharded, sharded.named_parameters())
     finally:
         dist.destroy_process_group()

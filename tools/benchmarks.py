@@ -65,17 +65,19 @@ def worker_save(width: str, repeats: str, out: str) -> None:
     import torch
     import checkpoint
     import fsdp_utils
+    from parallel.memory import local_state_bytes
+    from parallel.parallelize import parallelize
     from precision import get_precision
     d = fsdp_utils.init_distributed()
-    mesh = fsdp_utils.build_mesh(d.device)
+    mesh = fsdp_utils.build_meshes(d.device)[0]
     model = medium_unet(int(width))
     n_params = sum(p.numel() for p in model.parameters())
-    fsdp_utils.parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)  # the UNet recipe
+    parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)  # the UNet recipe
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()  # materialise Adam state
-    bytes_ = sum(fsdp_utils.local_state_bytes({"m": model}, {"m": opt}).values()) * d.world_size
+    bytes_ = sum(local_state_bytes({"m": model}, {"m": opt}).values()) * d.world_size
     for mode in ("sync", "async"):
         ck = checkpoint.Checkpointer(os.path.join(out, mode), {"m": model}, {"m": (model, opt)}, {}, {},
                                      keep_last=2, async_save=(mode == "async"), save_every=1)
@@ -353,7 +355,7 @@ def bench_compile() -> str:
 # Modes (each its own 2-rank launch, so each peak is its own):
 #   fsdp1             the settings above, AdamW as the DMD2 repository makes it (torch's default)
 #   fsdp1 + fused     the same with the scripts' optimizer (fsdp_utils.adamw: fused AdamW)
-#   fsdp2             this project's recipe as the scripts run it (fsdp_utils.parallelize, PRECISION=bf16)
+#   fsdp2             this project's recipe as the scripts run it (parallel/parallelize.py, PRECISION=bf16)
 #   fsdp2 bare        fully_shard per block and on the root, MixedPrecisionPolicy(bf16, bf16), nothing else
 #   ddp               DistributedDataParallel of the bf16 model
 # (bf16 where the CPU computes it natively, else fp32 throughout: see native_bf16)
@@ -397,6 +399,7 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import fsdp_utils
+    from parallel.parallelize import parallelize
     from precision import get_precision
     prec = get_precision("bf16" if dtype == torch.bfloat16 else "fp32")  # pure: params, compute, reduce alike
     if mode.startswith("fsdp1"):
@@ -422,16 +425,17 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     knob = STACK_KNOBS.get(mode, {})
-    if not trainable:  # the scripts' frozen teacher: prepare_frozen (sharded, its recipe)
-        return fsdp_utils.prepare_frozen(model, mesh, prec.frozen_mp_policy(dtype), device, sharded=True,
-                                         block_classes=knob.get("blocks"), verbose=False)
+    if not trainable:  # the scripts' frozen teacher: prepare_frozen, then sharded by its recipe
+        fsdp_utils.prepare_frozen(model, dtype)
+        parallelize(model, mesh, prec.frozen_mp_policy(dtype), fsdp_utils.Sharding(), knob.get("blocks"), verbose=False)
+        return model.to(device)
     policy = prec.mp_policy()
     if knob.get("reduce") == "fp32":
         import dataclasses
         policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
     sharding = fsdp_utils.Sharding(reshard_after_forward=knob.get("reshard_after_forward", True),
                                    prefetch=knob.get("prefetch", 0))
-    fsdp_utils.parallelize(model, mesh, policy, sharding, knob.get("blocks"), verbose=False)
+    parallelize(model, mesh, policy, sharding, knob.get("blocks"), verbose=False)
     return model
 
 
@@ -497,8 +501,9 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     import torch
     import fsdp_utils
     from algorithms import dmd2
+    from parallel.memory import host_rss_bytes, local_state_bytes
     d = fsdp_utils.init_distributed()
-    mesh = fsdp_utils.build_mesh(d.device) if mode.startswith("fsdp2") else None
+    mesh = fsdp_utils.build_meshes(d.device)[0] if mode.startswith("fsdp2") else None
     dt, batch, latent, tokens = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]), 2, 32, 77
     names = ("unet",) if workload == "unet" else ("generator", "fake", "teacher")
     models = {n: medium_unet(int(width)).to(dt) for n in names}  # same seed: the same weights
@@ -544,7 +549,7 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
 
     step()  # warm-up: allocator, AdamW state, FSDP lazy init
     _reset_peak_rss()
-    base = fsdp_utils.host_rss_bytes()
+    base = host_rss_bytes()
     times = []
     for _ in range(int(steps)):
         torch.distributed.barrier()
@@ -556,7 +561,7 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     live = torch.tensor(_step_memory(step), dtype=torch.float64)  # two more steps, untimed
     torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX)
-    states = fsdp_utils.local_state_bytes({n: wrapped[n] for n in trained}, opts)  # after zero_grad: no grads
+    states = local_state_bytes({n: wrapped[n] for n in trained}, opts)  # after zero_grad: no grads
     states = 2 * states["params"] + states["optim"]  # params, grads as held in a step (same size), AdamW
     _emit({"workload": workload, "mode": mode, "dtype": dtype, "params": n_params, "states": states,
            "step_s": statistics.median(times), "rss_peak": peak[0].item(), "peak_above": peak[1].item(),

@@ -1,8 +1,8 @@
 """Know before launching: per-rank GPU memory of a training run, from real-size models on the meta
 device, wrapped exactly as the training scripts wrap them, with a fake process group (no GPU, no
-weights, seconds). What each script builds, and in which role, is fsdp_utils.SCRIPT_COMPONENTS; each
-sharded model goes through its recipe (fsdp_utils.parallelize / prepare_frozen), and the units are
-read off the sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
+weights, seconds). What each script builds, and in which role, is parallel.models.PIPELINES; each
+sharded model goes through its recipe (parallel/parallelize.py), and the units are read off the
+sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
 
     python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     python fsdp_utils.py plan --model=sd15-dmd --world_size=8 --batch_size=4 --resolution=512
@@ -37,7 +37,7 @@ and its training forward's activations in fp32, whatever the precision mode (--f
 in the mode's compute dtype).
 
 LoRA (--lora_rank=R > 0; --lora_alpha, --lora_targets as the scripts' LORA_*): the adapters are added
-with fsdp_utils.add_lora to the meta model before its recipe shards it, as the scripts do, so the
+with parallel.lora.add_lora to the meta model before its recipe shards it, as the scripts do, so the
 units fsdp_units reads include them. The script's model (FLUX's transformer, DMD's generator; with
 --fake_lora DMD's fake score too) is then counted as two rows: its base, frozen and stored in the
 compute dtype (sharded; no grads, no optimizer state), and its adapters (`<name>.lora`: fp32 params,
@@ -83,14 +83,18 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
-import fsdp_utils  # noqa: E402  (the recipes and the table; fsdp_utils never imports this module)
+import fsdp_utils  # noqa: E402
+from parallel import lora as lora_lib  # noqa: E402
+from parallel import models  # noqa: E402  (the one table of per-model facts)
+from parallel.parallelize import parallelize  # noqa: E402  (the recipes)
+from run_utils import ConfigError  # noqa: E402
 from precision import dtype_name, get_precision  # noqa: E402
 
 GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
 
 # Which training script a folder is planned for, by its layout: {subfolder: (script, kind)}. The
-# script's entry in fsdp_utils.SCRIPT_COMPONENTS says what it builds; kind picks the forward inputs.
+# pipeline's entry in parallel.models.PIPELINES says what it builds; kind picks the forward inputs.
 # A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
 LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
 
@@ -108,13 +112,13 @@ ADAPTER_DTYPE = torch.float32
 
 @dataclass(frozen=True)
 class Holding:
-    """How a component of a given role (fsdp_utils.Component.role) sits in a rank's memory."""
+    """How a component of a given role (parallel.models.Component.role) sits in a rank's memory."""
     resident: bool  # in GPU memory during training (an offline one is used before, then freed)
     sharded: bool   # FSDP shards per unit, by the model's recipe (else a full replica on every rank)
-    trained: bool   # grads and optimizer state; sharded by fsdp_utils.parallelize, else prepare_frozen
+    trained: bool   # grads and optimizer state; sharded by its recipe (parallel/parallelize.py)
 
 
-# the role vocabulary of fsdp_utils.Component; which component has which role is the table's
+# the role vocabulary of parallel.models.Component (but "files": no weights); which component has which role is the table's
 HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
            "frozen-sharded": Holding(resident=True, sharded=True, trained=False),
            "replicated": Holding(resident=True, sharded=False, trained=False),
@@ -123,11 +127,11 @@ HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
 
 @dataclass
 class Part:
-    """One component of SCRIPT_COMPONENTS, built at real size on the meta device."""
-    spec: fsdp_utils.Component  # name, subfolder, role: from the table
+    """One component of a pipeline in parallel.models.PIPELINES, built at real size on the meta device."""
+    spec: models.Component  # name, subfolder, role: from the table
     module: nn.Module | None    # None: not built (its sharded counts come from a cache)
     dtype: torch.dtype          # storage dtype (LoRA: of the frozen base)
-    lora: fsdp_utils.Lora = fsdp_utils.Lora()  # adapters added before sharding (rank 0: none)
+    lora: lora_lib.Lora = lora_lib.Lora()  # adapters added before sharding (rank 0: none)
 
     @property
     def name(self) -> str:
@@ -154,14 +158,14 @@ class Settings:
     block_classes: tuple = ()  # the scripts' BLOCK_CLASSES: () = each model's recipe decides
     lora_rank: int = 0         # the scripts' LORA_RANK: 0 = full fine-tuning
     lora_alpha: float = 0.0    # LORA_ALPHA: 0 = the rank
-    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = fsdp_utils.LORA_TARGETS for the model's class
+    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = the model's in parallel.models.MODELS
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
     fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
 
     @property
-    def lora(self) -> fsdp_utils.Lora:
-        return fsdp_utils.Lora(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
+    def lora(self) -> lora_lib.Lora:
+        return lora_lib.Lora(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,6 +209,16 @@ def layout(folder: str) -> tuple[str, str]:
     raise SystemExit(f"plan: {folder}: neither an SD-1.5/SDXL layout (unet/) nor a FLUX layout (transformer/)")
 
 
+PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
+                    "flux_kontext": "FluxKontextPipeline"}
+
+
+def pipeline_components(kind: str) -> list:
+    """The components with weights that the script builds for a pipeline kind (the table's, in its
+    order; tokenizers and schedulers, role "files", hold no memory the planner counts)."""
+    return [c for c in models.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
+
+
 def native_resolution(folder: str, kind: str) -> int:
     """The side the script trains at by default: UNet sample_size x VAE factor (train_dmd.py's
     RESOLUTION=0: 512 for SD-1.5, 1024 for SDXL); DEFAULT_RESOLUTION for FLUX."""
@@ -236,9 +250,9 @@ def meta_model(folder: str) -> nn.Module:
     raise SystemExit(f"plan: {path}: names no model class (no _class_name / architectures)")
 
 
-def build_components(folder: str, precision, build: bool = True, lora: fsdp_utils.Lora = fsdp_utils.Lora(),
+def build_components(folder: str, precision, build: bool = True, lora: lora_lib.Lora = lora_lib.Lora(),
                      fake_lora: bool = False) -> tuple[str, str, list[Part]]:
-    """(script, kind, components): what fsdp_utils.SCRIPT_COMPONENTS says the script for this
+    """(script, kind, components): what parallel.models.PIPELINES says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
     FP32_COMPONENTS). Optional components the folder lacks are skipped. build=False: the specs and
@@ -247,9 +261,7 @@ def build_components(folder: str, precision, build: bool = True, lora: fsdp_util
     their base is stored in the compute dtype, as the scripts store it."""
     script, kind = layout(folder)
     parts = []
-    for spec in fsdp_utils.SCRIPT_COMPONENTS[script]:
-        if getattr(spec, "optional", False) and not os.path.isdir(os.path.join(folder, spec.subfolder)):
-            continue
+    for spec in pipeline_components(kind):
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
         if part.holding.trained and lora and (fake_lora or not any(q.holding.trained for q in parts)):
             part.lora = lora  # the base keeps the compute dtype
@@ -283,10 +295,10 @@ def fake_world(world_size: int):
 
 def shard_components(parts: list[Part], s: Settings, precision) -> dict:
     """Shard each component at world size s.world_size as the scripts do: trainable ones by their
-    model's recipe (fsdp_utils.parallelize), frozen-sharded ones by fsdp_utils.prepare_frozen.
-    A component with LoRA (Part.lora) gets its adapters by fsdp_utils.add_lora after the cast to its
-    storage dtype and before its recipe, which then shards it with the adapter policy, as the scripts
-    do. Returns {name: local and global parameter counts, and the FSDP units fully_shard made (as
+    model's recipe (parallel/parallelize.py), frozen-sharded ones by the same recipe after
+    fsdp_utils.prepare_frozen. A component with LoRA (Part.lora) gets its adapters by
+    parallel.lora.add_lora after the cast to its storage dtype and before its recipe, which then
+    shards it with the adapter policy, as the scripts do. Returns {name: local and global parameter counts, and the FSDP units fully_shard made (as
     fsdp_utils.fsdp_units reads them off the sharded model: [(module name, params)], root last);
     with LoRA also the trainable (adapter) counts: local, global and per unit}."""
     out = {}
@@ -301,20 +313,21 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             c.module.to(c.dtype)
             if c.lora:
                 try:
-                    fsdp_utils.add_lora(c.module, c.lora)
-                except fsdp_utils.ConfigError as e:
+                    lora_lib.add_lora(c.module, c.lora)
+                except ConfigError as e:
                     raise SystemExit(f"plan: --lora_targets: {e}") from None
             if c.holding.sharded and block_classes:  # a misspelt class would silently make one whole-model unit
                 try:
                     fsdp_utils.find_block_classes(c.module, block_classes)
-                except fsdp_utils.ConfigError as e:
+                except ConfigError as e:
                     raise SystemExit(f"plan: --block_classes: {e}") from None
             if c.holding.sharded and c.holding.trained:
                 policy = precision.adapter_mp_policy() if c.lora else precision.mp_policy()
-                fsdp_utils.parallelize(c.module, mesh, policy, sharding, block_classes, verbose=False)
+                parallelize(c.module, mesh, policy, sharding, block_classes, verbose=False)
             elif c.holding.sharded:
-                fsdp_utils.prepare_frozen(c.module, mesh, precision.frozen_mp_policy(c.dtype), torch.device("meta"),
-                                          sharded=True, block_classes=block_classes, verbose=False)
+                fsdp_utils.prepare_frozen(c.module, c.dtype)
+                parallelize(c.module, mesh, precision.frozen_mp_policy(c.dtype), fsdp_utils.Sharding(), block_classes,
+                            verbose=False)
             total = sum(p.numel() for p in c.module.parameters())
             units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
@@ -554,7 +567,7 @@ def _size(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtype: torch.dtype, batch: int,
-                 resolution: int, checkpointing: bool, lora: fsdp_utils.Lora = fsdp_utils.Lora()) -> int:
+                 resolution: int, checkpointing: bool, lora: lora_lib.Lora = lora_lib.Lora()) -> int:
     """Activation bytes of one forward of the trainable model (folder/subfolder), its blocks being
     the units of `unit_names`: those its recipe made. With `lora`: of the model with its adapters
     (computed in `dtype`, as FSDP all-gathers them) on a frozen base, its inputs not requiring grad
@@ -562,7 +575,7 @@ def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtyp
     base's activations (the adapted layers' inputs, norms, attention, nonlinearities)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     if lora:
-        fsdp_utils.add_lora(model, lora)
+        lora_lib.add_lora(model, lora)
         model.to(dtype)
     factor, text = _folder_shapes(folder, kind)
     pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
@@ -670,8 +683,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     if s.lora:  # what trains: {component: (adapter params, all its params incl. adapters)}, and the targets
         result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
                           for c in comps if c.lora}
-        result["lora_targets"] = tuple(s.lora_targets) or fsdp_utils.LORA_TARGETS.get(
-            _config(folder, trainable.spec.subfolder).get("_class_name", ""), ())
+        result["lora_targets"] = tuple(s.lora_targets) or getattr(
+            models.MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
     return result
 
 
@@ -902,15 +915,15 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
     return "\n".join(lines)
 
 
-def check_lora_targets(name: str, lora: fsdp_utils.Lora) -> list[str]:
+def check_lora_targets(name: str, lora: lora_lib.Lora) -> list[str]:
     """The LoRA targets of the model a configuration trains (its first trainable component), each
-    checked to name a layer of it (fsdp_utils.lora_targets; SystemExit naming a bad one)."""
+    checked to name a layer of it (parallel.lora.lora_targets; SystemExit naming a bad one)."""
     folder = model_folder(name)
-    script, _ = layout(folder)
-    spec = next(c for c in fsdp_utils.SCRIPT_COMPONENTS[script] if HOLDING.get(c.role) and HOLDING[c.role].trained)
+    _, kind = layout(folder)
+    spec = next(c for c in pipeline_components(kind) if HOLDING[c.role].trained)
     try:
-        return fsdp_utils.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
-    except fsdp_utils.ConfigError as e:
+        return lora_lib.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
+    except ConfigError as e:
         raise SystemExit(f"plan: --lora_targets: {e}") from None
 
 
@@ -958,7 +971,7 @@ def main(argv: list[str]) -> int:
                     help="plan LoRA fine-tuning with adapters of this rank, as the scripts' LORA_RANK (0: full fine-tuning)")
     ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
     ap.add_argument("--lora_targets", default="",
-                    help="comma-separated module-name suffixes to adapt (default: fsdp_utils.LORA_TARGETS for the model)")
+                    help="comma-separated module-name suffixes to adapt (default: the model's in parallel/models.py)")
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     ap.add_argument("--fake_score_fp32", type=int, default=1,
@@ -968,8 +981,8 @@ def main(argv: list[str]) -> int:
                 fake_score_fp32=bool(a.fake_score_fp32),
                 lora_targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()))
     try:
-        fsdp_utils.check_lora(Settings(1, **lora).lora)
-    except fsdp_utils.ConfigError as e:
+        lora_lib.check_lora(Settings(1, **lora).lora)
+    except ConfigError as e:
         ap.error(str(e))
     if not a.lora_rank and (a.fake_lora or lora["lora_targets"] or a.lora_alpha):
         ap.error("--lora_alpha, --lora_targets and --fake_lora need --lora_rank > 0")

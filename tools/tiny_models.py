@@ -8,7 +8,7 @@ weights, so the smoke test exercises the real code path. Everything is built off
     python -m tools.tiny_models sd15        # build (or reuse) the default folders, print the paths
     python -m tools.tiny_models flux_kontext
 
-The shapes, colours and captions of the synthetic datasets come from `demos/shapes.py` (the
+The shapes, colours and captions of the synthetic datasets come from `tools/shapes.py` (the
 world the demos use too).
 
 Cache convention: `ensure_default(kind)` builds once (`data_utils.build_once`) under
@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from data_utils import READY, build_once  # noqa: F401 - READY: the marker of a finished folder
-from demos.shapes import COLOURS, SHAPES, describe, draw_shape, random_scene
+from tools.shapes import COLOURS, SHAPES, describe, draw_shape, random_scene
 
 DEFAULTS_VERSION = 1  # part of the cache folder name; bump on any change to a tiny config
 TEXT_MAX_LENGTH = 32  # CLIP context length (and T5 model_max_length) of the tiny tokenizers
 IMAGE_SIZE = 64  # default image side in pixels for both tiny models and their datasets
 
-# Words of the synthetic prompts (demos.shapes' COLOURS and SHAPES, then these). Tokenizers get
+# Words of the synthetic prompts (tools.shapes' COLOURS and SHAPES, then these). Tokenizers get
 # whole-word pieces for them so that prompts stay short (about 10 tokens); any other lowercase
 # text still tokenizes character by character.
 OTHER_WORDS = ("a", "an", "the", "on", "of", "in", "and", "with", "make", "it", "turn", "into",

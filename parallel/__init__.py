@@ -1,0 +1,18 @@
+"""The model-side machinery of sharded training, one concern per module (torchtitan's split: its
+distributed/compile.py, distributed/context_parallel/, components/lora.py, models/*/parallelize.py):
+
+    models.py            the one table of per-model facts: FSDP unit classes, LoRA targets, the
+                         pipelines each script trains; the UNet's execution order
+    parallelize.py       the per-model recipes: AC -> compile -> fully_shard per unit -> root
+    compile.py           torch.compile per unit, its report and checks
+    context_parallel.py  Ulysses attention through diffusers' own implementation
+    lora.py              peft LoRA adapters inside the FSDP units
+    ema.py               EMA of sharded params (a full copy, or of the adapters only)
+    loading.py           meta-device build, each rank loading only its slices of the safetensors
+    memory.py            bytes per rank of params, grads, optimizer state; host/CUDA peaks
+
+Imports go one way: the scripts and the root modules (checkpoint.py, precision.py, ...) import
+these; these import torch, diffusers, peft and the root's base layer only (fsdp_utils.py for the
+generic FSDP2/DDP mechanics, run_utils.py for errors and rank-0 printing). tests/test_layout.py
+checks it.
+"""

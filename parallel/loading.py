@@ -1,0 +1,100 @@
+"""Meta-device build and sharded loading from a diffusers model folder: the skeleton from its
+config.json with no memory, sharded by its recipe, then every rank reads only the rows of each
+safetensors tensor that it owns.
+
+    python -m pytest tests/test_loading.py -q
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_utils import assert_sharded, fill_local
+from parallel.lora import init_lora, is_adapter, safetensors_key
+from parallel.memory import mark_rss_baseline
+from run_utils import ConfigError
+
+
+WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
+def weight_map(folder: str) -> dict[str, str]:
+    """{tensor name: safetensors file} for a diffusers/transformers component folder,
+    single-file or sharded (`*.safetensors.index.json`)."""
+    for base in WEIGHT_NAMES:
+        index = os.path.join(folder, base + ".index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+            return {k: os.path.join(folder, v) for k, v in wm.items()}
+        single = os.path.join(folder, base)
+        if os.path.exists(single):
+            from safetensors import safe_open
+            with safe_open(single, framework="pt") as f:
+                return {k: single for k in f.keys()}
+    raise ConfigError(f"{folder}: no *.safetensors weights (or index) found")
+
+
+def build_on_meta(model_cls, folder: str) -> nn.Module:
+    """The model skeleton from `folder/config.json`, on the meta device: no memory, no init."""
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise ConfigError(f"{folder}: no config.json — not a diffusers model folder")
+    mark_rss_baseline()
+    config = model_cls.load_config(folder)
+    with torch.device("meta"):
+        return model_cls.from_config(config)
+
+
+def materialize_and_load(model: nn.Module, folder: str, device: torch.device) -> None:
+    """Allocate the (already sharded) meta model on `device` and fill it from safetensors.
+
+    Each rank reads only the rows of each tensor that it owns (safetensors slices are lazy, memory-
+    mapped), so no rank ever holds more than its shard plus one slice: a 12 B transformer loads
+    without 12 B parameters of host RAM anywhere. Stored dtype is cast to the model's dtype.
+    LoRA adapters (add_lora) are not in the folder: they are initialised by `init_lora`."""
+    from safetensors import safe_open
+
+    model.to_empty(device=device)
+    files = weight_map(folder)
+    handles: dict[str, object] = {}
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        def slice_of(name):
+            path = files.get(name)
+            if path is None:
+                raise ConfigError(f"{folder}: weights have no tensor {name!r} (wrong model kind or config?)")
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_slice(name)
+
+        tensors = {safetensors_key(n): t for n, t in model.named_parameters() if not is_adapter(n)}
+        tensors.update((safetensors_key(n), t) for n, t in model.named_buffers())
+        for name, t in tensors.items():
+            sl = slice_of(name)
+            if list(sl.get_shape()) != list(t.shape):
+                raise ConfigError(f"{folder}: {name} has shape {sl.get_shape()}, model expects {list(t.shape)}")
+            fill_local(t, lambda index: sl[index])
+        extra = set(files) - set(tensors)
+        if extra:
+            raise ConfigError(f"{folder}: weights hold tensors the model lacks, e.g. {sorted(extra)[:3]}")
+
+
+def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, home: torch.device,
+                     load: bool = True, lora_seed: int = 0) -> nn.Module:
+    """The last step of a meta-device build: allocate the (sharded, or with mesh=None whole) model
+    on `home` and load it from `folder` (load=False: allocate only, e.g. an EMA copy filled from
+    the model), LoRA adapters initialised from `lora_seed`, then check that every parameter is
+    sharded on `mesh`."""
+    if load:
+        materialize_and_load(model, folder, home)
+        init_lora(model, lora_seed)
+    else:
+        model.to_empty(device=home)
+    if mesh is not None:
+        assert_sharded(model, mesh)
+    return model
+

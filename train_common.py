@@ -1,0 +1,269 @@
+"""What both training scripts do around their loops, written once: the start (settings checked,
+model folder and LoRA targets checked, process group up, config printed, stop handler, resume
+path), the checkpointer and resume, the updates that end a step (clip, agree on finiteness,
+step), the end of each step (metric window, log line, validation, samples, checkpoint, stop) and
+the end of the run (memory, compile report, export, teardown). The loops stay in the scripts.
+
+The settings both scripts share have one meaning here (their comments in the scripts say the same):
+LOG_EVERY, SAMPLE_EVERY and SAVE_EVERY count steps; 0 turns the thing off (SAVE_EVERY=0: only the
+final checkpoint); samples and a checkpoint are also written at MAX_STEPS.
+
+    python -m pytest tests/test_train_common.py -q
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import checkpoint
+import fsdp_utils
+import precision
+import run_utils
+from parallel import compile as compiling
+from parallel import lora as lora_lib
+from parallel import memory, models
+from run_utils import ConfigError, print0
+
+# ----------------------------------------------------------------------------------------------
+# the start
+
+
+def check_shared_settings(c: dict) -> None:
+    """The settings both scripts have, checked alike before any work (`c`: the script's constants)."""
+    run_utils.check_settings({
+        "MAX_STEPS >= 1": c["MAX_STEPS"] >= 1, "BATCH_SIZE >= 1": c["BATCH_SIZE"] >= 1,
+        "GRAD_ACCUM >= 1": c["GRAD_ACCUM"] >= 1, "WARMUP_STEPS >= 0": c["WARMUP_STEPS"] >= 0,
+        "0 <= EMA_DECAY < 1": 0 <= c["EMA_DECAY"] < 1, "PREFETCH >= 0": c["PREFETCH"] >= 0,
+        "RESOLUTION >= 0": c["RESOLUTION"] >= 0,
+        "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0": min(c["LOG_EVERY"], c["SAVE_EVERY"], c["SAMPLE_EVERY"]) >= 0,
+        "MAX_BAD_STEPS >= 1": c["MAX_BAD_STEPS"] >= 1, "COLLECTIVE_TIMEOUT_S > 0": c["COLLECTIVE_TIMEOUT_S"] > 0,
+    })
+    try:
+        precision.get_precision(c["PRECISION"])
+        for name in ("TEXT_ENCODER_DTYPE", "VAE_DTYPE", "EXPORT_DTYPE"):
+            if c[name]:
+                precision.parse_dtype(c[name])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    lora_lib.check_lora(lora_lib.Lora.from_settings(c))
+    run_utils.check_report_to(c["REPORT_TO"])
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    fsdp_utils.check_dp_replicate(c["DP_REPLICATE"], world)
+    fsdp_utils.check_parallelism(c["PARALLELISM"], c["CPU_OFFLOAD"], c["DP_REPLICATE"])
+    compiling.check_compile(c["COMPILE"])
+
+
+def pipeline_of(folder: str, script: str) -> str:
+    """The folder's pipeline class (model_index.json's _class_name) when `script` trains it
+    (models.SCRIPTS), else the script's first, whose folder check then names what is missing."""
+    kinds = models.SCRIPTS[script]
+    try:
+        with open(os.path.join(folder, "model_index.json")) as f:
+            kind = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return kinds[0]
+    return kind if kind in kinds else kinds[0]
+
+
+@dataclass
+class Run:
+    """One training run's shared state: its settings, process group and the pieces that own the
+    start and end of every step."""
+    config: dict  # the resolved settings, as printed and saved in every checkpoint
+    pipeline: str  # the diffusers pipeline class MODEL_PATH holds
+    d: fsdp_utils.Dist
+    lora: lora_lib.Lora
+    stopper: run_utils.GracefulStop
+    resume_path: str | None
+    start_step: int = 0
+    ckpt: checkpoint.Checkpointer | None = None
+    guard: run_utils.NonFiniteGuard | None = None
+    logger: run_utils.RunLogger | None = None
+    memory_table: functools.partial | None = None
+    window: dict = field(default_factory=dict)
+
+    @property
+    def trained_component(self) -> models.Component:
+        return next(c for c in models.PIPELINES[self.pipeline] if c.role == "trainable")
+
+    def output(self, *parts: str) -> str:
+        return os.path.join(self.config["OUTPUT_DIR"], *parts)
+
+
+def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
+    """The prelude of both scripts' main(): `--name=value` overrides applied to the script's
+    constants (`namespace`), the shared settings and then the script's own checked (`validate()`,
+    whose result is returned beside the Run), the "" defaults filled (`resolve()` returns the
+    resolved config), MODEL_PATH checked against the pipeline layout, LoRA targets checked on the
+    meta skeleton, OUTPUT_DIR writable: all before any work. Then the process group, the config
+    printed, the stop handler and the checkpoint to resume from (a bad path fails here)."""
+    run_utils.apply_overrides(namespace, sys.argv[1:])
+    check_shared_settings(run_utils.script_constants(namespace))
+    validated = validate()
+    embedded = not namespace["MODEL_PATH"]
+    config = resolve()
+    model_path = config["MODEL_PATH"]
+    pipeline = pipeline_of(model_path, os.path.basename(namespace["__file__"]))
+    run_utils.check_model_folder(model_path, pipeline, models.folder_layout(pipeline))
+    lora = lora_lib.Lora.from_settings(config)
+    if lora:  # unknown target modules fail here, on the meta skeleton, before any work
+        trained = next(c for c in models.PIPELINES[pipeline] if c.role == "trainable")
+        lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
+    run_utils.check_output_dir(config["OUTPUT_DIR"])
+
+    d = fsdp_utils.init_distributed(cpu_offload=config["CPU_OFFLOAD"], timeout_s=config["COLLECTIVE_TIMEOUT_S"])
+    print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
+    print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
+           + (" (the embedded default)" if embedded else ""))
+    run_utils.quiet_known_warnings()
+    stopper = run_utils.GracefulStop()
+    resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])
+    return Run(config, pipeline, d, lora, stopper, resume_path), validated
+
+
+def mesh_and_sharding(run: Run, context_parallel: int = 1):
+    """(FSDP mesh or None under PARALLELISM=ddp, CP mesh or None, the Sharding settings)."""
+    c = run.config
+    meshes = (fsdp_utils.build_meshes(run.d.device, c["DP_REPLICATE"], context_parallel)
+              if c["PARALLELISM"] == "fsdp" else (None, None))
+    sharding = fsdp_utils.Sharding(c["RESHARD_AFTER_FORWARD"], c["CPU_OFFLOAD"], c["ACTIVATION_CHECKPOINTING"],
+                                   c["PREFETCH"], c["COMPILE"])
+    return (*meshes, sharding)
+
+
+def report_components(run: Run, caption: str, audit: list[dict], trained: dict, optimizers: dict) -> None:
+    """The dtype table of every component and the memory table at start (kept for the end)."""
+    print0(f"components ({caption}):\n{precision.format_audit(audit)}")
+    run.memory_table = functools.partial(memory.memory_report, trained, optimizers)
+    print0(f"memory at start:\n{run.memory_table()}")
+
+
+def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) -> int:
+    """The checkpointer (what checkpoints hold: `checkpointed` models, `optimizers` {name: (module,
+    optimizer)}, `schedulers`; when one is written: SAVE_EVERY, MAX_STEPS, a stop), the
+    non-finite guard and the logger; resumes from RESUME when set. Returns the step to start after."""
+    c = run.config
+    run.ckpt = checkpoint.Checkpointer(c["OUTPUT_DIR"], checkpointed, optimizers, schedulers, c,
+                                       keep_last=c["KEEP_LAST"], async_save=c["ASYNC_SAVE"],
+                                       save_every=c["SAVE_EVERY"], last_step=c["MAX_STEPS"])
+    run.guard = run_utils.NonFiniteGuard(c["MAX_BAD_STEPS"])
+    if run.resume_path:
+        meta = run.ckpt.load(run.resume_path)
+        run.start_step = meta["step"]
+        run.guard.load(meta)
+        print0(f"resumed from {run.resume_path} (step {run.start_step})")
+    run.logger = run_utils.RunLogger(c["OUTPUT_DIR"], c["MAX_STEPS"], run.start_step, report_to=c["REPORT_TO"],
+                                     config=c, wandb_project=c["WANDB_PROJECT"], wandb_run_name=c["WANDB_RUN_NAME"])
+    return run.start_step
+
+
+# ----------------------------------------------------------------------------------------------
+# the end of a step
+
+
+def apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str]], logs: dict, step: int) -> bool:
+    """The step's optimizer updates, [(params, optimizer, name)]: clip each (the norm over all
+    shards, logged as grad_norm_<name>, or grad_norm for an unnamed one), then, only when every
+    loss and norm is finite on every rank (one collective), step them all. Grads are zeroed either
+    way. Returns whether it stepped."""
+    for params, _, name in updates:
+        logs["grad_norm_" + name if name else "grad_norm"] = float(
+            fsdp_utils.clip_grad_norm_(params, run.config["MAX_GRAD_NORM"]))
+    ok = run.guard.step_ok(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
+    for _, opt, _ in updates:
+        if ok:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    if not ok:
+        print0(f"step {step}: non-finite loss or grad norm on some rank, updates skipped on all "
+               f"({run.guard.in_a_row} in a row, {run.guard.skipped} in all)")
+    return ok
+
+
+def due(step: int, every: int, last_step: int | None = None) -> bool:
+    """Every `every` steps (0: never), and at `last_step` too when given (and every > 0)."""
+    return every > 0 and (step % every == 0 or step == last_step)
+
+
+def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, *, validate=None,
+             sample=None) -> None:
+    """Everything after the updates, the same in both scripts: the compile report after the first
+    step; the step's values into the logging window and, every LOG_EVERY steps and at the last, the
+    log line of the window's means (losses also averaged over ranks) with `extra` (LRs); `validate()`
+    -> {name: value} added to that step's record when given (the caller decides when it is due; not
+    timed as training); samples every SAMPLE_EVERY steps and at the last (`sample(path)`, a
+    collective; rank 0 writes the PNG); then the checkpoint when due (trainer_state: the script's
+    extras) and, on a stop or too many non-finite steps, the save and the exit."""
+    c = run.config
+    if c["COMPILE"] and step == run.start_step + 1:  # the training step's graphs, breaks and compile time
+        print0(compiling.compile_report())
+    window_add(run.window, logs)
+    metrics = None
+    if due(step, c["LOG_EVERY"], c["MAX_STEPS"]):
+        metrics = window_metrics(run.window, {**extra, "skipped_steps": run.guard.skipped})
+    if validate is not None:  # logged with the step's line (one record per step)
+        with run.logger.paused():
+            metrics = {**(metrics or {}), **validate()}
+    run.logger.step_done(step, metrics)
+    run.ckpt.poll()
+    if sample is not None and due(step, c["SAMPLE_EVERY"], c["MAX_STEPS"]):
+        path = run.output("samples", f"step_{step:06d}.png")
+        sample(path)
+        run.logger.log_images(step, "samples", path)
+    stopping = run.stopper.should_stop() or run.guard.exhausted
+    run.ckpt.save(step, {**trainer_state, **run.guard.state()}, stopping=stopping)
+    if stopping:
+        run.logger.close()
+        raise run.guard.error(step) if run.guard.exhausted else run.stopper.preempted(step)
+
+
+def window_add(window: dict, logs: dict) -> None:
+    """Collect a step's values for the next log line: each metric is averaged over the steps of
+    the logging window that produced it (so DMD2's loss_dm, made every DFAKE_GEN_UPDATE_RATIO
+    steps, shows up whenever the window held a generator step)."""
+    for k, v in logs.items():
+        total, count = window.get(k, (0.0, 0))
+        window[k] = (total + float(v), count + 1)
+
+
+def window_metrics(window: dict, extra: dict) -> dict:
+    """The log line: window means, losses averaged over ranks too (grad norms are global already)."""
+    means = {k: total / count for k, (total, count) in window.items()}
+    metrics = run_utils.mean_across_ranks({k: v for k, v in means.items() if k.startswith("loss")})
+    metrics.update({k: v for k, v in means.items() if not k.startswith("loss")}, **extra)
+    window.clear()
+    return dict(sorted(metrics.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# the end of the run
+
+
+def finish(run: Run, final_weights, frozen: dict[str, str] | None = None) -> None:
+    """After the loop (the final checkpoint and samples were written at MAX_STEPS): the memory table
+    (its peak is training's, not the export gather's), the whole run's compile report (with the
+    samples' and validation's recompiles), the export of `final_weights()` (the model, or its EMA)
+    into OUTPUT_DIR/export/: a diffusers pipeline folder, or with LoRA the adapters in diffusers'
+    LoRA format (fp32: a few MB) and, with LORA_EXPORT_MERGED, a merged pipeline in export_merged/;
+    `frozen` maps a component to another folder used instead of MODEL_PATH's. Then teardown."""
+    c = run.config
+    run.logger.close()
+    run.ckpt.wait()
+    print0(f"memory after training:\n{run.memory_table()}")
+    if c["COMPILE"]:
+        print0(compiling.compile_report("compile, whole run"))
+    component = run.trained_component.subfolder
+    with final_weights() as final_model:
+        if run.lora:
+            checkpoint.export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32)
+        if not run.lora or c["LORA_EXPORT_MERGED"]:
+            checkpoint.export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
+                                       {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]),
+                                       frozen=frozen)
+    fsdp_utils.cleanup_distributed()
+
