@@ -3,7 +3,7 @@ functions of SEED and the step, so any world size and a resume see the same), da
 row by row before any work, one image loader, PNG grids, and folders built once under a lock
 (the tiny test models and the demos' task data).
 
-    python -m pytest tests/test_fsdp_utils.py tests/test_fault_tolerance.py -q
+    python -m pytest tests/test_data_utils.py tests/test_fault_tolerance.py -q
 """
 from __future__ import annotations
 

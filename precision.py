@@ -55,7 +55,7 @@ class Precision:
                                     output_dtype=torch.float32, cast_forward_inputs=True)
 
     def adapter_mp_policy(self, compute_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
-        """Policy for a LoRA model (fsdp_utils.add_lora): the frozen base is stored in the compute
+        """Policy for a LoRA model (parallel/lora.py): the frozen base is stored in the compute
         dtype and the adapters in fp32; everything is all-gathered in the compute dtype, adapter
         grads are reduced in fp32 (they are few), outputs handed back in fp32."""
         return MixedPrecisionPolicy(param_dtype=compute_dtype or self.compute_dtype, reduce_dtype=torch.float32,

@@ -3,7 +3,7 @@ small collectives by which all ranks agree (stop, skip, fail together), the `--n
 settings parser, input checks made before any work, the step log, non-finite-step guard, LR
 warmup and the warning filter. Both training scripts use it; it knows nothing of FSDP.
 
-    python -m pytest tests/test_fsdp_utils.py tests/test_fault_tolerance.py -q
+    python -m pytest tests/test_run_utils.py tests/test_fault_tolerance.py -q
 """
 from __future__ import annotations
 

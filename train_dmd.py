@@ -287,6 +287,32 @@ def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dt
     return tokenizers, encoders, vae
 
 
+def gan_head_size(unet_dir: str, sdxl: bool) -> int:
+    """The GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8 as the
+    official head, SDXL 32)."""
+    from diffusers import UNet2DConditionModel
+    config = UNet2DConditionModel.load_config(unet_dir)
+    return config["sample_size"] // 2 ** (len(config["block_out_channels"]) - 1) if sdxl else 8
+
+
+def latent_layout(resolution: int, vae_config, unet_config) -> tuple[int, tuple[int, int, int]]:
+    """(image side, latent shape): RESOLUTION, or 0 = the UNet's native sample_size x the VAE factor."""
+    factor = vae_scale_factor(vae_config)
+    resolution = resolution or unet_config.sample_size * factor
+    if resolution % factor:
+        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of the VAE factor {factor}")
+    return resolution, (unet_config.in_channels, resolution // factor, resolution // factor)
+
+
+def init_from(path: str, generator: nn.Module, fake: nn.Module, ema: nn.Module | None) -> None:
+    """INIT_FROM: the generator and fake score of a checkpoint start a fresh run (weights only:
+    optimizers, LR schedule and step start fresh; the EMA starts from the loaded generator)."""
+    checkpoint.load_models(path, {"generator": generator, "fake": fake})
+    if ema is not None:
+        ema_lib.copy_params(ema, generator)
+    print0(f"generator and fake score initialised from {path}")
+
+
 def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     """AdamW as published (betas 0.9/0.999, weight decay 0.01; torch's fused kernel, see
     fsdp_utils.adamw) with the published warmup, its scheduler stepped once per iteration whether
@@ -337,6 +363,13 @@ def encode_prompts_sdxl(tokenizers, text_encoders, prompts: list[str], size: int
     time_ids = torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32, device=device)
     return dm.Cond(torch.cat(hidden, dim=-1).float(),
                    {"text_embeds": pooled.float(), "time_ids": time_ids.repeat(len(prompts), 1)})
+
+
+def text_encoding(tokenizers, text_encoders, sdxl: bool, size: int, device: torch.device):
+    """prompts -> the UNet's conditioning: CLIP embeddings (SD-1.5) or SDXL's dm.Cond."""
+    if sdxl:
+        return functools.partial(encode_prompts_sdxl, tokenizers, text_encoders, size=size, device=device)
+    return functools.partial(encode_prompts, tokenizers[0], text_encoders[0], device=device)
 
 
 def unconditional(encode, sdxl: bool):
@@ -491,41 +524,34 @@ def main() -> None:
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
     # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
-    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from diffusers import DDPMScheduler
     mesh, _, sharding = train_common.mesh_and_sharding(run)
     unet_dir = os.path.join(MODEL_PATH, "unet")
-    unet_config = UNet2DConditionModel.load_config(unet_dir)
-    # the GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8, SDXL 32)
-    head_size = unet_config["sample_size"] // 2 ** (len(unet_config["block_out_channels"]) - 1) if sdxl else 8
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=head_size, ema_decay=EMA_DECAY, seed=SEED, lora=run.lora,
-                          fake_lora=FAKE_LORA, fake_compute=fake_compute)
+                          use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl), ema_decay=EMA_DECAY, seed=SEED,
+                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
     teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
                          trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     train_gen, train_fake = generator, fake
-    if mesh is None:
-        train_gen = fsdp_utils.apply_ddp(generator, d.device, precision.mp_policy())
-        train_fake = fsdp_utils.apply_ddp(fake, d.device, precision.mp_policy(fake_compute), verbose=False)
+    if mesh is None:  # DDP wrappers for the training forwards only
+        train_gen, train_fake = (fsdp_utils.apply_ddp(m, d.device, precision.mp_policy(c), verbose=m is generator)
+                                 for m, c in ((generator, None), (fake, fake_compute)))
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)
     alphas = DDPMScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler").alphas_cumprod.to(d.device)
-    vae_factor = vae_scale_factor(vae.config)
-    resolution = RESOLUTION or generator.config.sample_size * vae_factor
-    if resolution % vae_factor:
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of the VAE factor {vae_factor}")
-    latent_shape = (generator.config.in_channels, resolution // vae_factor, resolution // vae_factor)
+    resolution, latent_shape = latent_layout(RESOLUTION, vae.config, generator.config)
 
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
     opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
     audit = [component_row(n, m, fake_compute if n == "fake" else precision.compute_dtype) for n, m in models.items()]
-    audit += [component_row("teacher", teacher, teacher_dtype)]
-    audit += [component_row(name, e, e.dtype) for name, e in zip(("text_encoder", "text_encoder_2"), text_encoders)]
+    audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
+                                                            (teacher, *text_encoders))]
     train_common.report_components(run, f"{resolution} px, latents {latent_shape}",
                                    audit + [component_row("vae", vae, vae.dtype)], {**models, "teacher": teacher},
                                    {"generator": opt_g, "guidance": opt_d})
@@ -533,17 +559,11 @@ def main() -> None:
     # checkpoints (the checkpointer decides when), resume; or weights only from INIT_FROM
     start = train_common.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
                                  {"generator": sched_g, "guidance": sched_d})
-    if not run.resume_path and INIT_FROM:  # optimizers, LR schedule and step start fresh
-        checkpoint.load_models(INIT_FROM, {"generator": generator, "fake": fake})
-        if ema is not None:
-            ema_lib.copy_params(ema, generator)
-        print0(f"generator and fake score initialised from {INIT_FROM}")
+    if not run.resume_path and INIT_FROM:
+        init_from(INIT_FROM, generator, fake, ema)
 
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
-    if sdxl:
-        encode = functools.partial(encode_prompts_sdxl, tokenizers, text_encoders, size=resolution, device=d.device)
-    else:
-        encode = functools.partial(encode_prompts, tokenizers[0], text_encoders[0], device=d.device)
+    encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
     encode_real = functools.partial(encode_images, vae, size=resolution, device=d.device) if USE_GAN else None
     uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1, SEED)

@@ -11,8 +11,7 @@ distributed/compile.py, distributed/context_parallel/, components/lora.py, model
     loading.py           meta-device build, each rank loading only its slices of the safetensors
     memory.py            bytes per rank of params, grads, optimizer state; host/CUDA peaks
 
-Imports go one way: the scripts and the root modules (checkpoint.py, precision.py, ...) import
-these; these import torch, diffusers, peft and the root's base layer only (fsdp_utils.py for the
-generic FSDP2/DDP mechanics, run_utils.py for errors and rank-0 printing). tests/test_layout.py
-checks it.
+Imports go one way: the scripts, train_common.py and checkpoint.py import these; these import
+torch, diffusers, peft and the root's base layer only (fsdp_utils.py for the generic FSDP2/DDP
+mechanics, run_utils.py for errors and rank-0 printing). tests/test_layout.py checks it.
 """

@@ -11,6 +11,7 @@ Every launch runs in its own process session, so a timeout kills the launcher an
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,7 +20,9 @@ import sys
 import traceback
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,8 +129,6 @@ def assert_loads_with_automodel(folder) -> None:
     """An exported component loads with diffusers.AutoModel, as the diffusers class its config
     names (not fully_shard's FSDP<Name> subclass), with exactly the exported tensors."""
     import diffusers
-    import json
-    import torch
     from safetensors.torch import load_file
     folder = str(folder)
     config = json.load(open(os.path.join(folder, "config.json")))
@@ -141,3 +142,149 @@ def assert_loads_with_automodel(folder) -> None:
     state = model.state_dict()
     assert state.keys() == weights.keys()
     assert all(torch.equal(state[k].to(weights[k].dtype), weights[k]) for k in weights)
+
+
+def read_metrics(out_dir, timing: bool = True) -> list[dict]:
+    """The records of OUTPUT_DIR/metrics.jsonl, in order (timing=False: without step_ms, which
+    differs between otherwise identical runs)."""
+    with open(os.path.join(str(out_dir), "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return records if timing else [{k: v for k, v in r.items() if k != "step_ms"} for r in records]
+
+
+def tiny_unet(sdxl: bool = False, seed: int = 0):
+    """A random UNet2DConditionModel of two levels, in the SD-1.5 block layout (cross-attention
+    down first, up last) or the SDXL one (the reverse, two transformer layers per block), for
+    8 x 8 x 4 latents and 32-wide text embeddings."""
+    from diffusers import UNet2DConditionModel
+    torch.manual_seed(seed)
+    down = ("CrossAttnDownBlock2D", "DownBlock2D")
+    up = ("UpBlock2D", "CrossAttnUpBlock2D")
+    return UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=down[::-1] if sdxl else down, up_block_types=up[::-1] if sdxl else up,
+        transformer_layers_per_block=2 if sdxl else 1, cross_attention_dim=32, norm_num_groups=8,
+        attention_head_dim=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared test helpers: a tiny model for the FSDP mechanics, reading what runs wrote, the Kontext
+# script's test setup (the tiny default, a dataset with two aspect ratios, common settings)
+
+KONTEXT_STEPS = 3  # the Kontext runs' MAX_STEPS
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def make_data(steps, global_batch):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(global_batch, 8, generator=g), torch.randn(global_batch, 1, generator=g))
+            for _ in range(steps)]
+
+
+def read_checkpoint(out, step, flat: bool = False):
+    """A DCP checkpoint folder read back offline (no process group) as one nested dict, or (flat)
+    as {".model.generator.x.weight": tensor, ...} of its tensors only."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = os.path.join(out, f"state_{step}.pt")
+    dcp_to_torch_save(os.path.join(out, "checkpoints", f"step_{step:06d}"), path)
+    state = torch.load(path, weights_only=False)
+    if not flat:
+        return state
+    tensors = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif torch.is_tensor(obj):
+            tensors[prefix] = obj
+    walk("", state)
+    return tensors
+
+
+def write_pair(folder, name, size, colour, new_colour):
+    """A context/target pair of `size` (w, h): one rectangle, recoloured in the target."""
+    from PIL import Image, ImageDraw
+    paths = []
+    for sub, c in (("context", colour), ("target", new_colour)):
+        image = Image.new("RGB", size, (30, 30, 30))
+        w, h = size
+        ImageDraw.Draw(image).rectangle((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=c)
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        image.save(os.path.join(folder, sub, name))
+        paths.append(f"{sub}/{name}")
+    return paths
+
+
+def make_mixed_dataset(folder):
+    """16 pairs, alternately 64x64 and 96x48 (w x h); the last two (one of each) are held out."""
+    colours = [(220, 40, 40), (40, 180, 60), (40, 70, 220), (240, 220, 40)]
+    names = ["red", "green", "blue", "yellow"]
+    rows = []
+    for i in range(16):
+        size = (64, 64) if i % 2 == 0 else (96, 48)
+        a, b = i % 4, (i + 1) % 4
+        context, target = write_pair(folder, f"{i:03d}.png", size, colours[a], colours[b])
+        rows.append({"image": context, "target": target, "prompt": f"make the square {names[b]} {i}"})
+    path = os.path.join(folder, "data.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path, rows
+
+
+@pytest.fixture(scope="module")
+def kontext_setup(tmp_path_factory):
+    """The tiny Kontext default, the mixed dataset and the common settings, once per test module."""
+    return make_kontext_setup(tmp_path_factory.mktemp("kontext"))
+
+
+def make_kontext_setup(root):
+    """The tiny default built once into a private cache, the mixed dataset, launch environment."""
+    from tools import tiny_models
+    cache = root / "cache"
+    model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
+    data, rows = make_mixed_dataset(str(root / "data"))
+    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
+    common = [f"--model_path={model_path}", f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
+              f"--max_steps={KONTEXT_STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
+              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=1"]
+    return {"root": root, "env": env, "common": common, "model_path": model_path, "rows": rows, "data": data}
+
+
+def launch_dmd(args, env: dict, out_dir, ranks: int = 2) -> str:
+    """train_dmd.py with `args` into `out_dir`; its output."""
+    return launch("train_dmd.py", list(args) + [f"--output_dir={out_dir}"], ranks=ranks, env=env).stdout
+
+
+def launch_kontext(setup, out, args, ranks=2, check=True):
+    """train_flux_kontext.py with the setup's common settings, into `out`."""
+    return launch("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}"] + args, ranks=ranks,
+                         env=setup["env"], check=check)
+
+
+def load_kontext_export(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))

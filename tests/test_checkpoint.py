@@ -13,16 +13,14 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_ranks
-from tests.test_fsdp_utils import TinyNet, make_data, tiny_unet
+from tests.conftest import ROOT, TinyNet, make_data, run_ranks, tiny_unet
 
-sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
-import fsdp_utils  # noqa: E402
-from parallel.parallelize import parallelize  # noqa: E402
-import data_utils  # noqa: E402
-import run_utils  # noqa: E402
-from precision import get_precision  # noqa: E402
+import checkpoint
+import fsdp_utils
+from parallel.parallelize import parallelize
+import data_utils
+import run_utils
+from precision import get_precision
 
 
 def build(seed, mesh):
@@ -77,6 +75,7 @@ def _resume(rank, world, out, async_save):
         assert torch.equal(v, expected[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_resume_is_bit_exact(tmp_path, async_save):
     run_ranks(_resume, 2, str(tmp_path), async_save)
@@ -107,6 +106,7 @@ def _load_one_rank(rank, world, out):
         assert torch.equal(st["exp_avg"].full_tensor(), exp_avg[i])
 
 
+@pytest.mark.slow
 def test_saved_on_two_ranks_resumes_on_one(tmp_path):
     run_ranks(_save_two_ranks, 2, str(tmp_path))
     run_ranks(_load_one_rank, 1, str(tmp_path))
@@ -115,11 +115,10 @@ def test_saved_on_two_ranks_resumes_on_one(tmp_path):
 # a save killed midway: the child saves step 2, then dies inside the save of step 4
 KILL_SCRIPT = r"""
 import os, sys, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, os.path.dirname({root!r}))
 import fsdp_utils, checkpoint
 import torch.distributed.checkpoint.filesystem as fs
 from tests.test_checkpoint import build, train
-from tests.test_fsdp_utils import make_data
+from tests.conftest import make_data
 dist = fsdp_utils.init_distributed()
 mesh = fsdp_utils.build_meshes(dist.device)[0]
 model, opt, sched = build(0, mesh)
@@ -146,6 +145,7 @@ def _load_after_kill(rank, world, out):
         assert torch.equal(v, expected[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["write_data", "finish"])
 def test_killed_save_leaves_previous_checkpoint(tmp_path, where):
     out = str(tmp_path)
@@ -216,6 +216,7 @@ def _export(rank, world, src, out, dtype_name):
         assert json.load(open(os.path.join(out, "model_index.json")))["unet"][1] == "UNet2DConditionModel"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
 def test_export_loads_with_from_pretrained_and_equals_trained(tmp_path, dtype_name):
     src = tmp_path / "src"

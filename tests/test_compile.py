@@ -32,32 +32,24 @@ run's cache), the UNet check 39 s. With a warm cache, about 100 s.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, launch, launch_env, run_ranks
+from tests.conftest import launch, launch_env, read_metrics, run_ranks
 
-sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import fsdp_utils  # noqa: E402
-from parallel import compile as compiling  # noqa: E402
-import train_dmd  # noqa: E402
-import train_flux_kontext as tfk  # noqa: E402
-from run_utils import ConfigError  # noqa: E402
+import fsdp_utils
+from parallel import compile as compiling
+import train_dmd
+import train_flux_kontext as tfk
+from run_utils import ConfigError
 
 STEPS = 3
 LR = 1e-3
-
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def export(out):
@@ -99,9 +91,10 @@ def flux_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_flux_compiled_matches_eager(flux_runs):
     (eager, _), (compiled, _) = flux_runs["eager"], flux_runs["compiled"]
-    a, b = metrics(eager), metrics(compiled)
+    a, b = read_metrics(eager), read_metrics(compiled)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):
         for k in ("loss", "grad_norm"):
@@ -115,17 +108,19 @@ def test_flux_compiled_matches_eager(flux_runs):
     assert keys == checkpoint_keys(eager, STEPS) and not any("_orig_mod" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_compiled_run_resumes_an_eager_checkpoint(flux_runs):
     (eager, _), (resumed, log) = flux_runs["eager"], flux_runs["resumed"]
     assert "resumed from" in log and "(step 2)" in log
-    last = metrics(resumed)
+    last = read_metrics(resumed)
     assert [r["step"] for r in last] == [STEPS]
-    assert last[0]["loss"] == pytest.approx(metrics(eager)[-1]["loss"], rel=1e-5)
+    assert last[0]["loss"] == pytest.approx(read_metrics(eager)[-1]["loss"], rel=1e-5)
     wa, wb = export(eager), export(resumed)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=LR / 20, msg=k)
 
 
+@pytest.mark.slow
 def test_flux_prints_graphs_and_no_graph_breaks(flux_runs):
     eager_log, log = flux_runs["eager"][1], flux_runs["compiled"][1]
     lines = [line for line in log.splitlines() if line.startswith("compile: ")]
@@ -153,6 +148,7 @@ def flux_lora_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_flux_lora_bf16_mixed_compiled_matches_eager(flux_lora_runs):
     """The adapters (peft's LoRA Linear inside each compiled block) trace without graph breaks and
     train as eagerly, up to bf16 rounding: inductor keeps fused elementwise chains in fp32 where
@@ -164,7 +160,7 @@ def test_flux_lora_bf16_mixed_compiled_matches_eager(flux_lora_runs):
     from safetensors.torch import load_file
     LOSS_RTOL = 2e-3
     (eager, _), (compiled, log), (fp32, _) = flux_lora_runs["eager"], flux_lora_runs["compiled"], flux_lora_runs["fp32"]
-    a, b = metrics(eager), metrics(compiled)
+    a, b = read_metrics(eager), read_metrics(compiled)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=LOSS_RTOL), (ra["step"], ra["loss"], rb["loss"])
@@ -236,6 +232,7 @@ def _unet_parity(rank, world, unet_dir):
     assert torch._dynamo.config.recompile_limit == 36 > 9 > 8
 
 
+@pytest.mark.slow
 def test_unet_compiled_matches_eager_without_breaks_or_eager_fallback():
     unet_dir = os.path.join(train_dmd.default_paths()[0], "unet")  # the shipped shapes teacher
     run_ranks(_unet_parity, 2, unet_dir)

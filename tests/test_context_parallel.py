@@ -16,49 +16,43 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_ranks
-from tests.test_train_flux_kontext import checkpoint_state, launch, load_export, make_setup, metrics
+from tests.conftest import run_ranks
+from tests.conftest import launch_kontext, load_kontext_export, read_checkpoint, read_metrics
 
-sys.path.insert(0, ROOT)
-import fsdp_utils  # noqa: E402
-import train_flux_kontext as tfk  # noqa: E402
-from run_utils import ConfigError  # noqa: E402
+import fsdp_utils
+import train_flux_kontext as tfk
+from run_utils import ConfigError
 
 COMMON = ["--batch_size=2", "--ema_decay=0.5", "--val_every=1", "--sample_every=3", "--save_every=2"]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory.mktemp("kontext_cp"))
-
-
-@pytest.fixture(scope="module")
-def runs(setup):
-    root, out = setup["root"], {}
-    out["ref"] = str(root / "cp_ref"), launch(setup, root / "cp_ref", COMMON, ranks=1).stdout
-    out["cp"] = str(root / "cp"), launch(setup, root / "cp", COMMON + ["--context_parallel=2"]).stdout
+def runs(kontext_setup):
+    root, out = kontext_setup["root"], {}
+    out["ref"] = str(root / "cp_ref"), launch_kontext(kontext_setup, root / "cp_ref", COMMON, ranks=1).stdout
+    out["cp"] = str(root / "cp"), launch_kontext(kontext_setup, root / "cp", COMMON + ["--context_parallel=2"]).stdout
     os.makedirs(root / "cp_resumed" / "checkpoints")
     shutil.copytree(root / "cp" / "checkpoints" / "step_000002", root / "cp_resumed" / "checkpoints" / "step_000002")
     out["resumed"] = (str(root / "cp_resumed"),
-                      launch(setup, root / "cp_resumed", COMMON + ["--context_parallel=2", "--resume=auto"]).stdout)
+                      launch_kontext(kontext_setup, root / "cp_resumed", COMMON + ["--context_parallel=2", "--resume=auto"]).stdout)
     return out
 
 
+@pytest.mark.slow
 def test_cp2_matches_one_process(runs):
     """Same losses (train and validation), grad norms and trained weights as one process, after 3
     AdamW steps at LR 1e-3 over two resolution buckets."""
     assert "context parallel: 1 data-parallel group(s) of 2 ranks" in runs["cp"][1]
-    ref, cp = metrics(runs["ref"][0]), metrics(runs["cp"][0])
+    ref, cp = read_metrics(runs["ref"][0]), read_metrics(runs["cp"][0])
     assert len(ref) == len(cp) == 3
     for a, b in zip(ref, cp):
         for key in ("loss", "val_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
-    w_ref, w_cp = load_export(runs["ref"][0]), load_export(runs["cp"][0])  # the EMA, trained for 3 steps
+    w_ref, w_cp = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["cp"][0])  # the EMA, trained for 3 steps
     assert w_ref.keys() == w_cp.keys()
     # CP sums attention and grads in another order, and AdamW divides each element's update by its
     # own grad scale, so an element whose grad is near zero turns a rounding difference into a
@@ -73,6 +67,7 @@ def test_cp2_matches_one_process(runs):
     assert tight <= total // 10_000, f"{tight} of {total} elements beyond rtol 1e-5, atol 2e-6"
 
 
+@pytest.mark.slow
 def test_cp_samples_match_one_process(runs):
     """The sample grid (FluxKontextPipeline under CP) shows the same images as one process's."""
     from PIL import Image
@@ -82,23 +77,25 @@ def test_cp_samples_match_one_process(runs):
     assert a.shape == b.shape and np.abs(a - b).max() <= 2
 
 
+@pytest.mark.slow
 def test_cp_resume_is_bit_exact(runs):
     assert "(step 2)" in runs["resumed"][1]
-    a, b = checkpoint_state(runs["cp"][0], 3), checkpoint_state(runs["resumed"][0], 3)
+    a, b = read_checkpoint(runs["cp"][0], 3), read_checkpoint(runs["resumed"][0], 3)
     for name in ("model.transformer", "model.ema"):
         assert a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name])
     for key, state in a["optim.transformer"]["state"].items():
         for k, v in state.items():
             assert torch.equal(v, b["optim.transformer"]["state"][key][k]), (key, k)
-    assert metrics(runs["cp"][0])[-1]["loss"] == metrics(runs["resumed"][0])[-1]["loss"]
+    assert read_metrics(runs["cp"][0])[-1]["loss"] == read_metrics(runs["resumed"][0])[-1]["loss"]
 
 
+@pytest.mark.slow
 def test_cp_export_has_the_layout_of_a_non_cp_export(runs):
     """Same files, same tensor names, shapes and dtypes, same configs: CP leaves no trace."""
     ref, cp = (os.path.join(runs[k][0], "export") for k in ("ref", "cp"))
     files = sorted(os.path.relpath(os.path.join(d, f), ref) for d, _, fs in os.walk(ref) for f in fs)
     assert files == sorted(os.path.relpath(os.path.join(d, f), cp) for d, _, fs in os.walk(cp) for f in fs)
-    w_ref, w_cp = load_export(runs["ref"][0]), load_export(runs["cp"][0])
+    w_ref, w_cp = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["cp"][0])
     assert {k: (v.shape, v.dtype) for k, v in w_ref.items()} == {k: (v.shape, v.dtype) for k, v in w_cp.items()}
     for name in files:
         if name.endswith(".json"):
@@ -106,15 +103,16 @@ def test_cp_export_has_the_layout_of_a_non_cp_export(runs):
                 assert json.load(f) == json.load(g), name
 
 
-def test_cp_config_errors_before_any_work(setup, tmp_path):
+@pytest.mark.slow
+def test_cp_config_errors_before_any_work(kontext_setup, tmp_path):
     """World not divisible (a real 2-rank launch with CONTEXT_PARALLEL=3 fails in one line), and
     heads / text / image tokens not divisible (the shape check, before any model is built)."""
-    proc = launch(setup, tmp_path / "bad", ["--context_parallel=3"], check=False)
+    proc = launch_kontext(kontext_setup, tmp_path / "bad", ["--context_parallel=3"], check=False)
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stdout.splitlines() if line.startswith("error:")})
     assert errors == ["error: CONTEXT_PARALLEL=3 x DP_REPLICATE=1 does not divide the world size 2"], proc.stdout[-2000:]
     assert "rank 0" not in proc.stdout.split(errors[0])[0]  # nothing started: the line comes first
-    model = setup["model_path"]  # tiny transformer: 2 heads; T5 length 32; 64x64 -> 2 x 4 x 4 = 32 image tokens
+    model = kontext_setup["model_path"]  # tiny transformer: 2 heads; T5 length 32; 64x64 -> 2 x 4 x 4 = 32 image tokens
     tfk.check_context_parallel_shapes(model, 2, 32, [(64, 64), (48, 96)], 8)
     with pytest.raises(ConfigError, match="2 attention heads"):
         tfk.check_context_parallel_shapes(model, 4, 32, [(64, 64)], 8)
@@ -136,6 +134,7 @@ def _mesh_layout(rank, world):
     assert fsdp_utils.build_meshes(torch.device("cpu"), 2)[1] is None
 
 
+@pytest.mark.slow
 def test_hsdp_with_cp_mesh_layout():
     """4 ranks, DP_REPLICATE=2 x CONTEXT_PARALLEL=2: HSDP over (replicate, shard x cp), CP groups
     {0, 1} and {2, 3} (consecutive ranks), data-parallel rank = rank // 2."""

@@ -14,12 +14,11 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, finish, launch_env, start
+from tests.conftest import finish, launch_env, start
 
-sys.path.insert(0, ROOT)
-import fsdp_utils  # noqa: E402
-import run_utils  # noqa: E402
-from run_utils import ConfigError  # noqa: E402
+import fsdp_utils
+import run_utils
+from run_utils import ConfigError
 
 
 def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):
@@ -49,6 +48,7 @@ def assert_exports_match(tmp_path, component: str) -> None:
         assert (v - exported["ddp"][k]).abs().max() < 1e-4, k
 
 
+@pytest.mark.slow
 def test_ddp_matches_fsdp(tmp_path):
     from tools import tiny_models
     cache = tmp_path / "cache"
@@ -77,6 +77,7 @@ def test_ddp_refuses_fsdp_only_settings():
     fsdp_utils.check_parallelism("fsdp", True, 2)
 
 
+@pytest.mark.slow
 def test_dmd_ddp_matches_fsdp(tmp_path):
     """train_dmd.py on the shipped teacher: generator and fake score both update at steps 1 and 2."""
     common = ["--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",

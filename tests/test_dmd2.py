@@ -13,9 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from algorithms import dmd2 as dm  # noqa: E402
+from algorithms import dmd2 as dm
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -33,10 +33,9 @@ import torch
 from tests.conftest import ROOT, finish, launch, launch_env, run_ranks, start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, ROOT)
-import run_utils  # noqa: E402
-import train_flux_kontext as tfk  # noqa: E402
-from run_utils import ConfigError, RunError  # noqa: E402
+import run_utils
+import train_flux_kontext as tfk
+from run_utils import ConfigError, RunError
 
 STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
 TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
@@ -154,6 +153,7 @@ def chain(setup, reference):
     return out, events
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_step_reached_and_exits_143(chain):
     _, events = chain
     rc, log, steps = events["sigterm"]
@@ -163,6 +163,7 @@ def test_sigterm_saves_at_the_step_reached_and_exits_143(chain):
         log[-3000:]
 
 
+@pytest.mark.slow
 def test_killed_runs_resume_bit_exact(chain, reference):
     out, events = chain
     caught_in_save, rc, log, steps = events["kill_in_save"]
@@ -177,6 +178,7 @@ def test_killed_runs_resume_bit_exact(chain, reference):
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
     """LR 1e30: step 1 blows the weights up, every later loss is non-finite; after MAX_BAD_STEPS
     of them in a row the run saves and stops with an error."""
@@ -200,6 +202,7 @@ def _guard_on_two_ranks(rank, world):
     assert guard.step_ok(1.0, 1.0) and guard.in_a_row == 0 and guard.skipped == 2
 
 
+@pytest.mark.slow
 def test_non_finite_on_one_rank_skips_on_all():
     run_ranks(_guard_on_two_ranks, 2)
 
@@ -231,10 +234,12 @@ def _failing_saves(rank, world, out):
         torch.distributed.barrier()  # rank 0's next save re-creates the .partial: check first
 
 
+@pytest.mark.slow
 def test_failed_save_stops_all_ranks_and_keeps_the_previous_checkpoint(tmp_path):
     run_ranks(_failing_saves, 2, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_path):
     """Rank 1 is frozen (SIGSTOP) mid-run: rank 0, waiting in a collective, fails after
     COLLECTIVE_TIMEOUT_S with an error naming it, instead of hanging for ever."""
@@ -315,6 +320,7 @@ def test_bad_data_is_named_by_file_and_line(tmp_path):
         tfk.load_data(str(tmp_path / "empty.jsonl"), 0, 32, [1.0], 16, skip_bad=False)
 
 
+@pytest.mark.slow
 def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
     (tmp_path / "corrupt.png").write_bytes(b"not an image")
     data = tmp_path / "data.jsonl"
@@ -330,6 +336,7 @@ def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
 # train_dmd.py: the same guarantees
 
 
+@pytest.mark.slow
 def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     """Generator LR 1e30: its first update blows it up, every later DM loss is non-finite; both
     updates of a bad step are skipped together, and MAX_BAD_STEPS in a row save and stop."""
@@ -369,6 +376,7 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
         assert message in main_error(monkeypatch, train_dmd, [f"--output_dir={tmp_path / 'out'}", *argv]), argv
 
 
+@pytest.mark.slow
 def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     """SIGTERM to one rank of train_dmd.py: both ranks finish the step, save and exit 143; the
     resumed run ends bit-identical to an uninterrupted one."""
@@ -396,6 +404,7 @@ def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once():
     """The first SIGTERM only asks the loop to stop after the step; a second one ends the process
     at once with 128 + signal (here the "step" never ends, so only the second signal can stop it),

@@ -5,14 +5,12 @@ shipped tiny base (assets/kontext_base; no training).
     python -m pytest tests/test_kontext_eval.py -q
 """
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from demos import kontext_eval as ke  # noqa: E402
+from demos import kontext_eval as ke
 
 SHIPPED_BASE = Path(__file__).resolve().parents[1] / "assets" / "kontext_base"
 

@@ -19,46 +19,45 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, free_port
-from tests.test_train_flux_kontext import checkpoint_state, launch, metrics, setup  # noqa: F401 (fixture)
+from tests.conftest import free_port, launch_dmd, launch_env, launch_kontext, read_checkpoint, read_metrics
 
-sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import checkpoint  # noqa: E402
-import fsdp_utils  # noqa: E402
-from parallel import lora  # noqa: E402
-import run_utils  # noqa: E402
-import train_flux_kontext as tfk  # noqa: E402
-from run_utils import ConfigError  # noqa: E402
+import checkpoint
+import fsdp_utils
+from parallel import lora
+import run_utils
+import train_flux_kontext as tfk
+from run_utils import ConfigError
 
 LORA = ["--lora_rank=4", "--lora_alpha=8", "--lr=3e-3"]
 TWO = ["--batch_size=2", "--ema_decay=0.5", "--save_every=2", "--sample_every=0", "--lora_export_merged=1"]
 
 
 @pytest.fixture(scope="module")
-def runs(setup):
-    root, out = setup["root"] / "lora", {}
+def runs(kontext_setup):
+    root, out = kontext_setup["root"] / "lora", {}
     os.makedirs(root)
-    out["ref"] = launch(setup, root / "ref", LORA + ["--batch_size=4", "--sample_every=0"], ranks=1).stdout
-    out["two"] = launch(setup, root / "two", LORA + TWO).stdout
+    out["ref"] = launch_kontext(kontext_setup, root / "ref", LORA + ["--batch_size=4", "--sample_every=0"], ranks=1).stdout
+    out["two"] = launch_kontext(kontext_setup, root / "two", LORA + TWO).stdout
     for name, ranks, args in (("resumed", 2, TWO), ("one", 1, ["--batch_size=4", "--ema_decay=0.5", "--sample_every=0"])):
         os.makedirs(root / name / "checkpoints")
         shutil.copytree(root / "two" / "checkpoints" / "step_000002", root / name / "checkpoints" / "step_000002")
-        out[name] = launch(setup, root / name, LORA + args + ["--resume=auto"], ranks=ranks).stdout
+        out[name] = launch_kontext(kontext_setup, root / name, LORA + args + ["--resume=auto"], ranks=ranks).stdout
     return {k: (str(root / k), v) for k, v in out.items()}
 
 
-def test_two_ranks_match_one_process_losses_and_adapters(runs, setup):
-    ref, two = metrics(runs["ref"][0]), metrics(runs["two"][0])
+@pytest.mark.slow
+def test_two_ranks_match_one_process_losses_and_adapters(runs, kontext_setup):
+    ref, two = read_metrics(runs["ref"][0]), read_metrics(runs["two"][0])
     for a, b in zip(ref, two, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
-    a = checkpoint_state(runs["ref"][0], 3)["model.transformer"]
-    b = checkpoint_state(runs["two"][0], 3)["model.transformer"]
+    a = read_checkpoint(runs["ref"][0], 3)["model.transformer"]
+    b = read_checkpoint(runs["two"][0], 3)["model.transformer"]
     assert a.keys() == b.keys() and all(lora.is_adapter(k) for k in a)  # adapters only, no base
     with torch.device("meta"):  # exactly the adapters that add_lora puts on the model
         from diffusers import FluxTransformer2DModel
         meta = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(
-            os.path.join(setup["model_path"], "transformer")))
+            os.path.join(kontext_setup["model_path"], "transformer")))
     lora.add_lora(meta, lora.Lora(rank=4, alpha=8))
     assert {k: tuple(v.shape) for k, v in a.items()} == {n: tuple(p.shape) for n, p in meta.named_parameters()
                                                          if p.requires_grad}
@@ -68,19 +67,21 @@ def test_two_ranks_match_one_process_losses_and_adapters(runs, setup):
     assert any(v.abs().max() > 0 for k, v in a.items() if ".lora_B." in k)  # B starts at 0: it trained
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_reshards_to_one_process(runs):
-    two, resumed = checkpoint_state(runs["two"][0], 3), checkpoint_state(runs["resumed"][0], 3)
+    two, resumed = read_checkpoint(runs["two"][0], 3), read_checkpoint(runs["resumed"][0], 3)
     for name in ("model.transformer", "model.ema"):
         assert two[name].keys() == resumed[name].keys()
         assert all(torch.equal(two[name][k], resumed[name][k]) for k in two[name]), name
     for key, state in two["optim.transformer"]["state"].items():
         assert all(torch.equal(v, resumed["optim.transformer"]["state"][key][k]) for k, v in state.items())
-    assert metrics(runs["two"][0])[-1]["loss"] == metrics(runs["resumed"][0])[-1]["loss"]
-    one = checkpoint_state(runs["one"][0], 3)["model.transformer"]  # saved on 2 ranks, resumed on 1
+    assert read_metrics(runs["two"][0])[-1]["loss"] == read_metrics(runs["resumed"][0])[-1]["loss"]
+    one = read_checkpoint(runs["one"][0], 3)["model.transformer"]  # saved on 2 ranks, resumed on 1
     for k, v in two["model.transformer"].items():
         torch.testing.assert_close(one[k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_only_what_trains(runs):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -104,11 +105,12 @@ def test_checkpoint_holds_only_what_trains(runs):
     assert adapters < base / 5
 
 
-def test_export_loads_with_load_lora_weights_and_matches_merged(runs, setup):
+@pytest.mark.slow
+def test_export_loads_with_load_lora_weights_and_matches_merged(runs, kontext_setup):
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
     out = runs["two"][0]
     assert os.listdir(os.path.join(out, "export")) == [checkpoint.LORA_WEIGHTS]
-    pipe = FluxKontextPipeline.from_pretrained(setup["model_path"], dtype=torch.float32)
+    pipe = FluxKontextPipeline.from_pretrained(kontext_setup["model_path"], dtype=torch.float32)
     pipe.load_lora_weights(os.path.join(out, "export"))
     merged = FluxTransformer2DModel.from_pretrained(os.path.join(out, "export_merged", "transformer"))
     inputs = transformer_inputs(merged.config)
@@ -126,7 +128,7 @@ def transformer_inputs(cfg, tokens=16, text=8):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-mixed"])
-def test_sharded_lora_dtypes_frozen_base_and_export(setup, tmp_path, mode):
+def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mode):
     """LoRA on a world of one: the base stored in the compute dtype with no grads ever, adapters
     and AdamW state in fp32; after a few steps the base is bit-identical to the folder's weights,
     and the exported LoRA file, loaded onto the base pipeline, reproduces the trained model's
@@ -136,7 +138,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(setup, tmp_path, mode):
     from precision import get_precision
     from safetensors.torch import load_file
     prec = get_precision(mode)
-    folder = os.path.join(setup["model_path"], "transformer")
+    folder = os.path.join(kontext_setup["model_path"], "transformer")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         run_utils.quiet_known_warnings()
@@ -168,7 +170,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(setup, tmp_path, mode):
         checkpoint.export_lora(model, str(tmp_path / "export"), "FluxKontextPipeline", "transformer", torch.float32)
     finally:
         dist.destroy_process_group()
-    pipe = FluxKontextPipeline.from_pretrained(setup["model_path"], dtype=prec.compute_dtype)
+    pipe = FluxKontextPipeline.from_pretrained(kontext_setup["model_path"], dtype=prec.compute_dtype)
     pipe.load_lora_weights(str(tmp_path / "export"))
     cast = {k: v.to(prec.compute_dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad():
@@ -202,19 +204,17 @@ DMD = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precis
 
 @pytest.fixture(scope="module")
 def dmd_runs(tmp_path_factory):
-    from tests.test_train_dmd import train
-    from tests.conftest import launch_env
     env = launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
     root = tmp_path_factory.mktemp("dmd_lora")
-    train(DMD + ["--batch_size=1", "--lora_export_merged=1"], env, root / "two")
-    train(DMD + ["--batch_size=1", "--grad_accum=2"], env, root / "one", ranks=1)
+    launch_dmd(DMD + ["--batch_size=1", "--lora_export_merged=1"], env, root / "two")
+    launch_dmd(DMD + ["--batch_size=1", "--grad_accum=2"], env, root / "one", ranks=1)
     return root
 
 
+@pytest.mark.slow
 def test_dmd_lora_two_ranks_match_one_process(dmd_runs):
-    from tests.test_train_dmd import checkpoint_tensors
-    ref, two = metrics(dmd_runs / "one"), metrics(dmd_runs / "two")
-    # the published warmup (dmd2.warmup_factor): both LRs at iteration k = 1e-3·min(1, k/2), the
+    ref, two = read_metrics(dmd_runs / "one"), read_metrics(dmd_runs / "two")
+    # the published warmup (train_dmd.make_optimizer): both LRs at iteration k = 1e-3·min(1, k/2), the
     # generator's advancing on step 2 too, where it does not update (DFAKE_GEN_UPDATE_RATIO=2)
     for r in two:
         assert r["lr_generator"] == r["lr_guidance"] == pytest.approx(1e-3 * min(1.0, (r["step"] - 1) / 2))
@@ -222,7 +222,7 @@ def test_dmd_lora_two_ranks_match_one_process(dmd_runs):
         for k in ("loss_dm", "loss_fake", "loss_gen_cls", "loss_guidance_cls"):
             if k in a:
                 assert abs(a[k] - b[k]) < 1e-4 * max(1.0, abs(a[k])), (k, a, b)
-    a, b = checkpoint_tensors(dmd_runs / "one", 4), checkpoint_tensors(dmd_runs / "two", 4)
+    a, b = read_checkpoint(dmd_runs / "one", 4, flat=True), read_checkpoint(dmd_runs / "two", 4, flat=True)
     assert a.keys() == b.keys()
     for name in ("generator", "fake"):
         keys = [k for k in a if k.startswith(f".model.{name}.")]
@@ -234,6 +234,7 @@ def test_dmd_lora_two_ranks_match_one_process(dmd_runs):
             torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4, msg=k)
 
 
+@pytest.mark.slow
 def test_dmd_lora_export_loads_onto_the_teacher_pipeline(dmd_runs):
     from diffusers import LCMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     out = dmd_runs / "two"

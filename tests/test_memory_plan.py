@@ -13,10 +13,9 @@ import torch
 
 from tests.conftest import ROOT
 
-sys.path.insert(0, ROOT)
-from tools import memory_plan  # noqa: E402
-from tools.memory_plan import Settings  # noqa: E402
-from parallel import lora  # noqa: E402
+from tools import memory_plan
+from tools.memory_plan import Settings
+from parallel import lora
 
 
 def test_flux_kontext_shards_to_a_quarter_at_world_size_4():

@@ -3,15 +3,12 @@ training, a second).
 
     python -m pytest tests/test_precision.py -q
 """
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
 
-sys.path.insert(0, ROOT)
-import precision  # noqa: E402
+import precision
 
 
 def test_modes_decide_storage_compute_and_reduction():

@@ -7,14 +7,12 @@ and validation, without training).
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import ROOT
 
-sys.path.insert(0, ROOT)
-import run_utils  # noqa: E402
+import run_utils
 
 RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".sh"))
 

@@ -3,7 +3,6 @@
     python -m pytest tests/test_shapes_eval.py -q
 """
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +10,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from demos import shapes_eval as se  # noqa: E402
+from demos import shapes_eval as se
 
 SEEDS = 4  # real images per prompt in the sets below
 

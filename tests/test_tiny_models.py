@@ -7,7 +7,6 @@ Each model folder is built once per module (a second or so) and reloaded through
 """
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -18,8 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import tiny_models  # noqa: E402
+from tools import tiny_models
 
 PROMPT = "a red circle on a blue background"
 
@@ -186,6 +184,7 @@ def test_ensure_default_builds_once_and_reuses(tmp_path, monkeypatch):
     assert marker.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_ensure_default_concurrent_callers_build_once(tmp_path, monkeypatch):
     """Four callers at once (as ranks would) get the same folder, built exactly once."""
     calls = []

@@ -17,18 +17,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_loads_with_automodel, launch, launch_env
+from tests.conftest import assert_loads_with_automodel, launch, launch_dmd, launch_env, read_checkpoint, read_metrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
-sys.path.insert(0, ROOT)
-import train_dmd  # noqa: E402
-from run_utils import ConfigError  # noqa: E402
+import run_utils
+import train_common
+import train_dmd
+from run_utils import ConfigError
 
 PROMPT = "a red circle on a blue background"
 # run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
@@ -41,33 +41,6 @@ def env(tmp_path_factory):
     return launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
 
 
-def train(args: list[str], env: dict, out_dir, ranks: int = 2) -> str:
-    return launch("train_dmd.py", args + [f"--output_dir={out_dir}"], ranks=ranks, env=env).stdout
-
-
-def metrics(out_dir) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def checkpoint_tensors(out_dir, step: int) -> dict:
-    """Every tensor of a DCP checkpoint (models and optimizers), read back without a process group."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    dcp_to_torch_save(path, os.path.join(out_dir, "flat.pt"))
-    flat = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}", v)
-        elif torch.is_tensor(obj):
-            flat[prefix] = obj
-
-    walk("", torch.load(os.path.join(out_dir, "flat.pt"), weights_only=False))
-    return flat
-
-
 def export_unet(out_dir) -> dict:
     from safetensors.torch import load_file
     return load_file(os.path.join(out_dir, "export", "unet", "diffusion_pytorch_model.safetensors"))
@@ -76,14 +49,14 @@ def export_unet(out_dir) -> dict:
 @pytest.fixture(scope="module")
 def run_a(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("a")
-    train(COMMON, env, out)
+    launch_dmd(COMMON, env, out)
     return out
 
 
 @pytest.fixture(scope="module")
 def run_b(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("b")
-    train(COMMON + ["--grad_accum=2"], env, out, ranks=1)
+    launch_dmd(COMMON + ["--grad_accum=2"], env, out, ranks=1)
     return out
 
 
@@ -92,7 +65,7 @@ def run_resumed(env, tmp_path_factory, run_a):
     """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4."""
     out = tmp_path_factory.mktemp("resumed")
     shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-    log = train(COMMON + ["--resume=auto"], env, out)
+    log = launch_dmd(COMMON + ["--resume=auto"], env, out)
     assert "resumed from" in log and "step_000002 (step 2)" in log
     return out
 
@@ -104,7 +77,7 @@ def run_few(env, tmp_path_factory, run_a):
     data = out / "prompts.jsonl"
     rows = [json.dumps({"prompt": f"a {c} square on a white background"}) for c in ("red", "blue", "green", "pink")]
     data.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"image": "x.png"})] + rows[2:]) + "\n")
-    log = train(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
+    log = launch_dmd(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
                  "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
                  "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
                  f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, out)
@@ -114,8 +87,9 @@ def run_few(env, tmp_path_factory, run_a):
 # ----------------------------------------------------------------------------------------------
 # parity, schedule, GAN, resume
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(run_a, run_b):
-    a, b = metrics(run_a), metrics(run_b)
+    a, b = read_metrics(run_a), read_metrics(run_b)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         keys = sorted(k for k in ra if k.startswith(("loss", "grad_norm")))
@@ -125,8 +99,9 @@ def test_two_ranks_match_one_process(run_a, run_b):
             assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-7), (ra["step"], k)
 
 
+@pytest.mark.slow
 def test_generator_every_ratio_steps_and_gan_losses_logged(run_a):
-    rows = metrics(run_a)
+    rows = read_metrics(run_a)
     # DFAKE_GEN_UPDATE_RATIO=2: the generator steps at iterations 0 and 2 (= logged steps 1 and 3)
     assert [r["step"] for r in rows if "loss_dm" in r] == [1, 3]
     assert [r["step"] for r in rows if "grad_norm_generator" in r] == [1, 3]
@@ -136,6 +111,7 @@ def test_generator_every_ratio_steps_and_gan_losses_logged(run_a):
             assert k in r and torch.isfinite(torch.tensor(r[k])), (r["step"], k)
 
 
+@pytest.mark.slow
 def test_outputs_written(run_a):
     # a sample between EMA updates (step 2, then the generator steps at 3) must not break the EMA
     assert sorted(os.listdir(run_a / "samples")) == ["step_000002.png", "step_000004.png"]
@@ -145,8 +121,9 @@ def test_outputs_written(run_a):
     assert os.path.isdir(os.path.join(run_a, "export", "unet"))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(run_a, run_resumed):
-    straight, resumed = checkpoint_tensors(run_a, 4), checkpoint_tensors(run_resumed, 4)
+    straight, resumed = read_checkpoint(run_a, 4, flat=True), read_checkpoint(run_resumed, 4, flat=True)
     assert straight.keys() == resumed.keys()
     for part in ("model.generator.", "model.fake.", "model.head.", "model.ema.", "optim.generator.", "optim.guidance."):
         assert any(k.startswith("." + part) for k in straight), part
@@ -154,17 +131,19 @@ def test_resume_is_bit_exact(run_a, run_resumed):
         assert torch.equal(straight[k], resumed[k]), k
     ua, ur = export_unet(run_a), export_unet(run_resumed)
     assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
-    la = [{k: v for k, v in r.items() if k != "step_ms"} for r in metrics(run_a)]
-    lr = [{k: v for k, v in r.items() if k != "step_ms"} for r in metrics(run_resumed)]
+    la = read_metrics(run_a, timing=False)
+    lr = read_metrics(run_resumed, timing=False)
     assert la[2:] == lr and [r["step"] for r in lr] == [3, 4]
 
 
+@pytest.mark.slow
 def test_export_names_the_diffusers_class_and_loads_with_automodel(run_a):
     assert_loads_with_automodel(run_a / "export" / "unet")
     index = json.load(open(run_a / "export" / "model_index.json"))
     assert index["unet"] == ["diffusers", "UNet2DConditionModel"] and "_name_or_path" not in index
 
 
+@pytest.mark.slow
 def test_export_is_a_one_step_pipeline(run_a):
     """The README snippet: LCMScheduler's single step at t=999 returns the x0 of the generator."""
     from algorithms import dmd2 as dm
@@ -184,6 +163,7 @@ def test_export_is_a_one_step_pipeline(run_a):
     assert image.shape == (1, 32, 32, 3) and torch.isfinite(torch.from_numpy(image)).all()
 
 
+@pytest.mark.slow
 def test_export_runs_without_a_torch_dtype(run_a):
     """The shipped teacher's text encoder and VAE are fp16, the exported UNet fp32: the export holds
     them converted to fp32, so a plain from_pretrained (no torch_dtype) runs a 1-step call."""
@@ -204,10 +184,11 @@ def test_export_runs_without_a_torch_dtype(run_a):
 # ----------------------------------------------------------------------------------------------
 # few-step mode, data errors, config errors
 
+@pytest.mark.slow
 def test_few_step_backward_simulation_and_skipped_rows(run_few):
     out, log = run_few
     assert "2 bad rows skipped" in log
-    rows = metrics(out)
+    rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("loss_dm" in r and "loss_fake" in r for r in rows)
     # the step index (same on every rank) picks how many generator forwards backward simulation
@@ -222,14 +203,16 @@ def test_few_step_backward_simulation_and_skipped_rows(run_few):
     assert scores["sampler"] == "fewstep" and scores["steps"] == 4 and scores["n"] == 4 * 2
 
 
+@pytest.mark.slow
 def test_init_from_loads_generator_and_fake(run_few, run_a):
     out, log = run_few
     assert "initialised from" in log
-    source, ours = checkpoint_tensors(run_a, 4), checkpoint_tensors(out, 2)
+    source, ours = read_checkpoint(run_a, 4, flat=True), read_checkpoint(out, 2, flat=True)
     keys = [k for k in ours if k.startswith((".model.generator.", ".model.fake."))]
     assert keys and all(torch.equal(ours[k], source[k]) for k in keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,ranks", [("malformed_json", 2), ("missing_image", 1)])
 def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_path):
     """Every rank reads and checks the whole file before any collective: all stop together."""
@@ -257,9 +240,9 @@ def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     with pytest.raises(ConfigError, match="strictly decreasing"):
         train_dmd.validate_config()
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [])
-    monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)
+    monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)  # a shared setting: checked by train_common for both scripts
     with pytest.raises(ConfigError, match="DP_REPLICATE"):
-        train_dmd.validate_config()
+        train_common.check_shared_settings(run_utils.script_constants(vars(train_dmd)))
 
 
 def _fake_score_compute_dtypes(rank, world, fake_fp32):
@@ -289,6 +272,7 @@ def _fake_score_compute_dtypes(rank, world, fake_fp32):
     assert seen == {"generator": (torch.bfloat16, torch.bfloat16), "fake": (want, want)}, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_fp32", [True, False])
 def test_fake_score_computes_in_fp32_as_published(fake_fp32):
     """FAKE_SCORE_FP32 (default on): the fake score's units gather and compute in fp32 under

@@ -10,19 +10,16 @@ python), through the same loading path as real SDXL weights.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_loads_with_automodel, launch, launch_env
+from tests.conftest import assert_loads_with_automodel, launch, launch_env, read_metrics
 
-sys.path.insert(0, ROOT)
-import train_dmd  # noqa: E402
-from algorithms import dmd2 as dm  # noqa: E402
+import train_dmd
+from algorithms import dmd2 as dm
 
 PROMPT = "a red circle on a white background"
 COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32", "--use_gan=1",
@@ -65,15 +62,12 @@ def run_resumed(sdxl, tmp_path_factory, run_a):
     return out
 
 
-def metrics(out) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "step_ms"} for line in open(out / "metrics.jsonl")]
-
-
 def export_unet(out) -> dict:
     from safetensors.torch import load_file
     return load_file(str(out / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_sdxl_is_detected_and_its_parts_are_used(run_a):
     out, log = run_a
     assert "(StableDiffusionXLPipeline)" in log
@@ -81,13 +75,14 @@ def test_sdxl_is_detected_and_its_parts_are_used(run_a):
     assert "text_encoder_2" in audit
     vae_row = next(line for line in audit.splitlines() if line.startswith("vae "))
     assert " fp32 " in vae_row  # SDXL's VAE stays fp32 by default
-    rows = metrics(out)
+    rows = read_metrics(out, timing=False)
     assert [r["step"] for r in rows if "loss_dm" in r] == [1, 3]
     assert all("loss_guidance_cls" in r and "step_index" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(run_a, run_b):
-    a, b = metrics(run_a[0]), metrics(run_b)
+    a, b = read_metrics(run_a[0], timing=False), read_metrics(run_b, timing=False)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for k in sorted(k for k in ra if k.startswith(("loss", "grad_norm"))):
@@ -99,16 +94,19 @@ def test_two_ranks_match_one_process(run_a, run_b):
         torch.testing.assert_close(ua[k], ub[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_export_loads_with_automodel(run_a):
     assert_loads_with_automodel(run_a[0] / "export" / "unet")
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(run_a, run_resumed):
     ua, ur = export_unet(run_a[0]), export_unet(run_resumed)
     assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
-    assert metrics(run_a[0])[2:] == metrics(run_resumed)
+    assert read_metrics(run_a[0], timing=False)[2:] == read_metrics(run_resumed, timing=False)
 
 
+@pytest.mark.slow
 def test_export_is_an_sdxl_pipeline_with_one_and_four_step_sampling(run_a):
     """The README snippets on the export: StableDiffusionXLPipeline + LCMScheduler at [999] and at
     [999, 749, 499, 249]; the pipeline's own SDXL conditioning equals the script's, so its 1-step

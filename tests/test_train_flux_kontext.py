@@ -27,79 +27,20 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_loads_with_automodel, free_port, launch as launch_script, launch_env
+from tests.conftest import (KONTEXT_STEPS, assert_loads_with_automodel, free_port, launch_kontext, load_kontext_export,
+                            read_checkpoint, read_metrics)
 
-sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import fsdp_utils  # noqa: E402
-from parallel import lora  # noqa: E402
-import run_utils  # noqa: E402
-import train_flux_kontext as tfk  # noqa: E402
-from run_utils import ConfigError  # noqa: E402
+import fsdp_utils
+from parallel import lora
+import run_utils
+import train_flux_kontext as tfk
+from run_utils import ConfigError
 
-STEPS = 3
 
 
 # ----------------------------------------------------------------------------------------------
 # data and launching
-
-
-def write_pair(folder, name, size, colour, new_colour):
-    """A context/target pair of `size` (w, h): one rectangle, recoloured in the target."""
-    from PIL import Image, ImageDraw
-    paths = []
-    for sub, c in (("context", colour), ("target", new_colour)):
-        image = Image.new("RGB", size, (30, 30, 30))
-        w, h = size
-        ImageDraw.Draw(image).rectangle((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=c)
-        os.makedirs(os.path.join(folder, sub), exist_ok=True)
-        image.save(os.path.join(folder, sub, name))
-        paths.append(f"{sub}/{name}")
-    return paths
-
-
-def make_mixed_dataset(folder):
-    """16 pairs, alternately 64x64 and 96x48 (w x h); the last two (one of each) are held out."""
-    colours = [(220, 40, 40), (40, 180, 60), (40, 70, 220), (240, 220, 40)]
-    names = ["red", "green", "blue", "yellow"]
-    rows = []
-    for i in range(16):
-        size = (64, 64) if i % 2 == 0 else (96, 48)
-        a, b = i % 4, (i + 1) % 4
-        context, target = write_pair(folder, f"{i:03d}.png", size, colours[a], colours[b])
-        rows.append({"image": context, "target": target, "prompt": f"make the square {names[b]} {i}"})
-    path = os.path.join(folder, "data.jsonl")
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return path, rows
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory.mktemp("kontext"))
-
-
-def make_setup(root):
-    """The tiny default built once into a private cache, the mixed dataset, launch environment."""
-    from tools import tiny_models
-    cache = root / "cache"
-    model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
-    data, rows = make_mixed_dataset(str(root / "data"))
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
-    common = [f"--model_path={model_path}", f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
-              f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
-              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=1"]
-    return {"root": root, "env": env, "common": common, "model_path": model_path, "rows": rows, "data": data}
-
-
-def launch(setup, out, args, ranks=2, check=True):
-    return launch_script("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}"] + args, ranks=ranks,
-                         env=setup["env"], check=check)
-
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def computed_reused(stdout):
@@ -107,27 +48,22 @@ def computed_reused(stdout):
     return int(m.group(2)), int(m.group(3))
 
 
-def load_export(out):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))
-
-
 COMBO = ["--batch_size=1", "--grad_accum=2", "--activation_checkpointing=1", "--cpu_offload=1",
          "--ema_decay=0.5", "--sample_every=2", "--save_every=2", "--val_every=2", "--report_to=tensorboard"]
 
 
 @pytest.fixture(scope="module")
-def runs(setup):
-    root, out = setup["root"], {}
+def runs(kontext_setup):
+    root, out = kontext_setup["root"], {}
     for name, ranks, args in (("ref", 1, ["--batch_size=4", "--sample_every=0"]),
                               ("hsdp", 2, ["--batch_size=2", "--dp_replicate=2", "--reshard_after_forward=0",
                                            "--sample_every=0"]),
                               ("combo", 2, COMBO)):
-        out[name] = (str(root / name), launch(setup, root / name, args, ranks).stdout)
+        out[name] = (str(root / name), launch_kontext(kontext_setup, root / name, args, ranks).stdout)
     # resume: a new run whose OUTPUT_DIR holds the straight run's step-2 checkpoint continues to step 3
     os.makedirs(root / "resumed" / "checkpoints")
     shutil.copytree(root / "combo" / "checkpoints" / "step_000002", root / "resumed" / "checkpoints" / "step_000002")
-    out["resumed"] = (str(root / "resumed"), launch(setup, root / "resumed", COMBO + ["--resume=auto"]).stdout)
+    out["resumed"] = (str(root / "resumed"), launch_kontext(kontext_setup, root / "resumed", COMBO + ["--resume=auto"]).stdout)
     return out
 
 
@@ -135,60 +71,56 @@ def runs(setup):
 # end to end
 
 
-def test_two_ranks_match_one_process_with_memory_options(runs, setup):
-    train, _, buckets, bucket_of = tfk.load_data(setup["data"], 2, 64, tfk.BUCKET_ASPECTS, 16, False)
-    sizes = {buckets[b] for b, _ in tfk.bucket_schedule(bucket_of, STEPS, seed=0)[1]}
+@pytest.mark.slow
+def test_two_ranks_match_one_process_with_memory_options(runs, kontext_setup):
+    train, _, buckets, bucket_of = tfk.load_data(kontext_setup["data"], 2, 64, tfk.BUCKET_ASPECTS, 16, False)
+    sizes = {buckets[b] for b, _ in tfk.bucket_schedule(bucket_of, KONTEXT_STEPS, seed=0)[1]}
     assert sizes == {(64, 64), (48, 96)}  # the compared steps switch between the two buckets
-    ref = metrics(runs["ref"][0])
-    assert [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    ref = read_metrics(runs["ref"][0])
+    assert [r["step"] for r in ref] == list(range(1, KONTEXT_STEPS + 1))
     for name in ("hsdp", "combo"):
-        other = metrics(runs[name][0])
+        other = read_metrics(runs[name][0])
         for a, b in zip(ref, other, strict=True):
             assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a, b)
             assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"]), (name, a, b)
     # final weights too (combo exports its EMA, so compare the raw ones of ref and hsdp)
     from safetensors.torch import load_file
-    initial = load_file(os.path.join(setup["model_path"], "transformer", "diffusion_pytorch_model.safetensors"))
-    trained_1, trained_2 = load_export(runs["ref"][0]), load_export(runs["hsdp"][0])
+    initial = load_file(os.path.join(kontext_setup["model_path"], "transformer", "diffusion_pytorch_model.safetensors"))
+    trained_1, trained_2 = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["hsdp"][0])
     assert any(not torch.equal(initial[k], trained_1[k]) for k in initial)  # lr 1e-3: it did train
     for k in initial:
         torch.testing.assert_close(trained_2[k], trained_1[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def checkpoint_state(out, step):
-    """A DCP checkpoint folder read back offline (no process group) as one nested dict."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    path = os.path.join(out, f"state_{step}.pt")
-    dcp_to_torch_save(os.path.join(out, "checkpoints", f"step_{step:06d}"), path)
-    return torch.load(path, weights_only=False)
-
-
+@pytest.mark.slow
 def test_resume_is_bit_exact(runs):
     assert "resumed from" in runs["resumed"][1] and "(step 2)" in runs["resumed"][1]
-    straight, resumed = load_export(runs["combo"][0]), load_export(runs["resumed"][0])
+    straight, resumed = load_kontext_export(runs["combo"][0]), load_kontext_export(runs["resumed"][0])
     assert straight.keys() == resumed.keys()
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
     # model, EMA and AdamW state at step 3, bit for bit
-    a, b = checkpoint_state(runs["combo"][0], STEPS), checkpoint_state(runs["resumed"][0], STEPS)
+    a, b = read_checkpoint(runs["combo"][0], KONTEXT_STEPS), read_checkpoint(runs["resumed"][0], KONTEXT_STEPS)
     for name in ("model.transformer", "model.ema"):
         assert a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name])
     for key, state in a["optim.transformer"]["state"].items():
         for k, v in state.items():
             assert torch.equal(v, b["optim.transformer"]["state"][key][k]), (key, k)
-    assert metrics(runs["combo"][0])[-1]["loss"] == metrics(runs["resumed"][0])[-1]["loss"]
+    assert read_metrics(runs["combo"][0])[-1]["loss"] == read_metrics(runs["resumed"][0])[-1]["loss"]
 
 
-def test_text_cache_filled_once_then_reused(runs, setup):
-    unique = len({r["prompt"] for r in setup["rows"]})
+@pytest.mark.slow
+def test_text_cache_filled_once_then_reused(runs, kontext_setup):
+    unique = len({r["prompt"] for r in kontext_setup["rows"]})
     counts = [computed_reused(stdout) for _, stdout in (runs[k] for k in ("ref", "hsdp", "combo"))]
     assert counts[0] == (unique, 0)  # the first run fills the shared cache
     assert all(c == (0, unique) for c in counts[1:])
     assert computed_reused(runs["resumed"][1]) == (0, unique)
-    files = [f for _, _, fs in os.walk(setup["root"] / "text_cache") for f in fs]
+    files = [f for _, _, fs in os.walk(kontext_setup["root"] / "text_cache") for f in fs]
     assert len(files) == unique and all(f.endswith(".pt") for f in files)
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_ema_and_samples_are_grids(runs):
     import torch.distributed.checkpoint as dcp
     from PIL import Image
@@ -202,6 +134,7 @@ def test_checkpoint_holds_ema_and_samples_are_grids(runs):
     assert not os.path.exists(os.path.join(runs["ref"][0], "samples"))  # SAMPLE_EVERY=0: none
 
 
+@pytest.mark.slow
 def test_export_runs_in_flux_kontext_pipeline(runs):
     from diffusers import FluxKontextPipeline
     from PIL import Image
@@ -212,21 +145,23 @@ def test_export_runs_in_flux_kontext_pipeline(runs):
                _auto_resize=False, num_inference_steps=2, max_sequence_length=32, output_type="pt",
                generator=torch.Generator().manual_seed(0)).images
     assert out.shape == (1, 3, 64, 64) and torch.isfinite(out).all()
-    trained = load_export(runs["combo"][0])
+    trained = load_kontext_export(runs["combo"][0])
     assert all(torch.equal(v, trained[k]) for k, v in pipe.transformer.state_dict().items())
 
 
+@pytest.mark.slow
 def test_export_names_the_diffusers_class_and_loads_with_automodel(runs):
     assert_loads_with_automodel(os.path.join(runs["combo"][0], "export", "transformer"))
 
 
-def test_bad_row_stops_all_ranks_with_file_and_line(setup, tmp_path):
-    lines = open(setup["data"]).read().splitlines()
+@pytest.mark.slow
+def test_bad_row_stops_all_ranks_with_file_and_line(kontext_setup, tmp_path):
+    lines = open(kontext_setup["data"]).read().splitlines()
     lines[2] = '{"image": "context/002.png", "target": '  # truncated JSON on line 3
-    bad = os.path.join(os.path.dirname(setup["data"]), "bad.jsonl")  # beside the images it names
+    bad = os.path.join(os.path.dirname(kontext_setup["data"]), "bad.jsonl")  # beside the images it names
     with open(bad, "w") as f:
         f.write("\n".join(lines) + "\n")
-    proc = launch(setup, tmp_path / "out", [f"--data_path={bad}"], ranks=2, check=False)
+    proc = launch_kontext(kontext_setup, tmp_path / "out", [f"--data_path={bad}"], ranks=2, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {bad}:3: not valid JSON (Expecting value)"], proc.stdout[-2000:]
@@ -236,10 +171,10 @@ def test_bad_row_stops_all_ranks_with_file_and_line(setup, tmp_path):
 # helpers, in process
 
 
-def test_missing_target_image_is_named_or_skipped(setup, tmp_path):
-    rows = [dict(r) for r in setup["rows"]]
+def test_missing_target_image_is_named_or_skipped(kontext_setup, tmp_path):
+    rows = [dict(r) for r in kontext_setup["rows"]]
     rows[4]["target"] = "target/nope.png"
-    base = os.path.dirname(setup["data"])
+    base = os.path.dirname(kontext_setup["data"])
     for r in rows:
         r["image"], r["target"] = os.path.join(base, r["image"]), os.path.join(base, r["target"])
     path = tmp_path / "d.jsonl"
@@ -268,8 +203,8 @@ def test_buckets_keep_each_global_batch_on_one_size():
     assert tfk.bucket_schedule(bucket_of, 60, seed=4)[1] != schedule
 
 
-def test_pair_gets_one_resize_crop_and_flip(setup):
-    row = {k: os.path.join(os.path.dirname(setup["data"]), setup["rows"][5][k]) for k in ("image", "target")}
+def test_pair_gets_one_resize_crop_and_flip(kontext_setup):
+    row = {k: os.path.join(os.path.dirname(kontext_setup["data"]), kontext_setup["rows"][5][k]) for k in ("image", "target")}
     context, target = tfk.load_pairs([row, row], (64, 64), [False, True])
     assert context.shape == target.shape == (2, 3, 64, 64)
     assert torch.equal(context[1], context[0].flip(-1)) and torch.equal(target[1], target[0].flip(-1))
@@ -277,8 +212,8 @@ def test_pair_gets_one_resize_crop_and_flip(setup):
     assert torch.equal((context[0] != context[0, :, :1, :1]).any(0), (target[0] != target[0, :, :1, :1]).any(0))
 
 
-def test_text_cache_key_depends_on_encoder_settings(setup):
-    ids = {tfk.encoder_identity(setup["model_path"], n, dt) for n in (32, 16) for dt in (torch.float32, torch.bfloat16)}
+def test_text_cache_key_depends_on_encoder_settings(kontext_setup):
+    ids = {tfk.encoder_identity(kontext_setup["model_path"], n, dt) for n in (32, 16) for dt in (torch.float32, torch.bfloat16)}
     assert len(ids) == 4
     a = tfk.cache_file("/c", ids.pop(), "make it red")
     assert a != tfk.cache_file("/c", ids.pop(), "make it red")
@@ -299,14 +234,14 @@ def test_config_errors_before_any_work(monkeypatch):
         vars(tfk).update(saved)
 
 
-def test_fsdp_transformer_matches_plain_model(setup, tmp_path):
+def test_fsdp_transformer_matches_plain_model(kontext_setup, tmp_path):
     """FSDP2 with activation checkpointing (world of one) gives the plain model's loss and grads:
     FLUX blocks returning views (FSDP2 warns about it) do not lose gradient hooks."""
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
     from precision import get_precision
     from algorithms import flux_kontext as km
-    folder = os.path.join(setup["model_path"], "transformer")
+    folder = os.path.join(kontext_setup["model_path"], "transformer")
     g = torch.Generator().manual_seed(0)
     x0, ctx, noise = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))
     sigmas = torch.rand(2, generator=g)
@@ -346,20 +281,22 @@ def tensorboard_scalars(out):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_tensorboard_equals_metrics_and_validation_loss_is_logged(runs):
     pytest.importorskip("tensorboard")
     for name, steps in (("combo", [1, 2, 3]), ("resumed", [3])):  # the resumed run continues at step 3
-        rows = metrics(runs[name][0])
+        rows = read_metrics(runs[name][0])
         scalars = tensorboard_scalars(runs[name][0])
         assert [s for s, _ in scalars["loss"]] == steps
         for r in rows:
             for k, v in r.items():
                 if k != "step":
                     assert (r["step"], pytest.approx(v, rel=1e-6)) in scalars[k], (name, k, r)
-    val = [r for r in metrics(runs["combo"][0]) if "val_loss" in r]
+    val = [r for r in read_metrics(runs["combo"][0]) if "val_loss" in r]
     assert [r["step"] for r in val] == [2] and 0 < val[0]["val_loss"] < 10
 
 
+@pytest.mark.slow
 def test_no_third_party_nag_lines(runs):
     for _, stdout in runs.values():
         for nag in ("torchvision", "accelerate", "Loading weights", "low_cpu_mem_usage"):

@@ -105,7 +105,7 @@ FP32_COMPONENTS = {"sdxl": ("vae",)}
 # the resolution when none is given, for kinds without a UNet sample_size to take it from
 DEFAULT_RESOLUTION = 512
 
-# LoRA adapters' storage dtype (hence their grads' and AdamW states'): fsdp_utils.add_lora keeps them
+# LoRA adapters' storage dtype (hence their grads' and AdamW states'): parallel.lora.add_lora keeps them
 # in fp32 whatever the precision mode; Precision.adapter_mp_policy reduce-scatters their grads in fp32
 ADAPTER_DTYPE = torch.float32
 

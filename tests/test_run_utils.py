@@ -1,23 +1,23 @@
-"""run_utils.RunLogger on one process (no process group: rank() is 0): metrics.jsonl, the
-TensorBoard and W&B (offline) backends and their resume, REPORT_TO checks, and the plain progress
-lines printed when stdout is not a terminal. No training; each test takes a few seconds at most.
+"""run_utils.py on one process (no process group: rank() is 0): RunLogger (metrics.jsonl, the
+TensorBoard and W&B (offline) backends and their resume, REPORT_TO checks, the plain progress
+lines printed when stdout is not a terminal), the --name=value parser, run_main's one-line errors.
+No training; each test takes a few seconds at most.
 
-    python -m pytest tests/test_logging.py -q
+    python -m pytest tests/test_run_utils.py -q
 """
 import glob
 import json
 import os
 import struct
+import subprocess
 import sys
 import time
 
 import pytest
 
+import run_utils
 from tests.conftest import ROOT
-
-sys.path.insert(0, ROOT)
-import run_utils  # noqa: E402
-from run_utils import ConfigError, RunLogger  # noqa: E402
+from run_utils import ConfigError, RunLogger
 
 
 @pytest.fixture(autouse=True)
@@ -252,3 +252,30 @@ def test_paused_work_is_not_counted_in_step_ms(tmp_path):
     logger.step_done(2, {"loss": 1.0})
     logger.close()
     assert read_jsonl(tmp_path)[-1]["step_ms"] < 200
+
+
+# ----------------------------------------------------------------------------------------------
+# settings and errors
+
+def test_overrides_type_checked_and_case_insensitive():
+    ns = {"MAX_STEPS": 10, "LR": 1e-4, "NAME": "x", "FLAG": False, "STEPS": [999, 749], "lower": 1}
+    cfg = run_utils.apply_overrides(ns, ["--max_steps=20", "--LR=3e-5", "--flag=true", "--steps=[999,500]",
+                                          "--Name=y"])
+    assert cfg == {"MAX_STEPS": 20, "LR": 3e-5, "NAME": "y", "FLAG": True, "STEPS": [999, 500]}
+    assert run_utils.apply_overrides(ns, ["--steps=999,1"])["STEPS"] == [999, 1]
+    with pytest.raises(ConfigError, match="did you mean --max_steps"):
+        run_utils.apply_overrides(ns, ["--max_step=3"])
+    with pytest.raises(ConfigError, match="expected int"):
+        run_utils.apply_overrides(ns, ["--max_steps=ten"])
+    with pytest.raises(ConfigError, match="expected bool"):
+        run_utils.apply_overrides(ns, ["--flag=maybe"])
+    with pytest.raises(ConfigError, match="--name=value"):
+        run_utils.apply_overrides(ns, ["max_steps=3"])
+
+
+def test_run_main_config_error_is_one_line_exit_2():
+    code = ("import sys; sys.path.insert(0, %r); import run_utils\n"
+            "def main():\n    raise run_utils.ConfigError('bad thing')\n"
+            "run_utils.run_main(main)\n") % ROOT
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "error: bad thing"

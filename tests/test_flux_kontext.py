@@ -1,12 +1,13 @@
-"""Fast CPU tests for kontext_math (the FLUX.1 Kontext training-step math).
+"""algorithms/flux_kontext.py (the FLUX.1 Kontext training-step math), fast, on CPU.
 
 Reference behaviour is taken from diffusers' own FluxKontextPipeline helpers and from
 running the pipeline itself on tiny random components (no weights, no network).
+
+    python -m pytest tests/test_flux_kontext.py -q
 """
 
 import math
 import os
-import sys
 import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,11 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from algorithms import flux_kontext as km  # noqa: E402
+from algorithms import flux_kontext as km
 
-from diffusers import (  # noqa: E402
+from diffusers import (
     AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     FluxKontextPipeline,

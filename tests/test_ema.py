@@ -1,0 +1,55 @@
+"""parallel/ema.py: the EMA a script keeps (a full copy, or of a LoRA model's adapters only), its
+update, and the weights samples and exports use. Sharded EMAs are checked end to end by the
+scripts' tests (test_train_dmd.py, test_lora.py); here single-process, plain tensors.
+
+    python -m pytest tests/test_ema.py -q
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from parallel import ema as ema_lib
+from parallel import lora
+from tests.conftest import tiny_unet
+
+
+def test_no_decay_no_ema():
+    assert ema_lib.build_ema(torch.nn.Linear(2, 2), 0.0, lambda: None) is None
+
+
+def test_full_copy_starts_equal_and_moves_by_one_minus_decay():
+    model = torch.nn.Linear(3, 2)
+    ema = ema_lib.build_ema(model, 0.9, lambda: torch.nn.Linear(3, 2))
+    assert not isinstance(ema, ema_lib.AdapterEMA) and not ema.training
+    assert all(torch.equal(a, b) and not a.requires_grad for a, b in zip(ema.parameters(), model.parameters()))
+    before = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema_lib.ema_update(ema, model, 0.9)
+    for e, b in zip(ema.parameters(), before.parameters()):
+        torch.testing.assert_close(e, b + 0.1)
+    with ema_lib.output_weights(model, ema) as out:
+        assert out is ema
+
+
+def test_lora_ema_holds_only_the_adapters_and_swaps_them_in():
+    unet = tiny_unet()
+    lora.add_lora(unet, lora.Lora(rank=2))
+    lora.init_lora(unet, seed=0)
+    adapters = [p for p in unet.parameters() if p.requires_grad]
+    ema = ema_lib.build_ema(unet, 0.5, lambda: None)
+    assert isinstance(ema, ema_lib.AdapterEMA) and len(list(ema.parameters())) == len(adapters)
+    trained = [p.detach().clone() for p in adapters]
+    with torch.no_grad():
+        for p in adapters:
+            p.add_(2.0)
+    ema_lib.ema_update(ema, unet, 0.5)
+    with ema_lib.output_weights(unet, ema) as out:
+        assert out is unet
+        for p, t in zip(adapters, trained):
+            torch.testing.assert_close(p, t + 1.0)  # 0.5 * t + 0.5 * (t + 2)
+    for p, t in zip(adapters, trained):
+        torch.testing.assert_close(p, t + 2.0)  # swapped back

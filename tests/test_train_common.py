@@ -1,0 +1,67 @@
+"""train_common.py: the shared settings' one meaning (when logs, samples and checkpoints are due),
+the log window, the pipeline a folder holds, the checks both scripts make before any work, and the
+one LR warmup.
+
+    python -m pytest tests/test_train_common.py -q
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import run_utils
+import train_common
+import train_dmd
+import train_flux_kontext
+from run_utils import ConfigError
+
+
+def test_due_counts_steps_and_zero_turns_off():
+    assert [s for s in range(1, 11) if train_common.due(s, 4, 10)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if train_common.due(s, 4)] == [4, 8]
+    assert not any(train_common.due(s, 0, 10) for s in range(1, 11))  # 0: never, not even at the end
+
+
+def test_window_means_each_metric_over_the_steps_that_made_it():
+    window = {}
+    train_common.window_add(window, {"loss_dm": 1.0, "loss_fake": 2.0})
+    train_common.window_add(window, {"loss_fake": 4.0, "grad_norm": 3.0})
+    assert train_common.window_metrics(window, {"lr": 0.5}) == {"grad_norm": 3.0, "loss_dm": 1.0,
+                                                                  "loss_fake": 3.0, "lr": 0.5}
+    assert window == {}
+
+
+def test_pipeline_of_reads_model_index(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    assert train_common.pipeline_of(str(tmp_path), "train_dmd.py") == "StableDiffusionXLPipeline"
+    # a pipeline the script does not train: the script's default, whose folder check names what is missing
+    assert train_common.pipeline_of(str(tmp_path), "train_flux_kontext.py") == "FluxKontextPipeline"
+    assert train_common.pipeline_of(str(tmp_path / "missing"), "train_dmd.py") == "StableDiffusionPipeline"
+
+
+@pytest.mark.parametrize("script", [train_dmd, train_flux_kontext], ids=["dmd", "kontext"])
+@pytest.mark.parametrize("change, message", [
+    ({"LOG_EVERY": -1}, "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0"), ({"GRAD_ACCUM": 0}, "GRAD_ACCUM >= 1"),
+    ({"PRECISION": "fp8"}, "fp8"), ({"LORA_RANK": -1}, "LORA_RANK=-1"), ({"PARALLELISM": "zero"}, "PARALLELISM"),
+    ({"EXPORT_DTYPE": "int4"}, "int4"),
+])
+def test_shared_settings_are_checked_alike(script, change, message):
+    settings = {**run_utils.script_constants(vars(script)), **change}
+    with pytest.raises(ConfigError, match=message):
+        train_common.check_shared_settings(settings)
+
+
+@pytest.mark.parametrize("first_step, factors", [(0, [0.0, 0.4, 0.8, 1.0]), (1, [0.4, 0.8, 1.0, 1.0])])
+def test_one_warmup_two_conventions(first_step, factors):
+    """first_step=0: the official DMD2 schedule (LR 0 at the first iteration, fractional warmup
+    allowed); 1: the first update already at LR / warmup (the Kontext script's)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = run_utils.warmup_scheduler(opt, 2.5, first_step=first_step)
+    seen = []
+    for _ in factors:
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx(factors)
