@@ -456,7 +456,7 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
 
 
 # ----------------------------------------------------------------------------------------------
-# the training step
+# the step (and the validation loss of the held-out pairs)
 
 
 def draw_step_randomness(seed, step, global_batch, latent_shape, sigma_kwargs, random_flip):

@@ -27,9 +27,10 @@ fi
 # the last complete checkpoint of stage 1 (checkpoints/step_XXXXXX, zero-padded: sorts by step)
 ckpt=$(ls -d "$STAGE1"/checkpoints/step_* | sort | tail -n 1)
 stage1=$(date +%s)
-# the stage-1 demo's schedule (batch 16 per rank, LR 2e-4, ratio 5, EMA 0.98), continued from its weights
+# the stage-1 demo's schedule (batch 16 per rank, LR 2e-4, ratio 5, EMA 0.98), continued from its weights;
+# a sample grid at the end of each run only (SAMPLE_EVERY >= the run's length)
 common=(--batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_update_ratio=5 --ema_decay=0.98
-        --precision=fp32 --log_every=50 --sample_every=0 --init_from="$ckpt")
+        --precision=fp32 --log_every=50 --sample_every=100000 --init_from="$ckpt")
 run() { python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py "$@"; }
 run --output_dir="$OUT/stage2" --max_steps="$STAGE2_STEPS" --save_every="$STAGE2_STEPS" "${common[@]}" \
     --use_gan=1 --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2 --diffusion_gan_max_timestep=1000

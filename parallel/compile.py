@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from run_utils import ConfigError
 
-# What is compiled is each unit's `forward`, patched on the instance like _checkpointed does: the
+# What is compiled is each unit's `forward`, patched on the instance as fsdp_utils.checkpoint_activations does: the
 # block's own forward, or with activation checkpointing the checkpoint wrapper, so the recompute
 # is inside the compiled region (a checkpoint higher-order op that AOTAutograd replays in the
 # backward graph). That is torchtitan's order, AC -> compile -> fully_shard

@@ -12,7 +12,7 @@
 #   NNODES=8 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash recipes/dmd_sd15_stage1.sh   # on each node
 # Extra --name=value arguments override these (e.g. --max_steps=100 for a trial).
 # Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
-# (algorithms/dmd2.warmup_factor), the same for any world size here.
+# (train_dmd.make_optimizer), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SD-1.5 diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/)}

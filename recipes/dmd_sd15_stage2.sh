@@ -11,7 +11,7 @@
 #   MODEL=/models/stable-diffusion-v1-5 DATA=/data/laion.jsonl \
 #   INIT_FROM=out/sd15_stage1/checkpoints/step_040000 bash recipes/dmd_sd15_stage2.sh
 # Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
-# (algorithms/dmd2.warmup_factor), the same for any world size here.
+# (train_dmd.make_optimizer), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to the ORIGINAL SD-1.5 folder (the teacher), not stage 1 export}

@@ -11,7 +11,7 @@
 #
 #   MODEL=/models/stable-diffusion-xl-base-1.0 DATA=/data/laion.jsonl bash recipes/dmd_sdxl_1step.sh
 # Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
-# (algorithms/dmd2.warmup_factor), the same for any world size here.
+# (train_dmd.make_optimizer), the same for any world size here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline layout)}

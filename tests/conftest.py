@@ -225,6 +225,21 @@ def read_checkpoint(out, step, flat: bool = False):
     return tensors
 
 
+def assert_kontext_resumed_bit_exact(straight, resumed, step) -> dict:
+    """Two Kontext runs' checkpoints of `step` hold the same transformer, EMA and AdamW state bit for
+    bit, and their last logged losses are equal (a resumed run against one run straight through).
+    Returns the straight run's checkpoint."""
+    a, b = read_checkpoint(straight, step), read_checkpoint(resumed, step)
+    for name in ("model.transformer", "model.ema"):
+        assert a[name].keys() == b[name].keys(), name
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    for key, state in a["optim.transformer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optim.transformer"]["state"][key][k]), (key, k)
+    assert read_metrics(straight)[-1]["loss"] == read_metrics(resumed)[-1]["loss"]
+    return a
+
+
 def write_pair(folder, name, size, colour, new_colour):
     """A context/target pair of `size` (w, h): one rectangle, recoloured in the target."""
     from PIL import Image, ImageDraw

@@ -20,8 +20,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import run_ranks
-from tests.conftest import launch_kontext, load_kontext_export, read_checkpoint, read_metrics
+from tests.conftest import assert_kontext_resumed_bit_exact, launch_kontext, load_kontext_export, read_metrics, run_ranks
 
 import fsdp_utils
 import train_flux_kontext as tfk
@@ -80,13 +79,7 @@ def test_cp_samples_match_one_process(runs):
 @pytest.mark.slow
 def test_cp_resume_is_bit_exact(runs):
     assert "(step 2)" in runs["resumed"][1]
-    a, b = read_checkpoint(runs["cp"][0], 3), read_checkpoint(runs["resumed"][0], 3)
-    for name in ("model.transformer", "model.ema"):
-        assert a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name])
-    for key, state in a["optim.transformer"]["state"].items():
-        for k, v in state.items():
-            assert torch.equal(v, b["optim.transformer"]["state"][key][k]), (key, k)
-    assert read_metrics(runs["cp"][0])[-1]["loss"] == read_metrics(runs["resumed"][0])[-1]["loss"]
+    assert_kontext_resumed_bit_exact(runs["cp"][0], runs["resumed"][0], 3)
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import free_port, launch_dmd, launch_env, launch_kontext, read_checkpoint, read_metrics
+from tests.conftest import (assert_kontext_resumed_bit_exact, free_port, launch_dmd, launch_env, launch_kontext,
+                            read_checkpoint, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import checkpoint
@@ -69,13 +70,7 @@ def test_two_ranks_match_one_process_losses_and_adapters(runs, kontext_setup):
 
 @pytest.mark.slow
 def test_resume_is_bit_exact_and_reshards_to_one_process(runs):
-    two, resumed = read_checkpoint(runs["two"][0], 3), read_checkpoint(runs["resumed"][0], 3)
-    for name in ("model.transformer", "model.ema"):
-        assert two[name].keys() == resumed[name].keys()
-        assert all(torch.equal(two[name][k], resumed[name][k]) for k in two[name]), name
-    for key, state in two["optim.transformer"]["state"].items():
-        assert all(torch.equal(v, resumed["optim.transformer"]["state"][key][k]) for k, v in state.items())
-    assert read_metrics(runs["two"][0])[-1]["loss"] == read_metrics(runs["resumed"][0])[-1]["loss"]
+    two = assert_kontext_resumed_bit_exact(runs["two"][0], runs["resumed"][0], 3)
     one = read_checkpoint(runs["one"][0], 3)["model.transformer"]  # saved on 2 ranks, resumed on 1
     for k, v in two["model.transformer"].items():
         torch.testing.assert_close(one[k], v, rtol=1e-4, atol=1e-5, msg=k)

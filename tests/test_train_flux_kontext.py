@@ -27,8 +27,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (KONTEXT_STEPS, assert_loads_with_automodel, free_port, launch_kontext, load_kontext_export,
-                            read_checkpoint, read_metrics)
+from tests.conftest import (KONTEXT_STEPS, assert_kontext_resumed_bit_exact, assert_loads_with_automodel, free_port,
+                            launch_kontext, load_kontext_export, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -100,13 +100,7 @@ def test_resume_is_bit_exact(runs):
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
     # model, EMA and AdamW state at step 3, bit for bit
-    a, b = read_checkpoint(runs["combo"][0], KONTEXT_STEPS), read_checkpoint(runs["resumed"][0], KONTEXT_STEPS)
-    for name in ("model.transformer", "model.ema"):
-        assert a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name])
-    for key, state in a["optim.transformer"]["state"].items():
-        for k, v in state.items():
-            assert torch.equal(v, b["optim.transformer"]["state"][key][k]), (key, k)
-    assert read_metrics(runs["combo"][0])[-1]["loss"] == read_metrics(runs["resumed"][0])[-1]["loss"]
+    assert_kontext_resumed_bit_exact(runs["combo"][0], runs["resumed"][0], KONTEXT_STEPS)
 
 
 @pytest.mark.slow
