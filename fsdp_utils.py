@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from run_utils import ConfigError, print0, rank, world_size
+from run_utils import ConfigError, barrier, print0, rank, world_size
 
 # ----------------------------------------------------------------------------------------------
 # process groups and meshes
@@ -64,7 +64,8 @@ def init_distributed(cpu_offload: bool = False, timeout_s: float = 1800.0) -> Di
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", gpu_index(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                                torch.cuda.device_count()))
         torch.cuda.set_device(device)
         backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timeout, device_id=device)
@@ -77,6 +78,20 @@ def init_distributed(cpu_offload: bool = False, timeout_s: float = 1800.0) -> Di
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()
     return Dist(rank_, world, local_rank, device, backend)
+
+
+def gpu_index(local_rank: int, local_world: int, visible: int) -> int:
+    """This rank's GPU among the `visible` ones. Each rank sees all of its node's GPUs (torchrun
+    on a node): its LOCAL_RANK. A scheduler gives each rank only its own GPU (SLURM's
+    --gpus-per-task=1, CUDA_VISIBLE_DEVICES of one): device 0. Anything else would put two ranks
+    on one GPU, which NCCL refuses: an error naming the numbers."""
+    if visible == 1:
+        return 0
+    if local_world <= visible:
+        return local_rank
+    raise ConfigError(f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world} ranks on this node, but {visible} "
+                      "GPUs are visible to it: give every rank its own GPU (all of the node's GPUs to each rank, "
+                      "or exactly one)")
 
 
 def _exit_with_launcher(poll_s: float = 0.5) -> None:
@@ -97,7 +112,7 @@ def _exit_with_launcher(poll_s: float = 0.5) -> None:
 
 def cleanup_distributed() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
 
 
@@ -282,35 +297,21 @@ def check_parallelism(parallelism: str, cpu_offload: bool, dp_replicate: int) ->
                           "rank already; DP_REPLICATE (HSDP) needs fsdp")
 
 
-def apply_ddp(model: nn.Module, device: torch.device, mp_policy: MixedPrecisionPolicy, *,
-              verbose: bool = True) -> nn.Module:
-    """Plain `DistributedDataParallel` over a materialised model: a full replica per rank, grads
-    all-reduced (averaged) in buckets during backward. Returns the DDP wrapper, to be used only for
-    training forwards; keep the unwrapped model for checkpoints, EMA, samples and export.
-
-    The same precision contract as FSDP2's MixedPrecisionPolicy: floating inputs cast to
-    `mp_policy.param_dtype` (the compute dtype), the forward under autocast when the stored params
-    are wider than it (bf16-mixed: fp32 master weights, bf16 matmuls), floating outputs handed back
-    in `output_dtype` (fp32 for losses). Activation checkpointing and compile are the model's recipe's
-    (parallel/parallelize.py with mesh=None), applied before this. dynamo's DDPOptimizer (which splits
-    a graph compiled inside DDP's forward at gradient bucket boundaries, and refuses the checkpoint
-    higher-order op) is off: each compiled block is already a small graph, and DDP's reducer still
-    all-reduces buckets as grads arrive."""
-    from torch.nn.parallel import DistributedDataParallel
+def apply_precision(model: nn.Module, mp_policy: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2's MixedPrecisionPolicy contract for a model that is not sharded (PARALLELISM=ddp: the
+    trained replicas, their EMA, a frozen teacher), patched on the instance's forward so that every
+    caller gets it (the DDP wrapper's training forwards, samples, validation, the pipelines):
+    floating inputs cast to `mp_policy.param_dtype` (the compute dtype), the forward under autocast
+    when some parameter is stored wider than it (bf16-mixed: fp32 master weights; LoRA: fp32
+    adapters on a bf16 base), floating outputs handed back in `output_dtype` (fp32 for losses).
+    Without it a bf16 replica fails on the fp32 inputs FSDP2 would have cast. Returns `model`."""
     from torch.utils._pytree import tree_map
-    torch._dynamo.config.optimize_ddp = False
-    stored = {p.dtype for p in model.parameters() if p.requires_grad}
     compute, out_dtype = mp_policy.param_dtype, mp_policy.output_dtype
-    autocast = compute is not None and any(d != compute for d in stored)
+    autocast = compute is not None and any(p.dtype != compute for p in model.parameters() if p.is_floating_point())
     if autocast:  # norms with fp32 weights take bf16 inputs under autocast: correct, just unfused
         import warnings
         warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-    if verbose:
-        print0(f"ddp: {type(model).__name__}: full replica per rank"
-               + (f", autocast to {compute}" if autocast else ""))
-    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                  gradient_as_bucket_view=True)
-    inner = ddp.forward
+    inner = model.forward
 
     def cast(dtype):
         return lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and dtype else t
@@ -318,12 +319,30 @@ def apply_ddp(model: nn.Module, device: torch.device, mp_policy: MixedPrecisionP
     def forward(*args, **kwargs):
         if compute is not None and mp_policy.cast_forward_inputs:
             args, kwargs = tree_map(cast(compute), (args, kwargs))
+        device = next(model.parameters()).device
         with torch.autocast(device.type, dtype=compute, enabled=autocast):
             out = inner(*args, **kwargs)
         return tree_map(cast(out_dtype), out)
 
-    ddp.forward = forward
-    return ddp
+    model.forward = forward
+    return model
+
+
+def apply_ddp(model: nn.Module, device: torch.device, verbose: bool = True) -> nn.Module:
+    """Plain `DistributedDataParallel` over a materialised model: a full replica per rank, grads
+    all-reduced (averaged) in buckets during backward. Returns the DDP wrapper, to be used only for
+    training forwards; keep the unwrapped model for checkpoints, EMA, samples and export. The
+    model's recipe (parallel/parallelize.py with mesh=None) has already given it activation
+    checkpointing, compile and the precision contract (apply_precision). dynamo's DDPOptimizer
+    (which splits a graph compiled inside DDP's forward at gradient bucket boundaries, and refuses
+    the checkpoint higher-order op) is off: each compiled block is already a small graph, and DDP's
+    reducer still all-reduces buckets as grads arrive."""
+    from torch.nn.parallel import DistributedDataParallel
+    torch._dynamo.config.optimize_ddp = False
+    if verbose:
+        print0(f"ddp: {type(model).__name__}: full replica per rank")
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True)
 
 
 def prepare_frozen(model: nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> nn.Module:

@@ -60,38 +60,74 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def all_ranks_agree(ok: bool, device: torch.device | None = None) -> bool:
+# Every collective of the project goes through these helpers (tests/test_layout.py checks that no
+# other module calls torch.distributed's collectives): NCCL takes CUDA tensors only, gloo takes any,
+# so a CPU tensor handed to a collective passes every CPU test and fails on the first GPU run. The
+# helpers put each tensor on the group's communication device and hand the result back where the
+# caller's tensor was.
+
+def comm_device() -> torch.device:
+    """Where the default group's collectives take their tensors: this rank's GPU under NCCL
+    (init_distributed made it the current device), the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and world_size() > 1
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A new tensor: `t` reduced over all ranks (sum by default), on t's device."""
+    if not _distributed():
+        return t.clone()
+    x = t.to(comm_device(), copy=True)
+    dist.all_reduce(x, op=op)
+    return x.to(t.device)
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable objects: small metadata only)."""
+    if not _distributed():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)  # pickles through a tensor on the current device (CUDA under NCCL)
+    return out
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's `obj` on every rank (e.g. a path only rank 0 looked up)."""
+    if not _distributed():
+        return obj
+    box = [obj if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, device=comm_device())
+    return box[0]
+
+
+def barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def all_ranks_agree(ok: bool) -> bool:
     """True only if `ok` is True on every rank (a MIN all-reduce): lets all ranks take the same
     branch, e.g. skip a step whose loss was non-finite on one rank."""
-    if not dist.is_initialized() or world_size() == 1:
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0], device=device or _comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = all_reduce(torch.tensor([1.0 if ok else 0.0]), op=dist.ReduceOp.MIN)
     return bool(flag.item() > 0.5)
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Average scalar metrics over ranks (for logging), one all-reduce."""
-    if not values or not dist.is_initialized() or world_size() == 1:
-        return dict(values)
+    if not values:
+        return {}
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t)
+    t = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
     return {k: v / world_size() for k, v in zip(keys, t.tolist())}
 
 
 def first_error(error: str | None) -> str | None:
     """Collective: the first failing rank's message (None when every rank succeeded), on every
     rank, so all ranks stop together after a local failure (e.g. one rank's disk is full)."""
-    if not dist.is_initialized() or world_size() == 1:
-        return error
-    errors = [None] * world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
+    return next((e for e in all_gather_objects(error) if e), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +335,32 @@ def check_output_dir(path: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"OUTPUT_DIR={path!r} is not writable ({e.strerror or e})") from None
+
+
+def check_output_dir_shared(path: str) -> None:
+    """Collective, after the process group is up: every rank sees a file rank 0 writes in OUTPUT_DIR.
+    Checkpoints (DCP: each rank writes its shards, rank 0 the metadata and the rename), the text
+    cache and resume need one folder that all ranks share; a node-local OUTPUT_DIR on a multi-node
+    run would otherwise fail mid-run, at the first save. Fails on every rank, naming the hosts that
+    do not see it."""
+    probe = os.path.join(path, ".shared_check")
+    token = broadcast_from_rank0(f"{socket.gethostname()}:{os.getpid()}:{time.time()}")
+    if rank() == 0:
+        with open(probe, "w") as f:
+            f.write(token)
+    barrier()
+    try:
+        with open(probe) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    blind = [h for h in all_gather_objects(None if seen else f"rank {rank()} on {socket.gethostname()}") if h]
+    barrier()
+    if rank() == 0:
+        os.remove(probe)
+    if blind:
+        raise ConfigError(f"OUTPUT_DIR={path!r} is not shared by all ranks: {', '.join(blind)} cannot see the file "
+                          "rank 0 wrote there; on several nodes put OUTPUT_DIR on a filesystem every node mounts")
 
 
 _COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json")

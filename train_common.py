@@ -121,8 +121,9 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
            + (" (the embedded default)" if embedded else ""))
     run_utils.quiet_known_warnings()
+    run_utils.check_output_dir_shared(config["OUTPUT_DIR"])
     stopper = run_utils.GracefulStop()
-    resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])
+    resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])  # rank 0's answer
     return Run(config, pipeline, d, lora, stopper, resume_path), validated
 
 

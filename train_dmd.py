@@ -240,9 +240,13 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     is shard-local; LoRA: of the adapters only) and the GAN head (for a bottleneck of `head_size`²
     at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters).
     `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
-    (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged."""
+    (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
+    where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
+    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32)."""
     def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
+        if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
+            storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
         return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
                           block_classes=block_classes, lora=adapters, seed=seed + salt, **kw)
@@ -538,8 +542,7 @@ def main() -> None:
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     train_gen, train_fake = generator, fake
     if mesh is None:  # DDP wrappers for the training forwards only
-        train_gen, train_fake = (fsdp_utils.apply_ddp(m, d.device, precision.mp_policy(c), verbose=m is generator)
-                                 for m, c in ((generator, None), (fake, fake_compute)))
+        train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)

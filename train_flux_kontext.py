@@ -54,7 +54,6 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 import data_utils
 import fsdp_utils
@@ -63,7 +62,7 @@ import run_utils
 import train_common
 from algorithms import flux_kontext as km
 from parallel import ema as ema_lib
-from parallel.context_parallel import enable_context_parallel
+from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.lora import add_lora
 from parallel.models import vae_scale_factor
@@ -159,6 +158,8 @@ def validate_config() -> precision.Precision:
     if PARALLELISM == "ddp" and CONTEXT_PARALLEL > 1:
         raise ConfigError(f"PARALLELISM=ddp with CONTEXT_PARALLEL={CONTEXT_PARALLEL}: context parallelism is "
                           "built on the FSDP mesh; use fsdp")
+    if CONTEXT_PARALLEL > 1:
+        check_diffusers_supports_it()
     run_utils.check_settings({
         "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
         f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
@@ -331,10 +332,8 @@ def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype,
         del pipe
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    counts = torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(counts)
-        dist.barrier()
+    counts = run_utils.all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
+    run_utils.barrier()  # every rank's cache files are written before any rank reads them
     return int(counts[0]), int(counts[1])
 
 
@@ -577,7 +576,7 @@ def main():
         print0(f"context parallel: {dp_size} data-parallel group(s) of {CONTEXT_PARALLEL} ranks; each group splits "
                f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
                f"{d.world_size} ranks")
-    train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device, prec.mp_policy())
+    train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
 
     # optimizer: AdamW, torch's fused kernel (see fsdp_utils.adamw), with a linear warmup
     params = [p for p in transformer.parameters() if p.requires_grad]

@@ -11,6 +11,24 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from run_utils import ConfigError
+
+
+def check_diffusers_supports_it(model_class: str = "FluxTransformer2DModel") -> None:
+    """Before any work: the installed diffusers has context parallelism (ContextParallelConfig and
+    the model's _cp_plan arrived in diffusers 0.36; requirements.txt admits older releases for
+    everything else)."""
+    import diffusers
+    try:
+        import diffusers.models._modeling_parallel as modeling_parallel
+    except ImportError:
+        modeling_parallel = None
+    supported = (hasattr(modeling_parallel, "ContextParallelConfig")
+                 and getattr(getattr(diffusers, model_class), "_cp_plan", None) is not None)
+    if not supported:
+        raise ConfigError(f"CONTEXT_PARALLEL > 1 needs diffusers >= 0.36 (ContextParallelConfig, {model_class}._cp_plan); "
+                          f"diffusers {diffusers.__version__} is installed: pip install -U diffusers")
+
 
 @contextlib.contextmanager
 def _accelerator_count_at_least_one():

@@ -10,11 +10,10 @@ import os
 import resource
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_utils import local_tensor
-from run_utils import world_size
+from run_utils import all_gather_objects
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -59,13 +58,11 @@ def memory_report(models: dict[str, nn.Module], optimizers: dict[str, torch.opti
     row = local_state_bytes(models, optimizers)
     row["rss_peak"] = peak_host_rss_bytes()
     row["cuda_peak"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    row["cuda_reserved"] = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0  # what OOMs
     # grads as held during a step (the table's grads are 0 between steps, after zero_grad)
     row["grads_held"] = sum(_local_bytes(p) for m in models.values() for p in m.parameters() if p.requires_grad)
     row["rss_base"] = _RSS_BASELINE[0] if _RSS_BASELINE else 0
-    rows = [row]
-    if dist.is_initialized() and world_size() > 1:
-        rows = [None] * world_size()
-        dist.all_gather_object(rows, row)
+    rows = all_gather_objects(row)
     cols = ["params", "grads", "optim", "rss_peak", "cuda_peak"]
     lines = ["rank  " + "  ".join(c.rjust(10) for c in cols)]
     for r, vals in enumerate(rows):

@@ -1,8 +1,9 @@
 """The per-model parallelize recipes, torchtitan-shaped (torchtitan/models/flux/infra/parallelize.py):
 activation checkpointing of each unit -> torch.compile of each unit's forward -> `fully_shard` of
 the named units in execution order, the last-executed one kept unsharded after forward -> the
-root. With mesh=None (PARALLELISM=ddp, or a frozen replica) the same units get the same AC and
-compile and are not sharded; the caller wraps a trained one in DDP (fsdp_utils.apply_ddp).
+root. With mesh=None (PARALLELISM=ddp) the same units get the same AC and compile, the model gets
+FSDP2's precision contract on its forward, and nothing is sharded; the caller wraps a trained one
+in DDP (fsdp_utils.apply_ddp).
 
 The scripts, prepare_frozen's callers and the memory planner (tools/memory_plan.py) all shard
 through these, so wrapping knowledge exists once.
@@ -15,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_utils import Sharding, checkpoint_activations, find_block_classes, outermost, shard_units
+from fsdp_utils import Sharding, apply_precision, checkpoint_activations, find_block_classes, outermost, shard_units
 from parallel.compile import compile_units
 from parallel.models import MODELS, units_in_order
 from run_utils import print0
@@ -75,7 +76,7 @@ def _apply(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh | None, mp
     """torchtitan's order (torchtitan/models/llama3/infra/parallelize.py: apply_ac, apply_compile,
     apply_fsdp): activation checkpointing of the outermost units -> torch.compile of each innermost
     unit's forward (parallel/compile.py) -> fully_shard of each unit, then the root
-    (fsdp_utils.shard_units; not with mesh=None)."""
+    (fsdp_utils.shard_units); with mesh=None the precision contract instead (fsdp_utils.apply_precision)."""
     if sharding.activation_checkpointing:
         for u in outermost(units):
             checkpoint_activations(u)
@@ -83,4 +84,6 @@ def _apply(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh | None, mp
         compile_units(units, mp_policy)
     if mesh is not None:
         shard_units(model, units, mesh, mp_policy, sharding)
+    else:  # not sharded: FSDP2's precision contract on the model's own forward
+        apply_precision(model, mp_policy)
     return units

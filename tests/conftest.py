@@ -101,9 +101,21 @@ def _entry(local_rank, world, port, fn, args, errq):
     # finalization, where torch 2.13's gloo worker threads intermittently abort the process
     # ("terminate called without an active exception", SIGABRT; seen in 2 of 250 tests in one CI
     # run on this 2-core machine, never in the test bodies; cf. pytorch/pytorch#179291 and #190489).
+    _save_coverage()  # tools/cpu_coverage.sh: os._exit skips coverage's own atexit save
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _save_coverage() -> None:
+    try:
+        import coverage
+    except ImportError:
+        return
+    cov = coverage.Coverage.current()
+    if cov is not None:
+        cov.stop()
+        cov.save()
 
 
 def run_ranks(fn, world: int, *args) -> None:

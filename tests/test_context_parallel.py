@@ -132,3 +132,12 @@ def test_hsdp_with_cp_mesh_layout():
     """4 ranks, DP_REPLICATE=2 x CONTEXT_PARALLEL=2: HSDP over (replicate, shard x cp), CP groups
     {0, 1} and {2, 3} (consecutive ranks), data-parallel rank = rank // 2."""
     run_ranks(_mesh_layout, 4)
+
+
+def test_cp_needs_a_diffusers_with_context_parallelism(monkeypatch):
+    import diffusers
+    from parallel.context_parallel import check_diffusers_supports_it
+    check_diffusers_supports_it()  # the installed diffusers has it
+    monkeypatch.setattr(diffusers.FluxTransformer2DModel, "_cp_plan", None)  # as before diffusers 0.36
+    with pytest.raises(ConfigError, match=r"CONTEXT_PARALLEL > 1 needs diffusers >= 0.36 .* is installed"):
+        check_diffusers_supports_it()

@@ -100,3 +100,28 @@ def test_dmd_ddp_refuses_the_gan_head(monkeypatch):
             train_dmd.main()
     finally:
         vars(train_dmd).update(saved)
+
+
+@pytest.mark.slow
+def test_bf16_replicas_run_samples_ema_and_validation(tmp_path):
+    """Under DDP nothing all-gathers in a compute dtype or casts inputs as FSDP2's policy does: every
+    replica (the trained models, their EMA, DMD's frozen bf16 teacher, a bf16 LoRA base) gets that
+    contract on its own forward (fsdp_utils.apply_precision). Before, these runs all failed with
+    "mat1 and mat2 must have the same dtype". DMD at PRECISION=bf16 also stores its fp32 fake score
+    in fp32 (a replica computes in its storage dtype)."""
+    dmd = ["--parallelism=ddp", "--max_steps=2", "--dfake_gen_update_ratio=1", "--sample_every=1", "--ema_decay=0.9",
+           "--save_every=0", "--log_every=1"]
+    runs = {f"dmd_{p}": ("train_dmd.py", dmd + [f"--precision={p}"]) for p in ("bf16-mixed", "bf16")}
+    runs["dmd_lora"] = ("train_dmd.py", dmd + ["--lora_rank=4", "--fake_lora=1"])
+    runs["kontext_lora"] = ("train_flux_kontext.py", ["--parallelism=ddp", "--max_steps=2", "--lora_rank=4", "--val_every=1",
+                                                      "--sample_every=1", "--sample_steps=1", "--ema_decay=0.9", "--log_every=1"])
+    procs = {name: start(script, args + [f"--output_dir={tmp_path / name}"]) for name, (script, args) in runs.items()}
+    logs = {}
+    for name, proc in procs.items():
+        rc, logs[name] = finish(proc)
+        assert rc == 0, f"{name}:\n{logs[name][-3000:]}"
+        assert os.path.exists(tmp_path / name / "samples" / "step_000002.png"), name
+    records = [json.loads(line) for line in open(tmp_path / "kontext_lora" / "metrics.jsonl")]
+    assert [r["step"] for r in records if "val_loss" in r] == [1, 2]
+    fake = next(line.split() for line in logs["dmd_bf16"].splitlines() if line.startswith("fake "))
+    assert fake[3:5] == ["fp32", "fp32"], fake  # storage, compute

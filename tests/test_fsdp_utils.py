@@ -116,3 +116,10 @@ def test_dp_replicate_must_divide_world():
     fsdp_utils.check_dp_replicate(2, 4)
     with pytest.raises(ConfigError, match="DP_REPLICATE=3 does not divide the world size 2"):
         fsdp_utils.check_dp_replicate(3, 2)
+
+
+def test_gpu_index_fits_how_the_scheduler_exposes_gpus():
+    assert [fsdp_utils.gpu_index(r, 8, 8) for r in range(8)] == list(range(8))  # torchrun: all GPUs to each rank
+    assert [fsdp_utils.gpu_index(r, 8, 1) for r in range(8)] == [0] * 8  # one visible GPU per rank (SLURM, k8s)
+    with pytest.raises(ConfigError, match="LOCAL_RANK=3 of LOCAL_WORLD_SIZE=4 ranks on this node, but 2 GPUs"):
+        fsdp_utils.gpu_index(3, 4, 2)  # two ranks would share a GPU

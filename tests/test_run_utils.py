@@ -279,3 +279,79 @@ def test_run_main_config_error_is_one_line_exit_2():
             "run_utils.run_main(main)\n") % ROOT
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "error: bad thing"
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives: one place puts their tensors on the group's device
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all",
+               "all_to_all_single", "send", "recv", "isend", "irecv"}
+
+
+def test_every_collective_goes_through_run_utils():
+    """NCCL takes CUDA tensors only and gloo takes any, so a collective on a CPU tensor passes every
+    CPU test and kills the first GPU run (train_flux_kontext.fill_text_cache's text-cache counts did).
+    Only run_utils' helpers, which move each tensor to comm_device(), may call torch.distributed's
+    collectives; everything else calls them."""
+    import ast
+    files = glob.glob(os.path.join(ROOT, "*.py"))
+    for folder in ("parallel", "algorithms", "tools", "demos"):
+        files += glob.glob(os.path.join(ROOT, folder, "*.py"))
+    offenders = []
+    for path in files:
+        if os.path.basename(path) == "run_utils.py":
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("dist", "torch.distributed")):
+                offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} dist.{node.func.attr}")
+    assert not offenders, offenders
+
+
+def _collectives_on_the_comm_device(rank, world):
+    import torch
+    seen = []
+    real = torch.distributed.all_reduce
+
+    def spy(t, *args, **kwargs):
+        seen.append(t.device)
+        return real(t, *args, **kwargs)
+    torch.distributed.all_reduce = spy
+    try:
+        total = run_utils.all_reduce(torch.tensor([float(rank + 1)]))
+        assert total.item() == 3.0 and run_utils.all_ranks_agree(rank == 0) is False
+        assert run_utils.mean_across_ranks({"loss": float(rank)}) == {"loss": 0.5}
+    finally:
+        torch.distributed.all_reduce = real
+    assert seen and all(d == run_utils.comm_device() for d in seen)
+    assert run_utils.broadcast_from_rank0(f"rank {rank}") == "rank 0"
+    assert run_utils.all_gather_objects(rank) == [0, 1]
+    assert run_utils.first_error("disk full" if rank == 1 else None) == "disk full"
+
+
+@pytest.mark.slow
+def test_collective_helpers_on_two_ranks():
+    from tests.conftest import run_ranks
+    run_ranks(_collectives_on_the_comm_device, 2)
+
+
+def _shared_output_dir(rank, world, root):
+    """Each rank's own folder stands for a node-local OUTPUT_DIR: rank 1 does not see rank 0's file."""
+    import socket
+    ours = os.path.join(root, "shared")
+    run_utils.check_output_dir_shared(ours)  # one folder for all: fine, and the probe is gone after
+    assert not os.path.exists(os.path.join(ours, ".shared_check"))
+    local = os.path.join(root, f"local{rank}")
+    os.makedirs(local, exist_ok=True)
+    with pytest.raises(ConfigError, match=f"rank 1 on {socket.gethostname()} cannot see") as e:
+        run_utils.check_output_dir_shared(local)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_an_output_dir_that_some_rank_cannot_see_fails_on_every_rank(tmp_path):
+    from tests.conftest import run_ranks
+    os.makedirs(tmp_path / "shared")
+    run_ranks(_shared_output_dir, 2, str(tmp_path))

@@ -413,9 +413,8 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
             device_id=device, sync_module_states=False)
     if mode == "ddp":  # the scripts' DDP path (inputs cast); the teacher replicated, its inputs cast
         if trainable:
-            return fsdp_utils.apply_ddp(model, device, prec.mp_policy(), verbose=False)
-        return lambda x, *a, **k: model(x.to(dtype), *a, **{n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
-                                                             for n, v in k.items()})
+            return fsdp_utils.apply_ddp(fsdp_utils.apply_precision(model, prec.mp_policy()), device, verbose=False)
+        return fsdp_utils.apply_precision(model, prec.frozen_mp_policy(dtype))
     if mode == "fsdp2 bare":
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         for name in STACK_BLOCKS:

@@ -1,0 +1,51 @@
+"""The CUDA/NCCL path: what only a GPU runs. Every test here is skipped without CUDA (a GPU is lent
+to few sessions of this project); tools/gpu_check.sh runs the longer acceptance check.
+
+    python -m pytest tests/test_gpu.py -q        # on a machine with >= 1 CUDA GPU
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import run_utils
+from tests.conftest import launch, run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nccl_helpers(rank, world):
+    import torch.distributed as dist
+    assert dist.get_backend() == "nccl" and run_utils.comm_device().type == "cuda"
+    # CPU tensors in, as the scripts hand them over: the helpers move them to the GPU and back
+    total = run_utils.all_reduce(torch.tensor([float(rank + 1)]))
+    assert total.device.type == "cpu" and total.item() == world * (world + 1) / 2
+    assert run_utils.all_ranks_agree(True) and not run_utils.all_ranks_agree(rank != 0)
+    assert run_utils.mean_across_ranks({"loss": float(rank)}) == {"loss": (world - 1) / 2}
+    assert run_utils.broadcast_from_rank0(rank) == 0
+    assert run_utils.all_gather_objects(rank) == list(range(world))
+    run_utils.barrier()
+
+
+def test_nccl_init_and_every_collective_helper():
+    run_ranks(_nccl_helpers, GPUS)
+
+
+@pytest.mark.parametrize("script, args", [
+    ("train_dmd.py", ["--dfake_gen_update_ratio=1", "--ema_decay=0.9"]),
+    ("train_dmd.py", ["--parallelism=ddp", "--precision=bf16", "--dfake_gen_update_ratio=1", "--ema_decay=0.9"]),
+    ("train_flux_kontext.py", ["--lora_rank=4", "--val_every=1"]),
+    ("train_flux_kontext.py", ["--parallelism=ddp", "--lora_rank=4", "--val_every=1"]),
+], ids=["dmd", "dmd-ddp-bf16", "kontext-lora", "kontext-ddp-lora"])
+def test_two_steps_on_one_gpu(tmp_path, script, args):
+    out = tmp_path / "out"
+    launch(script, args + ["--max_steps=2", "--sample_every=2", "--save_every=1", "--log_every=1",
+                           "--sample_steps=1" if "kontext" in script else "--sample_count=2", f"--output_dir={out}"],
+           ranks=1)
+    assert os.path.exists(out / "samples" / "step_000002.png")
+    assert os.path.exists(out / "checkpoints" / "step_000002" / ".metadata")
+    launch(script, args + ["--max_steps=3", "--resume=auto", "--sample_every=0", "--log_every=1",
+                           f"--output_dir={out}"], ranks=1)
