@@ -71,13 +71,20 @@ def init_distributed(cpu_offload: bool = False, timeout_s: float = 1800.0) -> Di
         dist.init_process_group(backend, timeout=timeout, device_id=device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-        # ranks on one host share its cores; oversubscription makes CPU runs crawl
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group(backend, timeout=timeout)
+    torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _exit_with_launcher()
     return Dist(rank_, world, local_rank, device, backend)
+
+
+def cpu_threads(local_world: int) -> int:
+    """Threads for this rank's CPU work: the host's cores shared by its ranks (oversubscribed CPU
+    runs crawl; on GPUs the CPU side, CPU-offloaded AdamW and clipping above all, would otherwise
+    run on torchrun's default of one thread). An OMP_NUM_THREADS above 1 is the user's and wins;
+    1 is torchrun's default when unset."""
+    requested = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+    return requested if requested > 1 else max(1, (os.cpu_count() or 1) // local_world)
 
 
 def gpu_index(local_rank: int, local_world: int, visible: int) -> int:

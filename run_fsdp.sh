@@ -12,6 +12,11 @@
 # NODE_RANK   this node's index (default 0)
 # MASTER_ADDR / MASTER_PORT   rendezvous host and port of node 0 (multi-node only)
 # DRY_RUN=1   print the torchrun command and exit (check a recipe or a launcher's settings)
+# SOCKET_IFNAME  the network interface for the rendezvous and collectives (e.g. ib0, eth1): sets
+#             NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME where they are not set (multi-node nodes
+#             often have several interfaces; the wrong one hangs the first collective)
+# HSDP_PER_NODE=1   on several nodes, add --dp_replicate=NNODES (HSDP: shard inside a node, replicate
+#             across nodes) unless the arguments set it; the recipes in recipes/ turn this on
 #
 # Under SLURM (SLURM_JOB_ID set) and without an explicit NNODES, the job's allocation decides:
 # NNODES=$SLURM_NNODES, NODE_RANK=$SLURM_NODEID, MASTER_ADDR = the first host of
@@ -72,7 +77,9 @@ if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
 fi
 
 if [ -z "${NPROC:-}" ]; then
-  NPROC=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+  NPROC=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null \
+          || nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [[ $NPROC =~ ^[1-9][0-9]*$ ]] || NPROC=2  # no torch for python3 here and no nvidia-smi: 2 CPU ranks
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -95,7 +102,19 @@ for arg in "$@"; do
   fi
 done
 
-CMD=(torchrun "${RDZV[@]}" --nproc_per_node="$NPROC" "$SCRIPT" "$@")
+if [ -n "${SOCKET_IFNAME:-}" ]; then
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}
+fi
+if [ "$NNODES" -gt 1 ]; then
+  echo "run_fsdp.sh: network interface: NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-(auto)}" \
+       "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-(auto)}" >&2
+fi
+EXTRA=()
+if [ "${HSDP_PER_NODE:-0}" = 1 ] && [ "$NNODES" -gt 1 ] && [[ " $* " != *" --dp_replicate="* ]]; then
+  EXTRA=(--dp_replicate="$NNODES")  # all-gathers stay inside a node; only gradients cross nodes
+fi
+
+CMD=(torchrun "${RDZV[@]}" --nproc_per_node="$NPROC" "$SCRIPT" "${EXTRA[@]}" "$@")
 echo "+ ${CMD[*]}"
 if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0

@@ -117,10 +117,14 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     run_utils.check_output_dir(config["OUTPUT_DIR"])
 
     d = fsdp_utils.init_distributed(cpu_offload=config["CPU_OFFLOAD"], timeout_s=config["COLLECTIVE_TIMEOUT_S"])
+    precision.apply_tf32(config["TF32"])
     print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
     print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
            + (" (the embedded default)" if embedded else ""))
     run_utils.quiet_known_warnings()
+    slow_bf16 = precision.cpu_bf16_warning(precision.get_precision(config["PRECISION"]), d.device)
+    if slow_bf16:
+        print0(slow_bf16)
     run_utils.check_output_dir_shared(config["OUTPUT_DIR"])
     stopper = run_utils.GracefulStop()
     resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])  # rank 0's answer

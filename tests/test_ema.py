@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from parallel import ema as ema_lib
@@ -40,16 +41,53 @@ def test_lora_ema_holds_only_the_adapters_and_swaps_them_in():
     lora.add_lora(unet, lora.Lora(rank=2))
     lora.init_lora(unet, seed=0)
     adapters = [p for p in unet.parameters() if p.requires_grad]
-    ema = ema_lib.build_ema(unet, 0.5, lambda: None)
+    ema = ema_lib.build_ema(unet, 0.75, lambda: None)
     assert isinstance(ema, ema_lib.AdapterEMA) and len(list(ema.parameters())) == len(adapters)
     trained = [p.detach().clone() for p in adapters]
     with torch.no_grad():
         for p in adapters:
             p.add_(2.0)
-    ema_lib.ema_update(ema, unet, 0.5)
+    ema_lib.ema_update(ema, unet, 0.75)  # asymmetric: decay and 1 - decay differ
     with ema_lib.output_weights(unet, ema) as out:
         assert out is unet
         for p, t in zip(adapters, trained):
-            torch.testing.assert_close(p, t + 1.0)  # 0.5 * t + 0.5 * (t + 2)
+            torch.testing.assert_close(p, t + 0.5)  # 0.75 * t + 0.25 * (t + 2)
     for p, t in zip(adapters, trained):
         torch.testing.assert_close(p, t + 2.0)  # swapped back
+
+
+def _sharded_ema(rank, world, lora_rank):
+    """The update on FSDP2 shards, of a full copy or of the adapters only, against the
+    hand-computed value."""
+    import fsdp_utils
+    from parallel.parallelize import parallelize
+    from precision import get_precision
+    from tests.conftest import TinyNet
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+
+    def build():
+        torch.manual_seed(0)
+        model = tiny_unet() if lora_rank else TinyNet()
+        if lora_rank:
+            lora.add_lora(model, lora.Lora(rank=lora_rank))
+            lora.init_lora(model, seed=0)
+        parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
+        return model
+    model = build()
+    ema = ema_lib.build_ema(model, 0.9, build)
+    assert isinstance(ema, ema_lib.AdapterEMA) == bool(lora_rank)
+    start = [p.full_tensor().clone() for p in ema.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                fsdp_utils.local_tensor(p).add_(1.0)
+    ema_lib.ema_update(ema, model, 0.9)
+    for p, s in zip(ema.parameters(), start, strict=True):
+        torch.testing.assert_close(p.full_tensor(), s + 0.1)  # 0.9 * s + 0.1 * (s + 1); flipped: s + 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 2], ids=["full", "lora"])
+def test_sharded_update_is_hand_computed(lora_rank):
+    from tests.conftest import run_ranks
+    run_ranks(_sharded_ema, 2, lora_rank)

@@ -6,6 +6,8 @@ one process, sharding to half per rank, block detection, mesh checks.
 from __future__ import annotations
 
 
+import os
+
 import pytest
 import torch
 
@@ -123,3 +125,13 @@ def test_gpu_index_fits_how_the_scheduler_exposes_gpus():
     assert [fsdp_utils.gpu_index(r, 8, 1) for r in range(8)] == [0] * 8  # one visible GPU per rank (SLURM, k8s)
     with pytest.raises(ConfigError, match="LOCAL_RANK=3 of LOCAL_WORLD_SIZE=4 ranks on this node, but 2 GPUs"):
         fsdp_utils.gpu_index(3, 4, 2)  # two ranks would share a GPU
+
+
+def test_cpu_threads_share_the_cores_unless_the_user_set_them(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's default
+    assert fsdp_utils.cpu_threads(8) == 2 and fsdp_utils.cpu_threads(32) == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert fsdp_utils.cpu_threads(4) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert fsdp_utils.cpu_threads(8) == 6

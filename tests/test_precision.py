@@ -48,3 +48,31 @@ def test_audit_reads_the_module_and_export_check_catches_strays():
     assert precision.check_state_dict_dtypes(sd, torch.bfloat16) == {"bf16": 1, "torch.int64": 1}
     with pytest.raises(ValueError, match="tensor 'b' is fp32, expected bf16"):
         precision.check_state_dict_dtypes({**sd, "b": torch.zeros(1)}, torch.bfloat16, where="export")
+
+
+def test_tf32_switch_sets_cublas_and_cudnn():
+    """TF32 (both scripts' setting, default on): strict IEEE fp32 when off. The flags are CUDA's
+    (they change nothing on CPU), so they can be read back here."""
+    import torch
+    from precision import apply_tf32
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    try:
+        apply_tf32(True)
+        assert matmul.fp32_precision == cudnn.fp32_precision == "tf32"
+        apply_tf32(False)
+        assert matmul.fp32_precision == cudnn.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = cudnn.fp32_precision = "none"  # torch's defaults, for the other tests
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path):
+    import torch
+    from precision import cpu_bf16_warning, get_precision
+    avx2, amx = tmp_path / "avx2", tmp_path / "amx"
+    avx2.write_text("flags : fpu sse avx avx2 fma\n")
+    amx.write_text("flags : fpu avx2 avx512f amx_bf16 amx_tile\n")
+    cpu = torch.device("cpu")
+    assert "no native support" in cpu_bf16_warning(get_precision("bf16-mixed"), cpu, str(avx2))
+    assert cpu_bf16_warning(get_precision("bf16-mixed"), cpu, str(amx)) is None
+    assert cpu_bf16_warning(get_precision("fp32"), cpu, str(avx2)) is None
+    assert cpu_bf16_warning(get_precision("bf16"), torch.device("cuda", 0), str(avx2)) is None

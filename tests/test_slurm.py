@@ -39,20 +39,17 @@ JOB = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NO
            SLURM_GPUS_ON_NODE="8")
 
 
-@pytest.mark.slow
 def test_two_node_job_gets_its_rendezvous_from_slurm():
     assert torchrun(**JOB) == ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=node03",
                                "--master_port=29500", "--nproc_per_node=8", "train_dmd.py", "--max_steps=10"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("nodelist,first", [("node[01-04,07]", "node01"), ("gpu-a1,gpu-a2", "gpu-a1"),
                                             ("node7,node9", "node7"), ("rack[2-3]-gpu[09-12],login1", "rack2-gpu09")])
 def test_first_host_of_the_node_list(nodelist, first):
     assert f"--master_addr={first}" in torchrun(**{**JOB, "SLURM_JOB_NODELIST": nodelist})
 
 
-@pytest.mark.slow
 def test_scontrol_is_used_when_present(tmp_path):
     fake = tmp_path / "scontrol"
     fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames node[03-04]" ] && printf "n-first\\nn-second\\n"\n')
@@ -60,7 +57,6 @@ def test_scontrol_is_used_when_present(tmp_path):
     assert "--master_addr=n-first" in torchrun(path=f"{tmp_path}{os.pathsep}{clean_path()}", **JOB)
 
 
-@pytest.mark.slow
 def test_explicit_settings_win():
     cmd = torchrun(**JOB, MASTER_ADDR="10.0.0.1", MASTER_PORT="30000", NPROC="4")
     assert "--master_addr=10.0.0.1" in cmd and "--master_port=30000" in cmd and "--nproc_per_node=4" in cmd
@@ -68,20 +64,17 @@ def test_explicit_settings_win():
     assert "--standalone" in cmd and "--node_rank=1" not in cmd
 
 
-@pytest.mark.slow
 def test_gpu_count_from_gpus_per_node():
     job = {k: v for k, v in JOB.items() if k != "SLURM_GPUS_ON_NODE"}
     assert "--nproc_per_node=4" in torchrun(**job, SLURM_GPUS_PER_NODE="h100:4")
 
 
-@pytest.mark.slow
 def test_single_node_job_stays_standalone():
     cmd = torchrun(SLURM_JOB_ID="7", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="gpu12",
                    SLURM_GPUS_ON_NODE="4")
     assert cmd[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=4"]
 
 
-@pytest.mark.slow
 def test_several_tasks_per_node_is_refused():
     r = launch(**JOB, SLURM_LOCALID="3")
     assert r.returncode == 2 and "run one task per node" in r.stderr and "+ torchrun" not in r.stdout
@@ -123,3 +116,15 @@ def test_context_parallel_group_spanning_nodes_is_warned():
     assert "--context_parallel=4" in spanning.stdout
     for cp in (2, 3):
         assert "warning" not in run(cp).stderr
+
+
+def test_multi_node_interface_and_hsdp_per_node():
+    """SOCKET_IFNAME sets NCCL's and gloo's interface (unless they are set); HSDP_PER_NODE=1 (the
+    recipes' default) adds one replica per node unless the arguments choose DP_REPLICATE."""
+    r = launch(**JOB, SOCKET_IFNAME="ib0", HSDP_PER_NODE="1")
+    assert r.returncode == 0, r.stderr
+    assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in r.stderr
+    assert "--dp_replicate=2" in r.stdout
+    assert "--dp_replicate" not in launch(**JOB).stdout  # plain run_fsdp.sh: FSDP over all ranks
+    one_node = launch(SLURM_JOB_ID="1", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_GPUS_ON_NODE="8", HSDP_PER_NODE="1")
+    assert "--dp_replicate" not in one_node.stdout and "network interface" not in one_node.stderr

@@ -1,9 +1,15 @@
 # Sourced by the recipes (not a recipe itself).
 #   NPROC            processes per node: default the GPU count, else 2 (exported for run_fsdp.sh)
+#   HSDP_PER_NODE    1 (default here): one HSDP replica per node on multi-node runs
 #   grad_accum G P   the GRAD_ACCUM that keeps a published global batch G at P samples per GPU on
 #                    this job's NPROC x NNODES GPUs; exits 2 (naming the recipe) if it cannot
-NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)}
+NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null \
+                || nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+[[ $NPROC =~ ^[1-9][0-9]*$ ]] || NPROC=2
 export NPROC
+# on several nodes: HSDP with one replica per node (run_fsdp.sh adds --dp_replicate=NNODES): the
+# per-block all-gathers stay on the node's fast links, only the gradients' all-reduce crosses nodes
+export HSDP_PER_NODE=${HSDP_PER_NODE:-1}
 
 grad_accum() {
   local global=$1 per_gpu=$2 gpus=$(( NPROC * ${NNODES:-1} ))
