@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from parallel.lora import is_adapter, safetensors_key
 from precision import check_state_dict_dtypes, dtype_name
-from run_utils import ConfigError, RunError, first_error, print0, rank, world_size
+from run_utils import ConfigError, RunError, barrier, broadcast_from_rank0, first_error, print0, rank, world_size
 
 PARTIAL = ".partial"
 
@@ -63,7 +63,23 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def resolve_resume(resume: str, output_dir: str) -> str | None:
-    """RESUME='' -> fresh start; 'auto' -> newest complete checkpoint (or fresh); else that path."""
+    """RESUME='' -> fresh start; 'auto' -> newest complete checkpoint (or fresh); else that path.
+    Collective: rank 0 decides and every rank gets its answer (or its error), because on a shared
+    filesystem that caches attributes, ranks listing checkpoints/ right after a save's rename can
+    see different newest checkpoints."""
+    answer = None
+    if rank() == 0:
+        try:
+            answer = ("path", _resolve_resume(resume, output_dir))
+        except ConfigError as e:
+            answer = ("error", str(e))
+    kind, value = broadcast_from_rank0(answer)
+    if kind == "error":
+        raise ConfigError(value)
+    return value
+
+
+def _resolve_resume(resume: str, output_dir: str) -> str | None:
     if not resume:
         return None
     if resume == "auto":
@@ -452,8 +468,7 @@ def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: 
         size = os.path.getsize(os.path.join(out_dir, LORA_WEIGHTS))
         print0(f"export: {out_dir}/{LORA_WEIGHTS} ({len(layers)} tensors, {size / 2**20:.2f} MiB, "
                f"{dtype_name(dtype)}; load with {pipeline_class}.load_lora_weights)")
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return out_dir
 
 
@@ -482,60 +497,118 @@ def _weight_dtypes(folder: str) -> set[torch.dtype]:
 
 
 def _copy_as(src: str, dst: str, dtype: torch.dtype) -> None:
-    """A copy of a component folder with its floating tensors cast to `dtype`, file by file."""
+    """A copy of a component folder with its floating tensors cast to `dtype`, file by file (its
+    config.json as it was: what a plain load does with it is _pin_fp32_load's business)."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     for name in os.listdir(src):
         if name.endswith(".safetensors"):
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(os.path.join(src, name)).items()}
             save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
-    config = os.path.join(dst, "config.json")
-    if os.path.exists(config):  # transformers loads in the config's dtype by default
-        with open(config) as f:
-            data = json.load(f)
-        for key in ("torch_dtype", "dtype"):
-            if key in data:
-                data[key] = str(dtype).replace("torch.", "")
-        _write_json(config, data)
+
+
+def _place_frozen(src: str, dst: str, dtype: torch.dtype, link_frozen: bool) -> bool:
+    """Put a frozen entry of the source folder into the export: a converted copy when it holds
+    weights in another dtype than `dtype`, else a link (or copy). Returns whether it converted."""
+    if os.path.isdir(src) and _weight_dtypes(src) - {dtype}:
+        _copy_as(src, dst, dtype)
+        return True
+    if os.path.isdir(src):
+        os.symlink(src, dst) if link_frozen else shutil.copytree(src, dst)
+    else:
+        shutil.copy2(src, dst)
+    return False
+
+
+def _loads_as_fp32(folder: str) -> bool:
+    """Whether transformers 5 loads this model folder in fp32 without `dtype=` ("auto"): it takes
+    the config's `dtype` (or the older `torch_dtype`), else the weights' dtype."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    hint = config.get("dtype") or config.get("torch_dtype")
+    return hint == "float32" if hint else _weight_dtypes(folder) <= {torch.float32}
+
+
+def _pin_fp32_load(folder: str) -> bool:
+    """Make a plain `from_pretrained` load this transformers model (a text encoder) in fp32.
+
+    Without a dtype, diffusers 0.42 builds its own models (UNet, transformer, VAE) in fp32 whatever
+    the files hold, while transformers 5 loads in the config's `dtype`, else the weights' dtype: a
+    bf16 text encoder beside an fp32 VAE makes the pipeline cast its inputs to bf16 and the VAE
+    fail. Setting the config's dtype to float32 makes both libraries agree (the weights stay as
+    stored; `torch_dtype=` overrides the hint). A linked folder becomes a folder of links with its
+    own config.json, so the source is never written to. Returns whether anything changed."""
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config) or _loads_as_fp32(folder):
+        return False
+    if os.path.islink(folder):
+        src = os.readlink(folder)
+        os.remove(folder)
+        os.makedirs(folder)
+        for name in os.listdir(src):
+            if name != "config.json":
+                os.symlink(os.path.join(src, name), os.path.join(folder, name))
+        shutil.copyfile(os.path.join(src, "config.json"), config)
+    with open(config) as f:
+        data = json.load(f)
+    data["dtype"] = "float32"
+    if "torch_dtype" in data:  # what older transformers read; keep the two keys from disagreeing
+        data["torch_dtype"] = "float32"
+    _write_json(config, data)
+    return True
+
+
+def _transformers_models(model_path: str) -> set[str]:
+    """The components model_index.json loads with transformers (text encoders, tokenizers)."""
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        index = json.load(f)
+    return {k for k, v in index.items() if isinstance(v, list) and v and v[0] == "transformers"}
 
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
                     link_frozen: bool = True, frozen: dict[str, str] | None = None) -> str:
     """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
     frozen components (symlinked, or copied when link_frozen=False) + the trained components.
-    Every component ends up in `dtype`: a frozen one stored in another dtype (a shipped fp16 text
-    encoder beside an fp32 UNet) is written as a converted copy instead of a link, so a plain
-    `Pipeline.from_pretrained(export)` runs without a torch_dtype. `frozen` maps a component to
-    another folder to use in place of the source's (e.g. a VAE the run used instead of the
-    pipeline's own). Written to export.partial/ and swapped in at the end, so an old export is
-    never half-replaced."""
+    Every component's weights end up in `dtype`: a frozen one stored in another dtype (a shipped
+    fp16 text encoder beside an fp32 UNet) is written as a converted copy instead of a link. The
+    text encoders' configs say float32 (_pin_fp32_load), so a plain `Pipeline.from_pretrained(export)`
+    loads every model in fp32 and `torch_dtype=dtype` every model in `dtype`, both runnable.
+    `frozen` maps a component to another folder to use in place of the source's (e.g. a VAE the
+    run used instead of the pipeline's own). Written to export.partial/ and swapped in at the end,
+    so an old export is never half-replaced."""
     partial = out_dir.rstrip("/") + PARTIAL
-    converted = []
+    converted, pinned = [], []
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
+        text_models = _transformers_models(model_path)
         for name in sorted(os.listdir(model_path)):
-            src = os.path.abspath((frozen or {}).get(name) or os.path.join(model_path, name))
-            dst = os.path.join(partial, name)
             if name in trained:
                 continue
-            if os.path.isdir(src) and _weight_dtypes(src) - {dtype}:
-                _copy_as(src, dst, dtype)
+            src = os.path.abspath((frozen or {}).get(name) or os.path.join(model_path, name))
+            dst = os.path.join(partial, name)
+            if _place_frozen(src, dst, dtype, link_frozen):
                 converted.append(name)
-            elif os.path.isdir(src):
-                os.symlink(src, dst) if link_frozen else shutil.copytree(src, dst)
-            else:
-                shutil.copy2(src, dst)
+            if name in text_models and _pin_fp32_load(dst):
+                pinned.append(name)
         portable_json(os.path.join(partial, "model_index.json"))
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     for name, model in trained.items():
         export_model(model, os.path.join(partial, name), dtype)
     if rank() == 0:
         _swap_in(partial, out_dir)
-        print0(f"export: {out_dir} ({', '.join(trained)} in {dtype_name(dtype)}; frozen parts "
-               f"{'linked' if link_frozen else 'copied'}"
-               + (f", {', '.join(converted)} converted to {dtype_name(dtype)}" if converted else "") + ")")
-    if dist.is_initialized():
-        dist.barrier()
+        print0(f"export: {out_dir} ({_export_summary(trained, dtype, link_frozen, converted, pinned)})")
+    barrier()
     return out_dir
+
+
+def _export_summary(trained, dtype: torch.dtype, link_frozen: bool, converted: list, pinned: list) -> str:
+    """What the export holds and how it loads, for its log line."""
+    name = dtype_name(dtype)
+    text = (f"{', '.join(trained)} in {name}; frozen parts {'linked' if link_frozen else 'copied'}"
+            + (f", {', '.join(converted)} converted to {name}" if converted else "")
+            + (f"; {', '.join(pinned)}: config dtype float32, weights {name}" if pinned else ""))
+    if dtype == torch.float32:
+        return text + "; from_pretrained(path) loads it in fp32"
+    return text + (f"; from_pretrained(path, torch_dtype={dtype}) loads it in {name}, "
+                   "from_pretrained(path) in fp32")

@@ -16,6 +16,7 @@ import torch
 from tests.conftest import ROOT, TinyNet, make_data, run_ranks, tiny_unet
 
 import checkpoint
+from run_utils import ConfigError
 import fsdp_utils
 from parallel.parallelize import parallelize
 import data_utils
@@ -236,3 +237,23 @@ def test_export_shards_large_models(tmp_path):
     loaded = UNet2DConditionModel.from_pretrained(str(tmp_path / "u"))
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, unet.state_dict()[k])
+
+
+def _resume_is_rank0s(rank, world, root):
+    """RESUME=auto is rank 0's newest checkpoint on every rank, even where another rank's listing
+    differs (here: rank 1 lists an OUTPUT_DIR with a newer checkpoint); a bad path fails on all."""
+    for step in (2, 4):
+        folder = os.path.join(root, f"out{rank}", "checkpoints", f"step_{step:06d}")
+        if rank == 1 or step == 2:
+            os.makedirs(folder, exist_ok=True)
+            for name in (".metadata", "trainer_state.json"):
+                open(os.path.join(folder, name), "w").close()
+    got = checkpoint.resolve_resume("auto", os.path.join(root, f"out{rank}"))
+    assert got == os.path.join(root, "out0", "checkpoints", "step_000002"), got
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(os.path.join(root, "nowhere"), root)
+
+
+@pytest.mark.slow
+def test_resume_auto_is_decided_by_rank0(tmp_path):
+    run_ranks(_resume_is_rank0s, 2, str(tmp_path))

@@ -341,8 +341,9 @@ def _shared_output_dir(rank, world, root):
     """Each rank's own folder stands for a node-local OUTPUT_DIR: rank 1 does not see rank 0's file."""
     import socket
     ours = os.path.join(root, "shared")
-    run_utils.check_output_dir_shared(ours)  # one folder for all: fine, and the probe is gone after
-    assert not os.path.exists(os.path.join(ours, ".shared_check"))
+    run_utils.check_output_dir_shared(ours)  # one folder for all: fine
+    if rank == 0:  # rank 0 removes its probe after the last barrier
+        assert not os.path.exists(os.path.join(ours, ".shared_check"))
     local = os.path.join(root, f"local{rank}")
     os.makedirs(local, exist_ok=True)
     with pytest.raises(ConfigError, match=f"rank 1 on {socket.gethostname()} cannot see") as e:

@@ -166,7 +166,8 @@ def test_export_is_a_one_step_pipeline(run_a):
 @pytest.mark.slow
 def test_export_runs_without_a_torch_dtype(run_a):
     """The shipped teacher's text encoder and VAE are fp16, the exported UNet fp32: the export holds
-    them converted to fp32, so a plain from_pretrained (no torch_dtype) runs a 1-step call."""
+    them converted to fp32 and its text encoder config says float32 (what transformers loads in
+    without a dtype), so a plain from_pretrained (no torch_dtype) runs a 1-step call."""
     from diffusers import LCMScheduler, StableDiffusionPipeline
     from safetensors import safe_open
     export = os.path.join(run_a, "export")
