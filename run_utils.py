@@ -108,11 +108,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def agree(*flags) -> tuple[bool, ...]:
+    """For each flag (a bool, or a 0-d tensor on any device), True only if it is True on every rank:
+    one MIN all-reduce and one host sync for all of them, so that all ranks take the same branch
+    (skip a step whose loss was non-finite on one rank, stop when one rank was signalled)."""
+    device = next((f.device for f in flags if torch.is_tensor(f)), torch.device("cpu"))
+    vector = torch.stack([(f.detach() if torch.is_tensor(f) else torch.tensor(f)).to(device, torch.float64).reshape(())
+                          for f in flags])
+    return tuple(v > 0.5 for v in all_reduce(vector, op=dist.ReduceOp.MIN).tolist())
+
+
 def all_ranks_agree(ok: bool) -> bool:
-    """True only if `ok` is True on every rank (a MIN all-reduce): lets all ranks take the same
-    branch, e.g. skip a step whose loss was non-finite on one rank."""
-    flag = all_reduce(torch.tensor([1.0 if ok else 0.0]), op=dist.ReduceOp.MIN)
-    return bool(flag.item() > 0.5)
+    """True only if `ok` is True on every rank (see agree)."""
+    return agree(ok)[0]
 
 
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
@@ -207,10 +215,18 @@ class GracefulStop:
         exits by itself: a SIGTERM (torchrun forwards one to every rank as soon as the first one
         exits) is ignored so it cannot cut the save or the final message short; a SIGINT (a
         user's second Ctrl-C) still exits at once."""
-        stop = not all_ranks_agree(self.signum is None)
+        stop = not all_ranks_agree(not self.signalled())
         if stop:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.acknowledge()
         return stop
+
+    def signalled(self) -> bool:
+        """Whether this rank got a signal (local; agree on it across ranks before acting)."""
+        return self.signum is not None
+
+    def acknowledge(self) -> None:
+        """All ranks agreed to stop: this rank saves and exits by itself from now on (see should_stop)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def signal_received(self) -> int:
         """The signal to report (SIGTERM if this rank only heard of it from another rank)."""
@@ -663,8 +679,16 @@ def _is_terminal(stream) -> bool:
         return False
 
 
-def is_finite(*values: float) -> bool:
-    return all(math.isfinite(float(v)) for v in values)
+def is_finite(*values):
+    """Whether every value (floats, or 0-d tensors such as losses and grad norms) is finite: a 0-d
+    bool tensor where tensors are given, computed where they live, so no host sync (agree reads it
+    together with the other flags of the step)."""
+    tensors = [v.detach().to(torch.float64).reshape(()) for v in values if torch.is_tensor(v)]
+    plain = all(math.isfinite(float(v)) for v in values if not torch.is_tensor(v))
+    if not tensors:
+        return plain
+    device = tensors[0].device
+    return torch.stack([t.to(device) for t in tensors]).isfinite().all() & plain
 
 
 class NonFiniteGuard:
@@ -677,7 +701,11 @@ class NonFiniteGuard:
         self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
 
     def step_ok(self, *values) -> bool:
-        good = all_ranks_agree(is_finite(*values))
+        """Collective: whether every value is finite on every rank; counted (see record)."""
+        return self.record(all_ranks_agree(is_finite(*values)))
+
+    def record(self, good: bool) -> bool:
+        """Count a step whose finiteness all ranks agreed on (agree / step_ok)."""
         if good:
             self.in_a_row = 0
         else:

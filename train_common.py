@@ -86,6 +86,7 @@ class Run:
     logger: run_utils.RunLogger | None = None
     memory_table: functools.partial | None = None
     window: dict = field(default_factory=dict)
+    stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
 
     @property
     def trained_component(self) -> models.Component:
@@ -174,12 +175,16 @@ def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) ->
 def apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str]], logs: dict, step: int) -> bool:
     """The step's optimizer updates, [(params, optimizer, name)]: clip each (the norm over all
     shards, logged as grad_norm_<name>, or grad_norm for an unnamed one), then, only when every
-    loss and norm is finite on every rank (one collective), step them all. Grads are zeroed either
-    way. Returns whether it stepped."""
+    loss and norm is finite on every rank, step them all. Grads are zeroed either way. The one
+    collective that decides it also carries whether any rank was signalled to stop (end_step acts
+    on it): the step's only host sync outside logging steps. Returns whether it stepped."""
     for params, _, name in updates:
-        logs["grad_norm_" + name if name else "grad_norm"] = float(
-            fsdp_utils.clip_grad_norm_(params, run.config["MAX_GRAD_NORM"]))
-    ok = run.guard.step_ok(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
+        logs["grad_norm_" + name if name else "grad_norm"] = fsdp_utils.clip_grad_norm_(params, run.config["MAX_GRAD_NORM"])
+    # the step's one host sync: every rank's finiteness and stop signal in one collective
+    finite = run_utils.is_finite(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
+    ok, go_on = run_utils.agree(finite, not run.stopper.signalled())
+    run.guard.record(ok)
+    run.stop_agreed = not go_on
     for _, opt, _ in updates:
         if ok:
             opt.step()
@@ -220,7 +225,9 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
         path = run.output("samples", f"step_{step:06d}.png")
         sample(path)
         run.logger.log_images(step, "samples", path)
-    stopping = run.stopper.should_stop() or run.guard.exhausted
+    stopping = run.stop_agreed or run.guard.exhausted
+    if run.stop_agreed:
+        run.stopper.acknowledge()
     run.ckpt.save(step, {**trainer_state, **run.guard.state()}, stopping=stopping)
     if stopping:
         run.logger.close()
@@ -233,12 +240,12 @@ def window_add(window: dict, logs: dict) -> None:
     steps, shows up whenever the window held a generator step)."""
     for k, v in logs.items():
         total, count = window.get(k, (0.0, 0))
-        window[k] = (total + float(v), count + 1)
+        window[k] = (total + (v.double() if torch.is_tensor(v) else float(v)), count + 1)  # no host sync
 
 
 def window_metrics(window: dict, extra: dict) -> dict:
     """The log line: window means, losses averaged over ranks too (grad norms are global already)."""
-    means = {k: total / count for k, (total, count) in window.items()}
+    means = {k: float(total) / count for k, (total, count) in window.items()}  # the logging step's syncs
     metrics = run_utils.mean_across_ranks({k: v for k, v in means.items() if k.startswith("loss")})
     metrics.update({k: v for k, v in means.items() if not k.startswith("loss")}, **extra)
     window.clear()

@@ -461,12 +461,12 @@ def generator_loss(x, mb, uncond, teacher, fake, head, alphas, losses: Losses) -
     grad, _ = dm.dm_grad(x, mb["dm_t"], mb["dm_noise"], teacher, fake, mb["text"], uncond,
                          losses.real_guidance_scale, alphas)
     loss_dm = dm.dm_loss(x, grad)
-    logs = {"loss_dm": loss_dm.item()}
+    logs = {"loss_dm": loss_dm.detach()}  # device tensors: read on logging steps only
     if head is None:
         return loss_dm, logs
     z, t = head_input(x, mb, "gan_gen", alphas, losses.diffusion_gan)
     loss_cls = dm.gen_cls_loss(dm.cls_logits(fake, head, z, t, mb["text"]))
-    logs["loss_gen_cls"] = loss_cls.item()
+    logs["loss_gen_cls"] = loss_cls.detach()
     return loss_dm + losses.gen_cls_weight * loss_cls, logs
 
 
@@ -474,20 +474,21 @@ def guidance_loss(x, mb, fake, head, alphas, losses: Losses) -> tuple[torch.Tens
     """loss_fake (+ guidance_cls_weight · loss_guidance_cls) on detached generator images."""
     x = x.detach()
     loss_fake = dm.fake_score_loss(fake, x, mb["fake_noise"], mb["fake_t"], mb["text"], alphas)
-    logs = {"loss_fake": loss_fake.item()}
+    logs = {"loss_fake": loss_fake.detach()}
     if head is None:
         return loss_fake, logs
     logits_fake = dm.cls_logits(fake, head, *head_input(x, mb, "gan_fake", alphas, losses.diffusion_gan), mb["text"])
     logits_real = dm.cls_logits(fake, head, *head_input(mb["real"], mb, "gan_real", alphas, losses.diffusion_gan),
                                 mb["text"])
     loss_cls = dm.guidance_cls_loss(logits_fake, logits_real)
-    logs["loss_guidance_cls"] = loss_cls.item()
+    logs["loss_guidance_cls"] = loss_cls.detach()
     return loss_fake + losses.guidance_cls_weight * loss_cls, logs
 
 
 def add_logs(total: dict, logs: dict, weight: float) -> None:
+    """Micro-batch values into the step's, in float64 as the log window sums them (no host sync)."""
     for k, v in logs.items():
-        total[k] = total.get(k, 0.0) + v * weight
+        total[k] = total.get(k, 0.0) + v.double() * weight
 
 
 # ----------------------------------------------------------------------------------------------

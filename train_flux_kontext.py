@@ -430,7 +430,7 @@ def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     """Context and target batches (B, 3, h, w): both images of a pair get the same resize, crop
     and (optional) flip."""
     contexts, targets = [], []
-    for row, flip in zip(rows, flips):
+    for row, flip in zip(rows, flips.tolist() if torch.is_tensor(flips) else flips):  # CPU data: no device sync
         c, t = data_utils.load_image(row["image"], *size), data_utils.load_image(row["target"], *size)
         if flip:
             c, t = c.flip(-1), t.flip(-1)
@@ -474,7 +474,7 @@ def micro_batch_loss(transformer, vae, rows, sigmas, noise, flips, size, text, g
                      loss_weighting, device):
     """One micro-batch on this rank: encode both images, build [noisy target ; clean context]
     tokens, predict, and return the fp32 flow-matching loss on the target tokens."""
-    context, target = load_pairs(rows, size, flips.tolist())
+    context, target = load_pairs(rows, size, flips)
     x0 = km.encode_latents(vae, target.to(device))
     ctx = km.encode_latents(vae, context.to(device))
     inputs = km.build_model_inputs(x0, ctx, noise.to(device), sigmas.to(device))
@@ -617,7 +617,7 @@ def main():
         h, w = buckets[schedule[step - 1][0]]
         latent_shape = (vae.config.latent_channels, h // vae_factor, w // vae_factor)
         sigmas, noise, flips = draw_step_randomness(SEED, step, global_batch, latent_shape, sigma_kwargs, RANDOM_FLIP)
-        loss_sum = 0.0
+        loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
         for m in range(GRAD_ACCUM):  # micro-batch m = m-th chunk of the global batch, split over DP groups
             mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
             rows = [train[indices[i]] for i in mine]
@@ -627,7 +627,7 @@ def main():
             # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP group
             # each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
             (loss * CONTEXT_PARALLEL).backward()
-            loss_sum += loss.item()
+            loss_sum = loss_sum + loss.detach().double()
         logs, lr = {"loss": loss_sum}, lr_sched.get_last_lr()[0]
         if train_common.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
             ema_lib.ema_update(ema, transformer, EMA_DECAY)

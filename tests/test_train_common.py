@@ -7,6 +7,7 @@ one LR warmup.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -65,3 +66,34 @@ def test_one_warmup_two_conventions(first_step, factors):
         opt.step()
         sched.step()
     assert seen == pytest.approx(factors)
+
+
+def _reads_per_step(script: str, args: list[str], tmp_path) -> int:
+    """Tensor-to-host reads per step outside logging steps (tests/sync_count_driver.py): the
+    difference between a 4-step and a 2-step run whose only logging step is the last."""
+    import json
+    import subprocess
+    import sys
+    from tests.conftest import ROOT, launch_env
+    total = {}
+    for steps in (2, 4):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sync_count_driver.py"), script, *args,
+                              f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0",
+                              "--precision=fp32", f"--output_dir={tmp_path / str(steps)}"],
+                             cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        line = next(line for line in out.stdout.splitlines() if line.startswith("SYNCS "))
+        total[steps] = sum(json.loads(line[6:]).values())
+    return (total[4] - total[2]) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args", [("train_dmd.py", ["--dfake_gen_update_ratio=1"]),
+                                          ("train_flux_kontext.py", ["--val_every=0", "--grad_accum=2"])],
+                         ids=["dmd", "kontext"])
+def test_one_host_sync_per_step_outside_logging_steps(script, args, tmp_path):
+    """Losses and grad norms stay device tensors until a logging step; the step's one read is the
+    collective that agrees on finiteness and stop signals (train_common.apply_updates). Before:
+    4 reads per DMD2 step (loss_dm, loss_fake, two grad norms) and 3 per Kontext step at
+    GRAD_ACCUM=2 (two losses, the grad norm), plus two agreement reads on more than one rank."""
+    assert _reads_per_step(script, args, tmp_path) == 1
