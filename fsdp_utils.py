@@ -13,6 +13,7 @@ run_utils.py; data order and files are data_utils.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -350,6 +351,24 @@ def apply_ddp(model: nn.Module, device: torch.device, verbose: bool = True) -> n
         print0(f"ddp: {type(model).__name__}: full replica per rank")
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, last_micro_batch: bool):
+    """Around one micro-batch's forward and backward under gradient accumulation (DDP decides in
+    the forward): communicate what can wait only on the last micro-batch, where that costs no memory. DDP: no all-reduce until the last
+    (`no_sync`; the local grads accumulate in place). HSDP: no cross-replica all-reduce until the
+    last (`set_requires_all_reduce(False)`: the reduce-scattered shards accumulate; the
+    replica all-reduce is the one that crosses nodes). Plain FSDP keeps its per-micro-batch
+    reduce-scatter: skipping it would hold the unsharded gradients (a full copy) until the end."""
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, DistributedDataParallel) and not last_micro_batch:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last_micro_batch)
+    yield
 
 
 def prepare_frozen(model: nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> nn.Module:

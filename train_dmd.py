@@ -596,21 +596,23 @@ def main() -> None:
         # generator turn: images from G (with graph only when G steps), then its loss and backward.
         # Its update waits for the guidance turn: that one uses only detached images, so stepping
         # both after it is the published order, and one finiteness check covers both updates.
-        for mb in batches:
-            with torch.set_grad_enabled(gen_turn):
-                x = generator_images(train_gen, mb, step_list, index, alphas)
-            if gen_turn:
-                loss, parts = generator_loss(x, mb, uncond, teacher, train_fake, head, alphas, losses)
-                (loss / GRAD_ACCUM).backward()
-                add_logs(logs, parts, 1 / GRAD_ACCUM)
+        for m, mb in enumerate(batches):
+            with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                with torch.set_grad_enabled(gen_turn):
+                    x = generator_images(train_gen, mb, step_list, index, alphas)
+                if gen_turn:
+                    loss, parts = generator_loss(x, mb, uncond, teacher, train_fake, head, alphas, losses)
+                    (loss / GRAD_ACCUM).backward()
+                    add_logs(logs, parts, 1 / GRAD_ACCUM)
             images.append(x.detach())
         if gen_turn:
             opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake UNet and head
 
         # guidance turn, every step: fake score (+ head) on the same pre-update images
-        for mb, x in zip(batches, images):
-            loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
-            (loss / GRAD_ACCUM).backward()
+        for m, (mb, x) in enumerate(zip(batches, images)):
+            with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
+                (loss / GRAD_ACCUM).backward()
             add_logs(logs, parts, 1 / GRAD_ACCUM)
         updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
         updates.append((list(guidance.parameters()), opt_d, "guidance"))

@@ -622,11 +622,12 @@ def main():
             mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
             rows = [train[indices[i]] for i in mine]
             text = load_text_embeds([r["prompt"] for r in rows], TEXT_CACHE_DIR, identity, d.device)
-            loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
-                                    text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
-            # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP group
-            # each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
-            (loss * CONTEXT_PARALLEL).backward()
+            with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
+                                        text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
+                # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP group
+                # each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
+                (loss * CONTEXT_PARALLEL).backward()
             loss_sum = loss_sum + loss.detach().double()
         logs, lr = {"loss": loss_sum}, lr_sched.get_last_lr()[0]
         if train_common.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:

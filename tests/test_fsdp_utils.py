@@ -135,3 +135,55 @@ def test_cpu_threads_share_the_cores_unless_the_user_set_them(monkeypatch):
     assert fsdp_utils.cpu_threads(4) == 4
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
     assert fsdp_utils.cpu_threads(8) == 6
+
+
+def _accumulation_comms(rank, world, mode):
+    """Grad accumulation over 4 micro-batches: the cross-replica all-reduces (HSDP) or DDP's bucket
+    all-reduces happen once per step with gradient_sync, four times without; same gradients."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from precision import get_precision
+    data = make_data(1, 8 * world)[0]
+    grads, calls = {}, {}
+    for synced in (False, True):
+        torch.manual_seed(0)
+        model = TinyNet()
+        if mode == "hsdp":
+            mesh = fsdp_utils.build_meshes(torch.device("cpu"), 2)[0]
+            parallelize(model, mesh, get_precision("fp32").mp_policy(), block_classes=["Block"], verbose=False)
+            wrapped = model
+        else:
+            wrapped = fsdp_utils.apply_ddp(model, torch.device("cpu"), verbose=False)
+        count = [0]
+        real = dist.all_reduce
+
+        def counting(*args, **kwargs):
+            count[0] += 1
+            return real(*args, **kwargs)
+
+        def counting_hook(state, bucket):
+            count[0] += 1
+            return allreduce_hook(state, bucket)
+        if mode == "ddp":
+            wrapped.register_comm_hook(None, counting_hook)
+        dist.all_reduce = counting
+        try:
+            x, y = (t[rank * 8:(rank + 1) * 8] for t in data)
+            for m in range(4):
+                with fsdp_utils.gradient_sync(wrapped, last_micro_batch=m == 3 or not synced):
+                    loss = torch.nn.functional.mse_loss(wrapped(x[2 * m:2 * m + 2]), y[2 * m:2 * m + 2]) / 4
+                    loss.backward()
+        finally:
+            dist.all_reduce = real
+        calls[synced] = count[0]
+        grads[synced] = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                         for p in model.parameters()]
+    assert calls[True] * 4 == calls[False] and calls[True] > 0, calls
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, world", [("hsdp", 4), ("ddp", 2)])
+def test_accumulation_communicates_once_per_step_where_it_can(mode, world):
+    run_ranks(_accumulation_comms, world, mode)
