@@ -16,7 +16,6 @@ cat > "$out/.coveragerc" <<RC
 [run]
 parallel = True
 data_file = $out/.coverage
-source = $PWD
 include = $PWD/*.py
           $PWD/parallel/*.py
           $PWD/algorithms/*.py
