@@ -1,4 +1,4 @@
-"""COMPILE=1: torch.compile of each FSDP unit's forward (compiling.compile_units), AC -> compile ->
+"""COMPILE=1: torch.compile of each FSDP unit's forward (parallel/compile.py), AC -> compile ->
 fully_shard, against eager.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_compile.py -q

@@ -1,4 +1,4 @@
-"""LoRA under FSDP2 (fsdp_utils.add_lora): train_flux_kontext.py with LORA_RANK > 0 end to end on
+"""LoRA under FSDP2 (parallel/lora.py): train_flux_kontext.py with LORA_RANK > 0 end to end on
 the tiny Kontext model, and the adapters' dtypes, frozen base and export in process.
 
     python -m pytest tests/test_lora.py -q
