@@ -18,7 +18,7 @@ import fsdp_utils
 from parallel.models import MODELS, PIPELINES, SCRIPTS, folder_layout, units_in_order
 from parallel.parallelize import parallelize, parallelize_flux, parallelize_unet
 from precision import get_precision
-from tests.conftest import launch, run_ranks, tiny_unet
+from tests.conftest import finish, run_ranks, start, tiny_unet
 
 UNET_UNITS = MODELS["UNet2DConditionModel"].units
 
@@ -113,8 +113,10 @@ def test_prefetch_leaves_dmd_samples_unchanged(tmp_path):
     the grids are identical."""
     args = ["--max_steps=6", "--precision=fp32", "--ema_decay=0.9", "--sample_every=3", "--save_every=0",
             "--log_every=3", "--dfake_gen_update_ratio=2"]
-    for prefetch in (0, 1):
-        launch("train_dmd.py", args + [f"--prefetch={prefetch}", f"--output_dir={tmp_path / str(prefetch)}"])
+    procs = [start("train_dmd.py", args + [f"--prefetch={p}", f"--output_dir={tmp_path / str(p)}"]) for p in (0, 1)]
+    for proc in procs:  # both at once: their startup overlaps
+        rc, log = finish(proc)
+        assert rc == 0, log[-3000:]
     for step in (3, 6):
         grids = [Image.open(os.path.join(tmp_path, str(p), "samples", f"step_{step:06d}.png")).tobytes() for p in (0, 1)]
         assert grids[0] == grids[1], step

@@ -75,14 +75,16 @@ def _reads_per_step(script: str, args: list[str], tmp_path) -> int:
     import subprocess
     import sys
     from tests.conftest import ROOT, launch_env
+    procs = {steps: subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sync_count_driver.py"), script, *args,
+                                      f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0",
+                                      "--precision=fp32", f"--output_dir={tmp_path / str(steps)}"],
+                                     cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for steps in (2, 4)}  # both at once: their startup overlaps
     total = {}
-    for steps in (2, 4):
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sync_count_driver.py"), script, *args,
-                              f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0",
-                              "--precision=fp32", f"--output_dir={tmp_path / str(steps)}"],
-                             cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        line = next(line for line in out.stdout.splitlines() if line.startswith("SYNCS "))
+    for steps, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+        line = next(line for line in out.splitlines() if line.startswith("SYNCS "))
         total[steps] = sum(json.loads(line[6:]).values())
     return (total[4] - total[2]) // 2
 
