@@ -5,8 +5,8 @@ root. With mesh=None (PARALLELISM=ddp) the same units get the same AC and compil
 FSDP2's precision contract on its forward, and nothing is sharded; the caller wraps a trained one
 in DDP (fsdp_utils.apply_ddp).
 
-The scripts, prepare_frozen's callers and the memory planner (tools/memory_plan.py) all shard
-through these, so wrapping knowledge exists once.
+The scripts (their trained models and DMD2's frozen sharded teacher) and the memory planner
+(tools/memory_plan.py) all shard through these, so wrapping knowledge exists once.
 
     python -m pytest tests/test_parallelize.py -q
 """
