@@ -118,11 +118,6 @@ def agree(*flags) -> tuple[bool, ...]:
     return tuple(v > 0.5 for v in all_reduce(vector, op=dist.ReduceOp.MIN).tolist())
 
 
-def all_ranks_agree(ok: bool) -> bool:
-    """True only if `ok` is True on every rank (see agree)."""
-    return agree(ok)[0]
-
-
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Average scalar metrics over ranks (for logging), one all-reduce."""
     if not values:
@@ -189,9 +184,9 @@ def _teardown_quietly() -> None:
 
 
 class GracefulStop:
-    """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; the training loop asks
-    `should_stop()` once per step (a collective), so all ranks finish the same step, save together
-    and exit. A second signal exits at once, except a SIGTERM within `duplicate_window_s` of a
+    """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; once per step the ranks agree on
+    `signalled()` (inside the step's one collective, train_common.apply_updates), so all ranks
+    finish the same step, save together and exit. A second signal exits at once, except a SIGTERM within `duplicate_window_s` of a
     first SIGTERM: that is the same stop delivered twice (SLURM signals every process of the job
     step, and torchrun forwards the one it got to its workers), and must not cut the save short."""
 
@@ -210,22 +205,14 @@ class GracefulStop:
         print(f"[rank {rank()}] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
               "(signal again to quit at once)", file=sys.stderr, flush=True)
 
-    def should_stop(self) -> bool:
-        """True on every rank as soon as any rank was signalled. From then on the rank saves and
-        exits by itself: a SIGTERM (torchrun forwards one to every rank as soon as the first one
-        exits) is ignored so it cannot cut the save or the final message short; a SIGINT (a
-        user's second Ctrl-C) still exits at once."""
-        stop = not all_ranks_agree(not self.signalled())
-        if stop:
-            self.acknowledge()
-        return stop
-
     def signalled(self) -> bool:
         """Whether this rank got a signal (local; agree on it across ranks before acting)."""
         return self.signum is not None
 
     def acknowledge(self) -> None:
-        """All ranks agreed to stop: this rank saves and exits by itself from now on (see should_stop)."""
+        """All ranks agreed to stop: this rank saves and exits by itself from now on. A SIGTERM
+        (torchrun forwards one to every rank as soon as the first one exits) is ignored so it cannot
+        cut the save or the final message short; a SIGINT (a user's second Ctrl-C) still exits at once."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def signal_received(self) -> int:
@@ -692,20 +679,16 @@ def is_finite(*values):
 
 
 class NonFiniteGuard:
-    """Skips optimizer steps whose loss or gradient norm is non-finite on any rank: `step_ok()` is a
-    collective (MIN all-reduce), so every rank takes the same branch and no rank steps alone.
+    """Skips optimizer steps whose loss or gradient norm is non-finite on any rank: every rank records
+    the same agreed outcome (agree(is_finite(...)), one collective), so no rank steps alone.
     Counts skipped steps (`skipped_steps` in metrics and checkpoints); `exhausted` after
     `max_in_a_row` bad steps in a row, when the script saves and stops with RunError."""
 
     def __init__(self, max_in_a_row: int):
         self.max_in_a_row, self.skipped, self.in_a_row = max_in_a_row, 0, 0
 
-    def step_ok(self, *values) -> bool:
-        """Collective: whether every value is finite on every rank; counted (see record)."""
-        return self.record(all_ranks_agree(is_finite(*values)))
-
     def record(self, good: bool) -> bool:
-        """Count a step whose finiteness all ranks agreed on (agree / step_ok)."""
+        """Count a step whose finiteness all ranks agreed on (agree); returns `good`."""
         if good:
             self.in_a_row = 0
         else:

@@ -193,13 +193,17 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
 
 
 def _guard_on_two_ranks(rank, world):
+    import torch
     guard = run_utils.NonFiniteGuard(max_in_a_row=2)
-    assert guard.step_ok(1.0, 2.0)
-    assert not guard.step_ok(float("nan") if rank == 1 else 1.0, 2.0)  # rank 0 skips too
+
+    def step_ok(*values):  # as train_common.apply_updates decides: device tensors, one agreement
+        return guard.record(run_utils.agree(run_utils.is_finite(*(torch.tensor(v) for v in values)))[0])
+    assert step_ok(1.0, 2.0)
+    assert not step_ok(float("nan") if rank == 1 else 1.0, 2.0)  # rank 0 skips too
     assert not guard.exhausted and guard.state() == {"skipped_steps": 1, "bad_steps_in_a_row": 1}
-    assert not guard.step_ok(1.0, float("inf") if rank == 0 else 1.0)
+    assert not step_ok(1.0, float("inf") if rank == 0 else 1.0)
     assert guard.exhausted and "MAX_BAD_STEPS=2" in str(guard.error(7))
-    assert guard.step_ok(1.0, 1.0) and guard.in_a_row == 0 and guard.skipped == 2
+    assert step_ok(1.0, 1.0) and guard.in_a_row == 0 and guard.skipped == 2
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ def _nccl_helpers(rank, world):
     # CPU tensors in, as the scripts hand them over: the helpers move them to the GPU and back
     total = run_utils.all_reduce(torch.tensor([float(rank + 1)]))
     assert total.device.type == "cpu" and total.item() == world * (world + 1) / 2
-    assert run_utils.all_ranks_agree(True) and not run_utils.all_ranks_agree(rank != 0)
+    assert run_utils.agree(True, rank != 0, torch.tensor(True, device="cuda")) == (True, False, True)
     assert run_utils.mean_across_ranks({"loss": float(rank)}) == {"loss": (world - 1) / 2}
     assert run_utils.broadcast_from_rank0(rank) == 0
     assert run_utils.all_gather_objects(rank) == list(range(world))

@@ -321,7 +321,7 @@ def _collectives_on_the_comm_device(rank, world):
     torch.distributed.all_reduce = spy
     try:
         total = run_utils.all_reduce(torch.tensor([float(rank + 1)]))
-        assert total.item() == 3.0 and run_utils.all_ranks_agree(rank == 0) is False
+        assert total.item() == 3.0 and run_utils.agree(rank == 0, True) == (False, True)
         assert run_utils.mean_across_ranks({"loss": float(rank)}) == {"loss": 0.5}
     finally:
         torch.distributed.all_reduce = real
