@@ -88,10 +88,6 @@ class Run:
     window: dict = field(default_factory=dict)
     stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
 
-    @property
-    def trained_component(self) -> models.Component:
-        return next(c for c in models.PIPELINES[self.pipeline] if c.role == "trainable")
-
     def output(self, *parts: str) -> str:
         return os.path.join(self.config["OUTPUT_DIR"], *parts)
 
@@ -113,7 +109,7 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     run_utils.check_model_folder(model_path, pipeline, models.folder_layout(pipeline))
     lora = lora_lib.Lora.from_settings(config)
     if lora:  # unknown target modules fail here, on the meta skeleton, before any work
-        trained = next(c for c in models.PIPELINES[pipeline] if c.role == "trainable")
+        trained = models.trained_component(pipeline)
         lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
     run_utils.check_output_dir(config["OUTPUT_DIR"])
 
@@ -269,7 +265,7 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None) -> Non
     print0(f"memory after training:\n{run.memory_table()}")
     if c["COMPILE"]:
         print0(compiling.compile_report("compile, whole run"))
-    component = run.trained_component.subfolder
+    component = models.trained_component(run.pipeline).subfolder
     with final_weights() as final_model:
         if run.lora:
             checkpoint.export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32)

@@ -81,9 +81,9 @@ def folder_layout(pipeline: str) -> dict[str, str | None]:
     return {c.subfolder: c.class_name for c in PIPELINES[pipeline]}
 
 
-def trained_model_class(pipeline: str) -> str:
-    """The class of the pipeline's (first) trainable model: UNet2DConditionModel, FluxTransformer2DModel."""
-    return next(c.class_name for c in PIPELINES[pipeline] if c.role == "trainable")
+def trained_component(pipeline: str) -> Component:
+    """The pipeline's (first) trainable component: its UNet or FLUX transformer."""
+    return next(c for c in PIPELINES[pipeline] if c.role == "trainable")
 
 
 # ----------------------------------------------------------------------------------------------
