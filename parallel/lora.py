@@ -12,6 +12,7 @@ two tiny all-gathers per targeted Linear (hundreds per step) for nothing.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -30,15 +31,24 @@ class Lora:
     alpha: float = 0.0  # scaling = alpha / rank; 0 = alpha equal to rank (scaling 1)
     targets: tuple[str, ...] = ()  # module-name suffixes (peft's target_modules); () = the model's in parallel.models.MODELS
     dropout: float = 0.0
+    init: str = "gaussian"  # lora_A's init (lora_B = 0 either way): "gaussian" or peft's "default" (kaiming-uniform)
 
     def __bool__(self) -> bool:
         return self.rank > 0
 
     @classmethod
     def from_settings(cls, config: dict) -> "Lora":
-        """The scripts' LORA_RANK, LORA_ALPHA, LORA_TARGET_MODULES, LORA_DROPOUT."""
+        """The scripts' LORA_RANK, LORA_ALPHA, LORA_TARGET_MODULES, LORA_DROPOUT, LORA_INIT."""
         return cls(config["LORA_RANK"], config["LORA_ALPHA"], tuple(config["LORA_TARGET_MODULES"]),
-                   config["LORA_DROPOUT"])
+                   config["LORA_DROPOUT"], config["LORA_INIT"])
+
+    @property
+    def peft_init(self) -> bool | str:
+        """LoraConfig's init_lora_weights for `init`: True is peft's default (kaiming-uniform)."""
+        return True if self.init == "default" else self.init
+
+
+INITS = ("gaussian", "default")  # LORA_INIT's choices (init_lora draws both)
 
 
 def check_lora(lora: Lora) -> None:
@@ -47,6 +57,8 @@ def check_lora(lora: Lora) -> None:
         raise ConfigError(f"LORA_RANK={lora.rank}: must be >= 0 (0 = full fine-tuning)")
     if lora.alpha < 0 or not 0 <= lora.dropout < 1:
         raise ConfigError(f"LORA_ALPHA={lora.alpha}, LORA_DROPOUT={lora.dropout}: need alpha >= 0 and 0 <= dropout < 1")
+    if lora.init not in INITS:
+        raise ConfigError(f"LORA_INIT={lora.init!r}: choose one of {', '.join(INITS)}")
 
 
 def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
@@ -82,7 +94,7 @@ def add_lora(model: nn.Module, lora: Lora) -> nn.Module:
     targets = lora_targets(model, lora)
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha or lora.rank, lora_dropout=lora.dropout,
-                                 target_modules=targets, init_lora_weights="gaussian"))
+                                 target_modules=targets, init_lora_weights=lora.peft_init))
     for name, p in model.named_parameters():
         if is_adapter(name):
             p.data = p.data.float()
@@ -103,9 +115,13 @@ def safetensors_key(name: str) -> str:
 
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int) -> None:
-    """Initialise the adapters as peft's "gaussian" init does (lora_A ~ N(0, 1/rank²), lora_B = 0,
-    so the model starts equal to its base), drawing each full lora_A from a generator seeded by
-    (seed, name) and keeping this rank's rows: the same adapters whatever the world size."""
+    """Initialise the adapters as peft does for the init their LoraConfig names (add_lora), lora_B
+    = 0 so the model starts equal to its base, and lora_A (peft 0.21 tuners/lora/layer.py:335-340,
+    `reset_lora_parameters`): "gaussian" ~ N(0, 1/rank²); peft's default (init_lora_weights=True)
+    kaiming-uniform with a = √5, i.e. U(±1/√fan_in), fan_in = in_features (Conv2d: in_channels ×
+    kernel area). Each full lora_A is drawn from a generator seeded by (seed, name), and this rank
+    keeps its rows: the same adapters whatever the world size."""
+    init = model.peft_config["default"].init_lora_weights if hasattr(model, "peft_config") else "gaussian"
     for name, p in model.named_parameters():
         if not is_adapter(name):
             continue
@@ -113,6 +129,8 @@ def init_lora(model: nn.Module, seed: int) -> None:
             local_tensor(p).zero_()
             continue
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.randn(p.shape, generator=g) / p.shape[0]  # std 1/rank (peft: normal_(std=1/r))
+        if init is True:
+            full = torch.nn.init.kaiming_uniform_(torch.empty(p.shape), a=math.sqrt(5), generator=g)
+        else:
+            full = torch.randn(p.shape, generator=g) / p.shape[0]  # std 1/rank (peft: normal_(std=1/r))
         fill_local(p, lambda index: full[index])
-

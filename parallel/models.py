@@ -21,8 +21,7 @@ MODELS = {
     # DMD2's FSDP config wraps SD UNets per BasicTransformerBlock and ResnetBlock2D (accelerate's
     # TRANSFORMER_BASED_WRAP on those classes); the attention blocks nest inside Transformer2DModel.
     # LoRA: the attention projections (diffusers' text-to-image LoRA example's targets); the official
-    # DMD2 SDXL LoRA also adapts convs, proj_in/out, ff and time_emb_proj
-    # (tianweiy/DMD2 main/sd_unified_model.py:47-62): name them in LORA_TARGET_MODULES for that
+    # DMD2 SDXL LoRA run adapts more (DMD2_LORA_TARGETS below): the recipes name those
     "UNet2DConditionModel": ModelFacts(units=("BasicTransformerBlock", "ResnetBlock2D"),
                                        lora_targets=("to_q", "to_k", "to_v", "to_out.0")),
     # FLUX: its `_no_split_modules`, the units torchtitan's flux/parallelize.py shards. LoRA:
@@ -35,6 +34,13 @@ MODELS = {
                       "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                       "ff_context.net.2", "proj_mlp")),
 }
+
+# The official DMD2 LoRA run's targets (tianweiy/DMD2 main/sd_unified_model.py:47-62, its
+# --generator_lora path, SDXL only there): attention, proj_in/out, feed-forward, the resnets' convs
+# and time embedding projections, the down/up samplers' convs. recipes/dmd_*_lora.sh pass them as
+# LORA_TARGET_MODULES (tests/test_recipes.py checks they are these).
+DMD2_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
+                     "conv1", "conv2", "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv", "time_emb_proj")
 
 
 # ----------------------------------------------------------------------------------------------

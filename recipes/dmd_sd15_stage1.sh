@@ -4,7 +4,8 @@
 #   laion6.25_sd_baseline_8node_guidance1.75_lr1e-5_seed10_dfake10_from_scratch.sh (lines 9-31):
 #   generator and guidance LR 1e-5, batch 32 per GPU on 8 nodes x 8 GPUs (global 2048), 512 px,
 #   real guidance 1.75, dfake_gen_update_ratio 10, grad-norm clip 10, seed 10, mixed precision,
-#   gradient checkpointing; stage 1 = no GAN.
+#   gradient checkpointing; stage 1 = no GAN. The text encoder in fp32, as the official code keeps
+#   CLIP (main/sd_unified_model.py:85-88).
 # On fewer GPUs the same global batch is kept by gradient accumulation: GRAD_ACCUM below is
 # 2048 / (32 x GPUs), e.g. 8 on one 8-GPU node (so 8x slower per step than the published 64 GPUs).
 #
@@ -24,5 +25,5 @@ ACCUM=$(grad_accum 2048 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --generator_lr=1e-5 --guidance_lr=1e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
-    --precision=bf16-mixed --activation_checkpointing=1 --use_gan=0 \
+    --precision=bf16-mixed --text_encoder_dtype=fp32 --activation_checkpointing=1 --use_gan=0 \
     --max_steps=40000 --save_every=1000 --sample_every=500 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

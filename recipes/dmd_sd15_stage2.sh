@@ -4,7 +4,8 @@
 # with fresh optimizers. Settings as in tianweiy/DMD2 experiments/sdv1.5/
 #   laion6.25_sd_baseline_8node_guidance1.75_lr5e-7_seed10_dfake10_diffusion1000_gan1e-3_noode_resume_fixdata.sh
 #   (lines 9-38): LR 5e-7 for both, gen_cls_loss_weight 1e-3, guidance_cls_loss_weight 1e-2,
-#   diffusion GAN up to t = 1000, otherwise as stage 1 (global batch 2048, see dmd_sd15_stage1.sh).
+#   diffusion GAN up to t = 1000, otherwise as stage 1 (global batch 2048, see dmd_sd15_stage1.sh;
+#   text encoder in fp32).
 # DATA: a .jsonl of {"prompt", "image"} rows (real images for the GAN; the paper used SD-VAE
 # latents of LAION images).
 #
@@ -26,5 +27,5 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \
     --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
-    --precision=bf16-mixed --activation_checkpointing=1 \
+    --precision=bf16-mixed --text_encoder_dtype=fp32 --activation_checkpointing=1 \
     --max_steps=2000 --save_every=500 --sample_every=250 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

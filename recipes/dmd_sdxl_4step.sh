@@ -6,7 +6,8 @@
 #   1024 px, seed 10, real guidance 8, dfake_gen_update_ratio 5, grad-norm clip 10,
 #   max_step_percent 0.98, GAN on the fake UNet's bottleneck from the start (gen_cls_loss_weight
 #   5e-3, guidance_cls_loss_weight 1e-2, diffusion GAN up to t = 1000), 4 denoising steps
-#   (999, 749, 499, 249) with backward simulation, bf16 mixed precision, SDXL's VAE in fp32.
+#   (999, 749, 499, 249) with backward simulation, bf16 mixed precision, SDXL's VAE in fp32, the
+#   text encoders in fp32 as the official code keeps CLIP (main/sdxl/sdxl_text_encoder.py:8-14).
 # Activation checkpointing is off, as in the official script (64 GPUs); AC=1 turns it on where
 # `python tools/memory_plan.py --fit_table --model=sdxl-dmd` (README) says it is needed.
 # On fewer GPUs the global batch 128 is kept by GRAD_ACCUM = 128 / (2 x GPUs).
@@ -29,5 +30,5 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --max_step_percent=0.98 --use_gan=1 --gen_cls_loss_weight=5e-3 --guidance_cls_loss_weight=1e-2 \
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 \
     --conditioning_timestep=999 --denoising_steps=999,749,499,249 \
-    --precision=bf16-mixed --activation_checkpointing=${AC:-0} \
+    --precision=bf16-mixed --text_encoder_dtype=fp32 --activation_checkpointing=${AC:-0} \
     --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

@@ -120,7 +120,7 @@ def _settings_with_comments(script: str) -> list[tuple[str, str]]:
 
 
 # settings whose meaning is train_common's, not a script's: one comment, word for word, in both
-SAME_COMMENT = ("SKIP_BAD_SAMPLES", "GRAD_ACCUM", "SEED", "MAX_GRAD_NORM", "LORA_ALPHA", "LORA_DROPOUT",
+SAME_COMMENT = ("SKIP_BAD_SAMPLES", "GRAD_ACCUM", "SEED", "MAX_GRAD_NORM", "LORA_ALPHA", "LORA_DROPOUT", "LORA_INIT",
                 "LORA_EXPORT_MERGED", "PRECISION", "TF32", "EXPORT_DTYPE", "DP_REPLICATE", "RESHARD_AFTER_FORWARD",
                 "CPU_OFFLOAD", "PREFETCH", "COMPILE", "MAX_BAD_STEPS", "COLLECTIVE_TIMEOUT_S", "SAVE_EVERY",
                 "KEEP_LAST", "ASYNC_SAVE", "RESUME", "LOG_EVERY", "REPORT_TO", "WANDB_PROJECT", "WANDB_RUN_NAME",

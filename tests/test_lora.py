@@ -179,7 +179,8 @@ def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
     try:
         for argv, message in ((["--lora_rank=-1"], "LORA_RANK=-1: must be >= 0"),
                               (["--lora_rank=4", "--lora_target_modules=to_qq"],
-                               "LORA_TARGET_MODULES: 'to_qq' matches no Linear")):
+                               "LORA_TARGET_MODULES: 'to_qq' matches no Linear"),
+                              (["--lora_rank=4", "--lora_init=kaiming"], "LORA_INIT='kaiming': choose one of")):
             monkeypatch.setattr(sys, "argv", ["train_flux_kontext.py"] + argv)
             with pytest.raises(ConfigError, match=message) as e:
                 tfk.main()
@@ -187,6 +188,34 @@ def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
             vars(tfk).update(saved)
     finally:
         vars(tfk).update(saved)
+
+
+@pytest.mark.parametrize("init,std", [("default", 3 ** -0.5), ("gaussian", 1.0)])
+def test_lora_init_draws_as_peft_does(init, std):
+    """LORA_INIT: "default" is peft's default init (kaiming-uniform, a = √5: U(±1/√fan_in), the
+    official DMD2 LoRA run's), "gaussian" N(0, 1/rank²); lora_B = 0. Checked against what peft
+    itself draws for the same LoraConfig on a materialised UNet with the official DMD2 targets
+    (linear and conv layers), in units of the bound (√fan_in) or of 1/rank; same seed, same draw."""
+    from parallel.models import DMD2_LORA_TARGETS
+    from tests.conftest import tiny_unet
+    rank = 4
+    unet = lora.add_lora(tiny_unet(), lora.Lora(rank=rank, targets=DMD2_LORA_TARGETS, init=init))
+    assert unet.peft_config["default"].init_lora_weights == (True if init == "default" else "gaussian")
+    peft_drawn = {n: p.detach().clone() for n, p in unet.named_parameters() if ".lora_A." in n}
+    lora.init_lora(unet, seed=0)
+    ours = {n: p.detach().clone() for n, p in unet.named_parameters() if ".lora_A." in n}
+    assert any(".conv1.lora_A." in n for n in ours) and any(".to_q.lora_A." in n for n in ours)
+
+    def unit(t):  # values in units of the init's scale: U(-1, 1) or N(0, 1)
+        return t * (t[0].numel() ** 0.5 if init == "default" else rank)
+    mine, theirs = (torch.cat([unit(t).flatten() for t in d.values()]) for d in (ours, peft_drawn))
+    for values in (mine, theirs):
+        assert abs(values.std().item() - std) < 0.05 * std, (init, values.std())
+    if init == "default":
+        assert mine.abs().max() <= 1 and theirs.abs().max() <= 1
+    assert all(p.abs().max() == 0 for n, p in unet.named_parameters() if ".lora_B." in n)
+    lora.init_lora(unet, seed=0)
+    assert all(torch.equal(p, ours[n]) for n, p in unet.named_parameters() if n in ours)
 
 
 # ----------------------------------------------------------------------------------------------

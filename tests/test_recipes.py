@@ -20,7 +20,7 @@ RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endsw
 def dry_run(recipe: str, **env) -> list[str]:
     """The torchrun command line the recipe would run (DRY_RUN=1 in run_fsdp.sh)."""
     full = {**os.environ, "DRY_RUN": "1", "NPROC": "8", "MODEL": "/models/m", "DATA": "/data/d.jsonl",
-            "INIT_FROM": "/ckpt/step_040000", **env}
+            "INIT_FROM": "/ckpt/step_040000", "GENERATOR_INIT": "/models/g.safetensors", **env}
     r = subprocess.run(["bash", os.path.join(ROOT, "recipes", recipe)], env=full, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
@@ -40,19 +40,22 @@ def test_recipe_settings_are_the_scripts_settings(recipe, monkeypatch):
         run_utils.apply_overrides(vars(module), settings)  # unknown name or bad value -> ConfigError
         monkeypatch.setenv("WORLD_SIZE", "8")
         module.INIT_FROM = "" if hasattr(module, "INIT_FROM") else None  # the folder does not exist here
+        module.GENERATOR_INIT = "" if hasattr(module, "GENERATOR_INIT") else None  # nor the file
         module.validate_config()
     finally:
         vars(module).update(saved)
 
 
 @pytest.mark.parametrize("recipe,per_gpu,total", [("dmd_sd15_stage1.sh", 32, 2048), ("dmd_sd15_stage2.sh", 32, 2048),
-                                                   ("dmd_sdxl_4step.sh", 2, 128), ("dmd_sdxl_1step.sh", 2, 128)])
+                                                   ("dmd_sdxl_4step.sh", 2, 128), ("dmd_sdxl_1step.sh", 2, 128),
+                                                   ("dmd_sdxl_4step_lora.sh", 2, 128), ("dmd_sd15_lora.sh", 32, 2048)])
 def test_dmd_recipes_keep_the_published_global_batch(recipe, per_gpu, total):
     for nproc in (8, 4):
         cmd = dry_run(recipe, NPROC=str(nproc))
         assert f"--grad_accum={total // (per_gpu * nproc)}" in cmd and f"--batch_size={per_gpu}" in cmd, cmd
     r = subprocess.run(["bash", os.path.join(ROOT, "recipes", recipe)], capture_output=True, text=True,
-                       env={**os.environ, "DRY_RUN": "1", "NPROC": "3", "MODEL": "m", "DATA": "d", "INIT_FROM": "c"})
+                       env={**os.environ, "DRY_RUN": "1", "NPROC": "3", "MODEL": "m", "DATA": "d", "INIT_FROM": "c",
+                            "GENERATOR_INIT": "g"})
     assert r.returncode == 2 and f"does not divide the published global batch {total}" in r.stderr
 
 
@@ -61,3 +64,34 @@ def test_stage2_keeps_the_original_teacher():
         assert "--model_path=/models/m" in dry_run(recipe)
     stage2 = dry_run("dmd_sd15_stage2.sh")
     assert "--model_path=/models/m" in stage2 and "--init_from=/ckpt/step_040000" in stage2
+
+
+DMD_RECIPES = [r for r in RECIPES if r.startswith("dmd_")]
+
+
+@pytest.mark.parametrize("recipe", DMD_RECIPES)
+def test_dmd_recipes_keep_clip_in_fp32_as_published(recipe):
+    """The official code keeps CLIP in fp32 (main/sd_unified_model.py:85-88, sdxl_text_encoder.py:8-14)."""
+    assert "--text_encoder_dtype=fp32" in dry_run(recipe)
+
+
+@pytest.mark.parametrize("recipe,lr", [("dmd_sdxl_4step_lora.sh", "5e-5"), ("dmd_sd15_lora.sh", "5e-5")])
+def test_lora_recipes_carry_the_official_lora_settings(recipe, lr):
+    """The official --generator_lora run: rank 64, alpha 8, peft's default init, its 14 targets, the
+    generator only (the fake score trains fully), LR 5e-5 for both models."""
+    from parallel.models import DMD2_LORA_TARGETS
+    cmd = dry_run(recipe)
+    for want in ("--lora_rank=64", "--lora_alpha=8", "--lora_init=default", "--fake_lora=0",
+                 f"--generator_lr={lr}", f"--guidance_lr={lr}"):
+        assert want in cmd, (want, cmd)
+    targets = next(a for a in cmd if a.startswith("--lora_target_modules=")).split("=", 1)[1].split(",")
+    assert tuple(targets) == DMD2_LORA_TARGETS
+
+
+def test_sdxl_1step_starts_the_generator_from_generator_init():
+    assert "--generator_init=/models/g.safetensors" in dry_run("dmd_sdxl_1step.sh")
+    assert "--generator_init=" in dry_run("dmd_sdxl_1step.sh", GENERATOR_INIT="")  # set but empty: the teacher
+    env = {k: v for k, v in os.environ.items() if k != "GENERATOR_INIT"}
+    r = subprocess.run(["bash", os.path.join(ROOT, "recipes", "dmd_sdxl_1step.sh")], capture_output=True, text=True,
+                       env={**env, "DRY_RUN": "1", "NPROC": "8", "MODEL": "m", "DATA": "d"})
+    assert r.returncode != 0 and "ODE-pretrained" in r.stderr and "+ torchrun" not in r.stdout
