@@ -23,21 +23,51 @@ from run_utils import ConfigError
 WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 
 
-def weight_map(folder: str) -> dict[str, str]:
-    """{tensor name: safetensors file} for a diffusers/transformers component folder,
-    single-file or sharded (`*.safetensors.index.json`)."""
+def weight_map(source: str) -> dict[str, str]:
+    """{tensor name: safetensors file} for a diffusers/transformers component folder, single-file
+    or sharded (`*.safetensors.index.json`), or for one `.safetensors` file (a bare state dict)."""
+    if source.endswith(".safetensors") and os.path.isfile(source):
+        from safetensors import safe_open
+        with safe_open(source, framework="pt") as f:
+            return {k: source for k in f.keys()}
     for base in WEIGHT_NAMES:
-        index = os.path.join(folder, base + ".index.json")
+        index = os.path.join(source, base + ".index.json")
         if os.path.exists(index):
             with open(index) as f:
                 wm = json.load(f)["weight_map"]
-            return {k: os.path.join(folder, v) for k, v in wm.items()}
-        single = os.path.join(folder, base)
+            return {k: os.path.join(source, v) for k, v in wm.items()}
+        single = os.path.join(source, base)
         if os.path.exists(single):
             from safetensors import safe_open
             with safe_open(single, framework="pt") as f:
                 return {k: single for k in f.keys()}
-    raise ConfigError(f"{folder}: no *.safetensors weights (or index) found")
+    raise ConfigError(f"{source}: no *.safetensors weights (or index) found")
+
+
+def tensor_shapes(source: str) -> dict[str, list[int]]:
+    """{tensor name: shape} of `source` (weight_map's), read from the safetensors headers only."""
+    from safetensors import safe_open
+    shapes = {}
+    for path in sorted(set(weight_map(source).values())):
+        with safe_open(path, framework="pt") as f:
+            shapes.update((k, list(f.get_slice(k).get_shape())) for k in f.keys())
+    return shapes
+
+
+def check_same_tensors(source: str, reference: str, what: str) -> None:
+    """Before any work: `source` holds exactly the tensor names and shapes of `reference` (e.g. a
+    generator's starting weights against the teacher's folder; dtypes may differ, loading casts),
+    else a one-line ConfigError naming the first difference. `what` names the setting."""
+    mine, ref = tensor_shapes(source), tensor_shapes(reference)
+    missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
+    if missing or extra:
+        raise ConfigError(f"{what}={source}: not the model of {reference}: "
+                          + (f"{len(missing)} tensors missing, e.g. {missing[0]!r}" if missing else "")
+                          + ("; " if missing and extra else "")
+                          + (f"{len(extra)} unknown tensors, e.g. {extra[0]!r}" if extra else ""))
+    bad = next((k for k in sorted(ref) if mine[k] != ref[k]), None)
+    if bad is not None:
+        raise ConfigError(f"{what}={source}: {bad} has shape {mine[bad]}, the model of {reference} {ref[bad]}")
 
 
 def build_on_meta(model_cls, folder: str) -> nn.Module:
@@ -51,7 +81,8 @@ def build_on_meta(model_cls, folder: str) -> nn.Module:
 
 
 def materialize_and_load(model: nn.Module, folder: str, device: torch.device) -> None:
-    """Allocate the (already sharded) meta model on `device` and fill it from safetensors.
+    """Allocate the (already sharded) meta model on `device` and fill it from safetensors (`folder`:
+    a model folder, or one .safetensors state dict, as weight_map reads).
 
     Each rank reads only the rows of each tensor that it owns (safetensors slices are lazy, memory-
     mapped), so no rank ever holds more than its shard plus one slice: a 12 B transformer loads

@@ -55,3 +55,32 @@ def test_weights_of_another_model_fail_naming_a_tensor(tmp_path):
     model = loading.build_on_meta(UNet2DConditionModel, str(tmp_path / "b"))
     with pytest.raises(ConfigError, match="weights have no tensor|has shape"):
         loading.materialize_and_load(model, str(tmp_path / "a"), torch.device("cpu"))
+
+
+def test_one_safetensors_file_loads_like_its_folder(tmp_path):
+    """A bare state dict (.safetensors, e.g. DMD2's GENERATOR_INIT) loads into a skeleton built from
+    another folder's config: every tensor equal, cast to the model's dtype."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+    tiny_unet(seed=0).save_pretrained(tmp_path / "config_from")
+    weights = {k: v.to(torch.bfloat16).contiguous() for k, v in tiny_unet(seed=1).state_dict().items()}
+    save_file(weights, str(tmp_path / "g.safetensors"))
+    model = loading.build_on_meta(UNet2DConditionModel, str(tmp_path / "config_from"))
+    loading.materialize_and_load(model, str(tmp_path / "g.safetensors"), torch.device("cpu"))
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, weights[k].float()), k
+
+
+def test_check_same_tensors_names_the_first_difference(tmp_path):
+    from safetensors.torch import save_file
+    tiny_unet().save_pretrained(tmp_path / "ref")
+    state = {k: v.contiguous() for k, v in tiny_unet(seed=1).state_dict().items()}
+    save_file(state, str(tmp_path / "same.safetensors"))
+    loading.check_same_tensors(str(tmp_path / "same.safetensors"), str(tmp_path / "ref"), "X")  # passes
+    tiny_unet(sdxl=True).save_pretrained(tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"X=.*other: not the model of .*ref: \d+ tensors missing"):
+        loading.check_same_tensors(str(tmp_path / "other"), str(tmp_path / "ref"), "X")
+    key = "conv_in.weight"
+    save_file({**state, key: torch.zeros(8, 4, 3, 3)}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ConfigError, match=r"conv_in.weight has shape \[8, 4, 3, 3\], the model of .* \[32, 4, 3, 3\]"):
+        loading.check_same_tensors(str(tmp_path / "shape.safetensors"), str(tmp_path / "ref"), "X")

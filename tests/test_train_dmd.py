@@ -11,6 +11,8 @@ Launches are few and shared through module-scoped fixtures (each costs ~10 s of 
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
   run_few    2 ranks, few-step generator (backward simulation), a data file with bad rows skipped,
              weights from run_a's last checkpoint (INIT_FROM) and LR 0, so they must stay exactly those
+  (own)      2 ranks, 1 step, LR 0, the generator from a GENERATOR_INIT file (its EMA too, the fake
+             score from the teacher)
 """
 from __future__ import annotations
 
@@ -280,3 +282,89 @@ def test_fake_score_computes_in_fp32_as_published(fake_fp32):
     bf16-mixed, as the official DM loss runs it; off: in the mode's bf16, like the generator."""
     from tests.conftest import run_ranks
     run_ranks(_fake_score_compute_dtypes, 2, fake_fp32)
+
+
+# ----------------------------------------------------------------------------------------------
+# GENERATOR_INIT (the official --generator_ckpt_path) and the GAN head's fp32
+
+
+def _generator_init_file(folder) -> str:
+    """A .safetensors state dict of the shapes teacher's UNet layout with other (random) weights."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+    config = UNet2DConditionModel.load_config(os.path.join(train_dmd.default_paths()[0], "unet"))
+    torch.manual_seed(11)
+    state = {k: v.contiguous() for k, v in UNet2DConditionModel.from_config(config).state_dict().items()}
+    path = os.path.join(folder, "generator.safetensors")
+    save_file(state, path)
+    return path
+
+
+@pytest.mark.slow
+def test_generator_init_starts_the_generator_and_its_ema_only(env, tmp_path):
+    """GENERATOR_INIT: generator and EMA start from the file, the fake score from the teacher (LR 0,
+    so the step-1 checkpoint holds the starting weights), on 2 ranks, each reading its slices."""
+    from safetensors.torch import load_file
+    init = _generator_init_file(tmp_path)
+    log = launch_dmd(["--max_steps=1", "--save_every=1", "--sample_every=0", "--log_every=1", "--batch_size=1",
+                      "--precision=fp32", "--ema_decay=0.5", "--generator_lr=0", "--guidance_lr=0",
+                      f"--generator_init={init}"], env, tmp_path / "out")
+    assert f"generator initialised from {init}" in log
+    ckpt = read_checkpoint(tmp_path / "out", 1, flat=True)
+    wanted = load_file(init)
+    teacher = load_file(os.path.join(train_dmd.default_paths()[0], "unet", "diffusion_pytorch_model.safetensors"))
+    for part, source in (("generator", wanted), ("ema", wanted), ("fake", teacher)):
+        keys = {k[len(f".model.{part}."):]: k for k in ckpt if k.startswith(f".model.{part}.")}
+        assert set(keys) == set(source), part
+        assert all(torch.equal(ckpt[keys[n]], source[n].float()) for n in source), part
+    assert not torch.equal(wanted["conv_in.weight"], teacher["conv_in.weight"])
+
+
+def test_generator_init_checked_before_any_work(monkeypatch, tmp_path):
+    """A bad GENERATOR_INIT is a one-line ConfigError from validate_config (no process group yet)."""
+    from diffusers import UNet2DConditionModel
+    from tests.conftest import tiny_unet
+    monkeypatch.setattr(train_dmd, "GENERATOR_INIT", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="neither a .safetensors file nor a diffusers UNet folder"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "GENERATOR_INIT", str(tmp_path / "pytorch_model.bin"))
+    with pytest.raises(ConfigError, match="pickled state dict .* convert it once"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "GENERATOR_INIT", _generator_init_file(tmp_path))
+    assert train_dmd.validate_config() == [999]  # the shapes teacher's tensors: accepted
+    monkeypatch.setattr(train_dmd, "LORA_RANK", 4)
+    with pytest.raises(ConfigError, match="GENERATOR_INIT with LORA_RANK > 0"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "LORA_RANK", 0)
+    monkeypatch.setattr(train_dmd, "INIT_FROM", str(tmp_path))
+    monkeypatch.setattr(train_dmd.checkpoint, "is_complete", lambda path: True)
+    with pytest.raises(ConfigError, match="GENERATOR_INIT and INIT_FROM both set"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "INIT_FROM", "")
+    tiny_unet().save_pretrained(tmp_path / "other_unet")  # another UNet layout
+    assert UNet2DConditionModel.load_config(tmp_path / "other_unet")
+    monkeypatch.setattr(train_dmd, "GENERATOR_INIT", str(tmp_path / "other_unet"))
+    with pytest.raises(ConfigError, match="other_unet: not the model of|has shape") as e:
+        train_dmd.validate_config()
+    assert "\n" not in str(e.value)
+
+
+def test_gan_head_computes_in_fp32_under_bf16_mixed():
+    """The head's FSDP unit gathers its weights and casts its inputs to fp32 (bf16 features in),
+    as the official head runs outside autocast (main/sd_guidance.py:155-164); grads in fp32."""
+    import torch.distributed as dist
+    import fsdp_utils
+    from precision import get_precision
+    from tests.conftest import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
+        head = train_dmd.build_gan_head(64, 8, mesh, get_precision("bf16-mixed"), torch.device("cpu"), 0, False)
+        seen = []
+        head[0].register_forward_pre_hook(lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
+        out = head(torch.randn(2, 64, 8, 8, dtype=torch.bfloat16))
+        out.sum().backward()
+        assert seen == [(torch.float32, torch.float32)] and out.dtype == torch.float32
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in head.parameters())
+    finally:
+        dist.destroy_process_group()
