@@ -26,6 +26,26 @@ def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return g
 
 
+def sample_generator(seed: int, step: int, index: int, device, stream: int = 0) -> torch.Generator:
+    """A generator on `device` seeded from (seed, step, index, stream): the randomness of sample
+    `index` of the step's global batch. A rank draws only its own samples' numbers, on the run's
+    device, and they do not depend on which rank holds the sample, the world size or GRAD_ACCUM.
+    (The seed is a 64-bit hash of the four numbers, so no two samples or steps share a stream.)"""
+    import hashlib
+    key = hashlib.blake2b(f"{seed},{step},{index},{stream}".encode(), digest_size=8).digest()
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(key, "little") >> 1)
+    return g
+
+
+def per_sample_draws(seed: int, step: int, indices, device, draw, stream: int = 0) -> dict[str, torch.Tensor]:
+    """`draw(generator)` -> {name: tensor of one sample} for each global sample index in
+    `indices` (this rank's), stacked along a new dim 0: what a rank needs of the step's randomness,
+    nothing more (every tensor made on `device` by its own generator; no host copy)."""
+    parts = [draw(sample_generator(seed, step, i, device, stream)) for i in indices]
+    return {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+
+
 def global_batch_indices(step: int, global_batch: int, n: int, seed: int) -> list[int]:
     """Dataset indices of the global batch of `step`: epochs of seeded permutations laid end to
     end, so the data position is just the step (resumable on any world size)."""
@@ -104,6 +124,63 @@ def _check_image(path: str) -> None:
     except Exception as e:  # noqa: BLE001 - any decoder failure means a corrupt file
         raise ValueError(f"image {path} is unreadable ({type(e).__name__})") from None
 
+
+
+# ----------------------------------------------------------------------------------------------
+# the next step's data, prepared while this step runs
+
+class Prefetcher:
+    """`load(step)` (host work: decoding and resizing images, reading cached embeddings) run on a
+    background thread one step ahead: `get(step)` returns step's data, moved to `device` with
+    non-blocking copies (from pinned memory on CUDA), and starts loading step + 1 (up to
+    `last_step`), so the host prepares step N + 1 while the device runs step N. Also returns the
+    seconds `get` waited for the data (the step's data wait). `load` is a pure function of the
+    step, so what a step sees does not depend on timing. An exception in `load` is raised by the
+    `get` of its step."""
+
+    def __init__(self, load, last_step: int, device: torch.device):
+        from concurrent.futures import ThreadPoolExecutor
+        self.load, self.last_step, self.device = load, last_step, device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self.pending: dict = {}
+
+    def _host(self, step: int):
+        data = self.load(step)
+        return _map_tensors(data, torch.Tensor.pin_memory) if self.device.type == "cuda" else data
+
+    def _start(self, step: int) -> None:
+        if step <= self.last_step and step not in self.pending:
+            self.pending[step] = self.pool.submit(self._host, step)
+
+    def get(self, step: int):
+        import time
+        self._start(step)
+        t0 = time.perf_counter()
+        data = self.pending.pop(step).result()
+        waited = time.perf_counter() - t0
+        self._start(step + 1)
+        return _map_tensors(data, lambda t: t.to(self.device, non_blocking=True)), waited
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _map_tensors(obj, fn):
+    """fn applied to every tensor in nested lists, tuples and dicts (other leaves kept)."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,13 +12,16 @@ final checkpoint); samples and a checkpoint are also written at MAX_STEPS.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import fsdp_utils
@@ -86,6 +89,8 @@ class Run:
     logger: run_utils.RunLogger | None = None
     memory_table: functools.partial | None = None
     window: dict = field(default_factory=dict)
+    clock: float = 0.0  # when the last step ended (after its samples and checkpoint), for the step's wall time
+    flops: dict = field(default_factory=dict)  # {step kind: FLOPs of its forwards and backwards on this rank}
     stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
 
     def output(self, *parts: str) -> str:
@@ -159,6 +164,9 @@ def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) ->
         run.start_step = meta["step"]
         run.guard.load(meta)
         print0(f"resumed from {run.resume_path} (step {run.start_step})")
+    if run.d.device.type == "cuda":  # the logged peaks are the loop's, not loading's
+        torch.cuda.reset_peak_memory_stats(run.d.device)
+    run.clock = time.perf_counter()
     run.logger = run_utils.RunLogger(c["OUTPUT_DIR"], c["MAX_STEPS"], run.start_step, report_to=c["REPORT_TO"],
                                      config=c, wandb_project=c["WANDB_PROJECT"], wandb_run_name=c["WANDB_RUN_NAME"])
     return run.start_step
@@ -197,21 +205,24 @@ def due(step: int, every: int, last_step: int | None = None) -> bool:
 
 
 def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, *, validate=None,
-             sample=None) -> None:
+             sample=None, work: dict | None = None) -> None:
     """Everything after the updates, the same in both scripts: the compile report after the first
     step; the step's values into the logging window and, every LOG_EVERY steps and at the last, the
     log line of the window's means (losses also averaged over ranks) with `extra` (LRs); `validate()`
     -> {name: value} added to that step's record when given (the caller decides when it is due; not
     timed as training); samples every SAMPLE_EVERY steps and at the last (`sample(path)`, a
     collective; rank 0 writes the PNG); then the checkpoint when due (trainer_state: the script's
-    extras) and, on a stop or too many non-finite steps, the save and the exit."""
+    extras) and, on a stop or too many non-finite steps, the save and the exit. `work`: what one
+    step processes over all ranks ({"images": n[, "tokens": n]}), logged as rates (throughput)."""
     c = run.config
     if c["COMPILE"] and step == run.start_step + 1:  # the training step's graphs, breaks and compile time
         print0(compiling.compile_report())
-    window_add(run.window, logs)
+    now = time.perf_counter()
+    window_add(run.window, {**logs, "step_s": now - run.clock})  # the step itself: data wait, compute, updates
     metrics = None
     if due(step, c["LOG_EVERY"], c["MAX_STEPS"]):
         metrics = window_metrics(run.window, {**extra, "skipped_steps": run.guard.skipped})
+        metrics.update(throughput(metrics, work or {}, run.d))
     if validate is not None:  # logged with the step's line (one record per step)
         with run.logger.paused():
             metrics = {**(metrics or {}), **validate()}
@@ -228,6 +239,79 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
     if stopping:
         run.logger.close()
         raise run.guard.error(step) if run.guard.exhausted else run.stopper.preempted(step)
+    run.clock = time.perf_counter()  # the next step's time starts here: samples and saves are not steps
+
+
+# dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "GH200": 989, "B200": 2250,
+                    "A100": 312, "L40S": 362, "L4": 121, "A10G": 70, "RTX 4090": 165}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak from PEAK_BF16_TFLOPS (the first name that matches), else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+class _FlopCount(TorchDispatchMode):
+    """Sums the FLOPs of the ops torch's flop counter knows (matmuls, convolutions, attention) as
+    they run. torch's FlopCounterMode also tracks modules by wrapping their outputs in autograd
+    functions, which changes the order gradients are summed in (not bit-identical to an uncounted
+    step); this mode only watches, so a counted step computes exactly what an uncounted one does."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+        self.registry, self.total = flop_registry, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = self.registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += count(*args, **kwargs, out_val=out)
+        return out
+
+
+@contextlib.contextmanager
+def counting_flops(run: Run, kind: str, logs: dict):
+    """Around a step's forwards and backwards: the first step of each `kind` counts its FLOPs on
+    this rank (_FlopCount: matmuls, convolutions, attention; activation recomputation included),
+    later steps of that kind reuse the count; logs["flops"] gets it (for MFU). Not under COMPILE (a
+    dispatch mode would change what dynamo traces): no MFU there."""
+    if run.config["COMPILE"] or kind in run.flops:
+        yield
+    else:
+        with _FlopCount() as counter:
+            yield
+        run.flops[kind] = counter.total
+    if kind in run.flops:
+        logs["flops"] = float(run.flops[kind])
+
+
+def throughput(metrics: dict, work: dict, d) -> dict:
+    """The logging window's rates from its mean step time (`step_s`, popped): images/s (and
+    tokens/s) over all ranks, the mean data wait against the rest of the step (compute_ms), MFU
+    (this rank's FLOPs per step / step time / the GPU's bf16 peak) where the GPU is known, and on
+    CUDA the peak memory allocated and reserved since setup (max over ranks: one collective, on
+    logging steps only)."""
+    step_s, out = metrics.pop("step_s"), {}
+    flops = metrics.pop("flops", None)
+    for name, n in work.items():
+        out[f"{name}_per_s"] = n / step_s
+    if "data_wait_ms" in metrics:
+        out["compute_ms"] = step_s * 1000 - metrics["data_wait_ms"]
+    peak = peak_tflops(d.device)
+    if flops is not None and peak:
+        out["mfu"] = flops / step_s / (peak * 1e12)
+    if d.device.type == "cuda":
+        mem = torch.tensor([torch.cuda.max_memory_allocated(d.device), torch.cuda.max_memory_reserved(d.device)],
+                           dtype=torch.float64, device=d.device)
+        allocated, reserved = run_utils.all_reduce(mem, op=torch.distributed.ReduceOp.MAX).tolist()
+        out.update(cuda_peak_gib=allocated / 2**30, cuda_reserved_gib=reserved / 2**30)
+    return out
 
 
 def window_add(window: dict, logs: dict) -> None:

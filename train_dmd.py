@@ -24,6 +24,8 @@ model_index.json: StableDiffusionPipeline (CLIP text embeddings) or StableDiffus
     bash recipes/dmd_sd15_stage1.sh
     bash recipes/dmd_sd15_stage2.sh
     bash recipes/dmd_sdxl_4step.sh
+    GENERATOR_INIT=/models/sdxl_ode_cond399.safetensors bash recipes/dmd_sdxl_1step.sh  # the ODE-pretrained generator
+    bash recipes/dmd_sdxl_4step_lora.sh  # the official LoRA run (recipes/dmd_sd15_lora.sh: its settings on SD-1.5)
     # the shapes demo: distil the shipped teacher, then score teacher and student
     bash demos/demo_dmd.sh
     # after a stop or preemption: the same command plus --resume=auto
@@ -52,7 +54,7 @@ import train_common
 from algorithms import dmd2 as dm
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
-from parallel.loading import build_on_meta, fill_built_model
+from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize, parallelize_unet
 from precision import Precision, component_row, get_precision, parse_dtype
@@ -94,8 +96,9 @@ DIFFUSION_GAN_MAX_TIMESTEP = 1000  # published stage 2: the whole range
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (DMD2: the generator's; the official --generator_lora path, main/sd_unified_model.py:44-69, rank 64, alpha 8)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; UNet: to_q, to_k, to_v, to_out.0)
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; UNet: to_q, to_k, to_v, to_out.0; the official DMD2 LoRA run's 14 are DMD2_LORA_TARGETS there, as recipes/dmd_*_lora.sh pass them)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
+LORA_INIT = "gaussian"  # lora_A's init (lora_B = 0: training starts at the base): gaussian (N(0, 1/rank²), diffusers' LoRA examples) | default (peft's kaiming-uniform, the official DMD2 LoRA run)
 FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too (same settings) instead of all weights
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
@@ -125,6 +128,7 @@ KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training goes on
 RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
 INIT_FROM = ""  # a checkpoint folder whose generator and fake score start a fresh run (stage 2 from stage 1)
+GENERATOR_INIT = ""  # a diffusers UNet folder or .safetensors state dict that starts the generator (and its EMA) only, the fake score from the teacher: the official --generator_ckpt_path (main/train_sd.py:79-82; SDXL 1-step: the ODE-pretrained generator); full fine-tuning only
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records (means over those steps), and one at MAX_STEPS; 0 = none
 REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
@@ -157,6 +161,8 @@ def validate_config() -> list[int]:
         raise ConfigError(f"VAE_PATH={VAE_PATH}: no config.json, not a diffusers AutoencoderKL folder")
     if INIT_FROM and not checkpoint.is_complete(INIT_FROM):
         raise ConfigError(f"INIT_FROM={INIT_FROM}: not a complete checkpoint folder")
+    if GENERATOR_INIT:
+        check_generator_init(GENERATOR_INIT, os.path.join(MODEL_PATH or default_paths()[0], "unet"))
     if MODEL_PATH and not DATA_PATH:
         raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: give the prompts (.txt) or rows (.jsonl) to train on")
     try:
@@ -171,6 +177,26 @@ def validate_config() -> list[int]:
         raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
                           "the first step must be the conditioning timestep (pure noise in)")
     return steps
+
+
+def check_generator_init(path: str, teacher_unet: str) -> None:
+    """GENERATOR_INIT, before any work: a UNet folder (config.json + safetensors) or one
+    .safetensors file, not combined with INIT_FROM or LoRA, holding the teacher's tensors (names
+    and shapes, from the headers only; the official load is strict, main/train_sd.py:82)."""
+    if path.endswith((".bin", ".pt", ".pth", ".ckpt")):
+        raise ConfigError(f"GENERATOR_INIT={path}: a pickled state dict (the official pytorch_model.bin form) is not "
+                          "read; convert it once: python -c \"import torch, safetensors.torch as st; "
+                          f"st.save_file(torch.load('{path}', map_location='cpu'), 'generator.safetensors')\"")
+    is_file = path.endswith(".safetensors") and os.path.isfile(path)
+    if not is_file and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"GENERATOR_INIT={path}: neither a .safetensors file nor a diffusers UNet folder (config.json)")
+    if INIT_FROM:
+        raise ConfigError("GENERATOR_INIT and INIT_FROM both set: INIT_FROM's checkpoint already holds the generator")
+    if LORA_RANK > 0:
+        raise ConfigError("GENERATOR_INIT with LORA_RANK > 0: the official generator init is for a full generator, and "
+                          "a LoRA export's adapters assume MODEL_PATH's UNet as their base; train it fully (LORA_RANK=0)")
+    if os.path.isdir(teacher_unet):  # a missing teacher folder is reported by the model-folder check next
+        check_same_tensors(path, teacher_unet, "GENERATOR_INIT")
 
 
 def default_paths(use_gan: bool = False) -> tuple[str, str]:
@@ -207,10 +233,11 @@ class Losses:
 
 def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
                sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
-               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0) -> nn.Module:
-    """A UNet2DConditionModel built on the meta device, stored in `dtype`, sharded by the UNet
-    recipe, then each rank reads only its slices from `folder` (load=False: allocated, unfilled and
-    without grads, for the EMA). Trainable: `policy` is the precision's mixed-precision policy and
+               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0, weights: str = "") -> nn.Module:
+    """A UNet2DConditionModel built on the meta device from `folder`'s config, stored in `dtype`,
+    sharded by the UNet recipe, then each rank reads only its slices from `weights` (a UNet folder or
+    one .safetensors file; "" = `folder`) (load=False: allocated, unfilled and without grads, for
+    the EMA). Trainable: `policy` is the precision's mixed-precision policy and
     `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
     frozen base, which the caller stores in its compute dtype (parallel/lora.py). Frozen: no grads
     ever, stored in its compute dtype (the frozen policy), resharded after every forward. mesh=None
@@ -228,15 +255,15 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
         sharding = fsdp_utils.Sharding(compile=sharding.compile)
     parallelize_unet(model, mesh, policy, sharding, block_classes)
     home = torch.device("cpu") if sharding.cpu_offload else device
-    return fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
+    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
                  seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
-                 fake_compute: torch.dtype | None = None) -> dict[str, nn.Module]:
-    """The trained models, all from the same teacher folder: generator and fake score (sharded,
-    loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
+                 fake_compute: torch.dtype | None = None, generator_init: str = "") -> dict[str, nn.Module]:
+    """The trained models, all from the same teacher folder (the generator's weights from
+    `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
     train LoRA adapters on a frozen base), the generator's EMA (sharded identically, so its update
     is shard-local; LoRA: of the adapters only) and the GAN head (for a bottleneck of `head_size`²
     at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters).
@@ -251,7 +278,7 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
         return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
                           block_classes=block_classes, lora=adapters, seed=seed + salt, **kw)
-    models = {"generator": unet(lora),
+    models = {"generator": unet(lora, weights=generator_init),
               "fake": unet(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
         models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], head_size, mesh, precision,
@@ -263,12 +290,14 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
 def build_gan_head(channels: int, native_size: int, mesh, precision, device: torch.device, seed: int,
                    cpu_offload: bool) -> nn.Module:
     """The classifier head (algorithms/dmd2.ClassifierHead), randomly initialised from `seed` (the
-    same full tensors on every rank, whatever the world size), then sharded as one FSDP unit."""
+    same full tensors on every rank, whatever the world size), then sharded as one FSDP unit that
+    gathers and computes in fp32 whatever the mode (grads reduced as the mode's): the official head
+    runs outside bf16 autocast on fp32 features (tianweiy/DMD2 main/sd_guidance.py:155-164)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = dm.ClassifierHead(channels, native_size)
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
-    parallelize(head, mesh, precision.mp_policy(), fsdp_utils.Sharding(cpu_offload=cpu_offload))
+    parallelize(head, mesh, precision.mp_policy(torch.float32), fsdp_utils.Sharding(cpu_offload=cpu_offload))
     return head
 
 
@@ -354,7 +383,7 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.de
 @torch.no_grad()
 def encode_prompts_sdxl(tokenizers, text_encoders, prompts: list[str], size: int, device: torch.device) -> dm.Cond:
     """SDXL's conditioning as the official code builds it (tianweiy/DMD2 main/sdxl/sdxl_text_encoder.py
-    lines 26-44; main/sd_unified_model.py lines 113-120, 251-256): both encoders' penultimate hidden
+    lines 18-40; main/sd_unified_model.py lines 113-120, 251-256): both encoders' penultimate hidden
     states concatenated (B, L, 768 + 1280), the second encoder's projected pooled output as
     `text_embeds`, and `time_ids` = (original size, crop top-left, target size) =
     (size, size, 0, 0, size, size), all fp32."""
@@ -389,47 +418,70 @@ def unconditional(encode, sdxl: bool):
 
 
 @torch.no_grad()
-def encode_images(vae, paths: list[str], size: int, device: torch.device) -> torch.Tensor:
-    """VAE latents × scaling_factor (posterior mean: deterministic) of real images, fp32."""
-    pixels = torch.stack([data_utils.load_image(p, size, size) for p in paths]).to(device, vae.dtype)
-    return vae.encode(pixels).latent_dist.mode().float() * vae.config.scaling_factor
+def encode_images(vae, pixels: torch.Tensor, generators: list) -> torch.Tensor:
+    """VAE latents × scaling_factor of real images (pixels in [-1, 1] on the device), fp32: a
+    sample of the posterior, as the official code takes it (tianweiy/DMD2
+    main/sdxl/generate_vae_latents.py:86, `latent_dist.sample()`, once, offline; here a fresh sample
+    each time an image is drawn), each image's noise from its own generator (per-sample streams:
+    exact on resume and on any world size)."""
+    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
+    return posterior.sample(generator=generators).float() * vae.config.scaling_factor
 
 
-def draw_step_noise(seed: int, it: int, batch: int, shape: tuple, n_sim: int, num_train_timesteps: int,
-                    step_percent: tuple[float, float], gan_max_t: int | None) -> dict[str, torch.Tensor]:
-    """All randomness of iteration `it`, drawn on CPU for the whole global batch (every
-    micro-batch, every rank) in a fixed order, so it is independent of world size and GRAD_ACCUM
-    layout. gan_max_t: the diffusion-GAN noise range when the GAN is on, else None."""
-    g = data_utils.step_generator(seed, it)
-    T = num_train_timesteps
-    r = {"noise": torch.randn((batch, *shape), generator=g),
-         "dm_t": dm.sample_dm_timesteps(batch, g, T, *step_percent),
-         "dm_noise": torch.randn((batch, *shape), generator=g),
-         "fake_t": dm.sample_fake_timesteps(batch, g, T),
-         "fake_noise": torch.randn((batch, *shape), generator=g),
-         "sim_noise": torch.randn((batch, n_sim, *shape), generator=g)}
+def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_timesteps: int,
+                 step_percent: tuple[float, float], gan_max_t: int | None) -> dict[str, torch.Tensor]:
+    """All randomness of one sample at one iteration, drawn from its own generator (on the run's
+    device) in a fixed order. gan_max_t: the diffusion-GAN noise range when the GAN is on, else None."""
+    T, dev = num_train_timesteps, g.device
+    r = {"noise": torch.randn(shape, generator=g, device=dev),
+         "dm_t": dm.sample_dm_timesteps(1, g, T, *step_percent)[0],
+         "dm_noise": torch.randn(shape, generator=g, device=dev),
+         "fake_t": dm.sample_fake_timesteps(1, g, T)[0],
+         "fake_noise": torch.randn(shape, generator=g, device=dev),
+         "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
     if gan_max_t is not None:  # three independent head inputs: G's turn on fake, guidance turn on fake and real
         for name in ("gan_gen", "gan_fake", "gan_real"):
-            r[name + "_t"] = torch.randint(0, gan_max_t, (batch,), generator=g)
-            r[name + "_noise"] = torch.randn((batch, *shape), generator=g)
+            r[name + "_t"] = torch.randint(0, gan_max_t, (), generator=g, device=dev)
+            r[name + "_noise"] = torch.randn(shape, generator=g, device=dev)
     return r
 
 
-def micro_batches(it: int, rows: list[dict], noise: dict, batch_size: int, grad_accum: int, seed: int,
-                  d: fsdp_utils.Dist, encode, encode_real) -> list[dict]:
-    """This rank's share of each micro-batch of iteration `it`: prompts' embeddings, real latents
-    (GAN) and the matching slices of the step's noise. Chunk m of size batch_size × world is
-    micro-batch m."""
+def my_samples(m: int, batch_size: int, d: fsdp_utils.Dist) -> list[int]:
+    """Positions in the step's global batch of this rank's samples of micro-batch m (chunk m of size
+    batch_size × world is micro-batch m; a rank holds a contiguous share of it)."""
     chunk = batch_size * d.world_size
-    indices = data_utils.global_batch_indices(it, chunk * grad_accum, len(rows), seed)
+    return list(data_utils.rank_slice(range(m * chunk, (m + 1) * chunk), d.rank, d.world_size))
+
+
+def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
+              real_size: int | None) -> list[dict]:
+    """Host side of iteration `it` on this rank (data_utils.Prefetcher runs it a step ahead): per
+    micro-batch, this rank's samples' positions in the global batch, their prompts and (GAN,
+    real_size given) their real images as pixels, on CPU."""
+    indices = data_utils.global_batch_indices(it, batch_size * d.world_size * grad_accum, len(rows), seed)
     out = []
     for m in range(grad_accum):
-        mine = data_utils.rank_slice(indices[m * chunk:(m + 1) * chunk], d.rank, d.world_size)
-        mb = {k: data_utils.rank_slice(v[m * chunk:(m + 1) * chunk], d.rank, d.world_size).to(d.device)
-              for k, v in noise.items()}
-        mb["text"] = encode([rows[i]["prompt"] for i in mine])
-        if encode_real is not None:
-            mb["real"] = encode_real([rows[i]["image"] for i in mine])
+        mine = my_samples(m, batch_size, d)
+        mb = {"mine": mine, "prompts": [rows[indices[i]]["prompt"] for i in mine]}
+        if real_size is not None:
+            mb["pixels"] = torch.stack([data_utils.load_image(rows[indices[i]]["image"], real_size, real_size)
+                                        for i in mine])
+        out.append(mb)
+    return out
+
+
+def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, draw, encode, vae) -> list[dict]:
+    """This rank's share of each micro-batch of iteration `it` on the device: prompts' embeddings,
+    real latents (GAN) and its samples' randomness, each sample's drawn on the run's device from
+    (seed, it, its position in the global batch) by `draw` (draw_sample_noise), so no rank draws
+    another's and any world size or GRAD_ACCUM layout sees the same numbers."""
+    out = []
+    for host in loaded:
+        mb = data_utils.per_sample_draws(seed, it, host["mine"], device, draw)
+        mb["text"] = encode(host["prompts"])
+        if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
+            gens = [data_utils.sample_generator(seed, it, i, device, stream=1) for i in host["mine"]]
+            mb["real"] = encode_images(vae, host["pixels"], gens)
         out.append(mb)
     return out
 
@@ -536,8 +588,10 @@ def main() -> None:
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                           use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl), ema_decay=EMA_DECAY, seed=SEED,
-                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute)
+                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
+    if GENERATOR_INIT and not run.resume_path:
+        print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
     teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
                          trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
@@ -554,7 +608,8 @@ def main() -> None:
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
     opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
-    audit = [component_row(n, m, fake_compute if n == "fake" else precision.compute_dtype) for n, m in models.items()]
+    computes = {"fake": fake_compute, "head": torch.float32}  # FAKE_SCORE_FP32; the head always (build_gan_head)
+    audit = [component_row(n, m, computes.get(n, precision.compute_dtype)) for n, m in models.items()]
     audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
                                                             (teacher, *text_encoders))]
     train_common.report_components(run, f"{resolution} px, latents {latent_shape}",
@@ -569,7 +624,6 @@ def main() -> None:
 
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
     encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
-    encode_real = functools.partial(encode_images, vae, size=resolution, device=d.device) if USE_GAN else None
     uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1, SEED)
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
@@ -580,49 +634,54 @@ def main() -> None:
             write_samples(model, vae, sample_text, sample_noise.to(d.device), sample_sim, step_list, alphas, path)
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
     global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
-    gan_max_t = DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None
+    draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
+                             num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
+                             gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
 
     # the loop: step s (1-based, as in both scripts) is the official code's iteration it = s - 1,
-    # which decides the generator's turn and seeds the step's randomness
-    for step in range(start + 1, MAX_STEPS + 1):
-        it = step - 1
-        gen_turn = dm.should_update_generator(it, DFAKE_GEN_UPDATE_RATIO)
-        index = dm.choose_step_index(it, SEED, len(step_list)) if len(step_list) > 1 else 0
-        noise = draw_step_noise(SEED, it, global_batch, latent_shape, len(step_list) - 1, len(alphas),
-                                (MIN_STEP_PERCENT, MAX_STEP_PERCENT), gan_max_t)
-        batches = micro_batches(it, rows, noise, BATCH_SIZE, GRAD_ACCUM, SEED, d, encode, encode_real)
-        logs, images = ({"step_index": index} if len(step_list) > 1 else {}), []
-
-        # generator turn: images from G (with graph only when G steps), then its loss and backward.
-        # Its update waits for the guidance turn: that one uses only detached images, so stepping
-        # both after it is the published order, and one finiteness check covers both updates.
-        for m, mb in enumerate(batches):
-            with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
-                with torch.set_grad_enabled(gen_turn):
-                    x = generator_images(train_gen, mb, step_list, index, alphas)
+    # which decides the generator's turn and seeds the step's randomness; its prompts and real
+    # images are read on a background thread while step s-1 runs
+    load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
+                             real_size=resolution if USE_GAN else None)
+    with data_utils.Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
+        for step in range(start + 1, MAX_STEPS + 1):
+            it = step - 1
+            gen_turn = dm.should_update_generator(it, DFAKE_GEN_UPDATE_RATIO)
+            index = dm.choose_step_index(it, SEED, len(step_list)) if len(step_list) > 1 else 0
+            loaded, waited = prefetch.get(step)
+            batches = micro_batches(it, loaded, SEED, d.device, draw, encode, vae)
+            logs, images = {"data_wait_ms": waited * 1000, **({"step_index": index} if len(step_list) > 1 else {})}, []
+            with train_common.counting_flops(run, f"{gen_turn}-{index}", logs):  # MFU: FLOPs per kind of step
+                # generator turn: images from G (with graph only when G steps), then its loss and backward.
+                # Its update waits for the guidance turn: that one uses only detached images, so stepping
+                # both after it is the published order, and one finiteness check covers both updates.
+                for m, mb in enumerate(batches):
+                    with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                        with torch.set_grad_enabled(gen_turn):
+                            x = generator_images(train_gen, mb, step_list, index, alphas)
+                        if gen_turn:
+                            loss, parts = generator_loss(x, mb, uncond, teacher, train_fake, head, alphas, losses)
+                            (loss / GRAD_ACCUM).backward()
+                            add_logs(logs, parts, 1 / GRAD_ACCUM)
+                    images.append(x.detach())
                 if gen_turn:
-                    loss, parts = generator_loss(x, mb, uncond, teacher, train_fake, head, alphas, losses)
-                    (loss / GRAD_ACCUM).backward()
-                    add_logs(logs, parts, 1 / GRAD_ACCUM)
-            images.append(x.detach())
-        if gen_turn:
-            opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake UNet and head
+                    opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake UNet and head
 
-        # guidance turn, every step: fake score (+ head) on the same pre-update images
-        for m, (mb, x) in enumerate(zip(batches, images)):
-            with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
-                loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
-                (loss / GRAD_ACCUM).backward()
-            add_logs(logs, parts, 1 / GRAD_ACCUM)
-        updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
-        updates.append((list(guidance.parameters()), opt_d, "guidance"))
-        lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
-        if train_common.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
-            ema_lib.ema_update(ema, generator, EMA_DECAY)
-        sched_g.step()  # both every iteration, as published (make_optimizer)
-        sched_d.step()
-        train_common.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
-                              sample=sample)
+                # guidance turn, every step: fake score (+ head) on the same pre-update images
+                for m, (mb, x) in enumerate(zip(batches, images)):
+                    with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                        loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
+                        (loss / GRAD_ACCUM).backward()
+                    add_logs(logs, parts, 1 / GRAD_ACCUM)
+            updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
+            updates.append((list(guidance.parameters()), opt_d, "guidance"))
+            lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
+            if train_common.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
+                ema_lib.ema_update(ema, generator, EMA_DECAY)
+            sched_g.step()  # both every iteration, as published (make_optimizer)
+            sched_d.step()
+            train_common.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
+                                  sample=sample, work={"images": global_batch})
 
     train_common.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
 

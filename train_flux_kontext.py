@@ -109,6 +109,7 @@ LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on 
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
 LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; FLUX: diffusers' Kontext LoRA example's attention + MLP projections)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
+LORA_INIT = "gaussian"  # lora_A's init (lora_B = 0: training starts at the base): gaussian (N(0, 1/rank²), diffusers' LoRA examples) | default (peft's kaiming-uniform, the official DMD2 LoRA run)
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
@@ -459,27 +460,47 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
 # the step (and the validation loss of the held-out pairs)
 
 
-def draw_step_randomness(seed, step, global_batch, latent_shape, sigma_kwargs, random_flip):
-    """Everything random in one optimizer step, drawn for the whole global batch (all micro-batches
-    of all ranks) from step_generator(seed, step) on CPU: sigmas (G,), noise (G, C, h, w), flips
-    (G,). Each rank then takes its rows, so any layout (world size, GRAD_ACCUM) sees the same."""
+def step_flips(seed, step, global_batch, random_flip) -> torch.Tensor:
+    """The step's horizontal flips (G,) for the whole global batch, on CPU (the images are loaded
+    there), from step_generator(seed, step): a function of (SEED, step) only."""
     g = data_utils.step_generator(seed, step, 0)
-    sigmas = km.sample_sigmas(global_batch, generator=g, **sigma_kwargs)
-    noise = torch.randn(global_batch, *latent_shape, generator=g)
-    flips = (torch.rand(global_batch, generator=g) < 0.5) & random_flip
-    return sigmas, noise, flips
+    return (torch.rand(global_batch, generator=g) < 0.5) & random_flip
 
 
-def micro_batch_loss(transformer, vae, rows, sigmas, noise, flips, size, text, guidance,
-                     loss_weighting, device):
-    """One micro-batch on this rank: encode both images, build [noisy target ; clean context]
-    tokens, predict, and return the fp32 flow-matching loss on the target tokens."""
-    context, target = load_pairs(rows, size, flips)
-    x0 = km.encode_latents(vae, target.to(device))
-    ctx = km.encode_latents(vae, context.to(device))
-    inputs = km.build_model_inputs(x0, ctx, noise.to(device), sigmas.to(device))
-    pred = km.transformer_forward(transformer, inputs, sigmas.to(device), guidance, *text)
-    weights = km.loss_weighting(sigmas.to(device), loss_weighting)
+def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
+    """One sample's noise level and noise, from its own generator on the run's device (drawn by
+    the rank that holds the sample only; data_utils.per_sample_draws)."""
+    return {"sigma": km.sample_sigmas(1, generator=g, **sigma_kwargs)[0],
+            "noise": torch.randn(latent_shape, generator=g, device=g.device)}
+
+
+def load_step(step, train, members, schedule, buckets, global_batch, micro_global, dp_rank, dp_size, grad_accum,
+              seed, random_flip, cache_dir, identity) -> dict:
+    """Host side of step `step` on this rank (data_utils.Prefetcher runs it a step ahead): the bucket
+    size and, per micro-batch, this rank's samples' positions in the global batch, both images of
+    each pair (one resize, crop and flip) and the cached text embeddings, on CPU."""
+    indices = step_indices(step - 1, members, schedule, global_batch, seed)
+    size = buckets[schedule[step - 1][0]]
+    flips = step_flips(seed, step, global_batch, random_flip)
+    batches = []
+    for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
+        mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
+        rows = [train[indices[i]] for i in mine]
+        context, target = load_pairs(rows, size, flips[mine])
+        text = load_text_embeds([r["prompt"] for r in rows], cache_dir, identity, torch.device("cpu"))
+        batches.append({"mine": mine, "context": context, "target": target, "text": text})
+    return {"size": size, "batches": batches}
+
+
+def micro_batch_loss(transformer, vae, context, target, sigmas, noise, text, guidance, loss_weighting):
+    """One micro-batch on this rank (tensors on the run's device): encode both images, build
+    [noisy target ; clean context] tokens, predict, and return the fp32 flow-matching loss on the
+    target tokens."""
+    x0 = km.encode_latents(vae, target)
+    ctx = km.encode_latents(vae, context)
+    inputs = km.build_model_inputs(x0, ctx, noise, sigmas)
+    pred = km.transformer_forward(transformer, inputs, sigmas, guidance, *text)
+    weights = km.loss_weighting(sigmas, loss_weighting)
     return km.flow_matching_loss(pred, inputs["target"], inputs["n_target_tokens"], weights)
 
 
@@ -500,8 +521,9 @@ def validation_loss(transformer, vae, pairs, inputs, text, guidance, loss_weight
     for i, (row, (size, sigmas, noise)) in enumerate(zip(pairs, inputs)):
         n = len(sigmas)
         pair_text = (text[0][i:i + 1].expand(n, -1, -1), text[1][i:i + 1].expand(n, -1))
-        losses.append(micro_batch_loss(transformer, vae, [row] * n, sigmas, noise, torch.zeros(n, dtype=torch.bool),
-                                       size, pair_text, guidance, loss_weighting, device).item())
+        context, target = (t.expand(n, -1, -1, -1).to(device) for t in load_pairs([row], size, [False]))
+        losses.append(micro_batch_loss(transformer, vae, context, target, sigmas.to(device), noise.to(device),
+                                       pair_text, guidance, loss_weighting).item())
     fsdp_utils.reshard_all(transformer)
     return sum(losses) / len(losses)
 
@@ -611,31 +633,39 @@ def main():
             data_utils.save_image_grid(grid, path, nrow=3)
 
     # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
-    # schedule and draws its randomness from (SEED, s)
-    for step in range(start + 1, MAX_STEPS + 1):
-        indices = step_indices(step - 1, members, schedule, global_batch, SEED)
-        h, w = buckets[schedule[step - 1][0]]
-        latent_shape = (vae.config.latent_channels, h // vae_factor, w // vae_factor)
-        sigmas, noise, flips = draw_step_randomness(SEED, step, global_batch, latent_shape, sigma_kwargs, RANDOM_FLIP)
-        loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
-        for m in range(GRAD_ACCUM):  # micro-batch m = m-th chunk of the global batch, split over DP groups
-            mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
-            rows = [train[indices[i]] for i in mine]
-            text = load_text_embeds([r["prompt"] for r in rows], TEXT_CACHE_DIR, identity, d.device)
-            with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
-                loss = micro_batch_loss(train_model, vae, rows, sigmas[mine], noise[mine], flips[mine], (h, w),
-                                        text, GUIDANCE, LOSS_WEIGHTING, d.device) / GRAD_ACCUM
-                # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP group
-                # each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
-                (loss * CONTEXT_PARALLEL).backward()
-            loss_sum = loss_sum + loss.detach().double()
-        logs, lr = {"loss": loss_sum}, lr_sched.get_last_lr()[0]
-        if train_common.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
-            ema_lib.ema_update(ema, transformer, EMA_DECAY)
-        lr_sched.step()
-        train_common.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
-                              validate=validate if held_out and train_common.due(step, VAL_EVERY) else None,
-                              sample=sample if held_out else None)
+    # schedule and draws its randomness from (SEED, s); its images and embeddings are loaded on a
+    # background thread while step s-1 runs
+    load = functools.partial(load_step, train=train, members=members, schedule=schedule, buckets=buckets,
+                             global_batch=global_batch, micro_global=micro_global, dp_rank=dp_rank, dp_size=dp_size,
+                             grad_accum=GRAD_ACCUM, seed=SEED, random_flip=RANDOM_FLIP, cache_dir=TEXT_CACHE_DIR,
+                             identity=identity)
+    with data_utils.Prefetcher(load, MAX_STEPS, d.device) as prefetch:
+        for step in range(start + 1, MAX_STEPS + 1):
+            data, waited = prefetch.get(step)
+            h, w = data["size"]
+            draw = functools.partial(sample_randomness, latent_shape=(vae.config.latent_channels, h // vae_factor,
+                                                                      w // vae_factor), sigma_kwargs=sigma_kwargs)
+            loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
+            logs, lr = {"data_wait_ms": waited * 1000}, lr_sched.get_last_lr()[0]
+            with train_common.counting_flops(run, f"{h}x{w}", logs):  # MFU: FLOPs per bucket size, counted once
+                for m, mb in enumerate(data["batches"]):
+                    rand = data_utils.per_sample_draws(SEED, step, mb["mine"], d.device, draw)  # this rank's only
+                    with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
+                        loss = micro_batch_loss(train_model, vae, mb["context"], mb["target"], rand["sigma"],
+                                                rand["noise"], mb["text"], GUIDANCE, LOSS_WEIGHTING) / GRAD_ACCUM
+                        # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP
+                        # group each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
+                        (loss * CONTEXT_PARALLEL).backward()
+                    loss_sum = loss_sum + loss.detach().double()
+            logs["loss"] = loss_sum
+            if train_common.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
+                ema_lib.ema_update(ema, transformer, EMA_DECAY)
+            lr_sched.step()
+            tokens = 2 * (h // vae_factor // 2) * (w // vae_factor // 2)  # a sample's target + context image tokens
+            train_common.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
+                                  validate=validate if held_out and train_common.due(step, VAL_EVERY) else None,
+                                  sample=sample if held_out else None,
+                                  work={"images": global_batch, "tokens": global_batch * tokens})
 
     train_common.finish(run, final_weights)
 

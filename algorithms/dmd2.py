@@ -16,6 +16,7 @@ fp32 before arithmetic, x0 conversions run in float64 (as the official code does
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -254,26 +255,28 @@ class ClassifierHead(nn.Sequential):
         return super().forward(features).flatten(1).clone()
 
 
-def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
-    """Output of `unet.mid_block` (the official `classify_forward(...)[-1]`), captured by a
-    forward hook on the submodule, so it works on a plain or FSDP2-wrapped UNet (fully_shard
-    keeps the submodule attributes) and with activation checkpointing. The whole UNet runs
-    (the official code stops after the mid block); the up path's output is discarded and gets
-    no gradient. Keeps the graph to z and to the UNet's down/mid parameters."""
-    captured = []
-
-    def hook(module, args, output):
-        if not captured:
-            captured.append(output[0] if isinstance(output, tuple) else output)
-
-    handle = unet.mid_block.register_forward_hook(hook)
+@contextlib.contextmanager
+def _without_up_path(unet):
+    """The UNet's own forward with the up path and output layers taken out for its duration: it
+    returns the mid block's output (what the official `classify_forward` stops at, tianweiy/DMD2
+    main/sd_unet_forward.py:224-251). The forward itself still runs, so an FSDP2-wrapped UNet gathers
+    and frees its root parameters and registers its backward as in any forward; the up blocks'
+    units never run (no all-gather, no compute)."""
+    saved = unet.up_blocks, unet.conv_norm_out, unet.conv_out
+    unet.up_blocks, unet.conv_norm_out, unet.conv_out = nn.ModuleList(), None, nn.Identity()
     try:
-        unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
+        yield
     finally:
-        handle.remove()
-    if not captured:
-        raise RuntimeError("unet.mid_block did not run")
-    return captured[0]
+        unet.up_blocks, unet.conv_norm_out, unet.conv_out = saved
+
+
+def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
+    """Output of `unet.mid_block` (the official `classify_forward(...)[-1]`): the UNet's forward
+    up to and including the mid block, nothing after it. Works on a plain or FSDP2-wrapped UNet
+    and with activation checkpointing. Keeps the graph to z and to the down/mid parameters."""
+    with _without_up_path(unet):
+        out = unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
+    return out[0]
 
 
 def cls_logits(unet, head: nn.Module, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:

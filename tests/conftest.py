@@ -156,12 +156,15 @@ def assert_loads_with_automodel(folder) -> None:
     assert all(torch.equal(state[k].to(weights[k].dtype), weights[k]) for k in weights)
 
 
+# the fields of a log record that measure time (differ between otherwise identical runs)
+TIMING_FIELDS = {"step_ms", "data_wait_ms", "compute_ms", "images_per_s", "tokens_per_s", "mfu"}
+
+
 def read_metrics(out_dir, timing: bool = True) -> list[dict]:
-    """The records of OUTPUT_DIR/metrics.jsonl, in order (timing=False: without step_ms, which
-    differs between otherwise identical runs)."""
+    """The records of OUTPUT_DIR/metrics.jsonl, in order (timing=False: without TIMING_FIELDS)."""
     with open(os.path.join(str(out_dir), "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return records if timing else [{k: v for k, v in r.items() if k != "step_ms"} for r in records]
+    return records if timing else [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
 def tiny_unet(sdxl: bool = False, seed: int = 0):

@@ -12,7 +12,7 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_CODE = {"load_pairs", "micro_batches", "draw_step_noise", "draw_step_randomness", "step_indices",
+DATA_CODE = {"load_pairs", "micro_batches", "draw_sample_noise", "step_flips", "step_indices",
              "bucket_schedule", "choose_step_index"}
 counts = collections.Counter()
 

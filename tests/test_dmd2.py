@@ -225,6 +225,45 @@ def test_head_on_tiny_unet_bottleneck(unets, data, alphas):
     assert head[6].weight.grad is not None
 
 
+def _mid_output_of_full_forward(unet, x, t, cond):
+    """What the head read before: the mid block's output captured while the whole UNet ran."""
+    captured = []
+    handle = unet.mid_block.register_forward_hook(lambda m, a, out: captured.append(out))
+    try:
+        unet(x, torch.full((x.shape[0],), t), return_dict=False, **dm.cond_kwargs(cond))
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def test_bottleneck_stops_after_the_mid_block_with_identical_values_and_grads(unets, data):
+    """The head's features come from the UNet's forward cut after the mid block (no up block
+    runs), bit-identical to the mid block's output in a full forward, with the same gradients for
+    the input and the down/mid weights; the UNet is whole again afterwards."""
+    unet = copy.deepcopy(unets[1])
+    calls = []
+    hooks = [b.register_forward_hook(lambda *a: calls.append(1)) for b in unet.up_blocks]
+    grads = []
+    for features in (lambda x: dm.bottleneck_features(unet, x, 7, data["cond"]),
+                     lambda x: _mid_output_of_full_forward(unet, x, 7, data["cond"])):
+        unet.zero_grad(set_to_none=True)
+        x = data["x"].clone().requires_grad_(True)
+        f = features(x)
+        (f.double() ** 2).sum().backward()
+        grads.append((f.detach(), x.grad, unet.down_blocks[0].resnets[0].conv1.weight.grad,
+                      unet.mid_block.resnets[1].conv2.weight.grad))
+        if not calls:
+            assert unet.up_blocks[0].resnets[0].conv1.weight.grad is None and unet.conv_out.weight.grad is None
+            calls.append("full")  # the next pass is the full forward: up blocks run there
+    for cut, full in zip(*grads):
+        assert torch.equal(cut, full)
+    assert calls == ["full", 1, 1]  # only the full forward ran the two up blocks
+    for h in hooks:
+        h.remove()
+    assert isinstance(unet.conv_out, torch.nn.Conv2d) and len(unet.up_blocks) == 2
+    assert unet(data["x"], 7, data["cond"]).sample.shape == data["x"].shape
+
+
 def test_diffusion_gan_noise(alphas):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, C, H, W)
@@ -327,6 +366,7 @@ def test_bottleneck_features_under_fsdp2(tmp_path):
         dm.gen_cls_loss(dm.ClassifierHead(64)(feats.float())).backward()
         assert x.grad.abs().sum() > 0
         assert unet.mid_block.resnets[0].conv1.weight.grad is not None
+        assert unet(x, 0, c).sample.shape == x.shape  # the sharded UNet's full forward still works after
     finally:
         dist.destroy_process_group()
 

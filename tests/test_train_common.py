@@ -99,3 +99,35 @@ def test_one_host_sync_per_step_outside_logging_steps(script, args, tmp_path):
     4 reads per DMD2 step (loss_dm, loss_fake, two grad norms) and 3 per Kontext step at
     GRAD_ACCUM=2 (two losses, the grad norm), plus two agreement reads on more than one rank."""
     assert _reads_per_step(script, args, tmp_path) == 1
+
+
+def test_throughput_fields_from_the_window(monkeypatch):
+    """images/s (and tokens/s) from the window's mean step time, the data wait against the rest,
+    MFU against the GPU's peak where one is known; nothing CUDA on a CPU run."""
+    d = type("D", (), {"device": torch.device("cpu")})()
+    metrics = {"loss": 1.0, "step_s": 0.5, "data_wait_ms": 100.0, "flops": 2e12}
+    out = train_common.throughput(metrics, {"images": 64, "tokens": 64 * 2048}, d)
+    assert out == pytest.approx({"images_per_s": 128.0, "tokens_per_s": 128.0 * 2048, "compute_ms": 400.0})
+    assert "step_s" not in metrics and "flops" not in metrics  # turned into rates, not logged raw
+    assert train_common.peak_tflops(torch.device("cpu")) is None
+    monkeypatch.setattr(train_common, "peak_tflops", lambda device: 8.0)  # a GPU with an 8 TFLOP/s peak
+    out = train_common.throughput({"step_s": 0.5, "flops": 2e12}, {"images": 1}, d)
+    assert out["mfu"] == pytest.approx(2e12 / 0.5 / 8e12)
+
+
+def test_flops_counted_once_per_kind_of_step():
+    run = type("R", (), {"config": {"COMPILE": False}, "flops": {}})()
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    logs = {}
+    with train_common.counting_flops(run, "big", logs):
+        a @ b
+    assert logs["flops"] == run.flops["big"] == 2 * 8 * 16 * 4
+    logs = {}
+    with train_common.counting_flops(run, "big", logs):
+        a @ b @ torch.randn(4, 4)  # not counted again: the kind's count is reused
+    assert logs["flops"] == 2 * 8 * 16 * 4
+    compiled = type("R", (), {"config": {"COMPILE": True}, "flops": {}})()
+    logs = {}
+    with train_common.counting_flops(compiled, "big", logs):
+        a @ b
+    assert logs == {} and compiled.flops == {}

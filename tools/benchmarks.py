@@ -5,6 +5,8 @@
     python tools/benchmarks.py planner    # memory planner estimate vs measured peak
     python tools/benchmarks.py compile    # COMPILE=1 vs eager per script step: step time, peak memory, compile time
     python tools/benchmarks.py stack      # FSDP1 (the DMD2 repository's settings) vs FSDP2 vs DDP, UNet and DMD2 steps
+    python tools/benchmarks.py noise      # one DMD2 step's randomness per rank: whole global batch vs own samples
+    python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after the mid block
     python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
@@ -634,7 +636,109 @@ def bench_stack() -> str:
 
 # ----------------------------------------------------------------------------------------------
 
-BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile, "stack": bench_stack}
+# ----------------------------------------------------------------------------------------------
+# per-step randomness: the whole global batch on every rank (before) vs this rank's samples (after)
+
+NOISE_GLOBAL_BATCH, NOISE_LATENT = 2048, (4, 64, 64)  # recipes/dmd_sd15_stage1.sh: 32 x 64 GPUs, 512 px
+
+
+def _noise_before(seed: int, it: int, batch: int, shape: tuple, gan: bool) -> dict:
+    """The per-step draw train_dmd.py made before issue 28 (commit 525cc8f, `draw_step_noise`):
+    every tensor for the whole global batch from one CPU generator; each rank then kept its slice."""
+    import torch
+    import data_utils
+    from algorithms import dmd2 as dm
+    g = data_utils.step_generator(seed, it)
+    r = {"noise": torch.randn((batch, *shape), generator=g), "dm_t": dm.sample_dm_timesteps(batch, g),
+         "dm_noise": torch.randn((batch, *shape), generator=g), "fake_t": dm.sample_fake_timesteps(batch, g),
+         "fake_noise": torch.randn((batch, *shape), generator=g), "sim_noise": torch.randn((batch, 0, *shape), generator=g)}
+    if gan:
+        for name in ("gan_gen", "gan_fake", "gan_real"):
+            r[name + "_t"] = torch.randint(0, 1000, (batch,), generator=g)
+            r[name + "_noise"] = torch.randn((batch, *shape), generator=g)
+    return r
+
+
+def bench_noise() -> str:
+    """Per-rank time to draw one DMD2 step's randomness at the stage-1 recipe's global batch, on
+    one CPU thread (torchrun's OMP_NUM_THREADS=1): before, every rank draws all 2048 samples; after,
+    a rank draws its own 2048 / world samples (train_dmd.draw_sample_noise per sample)."""
+    import functools
+    import torch
+    import data_utils
+    import train_dmd
+    torch.set_num_threads(1)
+
+    def timed(fn, repeats=3):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best * 1000
+    lines = ["| DMD2 step randomness (global batch 2048, latents 4x64x64) | ranks | samples drawn per rank "
+             "| before: ms per rank | after: ms per rank | after / before |", "|---|---:|---:|---:|---:|---:|"]
+    for gan in (False, True):
+        before = timed(lambda: _noise_before(10, 5, NOISE_GLOBAL_BATCH, NOISE_LATENT, gan), repeats=2)
+        draw = functools.partial(train_dmd.draw_sample_noise, shape=NOISE_LATENT, n_sim=0, num_train_timesteps=1000,
+                                 step_percent=(0.02, 0.98), gan_max_t=1000 if gan else None)
+        for world in (8, 64):
+            mine = range(NOISE_GLOBAL_BATCH // world)  # rank 0's samples
+            after = timed(lambda: data_utils.per_sample_draws(10, 5, mine, torch.device("cpu"), draw))
+            lines.append(f"| {'stage 2 (GAN: 6 noise tensors)' if gan else 'stage 1 (3 noise tensors)'} | {world} "
+                         f"| {len(mine)} | {before:.0f} | {after:.1f} | {after / before:.3f} |")
+    lines += ["", "One CPU thread, best of 3 (before: of 2). After draws on the run's device: here the CPU; on "
+              "a GPU the draws are device kernels (a few per sample) and no host memory or copy is involved."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# the GAN head's features: the whole fake UNet (before) vs the forward cut after the mid block
+
+def bench_gan_head() -> str:
+    """Forward + backward of the GAN head's bottleneck features on the SD-1.5-layout medium UNet
+    (as the benchmarks' other UNet rows), one process: the whole UNet run with the mid block's
+    output captured by a hook (before) vs the forward stopped after the mid block (after)."""
+    import torch
+    from algorithms import dmd2 as dm
+
+    unet = medium_unet(64).train()
+    x = torch.randn(4, 4, 32, 32)
+    text = torch.randn(4, 77, 256)
+
+    def full(z):
+        captured = []
+        handle = unet.mid_block.register_forward_hook(lambda m, a, out: captured.append(out))
+        unet(z, torch.zeros(4, dtype=torch.long), text, return_dict=False)
+        handle.remove()
+        return captured[0]
+
+    def cut(z):
+        return dm.bottleneck_features(unet, z, 0, text)
+
+    results = {}
+    for name, fn in (("whole UNet (before)", full), ("cut after the mid block (after)", cut)) * 2:
+        times = []
+        for _ in range(3):
+            unet.zero_grad(set_to_none=True)
+            z = x.clone().requires_grad_(True)
+            t0 = time.perf_counter()
+            fn(z).float().square().mean().backward()
+            times.append(time.perf_counter() - t0)
+        results[name] = min(times) * 1000  # the second round's (warm) numbers overwrite the first's
+    n = sum(p.numel() for p in unet.parameters()) / 1e6
+    before, after = results["whole UNet (before)"], results["cut after the mid block (after)"]
+    return "\n".join([
+        "| GAN head features, forward + backward | ms (best of 3) | / before |", "|---|---:|---:|",
+        f"| whole UNet (before) | {before:.0f} | 1.00 |",
+        f"| cut after the mid block (after) | {after:.0f} | {after / before:.2f} |", "",
+        f"{n:.0f} M-parameter SD-1.5-layout UNet (`medium_unet(64)`), batch 4 of 4x32x32 latents, fp32, one process, "
+        f"{torch.get_num_threads()} threads. The features, and their gradients, are bit-identical "
+        "(tests/test_dmd2.py::test_bottleneck_stops_after_the_mid_block_with_identical_values_and_grads)."])
+
+
+BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile, "stack": bench_stack,
+           "noise": bench_noise, "gan_head": bench_gan_head}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 
