@@ -255,16 +255,34 @@ def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_p
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if sharding.cpu_offload else OffloadPolicy()
     last = units[-1] if units else None
     unit_policy = dataclasses.replace(mp_policy, output_dtype=None)
+    ignored = unsharded_on_one_rank(model, mesh)
     for u in reversed(units):  # children before parents: nested units are allowed in FSDP2
         fully_shard(u, mesh=mesh, mp_policy=unit_policy, offload_policy=offload,
-                    reshard_after_forward=sharding.reshard_after_forward and u is not last)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
+                    reshard_after_forward=sharding.reshard_after_forward and u is not last, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False,
+                ignored_params=ignored)
     if sharding.prefetch > 0 and len(units) > 1:
         n = sharding.prefetch
         for i, u in enumerate(units):
             u.set_modules_to_forward_prefetch(units[i + 1:i + 1 + n])
             u.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
     return units
+
+
+def has_all_gather_extension(p: torch.Tensor) -> bool:
+    """Whether a parameter's storage is a tensor subclass with its own FSDP2 all-gather
+    (fsdp_pre_all_gather / fsdp_post_all_gather: torchao's NF4Tensor, parallel/lowbit.py)."""
+    return hasattr(getattr(p, "_local_tensor", p), "fsdp_pre_all_gather")
+
+
+def unsharded_on_one_rank(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter] | None:
+    """The parameters FSDP2 must leave alone on a mesh of one rank: those with an all-gather
+    extension. torch 2.13's world-size-1 shortcut (_fsdp_param_group.py, wait_for_unshard) copies
+    only the first of an extension's all-gather inputs and NF4 has three; with one rank there is
+    nothing to shard, so they stay plain (frozen) tensors of the module."""
+    if mesh.size() != 1:
+        return None
+    return {p for p in model.parameters() if has_all_gather_extension(p)} or None
 
 
 def fsdp_units(model: nn.Module) -> list[tuple[str, int]]:
@@ -281,8 +299,9 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, int]]:
 
 def assert_sharded(model: nn.Module, mesh: DeviceMesh) -> None:
     """Every parameter is a DTensor on `mesh` (guards against a block that escaped wrapping)."""
+    left = unsharded_on_one_rank(model, mesh) or set()
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor) or p.device_mesh != mesh:
+        if (not isinstance(p, DTensor) or p.device_mesh != mesh) and p not in left:
             raise AssertionError(f"parameter {name} is not sharded on the expected mesh")
 
 
@@ -349,6 +368,11 @@ def apply_ddp(model: nn.Module, device: torch.device, verbose: bool = True) -> n
     torch._dynamo.config.optimize_ddp = False
     if verbose:
         print0(f"ddp: {type(model).__name__}: full replica per rank")
+    # frozen quantised weights (an NF4 base) are identical on every rank by construction, and DDP's
+    # start-up broadcast and shape check take plain tensors only: leave them out of DDP's view
+    quantised = [n for n, p in model.named_parameters() if not p.requires_grad and has_all_gather_extension(p)]
+    if quantised:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantised)
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
 

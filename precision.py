@@ -129,10 +129,16 @@ def _global_numel(p: torch.Tensor) -> int:
     return p.numel()  # DTensor.numel() is the global size
 
 
+def _storage_name(p: torch.Tensor) -> str:
+    """A parameter's storage dtype; "nf4" for a 4-bit base weight (torchao's NF4Tensor, whose
+    nominal dtype is the one it dequantises to; parallel/lowbit.py)."""
+    return "nf4" if type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" else dtype_name(p.dtype)
+
+
 def component_row(name: str, module: torch.nn.Module, compute_dtype: torch.dtype) -> dict:
     """One audit row, read off the module itself (not off what we intended)."""
     params = list(module.parameters())
-    storage = sorted({dtype_name(p.dtype) for p in params}) or ["-"]
+    storage = sorted({_storage_name(p) for p in params}) or ["-"]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     sharded = any(hasattr(p, "placements") for p in params)
     return {

@@ -29,6 +29,7 @@ import precision
 import run_utils
 from parallel import compile as compiling
 from parallel import lora as lora_lib
+from parallel import lowbit
 from parallel import memory, models
 from run_utils import ConfigError, print0
 
@@ -54,6 +55,7 @@ def check_shared_settings(c: dict) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     lora_lib.check_lora(lora_lib.Lora.from_settings(c))
+    lowbit.check_lowbit(c)
     run_utils.check_report_to(c["REPORT_TO"])
     world = int(os.environ.get("WORLD_SIZE", 1))
     fsdp_utils.check_dp_replicate(c["DP_REPLICATE"], world)

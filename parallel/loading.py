@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_utils import assert_sharded, fill_local
 from parallel.lora import init_lora, is_adapter, safetensors_key
+from parallel.lowbit import fill_nf4, is_nf4
 from parallel.memory import mark_rss_baseline
 from run_utils import ConfigError
 
@@ -108,7 +109,10 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
             sl = slice_of(name)
             if list(sl.get_shape()) != list(t.shape):
                 raise ConfigError(f"{folder}: {name} has shape {sl.get_shape()}, model expects {list(t.shape)}")
-            fill_local(t, lambda index: sl[index])
+            if is_nf4(t):  # a 4-bit base: the whole tensor quantised, this rank's chunk kept
+                fill_nf4(t, sl[:])
+            else:
+                fill_local(t, lambda index: sl[index])
         extra = set(files) - set(tensors)
         if extra:
             raise ConfigError(f"{folder}: weights hold tensors the model lacks, e.g. {sorted(extra)[:3]}")

@@ -12,13 +12,14 @@ import resource
 import torch
 import torch.nn as nn
 
-from fsdp_utils import local_tensor
+from parallel.lowbit import state_bytes
 from run_utils import all_gather_objects
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
+    """Bytes this rank holds of `t`: a quantised subclass (NF4 weights, low-bit optimizer states)
+    counted by its codes and scales (parallel/lowbit.state_bytes), not by its nominal dtype."""
+    return state_bytes(t)
 
 
 def local_state_bytes(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict:

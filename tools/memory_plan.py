@@ -85,6 +85,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
+from parallel import lowbit  # noqa: E402
 from parallel import models  # noqa: E402  (the one table of per-model facts)
 from parallel.parallelize import parallelize  # noqa: E402  (the recipes)
 from run_utils import ConfigError  # noqa: E402
@@ -108,6 +109,17 @@ DEFAULT_RESOLUTION = 512
 # LoRA adapters' storage dtype (hence their grads' and AdamW states'): parallel.lora.add_lora keeps them
 # in fp32 whatever the precision mode; Precision.adapter_mp_policy reduce-scatters their grads in fp32
 ADAPTER_DTYPE = torch.float32
+
+# parallel/lowbit.py's storage, bytes per parameter. NF4: 4-bit codes, an 8-bit scale per 64 values
+# and an fp32 factor per 64 x 256 (torchao's NF4Tensor; tests/test_lowbit.py measures 0.258 of bf16).
+# torchao's AdamW states, each: 8-bit codes + an fp32 scale per 256; 4-bit codes + one per 128
+# (torchao/optim/subclass_8bit.py, subclass_4bit.py defaults). Shards under 4096 values keep fp32
+# states (torchao's rule); at real scale that is the biases and norms, not counted apart here.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+STATE_BYTES = {"adamw8bit": 1 + 4 / 256, "adamw4bit": 0.5 + 4 / 128}
+# loading an NF4 base: each rank reads a whole tensor (stored bf16), casts it and quantises it
+# (torchao's to_nf4 peaks at ~5.8 bytes/param of temporaries on a bf16 3072 x 12288 weight, measured)
+NF4_LOAD_BYTES_PER_PARAM = 2 + 2 + 5.8
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,8 @@ class Settings:
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
     fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
+    base_dtype: str = ""       # the scripts' BASE_DTYPE: "" = the compute dtype, nf4 = 4-bit LoRA base (parallel/lowbit.py)
+    optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
 
     @property
     def lora(self) -> lora_lib.Lora:
@@ -332,6 +346,11 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
             out[c.name] = {"local": local, "global": total, "units": units}
+            if c.lora:  # what BASE_DTYPE=nf4 would quantise: the frozen Linear weights lowbit accepts
+                weights = [m.weight for m in c.module.modules() if isinstance(m, nn.Linear)
+                           and not m.weight.requires_grad and lowbit.nf4_blocks(m.weight.shape) is not None]
+                out[c.name].update(nf4_global=sum(w.numel() for w in weights),
+                                   nf4_largest=max((w.numel() for w in weights), default=0))
             if c.lora:
                 trainable = [p for p in c.module.parameters() if p.requires_grad]
                 out[c.name].update(
@@ -635,7 +654,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
 
     def compute_size(c: Part) -> int:
         return _size(torch.float32) if c.name in fp32_compute else c_size
-    rows, gathered_units = {}, []
+    rows, gathered_units, result_load = {}, [], []
     for c in comps:
         info, h = sharded[c.name], c.holding
         if not h.resident:
@@ -647,16 +666,30 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             (" (fp32 compute)" if c.name in fp32_compute and c_size != _size(torch.float32) else "")
         if c.lora:  # the frozen base, then its adapters: only they have grads and optimizer state
             n, a = info["trainable_local"], _size(ADAPTER_DTYPE)
-            rows[c.name] = dict(params=(local - n) * _size(c.dtype), grads=0, optim=0,
-                                note=f"frozen LoRA base ({dtype_name(c.dtype)})",
-                                count=info["global"] - info["trainable_global"], local_count=local - n, sharded=True)
-            rows[c.name + ".lora"] = dict(params=n * a, grads=n * a, optim=2 * n * a,
-                                          note=f"LoRA adapters, rank {c.lora.rank} ({dtype_name(ADAPTER_DTYPE)})",
+            base_local = local - n
+            if s.base_dtype == "nf4":  # the quantised share of the base, the rest (biases, norms, ...) as is
+                q = -(-info["nf4_global"] // s.world_size)
+                base_bytes = int(q * NF4_BYTES + (base_local - q) * _size(c.dtype))
+                load_peak = int(base_bytes + info["nf4_largest"] * NF4_LOAD_BYTES_PER_PARAM)
+                result_load.append(load_peak)
+                frac = info["nf4_global"] / max(1, info["global"] - info["trainable_global"])
+                unit_bytes = frac * NF4_BYTES + (1 - frac) * compute_size(c)  # gathered as codes
+                temp = info["nf4_largest"] * compute_size(c)  # one Linear's weight dequantised at a time
+                gathered_units += [int(u * unit_bytes) + temp for _, u in info["units"]]
+            else:
+                base_bytes = base_local * _size(c.dtype)
+                gathered_units += [u * compute_size(c) for _, u in info["units"]]  # base and adapters, in compute dtype
+            rows[c.name] = dict(params=base_bytes, grads=0, optim=0,
+                                note=f"frozen LoRA base ({'nf4' if s.base_dtype == 'nf4' else dtype_name(c.dtype)})",
+                                count=info["global"] - info["trainable_global"], local_count=base_local, sharded=True)
+            rows[c.name + ".lora"] = dict(params=n * a, grads=n * a, optim=int(n * _state_bytes(s.optimizer, a)),
+                                          note=f"LoRA adapters, rank {c.lora.rank} ({dtype_name(ADAPTER_DTYPE)})"
+                                          + _optimizer_note(s.optimizer),
                                           count=info["trainable_global"], local_count=n, sharded=True, adapters=True)
-            gathered_units += [u * compute_size(c) for _, u in info["units"]]  # base and adapters, in compute dtype
             continue
         rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
-                            optim=2 * local * p_size if h.trained else 0, note=note,
+                            optim=int(local * _state_bytes(s.optimizer, p_size)) if h.trained else 0,
+                            note=note + (_optimizer_note(s.optimizer) if h.trained else ""),
                             count=info["global"], local_count=local, sharded=h.sharded)
         if h.sharded:
             gathered_units += [u * (compute_size(c) if h.trained else _size(c.dtype)) for _, u in info["units"]]
@@ -680,6 +713,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                   units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
     if s.context_parallel > 1:
         result["cp"] = dict(sequence, degree=s.context_parallel, one_forward=one_forward)
+    if result_load:  # BASE_DTYPE=nf4: the host peak while loading (meta path), per rank
+        result["load_peak"] = max(result_load)
     if s.lora:  # what trains: {component: (adapter params, all its params incl. adapters)}, and the targets
         result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
                           for c in comps if c.lora}
@@ -691,6 +726,16 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
 # what cheapest_fit tries, in order of what it costs in speed: (checkpointing, CPU offload, bf16 states)
 FIT_ORDER = [(False, False, False), (True, False, False), (False, False, True), (True, False, True),
              (False, True, False), (True, True, False), (True, True, True)]
+
+
+def _state_bytes(optimizer: str, param_bytes: int) -> float:
+    """Bytes per parameter of AdamW's two states under OPTIMIZER: adamw keeps them in the params'
+    dtype, torchao's 8-/4-bit ones block-quantised whatever it is."""
+    return 2 * (STATE_BYTES[optimizer] if optimizer in STATE_BYTES else param_bytes)
+
+
+def _optimizer_note(optimizer: str) -> str:
+    return f", {optimizer} states" if optimizer != "adamw" else ""
 
 
 def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[Settings, dict] | None:
@@ -736,6 +781,8 @@ def format_plan(name: str, p: dict) -> str:
               acts,
               ATTENTION_NOTE,
               f"runtime reserve: {p['runtime'] / GIB:.2f} GiB",
+              *([f"host peak while loading the NF4 base (meta path, per rank): {p['load_peak'] / GIB:.2f} GiB "
+                 "(its NF4 shards + one whole tensor read, cast and quantised)"] if "load_peak" in p else []),
               f"TOTAL per GPU: {p['gpu_total'] / GIB:.2f} GiB"]
     return "\n".join(lines)
 
@@ -939,6 +986,82 @@ def _lora_caption(p: dict) -> str:
             f"(somewhat less than full fine-tuning: backward through the adapters still needs most of the base's)")
 
 
+# ----------------------------------------------------------------------------------------------
+# low-bit storage (parallel/lowbit.py): where BASE_DTYPE and OPTIMIZER make a run fit
+
+
+def _fit_without_offload(name: str, s: Settings, gpu_bytes: int, planner) -> str:
+    """The cheapest no-offload settings that fit (as is, AC, bf16 states, AC + bf16 states; bf16
+    states only for full fine-tunes), as "settings (GiB)", else "needs CPU offload"."""
+    for ac, bf16 in ((False, False), (True, False), (False, True), (True, True)):
+        if bf16 and s.lora_rank:
+            continue
+        t = Settings(**{**s.__dict__, "activation_checkpointing": ac, "precision": "bf16" if bf16 else s.precision})
+        p = planner(name, t)
+        if p["gpu_total"] <= gpu_bytes:
+            return f"{_setting_name(t, s.precision)} ({p['gpu_total'] / GIB:.1f})"
+    return "needs CPU offload"
+
+
+def _ddp_total(p: dict) -> int:
+    """A DDP replica's GPU bytes from a world-size-1 plan: nothing is all-gathered (an NF4 base still
+    dequantises one Linear weight at a time: kept), grads all-reduced in place (buckets ~ grads)."""
+    return p["gpu_total"] - p["gathered"] + p["rows"].get("transformer.lora", {}).get("grads", 0)
+
+
+def _largest_batch(name: str, s: Settings, gpu_bytes: int, planner, total=lambda p: p["gpu_total"],
+                   limit: int = 64) -> int:
+    """The largest batch per GPU (1..limit, doubling then bisecting) whose plan fits; 0: none."""
+    def fits(b):
+        return total(planner(name, Settings(**{**s.__dict__, "batch_size": b}))) <= gpu_bytes
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def lowbit_tables(name: str, rank: int = 16, gpu_gb: float = 24) -> str:
+    """Markdown: (1) full fine-tune on 4 GPUs per OPTIMIZER, LoRA on 1 and 2 GPUs per BASE_DTYPE x
+    OPTIMIZER, at 512 and 1024 px: the cheapest no-offload settings that fit `gpu_gb` and their
+    GiB; (2) the seed plan's comparison on 4 x `gpu_gb`: bf16-base and NF4-base LoRA under DDP (a
+    replica per GPU) and FSDP2, batch-1 GiB and the largest batch that fits, with and without AC."""
+    planner, budget = memo_planner(), int(gpu_gb * GIB)
+    head = (f"{name}: the cheapest settings without CPU offload that fit {gpu_gb:g} GB per GPU (per-GPU GiB "
+            f"planned), batch 1/GPU, bf16-mixed; LoRA rank {rank} on the model's default targets. "
+            f"Activations: {ATTENTION_NOTE}.")
+    lines = [head, "", "| run | GPUs | BASE_DTYPE | OPTIMIZER | 512 px | 1024 px |", "|---|---:|---|---|---|---|"]
+    cases = [("full fine-tune", 4, "", o) for o in lowbit.OPTIMIZERS]
+    cases += [("LoRA", ws, b, o) for ws in (1, 2) for b in ("", "nf4") for o in ("adamw", "adamw8bit")]
+    for run, ws, base, opt in cases:
+        cells = []
+        for res in (512, 1024):
+            s = Settings(world_size=ws, resolution=res, lora_rank=rank if run == "LoRA" else 0, base_dtype=base,
+                         optimizer=opt)
+            cells.append(_fit_without_offload(name, s, budget, planner))
+        lines.append(f"| {run} | {ws} | {base or 'bf16'} | {opt} | " + " | ".join(cells) + " |")
+    lines += ["", f"LoRA rank {rank}, 512 px, 4 x {gpu_gb:g} GB: DDP (a replica per GPU: a world-size-1 plan without "
+              "all-gathered units) vs FSDP2; per-GPU GiB at batch 1, and the largest batch per GPU that fits "
+              "(without / with activation checkpointing).", "",
+              "| layout | per-GPU GiB (batch 1) | base GiB | largest batch | largest batch (AC) |",
+              "|---|---:|---:|---:|---:|"]
+    for label, ddp, base in (("BF16 DDP", True, ""), ("NF4-base DDP", True, "nf4"),
+                             ("BF16 FSDP2", False, ""), ("NF4-base FSDP2", False, "nf4")):
+        s = Settings(world_size=1 if ddp else 4, resolution=512, lora_rank=rank, base_dtype=base)
+        total = _ddp_total if ddp else (lambda p: p["gpu_total"])
+        p = planner(name, s)
+        batches = [_largest_batch(name, Settings(**{**s.__dict__, "activation_checkpointing": ac}), budget, planner,
+                                  total) for ac in (False, True)]
+        lines.append(f"| {label} | {total(p) / GIB:.2f} | {p['rows']['transformer']['params'] / GIB:.2f} | "
+                     + " | ".join(str(b) for b in batches) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python fsdp_utils.py plan", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -976,9 +1099,21 @@ def main(argv: list[str]) -> int:
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     ap.add_argument("--fake_score_fp32", type=int, default=1,
                     help="DMD: the fake score gathers and computes in fp32 (train_dmd.py's FAKE_SCORE_FP32, default on)")
+    ap.add_argument("--base_dtype", default="", choices=list(lowbit.BASE_DTYPES),
+                    help="LoRA: the frozen base's storage, as the scripts' BASE_DTYPE (nf4: 4-bit, parallel/lowbit.py)")
+    ap.add_argument("--optimizer", default="adamw", choices=list(lowbit.OPTIMIZERS),
+                    help="the scripts' OPTIMIZER: adamw (fp32/bf16 states) | adamw8bit | adamw4bit (torchao)")
+    ap.add_argument("--lowbit_table", action="store_true",
+                    help="FLUX Kontext: markdown tables of BASE_DTYPE x OPTIMIZER on 1/2/4 x 24 GB at 512 and "
+                         "1024 px, and BF16/NF4-base LoRA under DDP and FSDP2 with their largest batch")
     a = ap.parse_args(argv)
+    if a.lowbit_table:
+        print(lowbit_tables(a.model))
+        return 0
+    if a.base_dtype == "nf4" and not a.lora_rank:
+        ap.error("--base_dtype=nf4 needs --lora_rank > 0 (only a frozen LoRA base is quantised)")
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
-                fake_score_fp32=bool(a.fake_score_fp32),
+                fake_score_fp32=bool(a.fake_score_fp32), base_dtype=a.base_dtype, optimizer=a.optimizer,
                 lora_targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()))
     try:
         lora_lib.check_lora(Settings(1, **lora).lora)
