@@ -7,6 +7,7 @@
     python tools/benchmarks.py stack      # FSDP1 (the DMD2 repository's settings) vs FSDP2 vs DDP, UNet and DMD2 steps
     python tools/benchmarks.py noise      # one DMD2 step's randomness per rank: whole global batch vs own samples
     python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after the mid block
+    python tools/benchmarks.py fake_fp32  # FAKE_SCORE_FP32 on vs off: SD-1.5 real architecture on 2 CPU ranks, planned on GPUs
     python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
@@ -737,8 +738,96 @@ def bench_gan_head() -> str:
         "(tests/test_dmd2.py::test_bottleneck_stops_after_the_mid_block_with_identical_values_and_grads)."])
 
 
+# ----------------------------------------------------------------------------------------------
+# the price of FAKE_SCORE_FP32 at SD-1.5's real architecture, and planned on GPUs
+
+H100_DENSE_TFLOPS = {"bf16": 989, "tf32": 495, "fp32": 67}  # H100 SXM: tensor-core bf16 / TF32, fp32 without
+
+
+def _dmd_step_flops(resolution: int) -> float:
+    """FLOPs of one SD-1.5 UNet forward of one sample at `resolution` px, counted on the meta device
+    by train_common's op-watching counter (the teacher's CFG pass is 2 of them)."""
+    import torch
+    import train_common
+    from diffusers import UNet2DConditionModel
+    from tools import memory_plan
+    folder = os.path.join(memory_plan.model_folder("sd15-dmd"), "unet")
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+        side = resolution // 8
+        x, text = torch.randn(1, 4, side, side), torch.randn(1, 77, 768)
+        with train_common._FlopCount() as count:
+            unet(x, torch.tensor([500]), text)
+    return float(count.total)
+
+
+def bench_fake_fp32() -> str:
+    """FAKE_SCORE_FP32 on and off, side by side: two 2-rank CPU runs of train_dmd.py on SD-1.5's
+    real architecture (random weights, tools/gpu_check.sd15_folder), PRECISION=bf16, 128 px, batch 1
+    per rank, a generator step every step (DFAKE_GEN_UPDATE_RATIO=1), LoRA rank 64 on the generator
+    and the fake score (FAKE_LORA: the two runs fit in 6 GiB per rank beside other work; the price
+    is in the fake score's fp32 gathers, compute and activations, which LoRA does not change); then the
+    planner's GPU memory for both at 512 px and the compute-bound step-time ratio on an H100 from the
+    counted FLOPs (TF32 on and off)."""
+    import statistics
+    from tools import gpu_check, memory_plan
+    root = _root()
+    folder = gpu_check.sd15_folder(os.path.join(root, "gpu_check_models"), tiny=False)
+    data = os.path.join(root, "fake_fp32_prompts.txt")
+    with open(data, "w") as f:
+        f.write("a red circle on a white background\na blue square on a black background\n")
+    runs = {}
+    for fp32 in (1, 0):
+        out = os.path.join(root, f"fake_fp32_{fp32}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, "train_dmd.py"), f"--model_path={folder}", f"--data_path={data}",
+               f"--output_dir={out}", "--precision=bf16", f"--fake_score_fp32={fp32}", "--resolution=128",
+               "--batch_size=1", "--max_steps=3", "--dfake_gen_update_ratio=1", "--log_every=1", "--sample_every=0",
+               "--save_every=0", "--lora_rank=64", "--fake_lora=1"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if r.returncode:
+            sys.exit(f"train_dmd.py --fake_score_fp32={fp32} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        mem = [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
+               if line.startswith("memory_bytes ")][-1]
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            steps = [json.loads(line) for line in f]
+        runs[fp32] = {"ms": statistics.median(s["step_ms"] for s in steps[1:]), "rss": max(m["rss_peak"] for m in mem),
+                      "states": max(m["params"] + m["grads_held"] + m["optim"] for m in mem)}
+    on, off = runs[1], runs[0]
+    lines = ["| SD-1.5 real architecture, 2 CPU ranks, bf16, 128 px, LoRA 64 on G and fake | step time (median of steps 2-3) | peak RSS / rank |",
+             "|---|---:|---:|",
+             f"| FAKE_SCORE_FP32=1 (published) | {on['ms'] / 1000:.1f} s | {on['rss'] / 2**30:.2f} GiB |",
+             f"| FAKE_SCORE_FP32=0 | {off['ms'] / 1000:.1f} s | {off['rss'] / 2**30:.2f} GiB |",
+             f"| on / off | {on['ms'] / off['ms']:.2f} | {on['rss'] / off['rss']:.2f} |", ""]
+    f = _dmd_step_flops(512)
+    # per sample: generator step = G fwd+bwd 3F + teacher CFG 2F + fake (DM loss) F + fake loss fwd+bwd 3F;
+    # fake-only step = G fwd F + fake loss 3F. The published ratio 10: 1 generator step in 10.
+    total, fake = (9 * f + 9 * 4 * f) / 10, (4 * f + 9 * 3 * f) / 10
+    rest = total - fake
+    t = H100_DENSE_TFLOPS
+    bf16 = total / t["bf16"]
+    with_tf32, strict = rest / t["bf16"] + fake / t["tf32"], rest / t["bf16"] + fake / t["fp32"]
+    plans = {}
+    for fp32 in (True, False):
+        s = memory_plan.Settings(world_size=8, precision="bf16-mixed", batch_size=32, resolution=512,
+                                 activation_checkpointing=True, fake_score_fp32=fp32)
+        plans[fp32] = memory_plan.plan(memory_plan.model_folder("sd15-dmd"), s)["gpu_total"]
+    lines += ["| planned on GPUs: SD-1.5 stage 1 (8 GPUs, bf16-mixed, batch 32, 512 px, AC) | FAKE_SCORE_FP32=1 | =0 | on / off |",
+              "|---|---:|---:|---:|",
+              f"| memory per GPU (planner) | {plans[True] / 2**30:.1f} GiB | {plans[False] / 2**30:.1f} GiB "
+              f"| {plans[True] / plans[False]:.2f} |",
+              f"| compute-bound step time on an H100, TF32 on (default) | {with_tf32 / bf16:.2f} | 1.00 | {with_tf32 / bf16:.2f} |",
+              f"| the same, TF32=0 (strict fp32) | {strict / bf16:.2f} | 1.00 | {strict / bf16:.2f} |", "",
+              f"One UNet forward at 512 px = {f / 1e9:.0f} GFLOPs per sample (counted on the meta device); a step "
+              f"averages {total / f:.1f} such forwards at the published ratio 10, {fake / total:.0%} of them the fake "
+              f"score's. Step time assumes every FLOP at the H100 SXM's dense peak (bf16 {t['bf16']}, TF32 "
+              f"{t['tf32']}, fp32 {t['fp32']} TFLOP/s): a ratio, not a prediction."]
+    return "\n".join(lines)
+
+
 BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile, "stack": bench_stack,
-           "noise": bench_noise, "gan_head": bench_gan_head}
+           "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 

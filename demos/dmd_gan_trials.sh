@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GAN-stage trials of README's "Stage 2 (GAN)" table, on CPU: each continues the stage-1 demo
+# checkpoint (demos/demo_dmd.sh) for STEPS steps with stage 1's schedule, then one evaluation scores
+# them all with the teacher (demos/shapes_eval.py). Trials:
+#   control   no GAN (stage 1 continued: what the extra steps alone give)
+#   real2304  the published GAN weights (1e-3 / 1e-2, head noise t < 1000) on 2304 real images
+#             (64 per prompt, rendered by demos/make_teacher.write_data with another seed than the
+#             144 shipped ones) instead of 144
+#   x10_t250  GAN weights x10 (1e-2 / 1e-1) and head noise t < 250, on the 2304 images
+#
+#   STAGE1=out/dmd_demo bash demos/dmd_gan_trials.sh          # all three
+#   STAGE1=out/dmd_demo TRIALS="control x10_t250" bash demos/dmd_gan_trials.sh
+# Each call writes OUT/<trial>/ and OUT/compare_<trials>.json (so calls for different trials can run at once).
+set -euo pipefail
+cd "$(dirname "$0")/.."  # the repository root
+STAGE1=${STAGE1:?set STAGE1 to a finished demos/demo_dmd.sh output folder (its checkpoints/)}
+OUT=${OUT:-out/dmd_gan_trials}
+NPROC=${NPROC:-2}
+STEPS=${STEPS:-400}
+TRIALS=${TRIALS:-control real2304 x10_t250}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+ckpt=$(ls -d "$STAGE1"/checkpoints/step_* | sort | tail -n 1)
+real="$OUT/real64"
+if [ ! -f "$real/data.jsonl" ]; then
+  mkdir -p "$real"
+  python -c "import sys; from pathlib import Path; from demos import make_teacher as mt; mt.write_data(Path(sys.argv[1]), 64, seed=12345)" "$real"
+fi
+common=(--batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_update_ratio=5 --ema_decay=0.98
+        --precision=fp32 --log_every=50 --sample_every=100000 --init_from="$ckpt" --max_steps="$STEPS"
+        --save_every="$STEPS")
+compare=()
+for trial in $TRIALS; do
+  case $trial in
+    control)  extra=() ;;
+    real2304) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2
+                     --diffusion_gan_max_timestep=1000) ;;
+    x10_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=1e-2 --guidance_cls_loss_weight=1e-1
+                     --diffusion_gan_max_timestep=250) ;;
+    *) echo "unknown trial $trial" >&2; exit 2 ;;
+  esac
+  python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py --output_dir="$OUT/$trial" \
+      "${common[@]}" "${extra[@]}"
+  compare+=("$trial=$OUT/$trial/export")
+done
+python -m demos.shapes_eval --compare teacher=assets/shapes_teacher "${compare[@]}" --cfg=2 \
+    --json_out="$OUT/compare_${TRIALS// /_}.json"
