@@ -1,6 +1,8 @@
 """Data for both training scripts: which samples and which random numbers a step uses (pure
-functions of SEED and the step, so any world size and a resume see the same), data files checked
-row by row before any work, one image loader, PNG grids, and folders built once under a lock
+functions of SEED and the step, so any world size and a resume see the same; caption dropout too),
+the data sources (a .jsonl, a .txt of prompts, a folder of images with .txt captions, a Hugging Face
+`datasets` table) read into rows and checked before any work, each rank checking its share of the
+images, one image loader (EXIF orientation applied), PNG grids, and folders built once under a lock
 (the tiny test models and the demos' task data).
 
     python -m pytest tests/test_data_utils.py tests/test_fault_tolerance.py -q
@@ -10,10 +12,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import torch
 
-from run_utils import ConfigError
+from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
 # data order and randomness: functions of (seed, step), identical on every rank
@@ -36,6 +39,19 @@ def sample_generator(seed: int, step: int, index: int, device, stream: int = 0) 
     g = torch.Generator(device=device)
     g.manual_seed(int.from_bytes(key, "little") >> 1)
     return g
+
+
+CAPTION_DROPOUT_STREAM = 2  # sample_generator stream of caption dropout (0: the scripts' per-sample noise, 1: DMD2's VAE posterior)
+
+
+def drop_captions(prompts: list[str], seed: int, step: int, indices, probability: float) -> list[str]:
+    """`prompts` of the samples at global-batch positions `indices`, each replaced by "" with
+    `probability` (CAPTION_DROPOUT), drawn on CPU from (seed, step, position): the same on any world
+    size and after a resume. probability 0 draws nothing (the prompts are returned as they are)."""
+    if probability <= 0:
+        return list(prompts)
+    return ["" if torch.rand((), generator=sample_generator(seed, step, i, "cpu", CAPTION_DROPOUT_STREAM)) < probability
+            else p for p, i in zip(prompts, indices)]
 
 
 def per_sample_draws(seed: int, step: int, indices, device, draw, stream: int = 0) -> dict[str, torch.Tensor]:
@@ -66,26 +82,99 @@ def rank_slice(items, rank_: int, world: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# data files: validated up front, identically on every rank
+# data sources: a .jsonl, a .txt of prompts, a folder of images with .txt captions, or a Hugging
+# Face `datasets` table, detected from what the path points at; read into rows of canonical
+# fields and checked before any work (the image checks split over the ranks)
 
-def load_records(path: str, required: tuple[str, ...], image_keys: tuple[str, ...] = (),
-                 skip_bad: bool = False, check_images: bool = True) -> tuple[list[dict], int]:
-    """Rows of a `.jsonl` (or prompts of a `.txt`, one a line) with image paths made absolute
-    (relative to the file). A bad row -> ConfigError naming file and line, or with skip_bad it is
-    dropped and counted. Every rank reads the whole file, so all ranks agree on errors and length."""
-    if not path or not os.path.isfile(path):
-        raise ConfigError(f"DATA_PATH={path!r}: no such file")
-    base, rows, skipped = os.path.dirname(os.path.abspath(path)), [], 0
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = _parse_row(path, line, required, image_keys, base, check_images)
-        except ValueError as e:
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")  # what the folder layouts read as images
+# the names users bring for each field (JSONL keys, datasets columns), the canonical one first.
+# "image" alone is ambiguous for pairs: this project's older Kontext files name the input so
+# (beside "target"), ai-toolkit and diffusers' examples the edited result (beside "control").
+ALIASES = {"control": ("control", "context", "source"), "target": ("target", "edited"),
+           "prompt": ("prompt", "caption", "text", "instruction"), "image": ("image",)}
+
+
+def match_fields(names, roles) -> tuple[dict[str, str], str]:
+    """{role: the name holding it} among `names` (a row's keys or a table's columns) for the wanted
+    `roles`, and a note ("" if none) when "image" had to be read as a pair's control or target.
+    Two aliases of one role: ValueError."""
+    names, found, note = set(names), {}, ""
+    for role in roles:
+        hits = [n for n in ALIASES[role] if n in names]
+        if len(hits) > 1:
+            raise ValueError(f"both {hits[0]!r} and {hits[1]!r} name the {role}: keep one")
+        if hits:
+            found[role] = hits[0]
+    if "image" in names and "control" in roles and "image" not in roles:
+        if "control" in found and "target" in found:
+            raise ValueError(f"'image' beside {found['control']!r} and {found['target']!r}: which is it? remove one")
+        if "control" in found:
+            found["target"] = "image"
+            note = (f"\"image\" read as the edited result (beside \"{found['control']}\", the ai-toolkit / diffusers "
+                    "naming); name it \"target\" to silence this")
+        else:
+            found["control"] = "image"
+            note = ("\"image\" read as the input (context) image, as this project's older files name it; "
+                    "name it \"control\" to silence this")
+    return found, note
+
+
+def source_kind(path: str, setting: str = "DATA_PATH") -> str:
+    """What `path` is: "txt", "jsonl", "folder" (images and captions), "datasets" (a save_to_disk
+    folder, parquet files or, when nothing local has the name, a hub dataset)."""
+    if os.path.isfile(path):
+        for ext, kind in ((".txt", "txt"), (".jsonl", "jsonl"), (".parquet", "datasets")):
+            if path.endswith(ext):
+                return kind
+        raise ConfigError(f"{setting}={path}: not a .jsonl, .txt or .parquet file (nor a folder)")
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        if {"state.json", "dataset_dict.json"} & set(names) or any(n.endswith(".parquet") for n in names):
+            return "datasets"
+        return "folder"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path or "") and not path.startswith("."):
+        return "datasets"  # a hub name: loaded by datasets where a network (or its cache) has it
+    raise ConfigError(f"{setting}={path!r}: no such file or folder")
+
+
+def read_rows(path: str, roles: tuple[str, ...], required: tuple[str, ...], *, skip_bad: bool,
+              setting: str = "DATA_PATH", control_path: str = "", columns: dict | None = None,
+              split: str = "train", size_of: str = "") -> tuple[list[dict], int]:
+    """Rows {role: value} of `path` (any kind source_kind knows; a .txt gives prompts only):
+    images as absolute paths (JSONL: relative to the file) or DatasetImage, prompts as strings
+    ("" allowed). `required` roles must be present. Every image is opened and verified once, each
+    rank checking its share (rows rank::world) and the results gathered, so all ranks agree; with
+    `size_of` a role, each row also gets "size" = (h, w) of that image after EXIF orientation.
+    A bad row -> ConfigError naming file:line (folder: the file; datasets: the row), or with
+    skip_bad it is dropped and counted. Returns (rows, skipped)."""
+    kind = source_kind(path, setting)
+    if control_path and kind != "folder":
+        raise ConfigError(f"CONTROL_PATH={control_path}: only a folder {setting} reads it; {path} is a {kind} source")
+    images = [r for r in roles if r in ("control", "target", "image")]
+    if kind == "txt":
+        if set(required) - {"prompt"}:
+            raise ConfigError(f"{setting}={path}: a .txt holds prompts only; this needs {', '.join(required)}")
+        entries, notes = _txt_entries(path), set()
+    elif kind == "jsonl":
+        entries, notes = _jsonl_entries(path, roles, required, images)
+    elif kind == "folder":
+        entries, notes = _folder_entries(path, control_path, roles, required), set()
+    else:
+        entries, notes = _dataset_entries(path, roles, required, images, columns or {}, split, setting)
+    for note in sorted(notes):
+        print0(f"warning: {path}: {note}")
+    checked = _check_share([row for _, row in entries if isinstance(row, dict)], images, size_of)
+    rows, skipped, k = [], 0, 0
+    for where, row in entries:
+        if isinstance(row, dict):
+            error, size = checked[k]
+            k += 1
+            row = ValueError(error) if error else row
+            if size is not None:
+                row["size"] = size
+        if isinstance(row, ValueError):
             if not skip_bad:
-                raise ConfigError(f"{path}:{lineno}: {e}") from None
+                raise ConfigError(f"{where}: {row}")
             skipped += 1
             continue
         rows.append(row)
@@ -94,35 +183,277 @@ def load_records(path: str, required: tuple[str, ...], image_keys: tuple[str, ..
     return rows, skipped
 
 
-def _parse_row(path, line, required, image_keys, base, check_images) -> dict:
-    if path.endswith(".txt"):
-        return {"prompt": line.strip()}
+def _txt_entries(path):
+    """(where, row) per non-blank line of a prompts file."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    return [(f"{path}:{n}", {"prompt": line.strip()}) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def _jsonl_entries(path, roles, required, images):
+    """(where, row or ValueError) per non-blank line, and the notes of ambiguous keys."""
+    base, entries, notes = os.path.dirname(os.path.abspath(path)), [], set()
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row, note = _jsonl_row(line, roles, required, images, base)
+                notes.add(note)
+            except ValueError as e:
+                row = e
+            entries.append((f"{path}:{n}", row))
+    return entries, notes - {""}
+
+
+def _jsonl_row(line, roles, required, images, base):
     try:
-        row = json.loads(line)
+        raw = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
+    if not isinstance(raw, dict):
         raise ValueError("expected a JSON object")
-    for key in required:
-        if not isinstance(row.get(key), str) or not row[key].strip():
-            raise ValueError(f"missing or empty {key!r}")
-    for key in image_keys:
-        full = os.path.join(base, row[key])
-        if check_images:
-            _check_image(full)
-        row[key] = full
+    fields, note = match_fields(raw, roles)
+    row = {}
+    for role in roles:
+        value = raw.get(fields.get(role, role))
+        if value is None and role not in required:
+            continue
+        if role == "prompt" and isinstance(value, str):  # an empty prompt is a prompt
+            row[role] = value
+        elif not isinstance(value, str) or not value.strip():
+            raise ValueError(f"missing or empty {role!r}" + _aliases_hint(role))
+        else:
+            row[role] = os.path.join(base, value) if role in images else value
+    return row, note
+
+
+def _aliases_hint(role) -> str:
+    others = ALIASES[role][1:] + (("image",) if role in ("control", "target") else ())
+    return f" (or {', '.join(repr(a) for a in others)})" if others else ""
+
+
+def _folder_entries(folder, control_path, roles, required):
+    """A folder of images with same-stem .txt captions: a row per image (with "control": the
+    same-stem image in control_path or folder/control/), or, when no image is wanted, a row per
+    caption (with "image" when a same-stem image is beside it)."""
+    files = _by_stem(folder)
+    if "control" in roles:
+        control_dir = control_path or os.path.join(folder, "control")
+        if not os.path.isdir(control_dir):
+            raise ConfigError(f"{folder}: a folder of targets needs its control images: CONTROL_PATH, or a "
+                              f"control/ folder inside it ({control_dir} does not exist)")
+        controls = _by_stem(control_dir)
+    pivot = "target" if "target" in roles else "image" if "image" in required else "prompt"
+    entries = []
+    for stem in sorted(files):
+        found = files[stem]
+        where = found.get("txt") if pivot == "prompt" else found.get("image")
+        if pivot != "prompt" and "image" not in found:
+            continue  # a caption with no image beside it
+        if pivot == "prompt" and "txt" not in found:
+            continue
+        try:
+            entries.append((where, _folder_row(stem, found, pivot, roles, required,
+                                               controls if "control" in roles else None)))
+        except ValueError as e:
+            entries.append((where, e))
+    if not entries:
+        raise ConfigError(f"{folder}: no {'images' if pivot != 'prompt' else '.txt captions'} "
+                          f"({'/'.join(IMAGE_EXTENSIONS)}) in it")
+    return entries
+
+
+def _folder_row(stem, found, pivot, roles, required, controls):
+    if found.get("duplicate"):
+        raise ValueError(f"two images named {stem}.*: {', '.join(found['duplicate'])}; keep one")
+    row = {}
+    if pivot != "prompt" or "image" in found:
+        row["target" if pivot == "target" else "image"] = found["image"]
+    if "txt" in found:
+        with open(found["txt"], encoding="utf-8") as f:
+            row["prompt"] = f.read().strip()
+    elif "prompt" in required:
+        raise ValueError(f"no caption file {stem}.txt beside it")
+    if controls is not None:
+        if stem not in controls or "image" not in controls[stem]:
+            raise ValueError(f"no control image {stem}.* ({'/'.join(IMAGE_EXTENSIONS)}) in the control folder")
+        row["control"] = controls[stem]["image"]
+    if "image" in required and "image" not in row:
+        raise ValueError(f"no image {stem}.* beside the caption")
     return row
 
 
-def _check_image(path: str) -> None:
-    from PIL import Image
-    if not os.path.isfile(path):
-        raise ValueError(f"image {path} not found")
+def _by_stem(folder) -> dict[str, dict]:
+    """{stem: {"image": path, "txt": path, "duplicate": [names]}} of a folder's files (not recursive)."""
+    out: dict[str, dict] = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(os.path.abspath(folder), name)
+        stem, ext = os.path.splitext(name)
+        if not os.path.isfile(path):
+            continue
+        entry = out.setdefault(stem, {})
+        if ext.lower() in IMAGE_EXTENSIONS:
+            if "image" in entry:
+                entry["duplicate"] = [os.path.basename(entry["image"]), name]
+            entry["image"] = path
+        elif ext.lower() == ".txt":
+            entry["txt"] = path
+    return out
+
+
+# Hugging Face datasets: an optional dependency, imported only here
+
+class DatasetImage:
+    """An image held in a datasets table (row `index` of `column`: bytes, or a path), opened when
+    needed: what rows hold instead of a path for datasets sources."""
+
+    def __init__(self, table, index: int, column: str, base: str):
+        self.table, self.index, self.column, self.base = table, index, column, base
+
+    def open(self):
+        import io
+        value = self.table[self.index][self.column]
+        if isinstance(value, dict) and value.get("bytes"):
+            return io.BytesIO(value["bytes"])
+        path = value.get("path") if isinstance(value, dict) else value
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"column {self.column!r} holds no image")
+        return os.path.join(self.base, path)
+
+    def __str__(self):
+        return f"in column {self.column!r}"
+
+
+def load_table(path: str, split: str, setting: str = "DATA_PATH"):
+    """A datasets.Dataset: a save_to_disk folder (a DatasetDict: its `split`), parquet files (a
+    file or a folder of them), or a hub name. A missing package or a failed load: one ConfigError."""
     try:
-        with Image.open(path) as im:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{setting}={path}: a Hugging Face dataset needs the datasets package "
+                          "(pip install datasets)") from None
+    datasets.disable_progress_bars()  # the run's log has its own lines
+    try:
+        if os.path.isdir(path) and not any(n.endswith(".parquet") for n in os.listdir(path)):
+            table = datasets.load_from_disk(path)
+        elif os.path.exists(path):
+            files = [path] if os.path.isfile(path) else sorted(
+                os.path.join(path, n) for n in os.listdir(path) if n.endswith(".parquet"))
+            table = datasets.load_dataset("parquet", data_files=files, split="train")
+        else:
+            table = datasets.load_dataset(path, split=split)
+    except Exception as e:  # noqa: BLE001 - any loader failure is the user's path or network
+        raise ConfigError(f"{setting}={path}: datasets could not load it ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if isinstance(table, datasets.DatasetDict):
+        if split not in table:
+            raise ConfigError(f"{setting}={path}: no split {split!r} (DATASET_SPLIT); it has {', '.join(table)}")
+        table = table[split]
+    return table
+
+
+def _dataset_entries(path, roles, required, images, columns, split, setting):
+    """(where, row or ValueError) per table row; images stay in the table (DatasetImage)."""
+    table = load_table(path, split, setting)
+    import datasets
+    try:
+        fields, note = match_fields(table.column_names, roles)
+    except ValueError as e:
+        raise ConfigError(f"{setting}={path}: columns {table.column_names}: {e}") from None
+    fields.update({role: c for role, c in columns.items() if c and role in roles})
+    for role in roles:
+        col = fields.get(role)
+        if col is not None and col not in table.column_names:
+            raise ConfigError(f"{setting}={path}: no column {col!r} ({role.upper()}_COLUMN); it has "
+                              f"{', '.join(table.column_names)}")
+        if col is None and role in required:
+            raise ConfigError(f"{setting}={path}: no {role} column among {', '.join(table.column_names)}: name it "
+                              f"{' / '.join(ALIASES[role])}, or set {role.upper()}_COLUMN")
+    for role in images:
+        if role in fields and isinstance(table.features[fields[role]], datasets.Image):
+            table = table.cast_column(fields[role], datasets.Image(decode=False))  # bytes, decoded when read
+    base = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    prompts = list(table[fields["prompt"]]) if "prompt" in fields else None
+    entries = []
+    for i in range(len(table)):
+        row = {role: DatasetImage(table, i, fields[role], base) for role in images if role in fields}
+        if prompts is not None:
+            if not isinstance(prompts[i], str):
+                entries.append((f"{path} row {i}", ValueError(f"column {fields['prompt']!r} is not text")))
+                continue
+            row["prompt"] = prompts[i]
+        entries.append((f"{path} row {i}", row))
+    return entries, {note} - {""}
+
+
+# the image checks, split over the ranks
+
+def _check_share(rows: list[dict], images, size_of) -> list[tuple[str | None, tuple | None]]:
+    """(error or None, size or None) per row, each rank checking rows rank::world and every rank
+    getting all results (one all_gather of small tuples)."""
+    from run_utils import all_gather_objects, rank, world_size
+    me, world = rank(), world_size()
+    mine = {}
+    for k in range(me, len(rows), world):
+        error, size = None, None
+        for role in images:
+            if role in rows[k]:
+                try:
+                    shape = check_image(rows[k][role])
+                except ValueError as e:
+                    error = str(e)
+                    break
+                size = shape if role == size_of else size
+        mine[k] = (error, size)
+    merged = {}
+    for part in all_gather_objects(mine):
+        merged.update(part)
+    return [merged[k] for k in range(len(rows))]
+
+
+def check_image(source) -> tuple[int, int]:
+    """Open and verify an image (a path or a DatasetImage); returns its (height, width) as shown,
+    i.e. after its EXIF orientation. A missing or undecodable file: ValueError naming it."""
+    from PIL import Image
+    if isinstance(source, str) and not os.path.isfile(source):
+        raise ValueError(f"image {source} not found")
+    try:
+        with Image.open(_opened(source)) as im:
+            size = _shown_size(im)
             im.verify()
     except Exception as e:  # noqa: BLE001 - any decoder failure means a corrupt file
-        raise ValueError(f"image {path} is unreadable ({type(e).__name__})") from None
+        raise ValueError(f"image {source} is unreadable ({type(e).__name__})") from None
+    return size
+
+
+def _opened(source):
+    return source if isinstance(source, str) else source.open()
+
+
+def exif_orientation(im) -> int:
+    """The EXIF orientation tag (1-8; 1 = as stored) from the file's header, without decoding the
+    pixels (PIL's getexif() would decode a PNG that has no EXIF; an eXIf chunk placed after the
+    pixel data is seen only by load_image, which decodes anyway)."""
+    from PIL import Image
+    raw = im.info.get("exif")
+    if raw:
+        exif = Image.Exif()
+        exif.load(raw)
+        return int(exif.get(0x0112, 1) or 1)
+    return int(im.getexif().get(0x0112, 1) or 1) if im.format == "TIFF" else 1
+
+
+def image_size(source) -> tuple[int, int]:
+    """(height, width) of an image as shown (EXIF orientation applied), from its header."""
+    from PIL import Image
+    with Image.open(_opened(source)) as im:
+        return _shown_size(im)
+
+
+def _shown_size(im) -> tuple[int, int]:
+    """(height, width) after the EXIF orientation (5-8 turn the image a quarter)."""
+    return (im.width, im.height) if exif_orientation(im) in (5, 6, 7, 8) else (im.height, im.width)
 
 
 
@@ -186,13 +517,15 @@ def _map_tensors(obj, fn):
 # ----------------------------------------------------------------------------------------------
 # images
 
-def load_image(path: str, height: int, width: int) -> torch.Tensor:
-    """(3, height, width) in [-1, 1]: resized (Lanczos) to cover the size, then centre-cropped.
-    An image already of that size is returned unchanged (PIL's resize to the same size copies)."""
+def load_image(source, height: int, width: int) -> torch.Tensor:
+    """(3, height, width) in [-1, 1] of an image file (or a DatasetImage), turned upright by its
+    EXIF orientation (phone photos; as diffusers' scripts do), resized (Lanczos) to cover the size,
+    then centre-cropped. An image already of that size is returned unchanged (PIL's resize to the
+    same size copies; without an orientation tag exif_transpose copies too)."""
     import numpy as np
-    from PIL import Image
-    with Image.open(path) as im:
-        im = im.convert("RGB")
+    from PIL import Image, ImageOps
+    with Image.open(_opened(source)) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB")
         scale = max(height / im.height, width / im.width)
         rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
         im = im.resize((rw, rh), Image.Resampling.LANCZOS)

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -266,6 +267,9 @@ def apply_overrides(namespace: dict, argv: list[str]) -> dict:
     in place in `namespace`. Returns the final config dict. Unknown names suggest close matches."""
     consts = script_constants(namespace)
     by_lower = {k.lower(): k for k in consts}
+    if "--help" in argv or "-h" in argv:
+        print0(settings_help(namespace.get("__file__", ""), consts))
+        raise SystemExit(0)
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"argument {arg!r}: write settings as --name=value")
@@ -277,6 +281,27 @@ def apply_overrides(namespace: dict, argv: list[str]) -> dict:
             raise ConfigError(f"unknown setting --{key}{hint}")
         namespace[name] = _parse_value(name, raw, consts[name])
     return script_constants(namespace)
+
+
+def settings_help(script: str, consts: dict) -> str:
+    """--help: every setting of `script` as --name=default (type) and its comment, under the group
+    comments of the script's header, in the script's order."""
+    out = [f"usage: torchrun --nproc_per_node=N {os.path.basename(script)} [--name=value ...]  "
+           "(or python, one process); settings:"]
+    group = None
+    for line in open(script, encoding="utf-8") if script else ():
+        if line.startswith(("def ", "class ")):
+            break
+        m = re.match(r"^([A-Z][A-Z0-9_]*) = .*?\s+#\s*(.*)$", line.rstrip("\n"))
+        if m and m.group(1) in consts:
+            if group:
+                out.append(f"\n{group}")
+                group = None
+            name, value = m.group(1), consts[m.group(1)]
+            out.append(f"  --{name.lower()}={json.dumps(value)} ({type(value).__name__}): {m.group(2)}")
+        elif line.startswith("# ") and not line.startswith("# ---"):
+            group = line[2:].strip()
+    return "\n".join(out)
 
 
 def format_config(config: dict) -> str:

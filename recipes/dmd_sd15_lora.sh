@@ -24,7 +24,7 @@ MODEL=${MODEL:?set MODEL to an SD-1.5 diffusers folder (unet/ vae/ text_encoder/
 DATA=${DATA:?set DATA to a prompts file (.txt, one a line, or .jsonl with "prompt")}
 OUT=${OUT:-out/sd15_lora}
 . recipes/lib/common.sh
-PER_GPU=32
+PER_GPU=$(per_gpu 32 "$@")  # a --batch_size=N override keeps the global batch (GRAD_ACCUM follows)
 ACCUM=$(grad_accum 2048 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --lora_rank=64 --lora_alpha=8 --lora_dropout=0 --lora_init=default --fake_lora=0 \

@@ -20,7 +20,7 @@ MODEL=${MODEL:?set MODEL to an SD-1.5 diffusers folder (unet/ vae/ text_encoder/
 DATA=${DATA:?set DATA to a prompts file (.txt, one a line, or .jsonl with "prompt")}
 OUT=${OUT:-out/sd15_stage1}
 . recipes/lib/common.sh
-PER_GPU=32
+PER_GPU=$(per_gpu 32 "$@")  # a --batch_size=N override keeps the global batch (GRAD_ACCUM follows)
 ACCUM=$(grad_accum 2048 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --generator_lr=1e-5 --guidance_lr=1e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \

@@ -20,7 +20,7 @@ DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
 INIT_FROM=${INIT_FROM:?set INIT_FROM to a stage-1 checkpoint folder (OUTPUT_DIR/checkpoints/step_N)}
 OUT=${OUT:-out/sd15_stage2}
 . recipes/lib/common.sh
-PER_GPU=32
+PER_GPU=$(per_gpu 32 "$@")  # a --batch_size=N override keeps the global batch (GRAD_ACCUM follows)
 ACCUM=$(grad_accum 2048 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --init_from="$INIT_FROM" --use_gan=1 --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2 \

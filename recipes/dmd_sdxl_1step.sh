@@ -29,7 +29,7 @@ DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
 GENERATOR_INIT=${GENERATOR_INIT?set GENERATOR_INIT to the ODE-pretrained SDXL generator, a .safetensors file or UNet folder, as the header of this recipe says; GENERATOR_INIT= starts from the teacher instead, which is not the published run}
 OUT=${OUT:-out/sdxl_1step}
 . recipes/lib/common.sh
-PER_GPU=2
+PER_GPU=$(per_gpu 2 "$@")  # a --batch_size=N override keeps the global batch (GRAD_ACCUM follows)
 ACCUM=$(grad_accum 128 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --generator_init="$GENERATOR_INIT" \

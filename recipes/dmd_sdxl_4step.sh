@@ -22,7 +22,7 @@ MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline 
 DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
 OUT=${OUT:-out/sdxl_4step}
 . recipes/lib/common.sh
-PER_GPU=2
+PER_GPU=$(per_gpu 2 "$@")  # a --batch_size=N override keeps the global batch (GRAD_ACCUM follows)
 ACCUM=$(grad_accum 128 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$ACCUM \

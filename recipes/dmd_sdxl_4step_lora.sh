@@ -23,7 +23,7 @@ MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline 
 DATA=${DATA:?set DATA to a .jsonl of prompt + image rows}
 OUT=${OUT:-out/sdxl_4step_lora}
 . recipes/lib/common.sh
-PER_GPU=2
+PER_GPU=$(per_gpu 2 "$@")  # a --batch_size=N override keeps the global batch (GRAD_ACCUM follows)
 ACCUM=$(grad_accum 128 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --lora_rank=64 --lora_alpha=8 --lora_dropout=0 --lora_init=default --fake_lora=0 \

@@ -68,3 +68,249 @@ def test_prefetcher_loads_the_next_step_while_this_one_runs():
         with pytest.raises(ValueError, match="bad row in step 4"):  # a loader error surfaces at its step
             prefetch.get(4)
     assert started == [1, 2, 3, 4]  # nothing past last_step
+
+
+# ----------------------------------------------------------------------------------------------
+# data sources (issue 29): JSONL aliases, folder layouts, datasets tables, EXIF, split checks,
+# caption dropout; every bad input a one-line ConfigError naming the file (and line / row)
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from run_utils import ConfigError
+
+PAIR = ("control", "target", "prompt")
+
+
+def _img(path, size=(32, 16), colour=(200, 30, 30), exif_orientation=None):
+    """A tiny image file (w x h = size); with exif_orientation, that EXIF tag (JPEG/PNG/WEBP)."""
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    im = Image.new("RGB", size, colour)
+    im.putpixel((0, 0), (0, 255, 0))  # a marked corner: rotation shows
+    kwargs = {}
+    if exif_orientation:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        kwargs["exif"] = exif.tobytes()
+    im.save(str(path), **kwargs)
+    return str(path)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_canonical_names_and_aliases(tmp_path, capsys):
+    _img(tmp_path / "a.png")
+    _img(tmp_path / "b.png", colour=(0, 0, 200))
+    canonical = _jsonl(tmp_path / "c.jsonl", [{"control": "a.png", "target": "b.png", "prompt": "p"}])
+    aliases = _jsonl(tmp_path / "x.jsonl", [{"context": "a.png", "edited": "b.png", "instruction": "p"},
+                                            {"source": "a.png", "target": "b.png", "caption": ""}])
+    rows, _ = data_utils.read_rows(canonical, PAIR, PAIR, skip_bad=False, size_of="target")
+    assert rows == [{"control": str(tmp_path / "a.png"), "target": str(tmp_path / "b.png"), "prompt": "p",
+                     "size": (16, 32)}]
+    rows, _ = data_utils.read_rows(aliases, PAIR, PAIR, skip_bad=False)
+    assert [r["control"] for r in rows] == [str(tmp_path / "a.png")] * 2 and rows[1]["prompt"] == ""  # empty: allowed
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_jsonl_image_key_is_read_by_its_neighbour_with_one_warning(tmp_path, capsys):
+    _img(tmp_path / "a.png")
+    _img(tmp_path / "b.png")
+    legacy = _jsonl(tmp_path / "old.jsonl", [{"image": "a.png", "target": "b.png", "prompt": "p"}] * 3)
+    rows, _ = data_utils.read_rows(legacy, PAIR, PAIR, skip_bad=False)
+    assert rows[0]["control"] == str(tmp_path / "a.png") and rows[0]["target"] == str(tmp_path / "b.png")
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "read as the input" in warned[0] and "old.jsonl" in warned[0]  # once per file
+    toolkit = _jsonl(tmp_path / "tk.jsonl", [{"control": "a.png", "image": "b.png", "prompt": "p"}])
+    rows, _ = data_utils.read_rows(toolkit, PAIR, PAIR, skip_bad=False)
+    assert rows[0]["control"] == str(tmp_path / "a.png") and rows[0]["target"] == str(tmp_path / "b.png")
+    assert "read as the edited result" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"image": "a.png", "control": "a.png", "target": "a.png", "prompt": "p"}, "'image' beside 'control' and 'target'"),
+    ({"control": "a.png", "context": "a.png", "target": "a.png", "prompt": "p"}, "both 'control' and 'context'"),
+    ({"control": "a.png", "target": "a.png"}, "missing or empty 'prompt'"),
+    ({"control": "a.png", "prompt": "p"}, "missing or empty 'target'"),
+    ({"control": "gone.png", "target": "a.png", "prompt": "p"}, "image .*gone.png not found")])
+def test_jsonl_bad_rows_are_named_by_file_and_line(tmp_path, row, message):
+    _img(tmp_path / "a.png")
+    path = _jsonl(tmp_path / "d.jsonl", [{"control": "a.png", "target": "a.png", "prompt": "p"}, row])
+    with pytest.raises(ConfigError, match=re.escape(path) + ":2: " + message):
+        data_utils.read_rows(path, PAIR, PAIR, skip_bad=False)
+    assert len(data_utils.read_rows(path, PAIR, PAIR, skip_bad=True)[0]) == 1
+
+
+def _toolkit_folder(root, n=3, control_ext=".png"):
+    """ai-toolkit's layout: targets with same-stem .txt captions, controls of the same names apart."""
+    for i in range(n):
+        _img(root / "targets" / f"{i:03d}.png", colour=(0, 0, 200))
+        (root / "targets" / f"{i:03d}.txt").write_text(f"make it blue {i}\n")
+        _img(root / "controls" / f"{i:03d}{control_ext}", colour=(200, 0, 0))
+    return root / "targets", root / "controls"
+
+
+def test_folder_layout_with_control_path_or_a_control_subfolder(tmp_path):
+    targets, controls = _toolkit_folder(tmp_path)
+    rows, _ = data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    assert [r["prompt"] for r in rows] == ["make it blue 0", "make it blue 1", "make it blue 2"]
+    assert rows[1]["target"] == str(targets / "001.png") and rows[1]["control"] == str(controls / "001.png")
+    # musubi-style: the controls in DATA_PATH/control/, matched by stem whatever the extension
+    folder = tmp_path / "musubi"
+    for i, ext in enumerate((".jpg", ".jpeg", ".webp")):
+        _img(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text("")  # an empty caption is allowed
+        _img(folder / "control" / f"{i}{ext}")
+    rows, _ = data_utils.read_rows(str(folder), PAIR, PAIR, skip_bad=False)
+    assert [os.path.basename(r["control"]) for r in rows] == ["0.jpg", "1.jpeg", "2.webp"]
+    assert all(r["prompt"] == "" for r in rows)
+
+
+def test_folder_layout_bad_inputs_name_the_file(tmp_path):
+    targets, controls = _toolkit_folder(tmp_path)
+    os.remove(controls / "001.png")
+    with pytest.raises(ConfigError, match=re.escape(str(targets / "001.png")) + ": no control image 001"):
+        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    rows, skipped = data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=True, control_path=str(controls))
+    assert len(rows) == 2 and skipped == 1
+    _img(controls / "001.png")
+    os.remove(targets / "002.txt")
+    with pytest.raises(ConfigError, match=re.escape(str(targets / "002.png")) + ": no caption file 002.txt"):
+        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    _img(targets / "000.jpg")
+    with pytest.raises(ConfigError, match=re.escape(str(targets / "000.png")) + ": two images named 000"):
+        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    with pytest.raises(ConfigError, match="needs its control images: CONTROL_PATH, or a control/ folder"):
+        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False)
+    (controls / "003.png").write_bytes(b"not an image")
+    _img(targets / "003.png")
+    (targets / "003.txt").write_text("x")
+    with pytest.raises(ConfigError, match="two images named 000"):  # the first bad file, in name order
+        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    os.remove(targets / "000.jpg")
+    (targets / "002.txt").write_text("y")
+    with pytest.raises(ConfigError, match=re.escape(str(targets / "003.png")) + r": image .*003.png is unreadable"):
+        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    with pytest.raises(ConfigError, match="CONTROL_PATH=.*only a folder DATA_PATH reads it"):
+        data_utils.read_rows(_jsonl(tmp_path / "d.jsonl", [{}]), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    with pytest.raises(ConfigError, match="no such file or folder"):
+        data_utils.read_rows(str(tmp_path / "nope"), PAIR, PAIR, skip_bad=False)
+    with pytest.raises(ConfigError, match="a .txt holds prompts only"):
+        data_utils.read_rows(str(targets / "003.txt"), PAIR, PAIR, skip_bad=False)
+
+
+def _saved_dataset(path, n=4, names=("control", "image", "prompt")):
+    """A datasets table saved with save_to_disk, with Image columns (diffusers/ai-toolkit naming:
+    "image" is the edited result beside "control")."""
+    datasets = pytest.importorskip("datasets")
+    cols = {names[0]: [_img(path.parent / "src" / f"c{i}.png", colour=(i * 40, 0, 0)) for i in range(n)],
+            names[1]: [_img(path.parent / "src" / f"t{i}.png", size=(16, 32)) for i in range(n)],
+            names[2]: [f"edit {i}" for i in range(n)]}
+    features = datasets.Features({names[0]: datasets.Image(), names[1]: datasets.Image(), names[2]: datasets.Value("string")})
+    datasets.Dataset.from_dict(cols, features=features).save_to_disk(str(path))
+    return cols
+
+
+def test_datasets_folder_and_parquet_read_as_pairs(tmp_path):
+    cols = _saved_dataset(tmp_path / "ds")
+    rows, _ = data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, size_of="target")
+    assert [r["prompt"] for r in rows] == ["edit 0", "edit 1", "edit 2", "edit 3"]
+    assert rows[2]["size"] == (32, 16)  # the target's (h, w), read from the stored bytes
+    expected = data_utils.load_image(cols["control"][2], 8, 8)
+    assert torch.equal(data_utils.load_image(rows[2]["control"], 8, 8), expected)  # images stay in the table
+    import datasets
+    datasets.load_from_disk(str(tmp_path / "ds")).to_parquet(str(tmp_path / "pairs.parquet"))
+    rows_pq, _ = data_utils.read_rows(str(tmp_path / "pairs.parquet"), PAIR, PAIR, skip_bad=False)
+    assert torch.equal(data_utils.load_image(rows_pq[2]["control"], 8, 8), expected)
+
+
+def test_datasets_column_settings_and_errors(tmp_path, monkeypatch):
+    _saved_dataset(tmp_path / "ds", names=("before", "after", "edit_text"))
+    with pytest.raises(ConfigError, match="no control column among after, before, edit_text|no control column"):
+        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
+    columns = {"control": "before", "target": "after", "prompt": "edit_text"}
+    rows, _ = data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, columns=columns)
+    assert rows[3]["prompt"] == "edit 3"
+    with pytest.raises(ConfigError, match="no column 'nope' \\(CONTROL_COLUMN\\)"):
+        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, columns={**columns, "control": "nope"})
+    with pytest.raises(ConfigError, match="no split 'test'"):
+        from datasets import DatasetDict, load_from_disk
+        DatasetDict({"train": load_from_disk(str(tmp_path / "ds"))}).save_to_disk(str(tmp_path / "dd"))
+        data_utils.read_rows(str(tmp_path / "dd"), PAIR, PAIR, skip_bad=False, columns=columns, split="test")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: one line, before any work
+    with pytest.raises(ConfigError, match=r"needs the datasets package \(pip install datasets\)$"):
+        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
+
+
+def test_datasets_bad_image_is_named_by_row(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    good = open(_img(tmp_path / "a.png"), "rb").read()
+    table = {"control": [{"bytes": good, "path": None}] * 3, "target": [{"bytes": good, "path": None},
+             {"bytes": b"broken", "path": None}, {"bytes": good, "path": None}], "prompt": ["a", "b", "c"]}
+    feats = datasets.Features({"control": datasets.Image(), "target": datasets.Image(), "prompt": datasets.Value("string")})
+    datasets.Dataset.from_dict(table, features=feats).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "ds")) + " row 1: image in column 'target' is unreadable"):
+        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
+
+
+@pytest.mark.parametrize("ext", ["jpg", "png", "webp"])
+def test_exif_orientation_is_applied_when_loading_and_bucketing(tmp_path, ext):
+    """A phone photo stored 32 x 16 (w x h) with orientation 6 (turn 90° clockwise) shows 16 x 32."""
+    stored = _img(tmp_path / f"stored.{ext}", size=(32, 16))
+    rotated = _img(tmp_path / f"rotated.{ext}", size=(32, 16), exif_orientation=6)
+    assert data_utils.image_size(rotated) == (32, 16) and data_utils.image_size(stored) == (16, 32)
+    assert data_utils.check_image(rotated) == (32, 16)
+    upright = Image.open(stored).convert("RGB").transpose(Image.Transpose.ROTATE_270)
+    expected = torch.from_numpy(__import__("numpy").asarray(upright).copy()).permute(2, 0, 1).float() / 127.5 - 1
+    torch.testing.assert_close(data_utils.load_image(rotated, 32, 16), expected)
+    import train_flux_kontext as tfk
+    buckets = tfk.make_buckets(32, [0.5, 1.0, 2.0], 16)
+    assert [buckets[b] for b in tfk.assign_buckets([{"target": rotated}, {"target": stored}], buckets)] == \
+        [(48, 16), (16, 48)]  # tall vs wide
+
+
+def test_a_plain_png_is_not_decoded_to_read_its_orientation(tmp_path):
+    with Image.open(_img(tmp_path / "a.png")) as im:
+        assert data_utils.exif_orientation(im) == 1 and im._im is None  # header only
+
+
+def test_caption_dropout_is_a_function_of_seed_step_and_sample():
+    prompts = [f"p{i}" for i in range(400)]
+    dropped = data_utils.drop_captions(prompts, 3, 7, range(400), 0.25)
+    assert 60 < dropped.count("") < 140 and all(d in ("", p) for d, p in zip(dropped, prompts))
+    halves = data_utils.drop_captions(prompts[:200], 3, 7, range(200), 0.25) + \
+        data_utils.drop_captions(prompts[200:], 3, 7, range(200, 400), 0.25)
+    assert halves == dropped  # any split over ranks or micro-batches draws the same
+    assert data_utils.drop_captions(prompts, 3, 8, range(400), 0.25) != dropped  # other steps differ
+    assert data_utils.drop_captions(prompts, 3, 7, range(400), 0.0) == prompts  # off: nothing drawn
+
+
+def _checks_on_two_ranks(rank, world, folder):
+    calls = []
+    real = data_utils.check_image
+    data_utils.check_image = lambda source: calls.append(source) or real(source)
+    with pytest.raises(ConfigError) as info:
+        data_utils.read_rows(folder, ("prompt", "image"), ("prompt", "image"), skip_bad=False)
+    assert str(info.value) == f"{folder}/00005.png: image {folder}/00005.png is unreadable (UnidentifiedImageError)"
+    assert len(calls) == 4, calls  # 8 images: each rank opened only its half
+    rows, skipped = data_utils.read_rows(folder, ("prompt", "image"), ("prompt", "image"), skip_bad=True)
+    assert len(rows) == 6 and skipped == 2  # both ranks drop the same rows
+
+
+@pytest.mark.slow
+def test_image_checks_are_split_over_ranks_and_agree(tmp_path):
+    from tests.conftest import run_ranks
+    for i in range(8):
+        _img(tmp_path / f"{i:05d}.png")
+        (tmp_path / f"{i:05d}.txt").write_text(f"caption {i}")
+    (tmp_path / "00005.png").write_bytes(b"broken")  # rank 1's share
+    (tmp_path / "00006.png").write_bytes(b"broken")  # rank 0's share: the first bad one is reported
+    run_ranks(_checks_on_two_ranks, 2, str(tmp_path))

@@ -8,6 +8,7 @@ No training; each test takes a few seconds at most.
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -356,3 +357,18 @@ def test_an_output_dir_that_some_rank_cannot_see_fails_on_every_rank(tmp_path):
     from tests.conftest import run_ranks
     os.makedirs(tmp_path / "shared")
     run_ranks(_shared_output_dir, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("script,flag", [("train_dmd.py", "--help"), ("train_flux_kontext.py", "-h")])
+def test_help_prints_every_setting_grouped_and_exits_0(script, flag):
+    """--help / -h (once refused: write settings as --name=value): every setting with its default,
+    type and comment, under the script's group comments."""
+    import subprocess
+    from tests.conftest import ROOT
+    from tests.test_readme import constants
+    r = subprocess.run([sys.executable, os.path.join(ROOT, script), flag], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    listed = re.findall(r"^  --([a-z0-9_]+)=", r.stdout, flags=re.M)
+    assert listed == [n.lower() for n in constants(script)]
+    assert "\nmodels and data\n" in r.stdout and '  --seed=0 (int): ' in r.stdout

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ from tests.conftest import assert_loads_with_automodel, launch, launch_dmd, laun
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
+import data_utils
+import fsdp_utils
 import run_utils
 import train_common
 import train_dmd
@@ -368,3 +372,75 @@ def test_gan_head_computes_in_fp32_under_bf16_mixed():
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in head.parameters())
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# your own data (issue 29): prompts from a folder of captions, GAN real images from REAL_DATA_PATH
+
+
+def _real_folder(root, n=5):
+    """A folder of real images, two with captions (the rest: no caption, read as "")."""
+    from PIL import Image
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.new("RGB", (64, 64), (40 * i, 0, 0)).save(root / f"r{i}.png")
+    (root / "r1.txt").write_text("a red square")
+    (root / "r3.txt").write_text("a blue circle")
+    return root
+
+
+def test_real_images_come_from_real_data_path_in_their_own_order(tmp_path):
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for i in range(3):
+        (prompts / f"p{i}.txt").write_text(f"prompt {i}")
+    real = _real_folder(tmp_path / "real")
+    rows, skipped, real_rows = train_dmd.load_data(str(prompts), True, False, real_path=str(real))
+    assert [r["prompt"] for r in rows] == ["prompt 0", "prompt 1", "prompt 2"] and skipped == 0
+    assert [r.get("prompt", "") for r in real_rows] == ["", "a red square", "", "a blue circle", ""]
+    d = fsdp_utils.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    mb = train_dmd.load_step(0, rows, 4, 1, 0, d, 8, real_rows=real_rows)[0]
+    order = data_utils.global_batch_indices(0, 4, 5, 0 + train_dmd._REAL_ORDER_SALT)
+    assert mb["real_prompts"] == [real_rows[i].get("prompt", "") for i in order]
+    for k, i in enumerate(order):
+        assert torch.equal(mb["pixels"][k], data_utils.load_image(real_rows[i]["image"], 8, 8))
+    # without REAL_DATA_PATH: the prompt rows' own images, no captions of their own (as before)
+    mb = train_dmd.load_step(0, [{"prompt": "p", "image": real_rows[0]["image"]}], 2, 1, 0, d, 8)[0]
+    assert "real_prompts" not in mb and mb["pixels"].shape == (2, 3, 8, 8)
+
+
+def test_dmd_data_inputs_checked_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    with pytest.raises(ConfigError, match="USE_GAN needs real images: DATA_PATH=.*holds prompts only"):
+        train_dmd.load_data(str(tmp_path / "p.txt"), True, False)
+    folder = tmp_path / "captions"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a prompt")
+    with pytest.raises(ConfigError, match=re.escape(str(folder)) + ": no images"):
+        train_dmd.load_data(str(folder), True, False)  # the GAN needs the caption's image beside it
+    saved = run_utils.script_constants(vars(train_dmd))
+    try:
+        for argv, message in (([f"--real_data_path={folder}"], "without USE_GAN"),
+                              (["--caption_dropout=1"], "0 <= CAPTION_DROPOUT < 1")):
+            monkeypatch.setattr(sys, "argv", ["train_dmd.py", *argv])
+            with pytest.raises(ConfigError, match=message):
+                train_dmd.main()
+            vars(train_dmd).update(saved)
+    finally:
+        vars(train_dmd).update(saved)
+
+
+@pytest.mark.slow
+def test_own_data_run_with_real_data_path_sample_prompts_and_caption_dropout(env, tmp_path):
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for i, c in enumerate(("red", "blue", "green")):
+        (prompts / f"{i}.txt").write_text(f"a {c} circle on a white background")
+    real = _real_folder(tmp_path / "real")
+    (tmp_path / "samples.txt").write_text("a pink square\na yellow circle\n")
+    out = tmp_path / "out"
+    log = launch_dmd(["--max_steps=1", "--batch_size=2", "--precision=fp32", "--use_gan=1", f"--data_path={prompts}",
+                      f"--real_data_path={real}", f"--sample_prompts={tmp_path / 'samples.txt'}", "--sample_count=2",
+                      "--caption_dropout=0.5", "--log_every=1", "--save_every=0"], env, out, ranks=1)
+    assert f"data: 3 rows from {prompts}; GAN real images: 5 from REAL_DATA_PATH={real}" in log, log[-3000:]
+    assert "loss_guidance_cls" in read_metrics(out)[0] and os.path.exists(out / "samples" / "step_000001.png")

@@ -198,7 +198,8 @@ def test_buckets_keep_each_global_batch_on_one_size():
 
 
 def test_pair_gets_one_resize_crop_and_flip(kontext_setup):
-    row = {k: os.path.join(os.path.dirname(kontext_setup["data"]), kontext_setup["rows"][5][k]) for k in ("image", "target")}
+    raw = kontext_setup["rows"][5]  # this project's older naming: "image" is the input (control)
+    row = {k: os.path.join(os.path.dirname(kontext_setup["data"]), raw[j]) for k, j in (("control", "image"), ("target", "target"))}
     context, target = tfk.load_pairs([row, row], (64, 64), [False, True])
     assert context.shape == target.shape == (2, 3, 64, 64)
     assert torch.equal(context[1], context[0].flip(-1)) and torch.equal(target[1], target[0].flip(-1))
@@ -295,3 +296,69 @@ def test_no_third_party_nag_lines(runs):
     for _, stdout in runs.values():
         for nag in ("torchvision", "accelerate", "Loading weights", "low_cpu_mem_usage"):
             assert nag not in stdout, nag
+
+
+# ----------------------------------------------------------------------------------------------
+# your own data (issue 29): the folder layout, VAL_DATA_PATH, SAMPLE_PROMPTS, CAPTION_DROPOUT
+
+
+def _as_toolkit_folder(kontext_setup, root):
+    """The mixed dataset re-laid out as ai-toolkit reads it: targets with .txt captions, controls apart."""
+    base = os.path.dirname(kontext_setup["data"])
+    for i, r in enumerate(kontext_setup["rows"]):
+        os.makedirs(root / "targets", exist_ok=True)
+        os.makedirs(root / "controls", exist_ok=True)
+        shutil.copy(os.path.join(base, r["target"]), root / "targets" / f"{i:03d}.png")
+        shutil.copy(os.path.join(base, r["image"]), root / "controls" / f"{i:03d}.png")
+        (root / "targets" / f"{i:03d}.txt").write_text(r["prompt"])
+    return root / "targets", root / "controls"
+
+
+def test_folder_layout_reads_the_same_pairs_as_the_jsonl(kontext_setup, tmp_path):
+    targets, controls = _as_toolkit_folder(kontext_setup, tmp_path)
+    a = tfk.load_data(kontext_setup["data"], 2, 64, tfk.BUCKET_ASPECTS, 16, False)
+    b = tfk.load_data(str(targets), 2, 64, tfk.BUCKET_ASPECTS, 16, False, control_path=str(controls))
+    assert [r["prompt"] for r in a[0]] == [r["prompt"] for r in b[0]] and a[2:] == b[2:]  # same buckets
+    for ra, rb in zip(a[0] + a[1], b[0] + b[1]):
+        assert open(ra["target"], "rb").read() == open(rb["target"], "rb").read()
+        assert open(ra["control"], "rb").read() == open(rb["control"], "rb").read()
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"control": str(controls / f"{i:03d}.png"), "target": str(targets / f"{i:03d}.png"),
+                                       "prompt": "held"}) + "\n" for i in range(3)))
+    train, held_out, _, _ = tfk.load_data(str(targets), 2, 64, tfk.BUCKET_ASPECTS, 16, False,
+                                          control_path=str(controls), val_path=str(val))
+    assert len(train) == 16 and [r["prompt"] for r in held_out] == ["held", "held"]  # VAL_DATA_PATH's first 2
+
+
+@pytest.mark.slow
+def test_own_data_run_with_val_data_sample_prompts_and_caption_dropout(kontext_setup, tmp_path):
+    """One process, 2 steps: a folder of targets, VAL_DATA_PATH, SAMPLE_PROMPTS without targets and
+    CAPTION_DROPOUT (the empty prompt's embedding must be in the text cache, or the step fails)."""
+    targets, controls = _as_toolkit_folder(kontext_setup, tmp_path)
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"source": f"controls/{i:03d}.png", "edited": f"targets/{i:03d}.png",
+                                       "prompt": "make it so"}) + "\n" for i in range(2)))
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"control": f"controls/{i:03d}.png", "prompt": p}) + "\n"
+                               for i, p in enumerate(["make the square red", "make the square blue", ""])))
+    dropped = [data_utils_drops(s) for s in (1, 2)]
+    assert any("" in d for d in dropped)  # these settings do drop a caption in the run
+    out = tmp_path / "out"
+    proc = launch_kontext(kontext_setup, out, [f"--data_path={targets}", f"--control_path={controls}",
+                                               f"--val_data_path={val}", f"--sample_prompts={samples}",
+                                               "--caption_dropout=0.5", "--max_steps=2", "--sample_every=2",
+                                               "--val_every=2", "--batch_size=2", f"--text_cache_dir={tmp_path / 'tc'}"],
+                          ranks=1)
+    log = proc.stdout
+    assert "held out for samples and validation (the first of VAL_DATA_PATH=" in log, log[-3000:]
+    assert f"samples: 3 prompts from SAMPLE_PROMPTS={samples}" in log
+    assert "text cache: 20 unique prompts" in log  # 16 training + "make it so" + 2 sample prompts + ""
+    from PIL import Image
+    with Image.open(out / "samples" / "step_000002.png") as grid:
+        assert grid.size == (3 * 96, 3 * 64)  # 3 rows of control | output | (grey: no target), tiles padded to 64 x 96
+    assert [r["step"] for r in read_metrics(out) if "val_loss" in r] == [2]
+
+
+def data_utils_drops(step):
+    import data_utils
+    return data_utils.drop_captions(["x", "y"], 0, step, [0, 1], 0.5)

@@ -1,6 +1,8 @@
 # Sourced by the recipes (not a recipe itself).
 #   NPROC            processes per node: default the GPU count, else 2 (exported for run_fsdp.sh)
 #   HSDP_PER_NODE    1 (default here): one HSDP replica per node on multi-node runs
+#   per_gpu P ARGS   the samples per GPU: P, or N when ARGS (the recipe's "$@") hold --batch_size=N,
+#                    so that an override changes GRAD_ACCUM and keeps the published global batch
 #   grad_accum G P   the GRAD_ACCUM that keeps a published global batch G at P samples per GPU on
 #                    this job's NPROC x NNODES GPUs; exits 2 (naming the recipe) if it cannot
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null \
@@ -18,4 +20,14 @@ grad_accum() {
     exit 2
   fi
   echo $(( global / (per_gpu * gpus) ))
+}
+
+per_gpu() {
+  local p=$1 a
+  shift
+  for a in "$@"; do
+    case $a in --batch_size=*|--batch-size=*|--BATCH_SIZE=*) p=${a#*=} ;; esac
+  done
+  [[ $p =~ ^[1-9][0-9]*$ ]] || { echo "$(basename "$0"): --batch_size=$p is not a positive integer" >&2; exit 2; }
+  echo "$p"
 }
