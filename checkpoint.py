@@ -201,7 +201,7 @@ class Checkpointer:
                 shutil.rmtree(partial, ignore_errors=True)
                 os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
                 meta = {"step": step, "world_size": world_size(),
-                        "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()}, **trainer_state}
+                        "schedulers": {k: scheduler_state(s) for k, s in self.schedulers.items()}, **trainer_state}
                 _write_json(os.path.join(partial, "trainer_state.json"), meta)
                 _write_json(os.path.join(partial, "config.json"), self.config)
 
@@ -268,7 +268,7 @@ class Checkpointer:
         with open(os.path.join(path, "trainer_state.json")) as f:
             meta = json.load(f)
         for k, s in self.schedulers.items():
-            s.load_state_dict(meta["schedulers"][k])
+            load_scheduler_state(s, meta["schedulers"][k])
         rng_file = os.path.join(path, "rng", f"rank_{rank()}.pt")
         if meta["world_size"] == world_size() and os.path.exists(rng_file):
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -612,3 +612,25 @@ def _export_summary(trained, dtype: torch.dtype, link_frozen: bool, converted: l
         return text + "; from_pretrained(path) loads it in fp32"
     return text + (f"; from_pretrained(path, torch_dtype={dtype}) loads it in {name}, "
                    "from_pretrained(path) in fp32")
+
+
+def scheduler_state(scheduler) -> dict:
+    """An LR scheduler's state for trainer_state.json: LRs held as 0-d tensors (torchao's
+    optimizers keep `lr` a tensor, so the scheduler's base and last LRs are tensors too) written as
+    floats (exactly: their float32 values)."""
+    def plain(v):
+        if torch.is_tensor(v):
+            return v.item()
+        return [plain(x) for x in v] if isinstance(v, list) else v
+    return {k: plain(v) for k, v in scheduler.state_dict().items()}
+
+
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """The inverse of scheduler_state: where the optimizer holds `lr` as a tensor (torchao), the
+    restored LRs are tensors again (of the same float32 values, so a resume stays bit-exact)."""
+    scheduler.load_state_dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        values = getattr(scheduler, key, None)
+        if values is not None:
+            setattr(scheduler, key, [torch.tensor(v, dtype=g["lr"].dtype) if torch.is_tensor(g["lr"]) else v
+                                     for v, g in zip(values, scheduler.optimizer.param_groups)])

@@ -112,10 +112,11 @@ def match_fields(names, roles) -> tuple[dict[str, str], str]:
             found["target"] = "image"
             note = (f"\"image\" read as the edited result (beside \"{found['control']}\", the ai-toolkit / diffusers "
                     "naming); name it \"target\" to silence this")
-        else:
+        else:  # beside "target" it can only be the input (this project's older files, the shipped pairs)
             found["control"] = "image"
-            note = ("\"image\" read as the input (context) image, as this project's older files name it; "
-                    "name it \"control\" to silence this")
+            if "target" not in found:
+                note = ("\"image\" read as the input (context) image, as this project's older files name it; "
+                        "name it \"control\" to silence this")
     return found, note
 
 

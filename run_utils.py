@@ -330,8 +330,12 @@ def quiet_known_warnings() -> None:
     - the per-file "Loading weights" bars of transformers/diffusers from_pretrained, which write
       carriage returns into log files (the run's own bar and log lines stay);
     - torch's deprecation notice for funcol.all_gather_tensor, which diffusers' context-parallel
-      output gather still calls (a FutureWarning about diffusers' code, nothing users can change).
-    Every other warning stays visible."""
+      output gather still calls (a FutureWarning about diffusers' code, nothing users can change);
+    - with torchao installed (OPTIMIZER / BASE_DTYPE), what importing it prints on every rank on
+      import of diffusers: its CUDA-only kernel libraries that do not load on CPU builds, torch's
+      notice about torchao registering Enum constants with pytree, and diffusers' note that its
+      torchao checkpoint classes moved (nothing here loads torchao-serialized checkpoints).
+    Every other warning stays visible. Called before the scripts first import diffusers."""
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     warnings.filterwarnings("ignore", message=r"`torch.distributed._functional_collectives.all_gather_tensor` is "
                             r"deprecated", category=FutureWarning)
@@ -340,6 +344,11 @@ def quiet_known_warnings() -> None:
                                                                   "because `accelerate` was not found")))
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda record: "requires torchvision (not installed)" not in record.getMessage())
+    logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load "))
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
+    logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(
+        lambda record: "Unable to import `torchao` Tensor objects" not in record.getMessage())
     try:
         import diffusers.utils.logging
         import transformers.utils.logging

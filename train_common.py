@@ -106,6 +106,7 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     resolved config), MODEL_PATH checked against the pipeline layout, LoRA targets checked on the
     meta skeleton, OUTPUT_DIR writable: all before any work. Then the process group, the config
     printed, the stop handler and the checkpoint to resume from (a bad path fails here)."""
+    run_utils.quiet_known_warnings()  # before anything imports diffusers
     run_utils.apply_overrides(namespace, sys.argv[1:])
     check_shared_settings(run_utils.script_constants(namespace))
     validated = validate()
@@ -125,7 +126,6 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
     print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
            + (" (the embedded default)" if embedded else ""))
-    run_utils.quiet_known_warnings()
     slow_bf16 = precision.cpu_bf16_warning(precision.get_precision(config["PRECISION"]), d.device)
     if slow_bf16:
         print0(slow_bf16)

@@ -54,6 +54,7 @@ import train_common
 from algorithms import dmd2 as dm
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
+from parallel import lowbit
 from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize, parallelize_unet
@@ -66,10 +67,15 @@ from run_utils import ConfigError, print0
 
 # models and data
 MODEL_PATH = ""  # SD-1.5 or SDXL diffusers folder (model_index.json says which); "" = the shipped shapes teacher
-DATA_PATH = ""  # .txt (a prompt per line) or .jsonl ("prompt", "image" for the GAN); "" = the teacher's prompts (or images)
+DATA_PATH = ""  # prompts: a .txt (one a line), a .jsonl ("prompt"; "image" for the GAN), a folder of .txt captions (+ same-stem images for the GAN), or a datasets folder / parquet / hub name (README, Your data); "" = the teacher's prompts (or images)
+REAL_DATA_PATH = ""  # GAN real images apart from the prompts, as the official code draws them: a folder of images (same-stem .txt captions optional), a .jsonl with "image", or a datasets table; "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
 RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
+DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
+PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
+IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
+CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (drawn from SEED, step and sample: exact on resume)
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
@@ -78,6 +84,7 @@ SEED = 0  # data order, noise, timesteps, sample seeds: all drawn from (SEED, st
 # optimizer: AdamW (0.9, 0.999), weight decay 0.01, as published
 GENERATOR_LR = 1e-5  # the generator's learning rate
 GUIDANCE_LR = 1e-5  # the fake score's (+ GAN head's)
+OPTIMIZER = "adamw"  # adamw (torch's fused AdamW, fp32 states: 8 bytes/param) | adamw8bit | adamw4bit (torchao's block-quantised states, ~2 / ~1 byte/param; parallel/lowbit.py)
 WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (official --warmup_step 500 / 64 GPUs = 7.8125, see make_optimizer)
 MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it; DMD2: of the generator, per generator step
@@ -99,6 +106,7 @@ LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
 LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; UNet: to_q, to_k, to_v, to_out.0; the official DMD2 LoRA run's 14 are DMD2_LORA_TARGETS there, as recipes/dmd_*_lora.sh pass them)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
 LORA_INIT = "gaussian"  # lora_A's init (lora_B = 0: training starts at the base): gaussian (N(0, 1/rank²), diffusers' LoRA examples) | default (peft's kaiming-uniform, the official DMD2 LoRA run)
+BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = PRECISION's compute dtype, nf4 = torchao 4-bit NormalFloat Linear weights (QLoRA, ~0.52 byte/param), dequantised to the compute dtype on use (parallel/lowbit.py)
 FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too (same settings) instead of all weights
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
@@ -134,7 +142,8 @@ REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 25  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
-SAMPLE_COUNT = 8  # fixed prompts (the data's first distinct ones) and seeds in every grid
+SAMPLE_PROMPTS = ""  # the sample grids' own prompts, any DATA_PATH kind (Kontext: rows with "control", the input image; "target" optional); "" = from the data (DMD2: its first distinct prompts; Kontext: the held-out pairs)
+SAMPLE_COUNT = 8  # fixed prompts (the first distinct ones of SAMPLE_PROMPTS or the data) and seeds in every grid
 
 # ----------------------------------------------------------------------------------------------
 # setup: the script's own settings checked before any work (train_common checks the shared ones),
@@ -148,7 +157,10 @@ def validate_config() -> list[int]:
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
+        "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
     })
+    if REAL_DATA_PATH and not USE_GAN:
+        raise ConfigError(f"REAL_DATA_PATH={REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")
     if PARALLELISM == "ddp" and USE_GAN:
         raise ConfigError("PARALLELISM=ddp with USE_GAN=1: the GAN head runs the fake UNet several times per "
                           "backward, which DistributedDataParallel does not support; use fsdp")
@@ -233,13 +245,15 @@ class Losses:
 
 def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
                sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
-               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0, weights: str = "") -> nn.Module:
+               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0, weights: str = "",
+               base_dtype: str = "") -> nn.Module:
     """A UNet2DConditionModel built on the meta device from `folder`'s config, stored in `dtype`,
     sharded by the UNet recipe, then each rank reads only its slices from `weights` (a UNet folder or
     one .safetensors file; "" = `folder`) (load=False: allocated, unfilled and without grads, for
     the EMA). Trainable: `policy` is the precision's mixed-precision policy and
     `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
-    frozen base, which the caller stores in its compute dtype (parallel/lora.py). Frozen: no grads
+    frozen base, which the caller stores in its compute dtype (parallel/lora.py; base_dtype="nf4":
+    its Linear weights in 4-bit NF4, parallel/lowbit.py). Frozen: no grads
     ever, stored in its compute dtype (the frozen policy), resharded after every forward. mesh=None
     (PARALLELISM=ddp): the recipe's AC and compile only, every rank loads the whole model (the
     caller wraps a trainable one in DDP)."""
@@ -248,6 +262,8 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     model = build_on_meta(UNet2DConditionModel, folder).to(dtype)
     if trainable and lora:
         lora_lib.add_lora(model, lora)
+        if base_dtype == "nf4":
+            lowbit.quantize_base(model, mesh.size() if mesh is not None else 1)
     if not load or not trainable:
         model.requires_grad_(False)
     if not trainable:
@@ -261,7 +277,8 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
                  seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
-                 fake_compute: torch.dtype | None = None, generator_init: str = "") -> dict[str, nn.Module]:
+                 fake_compute: torch.dtype | None = None, generator_init: str = "",
+                 base_dtype: str = "") -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder (the generator's weights from
     `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
     train LoRA adapters on a frozen base), the generator's EMA (sharded identically, so its update
@@ -270,14 +287,16 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
     (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
-    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32)."""
+    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `base_dtype`: the
+    LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
     def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
         if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
             storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
         return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
-                          block_classes=block_classes, lora=adapters, seed=seed + salt, **kw)
+                          block_classes=block_classes, lora=adapters, seed=seed + salt,
+                          base_dtype=base_dtype if adapters else "", **kw)
     models = {"generator": unet(lora, weights=generator_init),
               "fake": unet(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
@@ -355,8 +374,8 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     s / warmup_step after s scheduler steps), and accelerate advances a prepared scheduler once per
     process per call ("500 / num_gpu steps", train_sd.py:204). So WARMUP_STEPS = warmup_step /
     num_processes iterations (500 / 64 = 7.8125 for the published runs), the first at LR 0."""
-    opt = fsdp_utils.adamw([p for p in module.parameters() if p.requires_grad], lr=lr,
-                           betas=(0.9, 0.999), weight_decay=0.01)
+    opt = lowbit.make_optimizer(OPTIMIZER, [p for p in module.parameters() if p.requires_grad], lr=lr,
+                                betas=(0.9, 0.999), weight_decay=0.01)
     return opt, run_utils.warmup_scheduler(opt, warmup_steps, first_step=0)
 
 
@@ -364,12 +383,27 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
 # data and per-step randomness
 
 
-def load_data(path: str, use_gan: bool, skip_bad: bool) -> tuple[list[dict], int]:
-    """Rows {"prompt"[, "image"]}; a bad row is a ConfigError naming file:line (same on every rank)."""
-    if use_gan and not path.endswith(".jsonl"):
-        raise ConfigError(f"USE_GAN needs real images: DATA_PATH={path!r} must be a .jsonl with \"image\" fields")
-    keys = ("prompt", "image") if use_gan else ("prompt",)
-    return data_utils.load_records(path, required=keys, image_keys=keys[1:], skip_bad=skip_bad)
+_REAL_ORDER_SALT = 7_919  # REAL_DATA_PATH's epochs are permuted from SEED + this, apart from the prompts' order
+
+
+def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", columns: dict | None = None,
+              split: str = "train") -> tuple[list[dict], int, list[dict] | None]:
+    """(prompt rows {"prompt"[, "image"]}, bad rows skipped, real rows {"image"[, "prompt"]} or
+    None) from any kind of source (data_utils.read_rows: .txt, .jsonl, folder, datasets). The GAN's
+    real images come from `real_path` when given (with their own captions, "" where none), else
+    from the prompt rows' "image". A bad row is a ConfigError naming file:line (or the file /
+    dataset row), the same on every rank."""
+    own_images = use_gan and not real_path
+    if own_images and data_utils.source_kind(path) == "txt":
+        raise ConfigError(f"USE_GAN needs real images: DATA_PATH={path!r} holds prompts only; give rows with "
+                          "\"image\" (.jsonl, folder, datasets) or REAL_DATA_PATH")
+    roles = ("prompt", "image") if own_images else ("prompt",)
+    rows, skipped = data_utils.read_rows(path, roles, roles, skip_bad=skip_bad, columns=columns, split=split)
+    if not (use_gan and real_path):
+        return rows, skipped, None
+    real, real_skipped = data_utils.read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
+                                              setting="REAL_DATA_PATH", columns=columns, split=split)
+    return rows, skipped + real_skipped, real
 
 
 @torch.no_grad()
@@ -454,18 +488,28 @@ def my_samples(m: int, batch_size: int, d: fsdp_utils.Dist) -> list[int]:
 
 
 def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
-              real_size: int | None) -> list[dict]:
+              real_size: int | None, real_rows: list[dict] | None = None, caption_dropout: float = 0.0) -> list[dict]:
     """Host side of iteration `it` on this rank (data_utils.Prefetcher runs it a step ahead): per
-    micro-batch, this rank's samples' positions in the global batch, their prompts and (GAN,
-    real_size given) their real images as pixels, on CPU."""
-    indices = data_utils.global_batch_indices(it, batch_size * d.world_size * grad_accum, len(rows), seed)
+    micro-batch, this rank's samples' positions in the global batch, their prompts ("" where
+    CAPTION_DROPOUT drops one) and (GAN, real_size given) the real images as pixels, on CPU: the
+    prompt rows' own, or with `real_rows` (REAL_DATA_PATH) images drawn in their own seeded order
+    with their own captions, as the official code draws real images apart from the prompts."""
+    global_batch = batch_size * d.world_size * grad_accum
+    indices = data_utils.global_batch_indices(it, global_batch, len(rows), seed)
+    real_indices = indices
+    if real_rows is not None:
+        real_indices = data_utils.global_batch_indices(it, global_batch, len(real_rows), seed + _REAL_ORDER_SALT)
     out = []
     for m in range(grad_accum):
         mine = my_samples(m, batch_size, d)
-        mb = {"mine": mine, "prompts": [rows[indices[i]]["prompt"] for i in mine]}
+        prompts = data_utils.drop_captions([rows[indices[i]]["prompt"] for i in mine], seed, it, mine, caption_dropout)
+        mb = {"mine": mine, "prompts": prompts}
         if real_size is not None:
-            mb["pixels"] = torch.stack([data_utils.load_image(rows[indices[i]]["image"], real_size, real_size)
+            source = rows if real_rows is None else real_rows
+            mb["pixels"] = torch.stack([data_utils.load_image(source[real_indices[i]]["image"], real_size, real_size)
                                         for i in mine])
+            if real_rows is not None:
+                mb["real_prompts"] = [real_rows[real_indices[i]].get("prompt", "") for i in mine]
         out.append(mb)
     return out
 
@@ -479,6 +523,8 @@ def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, 
     for host in loaded:
         mb = data_utils.per_sample_draws(seed, it, host["mine"], device, draw)
         mb["text"] = encode(host["prompts"])
+        if "real_prompts" in host:  # REAL_DATA_PATH: the real images' own captions (else their rows' prompts)
+            mb["real_text"] = encode(host["real_prompts"])
         if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
             gens = [data_utils.sample_generator(seed, it, i, device, stream=1) for i in host["mine"]]
             mb["real"] = encode_images(vae, host["pixels"], gens)
@@ -530,8 +576,10 @@ def guidance_loss(x, mb, fake, head, alphas, losses: Losses) -> tuple[torch.Tens
     if head is None:
         return loss_fake, logs
     logits_fake = dm.cls_logits(fake, head, *head_input(x, mb, "gan_fake", alphas, losses.diffusion_gan), mb["text"])
+    # the real images under their own captions (official: real_train_dict["text_embedding"],
+    # sd_unified_model.py prepare_pure_generation_data); the prompt rows' when they are the same rows
     logits_real = dm.cls_logits(fake, head, *head_input(mb["real"], mb, "gan_real", alphas, losses.diffusion_gan),
-                                mb["text"])
+                                mb.get("real_text", mb["text"]))
     loss_cls = dm.guidance_cls_loss(logits_fake, logits_real)
     logs["loss_guidance_cls"] = loss_cls.detach()
     return loss_fake + losses.guidance_cls_weight * loss_cls, logs
@@ -548,7 +596,8 @@ def add_logs(total: dict, logs: dict, weight: float) -> None:
 
 
 def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: int):
-    """Fixed sample prompts (the data's first distinct ones) and fixed noise, the same every time."""
+    """Fixed sample prompts (the first distinct ones of `rows`: SAMPLE_PROMPTS' or the data's) and
+    fixed noise, the same every time."""
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
     g = data_utils.step_generator(seed, 0, stream=7)
     return prompts, torch.randn((len(prompts), *shape), generator=g), torch.randn((len(prompts), n_sim, *shape), generator=g)
@@ -576,8 +625,16 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
 def main() -> None:
     run, step_list = train_common.start(globals(), validate_config, resolve_defaults)
     d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
-    rows, skipped = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES)
-    print0(f"data: {len(rows)} rows from {DATA_PATH}" + (f", {skipped} bad rows skipped" if skipped else ""))
+    columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
+    rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
+                                         columns=columns, split=DATASET_SPLIT)
+    print0(f"data: {len(rows)} rows from {DATA_PATH}"
+           + (f"; GAN real images: {len(real_rows)} from REAL_DATA_PATH={REAL_DATA_PATH}" if real_rows else "")
+           + (f", {skipped} bad rows skipped" if skipped else ""))
+    sample_rows = rows
+    if SAMPLE_PROMPTS:
+        sample_rows, _ = data_utils.read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
+                                              setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
 
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
@@ -588,7 +645,8 @@ def main() -> None:
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                           use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl), ema_decay=EMA_DECAY, seed=SEED,
-                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT)
+                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
+                          base_dtype=BASE_DTYPE)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
     if GENERATOR_INIT and not run.resume_path:
         print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
@@ -625,7 +683,8 @@ def main() -> None:
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
     encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
     uncond = unconditional(encode, sdxl)
-    sample_prompts, sample_noise, sample_sim = sample_inputs(rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1, SEED)
+    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1,
+                                                             SEED)
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
     sample_text = encode(sample_prompts)
 
@@ -642,7 +701,8 @@ def main() -> None:
     # which decides the generator's turn and seeds the step's randomness; its prompts and real
     # images are read on a background thread while step s-1 runs
     load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
-                             real_size=resolution if USE_GAN else None)
+                             real_size=resolution if USE_GAN else None, real_rows=real_rows,
+                             caption_dropout=CAPTION_DROPOUT)
     with data_utils.Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
         for step in range(start + 1, MAX_STEPS + 1):
             it = step - 1

@@ -20,8 +20,10 @@ once before training to fill an on-disk embedding cache and are freed.
     bash demos/demo_kontext.sh
     # after a stop or preemption: the same command plus --resume=auto
 
-Data: a .jsonl with rows {"image": context, "target": edited image, "prompt": instruction}, image
-paths relative to the file. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
+Data (README, "Your data"): a .jsonl of {"control": input image, "target": edited image, "prompt":
+instruction} rows (paths relative to the file; "image" + "target", this project's older naming, still
+reads), a folder of targets with same-stem .txt captions and a control/ folder (ai-toolkit's and
+musubi-tuner's layout), or a Hugging Face datasets table. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
 (context | output | target per held-out pair), checkpoints/step_XXXXXX/, export/ (a diffusers
 folder for FluxKontextPipeline.from_pretrained; with LORA_RANK > 0 the adapters,
 export/pytorch_lora_weights.safetensors, for pipe.load_lora_weights), text_cache/.
@@ -64,6 +66,7 @@ from algorithms import flux_kontext as km
 from parallel import ema as ema_lib
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel.loading import build_on_meta, fill_built_model
+from parallel import lowbit
 from parallel.lora import add_lora
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize_flux
@@ -75,10 +78,17 @@ from run_utils import ConfigError, print0
 
 # models and data
 MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
-DATA_PATH = ""  # .jsonl of {"image", "target", "prompt"}; "" = the shipped "make it blue" pairs (assets/kontext_blue)
+DATA_PATH = ""  # pairs: a .jsonl {"control", "target", "prompt"}, a folder of targets + same-stem .txt captions (+ CONTROL_PATH), or a datasets folder / parquet / hub name (README, Your data); "" = the shipped "make it blue" pairs (assets/kontext_blue)
+CONTROL_PATH = ""  # folder layout: the input (control) images, matched to DATA_PATH's targets by file stem; "" = DATA_PATH/control
+VAL_DATA_PATH = ""  # held-out pairs for samples and validation (any DATA_PATH kind; its first NUM_SAMPLE_PAIRS); "" = the last NUM_SAMPLE_PAIRS rows of DATA_PATH, never trained on
 OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
 RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
+DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
+PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
+CONTROL_COLUMN = ""  # datasets sources: the input image column; "" = the first of control, context, source (or image beside target)
+TARGET_COLUMN = ""  # datasets sources: the edited image column; "" = target or edited (or image beside control)
+CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (drawn from SEED, step and sample: exact on resume)
 TEXT_CACHE_DIR = ""  # text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
 BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
 RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
@@ -92,6 +102,7 @@ LR = 1e-5  # learning rate (full fine-tunes of FLUX use ~1e-5; LoRA uses ~1e-4)
 ADAM_BETAS = [0.9, 0.999]  # AdamW betas (torch / diffusers example defaults)
 WEIGHT_DECAY = 1e-4  # AdamW weight decay: diffusers' Kontext example's --adam_weight_decay default
 ADAM_EPS = 1e-8  # AdamW epsilon
+OPTIMIZER = "adamw"  # adamw (torch's fused AdamW, fp32 states: 8 bytes/param) | adamw8bit | adamw4bit (torchao's block-quantised states, ~2 / ~1 byte/param; parallel/lowbit.py)
 WARMUP_STEPS = 10  # linear LR warmup over this many steps, then constant
 MAX_GRAD_NORM = 1.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it
@@ -110,6 +121,7 @@ LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
 LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; FLUX: diffusers' Kontext LoRA example's attention + MLP projections)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
 LORA_INIT = "gaussian"  # lora_A's init (lora_B = 0: training starts at the base): gaussian (N(0, 1/rank²), diffusers' LoRA examples) | default (peft's kaiming-uniform, the official DMD2 LoRA run)
+BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = PRECISION's compute dtype, nf4 = torchao 4-bit NormalFloat Linear weights (QLoRA, ~0.52 byte/param), dequantised to the compute dtype on use (parallel/lowbit.py)
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
@@ -140,7 +152,8 @@ REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 100  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
-NUM_SAMPLE_PAIRS = 4  # held-out pairs (the last rows of DATA_PATH), never trained on, for samples and validation
+SAMPLE_PROMPTS = ""  # the sample grids' own prompts, any DATA_PATH kind (Kontext: rows with "control", the input image; "target" optional); "" = from the data (DMD2: its first distinct prompts; Kontext: the held-out pairs)
+NUM_SAMPLE_PAIRS = 4  # held-out pairs (the last rows of DATA_PATH, or VAL_DATA_PATH's first), never trained on, for samples and validation
 SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
 SAMPLE_GUIDANCE = 2.5  # guidance for samples (FluxKontextPipeline's default)
 VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none
@@ -169,6 +182,7 @@ def validate_config() -> precision.Precision:
         "SHIFT > 0": SHIFT > 0, "LOGIT_STD > 0": LOGIT_STD > 0,
         "BUCKET_ASPECTS non-empty and > 0": bool(BUCKET_ASPECTS) and all(a > 0 for a in BUCKET_ASPECTS),
         "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
+        "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
         "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "VAL_EVERY >= 0": VAL_EVERY >= 0,
         "VAL_SIGMAS non-empty, each in (0, 1]": bool(VAL_SIGMAS) and all(0 < s <= 1 for s in VAL_SIGMAS),
     })
@@ -222,7 +236,7 @@ def check_context_parallel_shapes(model_path, context_parallel, text_length, siz
 # models
 
 
-def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed):
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed, base_dtype=""):
     """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
     recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
     slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
@@ -231,7 +245,8 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     in DDP).
 
     Dtypes: full fine-tuning stores the params in PRECISION's storage dtype; LoRA stores the frozen
-    base in the compute dtype and the adapters in fp32, in the same per-block units."""
+    base in the compute dtype (base_dtype="nf4": its Linear weights in 4-bit NF4, parallel/lowbit.py)
+    and the adapters in fp32, in the same per-block units."""
     from diffusers import FluxTransformer2DModel
     model = build_on_meta(FluxTransformer2DModel, folder)
     storage = prec.compute_dtype if lora else prec.param_dtype
@@ -239,6 +254,8 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
         model.to(storage)
     if lora:
         add_lora(model, lora)
+        if base_dtype == "nf4":
+            lowbit.quantize_base(model, mesh.size() if mesh is not None else 1)
     policy = prec.adapter_mp_policy() if lora else prec.mp_policy()
     parallelize_flux(model, mesh, policy, sharding, block_classes, verbose=load)
     home = torch.device("cpu") if sharding.cpu_offload else device
@@ -252,14 +269,15 @@ def load_vae(folder, dtype, device):
     return fsdp_utils.prepare_frozen(vae, dtype, device)
 
 
-def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed):
+def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed,
+                 base_dtype=""):
     """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
     EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
     VAE, the sampling scheduler."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     folder = os.path.join(model_path, "transformer")
     build = functools.partial(build_transformer, folder, mesh, prec, device, sharding=sharding,
-                              block_classes=block_classes, lora=lora, seed=seed)
+                              block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype)
     transformer = build(load=True)
     transformer.train()
     ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False))
@@ -389,13 +407,12 @@ def nearest_bucket(height, width, buckets) -> int:
 
 
 def assign_buckets(rows, buckets) -> list[int]:
-    """Bucket of each pair, from the target image's size (read from the file header only)."""
-    from PIL import Image
-    out = []
-    for row in rows:
-        with Image.open(row["target"]) as im:
-            out.append(nearest_bucket(im.height, im.width, buckets))
-    return out
+    """Bucket of each pair, from its target image's size as shown (EXIF orientation applied): the
+    "size" read_rows measured while checking the image, else the file header (a sample row without
+    a target: its control image)."""
+    sizes = [row.get("size") or data_utils.image_size(row["target"] if "target" in row else row["control"])
+             for row in rows]
+    return [nearest_bucket(h, w, buckets) for h, w in sizes]
 
 
 def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -432,7 +449,7 @@ def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     and (optional) flip."""
     contexts, targets = [], []
     for row, flip in zip(rows, flips.tolist() if torch.is_tensor(flips) else flips):  # CPU data: no device sync
-        c, t = data_utils.load_image(row["image"], *size), data_utils.load_image(row["target"], *size)
+        c, t = data_utils.load_image(row["control"], *size), data_utils.load_image(row["target"], *size)
         if flip:
             c, t = c.flip(-1), t.flip(-1)
         contexts.append(c)
@@ -440,20 +457,45 @@ def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(contexts), torch.stack(targets)
 
 
-def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad):
-    """(train rows, held-out rows, buckets, bucket of each train row). The last `num_held_out`
-    rows are kept out of training for samples. Bad rows stop the run (file:line) or are skipped."""
-    rows, skipped = data_utils.load_records(data_path, required=("image", "target", "prompt"),
-                                            image_keys=("image", "target"), skip_bad=skip_bad)
-    if len(rows) <= num_held_out:
-        raise ConfigError(f"{data_path}: {len(rows)} usable pairs; need more than NUM_SAMPLE_PAIRS={num_held_out}")
-    train, held_out = rows[:len(rows) - num_held_out], rows[len(rows) - num_held_out:]
+_PAIR = ("control", "target", "prompt")  # a row's fields (data_utils.ALIASES: the names accepted for each)
+
+
+def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, *, control_path="", val_path="",
+              columns=None, split="train"):
+    """(train rows, held-out rows, buckets, bucket of each train row). Rows {"control", "target",
+    "prompt", "size"} from any kind of source (data_utils.read_rows: .jsonl, folder, datasets).
+    Held out for samples and validation, never trained on: the first `num_held_out` rows of
+    `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows stop the run
+    (file:line, or the file / dataset row) or are skipped."""
+    read = functools.partial(data_utils.read_rows, roles=_PAIR, required=_PAIR, skip_bad=skip_bad, columns=columns,
+                             split=split, size_of="target")
+    rows, skipped = read(data_path, control_path=control_path)
+    if val_path:
+        val_rows, val_skipped = read(val_path, setting="VAL_DATA_PATH")
+        train, held_out, skipped = rows, val_rows[:num_held_out], skipped + val_skipped
+        source = f"the first of VAL_DATA_PATH={val_path}"
+    else:
+        if len(rows) <= num_held_out:
+            raise ConfigError(f"{data_path}: {len(rows)} usable pairs; need more than NUM_SAMPLE_PAIRS={num_held_out}")
+        train, held_out = rows[:len(rows) - num_held_out], rows[len(rows) - num_held_out:]
+        source = "the last rows of DATA_PATH, as VAL_DATA_PATH is unset"
     buckets = make_buckets(resolution, aspects, multiple)
     bucket_of = assign_buckets(train, buckets)
     sizes = ", ".join(f"{h}x{w}: {bucket_of.count(i)}" for i, (h, w) in enumerate(buckets) if i in bucket_of)
-    print0(f"data: {len(train)} training pairs, {len(held_out)} held out for samples, {skipped} bad rows "
-           f"skipped; buckets (h x w: pairs) {sizes}")
+    print0(f"data: {len(train)} training pairs, {len(held_out)} held out for samples and validation ({source}), "
+           f"{skipped} bad rows skipped; buckets (h x w: pairs) {sizes}")
     return train, held_out, buckets, bucket_of
+
+
+def load_sample_rows(path, held_out, columns, split) -> list[dict]:
+    """The sample grids' rows: SAMPLE_PROMPTS' {"control", "prompt"[, "target"]} rows, or the
+    held-out pairs when it is unset."""
+    if not path:
+        return held_out
+    rows, _ = data_utils.read_rows(path, _PAIR, ("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS",
+                                   columns=columns, split=split, size_of="target")
+    print0(f"samples: {len(rows)} prompts from SAMPLE_PROMPTS={path}")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,10 +517,11 @@ def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
 
 
 def load_step(step, train, members, schedule, buckets, global_batch, micro_global, dp_rank, dp_size, grad_accum,
-              seed, random_flip, cache_dir, identity) -> dict:
+              seed, random_flip, cache_dir, identity, caption_dropout=0.0) -> dict:
     """Host side of step `step` on this rank (data_utils.Prefetcher runs it a step ahead): the bucket
     size and, per micro-batch, this rank's samples' positions in the global batch, both images of
-    each pair (one resize, crop and flip) and the cached text embeddings, on CPU."""
+    each pair (one resize, crop and flip) and the cached text embeddings (of "" for a dropped
+    caption), on CPU."""
     indices = step_indices(step - 1, members, schedule, global_batch, seed)
     size = buckets[schedule[step - 1][0]]
     flips = step_flips(seed, step, global_batch, random_flip)
@@ -487,7 +530,8 @@ def load_step(step, train, members, schedule, buckets, global_batch, micro_globa
         mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
         rows = [train[indices[i]] for i in mine]
         context, target = load_pairs(rows, size, flips[mine])
-        text = load_text_embeds([r["prompt"] for r in rows], cache_dir, identity, torch.device("cpu"))
+        prompts = data_utils.drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)
+        text = load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))
         batches.append({"mine": mine, "context": context, "target": target, "text": text})
     return {"size": size, "batches": batches}
 
@@ -533,7 +577,8 @@ def validation_loss(transformer, vae, pairs, inputs, text, guidance, loss_weight
 
 
 def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance, seed, device):
-    """Rows of context | output | target (N*3, 3, H, W) in [-1, 1], padded to a common size.
+    """Rows of context | output | target (N*3, 3, H, W) in [-1, 1], padded to a common size (a
+    SAMPLE_PROMPTS row without a target: a grey tile).
 
     Every rank runs the same calls (FSDP gathers inside each transformer forward). The context is
     given to the pipeline as latents and the output is taken as latents and decoded here, so the
@@ -546,7 +591,8 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
     tiles = []
     for i, (row, (h, w)) in enumerate(zip(pairs, sizes)):
-        context, target = load_pairs([row], (h, w), [False])
+        context = data_utils.load_image(row["control"], h, w)[None]
+        target = data_utils.load_image(row["target"], h, w)[None] if "target" in row else torch.zeros_like(context)
         ctx = km.encode_latents(vae, context.to(device))
         tokens = pipe(image=ctx, prompt_embeds=text[0][i:i + 1].float(), pooled_prompt_embeds=text[1][i:i + 1].float(),
                       height=h, width=w, max_area=h * w, num_inference_steps=steps, guidance_scale=guidance,
@@ -575,21 +621,27 @@ def main():
     # data, buckets and the text-embedding cache (text encoders live only inside this call)
     from diffusers import AutoencoderKL
     vae_factor = vae_scale_factor(AutoencoderKL.load_config(os.path.join(MODEL_PATH, "vae")))
+    columns = {"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN}
     train, held_out, buckets, bucket_of = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS,
-                                                    2 * vae_factor, SKIP_BAD_SAMPLES)
+                                                    2 * vae_factor, SKIP_BAD_SAMPLES, control_path=CONTROL_PATH,
+                                                    val_path=VAL_DATA_PATH, columns=columns, split=DATASET_SPLIT)
+    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
-    sample_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
+    val_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
+    sample_sizes = [buckets[i] for i in assign_buckets(sample_rows, buckets)]
     check_context_parallel_shapes(MODEL_PATH, CONTEXT_PARALLEL, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
-                                  [buckets[b] for b, _ in schedule] + sample_sizes, vae_factor)
-    identity = prepare_text_cache([r["prompt"] for r in train + held_out], MODEL_PATH, TEXT_CACHE_DIR,
-                                  MAX_SEQUENCE_LENGTH, prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
+                                  [buckets[b] for b, _ in schedule] + val_sizes + sample_sizes, vae_factor)
+    prompts = [r["prompt"] for r in train + held_out + sample_rows] + ([""] if CAPTION_DROPOUT > 0 else [])
+    identity = prepare_text_cache(prompts, MODEL_PATH, TEXT_CACHE_DIR, MAX_SEQUENCE_LENGTH,
+                                  prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
     # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
     mesh, cp_mesh, sharding = train_common.mesh_and_sharding(run, CONTEXT_PARALLEL)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
-                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED)
+                                                    vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
+                                                    base_dtype=BASE_DTYPE)
     if cp_mesh is not None:  # every forward of these models (training, validation, samples) splits the sequence
         for model in (transformer, ema):
             if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
@@ -601,9 +653,11 @@ def main():
                f"{d.world_size} ranks")
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
 
-    # optimizer: AdamW, torch's fused kernel (see fsdp_utils.adamw), with a linear warmup
+    # optimizer: AdamW (OPTIMIZER: torch's fused kernel, see fsdp_utils.adamw, or torchao's 8-/4-bit
+    # states, parallel/lowbit.py), with a linear warmup
     params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = fsdp_utils.adamw(params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    optimizer = lowbit.make_optimizer(OPTIMIZER, params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
+                                      weight_decay=WEIGHT_DECAY)
     lr_sched = run_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
@@ -617,17 +671,18 @@ def main():
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
                         mode_scale=MODE_SCALE, shift=SHIFT)
     final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
-    sample_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    val_inputs = validation_inputs(sample_sizes, VAL_SIGMAS, vae.config.latent_channels, vae_factor, SEED)
+    val_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
+    sample_text = load_text_embeds([r["prompt"] for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
+    val_inputs = validation_inputs(val_sizes, VAL_SIGMAS, vae.config.latent_channels, vae_factor, SEED)
 
     def validate():
         with final_weights() as model:
-            return {"val_loss": validation_loss(model, vae, held_out, val_inputs, sample_text, GUIDANCE,
+            return {"val_loss": validation_loss(model, vae, held_out, val_inputs, val_text, GUIDANCE,
                                                 LOSS_WEIGHTING, d.device)}
 
     def sample(path):
         with final_weights() as model:
-            grid = sample_grid(model, vae, scheduler, held_out, sample_sizes, sample_text, SAMPLE_STEPS,
+            grid = sample_grid(model, vae, scheduler, sample_rows, sample_sizes, sample_text, SAMPLE_STEPS,
                                SAMPLE_GUIDANCE, SEED, d.device)
         if d.rank == 0:
             data_utils.save_image_grid(grid, path, nrow=3)
@@ -638,7 +693,7 @@ def main():
     load = functools.partial(load_step, train=train, members=members, schedule=schedule, buckets=buckets,
                              global_batch=global_batch, micro_global=micro_global, dp_rank=dp_rank, dp_size=dp_size,
                              grad_accum=GRAD_ACCUM, seed=SEED, random_flip=RANDOM_FLIP, cache_dir=TEXT_CACHE_DIR,
-                             identity=identity)
+                             identity=identity, caption_dropout=CAPTION_DROPOUT)
     with data_utils.Prefetcher(load, MAX_STEPS, d.device) as prefetch:
         for step in range(start + 1, MAX_STEPS + 1):
             data, waited = prefetch.get(step)
@@ -664,7 +719,7 @@ def main():
             tokens = 2 * (h // vae_factor // 2) * (w // vae_factor // 2)  # a sample's target + context image tokens
             train_common.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
                                   validate=validate if held_out and train_common.due(step, VAL_EVERY) else None,
-                                  sample=sample if held_out else None,
+                                  sample=sample if sample_rows else None,
                                   work={"images": global_batch, "tokens": global_batch * tokens})
 
     train_common.finish(run, final_weights)

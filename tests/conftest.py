@@ -240,12 +240,12 @@ def read_checkpoint(out, step, flat: bool = False):
     return tensors
 
 
-def assert_kontext_resumed_bit_exact(straight, resumed, step) -> dict:
-    """Two Kontext runs' checkpoints of `step` hold the same transformer, EMA and AdamW state bit for
-    bit, and their last logged losses are equal (a resumed run against one run straight through).
-    Returns the straight run's checkpoint."""
+def assert_kontext_resumed_bit_exact(straight, resumed, step, models=("model.transformer", "model.ema")) -> dict:
+    """Two Kontext runs' checkpoints of `step` hold the same `models` (transformer, EMA) and AdamW
+    state bit for bit, and their last logged losses are equal (a resumed run against one run
+    straight through). Returns the straight run's checkpoint."""
     a, b = read_checkpoint(straight, step), read_checkpoint(resumed, step)
-    for name in ("model.transformer", "model.ema"):
+    for name in models:
         assert a[name].keys() == b[name].keys(), name
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
     for key, state in a["optim.transformer"]["state"].items():
