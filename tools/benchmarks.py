@@ -8,6 +8,7 @@
     python tools/benchmarks.py noise      # one DMD2 step's randomness per rank: whole global batch vs own samples
     python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after the mid block
     python tools/benchmarks.py fake_fp32  # FAKE_SCORE_FP32 on vs off: SD-1.5 real architecture on 2 CPU ranks, planned on GPUs
+    python tools/benchmarks.py nf4_width  # NF4 vs bf16 LoRA base at FLUX.1 width (1 + 1 blocks): peak memory vs the planner
     python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
@@ -826,8 +827,54 @@ def bench_fake_fp32() -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# the NF4 LoRA base at FLUX.1 width: measured peak memory against the planner and the bf16 base
+
+def bench_nf4_width() -> str:
+    """Kontext LoRA (rank 16) on a FLUX.1-width transformer of 1 double + 1 single block (~0.55 B
+    parameters, random weights, tools/gpu_check.flux_folder), 2 CPU ranks, bf16, 256 px, batch 1,
+    3 steps: BASE_DTYPE bf16 vs nf4, each rank's peak RSS above its baseline and model states,
+    against the planner's per-GPU total for the same settings (without its fixed CUDA reserve)."""
+    from tools import gpu_check, memory_plan
+    root = _root()
+    folder = gpu_check.flux_folder(os.path.join(root, "gpu_check_models"), tiny=False, blocks=(1, 1))
+    data = gpu_check.datasets(os.path.join(root, "gpu_check_models"), 256)[1]
+    runs = {}
+    for base in ("", "nf4"):
+        out = os.path.join(root, f"nf4_width_{base or 'bf16'}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, "train_flux_kontext.py"), f"--model_path={folder}", f"--data_path={data}",
+               f"--output_dir={out}", "--precision=bf16", "--resolution=256", "--batch_size=1", "--max_steps=3",
+               "--lora_rank=16", f"--base_dtype={base}", "--log_every=1", "--sample_every=0", "--save_every=0",
+               "--val_every=0", "--num_sample_pairs=2", f"--text_cache_dir={os.path.join(out, 'text_cache')}"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if r.returncode:
+            sys.exit(f"train_flux_kontext.py --base_dtype={base} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        mem = [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
+               if line.startswith("memory_bytes ")][-1]
+        plan = memory_plan.plan(folder, memory_plan.Settings(world_size=2, precision="bf16", batch_size=1,
+                                                             resolution=256, lora_rank=16, base_dtype=base))
+        runs[base] = {"peak": max(m["rss_peak"] - m["rss_base"] for m in mem),
+                      "params": max(m["params"] for m in mem), "planned": plan["gpu_total"] - plan["runtime"]}
+    lines = ["| FLUX.1 width, 1 + 1 blocks, LoRA r16, 2 CPU ranks, bf16, 256 px | params / rank (measured) "
+             "| peak RSS above baseline / rank | planner total / rank | measured / planned |",
+             "|---|---:|---:|---:|---:|"]
+    for base, r in runs.items():
+        lines.append(f"| BASE_DTYPE={base or 'bf16'} | {r['params'] / 2**20:.0f} MiB | {r['peak'] / 2**20:.0f} MiB "
+                     f"| {r['planned'] / 2**20:.0f} MiB | {r['peak'] / r['planned']:.2f} |")
+    nf4, bf16 = runs["nf4"], runs[""]
+    lines += [f"| nf4 / bf16 | {nf4['params'] / bf16['params']:.2f} | {nf4['peak'] / bf16['peak']:.2f} "
+              f"| {nf4['planned'] / bf16['planned']:.2f} | |", "",
+              "Peak RSS above the rank's RSS before the first model build (host memory also holds allocator "
+              "caches, the replicated VAE and text encoders' load, gloo buffers); the planner's total is its GPU "
+              "estimate less the fixed 1 GiB CUDA reserve."]
+    return "\n".join(lines)
+
+
 BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile, "stack": bench_stack,
-           "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32}
+           "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
+           "nf4_width": bench_nf4_width}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 
