@@ -742,6 +742,19 @@ def bench_gan_head() -> str:
 # ----------------------------------------------------------------------------------------------
 # the price of FAKE_SCORE_FP32 at SD-1.5's real architecture, and planned on GPUs
 
+def _two_rank_memory(script: str, args: list[str]) -> list[dict]:
+    """Run `script` on 2 CPU ranks (one thread each, as torchrun sets) with `args`; exit with its
+    output if it fails; return its per-rank memory table after training (the memory_bytes line)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, script), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if r.returncode:
+        sys.exit(f"{script} {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
+            if line.startswith("memory_bytes ")][-1]
+
+
 H100_DENSE_TFLOPS = {"bf16": 989, "tf32": 495, "fp32": 67}  # H100 SXM: tensor-core bf16 / TF32, fp32 without
 
 
@@ -780,17 +793,11 @@ def bench_fake_fp32() -> str:
     runs = {}
     for fp32 in (1, 0):
         out = os.path.join(root, f"fake_fp32_{fp32}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "train_dmd.py"), f"--model_path={folder}", f"--data_path={data}",
-               f"--output_dir={out}", "--precision=bf16", f"--fake_score_fp32={fp32}", "--resolution=128",
-               "--batch_size=1", "--max_steps=3", "--dfake_gen_update_ratio=1", "--log_every=1", "--sample_every=0",
-               "--save_every=0", "--lora_rank=64", "--fake_lora=1"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        if r.returncode:
-            sys.exit(f"train_dmd.py --fake_score_fp32={fp32} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-        mem = [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
-               if line.startswith("memory_bytes ")][-1]
+        mem = _two_rank_memory("train_dmd.py", [
+            f"--model_path={folder}", f"--data_path={data}", f"--output_dir={out}", "--precision=bf16",
+            f"--fake_score_fp32={fp32}", "--resolution=128", "--batch_size=1", "--max_steps=3",
+            "--dfake_gen_update_ratio=1", "--log_every=1", "--sample_every=0", "--save_every=0", "--lora_rank=64",
+            "--fake_lora=1"])
         with open(os.path.join(out, "metrics.jsonl")) as f:
             steps = [json.loads(line) for line in f]
         runs[fp32] = {"ms": statistics.median(s["step_ms"] for s in steps[1:]), "rss": max(m["rss_peak"] for m in mem),
@@ -842,17 +849,11 @@ def bench_nf4_width() -> str:
     runs = {}
     for base in ("", "nf4"):
         out = os.path.join(root, f"nf4_width_{base or 'bf16'}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "train_flux_kontext.py"), f"--model_path={folder}", f"--data_path={data}",
-               f"--output_dir={out}", "--precision=bf16", "--resolution=256", "--batch_size=1", "--max_steps=3",
-               "--lora_rank=16", f"--base_dtype={base}", "--log_every=1", "--sample_every=0", "--save_every=0",
-               "--val_every=0", "--num_sample_pairs=2", f"--text_cache_dir={os.path.join(out, 'text_cache')}"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        if r.returncode:
-            sys.exit(f"train_flux_kontext.py --base_dtype={base} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-        mem = [json.loads(line[len("memory_bytes "):]) for line in r.stdout.splitlines()
-               if line.startswith("memory_bytes ")][-1]
+        mem = _two_rank_memory("train_flux_kontext.py", [
+            f"--model_path={folder}", f"--data_path={data}", f"--output_dir={out}", "--precision=bf16",
+            "--resolution=256", "--batch_size=1", "--max_steps=3", "--lora_rank=16", f"--base_dtype={base}",
+            "--log_every=1", "--sample_every=0", "--save_every=0", "--val_every=0", "--num_sample_pairs=2",
+            f"--text_cache_dir={os.path.join(out, 'text_cache')}"])
         plan = memory_plan.plan(folder, memory_plan.Settings(world_size=2, precision="bf16", batch_size=1,
                                                              resolution=256, lora_rank=16, base_dtype=base))
         runs[base] = {"peak": max(m["rss_peak"] - m["rss_base"] for m in mem),
