@@ -632,5 +632,6 @@ def load_scheduler_state(scheduler, state: dict) -> None:
     for key in ("base_lrs", "_last_lr"):
         values = getattr(scheduler, key, None)
         if values is not None:
-            setattr(scheduler, key, [torch.tensor(v, dtype=g["lr"].dtype) if torch.is_tensor(g["lr"]) else v
+            setattr(scheduler, key, [torch.tensor(v, dtype=g["lr"].dtype, device=g["lr"].device)
+                                     if torch.is_tensor(g["lr"]) else v
                                      for v, g in zip(values, scheduler.optimizer.param_groups)])

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import time
 
 import torch
 
@@ -41,7 +42,9 @@ def sample_generator(seed: int, step: int, index: int, device, stream: int = 0) 
     return g
 
 
-CAPTION_DROPOUT_STREAM = 2  # sample_generator stream of caption dropout (0: the scripts' per-sample noise, 1: DMD2's VAE posterior)
+# sample_generator's streams: 0 the scripts' per-sample noise (per_sample_draws' default), then
+POSTERIOR_STREAM = 1  # DMD2's real images' VAE posterior samples
+CAPTION_DROPOUT_STREAM = 2  # caption dropout
 
 
 def drop_captions(prompts: list[str], seed: int, step: int, indices, probability: float) -> list[str]:
@@ -73,6 +76,12 @@ def global_batch_indices(step: int, global_batch: int, n: int, seed: int) -> lis
         out += take
         pos += len(take)
     return out
+
+
+def micro_batch_positions(m: int, micro_global: int, rank_: int, world: int) -> list[int]:
+    """Positions in the step's global batch of this rank's samples of micro-batch m: chunk m of
+    `micro_global` samples (micro-batch size × data-parallel ranks), this rank's contiguous share."""
+    return list(rank_slice(range(m * micro_global, (m + 1) * micro_global), rank_, world))
 
 
 def rank_slice(items, rank_: int, world: int):
@@ -485,7 +494,6 @@ class Prefetcher:
             self.pending[step] = self.pool.submit(self._host, step)
 
     def get(self, step: int):
-        import time
         self._start(step)
         t0 = time.perf_counter()
         data = self.pending.pop(step).result()

@@ -463,7 +463,7 @@ def encode_images(vae, pixels: torch.Tensor, generators: list) -> torch.Tensor:
 
 
 def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_timesteps: int,
-                 step_percent: tuple[float, float], gan_max_t: int | None) -> dict[str, torch.Tensor]:
+                      step_percent: tuple[float, float], gan_max_t: int | None) -> dict[str, torch.Tensor]:
     """All randomness of one sample at one iteration, drawn from its own generator (on the run's
     device) in a fixed order. gan_max_t: the diffusion-GAN noise range when the GAN is on, else None."""
     T, dev = num_train_timesteps, g.device
@@ -480,13 +480,6 @@ def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_ti
     return r
 
 
-def my_samples(m: int, batch_size: int, d: fsdp_utils.Dist) -> list[int]:
-    """Positions in the step's global batch of this rank's samples of micro-batch m (chunk m of size
-    batch_size × world is micro-batch m; a rank holds a contiguous share of it)."""
-    chunk = batch_size * d.world_size
-    return list(data_utils.rank_slice(range(m * chunk, (m + 1) * chunk), d.rank, d.world_size))
-
-
 def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
               real_size: int | None, real_rows: list[dict] | None = None, caption_dropout: float = 0.0) -> list[dict]:
     """Host side of iteration `it` on this rank (data_utils.Prefetcher runs it a step ahead): per
@@ -501,7 +494,7 @@ def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed:
         real_indices = data_utils.global_batch_indices(it, global_batch, len(real_rows), seed + _REAL_ORDER_SALT)
     out = []
     for m in range(grad_accum):
-        mine = my_samples(m, batch_size, d)
+        mine = data_utils.micro_batch_positions(m, batch_size * d.world_size, d.rank, d.world_size)
         prompts = data_utils.drop_captions([rows[indices[i]]["prompt"] for i in mine], seed, it, mine, caption_dropout)
         mb = {"mine": mine, "prompts": prompts}
         if real_size is not None:
@@ -526,7 +519,7 @@ def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, 
         if "real_prompts" in host:  # REAL_DATA_PATH: the real images' own captions (else their rows' prompts)
             mb["real_text"] = encode(host["real_prompts"])
         if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
-            gens = [data_utils.sample_generator(seed, it, i, device, stream=1) for i in host["mine"]]
+            gens = [data_utils.sample_generator(seed, it, i, device, data_utils.POSTERIOR_STREAM) for i in host["mine"]]
             mb["real"] = encode_images(vae, host["pixels"], gens)
         out.append(mb)
     return out

@@ -527,7 +527,7 @@ def load_step(step, train, members, schedule, buckets, global_batch, micro_globa
     flips = step_flips(seed, step, global_batch, random_flip)
     batches = []
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
-        mine = list(data_utils.rank_slice(range(m * micro_global, (m + 1) * micro_global), dp_rank, dp_size))
+        mine = data_utils.micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
         context, target = load_pairs(rows, size, flips[mine])
         prompts = data_utils.drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)

@@ -257,3 +257,29 @@ def _resume_is_rank0s(rank, world, root):
 @pytest.mark.slow
 def test_resume_auto_is_decided_by_rank0(tmp_path):
     run_ranks(_resume_is_rank0s, 2, str(tmp_path))
+
+
+def test_scheduler_state_with_tensor_lrs_survives_json():
+    """torchao's optimizers keep `lr` a tensor, so their LR scheduler's LRs are tensors: the state
+    is written as plain floats and read back as tensors of the same values (the resume then steps
+    on with the same LRs as an unbroken run; before, the JSON held "tensor(0.0010)" strings)."""
+    import json
+
+    import checkpoint
+
+    def make():
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([p], lr=torch.tensor(1e-3))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)
+    opt, sched = make()
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    state = json.loads(json.dumps(checkpoint.scheduler_state(sched)))
+    assert all(isinstance(v, float) for v in state["base_lrs"] + state["_last_lr"])
+    opt2, sched2 = make()
+    checkpoint.load_scheduler_state(sched2, state)
+    assert all(torch.is_tensor(v) for v in sched2.base_lrs)
+    sched.step()
+    sched2.step()
+    assert torch.equal(torch.as_tensor(opt.param_groups[0]["lr"]), torch.as_tensor(opt2.param_groups[0]["lr"]))
