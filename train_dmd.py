@@ -100,6 +100,7 @@ GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
 DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_GAN_MAX_TIMESTEP first
 DIFFUSION_GAN_MAX_TIMESTEP = 1000  # published stage 2: the whole range
+GAN_HEAD_FEATURES = "mid"  # the head reads the fake UNet's bottleneck (mid, published) | its up-path output at latent resolution (up; not in the paper: for latents whose bottleneck is too coarse)
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (DMD2: the generator's; the official --generator_lora path, main/sd_unified_model.py:44-69, rank 64, alpha 8)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
@@ -158,6 +159,7 @@ def validate_config() -> list[int]:
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
         "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
+        "GAN_HEAD_FEATURES in (mid, up)": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
     })
     if REAL_DATA_PATH and not USE_GAN:
         raise ConfigError(f"REAL_DATA_PATH={REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")
@@ -275,15 +277,15 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
-                 block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float,
+                 block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float, head_features: str = "mid",
                  seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
                  fake_compute: torch.dtype | None = None, generator_init: str = "",
                  base_dtype: str = "") -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder (the generator's weights from
     `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
     train LoRA adapters on a frozen base), the generator's EMA (sharded identically, so its update
-    is shard-local; LoRA: of the adapters only) and the GAN head (for a bottleneck of `head_size`²
-    at the native resolution). These are what checkpoints hold (of a LoRA model, the adapters).
+    is shard-local; LoRA: of the adapters only) and the GAN head (for features of `head_size`²
+    at the native resolution: the bottleneck's, or with head_features="up" the up path's). These are what checkpoints hold (of a LoRA model, the adapters).
     `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
     (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
@@ -300,21 +302,22 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     models = {"generator": unet(lora, weights=generator_init),
               "fake": unet(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
-        models["head"] = build_gan_head(models["fake"].config.block_out_channels[-1], head_size, mesh, precision,
-                                        device, seed, sharding.cpu_offload)
+        channels = models["fake"].config.block_out_channels[0 if head_features == "up" else -1]
+        models["head"] = build_gan_head(channels, head_size, mesh, precision, device, seed, sharding.cpu_offload,
+                                        features=head_features)
     ema = ema_lib.build_ema(models["generator"], ema_decay, functools.partial(unet, load=False))
     return models if ema is None else {**models, "ema": ema}
 
 
 def build_gan_head(channels: int, native_size: int, mesh, precision, device: torch.device, seed: int,
-                   cpu_offload: bool) -> nn.Module:
+                   cpu_offload: bool, features: str = "mid") -> nn.Module:
     """The classifier head (algorithms/dmd2.ClassifierHead), randomly initialised from `seed` (the
     same full tensors on every rank, whatever the world size), then sharded as one FSDP unit that
     gathers and computes in fp32 whatever the mode (grads reduced as the mode's): the official head
     runs outside bf16 autocast on fp32 features (tianweiy/DMD2 main/sd_guidance.py:155-164)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = dm.ClassifierHead(channels, native_size)
+        head = dm.ClassifierHead(channels, native_size, features)
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
     parallelize(head, mesh, precision.mp_policy(torch.float32), fsdp_utils.Sharding(cpu_offload=cpu_offload))
     return head
@@ -340,11 +343,13 @@ def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dt
     return tokenizers, encoders, vae
 
 
-def gan_head_size(unet_dir: str, sdxl: bool) -> int:
+def gan_head_size(unet_dir: str, sdxl: bool, features: str = "mid") -> int:
     """The GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8 as the
-    official head, SDXL 32)."""
+    official head, SDXL 32), or with features="up" the latent side (SD-1.5 64, SDXL 128)."""
     from diffusers import UNet2DConditionModel
     config = UNet2DConditionModel.load_config(unet_dir)
+    if features == "up":
+        return max(4, 1 << (config["sample_size"].bit_length() - 1))  # a power of two, as the head's stages halve
     return config["sample_size"] // 2 ** (len(config["block_out_channels"]) - 1) if sdxl else 8
 
 
@@ -637,7 +642,8 @@ def main() -> None:
     unet_dir = os.path.join(MODEL_PATH, "unet")
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl), ema_decay=EMA_DECAY, seed=SEED,
+                          use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
+                          head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
                           lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
                           base_dtype=BASE_DTYPE)
     generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))

@@ -215,6 +215,9 @@ def fake_score_loss(fake_unet, x_detached: torch.Tensor, noise: torch.Tensor, t,
 
 # ---------------------------------------------------------------------------- GAN head
 
+HEAD_FEATURES = ("mid", "up")  # the head's input: the bottleneck (published) | the up path's output
+
+
 class ClassifierHead(nn.Sequential):
     """Realism logit from the fake UNet's bottleneck (official `cls_pred_branch`,
     main/sd_guidance.py lines 107-133): stride-2 stages down to 4×4, then
@@ -229,12 +232,18 @@ class ClassifierHead(nn.Sequential):
     Deviations, both no-ops at the native sizes: GroupNorm uses gcd(32, C) groups (32 in the
     original) so tiny UNets work; an input whose spatial size is not native_size is first
     adaptive-average-pooled to it, so any bottleneck gives (B, 1) logits.
+    `features="up"` (not in the paper): the same head on the UNet's up-path output instead
+    (`up_features`: block_out_channels[0] channels at the latent resolution, native_size = the
+    latent side), for small latents whose bottleneck is too coarse to show shapes.
     """
 
-    def __init__(self, in_channels: int, native_size: int = 8):
+    def __init__(self, in_channels: int, native_size: int = 8, features: str = "mid"):
         if native_size < 4 or native_size & (native_size - 1):
             raise ValueError(f"native_size {native_size}: must be a power of two >= 4")
+        if features not in HEAD_FEATURES:
+            raise ValueError(f"features {features!r}: one of {', '.join(HEAD_FEATURES)}")
         self.native_size = native_size
+        self.features = features  # which UNet output it reads (cls_logits): not a parameter, not in the state dict
         groups = math.gcd(32, in_channels)
         c = in_channels
         down = []
@@ -279,10 +288,34 @@ def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> tor
     return out[0]
 
 
+@contextlib.contextmanager
+def _without_output_layers(unet):
+    """The UNet's own forward with conv_norm_out / conv_act / conv_out taken out for its duration:
+    it returns the last up block's output (diffusers skips the norm and activation when
+    conv_norm_out is None)."""
+    saved = unet.conv_norm_out, unet.conv_out
+    unet.conv_norm_out, unet.conv_out = None, nn.Identity()
+    try:
+        yield
+    finally:
+        unet.conv_norm_out, unet.conv_out = saved
+
+
+def up_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
+    """Output of the UNet's last up block (block_out_channels[0] channels at z's resolution): the
+    whole forward but its output layers, for a head with features="up". As `bottleneck_features`,
+    the forward itself runs (FSDP2 root hooks, activation checkpointing)."""
+    with _without_output_layers(unet):
+        out = unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
+    return out[0]
+
+
 def cls_logits(unet, head: nn.Module, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
-    """head(bottleneck features as fp32) -> (B, 1) realism logits (official `compute_cls_logits`,
-    with t = 0 and clean z unless `diffusion_gan_noise` was applied first)."""
-    return head(bottleneck_features(unet, z, t, text_emb).float())
+    """head(features as fp32) -> (B, 1) realism logits (official `compute_cls_logits`, with t = 0
+    and clean z unless `diffusion_gan_noise` was applied first). The features are the bottleneck's,
+    or the up path's for a head built with features="up"."""
+    read = up_features if getattr(head, "features", "mid") == "up" else bottleneck_features
+    return head(read(unet, z, t, text_emb).float())
 
 
 def diffusion_gan_noise(x: torch.Tensor, max_t: int, alphas_cumprod: torch.Tensor,

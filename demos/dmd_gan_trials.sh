@@ -7,10 +7,20 @@
 #             (64 per prompt, rendered by demos/make_teacher.write_data with another seed than the
 #             144 shipped ones) instead of 144
 #   x10_t250  GAN weights x10 (1e-2 / 1e-1) and head noise t < 250, on the 2304 images
+#   scaled_t250  the generator's GAN weight matched to SDXL's balance against the DM loss (see
+#             below): 8e-2, head 1e-1, head noise t < 250, 2304 images
+#   strong_t250  a generator GAN weight past that balance: 3e-1, head 1e-1, t < 250, 2304 images
+#
+# Why "scaled": loss_dm is a mean over latent elements (official sd_guidance.py compute_distribution_
+# matching_loss, reduction="mean"), so its gradient per image shrinks as 1/sqrt(elements) while the
+# head's does not; the published weights were set for 64x64 (SD-1.5, 1e-3) and 128x128 (SDXL,
+# 5e-3) latents. Holding SDXL's ratio at this demo's 8x8 latents: 5e-3 * sqrt(128*128/(8*8)) = 8e-2.
 #
 #   STAGE1=out/dmd_demo bash demos/dmd_gan_trials.sh          # all three
 #   STAGE1=out/dmd_demo TRIALS="control x10_t250" bash demos/dmd_gan_trials.sh
-# Each call writes OUT/<trial>/ and OUT/compare_<trials>.json (so calls for different trials can run at once).
+# Each trial writes OUT/<trial>/ and its 1-step score OUT/<trial>/eval.json (demos/shapes_eval.py,
+# the same prompts and noise as demo_dmd_full.sh's table, whose teacher rows it does not recompute),
+# so calls for different trials can run at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 STAGE1=${STAGE1:?set STAGE1 to a finished demos/demo_dmd.sh output folder (its checkpoints/)}
@@ -28,7 +38,6 @@ fi
 common=(--batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_update_ratio=5 --ema_decay=0.98
         --precision=fp32 --log_every=50 --sample_every=100000 --init_from="$ckpt" --max_steps="$STEPS"
         --save_every="$STEPS")
-compare=()
 for trial in $TRIALS; do
   case $trial in
     control)  extra=() ;;
@@ -36,11 +45,13 @@ for trial in $TRIALS; do
                      --diffusion_gan_max_timestep=1000) ;;
     x10_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=1e-2 --guidance_cls_loss_weight=1e-1
                      --diffusion_gan_max_timestep=250) ;;
+    scaled_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=8e-2 --guidance_cls_loss_weight=1e-1
+                        --diffusion_gan_max_timestep=250) ;;
+    strong_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=3e-1 --guidance_cls_loss_weight=1e-1
+                        --diffusion_gan_max_timestep=250) ;;
     *) echo "unknown trial $trial" >&2; exit 2 ;;
   esac
   python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py --output_dir="$OUT/$trial" \
       "${common[@]}" "${extra[@]}"
-  compare+=("$trial=$OUT/$trial/export")
+  python -m demos.shapes_eval --model="$OUT/$trial/export" --sampler=onestep --json_out="$OUT/$trial/eval.json"
 done
-python -m demos.shapes_eval --compare teacher=assets/shapes_teacher "${compare[@]}" --cfg=2 \
-    --json_out="$OUT/compare_${TRIALS// /_}.json"

@@ -343,6 +343,31 @@ def test_should_update_generator():
         dm.should_update_generator(0, 0)
 
 
+def test_up_features_are_the_last_up_block_output_and_feed_an_up_head(unets, data):
+    """features="up": the UNet's forward without its output layers returns the last up block's
+    output (bit-identical values and input grads to a hook on a full forward), the UNet is whole
+    afterwards, and cls_logits routes an "up" head to these features (32 ch at the latent side)."""
+    unet = copy.deepcopy(unets[1])
+    x = data["x"].clone().requires_grad_(True)
+    feats = dm.up_features(unet, x, 7, data["cond"])
+    (feats.double() ** 2).sum().backward()
+    x2 = data["x"].clone().requires_grad_(True)
+    captured = []
+    handle = unet.up_blocks[-1].register_forward_hook(lambda m, a, out: captured.append(out))
+    try:
+        full = unet(x2, torch.full((B,), 7), return_dict=False, **dm.cond_kwargs(data["cond"]))[0]
+    finally:
+        handle.remove()
+    (captured[0].double() ** 2).sum().backward()
+    assert feats.shape == (B, 32, H, W) and torch.equal(feats, captured[0]) and torch.equal(x.grad, x2.grad)
+    assert unet.conv_norm_out is not None and full.shape == x.shape  # restored
+    head = dm.ClassifierHead(32, native_size=H, features="up")
+    assert head.features == "up" and set(head.state_dict()) == set(dm.ClassifierHead(32, native_size=H).state_dict())
+    torch.testing.assert_close(dm.cls_logits(unet, head, x, 7, data["cond"]), head(feats.float()))
+    with pytest.raises(ValueError, match="features"):
+        dm.ClassifierHead(32, features="down")
+
+
 # ---------------------------------------------------------------- bottleneck under FSDP2
 
 def test_bottleneck_features_under_fsdp2(tmp_path):
@@ -366,6 +391,8 @@ def test_bottleneck_features_under_fsdp2(tmp_path):
         dm.gen_cls_loss(dm.ClassifierHead(64)(feats.float())).backward()
         assert x.grad.abs().sum() > 0
         assert unet.mid_block.resnets[0].conv1.weight.grad is not None
+        up_ref = dm.up_features(tiny_unet(0), x, 0, c).detach()
+        torch.testing.assert_close(dm.up_features(unet, x, 0, c), up_ref, rtol=1e-5, atol=1e-5)
         assert unet(x, 0, c).sample.shape == x.shape  # the sharded UNet's full forward still works after
     finally:
         dist.destroy_process_group()

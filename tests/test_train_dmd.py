@@ -441,6 +441,8 @@ def test_own_data_run_with_real_data_path_sample_prompts_and_caption_dropout(env
     out = tmp_path / "out"
     log = launch_dmd(["--max_steps=1", "--batch_size=2", "--precision=fp32", "--use_gan=1", f"--data_path={prompts}",
                       f"--real_data_path={real}", f"--sample_prompts={tmp_path / 'samples.txt'}", "--sample_count=2",
-                      "--caption_dropout=0.5", "--log_every=1", "--save_every=0"], env, out, ranks=1)
+                      "--caption_dropout=0.5", "--log_every=1", "--save_every=0",
+                      "--gan_head_features=up"], env, out, ranks=1)  # (and the head on the up path's output)
     assert f"data: 3 rows from {prompts}; GAN real images: 5 from REAL_DATA_PATH={real}" in log, log[-3000:]
+    assert re.search(r"GAN_HEAD_FEATURES +=  *'up'", log)
     assert "loss_guidance_cls" in read_metrics(out)[0] and os.path.exists(out / "samples" / "step_000001.png")
