@@ -216,6 +216,17 @@ def fake_score_loss(fake_unet, x_detached: torch.Tensor, noise: torch.Tensor, t,
 # ---------------------------------------------------------------------------- GAN head
 
 HEAD_FEATURES = ("mid", "up")  # the head's input: the bottleneck (published) | the up path's output
+MIN_GROUP_CHANNELS = 8
+
+
+def head_norm_groups(channels: int) -> int:
+    """GroupNorm groups of the head: the most groups, up to the official 32, that leave at least
+    MIN_GROUP_CHANNELS channels in each. Official C = 1280: 32 (40 channels a group). The guard
+    matters after the 4×4 -> 1×1 conv, where a group normalises only its channels: with 2 channels a
+    group (C = 64, 32 groups) each normalised pair is ±1, a sign, so the head's logit is a sum of
+    signs and almost no gradient passes it; with 1 (C = 32) the output is constant."""
+    fits = [g for g in range(1, min(32, channels) + 1) if channels % g == 0 and channels // g >= MIN_GROUP_CHANNELS]
+    return max(fits, default=1)
 
 
 class ClassifierHead(nn.Sequential):
@@ -229,9 +240,10 @@ class ClassifierHead(nn.Sequential):
     with C -> C channels throughout (1280 for both). `native_size` is the bottleneck's side at
     the model's native resolution (SD-1.5 at 512 px: 8; SDXL at 1024 px: 32). Module indices
     match the official nn.Sequential, so its state-dict keys load as they are.
-    Deviations, both no-ops at the native sizes: GroupNorm uses gcd(32, C) groups (32 in the
-    original) so tiny UNets work; an input whose spatial size is not native_size is first
-    adaptive-average-pooled to it, so any bottleneck gives (B, 1) logits.
+    Deviations, both no-ops at the native sizes: GroupNorm uses `head_norm_groups(C)` groups (32 in
+    the original, the same for any C >= 256 divisible by 32) so tiny UNets work; an input whose
+    spatial size is not native_size is first adaptive-average-pooled to it, so any bottleneck gives
+    (B, 1) logits.
     `features="up"` (not in the paper): the same head on the UNet's up-path output instead
     (`up_features`: block_out_channels[0] channels at the latent resolution, native_size = the
     latent side), for small latents whose bottleneck is too coarse to show shapes.
@@ -244,7 +256,7 @@ class ClassifierHead(nn.Sequential):
             raise ValueError(f"features {features!r}: one of {', '.join(HEAD_FEATURES)}")
         self.native_size = native_size
         self.features = features  # which UNet output it reads (cls_logits): not a parameter, not in the state dict
-        groups = math.gcd(32, in_channels)
+        groups = head_norm_groups(in_channels)
         c = in_channels
         down = []
         for _ in range(int(math.log2(native_size // 4))):

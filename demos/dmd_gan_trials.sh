@@ -10,6 +10,9 @@
 #   scaled_t250  the generator's GAN weight matched to SDXL's balance against the DM loss (see
 #             below): 8e-2, head 1e-1, head noise t < 250, 2304 images
 #   strong_t250  a generator GAN weight past that balance: 3e-1, head 1e-1, t < 250, 2304 images
+#   up_x10_t250     as x10_t250, the head on the fake UNet's up-path output (GAN_HEAD_FEATURES=up:
+#                   32 channels at 8x8) instead of its 4x4 bottleneck
+#   up_scaled_t250  as scaled_t250, with that head
 #
 # Why "scaled": loss_dm is a mean over latent elements (official sd_guidance.py compute_distribution_
 # matching_loss, reduction="mean"), so its gradient per image shrinks as 1/sqrt(elements) while the
@@ -49,6 +52,10 @@ for trial in $TRIALS; do
                         --diffusion_gan_max_timestep=250) ;;
     strong_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=3e-1 --guidance_cls_loss_weight=1e-1
                         --diffusion_gan_max_timestep=250) ;;
+    up_x10_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=1e-2 --guidance_cls_loss_weight=1e-1
+                        --diffusion_gan_max_timestep=250 --gan_head_features=up) ;;
+    up_scaled_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=8e-2 --guidance_cls_loss_weight=1e-1
+                           --diffusion_gan_max_timestep=250 --gan_head_features=up) ;;
     *) echo "unknown trial $trial" >&2; exit 2 ;;
   esac
   python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py --output_dir="$OUT/$trial" \

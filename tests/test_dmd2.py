@@ -196,8 +196,26 @@ def test_classifier_head_structure_matches_official():
                      ((1, 1), (1, 1), (0, 0), 1)]
     assert [type(m).__name__ for m in head] == ["Conv2d", "GroupNorm", "SiLU", "Conv2d",
                                                 "GroupNorm", "SiLU", "Conv2d"]
-    assert head[1].num_groups == 32 and dm.ClassifierHead(64)[1].num_groups == 32
-    assert dm.ClassifierHead(16)[1].num_groups == 16 and dm.ClassifierHead(48)[1].num_groups == 16
+    assert head[1].num_groups == 32 and dm.ClassifierHead(320)[1].num_groups == 32  # official at C >= 256
+    # small C: groups of >= 8 channels (64 -> 8 groups, 48 -> 6, 32 -> 4, 16 -> 2, 4 -> 1)
+    assert [dm.head_norm_groups(c) for c in (64, 48, 32, 16, 4)] == [8, 6, 4, 2, 1]
+
+
+def test_small_head_logit_is_not_a_sum_of_signs():
+    """The 1×1 GroupNorm of a small head (C = 64 or 32, the demo's bottleneck and up path) passes a
+    smooth function of its input: logits vary with the features and their gradient is bounded.
+    With the official 32 groups it was a sign per channel pair (C = 64) or constant (C = 32)."""
+    for c in (64, 32):
+        torch.manual_seed(0)
+        head = dm.ClassifierHead(c)
+        x = torch.randn(16, c, 8, 8, requires_grad=True)
+        logits = head(x)
+        logits.sum().backward()
+        assert logits.std() > 1e-2, c
+        assert 0 < x.grad.norm() < 10, (c, x.grad.norm())
+        # the 1×1 GroupNorm's outputs are not reduced to signs (±1) or zeros
+        normed = torch.nn.Sequential(*list(head)[:5])(x.detach())
+        assert ((normed.abs() - 1).abs() > 0.1).float().mean() > 0.5, c
     assert set(head.state_dict()) == {f"{i}.{k}" for i in (0, 1, 3, 4, 6) for k in ("weight", "bias")}
 
 
