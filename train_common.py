@@ -281,9 +281,11 @@ class _FlopCount(TorchDispatchMode):
 def counting_flops(run: Run, kind: str, logs: dict):
     """Around a step's forwards and backwards: the first step of each `kind` counts its FLOPs on
     this rank (_FlopCount: matmuls, convolutions, attention; activation recomputation included),
-    later steps of that kind reuse the count; logs["flops"] gets it (for MFU). Not under COMPILE (a
-    dispatch mode would change what dynamo traces): no MFU there."""
-    if run.config["COMPILE"] or kind in run.flops:
+    later steps of that kind reuse the count; logs["flops"] gets it (for MFU). Only where MFU is
+    reported (a GPU of PEAK_BF16_TFLOPS): elsewhere the count would be thrown away, and watching
+    every op of a step costs more than the step on a small model. Not under COMPILE (a dispatch
+    mode would change what dynamo traces): no MFU there."""
+    if run.config["COMPILE"] or kind in run.flops or peak_tflops(run.d.device) is None:
         yield
     else:
         with _FlopCount() as counter:

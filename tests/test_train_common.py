@@ -6,6 +6,7 @@ one LR warmup.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -115,8 +116,14 @@ def test_throughput_fields_from_the_window(monkeypatch):
     assert out["mfu"] == pytest.approx(2e12 / 0.5 / 8e12)
 
 
-def test_flops_counted_once_per_kind_of_step():
-    run = type("R", (), {"config": {"COMPILE": False}, "flops": {}})()
+def test_flops_counted_once_per_kind_of_step(monkeypatch):
+    cpu = type("D", (), {"device": torch.device("cpu")})()
+    run = type("R", (), {"config": {"COMPILE": False}, "flops": {}, "d": cpu})()
+    logs = {}
+    with train_common.counting_flops(run, "big", logs):  # no MFU on a CPU: nothing counted
+        torch.randn(8, 16) @ torch.randn(16, 4)
+    assert logs == {} and run.flops == {}
+    monkeypatch.setattr(train_common, "peak_tflops", lambda device: 8.0)  # a GPU with a known peak
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     logs = {}
     with train_common.counting_flops(run, "big", logs):
@@ -126,8 +133,28 @@ def test_flops_counted_once_per_kind_of_step():
     with train_common.counting_flops(run, "big", logs):
         a @ b @ torch.randn(4, 4)  # not counted again: the kind's count is reused
     assert logs["flops"] == 2 * 8 * 16 * 4
-    compiled = type("R", (), {"config": {"COMPILE": True}, "flops": {}})()
+    compiled = type("R", (), {"config": {"COMPILE": True}, "flops": {}, "d": cpu})()
     logs = {}
     with train_common.counting_flops(compiled, "big", logs):
         a @ b
     assert logs == {} and compiled.flops == {}
+
+
+def test_counting_flops_computes_exactly_what_an_uncounted_step_does():
+    """The FLOP-counting mode only watches: a counted forward and backward gives bit-identical
+    outputs and gradients (torch's FlopCounterMode reorders gradient sums through its module
+    tracker; the resume tests caught that when counting ran on CPU)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 8, 3),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    x = torch.randn(4, 3, 8, 8)
+    results = []
+    for counted in (False, True):
+        model.zero_grad(set_to_none=True)
+        counter = train_common._FlopCount() if counted else contextlib.nullcontext()
+        with counter:
+            out = model(x)
+            (out ** 2).sum().backward()
+        results.append([out.detach()] + [p.grad for p in model.parameters()])
+    assert counter.total > 2 * 4 * 8 * 6 * 6 * 8 * 3 * 3  # the convolutions and the linear layer were counted
+    assert all(torch.equal(a, b) for a, b in zip(*results))
