@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GAN-stage trials of README's "Stage 2 (GAN)" table, on CPU: each continues the stage-1 demo
-# checkpoint (demos/demo_dmd.sh) for STEPS steps with stage 1's schedule, then one evaluation scores
-# them all with the teacher (demos/shapes_eval.py). Trials:
+# checkpoint (demos/demo_dmd.sh) for STEPS steps with stage 1's schedule, then scores it (1 step,
+# demos/shapes_eval.py). Trials:
 #   control   no GAN (stage 1 continued: what the extra steps alone give)
+#   published144  demo_dmd_full.sh's stage 2: the published GAN weights (1e-3 / 1e-2, head noise
+#             t < 1000) on the teacher's 144 shipped real images
 #   real2304  the published GAN weights (1e-3 / 1e-2, head noise t < 1000) on 2304 real images
 #             (64 per prompt, rendered by demos/make_teacher.write_data with another seed than the
 #             144 shipped ones) instead of 144
@@ -19,8 +21,8 @@
 # head's does not; the published weights were set for 64x64 (SD-1.5, 1e-3) and 128x128 (SDXL,
 # 5e-3) latents. Holding SDXL's ratio at this demo's 8x8 latents: 5e-3 * sqrt(128*128/(8*8)) = 8e-2.
 #
-#   STAGE1=out/dmd_demo bash demos/dmd_gan_trials.sh          # all three
-#   STAGE1=out/dmd_demo TRIALS="control x10_t250" bash demos/dmd_gan_trials.sh
+#   STAGE1=out/dmd_demo bash demos/dmd_gan_trials.sh          # control, real2304 and x10_t250
+#   STAGE1=out/dmd_demo TRIALS="control scaled_t250" STEPS=1200 bash demos/dmd_gan_trials.sh
 # Each trial writes OUT/<trial>/ and its 1-step score OUT/<trial>/eval.json (demos/shapes_eval.py,
 # the same prompts and noise as demo_dmd_full.sh's table, whose teacher rows it does not recompute),
 # so calls for different trials can run at once.
@@ -44,6 +46,8 @@ common=(--batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_updat
 for trial in $TRIALS; do
   case $trial in
     control)  extra=() ;;
+    published144) extra=(--use_gan=1 --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2
+                         --diffusion_gan_max_timestep=1000) ;;
     real2304) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=1e-3 --guidance_cls_loss_weight=1e-2
                      --diffusion_gan_max_timestep=1000) ;;
     x10_t250) extra=(--use_gan=1 --data_path="$real/data.jsonl" --gen_cls_loss_weight=1e-2 --guidance_cls_loss_weight=1e-1
