@@ -159,7 +159,7 @@ def validate_config() -> list[int]:
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
         "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
-        "GAN_HEAD_FEATURES in (mid, up)": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
+        f"GAN_HEAD_FEATURES in ({', '.join(dm.HEAD_FEATURES)})": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
     })
     if REAL_DATA_PATH and not USE_GAN:
         raise ConfigError(f"REAL_DATA_PATH={REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")

@@ -16,7 +16,6 @@ fp32 before arithmetic, x0 conversions run in float64 (as the official code does
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -276,57 +275,41 @@ class ClassifierHead(nn.Sequential):
         return super().forward(features).flatten(1).clone()
 
 
-@contextlib.contextmanager
-def _without_up_path(unet):
-    """The UNet's own forward with the up path and output layers taken out for its duration: it
-    returns the mid block's output (what the official `classify_forward` stops at, tianweiy/DMD2
-    main/sd_unet_forward.py:224-251). The forward itself still runs, so an FSDP2-wrapped UNet gathers
-    and frees its root parameters and registers its backward as in any forward; the up blocks'
-    units never run (no all-gather, no compute)."""
-    saved = unet.up_blocks, unet.conv_norm_out, unet.conv_out
-    unet.up_blocks, unet.conv_norm_out, unet.conv_out = nn.ModuleList(), None, nn.Identity()
+def _cut_forward(unet, z: torch.Tensor, t, text_emb: torch.Tensor, **removed) -> torch.Tensor:
+    """The UNet's own forward with the submodules in `removed` swapped for the given stand-ins for
+    its duration, so it returns an inner output. The forward itself still runs, so an FSDP2-wrapped
+    UNet gathers and frees its root parameters and registers its backward as in any forward, with
+    activation checkpointing too; the removed units never run (no all-gather, no compute)."""
+    saved = {name: getattr(unet, name) for name in removed}
+    for name, stand_in in removed.items():
+        setattr(unet, name, stand_in)
     try:
-        yield
+        out = unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
     finally:
-        unet.up_blocks, unet.conv_norm_out, unet.conv_out = saved
+        for name, module in saved.items():
+            setattr(unet, name, module)
+    return out[0]
 
 
 def bottleneck_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
-    """Output of `unet.mid_block` (the official `classify_forward(...)[-1]`): the UNet's forward
-    up to and including the mid block, nothing after it. Works on a plain or FSDP2-wrapped UNet
-    and with activation checkpointing. Keeps the graph to z and to the down/mid parameters."""
-    with _without_up_path(unet):
-        out = unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
-    return out[0]
-
-
-@contextlib.contextmanager
-def _without_output_layers(unet):
-    """The UNet's own forward with conv_norm_out / conv_act / conv_out taken out for its duration:
-    it returns the last up block's output (diffusers skips the norm and activation when
-    conv_norm_out is None)."""
-    saved = unet.conv_norm_out, unet.conv_out
-    unet.conv_norm_out, unet.conv_out = None, nn.Identity()
-    try:
-        yield
-    finally:
-        unet.conv_norm_out, unet.conv_out = saved
+    """Output of `unet.mid_block` (the official `classify_forward(...)[-1]`, tianweiy/DMD2
+    main/sd_unet_forward.py:224-251): the forward without its up path and output layers. Works on a
+    plain or FSDP2-wrapped UNet. Keeps the graph to z and to the down/mid parameters."""
+    return _cut_forward(unet, z, t, text_emb, up_blocks=nn.ModuleList(), conv_norm_out=None, conv_out=nn.Identity())
 
 
 def up_features(unet, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
-    """Output of the UNet's last up block (block_out_channels[0] channels at z's resolution): the
-    whole forward but its output layers, for a head with features="up". As `bottleneck_features`,
-    the forward itself runs (FSDP2 root hooks, activation checkpointing)."""
-    with _without_output_layers(unet):
-        out = unet(z, _per_sample_t(t, z.shape[0], z.device), return_dict=False, **cond_kwargs(text_emb))
-    return out[0]
+    """Output of the UNet's last up block (block_out_channels[0] channels at z's resolution), for a
+    head with features="up": the forward without its output layers (diffusers skips the norm and
+    activation when conv_norm_out is None)."""
+    return _cut_forward(unet, z, t, text_emb, conv_norm_out=None, conv_out=nn.Identity())
 
 
 def cls_logits(unet, head: nn.Module, z: torch.Tensor, t, text_emb: torch.Tensor) -> torch.Tensor:
     """head(features as fp32) -> (B, 1) realism logits (official `compute_cls_logits`, with t = 0
     and clean z unless `diffusion_gan_noise` was applied first). The features are the bottleneck's,
     or the up path's for a head built with features="up"."""
-    read = up_features if getattr(head, "features", "mid") == "up" else bottleneck_features
+    read = up_features if head.features == "up" else bottleneck_features
     return head(read(unet, z, t, text_emb).float())
 
 
