@@ -1,22 +1,30 @@
 """The tests' one way to launch things (pytest loads this file first; tests import from it):
 
     from tests.conftest import ROOT, launch, start, finish, run_ranks
-    launch("train_dmd.py", ["--max_steps=2"], ranks=2)   # torchrun (or python for ranks=1), waited for
-    proc = start("train_flux_kontext.py", args)          # the same, not waited for (signals, kills)
+    launch("train_dmd.py", ["--max_steps=2"], ranks=2)   # 2 ranks (or python for ranks=1), waited for
+    proc = start("train_flux_kontext.py", args)          # the same, not waited for (runs side by side)
+    proc = start(script, args, torchrun=True)            # real torchrun: signals, kills, process trees
     rc, log = finish(proc)                               # wait; on timeout the whole group is killed
     run_ranks(fn, 2, arg1, ...)   # fn(rank, world, *args) in spawned processes with the group up
 
-Every launch runs in its own process session, so a timeout kills the launcher and all its ranks
-(none is left running into the next test), with offline, one-thread-per-rank settings.
+Launches are forked from a server that imported torch, diffusers, transformers and peft once
+(tests/zygote.py: what each rank sees and how a launch ends are torchrun's, checked against it by
+tests/test_zygote.py); that saves each launch the seconds of start-up that dominated the suite on
+2 cores. FSDP_TESTS_TORCHRUN=1 sends every launch through torchrun instead. Every launch runs in its
+own process session, so a timeout kills the launcher and all its ranks (none is left running into
+the next test), with offline, one-thread-per-rank settings.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 
 import pytest
@@ -46,13 +54,19 @@ def command(script: str, args=(), ranks: int = 2) -> list[str]:
     return launcher + [path, *map(str, args)]
 
 
-def start(script: str, args=(), *, ranks: int = 2, env: dict | None = None) -> subprocess.Popen:
-    """Launch without waiting, in a new process session (stdout and stderr merged, text)."""
-    return subprocess.Popen(command(script, args, ranks), cwd=ROOT, env=env or launch_env(),
+def start(script: str, args=(), *, ranks: int = 2, env: dict | None = None, torchrun: bool = False):
+    """Launch without waiting (stdout and stderr merged, text), in a process session of its own:
+    forked from the pre-imported server (tests/zygote.py) where it can, else (and with torchrun,
+    for tests that signal the launcher or walk its process tree) a torchrun subprocess.Popen."""
+    env = env or launch_env()
+    server = None if torchrun else _zygote(env)
+    if server:
+        return ZygoteLaunch(server, script, args, ranks, env)
+    return subprocess.Popen(command(script, args, ranks), cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str]:
+def finish(proc, timeout: float = TIMEOUT) -> tuple[int, str]:
     """(exit code, output) of a started launch; past `timeout` its whole process group is killed
     and the test fails with the output's tail."""
     try:
@@ -72,6 +86,83 @@ def launch(script: str, args=(), *, ranks: int = 2, env: dict | None = None, tim
     if check and rc != 0:
         pytest.fail(f"{' '.join(proc.args[-6:])} exited {rc}:\n{out[-3000:]}")
     return subprocess.CompletedProcess(proc.args, rc, out)
+
+
+# environment variables the server's imports read at import time: a launch whose values differ
+# goes through torchrun, where its ranks import with them
+_IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP", "HF_", "TRANSFORMERS", "DIFFUSERS", "CUDA", "NCCL",
+                    "GLOO", "PYTHON", "COVERAGE")
+_server: dict = {}
+
+
+def _zygote(env: dict):
+    """The running fast-launch server for a launch with `env`, or None (torchrun): turned off by
+    FSDP_TESTS_TORCHRUN=1, under tools/cpu_coverage.sh (every rank must start coverage), with CUDA
+    (a process that imported torch may have touched the driver, which forked children cannot
+    inherit), or when it could not start."""
+    if (os.environ.get("FSDP_TESTS_TORCHRUN") == "1" or "COVERAGE_PROCESS_START" in os.environ
+            or torch.cuda.is_available()):
+        return None
+    if not _server:
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="zygote")
+        base = launch_env()
+        proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", os.path.join(folder, "socket")], cwd=ROOT,
+                                env=base, stdout=subprocess.PIPE, stderr=open(os.path.join(folder, "log"), "w"),
+                                text=True, start_new_session=True)
+        ready = proc.stdout.readline().strip() == "ready"
+        _server.update(proc=proc, folder=folder, env=base, ok=ready)
+
+        def stop():
+            import shutil
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(folder, ignore_errors=True)
+        atexit.register(stop)
+    if not _server["ok"] or _server["proc"].poll() is not None:
+        return None
+    keys = {k for k in set(env) | set(_server["env"]) if k.startswith(_IMPORT_TIME_ENV)}
+    if any(env.get(k) != _server["env"].get(k) for k in keys):
+        return None
+    return _server
+
+
+class ZygoteLaunch:
+    """A launch forked by the server, with what `finish` uses of a Popen: pid (its process group:
+    the launcher and its ranks), args, returncode, communicate(timeout)."""
+
+    def __init__(self, server, script, args, ranks, env):
+        path = script if os.path.isabs(script) else os.path.join(ROOT, script)
+        self.args = command(script, args, ranks)
+        self.returncode = None
+        self._chunks = []
+        request = {"script": path, "args": list(map(str, args)), "ranks": ranks, "env": env, "cwd": ROOT}
+        read_end, write_end = os.pipe()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._conn.connect(os.path.join(server["folder"], "socket"))
+        socket.send_fds(self._conn, [json.dumps(request).encode()], [write_end])
+        os.close(write_end)
+        self._conn.settimeout(120)
+        self.pid = json.loads(self._conn.recv(1 << 16))["pid"]
+        self._output = os.fdopen(read_end, "rb")
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._output.closed:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([self._output], [], [], left)[0]):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            chunk = os.read(self._output.fileno(), 1 << 16)
+            if chunk:
+                self._chunks.append(chunk)
+            else:
+                self._output.close()
+        if self.returncode is None:
+            self._conn.settimeout(None if deadline is None else max(deadline - time.monotonic(), 5))
+            answer = self._conn.recv(1 << 16)  # empty: the launcher itself was killed
+            self._conn.close()
+            self.returncode = json.loads(answer)["rc"] if answer else -signal.SIGKILL
+        return b"".join(self._chunks).decode("utf-8", errors="replace"), None
 
 
 def free_port() -> int:

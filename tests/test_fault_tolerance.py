@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
 
 def start(setup, out, args=(), ranks=2):
     return start_script("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}", *args], ranks=ranks,
-                        env=setup["env"])
+                        env=setup["env"], torchrun=True)  # what users run: signals reach torchrun and its workers
 
 
 def run(setup, out, args=(), ranks=2):
@@ -388,7 +388,7 @@ def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
               "--log_every=1", "--batch_size=1", "--max_steps=40", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
 
     def launch_dmd(out, *extra):
-        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra])
+        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra], torchrun=True)
     ref = launch_dmd(tmp_path / "ref")
     proc = launch_dmd(tmp_path / "cut")
     metrics = tmp_path / "cut" / "metrics.jsonl"
