@@ -11,12 +11,16 @@ after DCP has written `.metadata` (which DCP writes last): a crash at any moment
 new checkpoint or a complete one, and the previous one untouched. Resharding on load is DCP's, so a
 run saved on 2 ranks resumes on 1 or 4.
 
-    python -m pytest tests/test_checkpoint.py -q
+Before the loop, `disk_preflight` estimates one checkpoint and the export from the built models and
+optimizers and compares KEEP_LAST + 1 checkpoints and the export with OUTPUT_DIR's free space.
+
+    python -m pytest tests/test_checkpoint.py tests/test_disk_preflight.py -q
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -34,8 +38,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parallel.lora import is_adapter, safetensors_key
+from parallel.lowbit import state_bytes
 from precision import check_state_dict_dtypes, dtype_name
-from run_utils import ConfigError, RunError, barrier, broadcast_from_rank0, first_error, print0, rank, world_size
+from run_utils import (ConfigError, RunError, all_gather_objects, barrier, broadcast_from_rank0, first_error, print0,
+                       rank, world_size)
 
 PARTIAL = ".partial"
 
@@ -612,6 +618,187 @@ def _export_summary(trained, dtype: torch.dtype, link_frozen: bool, converted: l
         return text + "; from_pretrained(path) loads it in fp32"
     return text + (f"; from_pretrained(path, torch_dtype={dtype}) loads it in {name}, "
                    "from_pretrained(path) in fp32")
+
+
+# ----------------------------------------------------------------------------------------------
+# disk preflight: do the run's checkpoints and export fit OUTPUT_DIR's filesystem?
+
+# what DCP adds per written piece (each rank's shard of a tensor, a tensor, one pickled param_groups setting):
+# torch.save's framing and its .metadata record, measured 1.6-1.8 KB with torch 2.13
+ENTRY_BYTES = 1800
+
+
+def _gb(n: float) -> str:
+    """Bytes as decimal GB (as disks are sold and `df -H` shows), readable for test-sized values too."""
+    x = n / 1e9
+    return f"{x:.1f} GB" if abs(x) >= 1 else f"{x:.3g} GB"
+
+
+def _shards(t: torch.Tensor) -> int:
+    """How many pieces DCP writes of `t`: a DTensor's shards (replicas are written once), else one."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes DCP writes of `t`'s data over all ranks: a DTensor's global size, a sharded quantised
+    subclass (NF4, torchao's optimizer states) by its inner tensors times the shard count, else its
+    own bytes. Not the ENTRY_BYTES per piece."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor) and type(local) in (torch.Tensor, nn.Parameter):
+        return t.numel() * t.element_size()
+    return state_bytes(local) * _shards(t)
+
+
+def _state_dict_bytes(sd: dict) -> int:
+    return sum(tensor_bytes(v) + ENTRY_BYTES * _shards(v) for v in sd.values() if torch.is_tensor(v))
+
+
+def _new_state_bytes(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> int:
+    """What an Adam-style optimizer will create for `p` at its first step: `step` (a float32 scalar)
+    and two moments (three with amsgrad), sharded like `p`; torch's are zeros_like(p), torchao's a
+    quantised subclass where its rule allows (built on meta and counted, to follow torchao's
+    layout), else zeros_like."""
+    moments = 3 if group.get("amsgrad") else 2
+    step = 4 + ENTRY_BYTES
+    subclass_zeros, block = getattr(opt, "_subclass_zeros", None), getattr(opt, "block_size", 0)
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    if subclass_zeros is None or not block or local.numel() < 4096 or local.numel() % block:
+        per = tensor_bytes(p)
+    else:
+        meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
+        per = _shards(p) * state_bytes(subclass_zeros(meta, True, block))  # signed or not: the same bytes
+    return step + moments * (per + ENTRY_BYTES * _shards(p))
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    """The optimizer's checkpointed states: those it holds, and for a parameter without state yet
+    (AdamW creates them at the first step) what it will create. Not via get_optimizer_state_dict,
+    which creates missing states by running a step."""
+    total = 0
+    for group in opt.param_groups:
+        total += len(group) * ENTRY_BYTES
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state:
+                total += _state_dict_bytes(state)
+            elif p.requires_grad:
+                total += _new_state_bytes(opt, p, group)
+    return total
+
+
+def checkpoint_bytes(models: dict[str, nn.Module], optimizers) -> int:
+    """Estimated size of one checkpoint's DCP files: every checkpointed model's state (as a save
+    takes it: a LoRA model's trainable params only, buffers too) and every optimizer's states.
+    `optimizers`: {name: optimizer} or {name: (module, optimizer)}; the count is over all ranks."""
+    total = sum(_state_dict_bytes(sd) for sd in _model_state(models).values())
+    for o in optimizers.values():
+        total += optimizer_bytes(o[1] if isinstance(o, tuple) else o)
+    return total
+
+
+def _component_bytes(model: nn.Module, dtype: torch.dtype, adapters: bool) -> int:
+    """Bytes of `model`'s exported tensors: its base layout (a LoRA model's merged) or its adapters,
+    floating tensors in `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(v.numel() * (size if v.is_floating_point() else v.element_size())
+               for k, v in model.state_dict().items() if is_adapter(k) == adapters)
+
+
+def _converted_bytes(folder: str, dtype: torch.dtype) -> int:
+    """Size of _copy_as(folder, ..., dtype): its safetensors' tensors with floating ones in `dtype`
+    (from the headers), plus every other file copied as is."""
+    from safetensors import safe_open
+    floating, size = {"F32", "F16", "BF16"}, torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if root != folder or not name.endswith(".safetensors"):
+                total += os.path.getsize(path)
+                continue
+            with safe_open(path, framework="pt") as f:
+                for k in f.keys():
+                    t = f.get_slice(k)
+                    n, kind = math.prod(t.get_shape()), t.get_dtype()
+                    total += n * size if kind in floating else n * _SAFETENSORS_BYTES.get(kind, 4)
+    return total
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def export_bytes(model_path: str, component: str, model: nn.Module, dtype: torch.dtype, *, lora: bool = False,
+                 merged: bool = False, frozen: dict[str, str] | None = None) -> int:
+    """Estimated size of what `finish` exports: the trained `component` (`model`'s layout) in `dtype`
+    plus the frozen parts export_pipeline places (linked folders cost nothing, converted copies and
+    plain files do); with LoRA the adapters in fp32, and the merged pipeline only with `merged`."""
+    total = _component_bytes(model, torch.float32, adapters=True) if lora else 0
+    if lora and not merged:
+        return total
+    total += _component_bytes(model, dtype, adapters=False)
+    for name in os.listdir(model_path):
+        if name == component:
+            continue
+        src = os.path.abspath((frozen or {}).get(name) or os.path.join(model_path, name))
+        if not os.path.isdir(src):
+            total += os.path.getsize(src)
+        elif _weight_dtypes(src) - {dtype}:
+            total += _converted_bytes(src, dtype)
+    return total
+
+
+def disk_verdict(need_one: int, need_all: int, free: int, where: str = "") -> tuple[str, str]:
+    """('ok' | 'warn' | 'stop', message): stop when not even one checkpoint fits the free space
+    (every save writes a whole new one before pruning), warn when all of the run's do not."""
+    if free < need_one:
+        return "stop", (f"{where}one checkpoint needs ~{_gb(need_one)} but only {_gb(free)} are free; "
+                        "free space or choose another OUTPUT_DIR")
+    if free < need_all:
+        return "warn", (f"warning: {where}the run's checkpoints and export need ~{_gb(need_all)} but only "
+                        f"{_gb(free)} are free: a later save or the export may fail")
+    return "ok", ""
+
+
+def _existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, names in os.walk(folder) for f in names)
+
+
+def disk_preflight(output_dir: str, models: dict[str, nn.Module], optimizers, keep_last: int,
+                   export: int) -> str:
+    """Collective, before the loop: will KEEP_LAST + 1 checkpoints (the newest is written before
+    the oldest is pruned) and the export (`export` bytes) fit the free space of OUTPUT_DIR's
+    filesystem? Complete checkpoints already in OUTPUT_DIR are on disk already and pruned as new
+    ones come: up to KEEP_LAST of them count against the need, each at most one new checkpoint's
+    size. Free space is the least any rank sees. Not even one checkpoint fits: ConfigError on every
+    rank; not all of them: a warning on rank 0. Returns (and prints on rank 0) the estimate line."""
+    one = checkpoint_bytes(models, optimizers)
+    fs = _existing_ancestor(output_dir)
+    present = [_folder_bytes(p) for _, p in list_checkpoints(output_dir)]
+    present = present[max(len(present) - keep_last, 0):]  # the newest KEEP_LAST: pruned last
+    # rank 0's estimate and checkpoints, every rank's free space: every rank decides alike
+    views = all_gather_objects((shutil.disk_usage(fs).free, one, present))
+    free, (_, one, present) = min(v[0] for v in views), views[0]
+    on_disk = sum(min(b, one) for b in present)
+    need_all = (keep_last + 1) * one + export - on_disk
+    verdict, message = disk_verdict(one, need_all, free, where=f"OUTPUT_DIR={output_dir}: ")
+    if verdict == "stop":
+        raise ConfigError(message)
+    line = (f"disk: one checkpoint ~{_gb(one)}, export ~{_gb(export)}; KEEP_LAST={keep_last} needs ~{_gb(need_all)}"
+            + (f" (less {len(present)} on disk)" if present else "") + f", free {_gb(free)} on {fs}")
+    print0(line)
+    if verdict == "warn":
+        print0(message + f"; lower KEEP_LAST or free space on {fs}")
+    return line
 
 
 def scheduler_state(scheduler) -> dict:

@@ -85,6 +85,15 @@ def apply_tf32(enabled: bool) -> None:
         matmul.allow_tf32 = cudnn.allow_tf32 = enabled
 
 
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls run in TF32 now, read through the API apply_tf32 wrote with (torch
+    refuses to read the legacy flag once the new one was set)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        return matmul.fp32_precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
 def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX); without either, torch
     falls back to a reference kernel, minutes per step at real width. Unknown (not Linux): True."""

@@ -40,6 +40,12 @@ class Preempted(Exception):
         self.signum = signum
 
 
+class LocalError(Exception):
+    """A failure found on one rank whose message says all there is to say (a start-up check of a
+    kernel): that rank prints it in one line with its rank number and exits 1 at once, as any local
+    failure does, without a traceback."""
+
+
 class RunError(Exception):
     """A failure during training that every rank has learnt of together (through a collective:
     a failed save, too many non-finite steps): rank 0 reports it in one line, all ranks exit 1."""
@@ -141,9 +147,11 @@ def run_main(main_fn) -> None:
     """Run a script's main(): errors end the process with one clear line and a non-zero code.
 
     A ConfigError is the same on every rank, so only rank 0 prints it and all exit 2. Any other
-    exception is local to one rank: that rank prints it once with its rank number and exits at
-    once (os._exit) without entering another collective; torchrun then stops the other ranks, and
-    the collective timeout set in init_distributed turns any leftover wait into an error.
+    exception is local to one rank: that rank prints its traceback and a one-line summary with its
+    rank number (also into OUTPUT_DIR/error_rank{N}.txt and torchrun's error file) and exits at once
+    (os._exit) without entering another collective; torchrun then stops the other ranks, and the
+    collective timeout set in init_distributed turns any leftover wait into an error. A LocalError
+    is such a failure already diagnosed: one line, no traceback.
     """
     try:
         main_fn()
@@ -169,13 +177,43 @@ def run_main(main_fn) -> None:
     except KeyboardInterrupt:
         print(f"[rank {rank()}] interrupted", file=sys.stderr, flush=True)
         os._exit(130)
-    except Exception as e:  # noqa: BLE001 - the point is to report any failure once
-        import traceback
-        if os.environ.get("FSDP_TRACEBACK"):
-            traceback.print_exc()
-        print(f"[rank {rank()}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+    except LocalError as e:
+        _report_local(f"[rank {rank()}] error: {e}", None, e)
         os._exit(1)
+    except Exception as e:  # noqa: BLE001 - the point is to report any failure where it can be found
+        import traceback
+        text = traceback.format_exc()
+        line = f"[rank {rank()}] error: {type(e).__name__}: {e}".rstrip()
+        if "CUDA error" in str(e) or "CUBLAS_STATUS" in str(e):
+            line += ("\n(CUDA reports kernel failures asynchronously: the frame above may be a later kernel's; "
+                     "rerun with CUDA_LAUNCH_BLOCKING=1 to find the one that failed)")
+        _report_local(line, text, e)
+        os._exit(1)
+
+
+_ERROR_DIR: list[str] = []  # OUTPUT_DIR once the run knows it (set_error_dir): where error_rank{N}.txt goes
+
+
+def set_error_dir(output_dir: str) -> None:
+    """From here on, an unexpected exception also writes OUTPUT_DIR/error_rank{N}.txt."""
+    _ERROR_DIR[:] = [output_dir]
+
+
+def _report_local(line: str, text: str | None, exc: BaseException | None = None) -> None:
+    """A rank's own failure, where a cluster user looks: the traceback then the one-line summary on
+    stderr, OUTPUT_DIR/error_rank{N}.txt, and torchelastic's error file (TORCHELASTIC_ERROR_FILE,
+    set by torchrun) so that torchrun's failure summary names the exception and its traceback."""
+    print((text or "") + line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if _ERROR_DIR:
+        with contextlib.suppress(OSError):
+            os.makedirs(_ERROR_DIR[0], exist_ok=True)
+            with open(os.path.join(_ERROR_DIR[0], f"error_rank{rank()}.txt"), "w") as f:
+                f.write((text or "") + line + "\n")
+    if exc is not None and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+            ErrorHandler().record_exception(exc)
 
 
 def _teardown_quietly() -> None:

@@ -27,6 +27,7 @@ import checkpoint
 import fsdp_utils
 import precision
 import run_utils
+from parallel import attention
 from parallel import compile as compiling
 from parallel import lora as lora_lib
 from parallel import lowbit
@@ -92,7 +93,9 @@ class Run:
     memory_table: functools.partial | None = None
     window: dict = field(default_factory=dict)
     clock: float = 0.0  # when the last step ended (after its samples and checkpoint), for the step's wall time
-    flops: dict = field(default_factory=dict)  # {step kind: FLOPs of its forwards and backwards on this rank}
+    flops: dict = field(default_factory=dict)  # {step kind: {peak kind: model FLOPs on this rank}} (ModelFlops)
+    model_flops: "ModelFlops | None" = None  # watch_model_flops: where MFU is reported
+    devices_checked: dict | None = None  # {name: (module, optimizer)} whose devices the first step checks
     stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
 
     def output(self, *parts: str) -> str:
@@ -119,13 +122,20 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     if lora:  # unknown target modules fail here, on the meta skeleton, before any work
         trained = models.trained_component(pipeline)
         lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
+    trained_class = models.trained_component(pipeline).class_name
+    attention.check_backend(config["ATTENTION_BACKEND"], models.MODELS[trained_class].attention_dispatcher)
     run_utils.check_output_dir(config["OUTPUT_DIR"])
+    run_utils.set_error_dir(config["OUTPUT_DIR"])
 
     d = fsdp_utils.init_distributed(cpu_offload=config["CPU_OFFLOAD"], timeout_s=config["COLLECTIVE_TIMEOUT_S"])
     precision.apply_tf32(config["TF32"])
+    sdpa = attention.sdpa_flags(config["ATTENTION_BACKEND"])
     print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
     print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
            + (" (the embedded default)" if embedded else ""))
+    print0(f"attention: {trained_class} {config['ATTENTION_BACKEND']}"
+           + (" (diffusers' dispatcher)" if models.MODELS[trained_class].attention_dispatcher else "")
+           + f"; torch SDPA for the other models: {sdpa}")
     slow_bf16 = precision.cpu_bf16_warning(precision.get_precision(config["PRECISION"]), d.device)
     if slow_bf16:
         print0(slow_bf16)
@@ -133,6 +143,25 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     stopper = run_utils.GracefulStop()
     resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])  # rank 0's answer
     return Run(config, pipeline, d, lora, stopper, resume_path), validated
+
+
+def check_attention(run: Run, trained: list[attention.Shape], others: list[attention.Shape],
+                    dtype: torch.dtype) -> None:
+    """On CUDA, the start-up self-check of ATTENTION_BACKEND (parallel/attention.py) at the run's own
+    attention shapes: `trained` for the trained model (through the dispatcher where it uses it),
+    `others` for the models that call torch's SDPA under its flags (VAE, frozen encoders). A kernel
+    that fails or computes wrong values stops this rank in one line before any model is built. On
+    CPU the kernels are torch's portable ones: not checked."""
+    if run.d.device.type != "cuda":
+        return
+    name = run.config["ATTENTION_BACKEND"]
+    trained_class = models.trained_component(run.pipeline).class_name
+    attend = (attention.dispatcher_attend(name) if models.MODELS[trained_class].attention_dispatcher
+              else attention.sdpa_attend)
+    alternative = "_native_math" if name == attention.DEFAULT else attention.DEFAULT
+    calls = [(s, attend) for s in trained] + [(s, attention.sdpa_attend) for s in others]
+    lines = attention.self_check(calls, name, dtype, run.d.device, alternative)
+    print0("attention check passed:\n" + "\n".join("  " + line for line in lines))
 
 
 def mesh_and_sharding(run: Run, context_parallel: int = 1):
@@ -146,10 +175,20 @@ def mesh_and_sharding(run: Run, context_parallel: int = 1):
 
 
 def report_components(run: Run, caption: str, audit: list[dict], trained: dict, optimizers: dict) -> None:
-    """The dtype table of every component and the memory table at start (kept for the end)."""
+    """The dtype table of every component, the memory table at start (kept for the end) and the disk
+    preflight (checkpoint.disk_preflight: stops the run here when not even one checkpoint fits)."""
     print0(f"components ({caption}):\n{precision.format_audit(audit)}")
     run.memory_table = functools.partial(memory.memory_report, trained, optimizers)
     print0(f"memory at start:\n{run.memory_table()}")
+    # disk for KEEP_LAST + 1 checkpoints and the export: checkpoints hold the trainable models and the (frozen)
+    # EMA, not a teacher (read from MODEL_PATH); the first of `trained` is the model the export writes
+    c = run.config
+    saved = {k: m for k, m in trained.items() if k == "ema" or any(p.requires_grad for p in m.parameters())}
+    export = checkpoint.export_bytes(c["MODEL_PATH"], models.trained_component(run.pipeline).subfolder,
+                                     next(iter(trained.values())), precision.parse_dtype(c["EXPORT_DTYPE"]),
+                                     lora=bool(run.lora), merged=c["LORA_EXPORT_MERGED"],
+                                     frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None)
+    checkpoint.disk_preflight(c["OUTPUT_DIR"], saved, optimizers, c["KEEP_LAST"], export)
 
 
 def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) -> int:
@@ -166,6 +205,8 @@ def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) ->
         run.start_step = meta["step"]
         run.guard.load(meta)
         print0(f"resumed from {run.resume_path} (step {run.start_step})")
+    run.devices_checked = optimizers
+    check_devices(run)  # every inner tensor of NF4 weights (and resumed optimizer states) where its parameter is
     if run.d.device.type == "cuda":  # the logged peaks are the loop's, not loading's
         torch.cuda.reset_peak_memory_stats(run.d.device)
     run.clock = time.perf_counter()
@@ -195,10 +236,20 @@ def apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str
         if ok:
             opt.step()
         opt.zero_grad(set_to_none=True)
+    if ok and run.devices_checked:  # optimizers make their states at their first step: check those once
+        check_devices(run)
+        run.devices_checked = None
     if not ok:
         print0(f"step {step}: non-finite loss or grad norm on some rank, updates skipped on all "
                f"({run.guard.in_a_row} in a row, {run.guard.skipped} in all)")
     return ok
+
+
+def check_devices(run: Run) -> None:
+    """Every parameter's and optimizer state's inner tensors (NF4, low-bit states, DTensor shards) on
+    the device the parameter reports (lowbit.check_devices: metadata only, no copies)."""
+    for module, optimizer in run.devices_checked.values():
+        lowbit.check_devices(module, optimizer)
 
 
 def due(step: int, every: int, last_step: int | None = None) -> bool:
@@ -244,72 +295,136 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
     run.clock = time.perf_counter()  # the next step's time starts here: samples and saves are not steps
 
 
-# dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "GH200": 989, "B200": 2250,
-                    "A100": 312, "L40S": 362, "L4": 121, "A10G": 70, "RTX 4090": 165}
+# dense tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name:
+# bf16/fp16, TF32 (fp32 matmuls with allow_tf32), fp32 without TF32
+PEAK_TFLOPS = {"H100 PCIe": (756, 378, 51), "H100 NVL": (835, 418, 60), "H100": (989, 495, 67),
+               "H200": (989, 495, 67), "GH200": (989, 495, 67), "B200": (2250, 1100, 80), "A100": (312, 156, 19.5),
+               "L40S": (362, 181, 91.6), "L4": (121, 60, 30.3), "A10G": (70, 35, 31.2), "RTX 4090": (165, 82.6, 82.6)}
+PEAK_KINDS = ("bf16", "tf32", "fp32")
 
 
-def peak_tflops(device: torch.device) -> float | None:
-    """The GPU's dense bf16 peak from PEAK_BF16_TFLOPS (the first name that matches), else None."""
+def peak_tflops(device: torch.device) -> dict[str, float] | None:
+    """{"bf16", "tf32", "fp32": the GPU's dense peak} from PEAK_TFLOPS (the first name that
+    matches), else None."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return next((dict(zip(PEAK_KINDS, v)) for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def flop_kind(dtype: torch.dtype) -> str:
+    """Which peak a matmul of `dtype` runs against: fp32 is TF32 where torch allows it."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    return "tf32" if precision.tf32_matmuls() else "fp32"
 
 
 class _FlopCount(TorchDispatchMode):
     """Sums the FLOPs of the ops torch's flop counter knows (matmuls, convolutions, attention) as
-    they run. torch's FlopCounterMode also tracks modules by wrapping their outputs in autograd
-    functions, which changes the order gradients are summed in (not bit-identical to an uncounted
-    step); this mode only watches, so a counted step computes exactly what an uncounted one does."""
+    they run, by the peak they run against (flop_kind of their first input). torch's
+    FlopCounterMode also tracks modules by wrapping their outputs in autograd functions, which
+    changes the order gradients are summed in (not bit-identical to an uncounted step); this mode
+    only watches, so a counted step computes exactly what an uncounted one does."""
 
     def __init__(self):
         super().__init__()
         from torch.utils.flop_counter import flop_registry
-        self.registry, self.total = flop_registry, 0
+        self.registry, self.by_kind = flop_registry, {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         count = self.registry.get(func._overloadpacket)
         if count is not None:
-            self.total += count(*args, **kwargs, out_val=out)
+            first = next((a for a in args if torch.is_tensor(a)), None)
+            kind = flop_kind(first.dtype) if first is not None else "bf16"
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + count(*args, **kwargs, out_val=out)
         return out
+
+
+class ModelFlops:
+    """MFU's numerator: model FLOPs. Counts what the watched models' own forward calls dispatch
+    (matmuls, convolutions, attention), x3 for a call run with gradients enabled (its backward
+    computes input and weight gradients, each as much as the forward), by the peak each runs
+    against. So the VAE, text encoders and optimizer are not in it, nor AC's recomputation (a
+    block's forward run again in backward, outside the model's own forward call)."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        self.active, self.by_kind, self._counter, self._depth = False, {}, None, 0
+        for m in models:
+            m.register_forward_pre_hook(self._enter)
+            m.register_forward_hook(self._exit)
+
+    def _enter(self, module, args):
+        self._depth += 1
+        if self.active and self._depth == 1:
+            self._counter = _FlopCount().__enter__()
+            self._grad = torch.is_grad_enabled()
+
+    def _exit(self, module, args, output):
+        self._depth -= 1
+        if self._counter is not None and self._depth == 0:
+            self._counter.__exit__(None, None, None)
+            for kind, n in self._counter.by_kind.items():
+                self.by_kind[kind] = self.by_kind.get(kind, 0) + n * (3 if self._grad else 1)
+            self._counter = None
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the watched forwards inside; returns {kind: FLOPs} in `self.by_kind`."""
+        self.active, self.by_kind = True, {}
+        try:
+            yield self
+        finally:
+            self.active = False
+
+
+def watch_model_flops(run: Run, models: list[torch.nn.Module]) -> None:
+    """The models whose forward and backward are the step's model FLOPs (the trained, frozen
+    teacher and fake score networks; not the VAE or text encoders), where MFU is reported."""
+    if peak_tflops(run.d.device) is not None and not run.config["COMPILE"]:
+        run.model_flops = ModelFlops(models)
 
 
 @contextlib.contextmanager
 def counting_flops(run: Run, kind: str, logs: dict):
-    """Around a step's forwards and backwards: the first step of each `kind` counts its FLOPs on
-    this rank (_FlopCount: matmuls, convolutions, attention; activation recomputation included),
-    later steps of that kind reuse the count; logs["flops"] gets it (for MFU). Only where MFU is
-    reported (a GPU of PEAK_BF16_TFLOPS): elsewhere the count would be thrown away, and watching
-    every op of a step costs more than the step on a small model. Not under COMPILE (a dispatch
-    mode would change what dynamo traces): no MFU there."""
-    if run.config["COMPILE"] or kind in run.flops or peak_tflops(run.d.device) is None:
+    """Around a step's forwards and backwards: the first step of each `kind` counts the watched
+    models' FLOPs on this rank (ModelFlops), later steps of that kind reuse the count. logs gets
+    `peak_s` (the seconds those FLOPs take at the GPU's peaks: MFU = peak_s / step time) and
+    `model_tflop`. Only where MFU is reported (a GPU of PEAK_TFLOPS; watch_model_flops): watching
+    every op costs more than a small model's step. Not under COMPILE (a dispatch mode would change
+    what dynamo traces): no MFU there."""
+    counter = run.model_flops
+    if counter is None or kind in run.flops:
         yield
     else:
-        with _FlopCount() as counter:
+        with counter.counting():
             yield
-        run.flops[kind] = counter.total
+        run.flops[kind] = dict(counter.by_kind)
     if kind in run.flops:
-        logs["flops"] = float(run.flops[kind])
+        peaks = peak_tflops(run.d.device)
+        logs["peak_s"] = sum(n / (peaks[k] * 1e12) for k, n in run.flops[kind].items())
+        logs["model_tflop"] = sum(run.flops[kind].values()) / 1e12
 
 
 def throughput(metrics: dict, work: dict, d) -> dict:
     """The logging window's rates from its mean step time (`step_s`, popped): images/s (and
     tokens/s) over all ranks, the mean data wait against the rest of the step (compute_ms), MFU
-    (this rank's FLOPs per step / step time / the GPU's bf16 peak) where the GPU is known, and on
-    CUDA the peak memory allocated and reserved since setup (max over ranks: one collective, on
-    logging steps only)."""
+    (this rank's model FLOPs at the GPU's peaks, `peak_s`, over the step time) where the GPU is
+    known, and on CUDA the peak memory allocated and reserved since setup (max over ranks: one
+    collective, on logging steps only)."""
     step_s, out = metrics.pop("step_s"), {}
-    flops = metrics.pop("flops", None)
+    peak_s = metrics.pop("peak_s", None)
     for name, n in work.items():
         out[f"{name}_per_s"] = n / step_s
     if "data_wait_ms" in metrics:
         out["compute_ms"] = step_s * 1000 - metrics["data_wait_ms"]
-    peak = peak_tflops(d.device)
-    if flops is not None and peak:
-        out["mfu"] = flops / step_s / (peak * 1e12)
+    if peak_s is not None:
+        out["mfu"] = peak_s / step_s
     if d.device.type == "cuda":
         mem = torch.tensor([torch.cuda.max_memory_allocated(d.device), torch.cuda.max_memory_reserved(d.device)],
                            dtype=torch.float64, device=d.device)

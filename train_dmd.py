@@ -40,6 +40,7 @@ model_index.json: StableDiffusionPipeline (CLIP text embeddings) or StableDiffus
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ import train_common
 from algorithms import dmd2 as dm
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
-from parallel import lowbit
+from parallel import attention, lowbit
 from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize, parallelize_unet
@@ -128,6 +129,7 @@ CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host me
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations (the published run used it on GPUs)
 PREFETCH = 0  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
+ATTENTION_BACKEND = "native"  # attention kernel: native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | _native_efficient | _native_math | a diffusers dispatcher backend (FLUX: flash, _flash_3, sage, ...); checked at start (parallel/attention.py)
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
@@ -360,6 +362,33 @@ def latent_layout(resolution: int, vae_config, unet_config) -> tuple[int, tuple[
     if resolution % factor:
         raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of the VAE factor {factor}")
     return resolution, (unet_config.in_channels, resolution // factor, resolution // factor)
+
+
+def attention_shapes(model_path: str, resolution: int, batch: int, vae_path: str = "") -> tuple[list, list]:
+    """The run's attention calls for the start-up kernel check: at every UNet level with
+    cross-attention, its self-attention over the latent grid and its cross-attention to the text
+    tokens (trained: forward and backward), and the VAE mid-block's single head at the latent grid
+    (forward only). diffusers' UNet reads `attention_head_dim` as the head count when
+    `num_attention_heads` is unset (unet_2d_condition.py)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers.configuration_utils import FrozenDict
+    unet = UNet2DConditionModel.load_config(os.path.join(model_path, "unet"))
+    vae = AutoencoderKL.load_config(vae_path or os.path.join(model_path, "vae"))
+    with open(os.path.join(model_path, "text_encoder", "config.json")) as f:
+        text = json.load(f).get("max_position_embeddings", 77)
+    _, (_, side, _) = latent_layout(resolution, FrozenDict(vae), FrozenDict(unet))  # attribute access, as .config
+    heads = unet.get("num_attention_heads") or unet["attention_head_dim"]
+    trained = []
+    for i, (kind, channels) in enumerate(zip(unet["down_block_types"], unet["block_out_channels"])):
+        if "CrossAttn" not in kind:
+            continue
+        h = heads[i] if isinstance(heads, (list, tuple)) else heads
+        grid = (side >> i) ** 2
+        trained += [attention.Shape(f"UNet level {i} self-attention", batch, grid, grid, h, channels // h),
+                    attention.Shape(f"UNet level {i} cross-attention", batch, grid, text, h, channels // h)]
+    vae_mid = attention.Shape("VAE mid-block", batch, side * side, side * side, 1, vae["block_out_channels"][-1],
+                              backward=False)
+    return trained, [vae_mid]
 
 
 def init_from(path: str, generator: nn.Module, fake: nn.Module, ema: nn.Module | None) -> None:
@@ -634,6 +663,9 @@ def main() -> None:
         sample_rows, _ = data_utils.read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
                                               setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
 
+    shapes = attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
+    train_common.check_attention(run, *shapes, precision.compute_dtype)
+
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
     # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
@@ -656,6 +688,7 @@ def main() -> None:
     train_gen, train_fake = generator, fake
     if mesh is None:  # DDP wrappers for the training forwards only
         train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
+    train_common.watch_model_flops(run, [generator, fake, teacher])  # MFU: the UNets' FLOPs, not the VAE's
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)

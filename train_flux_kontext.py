@@ -66,7 +66,7 @@ from algorithms import flux_kontext as km
 from parallel import ema as ema_lib
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel.loading import build_on_meta, fill_built_model
-from parallel import lowbit
+from parallel import attention, lowbit
 from parallel.lora import add_lora
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize_flux
@@ -139,6 +139,7 @@ CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host me
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
 PREFETCH = 1  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
+ATTENTION_BACKEND = "native"  # attention kernel: native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | _native_efficient | _native_math | a diffusers dispatcher backend (FLUX: flash, _flash_3, sage, ...); checked at start (parallel/attention.py)
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
@@ -232,11 +233,37 @@ def check_context_parallel_shapes(model_path, context_parallel, text_length, siz
                               f"(target + context), not divisible by it; change RESOLUTION or BUCKET_ASPECTS")
 
 
+def step_sizes(buckets, schedule) -> list[tuple[int, int]]:
+    """The first step's bucket and the largest one the run trains on: the shapes to check first."""
+    used = {buckets[b] for b, _ in schedule}
+    return [buckets[schedule[0][0]], max(used, key=lambda s: s[0] * s[1])]
+
+
+def attention_shapes(model_path, text_length, sizes, vae_factor, batch, context_parallel):
+    """The run's attention calls for the start-up kernel check: the transformer's joint attention
+    over text + target + context tokens (Ulysses: all tokens, heads / C per rank) at each (h, w) in
+    `sizes`, and the VAE mid-block's single head of its channels at the latent grid (forward only)."""
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        t = json.load(f)
+    with open(os.path.join(model_path, "vae", "config.json")) as f:
+        vae_channels = json.load(f)["block_out_channels"][-1]
+    trained, vae = [], []
+    for h, w in dict.fromkeys(sizes):
+        image = (h // (2 * vae_factor)) * (w // (2 * vae_factor))
+        tokens = text_length + 2 * image
+        trained.append(attention.Shape(f"transformer at {h}x{w}", batch, tokens, tokens,
+                                       t["num_attention_heads"] // context_parallel, t["attention_head_dim"]))
+        grid = (h // vae_factor) * (w // vae_factor)
+        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
+    return trained, vae
+
+
 # ----------------------------------------------------------------------------------------------
 # models
 
 
-def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed, base_dtype=""):
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed, base_dtype="",
+                      attention_backend=attention.DEFAULT):
     """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
     recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
     slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
@@ -249,6 +276,7 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     and the adapters in fp32, in the same per-block units."""
     from diffusers import FluxTransformer2DModel
     model = build_on_meta(FluxTransformer2DModel, folder)
+    attention.set_backend(model, attention_backend)  # ATTENTION_BACKEND, checked at start
     storage = prec.compute_dtype if lora else prec.param_dtype
     if storage != torch.float32:  # storage dtype of the params (on meta: free)
         model.to(storage)
@@ -270,14 +298,15 @@ def load_vae(folder, dtype, device):
 
 
 def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed,
-                 base_dtype=""):
+                 base_dtype="", attention_backend=attention.DEFAULT):
     """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
     EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
     VAE, the sampling scheduler."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     folder = os.path.join(model_path, "transformer")
     build = functools.partial(build_transformer, folder, mesh, prec, device, sharding=sharding,
-                              block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype)
+                              block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
+                              attention_backend=attention_backend)
     transformer = build(load=True)
     transformer.train()
     ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False))
@@ -635,13 +664,17 @@ def main():
     identity = prepare_text_cache(prompts, MODEL_PATH, TEXT_CACHE_DIR, MAX_SEQUENCE_LENGTH,
                                   prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
+    train_common.check_attention(run, *attention_shapes(MODEL_PATH, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
+                                                        step_sizes(buckets, schedule),
+                                                        vae_factor, BATCH_SIZE, CONTEXT_PARALLEL), prec.compute_dtype)
+
     # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
     mesh, cp_mesh, sharding = train_common.mesh_and_sharding(run, CONTEXT_PARALLEL)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
-                                                    base_dtype=BASE_DTYPE)
+                                                    base_dtype=BASE_DTYPE, attention_backend=ATTENTION_BACKEND)
     if cp_mesh is not None:  # every forward of these models (training, validation, samples) splits the sequence
         for model in (transformer, ema):
             if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
@@ -652,6 +685,7 @@ def main():
                f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
                f"{d.world_size} ranks")
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
+    train_common.watch_model_flops(run, [transformer])  # MFU: the transformer's FLOPs, not the VAE's
 
     # optimizer: AdamW (OPTIMIZER: torch's fused kernel, see fsdp_utils.adamw, or torchao's 8-/4-bit
     # states, parallel/lowbit.py), with a linear warmup

@@ -10,7 +10,8 @@ all-gather extension (`fsdp_pre_all_gather` hands FSDP its codes and scales, `fs
 rebuilds the unsharded NF4 weight), so a unit all-gathers 4-bit codes and dequantises to the
 compute dtype inside `F.linear` (torchao's `linear_nf4`; its backward also dequantises, no weight
 grad). Loading quantises each whole tensor once (every rank reads the full tensor, one at a time,
-quantises it and keeps its dim-0 chunk): the codes are those of the whole tensor whatever the world
+quantises it on its own device and keeps its dim-0 chunk, every inner tensor on that device: a code
+book left on the CPU fails CUDA's lookup): the codes are those of the whole tensor whatever the world
 size, and NF4's scale statistics (its `scaler_mean` is over all of a tensor's blocks) are identical
 on every shard. torchtune's QLoRA does the same, quantise-then-chunk into a DTensor after
 `fully_shard` (torchtune/training/_distributed.py:336-459, `load_from_full_model_state_dict`;
@@ -18,8 +19,9 @@ the base quantised with `to_nf4` in torchtune/modules/peft/lora.py:86, forward v
 at :138); this module writes the chunk into the shard FSDP already holds instead of assigning new
 parameters.
 
-Peak host memory of loading: a rank's NF4 shards plus one full tensor in the storage dtype and the
-quantiser's fp32 temporaries (tools/memory_plan.py counts it: `load_peak`).
+Peak memory of loading: a rank's NF4 shards plus one full tensor in the storage dtype and the
+quantiser's temporaries, all on the host on CPU (tools/memory_plan.py counts it: `load_peak`); on a
+GPU the host holds only the tensor read, the shards and temporaries sit on the GPU.
 
 Low-bit AdamW (OPTIMIZER=adamw8bit | adamw4bit): torchao's AdamW8bit / AdamW4bit, whose states are
 tensor subclasses (block-wise quantised, 256 values per fp32 scale for 8 bit, 128 for 4 bit)
@@ -139,14 +141,17 @@ def check_nf4_shards(model: nn.Module, world: int) -> None:
 
 
 @torch.no_grad()
-def fill_nf4(param: torch.Tensor, full: torch.Tensor) -> None:
+def fill_nf4(param: torch.Tensor, full: torch.Tensor, device: torch.device | str | None = None) -> None:
     """Quantise the whole tensor `full` as `param`'s NF4 layout and write this rank's dim-0 chunk
     into `param` (an NF4 parameter, or a DTensor sharded Shard(0) over a 1-D mesh whose local
-    tensor is NF4). Every piece is copied into the tensors FSDP holds; NF4's copy_ leaves
-    `scaler_mean` and its code book as they were (meta after to_empty), so those are set here."""
+    tensor is NF4). `full` (a safetensors slice, on the CPU) is moved to `device` (default: where
+    `param` lives, nf4_home) and quantised there, so every inner tensor ends on the parameter's
+    device. Every piece is copied into the tensors FSDP holds; NF4's copy_ leaves `scaler_mean`
+    and its code book as they were (meta after to_empty), so those are set here."""
     from torchao.quantization import to_nf4
     local = getattr(param, "_local_tensor", param)
-    q = to_nf4(full.to(local.dtype), local.block_size, local.scaler_block_size)
+    device = torch.device(device) if device is not None else nf4_home(local)
+    q = to_nf4(full.to(device=device, dtype=local.dtype), local.block_size, local.scaler_block_size)
     if local is not param:  # a DTensor: this rank's chunk along dim 0, as FSDP2 split it
         mesh = param.device_mesh
         q = torch.chunk(q, mesh.size(), dim=0)[mesh.get_local_rank()]
@@ -155,9 +160,80 @@ def fill_nf4(param: torch.Tensor, full: torch.Tensor) -> None:
     for attr in local.__tensor_flatten__()[0]:
         src, dst = getattr(q, attr), getattr(local, attr)
         if dst.is_meta or dst.shape != src.shape:
-            setattr(local, attr, src.to(dst.device if not dst.is_meta else src.device).clone())
+            setattr(local, attr, src.clone())
         else:
             dst.copy_(src)
+    bad = misplaced_inner_tensors(local, device)
+    if bad:
+        raise RuntimeError(f"NF4 weight {tuple(local.shape)}: inner tensors {bad} not on {device} after loading")
+
+
+def nf4_home(local: torch.Tensor) -> torch.device:
+    """The device of an NF4 tensor's allocated inner tensors (to_empty allocates the codes and
+    scales but leaves the code book and `scaler_mean` on meta), or its own when all are meta."""
+    devices = {x.device for _, x in _leaves(local) if not x.is_meta}
+    if len(devices) > 1:
+        raise RuntimeError(f"NF4 weight {tuple(local.shape)}: inner tensors on {sorted(map(str, devices))}")
+    return devices.pop() if devices else local.device
+
+
+# ----------------------------------------------------------------------------------------------
+# device placement of tensor subclasses
+
+
+def _inner_names(t: torch.Tensor) -> list[str] | None:
+    """A tensor subclass's inner tensor names (NF4, torchao's optimizer states), None for a plain tensor."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        return t.__tensor_flatten__()[0]
+    return None
+
+
+def _leaves(t: torch.Tensor, prefix: str = ""):
+    """(dotted name, plain tensor) for every tensor that really holds `t`'s data: through a DTensor's
+    local shard and, recursively, subclasses' inner tensors; "" names a plain `t` itself."""
+    t = getattr(t, "_local_tensor", t)
+    names = _inner_names(t)
+    if names is None:
+        yield prefix, t
+        return
+    for a in names:
+        yield from _leaves(getattr(t, a), f"{prefix}.{a}" if prefix else a)
+
+
+def _on(actual: torch.device, expected: torch.device) -> bool:
+    """Same device; an expected device without index ("cuda") accepts any index."""
+    return actual.type == expected.type and (expected.index is None or actual.index == expected.index)
+
+
+def misplaced_inner_tensors(t: torch.Tensor, device: torch.device | str) -> list[str]:
+    """Names of the inner tensors of `t` (a DTensor, a tensor subclass, nested) that are not on
+    `device` ("" = `t` itself, a plain tensor). A subclass's `.device` reports its wrapper only:
+    a code book left on the CPU under CUDA codes fails later as an obscure indexing error."""
+    device = torch.device(device)
+    return [n for n, x in _leaves(t) if not _on(x.device, device)]
+
+
+def check_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                  device: torch.device | str | None = None) -> None:
+    """One RuntimeError naming the first parameter of `model`, or state of `optimizer`, with an
+    inner tensor off `device` (None: the device its parameter reports, which to_empty and FSDP
+    set: the GPU, or the CPU under CPU offload). Metadata only. "step" is skipped: torch's and
+    torchao's AdamW keep it as a CPU scalar by design."""
+    def check(what, t, home):
+        for inner, x in _leaves(t):
+            if not _on(x.device, home):
+                raise RuntimeError(f"{what}{'.' + inner if inner else ''} is on {x.device}, expected {home} "
+                                   f"(its {type(t).__name__} reports {t.device})")
+    names = {}
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        check(f"parameter {name}", p, torch.device(device) if device is not None else p.device)
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            for k, v in state.items():
+                if k != "step" and torch.is_tensor(v):
+                    check(f"optimizer state {k} of {names.get(id(p), tuple(p.shape))}", v,
+                          torch.device(device) if device is not None else p.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,7 +275,4 @@ def state_bytes(t: torch.Tensor) -> int:
     """Bytes a (possibly DTensor, possibly quantised subclass) tensor really holds on this rank:
     the sum over its inner tensors for NF4 and torchao's optimizer states (their numel and dtype
     describe the dequantised tensor)."""
-    t = getattr(t, "_local_tensor", t)
-    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        return sum(state_bytes(getattr(t, a)) for a in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
+    return sum(x.numel() * x.element_size() for _, x in _leaves(t))

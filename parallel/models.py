@@ -15,6 +15,7 @@ import torch.nn as nn
 class ModelFacts:
     units: tuple[str, ...]  # module classes that each get their own fully_shard unit
     lora_targets: tuple[str, ...]  # default LoRA target suffixes (peft's target_modules)
+    attention_dispatcher: bool = False  # its attention goes through diffusers' dispatcher (set_attention_backend)
 
 
 MODELS = {
@@ -32,7 +33,8 @@ MODELS = {
         units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
         lora_targets=("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                       "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                      "ff_context.net.2", "proj_mlp")),
+                      "ff_context.net.2", "proj_mlp"),
+        attention_dispatcher=True),
 }
 
 # The official DMD2 LoRA run's targets (tianweiy/DMD2 main/sd_unified_model.py:47-62, its

@@ -39,7 +39,9 @@ def launch_env(**extra: str) -> dict:
     """os.environ without a parent launcher's rank variables, offline, one thread per rank, the
     project importable: what a test passes to a torchrun / python launch of a script."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
+    # the root first, the caller's PYTHONPATH kept: packages may come from it (the GPU check's wheels)
+    path = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
     return env
 
 

@@ -49,3 +49,31 @@ def test_two_steps_on_one_gpu(tmp_path, script, args):
     assert os.path.exists(out / "checkpoints" / "step_000002" / ".metadata")
     launch(script, args + ["--max_steps=3", "--resume=auto", "--sample_every=0", "--log_every=1",
                            f"--output_dir={out}"], ranks=1)
+
+
+def test_nf4_weight_filled_from_a_host_tensor_lives_on_the_gpu():
+    """The QLoRA load path on CUDA: the safetensors slice is on the host, the shard on the GPU;
+    every inner tensor (codes, scales, code book) must end on the GPU and the layer must run."""
+    pytest.importorskip("torchao")
+    from parallel import lowbit
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3072, 3072, bias=False, dtype=torch.bfloat16))
+    model.requires_grad_(False)
+    lowbit.quantize_base(model, 1)
+    model.to_empty(device="cuda")
+    full = torch.randn(3072, 3072, dtype=torch.bfloat16)  # on the host, as read from safetensors
+    lowbit.fill_nf4(model[0].weight, full)
+    lowbit.check_devices(model)
+    assert lowbit.misplaced_inner_tensors(model[0].weight, torch.device("cuda")) == []
+    x = torch.randn(4, 3072, device="cuda", dtype=torch.bfloat16)
+    err = (model(x).float() - x.float() @ full.cuda().float().T).norm() / (x.float() @ full.cuda().float().T).norm()
+    assert err < 0.15, err  # 4-bit weights
+
+
+def test_attention_self_check_at_flux_width():
+    from parallel import attention
+    shape = attention.Shape("FLUX at 1024 px", 1, 512 + 2 * 4096, 512 + 2 * 4096, 24, 128)
+    attention.sdpa_flags("native")
+    lines = attention.self_check([(shape, attention.dispatcher_attend("native"))], "native", torch.bfloat16,
+                                 torch.device("cuda"))
+    assert "fwd+bwd" in lines[0]

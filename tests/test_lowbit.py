@@ -24,7 +24,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import assert_kontext_resumed_bit_exact, launch_kontext, read_checkpoint, read_metrics
+from tests.conftest import (assert_kontext_resumed_bit_exact, launch_kontext, read_checkpoint, read_metrics,
+                            run_ranks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from parallel import lora, lowbit
@@ -196,6 +197,98 @@ def test_nf4_blocks_depend_on_the_shape_alone():
     assert lowbit.nf4_blocks(torch.Size([128, 128])) == (64, 32)  # tiny: 8 shards of whole scale blocks
     assert lowbit.nf4_blocks(torch.Size([3072])) is None  # 1-D: stays in its dtype
     assert lowbit.nf4_blocks(torch.Size([10, 10])) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# device placement: the meta device stands in for a GPU (the safetensors slice stays on the CPU)
+
+
+def _nf4_linear(device, shards=1):
+    """A frozen Linear(128 -> 256) weight quantised to NF4 on the meta skeleton, FSDP2-sharded
+    over the default group when shards > 1, then allocated on `device` (to_empty)."""
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False)).requires_grad_(False)
+    lowbit.quantize_base(m, shards=shards)
+    if shards > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(m, mesh=init_device_mesh("cpu", (shards,)))
+    return m.to_empty(device=device)
+
+
+def _inner(t) -> dict:
+    """{name: inner tensor} of an NF4 parameter (or of a DTensor's NF4 shard)."""
+    t = getattr(t, "_local_tensor", t)
+    return {a: getattr(t, a) for a in t.__tensor_flatten__()[0]}
+
+
+def _assert_filled(w, full, device, rank=0, world=1):
+    """After fill_nf4: every inner tensor on `device`; on the CPU, bit for bit the whole tensor's
+    codes (this rank's chunk)."""
+    assert {a: x.device.type for a, x in _inner(w).items()} == dict.fromkeys(_inner(w), device)
+    if device == "cpu":
+        ref = torch.chunk(torchao.quantization.to_nf4(full, *lowbit.nf4_blocks(full.shape)), world, dim=0)[rank]
+        for a, x in _inner(w).items():
+            assert torch.equal(x, getattr(ref, a)), a
+
+
+def test_fill_nf4_puts_every_inner_tensor_on_the_parameters_device():
+    """fill_nf4 from a CPU slice into an NF4 weight allocated elsewhere: the code book and
+    scaler_mean (meta after to_empty) land with the codes, not where the slice was read."""
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    for device in ("meta", "cpu"):
+        w = _nf4_linear(device)[0].weight
+        lowbit.fill_nf4(w, full)
+        _assert_filled(w, full, device)
+
+
+def _fill_sharded(rank, world):
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    for device in ("meta", "cpu"):
+        m = _nf4_linear(device, shards=world)
+        w = m[0].weight
+        assert lowbit.is_nf4(w) and tuple(w._local_tensor.shape) == (256 // world, 128)
+        lowbit.fill_nf4(w, full)
+        _assert_filled(w, full, device, rank, world)
+        assert lowbit.misplaced_inner_tensors(w, device) == []
+        lowbit.check_devices(m)
+
+
+@pytest.mark.slow
+def test_fill_nf4_puts_every_inner_tensor_on_the_shards_device_under_fsdp2():
+    run_ranks(_fill_sharded, 2)
+
+
+def test_misplaced_inner_tensors_of_nf4_and_low_bit_optimizer_states():
+    """The walker through subclasses' inner tensors, and check_devices' one line naming the
+    parameter or optimizer state: a torchao 8-bit AdamW state after one step on the CPU, then its
+    code book moved off the device."""
+    from torchao.optim import AdamW8bit
+    model = torch.nn.Linear(128, 64, bias=False)  # 8192 values: block-quantised states
+    model.weight.grad = torch.randn_like(model.weight)
+    opt = lowbit.make_optimizer("adamw8bit", model.parameters(), lr=1e-3, betas=(0.9, 0.999))
+    assert isinstance(opt, AdamW8bit)
+    opt.step()
+    state = opt.state[model.weight]
+    assert type(state["exp_avg"]).__name__ == "OptimState8bit"
+    assert all(lowbit.misplaced_inner_tensors(v, "cpu") == [] for v in state.values())
+    lowbit.check_devices(model, opt)
+    lowbit.check_devices(model, opt, "cpu")
+    assert lowbit.misplaced_inner_tensors(model.weight, "meta") == [""]  # a plain tensor: itself
+    state["exp_avg"].qmap = state["exp_avg"].qmap.to("meta")
+    assert lowbit.misplaced_inner_tensors(state["exp_avg"], "cpu") == ["qmap"]
+    assert lowbit.misplaced_inner_tensors(state["exp_avg_sq"], "cpu") == []
+    with pytest.raises(RuntimeError, match="optimizer state exp_avg of weight.qmap is on meta, expected cpu") as e:
+        lowbit.check_devices(model, opt)  # expected: the device the parameter reports
+    assert "\n" not in str(e.value)
+
+    nf4 = _nf4_linear("cpu")
+    lowbit.fill_nf4(nf4[0].weight, torch.randn(256, 128))
+    lowbit.check_devices(nf4)
+    nf4[0].weight.nf4 = nf4[0].weight.nf4.to("meta")
+    assert lowbit.misplaced_inner_tensors(nf4[0].weight, "cpu") == ["nf4"]
+    with pytest.raises(RuntimeError, match=r"parameter 0.weight.nf4 is on meta, expected cpu \(its NF4Tensor"):
+        lowbit.check_devices(nf4)
 
 
 # ----------------------------------------------------------------------------------------------

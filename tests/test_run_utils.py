@@ -372,3 +372,51 @@ def test_help_prints_every_setting_grouped_and_exits_0(script, flag):
     listed = re.findall(r"^  --([a-z0-9_]+)=", r.stdout, flags=re.M)
     assert listed == [n.lower() for n in constants(script)]
     assert "\nmodels and data\n" in r.stdout and '  --seed=0 (int): ' in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# an unexpected failure is locatable from the log, the output folder and torchrun's summary
+
+_FAILING_STEP = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+import algorithms.flux_kontext as km
+
+def broken_loss(*args, **kwargs):
+    raise RuntimeError("injected failure in the loss")
+
+km.flow_matching_loss = broken_loss
+sys.argv = ["train_flux_kontext.py", "--max_steps=2", "--output_dir={out}", "--sample_every=0", "--val_every=0"]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_an_unexpected_error_in_a_step_shows_its_traceback(tmp_path):
+    import subprocess
+    from tests.conftest import ROOT, launch_env
+    out, error_file = tmp_path / "out", tmp_path / "elastic_error.json"
+    driver = tmp_path / "driver.py"
+    driver.write_text(_FAILING_STEP.format(root=ROOT, out=out, script=os.path.join(ROOT, "train_flux_kontext.py")))
+    r = subprocess.run([sys.executable, str(driver)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=launch_env(TORCHELASTIC_ERROR_FILE=str(error_file)))
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback (most recent call last)" in r.stderr and "in micro_batch_loss" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.rstrip().endswith("[rank 0] error: RuntimeError: injected failure in the loss")
+    saved = (out / "error_rank0.txt").read_text()
+    assert "in micro_batch_loss" in saved and "in broken_loss" in saved
+    record = json.loads(error_file.read_text())["message"]
+    assert "injected failure" in record["message"] and "micro_batch_loss" in record["extraInfo"]["py_callstack"]
+
+
+def test_launches_keep_the_callers_pythonpath(tmp_path, monkeypatch):
+    import subprocess
+    from tests.conftest import ROOT, launch_env
+    (tmp_path / "only_on_the_callers_path.py").write_text("VALUE = 7\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    env = launch_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, str(tmp_path)]
+    r = subprocess.run([sys.executable, "-c", "import only_on_the_callers_path, run_utils; "
+                        "print(only_on_the_callers_path.VALUE)"], env=env, capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.stdout.strip() == "7", r.stderr

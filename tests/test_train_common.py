@@ -102,42 +102,72 @@ def test_one_host_sync_per_step_outside_logging_steps(script, args, tmp_path):
     assert _reads_per_step(script, args, tmp_path) == 1
 
 
-def test_throughput_fields_from_the_window(monkeypatch):
+def test_throughput_fields_from_the_window():
     """images/s (and tokens/s) from the window's mean step time, the data wait against the rest,
-    MFU against the GPU's peak where one is known; nothing CUDA on a CPU run."""
+    MFU = the model FLOPs' time at the GPU's peaks over the step time; nothing CUDA on a CPU run."""
     d = type("D", (), {"device": torch.device("cpu")})()
-    metrics = {"loss": 1.0, "step_s": 0.5, "data_wait_ms": 100.0, "flops": 2e12}
+    metrics = {"loss": 1.0, "step_s": 0.5, "data_wait_ms": 100.0}
     out = train_common.throughput(metrics, {"images": 64, "tokens": 64 * 2048}, d)
     assert out == pytest.approx({"images_per_s": 128.0, "tokens_per_s": 128.0 * 2048, "compute_ms": 400.0})
-    assert "step_s" not in metrics and "flops" not in metrics  # turned into rates, not logged raw
+    assert "step_s" not in metrics  # turned into rates, not logged raw
     assert train_common.peak_tflops(torch.device("cpu")) is None
-    monkeypatch.setattr(train_common, "peak_tflops", lambda device: 8.0)  # a GPU with an 8 TFLOP/s peak
-    out = train_common.throughput({"step_s": 0.5, "flops": 2e12}, {"images": 1}, d)
-    assert out["mfu"] == pytest.approx(2e12 / 0.5 / 8e12)
+    metrics = {"step_s": 0.5, "peak_s": 0.2}
+    assert train_common.throughput(metrics, {"images": 1}, d)["mfu"] == pytest.approx(0.4)
+    assert "peak_s" not in metrics
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, checkpointed: bool = False):
+        super().__init__()
+        self.a, self.b, self.checkpointed = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4), checkpointed
+
+    def forward(self, x):
+        if self.checkpointed:  # AC: a's forward runs again in backward
+            return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+        return self.b(self.a(x))
+
+
+def test_model_flops_are_the_watched_forwards_times_three_with_gradients():
+    import precision
+    fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
+    for checkpointed in (False, True):
+        net, other = _Net(checkpointed), torch.nn.Linear(16, 16)
+        flops = train_common.ModelFlops([net])
+        x = torch.randn(8, 16)
+        net(x).sum().backward()  # not counting yet
+        with flops.counting():
+            net(x).sum().backward()  # forward + backward: 3x, the recomputation not counted
+            with torch.no_grad():
+                net(x)  # forward only: 1x
+            other(x) @ torch.randn(16, 16)  # not a watched model
+        assert flops.by_kind == {"tf32" if precision.tf32_matmuls() else "fp32": 4 * fwd}, checkpointed
 
 
 def test_flops_counted_once_per_kind_of_step(monkeypatch):
     cpu = type("D", (), {"device": torch.device("cpu")})()
-    run = type("R", (), {"config": {"COMPILE": False}, "flops": {}, "d": cpu})()
+    run = train_common.Run({"COMPILE": False}, "", cpu, None, None, None)
+    train_common.watch_model_flops(run, [torch.nn.Linear(4, 4)])  # no MFU on a CPU: nothing watched
+    assert run.model_flops is None
     logs = {}
-    with train_common.counting_flops(run, "big", logs):  # no MFU on a CPU: nothing counted
-        torch.randn(8, 16) @ torch.randn(16, 4)
+    with train_common.counting_flops(run, "big", logs):
+        pass
     assert logs == {} and run.flops == {}
-    monkeypatch.setattr(train_common, "peak_tflops", lambda device: 8.0)  # a GPU with a known peak
-    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    monkeypatch.setattr(train_common, "peak_tflops", lambda device: {"bf16": 8.0, "tf32": 4.0, "fp32": 1.0})
+    net = _Net().to(torch.bfloat16)
+    train_common.watch_model_flops(run, [net])
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    logs = {}
+    with train_common.counting_flops(run, "big", logs), torch.no_grad():
+        net(x)
+    fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
+    assert run.flops["big"] == {"bf16": fwd} and logs["peak_s"] == pytest.approx(fwd / 8e12)
     logs = {}
     with train_common.counting_flops(run, "big", logs):
-        a @ b
-    assert logs["flops"] == run.flops["big"] == 2 * 8 * 16 * 4
-    logs = {}
-    with train_common.counting_flops(run, "big", logs):
-        a @ b @ torch.randn(4, 4)  # not counted again: the kind's count is reused
-    assert logs["flops"] == 2 * 8 * 16 * 4
-    compiled = type("R", (), {"config": {"COMPILE": True}, "flops": {}, "d": cpu})()
-    logs = {}
-    with train_common.counting_flops(compiled, "big", logs):
-        a @ b
-    assert logs == {} and compiled.flops == {}
+        net(x).sum().backward()  # not counted again: the kind's count is reused
+    assert logs["model_tflop"] == pytest.approx(fwd / 1e12)
+    compiled = train_common.Run({"COMPILE": True}, "", cpu, None, None, None)
+    train_common.watch_model_flops(compiled, [net])
+    assert compiled.model_flops is None
 
 
 def test_counting_flops_computes_exactly_what_an_uncounted_step_does():
@@ -158,3 +188,21 @@ def test_counting_flops_computes_exactly_what_an_uncounted_step_does():
         results.append([out.detach()] + [p.grad for p in model.parameters()])
     assert counter.total > 2 * 4 * 8 * 6 * 6 * 8 * 3 * 3  # the convolutions and the linear layer were counted
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_flop_kind_reads_tf32_through_the_api_that_set_it():
+    """torch >= 2.9 refuses to read the legacy allow_tf32 flag once fp32_precision was set (as
+    precision.apply_tf32 does): the first GPU run's DMD2 steps died on it."""
+    import precision
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+    try:
+        for on in (True, False):
+            precision.apply_tf32(on)
+            assert train_common.flop_kind(torch.float32) == ("tf32" if on else "fp32")
+        assert train_common.flop_kind(torch.bfloat16) == "bf16"
+    finally:
+        if hasattr(matmul, "fp32_precision"):
+            matmul.fp32_precision = before
+        else:
+            matmul.allow_tf32 = before
