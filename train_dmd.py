@@ -68,15 +68,15 @@ from run_utils import ConfigError, print0
 
 # models and data
 MODEL_PATH = ""  # SD-1.5 or SDXL diffusers folder (model_index.json says which); "" = the shipped shapes teacher
-DATA_PATH = ""  # prompts: a .txt (one a line), a .jsonl ("prompt"; "image" for the GAN), a folder of .txt captions (+ same-stem images for the GAN), or a datasets folder / parquet / hub name (README, Your data); "" = the teacher's prompts (or images)
-REAL_DATA_PATH = ""  # GAN real images apart from the prompts, as the official code draws them: a folder of images (same-stem .txt captions optional), a .jsonl with "image", or a datasets table; "" = DATA_PATH's "image"
+DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
+REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
 RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
 IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
-CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (drawn from SEED, step and sample: exact on resume)
+CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
@@ -85,10 +85,10 @@ SEED = 0  # data order, noise, timesteps, sample seeds: all drawn from (SEED, st
 # optimizer: AdamW (0.9, 0.999), weight decay 0.01, as published
 GENERATOR_LR = 1e-5  # the generator's learning rate
 GUIDANCE_LR = 1e-5  # the fake score's (+ GAN head's)
-OPTIMIZER = "adamw"  # adamw (torch's fused AdamW, fp32 states: 8 bytes/param) | adamw8bit | adamw4bit (torchao's block-quantised states, ~2 / ~1 byte/param; parallel/lowbit.py)
-WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (official --warmup_step 500 / 64 GPUs = 7.8125, see make_optimizer)
+OPTIMIZER = "adamw"  # adamw (torch fused, fp32 states) | adamw8bit | adamw4bit (torchao)
+WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (official: 7.8125)
 MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
-EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it; DMD2: of the generator, per generator step
+EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled and exported
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 1.75  # teacher CFG scale inside the distribution-matching loss
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
@@ -101,35 +101,35 @@ GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
 DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_GAN_MAX_TIMESTEP first
 DIFFUSION_GAN_MAX_TIMESTEP = 1000  # published stage 2: the whole range
-GAN_HEAD_FEATURES = "mid"  # the head reads the fake UNet's bottleneck (mid, published) | its up-path output at latent resolution (up; not in the paper: for latents whose bottleneck is too coarse)
+GAN_HEAD_FEATURES = "mid"  # the GAN head reads the bottleneck (mid, published) | the up-path output (up)
 # LoRA
-LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (DMD2: the generator's; the official --generator_lora path, main/sd_unified_model.py:44-69, rank 64, alpha 8)
+LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters on the generator (official run: 64)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; UNet: to_q, to_k, to_v, to_out.0; the official DMD2 LoRA run's 14 are DMD2_LORA_TARGETS there, as recipes/dmd_*_lora.sh pass them)
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
-LORA_INIT = "gaussian"  # lora_A's init (lora_B = 0: training starts at the base): gaussian (N(0, 1/rank²), diffusers' LoRA examples) | default (peft's kaiming-uniform, the official DMD2 LoRA run)
-BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = PRECISION's compute dtype, nf4 = torchao 4-bit NormalFloat Linear weights (QLoRA, ~0.52 byte/param), dequantised to the compute dtype on use (parallel/lowbit.py)
+LORA_INIT = "gaussian"  # lora_A's init: gaussian (diffusers' examples) | default (peft's, the official DMD2 run)
+BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 = 4-bit NormalFloat (QLoRA)
 FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too (same settings) instead of all weights
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
-FAKE_SCORE_FP32 = True  # the fake score computes in fp32 (as published: the DM loss runs it "at full precision", main/sd_guidance.py:191; its own loss then too, where the official uses bf16 autocast); False = PRECISION's compute dtype
+FAKE_SCORE_FP32 = True  # the fake score computes in fp32, as published; False = the compute dtype
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
-TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype; "" = PRECISION's compute dtype (the official DMD2 code keeps CLIP in fp32)
-VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype (DMD2 on SDXL: fp32, its VAE overflows in half precision)
-TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32 (~7x fp32 speed on an H100; the official DMD2 code turns it on); False = strict fp32
+TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype; "" = PRECISION's compute dtype
+VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype (SDXL: fp32)
+TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
 VAE_PATH = ""  # a VAE folder to use instead of MODEL_PATH/vae (e.g. an fp16-safe SDXL VAE); linked into the export
 EXPORT_DTYPE = "fp32"  # dtype of the exported trained model (fp16/bf16 halve the file)
 # parallelism
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; DMD2: no GAN head)
-BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py; UNet: BasicTransformerBlock, ResnetBlock2D, as DMD2's FSDP config)
-DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across; must divide the world
-RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3; re-gathered in backward); False = ZeRO-2-like
+BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
+DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
+RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3); False = ZeRO-2-like
 CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
-ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations (the published run used it on GPUs)
+ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
 PREFETCH = 0  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
-ATTENTION_BACKEND = "native"  # attention kernel: native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | _native_efficient | _native_math | a diffusers dispatcher backend (FLUX: flash, _flash_3, sage, ...); checked at start (parallel/attention.py)
+ATTENTION_BACKEND = "native"  # native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | ...; checked at start
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
@@ -139,13 +139,13 @@ KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training goes on
 RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
 INIT_FROM = ""  # a checkpoint folder whose generator and fake score start a fresh run (stage 2 from stage 1)
-GENERATOR_INIT = ""  # a diffusers UNet folder or .safetensors state dict that starts the generator (and its EMA) only, the fake score from the teacher: the official --generator_ckpt_path (main/train_sd.py:79-82; SDXL 1-step: the ODE-pretrained generator); full fine-tuning only
-LOG_EVERY = 10  # steps between log lines / metrics.jsonl records (means over those steps), and one at MAX_STEPS; 0 = none
-REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
+GENERATOR_INIT = ""  # a UNet folder or .safetensors that starts the generator only (--generator_ckpt_path)
+LOG_EVERY = 10  # steps between log lines / metrics.jsonl records, and one at MAX_STEPS; 0 = none
+REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard | wandb | tensorboard,wandb
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 25  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
-SAMPLE_PROMPTS = ""  # the sample grids' own prompts, any DATA_PATH kind (Kontext: rows with "control", the input image; "target" optional); "" = from the data (DMD2: its first distinct prompts; Kontext: the held-out pairs)
+SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "control"); "" = from the data
 SAMPLE_COUNT = 8  # fixed prompts (the first distinct ones of SAMPLE_PROMPTS or the data) and seeds in every grid
 
 # ----------------------------------------------------------------------------------------------

@@ -78,17 +78,17 @@ from run_utils import ConfigError, print0
 
 # models and data
 MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
-DATA_PATH = ""  # pairs: a .jsonl {"control", "target", "prompt"}, a folder of targets + same-stem .txt captions (+ CONTROL_PATH), or a datasets folder / parquet / hub name (README, Your data); "" = the shipped "make it blue" pairs (assets/kontext_blue)
-CONTROL_PATH = ""  # folder layout: the input (control) images, matched to DATA_PATH's targets by file stem; "" = DATA_PATH/control
-VAL_DATA_PATH = ""  # held-out pairs for samples and validation (any DATA_PATH kind; its first NUM_SAMPLE_PAIRS); "" = the last NUM_SAMPLE_PAIRS rows of DATA_PATH, never trained on
+DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
+CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
+VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last NUM_SAMPLE_PAIRS of DATA_PATH
 OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
 RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
-CONTROL_COLUMN = ""  # datasets sources: the input image column; "" = the first of control, context, source (or image beside target)
+CONTROL_COLUMN = ""  # datasets sources: the input image column; "" = control, context or source
 TARGET_COLUMN = ""  # datasets sources: the edited image column; "" = target or edited (or image beside control)
-CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (drawn from SEED, step and sample: exact on resume)
+CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
 TEXT_CACHE_DIR = ""  # text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
 BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
 RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
@@ -102,7 +102,7 @@ LR = 1e-5  # learning rate (full fine-tunes of FLUX use ~1e-5; LoRA uses ~1e-4)
 ADAM_BETAS = [0.9, 0.999]  # AdamW betas (torch / diffusers example defaults)
 WEIGHT_DECAY = 1e-4  # AdamW weight decay: diffusers' Kontext example's --adam_weight_decay default
 ADAM_EPS = 1e-8  # AdamW epsilon
-OPTIMIZER = "adamw"  # adamw (torch's fused AdamW, fp32 states: 8 bytes/param) | adamw8bit | adamw4bit (torchao's block-quantised states, ~2 / ~1 byte/param; parallel/lowbit.py)
+OPTIMIZER = "adamw"  # adamw (torch fused, fp32 states) | adamw8bit | adamw4bit (torchao)
 WARMUP_STEPS = 10  # linear LR warmup over this many steps, then constant
 MAX_GRAD_NORM = 1.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it
@@ -118,28 +118,28 @@ LOSS_WEIGHTING = "none"  # none | sigma_sqrt | cosmap (diffusers' compute_loss_w
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py; FLUX: diffusers' Kontext LoRA example's attention + MLP projections)
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
-LORA_INIT = "gaussian"  # lora_A's init (lora_B = 0: training starts at the base): gaussian (N(0, 1/rank²), diffusers' LoRA examples) | default (peft's kaiming-uniform, the official DMD2 LoRA run)
-BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = PRECISION's compute dtype, nf4 = torchao 4-bit NormalFloat Linear weights (QLoRA, ~0.52 byte/param), dequantised to the compute dtype on use (parallel/lowbit.py)
+LORA_INIT = "gaussian"  # lora_A's init: gaussian (diffusers' examples) | default (peft's, the official DMD2 run)
+BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 = 4-bit NormalFloat (QLoRA)
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
 TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype (here: for the text cache); "" = PRECISION's compute dtype
 VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype
-TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32 (~7x fp32 speed on an H100; the official DMD2 code turns it on); False = strict fp32
+TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
 EXPORT_DTYPE = "bf16"  # dtype of the exported trained model (fp16/bf16 halve the file)
 # parallelism
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
-BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py; FLUX: each FluxTransformerBlock and FluxSingleTransformerBlock)
-DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across; must divide the world
+BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
+DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
 CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see README
-RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3; re-gathered in backward); False = ZeRO-2-like
+RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3); False = ZeRO-2-like
 CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
 PREFETCH = 1  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
-ATTENTION_BACKEND = "native"  # attention kernel: native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | _native_efficient | _native_math | a diffusers dispatcher backend (FLUX: flash, _flash_3, sage, ...); checked at start (parallel/attention.py)
+ATTENTION_BACKEND = "native"  # native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | ...; checked at start
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
 COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuck rank); > the slowest save
@@ -148,13 +148,13 @@ SAVE_EVERY = 100  # steps between checkpoints, and always one at MAX_STEPS; 0 = 
 KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training goes on
 RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
-LOG_EVERY = 10  # steps between log lines / metrics.jsonl records (means over those steps), and one at MAX_STEPS; 0 = none
-REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard (OUTPUT_DIR/tensorboard) | wandb | tensorboard,wandb
+LOG_EVERY = 10  # steps between log lines / metrics.jsonl records, and one at MAX_STEPS; 0 = none
+REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard | wandb | tensorboard,wandb
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 100  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
-SAMPLE_PROMPTS = ""  # the sample grids' own prompts, any DATA_PATH kind (Kontext: rows with "control", the input image; "target" optional); "" = from the data (DMD2: its first distinct prompts; Kontext: the held-out pairs)
-NUM_SAMPLE_PAIRS = 4  # held-out pairs (the last rows of DATA_PATH, or VAL_DATA_PATH's first), never trained on, for samples and validation
+SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "control"); "" = from the data
+NUM_SAMPLE_PAIRS = 4  # held-out pairs, never trained on, for samples and validation
 SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
 SAMPLE_GUIDANCE = 2.5  # guidance for samples (FluxKontextPipeline's default)
 VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none

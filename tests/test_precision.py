@@ -76,3 +76,32 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path):
     assert cpu_bf16_warning(get_precision("bf16-mixed"), cpu, str(amx)) is None
     assert cpu_bf16_warning(get_precision("fp32"), cpu, str(avx2)) is None
     assert cpu_bf16_warning(get_precision("bf16"), torch.device("cuda", 0), str(avx2)) is None
+
+
+def test_adapter_policy_reduces_in_fp32_in_every_mode():
+    for name in ("fp32", "bf16-mixed", "bf16"):
+        p = precision.get_precision(name).adapter_mp_policy()
+        assert p.reduce_dtype == torch.float32 and p.output_dtype == torch.float32, name
+        assert p.param_dtype == precision.get_precision(name).compute_dtype, name
+
+
+def _adapter_grads_reduced_in_fp32(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    adapter = torch.nn.Linear(64, 64, bias=False)  # fp32 storage, as LoRA adapters are
+    fully_shard(adapter, mesh=init_device_mesh("cpu", (world,)),
+                mp_policy=precision.get_precision("bf16-mixed").adapter_mp_policy())
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))  # other data on each rank
+    adapter(x).square().sum().backward()
+    grad = adapter.weight.grad.to_local()
+    # each rank's grad is bf16 (the compute dtype); their mean taken in fp32 needs more than bf16's
+    # 8 bits of mantissa, a mean taken in bf16 never does
+    assert grad.dtype == torch.float32
+    assert not torch.equal(grad.to(torch.bfloat16).float(), grad), "adapter grads were reduced in bf16"
+
+
+@pytest.mark.slow
+def test_adapter_grads_are_reduced_in_fp32_across_ranks():
+    from tests.conftest import run_ranks
+    run_ranks(_adapter_grads_reduced_in_fp32, 2)

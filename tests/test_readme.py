@@ -1,5 +1,5 @@
-"""README stays true: every setting of both scripts is documented, and the Quickstart has exactly
-two commands.
+"""README.md and docs/ stay true: every setting documented with its default and comment, the
+Quickstart has exactly two commands, README's commands name settings, files and links that exist.
 
     python -m pytest tests/test_readme.py -q
 """
@@ -8,10 +8,17 @@ import re
 
 from tests.conftest import ROOT
 
+SCRIPTS = ("train_dmd.py", "train_flux_kontext.py")
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
 
 def constants(path):
     names = []
-    for line in open(os.path.join(ROOT, path)):
+    for line in read(path).splitlines():
         if line.startswith(("def ", "class ")):
             break
         m = re.match(r"^([A-Z][A-Z0-9_]*) = [^\n]*#", line)  # a setting: constant + its comment
@@ -20,15 +27,15 @@ def constants(path):
     return names
 
 
-def test_every_constant_is_in_the_readme():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    for script in ("train_dmd.py", "train_flux_kontext.py"):
-        missing = [n for n in constants(script) if f"`{n}`" not in readme]
-        assert not missing, f"{script}: constants missing from README.md: {missing}"
+def test_every_constant_is_in_the_settings_doc():
+    doc = read("docs/settings.md")
+    for script in SCRIPTS:
+        missing = [n for n in constants(script) if f"`{n}`" not in doc]
+        assert not missing, f"{script}: constants missing from docs/settings.md: {missing}"
 
 
 def test_constants_tables_are_generated_from_the_scripts():
-    """Defaults and comments in README.md equal the scripts' (python tools/readme_constants.py)."""
+    """Defaults and comments in docs/settings.md equal the scripts' (python tools/readme_constants.py)."""
     import subprocess
     import sys
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "readme_constants.py"), "--check"],
@@ -37,6 +44,52 @@ def test_constants_tables_are_generated_from_the_scripts():
 
 
 def test_quickstart_has_two_commands():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    quick = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    quick = read("README.md").split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     assert quick.count("```bash") == 2
+
+
+def test_readme_is_short():
+    assert len(read("README.md").splitlines()) <= 250
+
+
+def test_readme_flags_are_the_scripts_settings():
+    """Every --name in README's Kontext section and its diffusers table is a train_flux_kontext.py
+    setting; every --name in the DMD2 section a train_dmd.py one."""
+    readme = read("README.md")
+    kontext = readme.split("## Kontext:", 1)[1].split("\n## ", 1)[0]
+    diffusers_column = {m for row in kontext.splitlines() if row.startswith("| `--")
+                        for m in re.findall(r"`--([a-z_0-9]+)", row.split("|")[1])}
+    ours = {m for m in re.findall(r"--([a-z_0-9]+)", kontext)} - diffusers_column - {"nproc_per_node", "name"}
+    settings = {n.lower() for n in constants("train_flux_kontext.py")}
+    assert ours and ours <= settings, sorted(ours - settings)
+    dmd = readme.split("## DMD2 on", 1)[1].split("\n## ", 1)[0]
+    assert {m for m in re.findall(r"--([a-z_0-9]+)", dmd)} <= {n.lower() for n in constants("train_dmd.py")}
+
+
+def test_readme_names_files_that_exist():
+    readme = read("README.md")
+    paths = set(re.findall(r"\b((?:recipes|demos|tools|docs|assets)/[\w./-]+\.(?:sh|py|md|png|sbatch))", readme))
+    paths |= set(re.findall(r"\]\(((?:docs/)[\w./-]+)(?:#[\w-]+)?\)", readme))
+    missing = [p for p in sorted(paths) if not os.path.exists(os.path.join(ROOT, p))]
+    assert paths and not missing, missing
+    tree = readme.split("## Files", 1)[1].split("```", 2)[1]
+    for line in tree.strip().splitlines():
+        name = line.split()[0]
+        assert os.path.exists(os.path.join(ROOT, name.rstrip("/"))), name
+
+
+def test_docs_links_resolve():
+    for name in os.listdir(os.path.join(ROOT, "docs")):
+        if not name.endswith(".md"):
+            continue
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", read(f"docs/{name}")):
+            if target.startswith("http"):
+                continue
+            assert os.path.exists(os.path.join(ROOT, "docs", target)), f"docs/{name}: {target}"
+
+
+def test_recipes_pass_what_the_readme_says():
+    """The Kontext LoRA command shown equals the recipe's effective step: rank 16, alpha 4, LR 1e-4."""
+    recipe = read("recipes/kontext_lora.sh")
+    for flag in ("--lora_rank=16", "--lora_alpha=4", "--lr=1e-4"):
+        assert flag in recipe and flag in read("README.md"), flag

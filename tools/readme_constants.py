@@ -1,8 +1,8 @@
-"""Regenerate README.md's "Every constant" tables from the scripts' headers (each UPPER_CASE
-setting with its default and its one-line comment), so the README cannot drift from the code.
+"""Regenerate docs/settings.md's "Every constant" tables from the scripts' headers (each UPPER_CASE
+setting with its default and its one-line comment), so the docs cannot drift from the code.
 
-    python tools/readme_constants.py          # rewrite the tables in README.md
-    python tools/readme_constants.py --check  # exit 1 if README.md is out of date (tests do this)
+    python tools/readme_constants.py          # rewrite the tables in docs/settings.md
+    python tools/readme_constants.py --check  # exit 1 if docs/settings.md is out of date (tests do this)
 """
 from __future__ import annotations
 
@@ -35,27 +35,27 @@ def table(script: str) -> str:
 
 
 def render(readme: str) -> str:
-    """README text with each script's table (the one after the line "`SCRIPT`") replaced."""
+    """The settings doc with each script's table (the one after the line "`SCRIPT`") replaced."""
     for script in SCRIPTS:
         pattern = re.compile(rf"(`{re.escape(script)}`\n\n)\| constant \| default \| meaning \|\n(?:\|.*\n)+")
         if not pattern.search(readme):
-            raise SystemExit(f"README.md: no constants table after `{script}`")
+            raise SystemExit(f"docs/settings.md: no constants table after `{script}`")
         readme = pattern.sub(lambda m: m.group(1) + table(script) + "\n", readme, count=1)
     return readme
 
 
 def main(argv: list[str]) -> int:
-    path = os.path.join(ROOT, "README.md")
+    path = os.path.join(ROOT, "docs", "settings.md")
     old = open(path, encoding="utf-8").read()
     new = render(old)
     if "--check" in argv:
         if new != old:
-            print("README.md constants tables are out of date: run python tools/readme_constants.py")
+            print("docs/settings.md constants tables are out of date: run python tools/readme_constants.py")
             return 1
         return 0
     if new != old:
         open(path, "w", encoding="utf-8").write(new)
-        print("README.md: constants tables updated")
+        print("docs/settings.md: constants tables updated")
     return 0
 
 
