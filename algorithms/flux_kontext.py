@@ -96,10 +96,11 @@ def latent_image_ids(h: int, w: int, index: int = 0, device=None, dtype=torch.fl
     """
     _check_even(h, w)
     hh, ww = h // 2, w // 2
-    rows = torch.arange(hh, dtype=torch.float32).repeat_interleave(ww)
-    cols = torch.arange(ww, dtype=torch.float32).repeat(hh)
+    # made where they are used: no host-to-device copy in the step (small integers: exact in any float dtype)
+    rows = torch.arange(hh, dtype=torch.float32, device=device).repeat_interleave(ww)
+    cols = torch.arange(ww, dtype=torch.float32, device=device).repeat(hh)
     first = torch.full_like(rows, float(index))
-    return torch.stack([first, rows, cols], dim=-1).to(device=device, dtype=dtype)
+    return torch.stack([first, rows, cols], dim=-1).to(dtype=dtype)
 
 
 def build_model_inputs(
@@ -255,6 +256,8 @@ def transformer_forward(
         g = None
     elif guidance is None:
         raise ValueError("this transformer has guidance embeddings: pass a guidance scale (e.g. 1.0)")
+    elif isinstance(guidance, (int, float)):  # a fill on the device, not a host-to-device copy
+        g = torch.full((batch,), float(guidance), dtype=torch.float32, device=device)
     else:
         g = torch.as_tensor(guidance, dtype=torch.float32, device=device).reshape(-1)
         if g.numel() == 1:
