@@ -55,14 +55,18 @@ def installed() -> list[str]:
     """The dispatcher backends whose packages are present here (diffusers' own requirement check),
     without those that download kernels or need another accelerator."""
     from diffusers.models import attention_dispatch as ad
+    check = getattr(ad, "_check_attention_backend_requirements", None)  # private: absent in some releases
     names = []
     for name in dispatcher_names():
         if any(name.endswith(s) or s + "_" in name for s in _NOT_HERE):
             continue
         if name == "_native_cudnn" and not torch.cuda.is_available():
             continue
+        if check is None and name not in TORCH_SDPA:
+            continue
         try:
-            ad._check_attention_backend_requirements(ad.AttentionBackendName(name))
+            if check is not None:
+                check(ad.AttentionBackendName(name))
         except (RuntimeError, ImportError):
             continue
         names.append(name)
