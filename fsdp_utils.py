@@ -6,9 +6,8 @@ shards, resharding, AdamW over DTensor params.
 Everything here calls PyTorch directly. Which modules are a model's units, and in which order, is
 the model's recipe in parallel/parallelize.py; LoRA, EMA, compile, context parallelism, loading and
 the memory report are in parallel/ too. Run control (errors, signals, settings, logging) is
-run_utils.py; data order and files are data_utils.py.
+run_utils.py; data order and files are data_utils.py. The memory planner is tools/memory_plan.py.
 
-    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     python -m pytest tests/test_fsdp_utils.py -q
 """
 from __future__ import annotations
@@ -468,14 +467,3 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
-
-
-
-if __name__ == "__main__":
-    # `python fsdp_utils.py plan --model=NAME --world_size=N ...` runs the memory planner
-    # (tools/memory_plan.py) as a program: a dispatch, not an import, so no module cycle
-    if sys.argv[1:2] != ["plan"]:
-        sys.exit("usage: python fsdp_utils.py plan --model=NAME --world_size=N [--gpu_memory_gb=G] ...")
-    import runpy
-    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "memory_plan.py")] + sys.argv[2:]
-    runpy.run_path(sys.argv[0], run_name="__main__")

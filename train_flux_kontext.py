@@ -13,7 +13,7 @@ once before training to fill an on-disk embedding cache and are freed.
     # one process, for debugging (same numbers as 2 ranks with half the per-rank batch)
     python train_flux_kontext.py --batch_size=2 --max_steps=20
     # real weights on 4 x 24 GB GPUs, the settings that
-    #   python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
+    #   python tools/memory_plan.py --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     # finds to fit: edit the paths, then
     bash recipes/kontext_4x24gb.sh
     # the "make it blue" demo: fine-tune the shipped base, then score base vs tuned
