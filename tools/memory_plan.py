@@ -84,11 +84,11 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
+from components.errors import ConfigError  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
 from parallel import models  # noqa: E402  (the one table of per-model facts)
 from parallel.parallelize import parallelize  # noqa: E402  (the recipes)
-from run_utils import ConfigError  # noqa: E402
 from precision import dtype_name, get_precision  # noqa: E402
 
 GIB = 2**30
