@@ -1,14 +1,14 @@
 """Distributed training mechanics, and only that: process groups (with a single-process fallback),
 device meshes (FSDP, HSDP, data x context parallel), generic FSDP2 sharding of a model's units
 (`fully_shard` per unit, then the root), DDP, frozen parts, sharding checks, clipping over DTensor
-shards, resharding, AdamW over DTensor params.
+shards, resharding.
 
 Everything here calls PyTorch directly. Which modules are a model's units, and in which order, is
 the model's recipe in parallel/parallelize.py; LoRA, EMA, compile, context parallelism, loading and
-the memory report are in parallel/ too. Run control (errors, signals, settings, logging) is
-run_utils.py; data order and files are data_utils.py.
+the memory report are in parallel/ too. Run control (errors, signals, settings, logging) and the
+optimizer are in components/; data order and files in data/. The memory planner is
+tools/memory_plan.py.
 
-    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     python -m pytest tests/test_fsdp_utils.py -q
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from run_utils import ConfigError, barrier, print0, rank, world_size
+from components.dist import barrier, print0, rank, world_size
+from components.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------
 # process groups and meshes
@@ -438,23 +439,7 @@ def reshard_all(model: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# optimizer, gradients
-
-FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")  # where torch has a fused AdamW kernel
-
-
-def adamw(params, **kwargs) -> torch.optim.AdamW:
-    """torch's AdamW over (possibly DTensor) params, with its fused kernel where the params' devices
-    have one. AdamW's default for DTensor params is the per-tensor loop: every elementwise op
-    dispatches through DTensor once per param (~700 per SD UNet). Measured on 2 CPU ranks for an
-    FSDP2 UNet of 78 M params (fp32, one thread per rank): per-tensor 0.36 s a step, foreach 0.17 s,
-    fused 0.06 s; on the same shards as plain tensors (what FSDP1's use_orig_params views are)
-    torch's default (foreach) takes 0.13 s, fused 0.03 s.
-    Same algorithm, same state_dict layout; fused differs from foreach only in rounding."""
-    params = list(params)
-    fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {"foreach": True}))
-
+# gradients
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Total grad norm over (possibly DTensor) grads, clipped to max_norm when max_norm > 0.
@@ -468,14 +453,3 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
-
-
-
-if __name__ == "__main__":
-    # `python fsdp_utils.py plan --model=NAME --world_size=N ...` runs the memory planner
-    # (tools/memory_plan.py) as a program: a dispatch, not an import, so no module cycle
-    if sys.argv[1:2] != ["plan"]:
-        sys.exit("usage: python fsdp_utils.py plan --model=NAME --world_size=N [--gpu_memory_gb=G] ...")
-    import runpy
-    sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "memory_plan.py")] + sys.argv[2:]
-    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -10,7 +10,7 @@ scales, as published):
     (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
-The math lives in algorithms/dmd2.py; what both scripts do around the loop in train_common.py;
+The math lives in algorithms/dmd2.py; what both scripts do around the loop in components/trainer.py;
 this file builds the models and runs the loop. The pipeline kind comes from MODEL_PATH's
 model_index.json: StableDiffusionPipeline (CLIP text embeddings) or StableDiffusionXLPipeline
 (two text encoders, added time/text conditions, fp32 VAE), through the same loop.
@@ -48,11 +48,20 @@ import torch
 import torch.nn as nn
 
 import checkpoint
-import data_utils
 import fsdp_utils
-import run_utils
-import train_common
 from algorithms import dmd2 as dm
+from components import trainer
+from components.config import check_settings, script_constants
+from components.dist import print0, rank
+from components.errors import ConfigError, run_main
+from components.metrics import counting_flops, watch_model_flops
+from components.optim import warmup_scheduler
+from data import randomness
+from data.batches import global_batch_indices, micro_batch_positions
+from data.images import load_image, save_image_grid
+from data.prefetch import Prefetcher
+from data.randomness import drop_captions, per_sample_draws, sample_generator, step_generator
+from data.sources import read_rows, source_kind
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel import attention, lowbit
@@ -60,11 +69,10 @@ from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize, parallelize_unet
 from precision import Precision, component_row, get_precision, parse_dtype
-from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
-# settings are in the same order in train_flux_kontext.py, and mean the same: train_common.py)
+# settings are in the same order in train_flux_kontext.py, and mean the same: components/trainer.py)
 
 # models and data
 MODEL_PATH = ""  # SD-1.5 or SDXL diffusers folder (model_index.json says which); "" = the shipped shapes teacher
@@ -149,13 +157,13 @@ SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "contro
 SAMPLE_COUNT = 8  # fixed prompts (the first distinct ones of SAMPLE_PROMPTS or the data) and seeds in every grid
 
 # ----------------------------------------------------------------------------------------------
-# setup: the script's own settings checked before any work (train_common checks the shared ones),
+# setup: the script's own settings checked before any work (components/trainer.py checks the shared ones),
 # the embedded default
 
 
 def validate_config() -> list[int]:
     """Reject bad or contradictory settings before any work. Returns the generator's step list."""
-    run_utils.check_settings({
+    check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
@@ -230,7 +238,7 @@ def resolve_defaults() -> dict:
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
-    return run_utils.script_constants(globals())
+    return script_constants(globals())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,7 +410,7 @@ def init_from(path: str, generator: nn.Module, fake: nn.Module, ema: nn.Module |
 
 def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     """AdamW as published (betas 0.9/0.999, weight decay 0.01; torch's fused kernel, see
-    fsdp_utils.adamw) with the published warmup, its scheduler stepped once per iteration whether
+    components.optim.adamw) with the published warmup, its scheduler stepped once per iteration whether
     or not the optimizer stepped: the official code steps both schedulers every iteration
     (tianweiy/DMD2 main/train_sd.py:383, 408) with diffusers' constant_with_warmup (factor =
     s / warmup_step after s scheduler steps), and accelerate advances a prepared scheduler once per
@@ -410,7 +418,7 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     num_processes iterations (500 / 64 = 7.8125 for the published runs), the first at LR 0."""
     opt = lowbit.make_optimizer(OPTIMIZER, [p for p in module.parameters() if p.requires_grad], lr=lr,
                                 betas=(0.9, 0.999), weight_decay=0.01)
-    return opt, run_utils.warmup_scheduler(opt, warmup_steps, first_step=0)
+    return opt, warmup_scheduler(opt, warmup_steps, first_step=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,20 +431,20 @@ _REAL_ORDER_SALT = 7_919  # REAL_DATA_PATH's epochs are permuted from SEED + thi
 def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", columns: dict | None = None,
               split: str = "train") -> tuple[list[dict], int, list[dict] | None]:
     """(prompt rows {"prompt"[, "image"]}, bad rows skipped, real rows {"image"[, "prompt"]} or
-    None) from any kind of source (data_utils.read_rows: .txt, .jsonl, folder, datasets). The GAN's
+    None) from any kind of source (data.sources.read_rows: .txt, .jsonl, folder, datasets). The GAN's
     real images come from `real_path` when given (with their own captions, "" where none), else
     from the prompt rows' "image". A bad row is a ConfigError naming file:line (or the file /
     dataset row), the same on every rank."""
     own_images = use_gan and not real_path
-    if own_images and data_utils.source_kind(path) == "txt":
+    if own_images and source_kind(path) == "txt":
         raise ConfigError(f"USE_GAN needs real images: DATA_PATH={path!r} holds prompts only; give rows with "
                           "\"image\" (.jsonl, folder, datasets) or REAL_DATA_PATH")
     roles = ("prompt", "image") if own_images else ("prompt",)
-    rows, skipped = data_utils.read_rows(path, roles, roles, skip_bad=skip_bad, columns=columns, split=split)
+    rows, skipped = read_rows(path, roles, roles, skip_bad=skip_bad, columns=columns, split=split)
     if not (use_gan and real_path):
         return rows, skipped, None
-    real, real_skipped = data_utils.read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
-                                              setting="REAL_DATA_PATH", columns=columns, split=split)
+    real, real_skipped = read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
+                                   setting="REAL_DATA_PATH", columns=columns, split=split)
     return rows, skipped + real_skipped, real
 
 
@@ -516,24 +524,24 @@ def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_ti
 
 def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
               real_size: int | None, real_rows: list[dict] | None = None, caption_dropout: float = 0.0) -> list[dict]:
-    """Host side of iteration `it` on this rank (data_utils.Prefetcher runs it a step ahead): per
+    """Host side of iteration `it` on this rank (data.prefetch.Prefetcher runs it a step ahead): per
     micro-batch, this rank's samples' positions in the global batch, their prompts ("" where
     CAPTION_DROPOUT drops one) and (GAN, real_size given) the real images as pixels, on CPU: the
     prompt rows' own, or with `real_rows` (REAL_DATA_PATH) images drawn in their own seeded order
     with their own captions, as the official code draws real images apart from the prompts."""
     global_batch = batch_size * d.world_size * grad_accum
-    indices = data_utils.global_batch_indices(it, global_batch, len(rows), seed)
+    indices = global_batch_indices(it, global_batch, len(rows), seed)
     real_indices = indices
     if real_rows is not None:
-        real_indices = data_utils.global_batch_indices(it, global_batch, len(real_rows), seed + _REAL_ORDER_SALT)
+        real_indices = global_batch_indices(it, global_batch, len(real_rows), seed + _REAL_ORDER_SALT)
     out = []
     for m in range(grad_accum):
-        mine = data_utils.micro_batch_positions(m, batch_size * d.world_size, d.rank, d.world_size)
-        prompts = data_utils.drop_captions([rows[indices[i]]["prompt"] for i in mine], seed, it, mine, caption_dropout)
+        mine = micro_batch_positions(m, batch_size * d.world_size, d.rank, d.world_size)
+        prompts = drop_captions([rows[indices[i]]["prompt"] for i in mine], seed, it, mine, caption_dropout)
         mb = {"mine": mine, "prompts": prompts}
         if real_size is not None:
             source = rows if real_rows is None else real_rows
-            mb["pixels"] = torch.stack([data_utils.load_image(source[real_indices[i]]["image"], real_size, real_size)
+            mb["pixels"] = torch.stack([load_image(source[real_indices[i]]["image"], real_size, real_size)
                                         for i in mine])
             if real_rows is not None:
                 mb["real_prompts"] = [real_rows[real_indices[i]].get("prompt", "") for i in mine]
@@ -548,12 +556,12 @@ def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, 
     another's and any world size or GRAD_ACCUM layout sees the same numbers."""
     out = []
     for host in loaded:
-        mb = data_utils.per_sample_draws(seed, it, host["mine"], device, draw)
+        mb = per_sample_draws(seed, it, host["mine"], device, draw)
         mb["text"] = encode(host["prompts"])
         if "real_prompts" in host:  # REAL_DATA_PATH: the real images' own captions (else their rows' prompts)
             mb["real_text"] = encode(host["real_prompts"])
         if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
-            gens = [data_utils.sample_generator(seed, it, i, device, data_utils.POSTERIOR_STREAM) for i in host["mine"]]
+            gens = [sample_generator(seed, it, i, device, randomness.POSTERIOR_STREAM) for i in host["mine"]]
             mb["real"] = encode_images(vae, host["pixels"], gens)
         out.append(mb)
     return out
@@ -626,7 +634,7 @@ def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: 
     """Fixed sample prompts (the first distinct ones of `rows`: SAMPLE_PROMPTS' or the data's) and
     fixed noise, the same every time."""
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
-    g = data_utils.step_generator(seed, 0, stream=7)
+    g = step_generator(seed, 0, stream=7)
     return prompts, torch.randn((len(prompts), *shape), generator=g), torch.randn((len(prompts), n_sim, *shape), generator=g)
 
 
@@ -639,18 +647,18 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
     z, _ = dm.backward_simulation(model, noise, step_list, last, text, alphas, fresh_noise=fresh)
     latents = dm.generator_forward(model, z, step_list[last], text, alphas)
     fsdp_utils.reshard_all(model)  # no gathered copy left behind until the next grid
-    if run_utils.rank() == 0:
+    if rank() == 0:
         images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
-        data_utils.save_image_grid(images, path, nrow=4)
+        save_image_grid(images, path, nrow=4)
 
 
 # ----------------------------------------------------------------------------------------------
 # main: config -> distributed init -> models (meta, sharded, loaded) -> optimizers -> resume ->
-# loop -> export -> teardown (train_common.py: what both scripts do before and after the loop)
+# loop -> export -> teardown (components/trainer.py: what both scripts do before and after the loop)
 
 
 def main() -> None:
-    run, step_list = train_common.start(globals(), validate_config, resolve_defaults)
+    run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
     d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
     columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
     rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
@@ -660,17 +668,17 @@ def main() -> None:
            + (f", {skipped} bad rows skipped" if skipped else ""))
     sample_rows = rows
     if SAMPLE_PROMPTS:
-        sample_rows, _ = data_utils.read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
-                                              setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
+        sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
+                                   setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
 
     shapes = attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
-    train_common.check_attention(run, *shapes, precision.compute_dtype)
+    trainer.check_attention(run, *shapes, precision.compute_dtype)
 
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
     # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
     from diffusers import DDPMScheduler
-    mesh, _, sharding = train_common.mesh_and_sharding(run)
+    mesh, _, sharding = trainer.mesh_and_sharding(run)
     unet_dir = os.path.join(MODEL_PATH, "unet")
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
@@ -688,7 +696,7 @@ def main() -> None:
     train_gen, train_fake = generator, fake
     if mesh is None:  # DDP wrappers for the training forwards only
         train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
-    train_common.watch_model_flops(run, [generator, fake, teacher])  # MFU: the UNets' FLOPs, not the VAE's
+    watch_model_flops(run, [generator, fake, teacher])  # MFU: the UNets' FLOPs, not the VAE's
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)
@@ -702,13 +710,13 @@ def main() -> None:
     audit = [component_row(n, m, computes.get(n, precision.compute_dtype)) for n, m in models.items()]
     audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
                                                             (teacher, *text_encoders))]
-    train_common.report_components(run, f"{resolution} px, latents {latent_shape}",
-                                   audit + [component_row("vae", vae, vae.dtype)], {**models, "teacher": teacher},
-                                   {"generator": opt_g, "guidance": opt_d})
+    trainer.report_components(run, f"{resolution} px, latents {latent_shape}",
+                              audit + [component_row("vae", vae, vae.dtype)], {**models, "teacher": teacher},
+                              {"generator": opt_g, "guidance": opt_d})
 
     # checkpoints (the checkpointer decides when), resume; or weights only from INIT_FROM
-    start = train_common.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
-                                 {"generator": sched_g, "guidance": sched_d})
+    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
+                            {"generator": sched_g, "guidance": sched_d})
     if not run.resume_path and INIT_FROM:
         init_from(INIT_FROM, generator, fake, ema)
 
@@ -735,7 +743,7 @@ def main() -> None:
     load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
                              real_size=resolution if USE_GAN else None, real_rows=real_rows,
                              caption_dropout=CAPTION_DROPOUT)
-    with data_utils.Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
+    with Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
         for step in range(start + 1, MAX_STEPS + 1):
             it = step - 1
             gen_turn = dm.should_update_generator(it, DFAKE_GEN_UPDATE_RATIO)
@@ -743,7 +751,7 @@ def main() -> None:
             loaded, waited = prefetch.get(step)
             batches = micro_batches(it, loaded, SEED, d.device, draw, encode, vae)
             logs, images = {"data_wait_ms": waited * 1000, **({"step_index": index} if len(step_list) > 1 else {})}, []
-            with train_common.counting_flops(run, f"{gen_turn}-{index}", logs):  # MFU: FLOPs per kind of step
+            with counting_flops(run, f"{gen_turn}-{index}", logs):  # MFU: FLOPs per kind of step
                 # generator turn: images from G (with graph only when G steps), then its loss and backward.
                 # Its update waits for the guidance turn: that one uses only detached images, so stepping
                 # both after it is the published order, and one finiteness check covers both updates.
@@ -768,15 +776,15 @@ def main() -> None:
             updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
             updates.append((list(guidance.parameters()), opt_d, "guidance"))
             lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
-            if train_common.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
+            if trainer.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
                 ema_lib.ema_update(ema, generator, EMA_DECAY)
             sched_g.step()  # both every iteration, as published (make_optimizer)
             sched_d.step()
-            train_common.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
-                                  sample=sample, work={"images": global_batch})
+            trainer.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
+                             sample=sample, work={"images": global_batch})
 
-    train_common.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
 
 
 if __name__ == "__main__":
-    run_utils.run_main(main)
+    run_main(main)

@@ -13,7 +13,7 @@ once before training to fill an on-disk embedding cache and are freed.
     # one process, for debugging (same numbers as 2 ranks with half the per-rank batch)
     python train_flux_kontext.py --batch_size=2 --max_steps=20
     # real weights on 4 x 24 GB GPUs, the settings that
-    #   python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
+    #   python tools/memory_plan.py --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
     # finds to fit: edit the paths, then
     bash recipes/kontext_4x24gb.sh
     # the "make it blue" demo: fine-tune the shipped base, then score base vs tuned
@@ -57,12 +57,20 @@ import os
 
 import torch
 
-import data_utils
 import fsdp_utils
 import precision
-import run_utils
-import train_common
 from algorithms import flux_kontext as km
+from components import trainer
+from components.config import check_settings, script_constants
+from components.dist import all_reduce, barrier, print0, rank, world_size
+from components.errors import ConfigError, run_main
+from components.metrics import counting_flops, watch_model_flops
+from components.optim import warmup_scheduler
+from data.batches import global_batch_indices, micro_batch_positions
+from data.images import image_size, load_image, save_image_grid
+from data.prefetch import Prefetcher
+from data.randomness import drop_captions, per_sample_draws, step_generator
+from data.sources import read_rows
 from parallel import ema as ema_lib
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel.loading import build_on_meta, fill_built_model
@@ -70,11 +78,10 @@ from parallel import attention, lowbit
 from parallel.lora import add_lora
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize_flux
-from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
-# settings are in the same order in train_dmd.py, and mean the same: train_common.py)
+# settings are in the same order in train_dmd.py, and mean the same: components/trainer.py)
 
 # models and data
 MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
@@ -164,7 +171,7 @@ _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding
 _DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
 
 # ----------------------------------------------------------------------------------------------
-# setup: the script's own settings checked before any work (train_common checks the shared ones),
+# setup: the script's own settings checked before any work (components/trainer.py checks the shared ones),
 # the embedded default
 
 
@@ -176,7 +183,7 @@ def validate_config() -> precision.Precision:
                           "built on the FSDP mesh; use fsdp")
     if CONTEXT_PARALLEL > 1:
         check_diffusers_supports_it()
-    run_utils.check_settings({
+    check_settings({
         "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
         f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
         f"LOSS_WEIGHTING in {km.WEIGHTING_SCHEMES}": LOSS_WEIGHTING in km.WEIGHTING_SCHEMES,
@@ -208,7 +215,7 @@ def resolve_defaults() -> dict:
         RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
     RESOLUTION = RESOLUTION or 512
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
-    return run_utils.script_constants(globals())
+    return script_constants(globals())
 
 
 def check_context_parallel_shapes(model_path, context_parallel, text_length, sizes, vae_factor) -> None:
@@ -366,7 +373,7 @@ def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype,
     """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache;
     the encoders are loaded only where something is missing and freed before training.
     Returns (computed, reused), summed over ranks."""
-    mine = sorted(set(prompts))[run_utils.rank()::run_utils.world_size()]
+    mine = sorted(set(prompts))[rank()::world_size()]
     missing = [p for p in mine if not os.path.exists(cache_file(cache_dir, identity, p))]
     if missing:
         pipe = load_text_encoders(model_path, dtype, device)
@@ -381,8 +388,8 @@ def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype,
         del pipe
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    counts = run_utils.all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
-    run_utils.barrier()  # every rank's cache files are written before any rank reads them
+    counts = all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
+    barrier()  # every rank's cache files are written before any rank reads them
     return int(counts[0]), int(counts[1])
 
 
@@ -439,7 +446,7 @@ def assign_buckets(rows, buckets) -> list[int]:
     """Bucket of each pair, from its target image's size as shown (EXIF orientation applied): the
     "size" read_rows measured while checking the image, else the file header (a sample row without
     a target: its control image)."""
-    sizes = [row.get("size") or data_utils.image_size(row["target"] if "target" in row else row["control"])
+    sizes = [row.get("size") or image_size(row["target"] if "target" in row else row["control"])
              for row in rows]
     return [nearest_bucket(h, w, buckets) for h, w in sizes]
 
@@ -459,7 +466,7 @@ def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple
         if (weights > 0).sum() == 1:
             b = int(weights.argmax())
         else:
-            b = int(torch.multinomial(weights, 1, generator=data_utils.step_generator(seed, step, 7)))
+            b = int(torch.multinomial(weights, 1, generator=step_generator(seed, step, 7)))
         schedule.append((b, used[b]))
         used[b] += 1
     return members, schedule
@@ -467,9 +474,9 @@ def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple
 
 def step_indices(step, members, schedule, global_batch, seed) -> list[int]:
     """Dataset indices of the global batch of `step`: the k-th batch of its bucket, from that
-    bucket's own seeded epochs (data_utils.global_batch_indices)."""
+    bucket's own seeded epochs (data.batches.global_batch_indices)."""
     b, k = schedule[step]
-    local = data_utils.global_batch_indices(k, global_batch, len(members[b]), seed + 1000 * b)
+    local = global_batch_indices(k, global_batch, len(members[b]), seed + 1000 * b)
     return [members[b][i] for i in local]
 
 
@@ -478,7 +485,7 @@ def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     and (optional) flip."""
     contexts, targets = [], []
     for row, flip in zip(rows, flips.tolist() if torch.is_tensor(flips) else flips):  # CPU data: no device sync
-        c, t = data_utils.load_image(row["control"], *size), data_utils.load_image(row["target"], *size)
+        c, t = load_image(row["control"], *size), load_image(row["target"], *size)
         if flip:
             c, t = c.flip(-1), t.flip(-1)
         contexts.append(c)
@@ -486,17 +493,17 @@ def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(contexts), torch.stack(targets)
 
 
-_PAIR = ("control", "target", "prompt")  # a row's fields (data_utils.ALIASES: the names accepted for each)
+_PAIR = ("control", "target", "prompt")  # a row's fields (data.sources.ALIASES: the names accepted for each)
 
 
 def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, *, control_path="", val_path="",
               columns=None, split="train"):
     """(train rows, held-out rows, buckets, bucket of each train row). Rows {"control", "target",
-    "prompt", "size"} from any kind of source (data_utils.read_rows: .jsonl, folder, datasets).
+    "prompt", "size"} from any kind of source (data.sources.read_rows: .jsonl, folder, datasets).
     Held out for samples and validation, never trained on: the first `num_held_out` rows of
     `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows stop the run
     (file:line, or the file / dataset row) or are skipped."""
-    read = functools.partial(data_utils.read_rows, roles=_PAIR, required=_PAIR, skip_bad=skip_bad, columns=columns,
+    read = functools.partial(read_rows, roles=_PAIR, required=_PAIR, skip_bad=skip_bad, columns=columns,
                              split=split, size_of="target")
     rows, skipped = read(data_path, control_path=control_path)
     if val_path:
@@ -521,8 +528,8 @@ def load_sample_rows(path, held_out, columns, split) -> list[dict]:
     held-out pairs when it is unset."""
     if not path:
         return held_out
-    rows, _ = data_utils.read_rows(path, _PAIR, ("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS",
-                                   columns=columns, split=split, size_of="target")
+    rows, _ = read_rows(path, _PAIR, ("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS",
+                        columns=columns, split=split, size_of="target")
     print0(f"samples: {len(rows)} prompts from SAMPLE_PROMPTS={path}")
     return rows
 
@@ -534,20 +541,20 @@ def load_sample_rows(path, held_out, columns, split) -> list[dict]:
 def step_flips(seed, step, global_batch, random_flip) -> torch.Tensor:
     """The step's horizontal flips (G,) for the whole global batch, on CPU (the images are loaded
     there), from step_generator(seed, step): a function of (SEED, step) only."""
-    g = data_utils.step_generator(seed, step, 0)
+    g = step_generator(seed, step, 0)
     return (torch.rand(global_batch, generator=g) < 0.5) & random_flip
 
 
 def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
     """One sample's noise level and noise, from its own generator on the run's device (drawn by
-    the rank that holds the sample only; data_utils.per_sample_draws)."""
+    the rank that holds the sample only; data.randomness.per_sample_draws)."""
     return {"sigma": km.sample_sigmas(1, generator=g, **sigma_kwargs)[0],
             "noise": torch.randn(latent_shape, generator=g, device=g.device)}
 
 
 def load_step(step, train, members, schedule, buckets, global_batch, micro_global, dp_rank, dp_size, grad_accum,
               seed, random_flip, cache_dir, identity, caption_dropout=0.0) -> dict:
-    """Host side of step `step` on this rank (data_utils.Prefetcher runs it a step ahead): the bucket
+    """Host side of step `step` on this rank (data.prefetch.Prefetcher runs it a step ahead): the bucket
     size and, per micro-batch, this rank's samples' positions in the global batch, both images of
     each pair (one resize, crop and flip) and the cached text embeddings (of "" for a dropped
     caption), on CPU."""
@@ -556,10 +563,10 @@ def load_step(step, train, members, schedule, buckets, global_batch, micro_globa
     flips = step_flips(seed, step, global_batch, random_flip)
     batches = []
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
-        mine = data_utils.micro_batch_positions(m, micro_global, dp_rank, dp_size)
+        mine = micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
         context, target = load_pairs(rows, size, flips[mine])
-        prompts = data_utils.drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)
+        prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)
         text = load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))
         batches.append({"mine": mine, "context": context, "target": target, "text": text})
     return {"size": size, "batches": batches}
@@ -580,7 +587,7 @@ def micro_batch_loss(transformer, vae, context, target, sigmas, noise, text, gui
 def validation_inputs(sizes, sigmas, latent_channels, vae_factor, seed):
     """Fixed (size, sigmas, noise) per held-out pair: the same at every validation and in every
     run with this SEED, so the validation loss is comparable across steps and runs."""
-    g = data_utils.step_generator(seed, 0, stream=11)
+    g = step_generator(seed, 0, stream=11)
     return [((h, w), torch.tensor(sigmas),
              torch.randn(len(sigmas), latent_channels, h // vae_factor, w // vae_factor, generator=g))
             for h, w in sizes]
@@ -620,8 +627,8 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
     tiles = []
     for i, (row, (h, w)) in enumerate(zip(pairs, sizes)):
-        context = data_utils.load_image(row["control"], h, w)[None]
-        target = data_utils.load_image(row["target"], h, w)[None] if "target" in row else torch.zeros_like(context)
+        context = load_image(row["control"], h, w)[None]
+        target = load_image(row["target"], h, w)[None] if "target" in row else torch.zeros_like(context)
         ctx = km.encode_latents(vae, context.to(device))
         tokens = pipe(image=ctx, prompt_embeds=text[0][i:i + 1].float(), pooled_prompt_embeds=text[1][i:i + 1].float(),
                       height=h, width=w, max_area=h * w, num_inference_steps=steps, guidance_scale=guidance,
@@ -639,12 +646,12 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
 
 # ----------------------------------------------------------------------------------------------
 # main: config -> distributed init -> data and text cache -> models (meta, sharded, loaded) ->
-# optimizer -> resume -> loop -> export -> teardown (train_common.py: what both scripts do before
+# optimizer -> resume -> loop -> export -> teardown (components/trainer.py: what both scripts do before
 # and after the loop)
 
 
 def main():
-    run, prec = train_common.start(globals(), validate_config, resolve_defaults)
+    run, prec = trainer.start(globals(), validate_config, resolve_defaults)
     d = run.d
 
     # data, buckets and the text-embedding cache (text encoders live only inside this call)
@@ -664,13 +671,13 @@ def main():
     identity = prepare_text_cache(prompts, MODEL_PATH, TEXT_CACHE_DIR, MAX_SEQUENCE_LENGTH,
                                   prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
-    train_common.check_attention(run, *attention_shapes(MODEL_PATH, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
-                                                        step_sizes(buckets, schedule),
-                                                        vae_factor, BATCH_SIZE, CONTEXT_PARALLEL), prec.compute_dtype)
+    trainer.check_attention(run, *attention_shapes(MODEL_PATH, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
+                                                   step_sizes(buckets, schedule),
+                                                   vae_factor, BATCH_SIZE, CONTEXT_PARALLEL), prec.compute_dtype)
 
     # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
-    mesh, cp_mesh, sharding = train_common.mesh_and_sharding(run, CONTEXT_PARALLEL)
+    mesh, cp_mesh, sharding = trainer.mesh_and_sharding(run, CONTEXT_PARALLEL)
     transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
@@ -685,21 +692,21 @@ def main():
                f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
                f"{d.world_size} ranks")
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
-    train_common.watch_model_flops(run, [transformer])  # MFU: the transformer's FLOPs, not the VAE's
+    watch_model_flops(run, [transformer])  # MFU: the transformer's FLOPs, not the VAE's
 
-    # optimizer: AdamW (OPTIMIZER: torch's fused kernel, see fsdp_utils.adamw, or torchao's 8-/4-bit
+    # optimizer: AdamW (OPTIMIZER: torch's fused kernel, see components.optim.adamw, or torchao's 8-/4-bit
     # states, parallel/lowbit.py), with a linear warmup
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = lowbit.make_optimizer(OPTIMIZER, params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
                                       weight_decay=WEIGHT_DECAY)
-    lr_sched = run_utils.warmup_scheduler(optimizer, WARMUP_STEPS)
+    lr_sched = warmup_scheduler(optimizer, WARMUP_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
-    train_common.report_components(run, f"{RESOLUTION} px", audit + [precision.component_row("vae", vae, vae.dtype)],
-                                   models, {"transformer": optimizer})
+    trainer.report_components(run, f"{RESOLUTION} px", audit + [precision.component_row("vae", vae, vae.dtype)],
+                              models, {"transformer": optimizer})
 
     # checkpoints (the checkpointer decides when), resume
-    start = train_common.restore(run, models, {"transformer": (transformer, optimizer)}, {"transformer": lr_sched})
+    start = trainer.restore(run, models, {"transformer": (transformer, optimizer)}, {"transformer": lr_sched})
 
     global_batch, micro_global = BATCH_SIZE * dp_size * GRAD_ACCUM, BATCH_SIZE * dp_size
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
@@ -719,7 +726,7 @@ def main():
             grid = sample_grid(model, vae, scheduler, sample_rows, sample_sizes, sample_text, SAMPLE_STEPS,
                                SAMPLE_GUIDANCE, SEED, d.device)
         if d.rank == 0:
-            data_utils.save_image_grid(grid, path, nrow=3)
+            save_image_grid(grid, path, nrow=3)
 
     # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
     # schedule and draws its randomness from (SEED, s); its images and embeddings are loaded on a
@@ -728,7 +735,7 @@ def main():
                              global_batch=global_batch, micro_global=micro_global, dp_rank=dp_rank, dp_size=dp_size,
                              grad_accum=GRAD_ACCUM, seed=SEED, random_flip=RANDOM_FLIP, cache_dir=TEXT_CACHE_DIR,
                              identity=identity, caption_dropout=CAPTION_DROPOUT)
-    with data_utils.Prefetcher(load, MAX_STEPS, d.device) as prefetch:
+    with Prefetcher(load, MAX_STEPS, d.device) as prefetch:
         for step in range(start + 1, MAX_STEPS + 1):
             data, waited = prefetch.get(step)
             h, w = data["size"]
@@ -736,9 +743,9 @@ def main():
                                                                       w // vae_factor), sigma_kwargs=sigma_kwargs)
             loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
             logs, lr = {"data_wait_ms": waited * 1000}, lr_sched.get_last_lr()[0]
-            with train_common.counting_flops(run, f"{h}x{w}", logs):  # MFU: FLOPs per bucket size, counted once
+            with counting_flops(run, f"{h}x{w}", logs):  # MFU: FLOPs per bucket size, counted once
                 for m, mb in enumerate(data["batches"]):
-                    rand = data_utils.per_sample_draws(SEED, step, mb["mine"], d.device, draw)  # this rank's only
+                    rand = per_sample_draws(SEED, step, mb["mine"], d.device, draw)  # this rank's only
                     with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
                         loss = micro_batch_loss(train_model, vae, mb["context"], mb["target"], rand["sigma"],
                                                 rand["noise"], mb["text"], GUIDANCE, LOSS_WEIGHTING) / GRAD_ACCUM
@@ -747,17 +754,17 @@ def main():
                         (loss * CONTEXT_PARALLEL).backward()
                     loss_sum = loss_sum + loss.detach().double()
             logs["loss"] = loss_sum
-            if train_common.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
+            if trainer.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
                 ema_lib.ema_update(ema, transformer, EMA_DECAY)
             lr_sched.step()
             tokens = 2 * (h // vae_factor // 2) * (w // vae_factor // 2)  # a sample's target + context image tokens
-            train_common.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
-                                  validate=validate if held_out and train_common.due(step, VAL_EVERY) else None,
-                                  sample=sample if sample_rows else None,
-                                  work={"images": global_batch, "tokens": global_batch * tokens})
+            trainer.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
+                             validate=validate if held_out and trainer.due(step, VAL_EVERY) else None,
+                             sample=sample if sample_rows else None,
+                             work={"images": global_batch, "tokens": global_batch * tokens})
 
-    train_common.finish(run, final_weights)
+    trainer.finish(run, final_weights)
 
 
 if __name__ == "__main__":
-    run_utils.run_main(main)
+    run_main(main)

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_utils import build_once
 from tools import shapes
+from tools.build_once import build_once
 from tools.shapes import COLOURS, nearest_colour  # noqa: F401 - nearest_colour: part of this API
 from tools import tiny_models
 
@@ -136,7 +136,7 @@ def default_task_dir():
 
 def ensure_task_data(root=None) -> dict:
     """Write every split once under `root` (default: <tiny_models cache>/kontext_task_v1) and
-    return {split: data.jsonl path as str}. Safe for many processes at once (data_utils.build_once:
+    return {split: data.jsonl path as str}. Safe for many processes at once (tools.build_once.build_once:
     lock + atomic rename)."""
     root = Path(root) if root is not None else default_task_dir()
 

@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.errors import ConfigError
 from fsdp_utils import assert_sharded, fill_local
 from parallel.lora import init_lora, is_adapter, safetensors_key
 from parallel.lowbit import fill_nf4, is_nf4
 from parallel.memory import mark_rss_baseline
-from run_utils import ConfigError
 
 
 WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")

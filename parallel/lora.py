@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from components.errors import ConfigError
 from fsdp_utils import fill_local, local_tensor
 from parallel.models import MODELS
-from run_utils import ConfigError
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from run_utils import ConfigError
+from components.errors import ConfigError
+from components.optim import adamw
 
 BASE_DTYPES = ("", "nf4")  # BASE_DTYPE's choices: "" = PRECISION's compute dtype (today's LoRA base)
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")  # OPTIMIZER's choices
@@ -242,14 +243,13 @@ def check_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
 
 def make_optimizer(name: str, params, *, lr: float, betas, eps: float = 1e-8, weight_decay: float = 0.0):
     """OPTIMIZER `name` over (possibly DTensor) params: "adamw" = torch's fused AdamW
-    (fsdp_utils.adamw, today's, unchanged); "adamw8bit" / "adamw4bit" = torchao's. torchao
+    (components.optim.adamw); "adamw8bit" / "adamw4bit" = torchao's. torchao
     compiles each parameter's update (torch.compile, one graph per shape); without a GPU the update
     runs eagerly instead (same arithmetic; inductor's CPU compile of dozens of shapes takes minutes
     on small machines)."""
-    import fsdp_utils
     params = list(params)
     if name == "adamw":
-        return fsdp_utils.adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     torchao(f"OPTIMIZER={name}")
     from torchao import optim as ao_optim
     cls = {"adamw8bit": ao_optim.AdamW8bit, "adamw4bit": ao_optim.AdamW4bit}[name]

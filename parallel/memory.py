@@ -12,8 +12,8 @@ import resource
 import torch
 import torch.nn as nn
 
+from components.dist import all_gather_objects
 from parallel.lowbit import state_bytes
-from run_utils import all_gather_objects
 
 
 def _local_bytes(t: torch.Tensor) -> int:

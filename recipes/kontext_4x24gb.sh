@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FLUX.1 Kontext [dev] full fine-tune on 4 x 24 GB GPUs (e.g. RTX 4090), on FSDP2: the settings
-#   python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
+#   python tools/memory_plan.py --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
 # finds to fit: bf16 compute with fp32 master weights, activation checkpointing, and CPU offload of
 # the sharded fp32 params, grads and AdamW state (~190 GB in all for 12 B parameters: host RAM must
 # hold it, ~48 GB per rank). Weight decay 1e-4 as diffusers' Kontext example (--adam_weight_decay); LR

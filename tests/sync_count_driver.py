@@ -1,7 +1,7 @@
 """Run a training script in this process (python SCRIPT.py args...) counting the tensor-to-host
 reads (.item(), .tolist(), float(), int(), bool()) that the training code makes on tensors: each
 one is a GPU->CPU sync on CUDA. Data-order code (CPU tensors by design) is not counted. Prints
-`SYNCS <json>` at exit. Used by tests/test_train_common.py."""
+`SYNCS <json>` at exit. Used by tests/test_trainer.py."""
 import atexit
 import collections
 import json
@@ -24,7 +24,7 @@ def counted(name):
         caller = sys._getframe(1).f_code
         path = caller.co_filename
         if path.startswith(ROOT) and os.sep + ".venv" + os.sep not in path and os.sep + "tests" + os.sep not in path \
-                and not path.endswith("data_utils.py") \
+                and not path.startswith(os.path.join(ROOT, "data") + os.sep) \
                 and caller.co_name not in DATA_CODE:
             counts[f"{os.path.relpath(path, ROOT)}:{caller.co_name}"] += 1
         return original(self, *args, **kwargs)

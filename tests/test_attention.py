@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_dmd
 import train_flux_kontext
+from components.errors import ConfigError, LocalError
 from parallel import attention
-from run_utils import ConfigError, LocalError
 from tests.conftest import ROOT, launch, tiny_unet
 
 

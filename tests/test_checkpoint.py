@@ -16,11 +16,11 @@ import torch
 from tests.conftest import ROOT, TinyNet, make_data, run_ranks, tiny_unet
 
 import checkpoint
-from run_utils import ConfigError
 import fsdp_utils
+from components.errors import ConfigError
+from components.export import export_model, export_pipeline
+from data.batches import rank_slice
 from parallel.parallelize import parallelize
-import data_utils
-import run_utils
 from precision import get_precision
 
 
@@ -35,7 +35,7 @@ def build(seed, mesh):
 
 def train(model, opt, sched, data, start, stop, rank, world):
     for x, y in data[start:stop]:
-        x, y = data_utils.rank_slice(x, rank, world), data_utils.rank_slice(y, rank, world)
+        x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
         # a dropout-like use of the global RNG: resume must restore per-rank RNG state too
         noise = 1e-3 * torch.randn_like(x)
         ((model(x + noise) - y) ** 2).mean().backward()
@@ -192,7 +192,7 @@ def test_keep_last_prunes_oldest(tmp_path):
     ck._prune()
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 3]
     assert sorted(os.listdir(ck.root)) == ["step_000002", "step_000003"]
-    with pytest.raises(run_utils.ConfigError, match="not a complete checkpoint"):
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path / "nowhere"), str(tmp_path))
     assert checkpoint.resolve_resume("", str(tmp_path)) is None
 
@@ -207,7 +207,7 @@ def _export(rank, world, src, out, dtype_name):
             p.add_(0.01)
     parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
     trained = full(model)
-    checkpoint.export_pipeline(src, out, {"unet": model}, parse_dtype(dtype_name))
+    export_pipeline(src, out, {"unet": model}, parse_dtype(dtype_name))
     if rank == 0:
         dtype = parse_dtype(dtype_name)
         loaded = UNet2DConditionModel.from_pretrained(os.path.join(out, "unet"), torch_dtype=dtype)
@@ -230,7 +230,7 @@ def test_export_loads_with_from_pretrained_and_equals_trained(tmp_path, dtype_na
 
 def test_export_shards_large_models(tmp_path):
     unet = tiny_unet()
-    checkpoint.export_model(unet, str(tmp_path / "u"), torch.float32, max_shard_bytes=1_000_000)
+    export_model(unet, str(tmp_path / "u"), torch.float32, max_shard_bytes=1_000_000)
     index = json.load(open(tmp_path / "u" / "diffusion_pytorch_model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1
     from diffusers import UNet2DConditionModel

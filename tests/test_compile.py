@@ -43,10 +43,10 @@ from tests.conftest import launch, launch_env, read_metrics, run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
+from components.errors import ConfigError
 from parallel import compile as compiling
 import train_dmd
 import train_flux_kontext as tfk
-from run_utils import ConfigError
 
 STEPS = 3
 LR = 1e-3

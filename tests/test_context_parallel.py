@@ -24,7 +24,7 @@ from tests.conftest import assert_kontext_resumed_bit_exact, launch_kontext, loa
 
 import fsdp_utils
 import train_flux_kontext as tfk
-from run_utils import ConfigError
+from components.errors import ConfigError
 
 COMMON = ["--batch_size=2", "--ema_decay=0.5", "--val_every=1", "--sample_every=3", "--save_every=2"]
 

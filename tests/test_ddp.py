@@ -17,8 +17,8 @@ import pytest
 from tests.conftest import finish, launch_env, start
 
 import fsdp_utils
-import run_utils
-from run_utils import ConfigError
+from components.config import script_constants
+from components.errors import ConfigError
 
 
 def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):
@@ -93,7 +93,7 @@ def test_dmd_ddp_matches_fsdp(tmp_path):
 
 def test_dmd_ddp_refuses_the_gan_head(monkeypatch):
     import train_dmd
-    saved = run_utils.script_constants(vars(train_dmd))
+    saved = script_constants(vars(train_dmd))
     monkeypatch.setattr(sys, "argv", ["train_dmd.py", "--parallelism=ddp", "--use_gan=1"])
     try:
         with pytest.raises(ConfigError, match="PARALLELISM=ddp with USE_GAN=1"):

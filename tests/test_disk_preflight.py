@@ -17,7 +17,8 @@ import torch.nn as nn
 from tests.conftest import tiny_unet
 
 import checkpoint
-from run_utils import ConfigError
+from components.errors import ConfigError
+from components.export import export_bytes, export_pipeline
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -80,8 +81,8 @@ def test_export_estimate_matches_export_pipeline(tmp_path):
     save_file({"w": torch.randn(512, 512)}, src / "other" / "m.safetensors")
     index = {"_class_name": "X", "unet": ["diffusers", "UNet2DConditionModel"]}
     (src / "model_index.json").write_text(json.dumps(index))
-    estimate = checkpoint.export_bytes(str(src), "unet", unet, torch.float32)
-    checkpoint.export_pipeline(str(src), str(out), {"unet": unet}, torch.float32)
+    estimate = export_bytes(str(src), "unet", unet, torch.float32)
+    export_pipeline(str(src), str(out), {"unet": unet}, torch.float32)
     written = folder_bytes(out)
     print(f"export estimate / written: {estimate} / {written} = {estimate / written:.4f}")
     assert os.path.islink(out / "other") and not os.path.islink(out / "vae")
@@ -98,8 +99,8 @@ def test_export_estimate_of_lora(tmp_path):
     (tmp_path / "unet").mkdir()
     (tmp_path / "model_index.json").write_text("{}")
     adapters, base = (32 * 4 + 4 * 32) * 4, (32 * 32 + 32) * 2
-    assert checkpoint.export_bytes(str(tmp_path), "unet", model, torch.bfloat16, lora=True) == adapters
-    merged = checkpoint.export_bytes(str(tmp_path), "unet", model, torch.bfloat16, lora=True, merged=True)
+    assert export_bytes(str(tmp_path), "unet", model, torch.bfloat16, lora=True) == adapters
+    merged = export_bytes(str(tmp_path), "unet", model, torch.bfloat16, lora=True, merged=True)
     assert merged == adapters + base + len("{}")
 
 

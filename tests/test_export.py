@@ -6,8 +6,8 @@ The matrix: SD-1.5 (the shipped shapes teacher: fp16 files), SDXL (the tiny SDXL
 files) and FLUX.1 Kontext (the shipped tiny base: fp16 text encoders and VAE, bf16 transformer) x
 EXPORT_DTYPE fp32 / bf16 / fp16 x the trained model as each PRECISION leaves it (a full fine-tune:
 fp32 master weights under fp32 and bf16-mixed, bf16 under bf16; a LoRA: the base in the compute
-dtype, fp32 adapters, exported merged). Each export is written by `checkpoint.export_pipeline`
-exactly as `train_common.finish` calls it (in one process: rank 0's part is all the folder gets),
+dtype, fp32 adapters, exported merged). Each export is written by `components.export.export_pipeline`
+exactly as `components.trainer.finish` calls it (in one process: rank 0's part is all the folder gets),
 then loaded with what a user types, `Pipeline.from_pretrained(export)` and
 `Pipeline.from_pretrained(export, torch_dtype=EXPORT_DTYPE)`, and sampled one step each from the
 same latents: every model of the pipeline in fp32, then in EXPORT_DTYPE, the images equal within
@@ -25,7 +25,7 @@ import torch
 from tests.conftest import ROOT, launch, launch_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import checkpoint
+from components.export import export_lora, export_pipeline, _weight_dtypes
 from parallel import lora as lora_lib
 from precision import get_precision, parse_dtype
 
@@ -139,11 +139,11 @@ def test_export_loads_plain_and_with_torch_dtype(sources, tmp_path, model, kind,
     dtype, src = parse_dtype(export_dtype), sources[model]
     net = trained_model(src, model, kind, mode)
     source_configs = configs(src)
-    export = checkpoint.export_pipeline(src, str(tmp_path / "export"), {TRAINED[model]: net}, dtype)
+    export = export_pipeline(src, str(tmp_path / "export"), {TRAINED[model]: net}, dtype)
     assert_loads_both_ways(export, model, dtype)
     for name in os.listdir(export):  # every weight file is in EXPORT_DTYPE
         if os.path.isdir(os.path.join(export, name)):
-            assert checkpoint._weight_dtypes(os.path.join(export, name)) <= {dtype}, name
+            assert _weight_dtypes(os.path.join(export, name)) <= {dtype}, name
     assert configs(src) == source_configs  # the fp32 hint never went through a link into the source
 
 
@@ -152,7 +152,7 @@ def test_linked_text_encoder_keeps_its_weights_linked(sources, tmp_path):
     stay links into the source and only its config.json is the export's own (dtype float32)."""
     src = sources["sd15"]
     net = trained_model(src, "sd15", "full", "bf16-mixed")
-    export = checkpoint.export_pipeline(src, str(tmp_path / "export"), {"unet": net}, torch.float16)
+    export = export_pipeline(src, str(tmp_path / "export"), {"unet": net}, torch.float16)
     te = os.path.join(export, "text_encoder")
     assert not os.path.islink(te) and os.path.islink(os.path.join(te, "model.safetensors"))
     assert os.path.realpath(os.path.join(te, "model.safetensors")) == os.path.join(src, "text_encoder", "model.safetensors")
@@ -170,8 +170,8 @@ def test_lora_file_loads_onto_the_base(sources, tmp_path, model):
     import diffusers
     src, component, cls = sources[model], TRAINED[model], getattr(diffusers, PIPELINES[model])
     net = trained_model(src, model, "lora_merged", "fp32")
-    lora_dir = checkpoint.export_lora(net, str(tmp_path / "export"), PIPELINES[model], component, torch.float32)
-    merged = checkpoint.export_pipeline(src, str(tmp_path / "export_merged"), {component: net}, torch.float32)
+    lora_dir = export_lora(net, str(tmp_path / "export"), PIPELINES[model], component, torch.float32)
+    merged = export_pipeline(src, str(tmp_path / "export_merged"), {component: net}, torch.float32)
     for dtype in (torch.float32, torch.bfloat16):
         reference = sample(cls.from_pretrained(merged), model, dtype)
         pipe = cls.from_pretrained(src, torch_dtype=dtype)

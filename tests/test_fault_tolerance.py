@@ -33,9 +33,11 @@ import torch
 from tests.conftest import ROOT, finish, launch, launch_env, run_ranks, start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import run_utils
 import train_flux_kontext as tfk
-from run_utils import ConfigError, RunError
+from components.config import script_constants
+from components.dist import agree
+from components.errors import ConfigError, RunError
+from components.guard import NonFiniteGuard, is_finite
 
 STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
 TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
@@ -194,10 +196,10 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
 
 def _guard_on_two_ranks(rank, world):
     import torch
-    guard = run_utils.NonFiniteGuard(max_in_a_row=2)
+    guard = NonFiniteGuard(max_in_a_row=2)
 
-    def step_ok(*values):  # as train_common.apply_updates decides: device tensors, one agreement
-        return guard.record(run_utils.agree(run_utils.is_finite(*(torch.tensor(v) for v in values)))[0])
+    def step_ok(*values):  # as components.trainer.apply_updates decides: device tensors, one agreement
+        return guard.record(agree(is_finite(*(torch.tensor(v) for v in values)))[0])
     assert step_ok(1.0, 2.0)
     assert not step_ok(float("nan") if rank == 1 else 1.0, 2.0)  # rank 0 skips too
     assert not guard.exhausted and guard.state() == {"skipped_steps": 1, "bad_steps_in_a_row": 1}
@@ -273,7 +275,7 @@ def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_pat
 
 def main_error(monkeypatch, module, argv) -> str:
     """The ConfigError main() raises for `argv` (settings restored afterwards)."""
-    saved = run_utils.script_constants(vars(module))
+    saved = script_constants(vars(module))
     monkeypatch.setattr(sys, "argv", ["script.py", *argv])
     try:
         with pytest.raises(ConfigError) as info:
@@ -415,8 +417,8 @@ def test_second_signal_exits_at_once():
     unless it is the same SIGTERM delivered twice (SLURM + torchrun, within the window)."""
     code = ("import os, signal, sys, time\n"
             f"sys.path.insert(0, {ROOT!r})\n"
-            "import run_utils\n"
-            "stop = run_utils.GracefulStop(duplicate_window_s=1.0)\n"
+            "from components.errors import GracefulStop\n"
+            "stop = GracefulStop(duplicate_window_s=1.0)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\n"
             "assert stop.signum == signal.SIGTERM\n"

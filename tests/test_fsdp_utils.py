@@ -14,11 +14,12 @@ import torch
 from tests.conftest import TinyNet, make_data, run_ranks
 
 import fsdp_utils
+from components.dist import mean_across_ranks
+from components.errors import ConfigError
+from components.optim import adamw
+from data.batches import rank_slice
 from parallel import memory
 from parallel.parallelize import parallelize
-import data_utils
-import run_utils
-from run_utils import ConfigError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,16 +51,16 @@ def _parity(rank, world, dp_replicate, ac, prefetch, mode="fp32", offload=False,
     assert len(blocks) == 3
     fsdp_utils.assert_sharded(model, mesh)
     # the scripts' optimizer: fused AdamW over the DTensor shards, against torch's default on one process
-    opt = fsdp_utils.adamw(model.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = adamw(model.parameters(), lr=1e-2, weight_decay=0.01)
     assert opt.defaults["fused"]
     for i, (x, y) in enumerate(make_data(5, 8)):
-        x, y = data_utils.rank_slice(x, rank, world), data_utils.rank_slice(y, rank, world)
+        x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         norm = fsdp_utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-        mean_loss = run_utils.mean_across_ranks({"loss": float(loss)})["loss"]
+        mean_loss = mean_across_ranks({"loss": float(loss)})["loss"]
         assert abs(mean_loss - ref_losses[i]) < tol * max(1, abs(ref_losses[i])), (i, mean_loss, ref_losses[i])
         assert abs(float(norm) - ref_norms[i]) < tol * max(1, ref_norms[i]), (i, float(norm), ref_norms[i])
     for k, v in model.state_dict().items():

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-import run_utils
+from components.dist import (agree, all_gather_objects, all_reduce, barrier, broadcast_from_rank0, comm_device,
+                             mean_across_ranks)
 from tests.conftest import launch, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,15 +20,15 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 def _nccl_helpers(rank, world):
     import torch.distributed as dist
-    assert dist.get_backend() == "nccl" and run_utils.comm_device().type == "cuda"
+    assert dist.get_backend() == "nccl" and comm_device().type == "cuda"
     # CPU tensors in, as the scripts hand them over: the helpers move them to the GPU and back
-    total = run_utils.all_reduce(torch.tensor([float(rank + 1)]))
+    total = all_reduce(torch.tensor([float(rank + 1)]))
     assert total.device.type == "cpu" and total.item() == world * (world + 1) / 2
-    assert run_utils.agree(True, rank != 0, torch.tensor(True, device="cuda")) == (True, False, True)
-    assert run_utils.mean_across_ranks({"loss": float(rank)}) == {"loss": (world - 1) / 2}
-    assert run_utils.broadcast_from_rank0(rank) == 0
-    assert run_utils.all_gather_objects(rank) == list(range(world))
-    run_utils.barrier()
+    assert agree(True, rank != 0, torch.tensor(True, device="cuda")) == (True, False, True)
+    assert mean_across_ranks({"loss": float(rank)}) == {"loss": (world - 1) / 2}
+    assert broadcast_from_rank0(rank) == 0
+    assert all_gather_objects(rank) == list(range(world))
+    barrier()
 
 
 def test_nccl_init_and_every_collective_helper():

@@ -1,8 +1,9 @@
-"""The house's layout, checked: at most 8 Python files at the root, imports that go one way through
-the tiers (scripts -> train_common -> checkpoint -> parallel/ -> fsdp_utils, data_utils -> run_utils,
-precision, algorithms), no import cycle, tools/ never importing demos/, and the two scripts'
-settings: every UPPER_CASE constant overridable, the shared ones in the same order with the same
-comment.
+"""The house's layout, checked: the root holds only the two scripts and the three modules users edit
+(fsdp_utils, precision, checkpoint), imports go one way through the tiers (scripts ->
+components.trainer -> components.export -> checkpoint -> parallel/ -> fsdp_utils, data/,
+components.metrics -> components' base modules, precision, algorithms), no import cycle, tools/ never
+importing demos/, and the two scripts' settings: every UPPER_CASE constant overridable, the shared
+ones in the same order with the same comment.
 
     python -m pytest tests/test_layout.py -q
 """
@@ -17,11 +18,20 @@ import pytest
 
 from tests.conftest import ROOT
 
-# lower number = lower tier; a module may import its own tier's modules (acyclically) and lower ones
-TIERS = {"run_utils": 0, "precision": 0, "algorithms": 0, "fsdp_utils": 1, "data_utils": 1, "parallel": 2,
-         "checkpoint": 3, "train_common": 4, "train_dmd": 5, "train_flux_kontext": 5}
-PROJECT = ("run_utils", "fsdp_utils", "parallel", "precision", "data_utils", "algorithms", "checkpoint",
-           "train_common", "train_dmd", "train_flux_kontext", "tools", "demos", "tests")
+ROOT_FILES = ("checkpoint.py", "fsdp_utils.py", "precision.py", "train_dmd.py", "train_flux_kontext.py")
+# lower number = lower tier; a module may import lower tiers, and its own tier within its own package
+# (acyclically). A module's tier is that of its longest dotted prefix listed here.
+BASE = ("errors", "dist", "config", "checks", "warnings", "logger", "guard", "optim")
+TIERS = {"precision": 0, "algorithms": 0, "components": 0, **{f"components.{m}": 0 for m in BASE},
+         "fsdp_utils": 1, "data": 1, "components.metrics": 1,
+         "parallel": 2,
+         "checkpoint": 3,
+         "components.export": 4,
+         "components.trainer": 5,
+         "train_dmd": 6, "train_flux_kontext": 6}
+PROJECT = ("components", "data", "fsdp_utils", "parallel", "precision", "algorithms", "checkpoint", "train_dmd",
+           "train_flux_kontext", "tools", "demos", "tests")
+FOLDERS = ("components", "data", "parallel", "algorithms", "tools", "demos")
 
 
 def _module_name(path: str) -> str:
@@ -46,7 +56,7 @@ def _imports(path: str) -> set[str]:
 
 def _project_files() -> list[str]:
     files = glob.glob(os.path.join(ROOT, "*.py"))
-    for folder in ("parallel", "algorithms", "tools", "demos"):
+    for folder in FOLDERS:
         files += glob.glob(os.path.join(ROOT, folder, "*.py"))
     return sorted(files)
 
@@ -62,24 +72,56 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_root_holds_at_most_eight_python_files():
+def _tier(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in TIERS:
+            return TIERS[".".join(parts[:n])]
+    return None
+
+
+def _tier_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        tier = _tier(module)
+        if tier is None:  # tools/, demos/: they may use any of the training code
+            continue
+        for dep in sorted(deps):
+            dep_tier = _tier(dep)
+            if dep_tier is None:
+                out.append(f"{module} imports {dep}: the training code never imports tools/ or demos/")
+            elif not (dep_tier < tier or (dep_tier == tier and dep.split(".")[0] == module.split(".")[0])):
+                out.append(f"{module} (tier {tier}) imports {dep} (tier {dep_tier}): imports go one way")
+    return out
+
+
+def test_root_holds_only_the_scripts_and_the_modules_users_edit():
     root_py = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "*.py")))
-    assert len(root_py) <= 8, root_py
-    for name in ("train_dmd.py", "train_flux_kontext.py", "fsdp_utils.py", "precision.py", "checkpoint.py",
-                 "run_utils.py", "data_utils.py"):
-        assert name in root_py
+    assert root_py == sorted(ROOT_FILES), root_py
+
+
+def test_every_module_of_the_training_code_has_a_tier():
+    """A new module in components/ names its tier here (the package's own fallback is for its __init__)."""
+    for module in _graph():
+        if module.startswith("components."):
+            assert module in TIERS, f"{module}: add it to TIERS"
+        elif not module.startswith(("tools", "demos")):
+            assert _tier(module) is not None, f"{module}: add it to TIERS"
 
 
 def test_imports_follow_the_tiers():
-    for module, deps in _graph().items():
-        top = module.split(".")[0]
-        if top not in TIERS:
-            continue
-        for dep in deps:
-            dep_top = dep.split(".")[0]
-            assert dep_top in TIERS, f"{module} imports {dep}: the training code never imports tools/ or demos/"
-            assert TIERS[dep_top] < TIERS[top] or dep_top == top, \
-                f"{module} (tier {TIERS[top]}) imports {dep} (tier {TIERS[dep_top]}): imports go one way"
+    violations = _tier_violations(_graph())
+    assert not violations, violations
+
+
+def test_the_tier_check_catches_an_upward_import():
+    """The check itself: an import from a lower tier up, or across packages within a tier, is caught."""
+    assert _tier_violations({"components.errors": {"components.trainer"}})  # base -> trainer
+    assert _tier_violations({"data.sources": {"fsdp_utils"}})  # same tier, another package
+    assert _tier_violations({"checkpoint": {"components.export"}})
+    assert _tier_violations({"parallel.lora": {"tools.tiny_models"}})
+    assert not _tier_violations({"components.trainer": {"checkpoint", "components.export", "data.sources"},
+                                 "components.logger": {"components.config"}})
 
 
 def test_no_import_cycle_and_tools_never_import_demos():
@@ -104,10 +146,10 @@ def test_no_import_cycle_and_tools_never_import_demos():
 @pytest.mark.parametrize("script", ["train_dmd", "train_flux_kontext"])
 def test_every_upper_case_constant_is_a_setting(script):
     """The scripts' docstrings say every UPPER_CASE constant can be overridden as --name=value."""
-    import run_utils
+    from components.config import script_constants
     module = importlib.import_module(script)
     upper = {k for k, v in vars(module).items() if k.isupper() and not k.startswith("_") and not callable(v)}
-    assert upper == set(run_utils.script_constants(vars(module))), upper ^ set(run_utils.script_constants(vars(module)))
+    assert upper == set(script_constants(vars(module))), upper ^ set(script_constants(vars(module)))
 
 
 def _settings_with_comments(script: str) -> list[tuple[str, str]]:
@@ -119,7 +161,7 @@ def _settings_with_comments(script: str) -> list[tuple[str, str]]:
     return out
 
 
-# settings whose meaning is train_common's, not a script's: one comment, word for word, in both
+# settings whose meaning is components.trainer's, not a script's: one comment, word for word, in both
 SAME_COMMENT = ("SKIP_BAD_SAMPLES", "GRAD_ACCUM", "SEED", "MAX_GRAD_NORM", "LORA_ALPHA", "LORA_DROPOUT", "LORA_INIT",
                 "LORA_EXPORT_MERGED", "PRECISION", "TF32", "EXPORT_DTYPE", "DP_REPLICATE", "RESHARD_AFTER_FORWARD",
                 "CPU_OFFLOAD", "PREFETCH", "COMPILE", "MAX_BAD_STEPS", "COLLECTIVE_TIMEOUT_S", "SAVE_EVERY",

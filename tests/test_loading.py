@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fsdp_utils
+from components.errors import ConfigError
 from parallel import loading
 from parallel.parallelize import parallelize
-from run_utils import ConfigError
 from tests.conftest import run_ranks, tiny_unet
 
 

@@ -23,12 +23,13 @@ from tests.conftest import (assert_kontext_resumed_bit_exact, free_port, launch_
                             read_checkpoint, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import checkpoint
 import fsdp_utils
-from parallel import lora
-import run_utils
 import train_flux_kontext as tfk
-from run_utils import ConfigError
+from components.config import script_constants
+from components.errors import ConfigError
+from components.export import LORA_WEIGHTS, export_lora
+from components.warnings import quiet_known_warnings
+from parallel import lora
 
 LORA = ["--lora_rank=4", "--lora_alpha=8", "--lr=3e-3"]
 TWO = ["--batch_size=2", "--ema_decay=0.5", "--save_every=2", "--sample_every=0", "--lora_export_merged=1"]
@@ -104,7 +105,7 @@ def test_checkpoint_holds_only_what_trains(runs):
 def test_export_loads_with_load_lora_weights_and_matches_merged(runs, kontext_setup):
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
     out = runs["two"][0]
-    assert os.listdir(os.path.join(out, "export")) == [checkpoint.LORA_WEIGHTS]
+    assert os.listdir(os.path.join(out, "export")) == [LORA_WEIGHTS]
     pipe = FluxKontextPipeline.from_pretrained(kontext_setup["model_path"], dtype=torch.float32)
     pipe.load_lora_weights(os.path.join(out, "export"))
     merged = FluxTransformer2DModel.from_pretrained(os.path.join(out, "export_merged", "transformer"))
@@ -136,7 +137,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
     folder = os.path.join(kontext_setup["model_path"], "transformer")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        run_utils.quiet_known_warnings()
+        quiet_known_warnings()
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
         model = tfk.build_transformer(folder, mesh, prec, torch.device("cpu"), load=True,
                                       sharding=fsdp_utils.Sharding(), block_classes=[], seed=0,
@@ -162,7 +163,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
         assert any(p.full_tensor().abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
         with torch.no_grad():
             trained_out = model(**inputs).sample.float()
-        checkpoint.export_lora(model, str(tmp_path / "export"), "FluxKontextPipeline", "transformer", torch.float32)
+        export_lora(model, str(tmp_path / "export"), "FluxKontextPipeline", "transformer", torch.float32)
     finally:
         dist.destroy_process_group()
     pipe = FluxKontextPipeline.from_pretrained(kontext_setup["model_path"], dtype=prec.compute_dtype)
@@ -175,7 +176,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
 
 
 def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
-    saved = run_utils.script_constants(vars(tfk))
+    saved = script_constants(vars(tfk))
     try:
         for argv, message in ((["--lora_rank=-1"], "LORA_RANK=-1: must be >= 0"),
                               (["--lora_rank=4", "--lora_target_modules=to_qq"],

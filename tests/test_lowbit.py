@@ -28,8 +28,8 @@ from tests.conftest import (assert_kontext_resumed_bit_exact, launch_kontext, re
                             run_ranks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from components.errors import ConfigError
 from parallel import lora, lowbit
-from run_utils import ConfigError
 
 torchao = pytest.importorskip("torchao")
 

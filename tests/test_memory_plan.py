@@ -77,7 +77,7 @@ def test_flash_sdpa_stand_in_computes_attention_and_its_gradients():
 
 
 def test_cli_names_cheapest_fitting_settings():
-    r = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sd15-dmd", "--world_size=2",
+    r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=2",
                         "--gpu_memory_gb=12", "--batch_size=2", "--resolution=256"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-1000:]
@@ -346,12 +346,12 @@ def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags(capsys):
     assert memory_plan.cheapest_fit("sd15-dmd", s, 1, planner) is None
     assert set(tried) == {"bf16-mixed"}  # bf16 states change nothing under LoRA
     assert memory_plan.main(["--model=sd15-dmd", "--world_size=2", "--resolution=64", "--lora_rank=4",
-                             "--lora_alpha=8", "--lora_targets=to_q,to_v"]) == 0
+                             "--lora_alpha=8", "--lora_target_modules=to_q,to_v"]) == 0
     out = capsys.readouterr().out
     assert "LoRA rank 4 (alpha 8) on generator" in out and "LoRA targets: to_q, to_v" in out
     # bad flags fail before any planning (in-process: argparse and the early target check)
     with pytest.raises(SystemExit, match="no_such_layer"):
-        memory_plan.main(["--model=sd15-dmd", "--world_size=2", "--lora_rank=4", "--lora_targets=no_such_layer"])
+        memory_plan.main(["--model=sd15-dmd", "--world_size=2", "--lora_rank=4", "--lora_target_modules=no_such_layer"])
     with pytest.raises(SystemExit) as missing:
         memory_plan.main(["--model=sd15-dmd", "--world_size=2", "--fake_lora=1"])
     assert missing.value.code == 2 and "--lora_rank" in capsys.readouterr().err
@@ -447,7 +447,7 @@ def test_context_parallel_is_flux_only(capsys):
     with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
         memory_plan.cp_table("sdxl-dmd")
     # the CLI: one line on stderr, exit status 1, before any model is built
-    r = subprocess.run([sys.executable, "fsdp_utils.py", "plan", "--model=sd15-dmd", "--world_size=2",
+    r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=2",
                         "--context_parallel=2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-import run_utils
+from components.config import apply_overrides, script_constants
 
 RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".sh"))
 
@@ -35,9 +35,9 @@ def test_recipe_settings_are_the_scripts_settings(recipe, monkeypatch):
     settings = cmd[cmd.index(script) + 1:]
     assert "--nproc_per_node=8" in cmd
     module = __import__(script[:-3])
-    saved = run_utils.script_constants(vars(module))
+    saved = script_constants(vars(module))
     try:
-        run_utils.apply_overrides(vars(module), settings)  # unknown name or bad value -> ConfigError
+        apply_overrides(vars(module), settings)  # unknown name or bad value -> ConfigError
         monkeypatch.setenv("WORLD_SIZE", "8")
         module.INIT_FROM = "" if hasattr(module, "INIT_FROM") else None  # the folder does not exist here
         module.GENERATOR_INIT = "" if hasattr(module, "GENERATOR_INIT") else None  # nor the file
@@ -105,7 +105,7 @@ def test_a_batch_size_override_keeps_the_published_global_batch(recipe, total):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(next(line for line in r.stdout.splitlines() if line.startswith("+ torchrun"))[2:])
-    batch = [a for a in cmd if a.startswith("--batch_size=")][-1]  # the last one wins (run_utils.apply_overrides)
+    batch = [a for a in cmd if a.startswith("--batch_size=")][-1]  # the last one wins (components.config.apply_overrides)
     assert batch == "--batch_size=1" and f"--grad_accum={total // 8}" in cmd, cmd
     r = subprocess.run(["bash", os.path.join(ROOT, "recipes", recipe), "--batch_size=abc"], capture_output=True,
                        text=True, env={**os.environ, "DRY_RUN": "1", "NPROC": "8", "MODEL": "m", "DATA": "d"}, timeout=60)

@@ -29,12 +29,13 @@ from tests.conftest import assert_loads_with_automodel, launch, launch_dmd, laun
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
-import data_utils
 import fsdp_utils
-import run_utils
-import train_common
 import train_dmd
-from run_utils import ConfigError
+from components.config import script_constants
+from components.errors import ConfigError
+from components.trainer import check_shared_settings
+from data.batches import global_batch_indices
+from data.images import load_image
 
 PROMPT = "a red circle on a blue background"
 # run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
@@ -247,9 +248,9 @@ def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     with pytest.raises(ConfigError, match="strictly decreasing"):
         train_dmd.validate_config()
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [])
-    monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)  # a shared setting: checked by train_common for both scripts
+    monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)  # a shared setting: components.trainer checks it for both
     with pytest.raises(ConfigError, match="DP_REPLICATE"):
-        train_common.check_shared_settings(run_utils.script_constants(vars(train_dmd)))
+        check_shared_settings(script_constants(vars(train_dmd)))
 
 
 def _fake_score_compute_dtypes(rank, world, fake_fp32):
@@ -400,10 +401,10 @@ def test_real_images_come_from_real_data_path_in_their_own_order(tmp_path):
     assert [r.get("prompt", "") for r in real_rows] == ["", "a red square", "", "a blue circle", ""]
     d = fsdp_utils.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     mb = train_dmd.load_step(0, rows, 4, 1, 0, d, 8, real_rows=real_rows)[0]
-    order = data_utils.global_batch_indices(0, 4, 5, 0 + train_dmd._REAL_ORDER_SALT)
+    order = global_batch_indices(0, 4, 5, 0 + train_dmd._REAL_ORDER_SALT)
     assert mb["real_prompts"] == [real_rows[i].get("prompt", "") for i in order]
     for k, i in enumerate(order):
-        assert torch.equal(mb["pixels"][k], data_utils.load_image(real_rows[i]["image"], 8, 8))
+        assert torch.equal(mb["pixels"][k], load_image(real_rows[i]["image"], 8, 8))
     # without REAL_DATA_PATH: the prompt rows' own images, no captions of their own (as before)
     mb = train_dmd.load_step(0, [{"prompt": "p", "image": real_rows[0]["image"]}], 2, 1, 0, d, 8)[0]
     assert "real_prompts" not in mb and mb["pixels"].shape == (2, 3, 8, 8)
@@ -418,7 +419,7 @@ def test_dmd_data_inputs_checked_before_any_work(tmp_path, monkeypatch):
     (folder / "a.txt").write_text("a prompt")
     with pytest.raises(ConfigError, match=re.escape(str(folder)) + ": no images"):
         train_dmd.load_data(str(folder), True, False)  # the GAN needs the caption's image beside it
-    saved = run_utils.script_constants(vars(train_dmd))
+    saved = script_constants(vars(train_dmd))
     try:
         for argv, message in (([f"--real_data_path={folder}"], "without USE_GAN"),
                               (["--caption_dropout=1"], "0 <= CAPTION_DROPOUT < 1")):

@@ -32,10 +32,11 @@ from tests.conftest import (KONTEXT_STEPS, assert_kontext_resumed_bit_exact, ass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
+from components.config import script_constants
+from components.errors import ConfigError
+from components.warnings import quiet_known_warnings
 from parallel import lora
-import run_utils
 import train_flux_kontext as tfk
-from run_utils import ConfigError
 
 
 
@@ -215,7 +216,7 @@ def test_text_cache_key_depends_on_encoder_settings(kontext_setup):
 
 
 def test_config_errors_before_any_work(monkeypatch):
-    saved = run_utils.script_constants(vars(tfk))
+    saved = script_constants(vars(tfk))
     try:
         for argv, message in ((["--dp_replicate=2"], "does not divide"),
                               (["--weighting_scheme=cosine"], "WEIGHTING_SCHEME in"),
@@ -253,7 +254,7 @@ def test_fsdp_transformer_matches_plain_model(kontext_setup, tmp_path):
     ref_loss, ref_grads = loss_and_grads(plain, plain.named_parameters())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        run_utils.quiet_known_warnings()
+        quiet_known_warnings()
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
         sharding = fsdp_utils.Sharding(reshard_after_forward=True, activation_checkpointing=True, prefetch=1)
         sharded = tfk.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
@@ -341,7 +342,7 @@ def test_own_data_run_with_val_data_sample_prompts_and_caption_dropout(kontext_s
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps({"control": f"controls/{i:03d}.png", "prompt": p}) + "\n"
                                for i, p in enumerate(["make the square red", "make the square blue", ""])))
-    dropped = [data_utils_drops(s) for s in (1, 2)]
+    dropped = [captions_dropped(s) for s in (1, 2)]
     assert any("" in d for d in dropped)  # these settings do drop a caption in the run
     out = tmp_path / "out"
     proc = launch_kontext(kontext_setup, out, [f"--data_path={targets}", f"--control_path={controls}",
@@ -359,6 +360,6 @@ def test_own_data_run_with_val_data_sample_prompts_and_caption_dropout(kontext_s
     assert [r["step"] for r in read_metrics(out) if "val_loss" in r] == [2]
 
 
-def data_utils_drops(step):
-    import data_utils
-    return data_utils.drop_captions(["x", "y"], 0, step, [0, 1], 0.5)
+def captions_dropped(step):
+    from data.randomness import drop_captions
+    return drop_captions(["x", "y"], 0, step, [0, 1], 0.5)

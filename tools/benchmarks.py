@@ -42,8 +42,8 @@ def _torchrun(worker: str, *args: str, nproc: int = 2) -> list[dict]:
 
 
 def _emit(obj: dict) -> None:
-    import run_utils
-    if run_utils.rank() == 0:
+    from components.dist import rank
+    if rank() == 0:
         print("BENCH " + json.dumps(obj), flush=True)
 
 
@@ -358,12 +358,12 @@ def bench_compile() -> str:
 #
 # Modes (each its own 2-rank launch, so each peak is its own):
 #   fsdp1             the settings above, AdamW as the DMD2 repository makes it (torch's default)
-#   fsdp1 + fused     the same with the scripts' optimizer (fsdp_utils.adamw: fused AdamW)
+#   fsdp1 + fused     the same with the scripts' optimizer (components.optim.adamw: fused AdamW)
 #   fsdp2             this project's recipe as the scripts run it (parallel/parallelize.py, PRECISION=bf16)
 #   fsdp2 bare        fully_shard per block and on the root, MixedPrecisionPolicy(bf16, bf16), nothing else
 #   ddp               DistributedDataParallel of the bf16 model
 # (bf16 where the CPU computes it natively, else fp32 throughout: see native_bf16)
-# Every mode but fsdp1 uses the scripts' optimizer, fsdp_utils.adamw.
+# Every mode but fsdp1 uses the scripts' optimizer, components.optim.adamw.
 #   fsdp2 + KNOB      the recipe with one knob changed (see STACK_KNOBS)
 # Workloads: `unet` = one UNet forward + backward + AdamW; `dmd` = one full DMD2 step (the
 # generator's 1-step sample, the DM gradient from the fake score and the CFG teacher, the
@@ -503,6 +503,7 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     import statistics
     import torch
     import fsdp_utils
+    from components.optim import adamw
     from algorithms import dmd2
     from parallel.memory import host_rss_bytes, local_state_bytes
     d = fsdp_utils.init_distributed()
@@ -514,9 +515,9 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     wrapped = {n: _wrap(m, mode, mesh, d.device, (n != "teacher"), dt) for n, m in models.items()}
     trained = [n for n in names if n != "teacher"]
     # FSDP1: AdamW as the DMD2 repository makes it (torch's default: foreach over its plain
-    # tensors); the rest the scripts' optimizer (fsdp_utils.adamw: fused)
+    # tensors); the rest the scripts' optimizer (components.optim.adamw: fused)
     opts = {n: torch.optim.AdamW(wrapped[n].parameters(), lr=1e-5) if mode == "fsdp1" else
-            fsdp_utils.adamw(wrapped[n].parameters(), lr=1e-5) for n in trained}
+            adamw(wrapped[n].parameters(), lr=1e-5) for n in trained}
     n_params = sum(p.numel() for p in models[names[0]].parameters()) if mode != "fsdp1" else \
         sum(p.numel() for p in medium_unet(int(width)).parameters())
     betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
@@ -648,9 +649,9 @@ def _noise_before(seed: int, it: int, batch: int, shape: tuple, gan: bool) -> di
     """The per-step draw train_dmd.py made before issue 28 (commit 525cc8f, `draw_step_noise`):
     every tensor for the whole global batch from one CPU generator; each rank then kept its slice."""
     import torch
-    import data_utils
+    from data.randomness import step_generator
     from algorithms import dmd2 as dm
-    g = data_utils.step_generator(seed, it)
+    g = step_generator(seed, it)
     r = {"noise": torch.randn((batch, *shape), generator=g), "dm_t": dm.sample_dm_timesteps(batch, g),
          "dm_noise": torch.randn((batch, *shape), generator=g), "fake_t": dm.sample_fake_timesteps(batch, g),
          "fake_noise": torch.randn((batch, *shape), generator=g), "sim_noise": torch.randn((batch, 0, *shape), generator=g)}
@@ -667,7 +668,7 @@ def bench_noise() -> str:
     a rank draws its own 2048 / world samples (train_dmd.draw_sample_noise per sample)."""
     import functools
     import torch
-    import data_utils
+    from data.randomness import per_sample_draws
     import train_dmd
     torch.set_num_threads(1)
 
@@ -686,7 +687,7 @@ def bench_noise() -> str:
                                  step_percent=(0.02, 0.98), gan_max_t=1000 if gan else None)
         for world in (8, 64):
             mine = range(NOISE_GLOBAL_BATCH // world)  # rank 0's samples
-            after = timed(lambda: data_utils.per_sample_draws(10, 5, mine, torch.device("cpu"), draw))
+            after = timed(lambda: per_sample_draws(10, 5, mine, torch.device("cpu"), draw))
             lines.append(f"| {'stage 2 (GAN: 6 noise tensors)' if gan else 'stage 1 (3 noise tensors)'} | {world} "
                          f"| {len(mine)} | {before:.0f} | {after:.1f} | {after / before:.3f} |")
     lines += ["", "One CPU thread, best of 3 (before: of 2). After draws on the run's device: here the CPU; on "
@@ -760,9 +761,9 @@ H100_DENSE_TFLOPS = {"bf16": 989, "tf32": 495, "fp32": 67}  # H100 SXM: tensor-c
 
 def _dmd_step_flops(resolution: int) -> float:
     """FLOPs of one SD-1.5 UNet forward of one sample at `resolution` px, counted on the meta device
-    by train_common's op-watching counter (the teacher's CFG pass is 2 of them)."""
+    by components.metrics' op-watching counter (the teacher's CFG pass is 2 of them)."""
     import torch
-    import train_common
+    from components.metrics import _FlopCount
     from diffusers import UNet2DConditionModel
     from tools import memory_plan
     folder = os.path.join(memory_plan.model_folder("sd15-dmd"), "unet")
@@ -770,7 +771,7 @@ def _dmd_step_flops(resolution: int) -> float:
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
         side = resolution // 8
         x, text = torch.randn(1, 4, side, side), torch.randn(1, 77, 768)
-        with train_common._FlopCount() as count:
+        with _FlopCount() as count:
             unet(x, torch.tensor([500]), text)
     return float(count.total)
 

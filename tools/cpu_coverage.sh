@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Which lines of the training code no CPU run executes: the test suite under coverage, every
 # launched process included (torchrun ranks and spawned ranks), then the lines of the scripts,
-# the root modules and parallel/ that never ran. What remains is the code only a GPU runs (the
+# the root modules, components/, data/, parallel/ and algorithms/ that never ran. What remains is the code only a GPU runs (the
 # README's "On GPUs" section lists it and says why each line is right) plus error paths the tests
 # do not provoke.
 #
@@ -17,6 +17,8 @@ cat > "$out/.coveragerc" <<RC
 parallel = True
 data_file = $out/.coverage
 include = $PWD/*.py
+          $PWD/components/*.py
+          $PWD/data/*.py
           $PWD/parallel/*.py
           $PWD/algorithms/*.py
 RC

@@ -147,9 +147,9 @@ def _timed(fn, device, warmup: int = 2, repeat: int = 5) -> float:
 
 
 def _model_flops(fn) -> dict:
-    """{peak kind: FLOPs} of one forward `fn()` (train_common's counter)."""
-    import train_common
-    counter = train_common._FlopCount()
+    """{peak kind: FLOPs} of one forward `fn()` (components.metrics' counter)."""
+    from components.metrics import _FlopCount
+    counter = _FlopCount()
     with counter:
         fn()
     return dict(counter.by_kind)
@@ -162,7 +162,7 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
     from diffusers import AutoencoderKL
 
     from parallel import attention
-    import train_common
+    from components.metrics import peak_tflops
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attention.sdpa_flags(attention.DEFAULT)
     g = torch.Generator(device=device).manual_seed(0)
@@ -199,7 +199,7 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
 
     out = {"fwd_bwd_ms": _timed(fwd_bwd, device)}
     flops = {k: 3 * n for k, n in _model_flops(lambda: model(**args, return_dict=False)).items()}
-    peaks = train_common.peak_tflops(device)
+    peaks = peak_tflops(device)
     out["model_tflop"] = sum(flops.values()) / 1e12
     out["mfu"] = (sum(n / (peaks[k] * 1e12) for k, n in flops.items()) / (out["fwd_bwd_ms"] / 1000)
                   if peaks else float("nan"))
@@ -400,8 +400,8 @@ def main() -> None:
     deadline = Deadline(a.deadline_s)
     import torch
 
-    import run_utils
-    run_utils.quiet_known_warnings()
+    from components.warnings import quiet_known_warnings
+    quiet_known_warnings()
     if not torch.cuda.is_available() and not a.cpu:
         sys.exit("gpu_check: no CUDA GPU here (use --cpu --tiny for the plumbing check on CPU)")
     os.makedirs(a.out, exist_ok=True)

@@ -4,14 +4,14 @@ weights, seconds). What each script builds, and in which role, is parallel.model
 sharded model goes through its recipe (parallel/parallelize.py), and the units are read off the
 sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
 
-    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
-    python fsdp_utils.py plan --model=sd15-dmd --world_size=8 --batch_size=4 --resolution=512
-    python fsdp_utils.py plan --model=sdxl-dmd --world_size=8 --gpu_memory_gb=80
-    python fsdp_utils.py plan --model=/path/to/diffusers/folder --world_size=2
+    python tools/memory_plan.py --model=flux-kontext-dev --world_size=4 --gpu_memory_gb=24
+    python tools/memory_plan.py --model=sd15-dmd --world_size=8 --batch_size=4 --resolution=512
+    python tools/memory_plan.py --model=sdxl-dmd --world_size=8 --gpu_memory_gb=80
+    python tools/memory_plan.py --model=/path/to/diffusers/folder --world_size=2
     python tools/memory_plan.py --fit_table --model=sdxl-dmd   # markdown: world sizes x GPU memory
-    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=2 --lora_rank=16   # LoRA fine-tuning
+    python tools/memory_plan.py --model=flux-kontext-dev --world_size=2 --lora_rank=16   # LoRA fine-tuning
     python tools/memory_plan.py --fit_table --model=flux-kontext-dev --lora_rank=16 --world_sizes=1,2,4 --gpu_memory_gbs=24
-    python fsdp_utils.py plan --model=flux-kontext-dev --world_size=8 --resolution=1024 --context_parallel=2
+    python tools/memory_plan.py --model=flux-kontext-dev --world_size=8 --resolution=1024 --context_parallel=2
     python tools/memory_plan.py --cp_table --model=flux-kontext-dev   # which CP fits 1024 / 2048 px on 24 / 80 GB
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
@@ -36,7 +36,7 @@ DMD2's fake score is counted as train_dmd.py runs it by default (FAKE_SCORE_FP32
 and its training forward's activations in fp32, whatever the precision mode (--fake_score_fp32=0:
 in the mode's compute dtype).
 
-LoRA (--lora_rank=R > 0; --lora_alpha, --lora_targets as the scripts' LORA_*): the adapters are added
+LoRA (--lora_rank=R > 0; --lora_alpha, --lora_target_modules as the scripts' LORA_*): the adapters are added
 with parallel.lora.add_lora to the meta model before its recipe shards it, as the scripts do, so the
 units fsdp_units reads include them. The script's model (FLUX's transformer, DMD's generator; with
 --fake_lora DMD's fake score too) is then counted as two rows: its base, frozen and stored in the
@@ -84,11 +84,11 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
+from components.errors import ConfigError  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
 from parallel import models  # noqa: E402  (the one table of per-model facts)
 from parallel.parallelize import parallelize  # noqa: E402  (the recipes)
-from run_utils import ConfigError  # noqa: E402
 from precision import dtype_name, get_precision  # noqa: E402
 
 GIB = 2**30
@@ -329,7 +329,7 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                 try:
                     lora_lib.add_lora(c.module, c.lora)
                 except ConfigError as e:
-                    raise SystemExit(f"plan: --lora_targets: {e}") from None
+                    raise SystemExit(f"plan: --lora_target_modules: {e}") from None
             if c.holding.sharded and block_classes:  # a misspelt class would silently make one whole-model unit
                 try:
                     fsdp_utils.find_block_classes(c.module, block_classes)
@@ -971,7 +971,7 @@ def check_lora_targets(name: str, lora: lora_lib.Lora) -> list[str]:
     try:
         return lora_lib.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
     except ConfigError as e:
-        raise SystemExit(f"plan: --lora_targets: {e}") from None
+        raise SystemExit(f"plan: --lora_target_modules: {e}") from None
 
 
 def _lora_caption(p: dict) -> str:
@@ -1063,7 +1063,7 @@ def lowbit_tables(name: str, rank: int = 16, gpu_gb: float = 24) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python fsdp_utils.py plan", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/memory_plan.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--world_size", type=int, default=None, help="required, except with --fit_table")
     ap.add_argument("--gpu_memory_gb", type=float, default=0.0)
@@ -1093,8 +1093,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--lora_rank", type=int, default=0,
                     help="plan LoRA fine-tuning with adapters of this rank, as the scripts' LORA_RANK (0: full fine-tuning)")
     ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
-    ap.add_argument("--lora_targets", default="",
-                    help="comma-separated module-name suffixes to adapt (default: the model's in parallel/models.py)")
+    ap.add_argument("--lora_target_modules", default="",
+                    help="comma-separated module-name suffixes to adapt, as the scripts' LORA_TARGET_MODULES "
+                         "(default: the model's in parallel/models.py)")
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     ap.add_argument("--fake_score_fp32", type=int, default=1,
@@ -1114,13 +1115,13 @@ def main(argv: list[str]) -> int:
         ap.error("--base_dtype=nf4 needs --lora_rank > 0 (only a frozen LoRA base is quantised)")
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
                 fake_score_fp32=bool(a.fake_score_fp32), base_dtype=a.base_dtype, optimizer=a.optimizer,
-                lora_targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()))
+                lora_targets=tuple(t.strip() for t in a.lora_target_modules.split(",") if t.strip()))
     try:
         lora_lib.check_lora(Settings(1, **lora).lora)
     except ConfigError as e:
         ap.error(str(e))
     if not a.lora_rank and (a.fake_lora or lora["lora_targets"] or a.lora_alpha):
-        ap.error("--lora_alpha, --lora_targets and --fake_lora need --lora_rank > 0")
+        ap.error("--lora_alpha, --lora_target_modules and --fake_lora need --lora_rank > 0")
     if a.fit_table and a.cp_table:
         ap.error("--fit_table and --cp_table: one table at a time")
     if a.cp_table and a.context_parallel != 1:

@@ -11,7 +11,7 @@ weights, so the smoke test exercises the real code path. Everything is built off
 The shapes, colours and captions of the synthetic datasets come from `tools/shapes.py` (the
 world the demos use too).
 
-Cache convention: `ensure_default(kind)` builds once (`data_utils.build_once`) under
+Cache convention: `ensure_default(kind)` builds once (`tools.build_once.build_once`) under
 `$FSDP_DIFFUSION_CACHE/tiny_<kind>_v1/` (default `~/.cache/fsdp_diffusion/tiny_<kind>_v1/`) with
 `model/` (the diffusers folder) and `data/` (the default dataset, always holding a `data.jsonl`).
 Bump `DEFAULTS_VERSION` whenever a tiny config changes, so stale caches are never reused.
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_utils import READY, build_once  # noqa: F401 - READY: the marker of a finished folder
+from tools.build_once import READY, build_once  # noqa: F401 - READY: the marker of a finished folder
 from tools.shapes import COLOURS, SHAPES, describe, draw_shape, random_scene
 
 DEFAULTS_VERSION = 1  # part of the cache folder name; bump on any change to a tiny config
@@ -367,7 +367,7 @@ def ensure_default(kind, cache_dir=None, timeout=600.0):
     """Build the tiny default for `kind` ("sd15", "sdxl" or "flux_kontext") once; return
     (model_path, data_path) as strings: <cache_dir>/tiny_<kind>_v<N>/{model,data}.
 
-    Safe for many ranks at once (`data_utils.build_once`): one of them builds in a temp folder,
+    Safe for many ranks at once (`tools.build_once.build_once`): one of them builds in a temp folder,
     under a lock file beside the folder, and publishes it with an atomic rename (READY marker
     inside); everyone else reuses it.
     """

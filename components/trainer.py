@@ -8,11 +8,10 @@ The settings both scripts share have one meaning here (their comments in the scr
 LOG_EVERY, SAMPLE_EVERY and SAVE_EVERY count steps; 0 turns the thing off (SAVE_EVERY=0: only the
 final checkpoint); samples and a checkpoint are also written at MAX_STEPS.
 
-    python -m pytest tests/test_train_common.py -q
+    python -m pytest tests/test_trainer.py -q
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -21,18 +20,24 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import fsdp_utils
 import precision
-import run_utils
+from components.checks import check_model_folder, check_output_dir, check_output_dir_shared
+from components.config import apply_overrides, check_settings, format_config, script_constants
+from components.dist import agree, print0
+from components.errors import ConfigError, GracefulStop, set_error_dir
+from components.export import export_bytes, export_lora, export_pipeline
+from components.guard import NonFiniteGuard, is_finite
+from components.logger import RunLogger, check_report_to
+from components.metrics import ModelFlops, throughput, window_add, window_metrics
+from components.warnings import quiet_known_warnings
 from parallel import attention
 from parallel import compile as compiling
 from parallel import lora as lora_lib
 from parallel import lowbit
 from parallel import memory, models
-from run_utils import ConfigError, print0
 
 # ----------------------------------------------------------------------------------------------
 # the start
@@ -40,7 +45,7 @@ from run_utils import ConfigError, print0
 
 def check_shared_settings(c: dict) -> None:
     """The settings both scripts have, checked alike before any work (`c`: the script's constants)."""
-    run_utils.check_settings({
+    check_settings({
         "MAX_STEPS >= 1": c["MAX_STEPS"] >= 1, "BATCH_SIZE >= 1": c["BATCH_SIZE"] >= 1,
         "GRAD_ACCUM >= 1": c["GRAD_ACCUM"] >= 1, "WARMUP_STEPS >= 0": c["WARMUP_STEPS"] >= 0,
         "0 <= EMA_DECAY < 1": 0 <= c["EMA_DECAY"] < 1, "PREFETCH >= 0": c["PREFETCH"] >= 0,
@@ -57,7 +62,7 @@ def check_shared_settings(c: dict) -> None:
         raise ConfigError(str(e)) from None
     lora_lib.check_lora(lora_lib.Lora.from_settings(c))
     lowbit.check_lowbit(c)
-    run_utils.check_report_to(c["REPORT_TO"])
+    check_report_to(c["REPORT_TO"])
     world = int(os.environ.get("WORLD_SIZE", 1))
     fsdp_utils.check_dp_replicate(c["DP_REPLICATE"], world)
     fsdp_utils.check_parallelism(c["PARALLELISM"], c["CPU_OFFLOAD"], c["DP_REPLICATE"])
@@ -84,17 +89,17 @@ class Run:
     pipeline: str  # the diffusers pipeline class MODEL_PATH holds
     d: fsdp_utils.Dist
     lora: lora_lib.Lora
-    stopper: run_utils.GracefulStop
+    stopper: GracefulStop
     resume_path: str | None
     start_step: int = 0
     ckpt: checkpoint.Checkpointer | None = None
-    guard: run_utils.NonFiniteGuard | None = None
-    logger: run_utils.RunLogger | None = None
+    guard: NonFiniteGuard | None = None
+    logger: RunLogger | None = None
     memory_table: functools.partial | None = None
     window: dict = field(default_factory=dict)
     clock: float = 0.0  # when the last step ended (after its samples and checkpoint), for the step's wall time
     flops: dict = field(default_factory=dict)  # {step kind: {peak kind: model FLOPs on this rank}} (ModelFlops)
-    model_flops: "ModelFlops | None" = None  # watch_model_flops: where MFU is reported
+    model_flops: ModelFlops | None = None  # watch_model_flops: where MFU is reported
     devices_checked: dict | None = None  # {name: (module, optimizer)} whose devices the first step checks
     stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
 
@@ -109,28 +114,28 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     resolved config), MODEL_PATH checked against the pipeline layout, LoRA targets checked on the
     meta skeleton, OUTPUT_DIR writable: all before any work. Then the process group, the config
     printed, the stop handler and the checkpoint to resume from (a bad path fails here)."""
-    run_utils.quiet_known_warnings()  # before anything imports diffusers
-    run_utils.apply_overrides(namespace, sys.argv[1:])
-    check_shared_settings(run_utils.script_constants(namespace))
+    quiet_known_warnings()  # before anything imports diffusers
+    apply_overrides(namespace, sys.argv[1:])
+    check_shared_settings(script_constants(namespace))
     validated = validate()
     embedded = not namespace["MODEL_PATH"]
     config = resolve()
     model_path = config["MODEL_PATH"]
     pipeline = pipeline_of(model_path, os.path.basename(namespace["__file__"]))
-    run_utils.check_model_folder(model_path, pipeline, models.folder_layout(pipeline))
+    check_model_folder(model_path, pipeline, models.folder_layout(pipeline))
     lora = lora_lib.Lora.from_settings(config)
     if lora:  # unknown target modules fail here, on the meta skeleton, before any work
         trained = models.trained_component(pipeline)
         lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
     trained_class = models.trained_component(pipeline).class_name
     attention.check_backend(config["ATTENTION_BACKEND"], models.MODELS[trained_class].attention_dispatcher)
-    run_utils.check_output_dir(config["OUTPUT_DIR"])
-    run_utils.set_error_dir(config["OUTPUT_DIR"])
+    check_output_dir(config["OUTPUT_DIR"])
+    set_error_dir(config["OUTPUT_DIR"])
 
     d = fsdp_utils.init_distributed(cpu_offload=config["CPU_OFFLOAD"], timeout_s=config["COLLECTIVE_TIMEOUT_S"])
     precision.apply_tf32(config["TF32"])
     sdpa = attention.sdpa_flags(config["ATTENTION_BACKEND"])
-    print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{run_utils.format_config(config)}")
+    print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{format_config(config)}")
     print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
            + (" (the embedded default)" if embedded else ""))
     print0(f"attention: {trained_class} {config['ATTENTION_BACKEND']}"
@@ -139,8 +144,8 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     slow_bf16 = precision.cpu_bf16_warning(precision.get_precision(config["PRECISION"]), d.device)
     if slow_bf16:
         print0(slow_bf16)
-    run_utils.check_output_dir_shared(config["OUTPUT_DIR"])
-    stopper = run_utils.GracefulStop()
+    check_output_dir_shared(config["OUTPUT_DIR"])
+    stopper = GracefulStop()
     resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])  # rank 0's answer
     return Run(config, pipeline, d, lora, stopper, resume_path), validated
 
@@ -184,10 +189,10 @@ def report_components(run: Run, caption: str, audit: list[dict], trained: dict, 
     # EMA, not a teacher (read from MODEL_PATH); the first of `trained` is the model the export writes
     c = run.config
     saved = {k: m for k, m in trained.items() if k == "ema" or any(p.requires_grad for p in m.parameters())}
-    export = checkpoint.export_bytes(c["MODEL_PATH"], models.trained_component(run.pipeline).subfolder,
-                                     next(iter(trained.values())), precision.parse_dtype(c["EXPORT_DTYPE"]),
-                                     lora=bool(run.lora), merged=c["LORA_EXPORT_MERGED"],
-                                     frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None)
+    export = export_bytes(c["MODEL_PATH"], models.trained_component(run.pipeline).subfolder,
+                          next(iter(trained.values())), precision.parse_dtype(c["EXPORT_DTYPE"]),
+                          lora=bool(run.lora), merged=c["LORA_EXPORT_MERGED"],
+                          frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None)
     checkpoint.disk_preflight(c["OUTPUT_DIR"], saved, optimizers, c["KEEP_LAST"], export)
 
 
@@ -199,7 +204,7 @@ def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) ->
     run.ckpt = checkpoint.Checkpointer(c["OUTPUT_DIR"], checkpointed, optimizers, schedulers, c,
                                        keep_last=c["KEEP_LAST"], async_save=c["ASYNC_SAVE"],
                                        save_every=c["SAVE_EVERY"], last_step=c["MAX_STEPS"])
-    run.guard = run_utils.NonFiniteGuard(c["MAX_BAD_STEPS"])
+    run.guard = NonFiniteGuard(c["MAX_BAD_STEPS"])
     if run.resume_path:
         meta = run.ckpt.load(run.resume_path)
         run.start_step = meta["step"]
@@ -210,8 +215,8 @@ def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) ->
     if run.d.device.type == "cuda":  # the logged peaks are the loop's, not loading's
         torch.cuda.reset_peak_memory_stats(run.d.device)
     run.clock = time.perf_counter()
-    run.logger = run_utils.RunLogger(c["OUTPUT_DIR"], c["MAX_STEPS"], run.start_step, report_to=c["REPORT_TO"],
-                                     config=c, wandb_project=c["WANDB_PROJECT"], wandb_run_name=c["WANDB_RUN_NAME"])
+    run.logger = RunLogger(c["OUTPUT_DIR"], c["MAX_STEPS"], run.start_step, report_to=c["REPORT_TO"],
+                           config=c, wandb_project=c["WANDB_PROJECT"], wandb_run_name=c["WANDB_RUN_NAME"])
     return run.start_step
 
 
@@ -228,8 +233,8 @@ def apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str
     for params, _, name in updates:
         logs["grad_norm_" + name if name else "grad_norm"] = fsdp_utils.clip_grad_norm_(params, run.config["MAX_GRAD_NORM"])
     # the step's one host sync: every rank's finiteness and stop signal in one collective
-    finite = run_utils.is_finite(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
-    ok, go_on = run_utils.agree(finite, not run.stopper.signalled())
+    finite = is_finite(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
+    ok, go_on = agree(finite, not run.stopper.signalled())
     run.guard.record(ok)
     run.stop_agreed = not go_on
     for _, opt, _ in updates:
@@ -295,162 +300,6 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
     run.clock = time.perf_counter()  # the next step's time starts here: samples and saves are not steps
 
 
-# dense tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name:
-# bf16/fp16, TF32 (fp32 matmuls with allow_tf32), fp32 without TF32
-PEAK_TFLOPS = {"H100 PCIe": (756, 378, 51), "H100 NVL": (835, 418, 60), "H100": (989, 495, 67),
-               "H200": (989, 495, 67), "GH200": (989, 495, 67), "B200": (2250, 1100, 80), "A100": (312, 156, 19.5),
-               "L40S": (362, 181, 91.6), "L4": (121, 60, 30.3), "A10G": (70, 35, 31.2), "RTX 4090": (165, 82.6, 82.6)}
-PEAK_KINDS = ("bf16", "tf32", "fp32")
-
-
-def peak_tflops(device: torch.device) -> dict[str, float] | None:
-    """{"bf16", "tf32", "fp32": the GPU's dense peak} from PEAK_TFLOPS (the first name that
-    matches), else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((dict(zip(PEAK_KINDS, v)) for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
-def flop_kind(dtype: torch.dtype) -> str:
-    """Which peak a matmul of `dtype` runs against: fp32 is TF32 where torch allows it."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return "bf16"
-    return "tf32" if precision.tf32_matmuls() else "fp32"
-
-
-class _FlopCount(TorchDispatchMode):
-    """Sums the FLOPs of the ops torch's flop counter knows (matmuls, convolutions, attention) as
-    they run, by the peak they run against (flop_kind of their first input). torch's
-    FlopCounterMode also tracks modules by wrapping their outputs in autograd functions, which
-    changes the order gradients are summed in (not bit-identical to an uncounted step); this mode
-    only watches, so a counted step computes exactly what an uncounted one does."""
-
-    def __init__(self):
-        super().__init__()
-        from torch.utils.flop_counter import flop_registry
-        self.registry, self.by_kind = flop_registry, {}
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_kind.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = self.registry.get(func._overloadpacket)
-        if count is not None:
-            first = next((a for a in args if torch.is_tensor(a)), None)
-            kind = flop_kind(first.dtype) if first is not None else "bf16"
-            self.by_kind[kind] = self.by_kind.get(kind, 0) + count(*args, **kwargs, out_val=out)
-        return out
-
-
-class ModelFlops:
-    """MFU's numerator: model FLOPs. Counts what the watched models' own forward calls dispatch
-    (matmuls, convolutions, attention), x3 for a call run with gradients enabled (its backward
-    computes input and weight gradients, each as much as the forward), by the peak each runs
-    against. So the VAE, text encoders and optimizer are not in it, nor AC's recomputation (a
-    block's forward run again in backward, outside the model's own forward call)."""
-
-    def __init__(self, models: list[torch.nn.Module]):
-        self.active, self.by_kind, self._counter, self._depth = False, {}, None, 0
-        for m in models:
-            m.register_forward_pre_hook(self._enter)
-            m.register_forward_hook(self._exit)
-
-    def _enter(self, module, args):
-        self._depth += 1
-        if self.active and self._depth == 1:
-            self._counter = _FlopCount().__enter__()
-            self._grad = torch.is_grad_enabled()
-
-    def _exit(self, module, args, output):
-        self._depth -= 1
-        if self._counter is not None and self._depth == 0:
-            self._counter.__exit__(None, None, None)
-            for kind, n in self._counter.by_kind.items():
-                self.by_kind[kind] = self.by_kind.get(kind, 0) + n * (3 if self._grad else 1)
-            self._counter = None
-
-    @contextlib.contextmanager
-    def counting(self):
-        """Count the watched forwards inside; returns {kind: FLOPs} in `self.by_kind`."""
-        self.active, self.by_kind = True, {}
-        try:
-            yield self
-        finally:
-            self.active = False
-
-
-def watch_model_flops(run: Run, models: list[torch.nn.Module]) -> None:
-    """The models whose forward and backward are the step's model FLOPs (the trained, frozen
-    teacher and fake score networks; not the VAE or text encoders), where MFU is reported."""
-    if peak_tflops(run.d.device) is not None and not run.config["COMPILE"]:
-        run.model_flops = ModelFlops(models)
-
-
-@contextlib.contextmanager
-def counting_flops(run: Run, kind: str, logs: dict):
-    """Around a step's forwards and backwards: the first step of each `kind` counts the watched
-    models' FLOPs on this rank (ModelFlops), later steps of that kind reuse the count. logs gets
-    `peak_s` (the seconds those FLOPs take at the GPU's peaks: MFU = peak_s / step time) and
-    `model_tflop`. Only where MFU is reported (a GPU of PEAK_TFLOPS; watch_model_flops): watching
-    every op costs more than a small model's step. Not under COMPILE (a dispatch mode would change
-    what dynamo traces): no MFU there."""
-    counter = run.model_flops
-    if counter is None or kind in run.flops:
-        yield
-    else:
-        with counter.counting():
-            yield
-        run.flops[kind] = dict(counter.by_kind)
-    if kind in run.flops:
-        peaks = peak_tflops(run.d.device)
-        logs["peak_s"] = sum(n / (peaks[k] * 1e12) for k, n in run.flops[kind].items())
-        logs["model_tflop"] = sum(run.flops[kind].values()) / 1e12
-
-
-def throughput(metrics: dict, work: dict, d) -> dict:
-    """The logging window's rates from its mean step time (`step_s`, popped): images/s (and
-    tokens/s) over all ranks, the mean data wait against the rest of the step (compute_ms), MFU
-    (this rank's model FLOPs at the GPU's peaks, `peak_s`, over the step time) where the GPU is
-    known, and on CUDA the peak memory allocated and reserved since setup (max over ranks: one
-    collective, on logging steps only)."""
-    step_s, out = metrics.pop("step_s"), {}
-    peak_s = metrics.pop("peak_s", None)
-    for name, n in work.items():
-        out[f"{name}_per_s"] = n / step_s
-    if "data_wait_ms" in metrics:
-        out["compute_ms"] = step_s * 1000 - metrics["data_wait_ms"]
-    if peak_s is not None:
-        out["mfu"] = peak_s / step_s
-    if d.device.type == "cuda":
-        mem = torch.tensor([torch.cuda.max_memory_allocated(d.device), torch.cuda.max_memory_reserved(d.device)],
-                           dtype=torch.float64, device=d.device)
-        allocated, reserved = run_utils.all_reduce(mem, op=torch.distributed.ReduceOp.MAX).tolist()
-        out.update(cuda_peak_gib=allocated / 2**30, cuda_reserved_gib=reserved / 2**30)
-    return out
-
-
-def window_add(window: dict, logs: dict) -> None:
-    """Collect a step's values for the next log line: each metric is averaged over the steps of
-    the logging window that produced it (so DMD2's loss_dm, made every DFAKE_GEN_UPDATE_RATIO
-    steps, shows up whenever the window held a generator step)."""
-    for k, v in logs.items():
-        total, count = window.get(k, (0.0, 0))
-        window[k] = (total + (v.double() if torch.is_tensor(v) else float(v)), count + 1)  # no host sync
-
-
-def window_metrics(window: dict, extra: dict) -> dict:
-    """The log line: window means, losses averaged over ranks too (grad norms are global already)."""
-    means = {k: float(total) / count for k, (total, count) in window.items()}  # the logging step's syncs
-    metrics = run_utils.mean_across_ranks({k: v for k, v in means.items() if k.startswith("loss")})
-    metrics.update({k: v for k, v in means.items() if not k.startswith("loss")}, **extra)
-    window.clear()
-    return dict(sorted(metrics.items()))
-
-
 # ----------------------------------------------------------------------------------------------
 # the end of the run
 
@@ -471,10 +320,8 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None) -> Non
     component = models.trained_component(run.pipeline).subfolder
     with final_weights() as final_model:
         if run.lora:
-            checkpoint.export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32)
+            export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32)
         if not run.lora or c["LORA_EXPORT_MERGED"]:
-            checkpoint.export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
-                                       {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]),
-                                       frozen=frozen)
+            export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
+                            {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen)
     fsdp_utils.cleanup_distributed()
-

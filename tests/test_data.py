@@ -1,22 +1,27 @@
-"""data_utils.py: data order as a function of (SEED, step), the same at any world size.
+"""data/: data order as a function of (SEED, step), the same at any world size.
 Record loading, images and grids are exercised through the scripts' tests.
 
-    python -m pytest tests/test_data_utils.py -q
+    python -m pytest tests/test_data.py -q
 """
 from __future__ import annotations
 
-import data_utils
+from components.errors import ConfigError
+from data.batches import global_batch_indices, rank_slice
+from data.images import check_image, exif_orientation, image_size, load_image
+from data.prefetch import Prefetcher
+from data.randomness import drop_captions, per_sample_draws
+from data.sources import read_rows
 
 
 def test_global_batch_indices_cover_epochs():
-    seen = [i for s in range(5) for i in data_utils.global_batch_indices(s, 4, 10, seed=3)]
+    seen = [i for s in range(5) for i in global_batch_indices(s, 4, 10, seed=3)]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
-    assert data_utils.global_batch_indices(3, 4, 10, 3) == seen[12:16]
+    assert global_batch_indices(3, 4, 10, 3) == seen[12:16]
 
 
 def test_rank_slices_partition_the_batch():
     batch = list(range(8))
-    assert [x for r in range(4) for x in data_utils.rank_slice(batch, r, 4)] == batch
+    assert [x for r in range(4) for x in rank_slice(batch, r, 4)] == batch
 
 
 def test_per_sample_draws_do_not_depend_on_who_draws_them():
@@ -28,15 +33,15 @@ def test_per_sample_draws_do_not_depend_on_who_draws_them():
         return {"noise": torch.randn(3, 4, generator=g, device=g.device),
                 "t": torch.randint(0, 1000, (), generator=g, device=g.device)}
     cpu = torch.device("cpu")
-    whole = data_utils.per_sample_draws(5, 7, range(8), cpu, draw)
+    whole = per_sample_draws(5, 7, range(8), cpu, draw)
     for world in (2, 4):
-        parts = [data_utils.per_sample_draws(5, 7, data_utils.rank_slice(range(8), r, world), cpu, draw)
+        parts = [per_sample_draws(5, 7, rank_slice(range(8), r, world), cpu, draw)
                  for r in range(world)]
         assert all(torch.equal(torch.cat([p[k] for p in parts]), whole[k]) for k in whole)
     assert whole["noise"].shape == (8, 3, 4) and whole["t"].shape == (8,)
     assert not torch.equal(whole["noise"][0], whole["noise"][1])  # samples differ
-    assert not torch.equal(data_utils.per_sample_draws(5, 8, range(8), cpu, draw)["noise"], whole["noise"])
-    assert not torch.equal(data_utils.per_sample_draws(5, 7, range(8), cpu, draw, stream=1)["noise"], whole["noise"])
+    assert not torch.equal(per_sample_draws(5, 8, range(8), cpu, draw)["noise"], whole["noise"])
+    assert not torch.equal(per_sample_draws(5, 7, range(8), cpu, draw, stream=1)["noise"], whole["noise"])
 
 
 def test_prefetcher_loads_the_next_step_while_this_one_runs():
@@ -54,7 +59,7 @@ def test_prefetcher_loads_the_next_step_while_this_one_runs():
         if step == 4:
             raise ValueError("bad row in step 4")
         return {"x": torch.full((2,), float(step)), "names": [f"s{step}"]}
-    with data_utils.Prefetcher(load, last_step=4, device=torch.device("cpu")) as prefetch:
+    with Prefetcher(load, last_step=4, device=torch.device("cpu")) as prefetch:
         data, waited = prefetch.get(1)
         assert torch.equal(data["x"], torch.tensor([1.0, 1.0])) and data["names"] == ["s1"] and waited >= 0
         deadline = time.monotonic() + 5
@@ -83,7 +88,6 @@ import pytest
 import torch
 from PIL import Image
 
-from run_utils import ConfigError
 
 PAIR = ("control", "target", "prompt")
 
@@ -113,10 +117,10 @@ def test_jsonl_canonical_names_and_aliases(tmp_path, capsys):
     canonical = _jsonl(tmp_path / "c.jsonl", [{"control": "a.png", "target": "b.png", "prompt": "p"}])
     aliases = _jsonl(tmp_path / "x.jsonl", [{"context": "a.png", "edited": "b.png", "instruction": "p"},
                                             {"source": "a.png", "target": "b.png", "caption": ""}])
-    rows, _ = data_utils.read_rows(canonical, PAIR, PAIR, skip_bad=False, size_of="target")
+    rows, _ = read_rows(canonical, PAIR, PAIR, skip_bad=False, size_of="target")
     assert rows == [{"control": str(tmp_path / "a.png"), "target": str(tmp_path / "b.png"), "prompt": "p",
                      "size": (16, 32)}]
-    rows, _ = data_utils.read_rows(aliases, PAIR, PAIR, skip_bad=False)
+    rows, _ = read_rows(aliases, PAIR, PAIR, skip_bad=False)
     assert [r["control"] for r in rows] == [str(tmp_path / "a.png")] * 2 and rows[1]["prompt"] == ""  # empty: allowed
     assert "warning" not in capsys.readouterr().out
 
@@ -128,11 +132,11 @@ def test_jsonl_image_key_is_read_by_its_neighbour_with_one_warning(tmp_path, cap
     _img(tmp_path / "a.png")
     _img(tmp_path / "b.png")
     legacy = _jsonl(tmp_path / "old.jsonl", [{"image": "a.png", "target": "b.png", "prompt": "p"}] * 3)
-    rows, _ = data_utils.read_rows(legacy, PAIR, PAIR, skip_bad=False)
+    rows, _ = read_rows(legacy, PAIR, PAIR, skip_bad=False)
     assert rows[0]["control"] == str(tmp_path / "a.png") and rows[0]["target"] == str(tmp_path / "b.png")
     assert "warning" not in capsys.readouterr().out
     toolkit = _jsonl(tmp_path / "tk.jsonl", [{"control": "a.png", "image": "b.png", "prompt": "p"}] * 3)
-    rows, _ = data_utils.read_rows(toolkit, PAIR, PAIR, skip_bad=False)
+    rows, _ = read_rows(toolkit, PAIR, PAIR, skip_bad=False)
     assert rows[0]["control"] == str(tmp_path / "a.png") and rows[0]["target"] == str(tmp_path / "b.png")
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert len(warned) == 1 and "read as the edited result" in warned[0] and "tk.jsonl" in warned[0]
@@ -148,8 +152,8 @@ def test_jsonl_bad_rows_are_named_by_file_and_line(tmp_path, row, message):
     _img(tmp_path / "a.png")
     path = _jsonl(tmp_path / "d.jsonl", [{"control": "a.png", "target": "a.png", "prompt": "p"}, row])
     with pytest.raises(ConfigError, match=re.escape(path) + ":2: " + message):
-        data_utils.read_rows(path, PAIR, PAIR, skip_bad=False)
-    assert len(data_utils.read_rows(path, PAIR, PAIR, skip_bad=True)[0]) == 1
+        read_rows(path, PAIR, PAIR, skip_bad=False)
+    assert len(read_rows(path, PAIR, PAIR, skip_bad=True)[0]) == 1
 
 
 def _toolkit_folder(root, n=3, control_ext=".png"):
@@ -163,7 +167,7 @@ def _toolkit_folder(root, n=3, control_ext=".png"):
 
 def test_folder_layout_with_control_path_or_a_control_subfolder(tmp_path):
     targets, controls = _toolkit_folder(tmp_path)
-    rows, _ = data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    rows, _ = read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
     assert [r["prompt"] for r in rows] == ["make it blue 0", "make it blue 1", "make it blue 2"]
     assert rows[1]["target"] == str(targets / "001.png") and rows[1]["control"] == str(controls / "001.png")
     # musubi-style: the controls in DATA_PATH/control/, matched by stem whatever the extension
@@ -172,7 +176,7 @@ def test_folder_layout_with_control_path_or_a_control_subfolder(tmp_path):
         _img(folder / f"{i}.png")
         (folder / f"{i}.txt").write_text("")  # an empty caption is allowed
         _img(folder / "control" / f"{i}{ext}")
-    rows, _ = data_utils.read_rows(str(folder), PAIR, PAIR, skip_bad=False)
+    rows, _ = read_rows(str(folder), PAIR, PAIR, skip_bad=False)
     assert [os.path.basename(r["control"]) for r in rows] == ["0.jpg", "1.jpeg", "2.webp"]
     assert all(r["prompt"] == "" for r in rows)
 
@@ -181,33 +185,33 @@ def test_folder_layout_bad_inputs_name_the_file(tmp_path):
     targets, controls = _toolkit_folder(tmp_path)
     os.remove(controls / "001.png")
     with pytest.raises(ConfigError, match=re.escape(str(targets / "001.png")) + ": no control image 001"):
-        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
-    rows, skipped = data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=True, control_path=str(controls))
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+    rows, skipped = read_rows(str(targets), PAIR, PAIR, skip_bad=True, control_path=str(controls))
     assert len(rows) == 2 and skipped == 1
     _img(controls / "001.png")
     os.remove(targets / "002.txt")
     with pytest.raises(ConfigError, match=re.escape(str(targets / "002.png")) + ": no caption file 002.txt"):
-        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
     _img(targets / "000.jpg")
     with pytest.raises(ConfigError, match=re.escape(str(targets / "000.png")) + ": two images named 000"):
-        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
     with pytest.raises(ConfigError, match="needs its control images: CONTROL_PATH, or a control/ folder"):
-        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False)
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False)
     (controls / "003.png").write_bytes(b"not an image")
     _img(targets / "003.png")
     (targets / "003.txt").write_text("x")
     with pytest.raises(ConfigError, match="two images named 000"):  # the first bad file, in name order
-        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
     os.remove(targets / "000.jpg")
     (targets / "002.txt").write_text("y")
     with pytest.raises(ConfigError, match=re.escape(str(targets / "003.png")) + r": image .*003.png is unreadable"):
-        data_utils.read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(controls))
     with pytest.raises(ConfigError, match="CONTROL_PATH=.*only a folder DATA_PATH reads it"):
-        data_utils.read_rows(_jsonl(tmp_path / "d.jsonl", [{}]), PAIR, PAIR, skip_bad=False, control_path=str(controls))
+        read_rows(_jsonl(tmp_path / "d.jsonl", [{}]), PAIR, PAIR, skip_bad=False, control_path=str(controls))
     with pytest.raises(ConfigError, match="no such file or folder"):
-        data_utils.read_rows(str(tmp_path / "nope"), PAIR, PAIR, skip_bad=False)
+        read_rows(str(tmp_path / "nope"), PAIR, PAIR, skip_bad=False)
     with pytest.raises(ConfigError, match="a .txt holds prompts only"):
-        data_utils.read_rows(str(targets / "003.txt"), PAIR, PAIR, skip_bad=False)
+        read_rows(str(targets / "003.txt"), PAIR, PAIR, skip_bad=False)
 
 
 def _saved_dataset(path, n=4, names=("control", "image", "prompt")):
@@ -224,33 +228,33 @@ def _saved_dataset(path, n=4, names=("control", "image", "prompt")):
 
 def test_datasets_folder_and_parquet_read_as_pairs(tmp_path):
     cols = _saved_dataset(tmp_path / "ds")
-    rows, _ = data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, size_of="target")
+    rows, _ = read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, size_of="target")
     assert [r["prompt"] for r in rows] == ["edit 0", "edit 1", "edit 2", "edit 3"]
     assert rows[2]["size"] == (32, 16)  # the target's (h, w), read from the stored bytes
-    expected = data_utils.load_image(cols["control"][2], 8, 8)
-    assert torch.equal(data_utils.load_image(rows[2]["control"], 8, 8), expected)  # images stay in the table
+    expected = load_image(cols["control"][2], 8, 8)
+    assert torch.equal(load_image(rows[2]["control"], 8, 8), expected)  # images stay in the table
     import datasets
     datasets.load_from_disk(str(tmp_path / "ds")).to_parquet(str(tmp_path / "pairs.parquet"))
-    rows_pq, _ = data_utils.read_rows(str(tmp_path / "pairs.parquet"), PAIR, PAIR, skip_bad=False)
-    assert torch.equal(data_utils.load_image(rows_pq[2]["control"], 8, 8), expected)
+    rows_pq, _ = read_rows(str(tmp_path / "pairs.parquet"), PAIR, PAIR, skip_bad=False)
+    assert torch.equal(load_image(rows_pq[2]["control"], 8, 8), expected)
 
 
 def test_datasets_column_settings_and_errors(tmp_path, monkeypatch):
     _saved_dataset(tmp_path / "ds", names=("before", "after", "edit_text"))
     with pytest.raises(ConfigError, match="no control column among after, before, edit_text|no control column"):
-        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
+        read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
     columns = {"control": "before", "target": "after", "prompt": "edit_text"}
-    rows, _ = data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, columns=columns)
+    rows, _ = read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, columns=columns)
     assert rows[3]["prompt"] == "edit 3"
     with pytest.raises(ConfigError, match="no column 'nope' \\(CONTROL_COLUMN\\)"):
-        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, columns={**columns, "control": "nope"})
+        read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False, columns={**columns, "control": "nope"})
     with pytest.raises(ConfigError, match="no split 'test'"):
         from datasets import DatasetDict, load_from_disk
         DatasetDict({"train": load_from_disk(str(tmp_path / "ds"))}).save_to_disk(str(tmp_path / "dd"))
-        data_utils.read_rows(str(tmp_path / "dd"), PAIR, PAIR, skip_bad=False, columns=columns, split="test")
+        read_rows(str(tmp_path / "dd"), PAIR, PAIR, skip_bad=False, columns=columns, split="test")
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: one line, before any work
     with pytest.raises(ConfigError, match=r"needs the datasets package \(pip install datasets\)$"):
-        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
+        read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
 
 
 def test_datasets_bad_image_is_named_by_row(tmp_path):
@@ -261,7 +265,7 @@ def test_datasets_bad_image_is_named_by_row(tmp_path):
     feats = datasets.Features({"control": datasets.Image(), "target": datasets.Image(), "prompt": datasets.Value("string")})
     datasets.Dataset.from_dict(table, features=feats).save_to_disk(str(tmp_path / "ds"))
     with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "ds")) + " row 1: image in column 'target' is unreadable"):
-        data_utils.read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
+        read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
 
 
 @pytest.mark.parametrize("ext", ["jpg", "png", "webp"])
@@ -269,11 +273,11 @@ def test_exif_orientation_is_applied_when_loading_and_bucketing(tmp_path, ext):
     """A phone photo stored 32 x 16 (w x h) with orientation 6 (turn 90° clockwise) shows 16 x 32."""
     stored = _img(tmp_path / f"stored.{ext}", size=(32, 16))
     rotated = _img(tmp_path / f"rotated.{ext}", size=(32, 16), exif_orientation=6)
-    assert data_utils.image_size(rotated) == (32, 16) and data_utils.image_size(stored) == (16, 32)
-    assert data_utils.check_image(rotated) == (32, 16)
+    assert image_size(rotated) == (32, 16) and image_size(stored) == (16, 32)
+    assert check_image(rotated) == (32, 16)
     upright = Image.open(stored).convert("RGB").transpose(Image.Transpose.ROTATE_270)
     expected = torch.from_numpy(__import__("numpy").asarray(upright).copy()).permute(2, 0, 1).float() / 127.5 - 1
-    torch.testing.assert_close(data_utils.load_image(rotated, 32, 16), expected)
+    torch.testing.assert_close(load_image(rotated, 32, 16), expected)
     import train_flux_kontext as tfk
     buckets = tfk.make_buckets(32, [0.5, 1.0, 2.0], 16)
     assert [buckets[b] for b in tfk.assign_buckets([{"target": rotated}, {"target": stored}], buckets)] == \
@@ -282,29 +286,30 @@ def test_exif_orientation_is_applied_when_loading_and_bucketing(tmp_path, ext):
 
 def test_a_plain_png_is_not_decoded_to_read_its_orientation(tmp_path):
     with Image.open(_img(tmp_path / "a.png")) as im:
-        assert data_utils.exif_orientation(im) == 1 and im._im is None  # header only
+        assert exif_orientation(im) == 1 and im._im is None  # header only
 
 
 def test_caption_dropout_is_a_function_of_seed_step_and_sample():
     prompts = [f"p{i}" for i in range(400)]
-    dropped = data_utils.drop_captions(prompts, 3, 7, range(400), 0.25)
+    dropped = drop_captions(prompts, 3, 7, range(400), 0.25)
     assert 60 < dropped.count("") < 140 and all(d in ("", p) for d, p in zip(dropped, prompts))
-    halves = data_utils.drop_captions(prompts[:200], 3, 7, range(200), 0.25) + \
-        data_utils.drop_captions(prompts[200:], 3, 7, range(200, 400), 0.25)
+    halves = drop_captions(prompts[:200], 3, 7, range(200), 0.25) + \
+        drop_captions(prompts[200:], 3, 7, range(200, 400), 0.25)
     assert halves == dropped  # any split over ranks or micro-batches draws the same
-    assert data_utils.drop_captions(prompts, 3, 8, range(400), 0.25) != dropped  # other steps differ
-    assert data_utils.drop_captions(prompts, 3, 7, range(400), 0.0) == prompts  # off: nothing drawn
+    assert drop_captions(prompts, 3, 8, range(400), 0.25) != dropped  # other steps differ
+    assert drop_captions(prompts, 3, 7, range(400), 0.0) == prompts  # off: nothing drawn
 
 
 def _checks_on_two_ranks(rank, world, folder):
+    from data import sources  # read_rows looks check_image up there
     calls = []
-    real = data_utils.check_image
-    data_utils.check_image = lambda source: calls.append(source) or real(source)
+    real = sources.check_image
+    sources.check_image = lambda source: calls.append(source) or real(source)
     with pytest.raises(ConfigError) as info:
-        data_utils.read_rows(folder, ("prompt", "image"), ("prompt", "image"), skip_bad=False)
+        read_rows(folder, ("prompt", "image"), ("prompt", "image"), skip_bad=False)
     assert str(info.value) == f"{folder}/00005.png: image {folder}/00005.png is unreadable (UnidentifiedImageError)"
     assert len(calls) == 4, calls  # 8 images: each rank opened only its half
-    rows, skipped = data_utils.read_rows(folder, ("prompt", "image"), ("prompt", "image"), skip_bad=True)
+    rows, skipped = read_rows(folder, ("prompt", "image"), ("prompt", "image"), skip_bad=True)
     assert len(rows) == 6 and skipped == 2  # both ranks drop the same rows
 
 

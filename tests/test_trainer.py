@@ -1,8 +1,8 @@
-"""train_common.py: the shared settings' one meaning (when logs, samples and checkpoints are due),
+"""components/trainer.py: the shared settings' one meaning (when logs, samples and checkpoints are due),
 the log window, the pipeline a folder holds, the checks both scripts make before any work, and the
 one LR warmup.
 
-    python -m pytest tests/test_train_common.py -q
+    python -m pytest tests/test_trainer.py -q
 """
 from __future__ import annotations
 
@@ -13,34 +13,38 @@ import os
 import pytest
 import torch
 
-import run_utils
-import train_common
+import components.metrics
 import train_dmd
 import train_flux_kontext
-from run_utils import ConfigError
+from components.config import script_constants
+from components.errors import ConfigError
+from components.metrics import (ModelFlops, counting_flops, flop_kind, _FlopCount, peak_tflops, throughput,
+                                watch_model_flops, window_add, window_metrics)
+from components.optim import warmup_scheduler
+from components.trainer import Run, check_shared_settings, due, pipeline_of
 
 
 def test_due_counts_steps_and_zero_turns_off():
-    assert [s for s in range(1, 11) if train_common.due(s, 4, 10)] == [4, 8, 10]
-    assert [s for s in range(1, 11) if train_common.due(s, 4)] == [4, 8]
-    assert not any(train_common.due(s, 0, 10) for s in range(1, 11))  # 0: never, not even at the end
+    assert [s for s in range(1, 11) if due(s, 4, 10)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if due(s, 4)] == [4, 8]
+    assert not any(due(s, 0, 10) for s in range(1, 11))  # 0: never, not even at the end
 
 
 def test_window_means_each_metric_over_the_steps_that_made_it():
     window = {}
-    train_common.window_add(window, {"loss_dm": 1.0, "loss_fake": 2.0})
-    train_common.window_add(window, {"loss_fake": 4.0, "grad_norm": 3.0})
-    assert train_common.window_metrics(window, {"lr": 0.5}) == {"grad_norm": 3.0, "loss_dm": 1.0,
+    window_add(window, {"loss_dm": 1.0, "loss_fake": 2.0})
+    window_add(window, {"loss_fake": 4.0, "grad_norm": 3.0})
+    assert window_metrics(window, {"lr": 0.5}) == {"grad_norm": 3.0, "loss_dm": 1.0,
                                                                   "loss_fake": 3.0, "lr": 0.5}
     assert window == {}
 
 
 def test_pipeline_of_reads_model_index(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
-    assert train_common.pipeline_of(str(tmp_path), "train_dmd.py") == "StableDiffusionXLPipeline"
+    assert pipeline_of(str(tmp_path), "train_dmd.py") == "StableDiffusionXLPipeline"
     # a pipeline the script does not train: the script's default, whose folder check names what is missing
-    assert train_common.pipeline_of(str(tmp_path), "train_flux_kontext.py") == "FluxKontextPipeline"
-    assert train_common.pipeline_of(str(tmp_path / "missing"), "train_dmd.py") == "StableDiffusionPipeline"
+    assert pipeline_of(str(tmp_path), "train_flux_kontext.py") == "FluxKontextPipeline"
+    assert pipeline_of(str(tmp_path / "missing"), "train_dmd.py") == "StableDiffusionPipeline"
 
 
 @pytest.mark.parametrize("script", [train_dmd, train_flux_kontext], ids=["dmd", "kontext"])
@@ -50,9 +54,9 @@ def test_pipeline_of_reads_model_index(tmp_path):
     ({"EXPORT_DTYPE": "int4"}, "int4"),
 ])
 def test_shared_settings_are_checked_alike(script, change, message):
-    settings = {**run_utils.script_constants(vars(script)), **change}
+    settings = {**script_constants(vars(script)), **change}
     with pytest.raises(ConfigError, match=message):
-        train_common.check_shared_settings(settings)
+        check_shared_settings(settings)
 
 
 @pytest.mark.parametrize("first_step, factors", [(0, [0.0, 0.4, 0.8, 1.0]), (1, [0.4, 0.8, 1.0, 1.0])])
@@ -60,7 +64,7 @@ def test_one_warmup_two_conventions(first_step, factors):
     """first_step=0: the official DMD2 schedule (LR 0 at the first iteration, fractional warmup
     allowed); 1: the first update already at LR / warmup (the Kontext script's)."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = run_utils.warmup_scheduler(opt, 2.5, first_step=first_step)
+    sched = warmup_scheduler(opt, 2.5, first_step=first_step)
     seen = []
     for _ in factors:
         seen.append(sched.get_last_lr()[0])
@@ -96,7 +100,7 @@ def _reads_per_step(script: str, args: list[str], tmp_path) -> int:
                          ids=["dmd", "kontext"])
 def test_one_host_sync_per_step_outside_logging_steps(script, args, tmp_path):
     """Losses and grad norms stay device tensors until a logging step; the step's one read is the
-    collective that agrees on finiteness and stop signals (train_common.apply_updates). Before:
+    collective that agrees on finiteness and stop signals (components.trainer.apply_updates). Before:
     4 reads per DMD2 step (loss_dm, loss_fake, two grad norms) and 3 per Kontext step at
     GRAD_ACCUM=2 (two losses, the grad norm), plus two agreement reads on more than one rank."""
     assert _reads_per_step(script, args, tmp_path) == 1
@@ -107,12 +111,12 @@ def test_throughput_fields_from_the_window():
     MFU = the model FLOPs' time at the GPU's peaks over the step time; nothing CUDA on a CPU run."""
     d = type("D", (), {"device": torch.device("cpu")})()
     metrics = {"loss": 1.0, "step_s": 0.5, "data_wait_ms": 100.0}
-    out = train_common.throughput(metrics, {"images": 64, "tokens": 64 * 2048}, d)
+    out = throughput(metrics, {"images": 64, "tokens": 64 * 2048}, d)
     assert out == pytest.approx({"images_per_s": 128.0, "tokens_per_s": 128.0 * 2048, "compute_ms": 400.0})
     assert "step_s" not in metrics  # turned into rates, not logged raw
-    assert train_common.peak_tflops(torch.device("cpu")) is None
+    assert peak_tflops(torch.device("cpu")) is None
     metrics = {"step_s": 0.5, "peak_s": 0.2}
-    assert train_common.throughput(metrics, {"images": 1}, d)["mfu"] == pytest.approx(0.4)
+    assert throughput(metrics, {"images": 1}, d)["mfu"] == pytest.approx(0.4)
     assert "peak_s" not in metrics
 
 
@@ -132,7 +136,7 @@ def test_model_flops_are_the_watched_forwards_times_three_with_gradients():
     fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
     for checkpointed in (False, True):
         net, other = _Net(checkpointed), torch.nn.Linear(16, 16)
-        flops = train_common.ModelFlops([net])
+        flops = ModelFlops([net])
         x = torch.randn(8, 16)
         net(x).sum().backward()  # not counting yet
         with flops.counting():
@@ -145,28 +149,28 @@ def test_model_flops_are_the_watched_forwards_times_three_with_gradients():
 
 def test_flops_counted_once_per_kind_of_step(monkeypatch):
     cpu = type("D", (), {"device": torch.device("cpu")})()
-    run = train_common.Run({"COMPILE": False}, "", cpu, None, None, None)
-    train_common.watch_model_flops(run, [torch.nn.Linear(4, 4)])  # no MFU on a CPU: nothing watched
+    run = Run({"COMPILE": False}, "", cpu, None, None, None)
+    watch_model_flops(run, [torch.nn.Linear(4, 4)])  # no MFU on a CPU: nothing watched
     assert run.model_flops is None
     logs = {}
-    with train_common.counting_flops(run, "big", logs):
+    with counting_flops(run, "big", logs):
         pass
     assert logs == {} and run.flops == {}
-    monkeypatch.setattr(train_common, "peak_tflops", lambda device: {"bf16": 8.0, "tf32": 4.0, "fp32": 1.0})
+    monkeypatch.setattr(components.metrics, "peak_tflops", lambda device: {"bf16": 8.0, "tf32": 4.0, "fp32": 1.0})
     net = _Net().to(torch.bfloat16)
-    train_common.watch_model_flops(run, [net])
+    watch_model_flops(run, [net])
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     logs = {}
-    with train_common.counting_flops(run, "big", logs), torch.no_grad():
+    with counting_flops(run, "big", logs), torch.no_grad():
         net(x)
     fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
     assert run.flops["big"] == {"bf16": fwd} and logs["peak_s"] == pytest.approx(fwd / 8e12)
     logs = {}
-    with train_common.counting_flops(run, "big", logs):
+    with counting_flops(run, "big", logs):
         net(x).sum().backward()  # not counted again: the kind's count is reused
     assert logs["model_tflop"] == pytest.approx(fwd / 1e12)
-    compiled = train_common.Run({"COMPILE": True}, "", cpu, None, None, None)
-    train_common.watch_model_flops(compiled, [net])
+    compiled = Run({"COMPILE": True}, "", cpu, None, None, None)
+    watch_model_flops(compiled, [net])
     assert compiled.model_flops is None
 
 
@@ -181,7 +185,7 @@ def test_counting_flops_computes_exactly_what_an_uncounted_step_does():
     results = []
     for counted in (False, True):
         model.zero_grad(set_to_none=True)
-        counter = train_common._FlopCount() if counted else contextlib.nullcontext()
+        counter = _FlopCount() if counted else contextlib.nullcontext()
         with counter:
             out = model(x)
             (out ** 2).sum().backward()
@@ -199,8 +203,8 @@ def test_flop_kind_reads_tf32_through_the_api_that_set_it():
     try:
         for on in (True, False):
             precision.apply_tf32(on)
-            assert train_common.flop_kind(torch.float32) == ("tf32" if on else "fp32")
-        assert train_common.flop_kind(torch.bfloat16) == "bf16"
+            assert flop_kind(torch.float32) == ("tf32" if on else "fp32")
+        assert flop_kind(torch.bfloat16) == "bf16"
     finally:
         if hasattr(matmul, "fp32_precision"):
             matmul.fp32_precision = before

@@ -1,9 +1,9 @@
-"""run_utils.py on one process (no process group: rank() is 0): RunLogger (metrics.jsonl, the
+"""components/ on one process (no process group: rank() is 0): RunLogger (metrics.jsonl, the
 TensorBoard and W&B (offline) backends and their resume, REPORT_TO checks, the plain progress
 lines printed when stdout is not a terminal), the --name=value parser, run_main's one-line errors.
 No training; each test takes a few seconds at most.
 
-    python -m pytest tests/test_run_utils.py -q
+    python -m pytest tests/test_components.py -q
 """
 import glob
 import json
@@ -16,16 +16,20 @@ import time
 
 import pytest
 
-import run_utils
+from components.checks import check_output_dir_shared
+from components.config import apply_overrides
+from components.dist import (agree, all_gather_objects, all_reduce, broadcast_from_rank0, comm_device, first_error,
+                             mean_across_ranks, rank)
+from components.errors import ConfigError
+from components.logger import RunLogger, check_report_to, _installed
 from tests.conftest import ROOT
-from run_utils import ConfigError, RunLogger
 
 
 @pytest.fixture(autouse=True)
 def single_process(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert run_utils.rank() == 0
+    assert rank() == 0
 
 
 def metric(step: int, seed: float = 0.0) -> dict:
@@ -188,20 +192,20 @@ def test_wandb_offline_run_keeps_its_id_across_resume(tmp_path, monkeypatch):
 
 
 def test_report_to_is_checked_in_one_line(monkeypatch):
-    assert run_utils.check_report_to("") == [] and run_utils.check_report_to("none") == []
+    assert check_report_to("") == [] and check_report_to("none") == []
     with pytest.raises(ConfigError) as e:
-        run_utils.check_report_to("nonsense")
+        check_report_to("nonsense")
     assert "REPORT_TO=nonsense" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="unknown logger 'mlflow'"):
-        run_utils.check_report_to("tensorboard,mlflow")
+        check_report_to("tensorboard,mlflow")
     monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec then reports it missing
     with pytest.raises(ConfigError) as e:
-        run_utils.check_report_to("wandb")
+        check_report_to("wandb")
     assert str(e.value) == "REPORT_TO=wandb: the wandb package is not installed (pip install wandb)"
     with pytest.raises(ConfigError, match="not installed"):
         RunLogger("unused", 10, report_to="wandb")
-    if run_utils._installed("tensorboard"):
-        assert run_utils.check_report_to(" TensorBoard , tensorboard") == ["tensorboard"]
+    if _installed("tensorboard"):
+        assert check_report_to(" TensorBoard , tensorboard") == ["tensorboard"]
 
 
 def test_progress_lines_without_a_terminal(tmp_path, capsys):
@@ -260,24 +264,24 @@ def test_paused_work_is_not_counted_in_step_ms(tmp_path):
 
 def test_overrides_type_checked_and_case_insensitive():
     ns = {"MAX_STEPS": 10, "LR": 1e-4, "NAME": "x", "FLAG": False, "STEPS": [999, 749], "lower": 1}
-    cfg = run_utils.apply_overrides(ns, ["--max_steps=20", "--LR=3e-5", "--flag=true", "--steps=[999,500]",
+    cfg = apply_overrides(ns, ["--max_steps=20", "--LR=3e-5", "--flag=true", "--steps=[999,500]",
                                           "--Name=y"])
     assert cfg == {"MAX_STEPS": 20, "LR": 3e-5, "NAME": "y", "FLAG": True, "STEPS": [999, 500]}
-    assert run_utils.apply_overrides(ns, ["--steps=999,1"])["STEPS"] == [999, 1]
+    assert apply_overrides(ns, ["--steps=999,1"])["STEPS"] == [999, 1]
     with pytest.raises(ConfigError, match="did you mean --max_steps"):
-        run_utils.apply_overrides(ns, ["--max_step=3"])
+        apply_overrides(ns, ["--max_step=3"])
     with pytest.raises(ConfigError, match="expected int"):
-        run_utils.apply_overrides(ns, ["--max_steps=ten"])
+        apply_overrides(ns, ["--max_steps=ten"])
     with pytest.raises(ConfigError, match="expected bool"):
-        run_utils.apply_overrides(ns, ["--flag=maybe"])
+        apply_overrides(ns, ["--flag=maybe"])
     with pytest.raises(ConfigError, match="--name=value"):
-        run_utils.apply_overrides(ns, ["max_steps=3"])
+        apply_overrides(ns, ["max_steps=3"])
 
 
 def test_run_main_config_error_is_one_line_exit_2():
-    code = ("import sys; sys.path.insert(0, %r); import run_utils\n"
-            "def main():\n    raise run_utils.ConfigError('bad thing')\n"
-            "run_utils.run_main(main)\n") % ROOT
+    code = ("import sys; sys.path.insert(0, %r); from components import errors\n"
+            "def main():\n    raise errors.ConfigError('bad thing')\n"
+            "errors.run_main(main)\n") % ROOT
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "error: bad thing"
 
@@ -291,18 +295,18 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "all_to_all_single", "send", "recv", "isend", "irecv"}
 
 
-def test_every_collective_goes_through_run_utils():
+def test_every_collective_goes_through_components_dist():
     """NCCL takes CUDA tensors only and gloo takes any, so a collective on a CPU tensor passes every
     CPU test and kills the first GPU run (train_flux_kontext.fill_text_cache's text-cache counts did).
-    Only run_utils' helpers, which move each tensor to comm_device(), may call torch.distributed's
+    Only components/dist.py's helpers, which move each tensor to comm_device(), may call torch.distributed's
     collectives; everything else calls them."""
     import ast
     files = glob.glob(os.path.join(ROOT, "*.py"))
-    for folder in ("parallel", "algorithms", "tools", "demos"):
+    for folder in ("components", "data", "parallel", "algorithms", "tools", "demos"):
         files += glob.glob(os.path.join(ROOT, folder, "*.py"))
     offenders = []
     for path in files:
-        if os.path.basename(path) == "run_utils.py":
+        if os.path.relpath(path, ROOT) == os.path.join("components", "dist.py"):
             continue
         for node in ast.walk(ast.parse(open(path).read())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
@@ -321,15 +325,15 @@ def _collectives_on_the_comm_device(rank, world):
         return real(t, *args, **kwargs)
     torch.distributed.all_reduce = spy
     try:
-        total = run_utils.all_reduce(torch.tensor([float(rank + 1)]))
-        assert total.item() == 3.0 and run_utils.agree(rank == 0, True) == (False, True)
-        assert run_utils.mean_across_ranks({"loss": float(rank)}) == {"loss": 0.5}
+        total = all_reduce(torch.tensor([float(rank + 1)]))
+        assert total.item() == 3.0 and agree(rank == 0, True) == (False, True)
+        assert mean_across_ranks({"loss": float(rank)}) == {"loss": 0.5}
     finally:
         torch.distributed.all_reduce = real
-    assert seen and all(d == run_utils.comm_device() for d in seen)
-    assert run_utils.broadcast_from_rank0(f"rank {rank}") == "rank 0"
-    assert run_utils.all_gather_objects(rank) == [0, 1]
-    assert run_utils.first_error("disk full" if rank == 1 else None) == "disk full"
+    assert seen and all(d == comm_device() for d in seen)
+    assert broadcast_from_rank0(f"rank {rank}") == "rank 0"
+    assert all_gather_objects(rank) == [0, 1]
+    assert first_error("disk full" if rank == 1 else None) == "disk full"
 
 
 @pytest.mark.slow
@@ -342,13 +346,13 @@ def _shared_output_dir(rank, world, root):
     """Each rank's own folder stands for a node-local OUTPUT_DIR: rank 1 does not see rank 0's file."""
     import socket
     ours = os.path.join(root, "shared")
-    run_utils.check_output_dir_shared(ours)  # one folder for all: fine
+    check_output_dir_shared(ours)  # one folder for all: fine
     if rank == 0:  # rank 0 removes its probe after the last barrier
         assert not os.path.exists(os.path.join(ours, ".shared_check"))
     local = os.path.join(root, f"local{rank}")
     os.makedirs(local, exist_ok=True)
     with pytest.raises(ConfigError, match=f"rank 1 on {socket.gethostname()} cannot see") as e:
-        run_utils.check_output_dir_shared(local)
+        check_output_dir_shared(local)
     assert "\n" not in str(e.value)
 
 
@@ -416,7 +420,7 @@ def test_launches_keep_the_callers_pythonpath(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     env = launch_env()
     assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, str(tmp_path)]
-    r = subprocess.run([sys.executable, "-c", "import only_on_the_callers_path, run_utils; "
+    r = subprocess.run([sys.executable, "-c", "import only_on_the_callers_path, components.dist; "
                         "print(only_on_the_callers_path.VALUE)"], env=env, capture_output=True, text=True,
                        cwd=tmp_path)
     assert r.stdout.strip() == "7", r.stderr

@@ -1,0 +1,11 @@
+"""Data for both training scripts, one concern per module:
+
+    randomness.py  per-step and per-sample generators: functions of (SEED, step), the same at any world size
+    batches.py     which samples a step uses: the global batch, each rank's and micro-batch's share
+    sources.py     .jsonl / .txt / image folders / datasets tables read into rows and checked before any work
+    images.py      image checks and sizes (EXIF orientation applied), loading, PNG grids
+    prefetch.py    the next step's data, loaded on a background thread while this step runs
+
+Imports go one way: data/ imports components/errors.py and dist.py only; the scripts import data/.
+tests/test_layout.py checks it.
+"""

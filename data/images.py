@@ -1,0 +1,87 @@
+"""Images: checked and measured from their headers (EXIF orientation applied), loaded resized and
+centre-cropped, saved as PNG grids.
+
+    python -m pytest tests/test_data.py -q
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+def check_image(source) -> tuple[int, int]:
+    """Open and verify an image (a path or a DatasetImage); returns its (height, width) as shown,
+    i.e. after its EXIF orientation. A missing or undecodable file: ValueError naming it."""
+    from PIL import Image
+    if isinstance(source, str) and not os.path.isfile(source):
+        raise ValueError(f"image {source} not found")
+    try:
+        with Image.open(_opened(source)) as im:
+            size = _shown_size(im)
+            im.verify()
+    except Exception as e:  # noqa: BLE001 - any decoder failure means a corrupt file
+        raise ValueError(f"image {source} is unreadable ({type(e).__name__})") from None
+    return size
+
+
+def _opened(source):
+    return source if isinstance(source, str) else source.open()
+
+
+def exif_orientation(im) -> int:
+    """The EXIF orientation tag (1-8; 1 = as stored) from the file's header, without decoding the
+    pixels (PIL's getexif() would decode a PNG that has no EXIF; an eXIf chunk placed after the
+    pixel data is seen only by load_image, which decodes anyway)."""
+    from PIL import Image
+    raw = im.info.get("exif")
+    if raw:
+        exif = Image.Exif()
+        exif.load(raw)
+        return int(exif.get(0x0112, 1) or 1)
+    return int(im.getexif().get(0x0112, 1) or 1) if im.format == "TIFF" else 1
+
+
+def image_size(source) -> tuple[int, int]:
+    """(height, width) of an image as shown (EXIF orientation applied), from its header."""
+    from PIL import Image
+    with Image.open(_opened(source)) as im:
+        return _shown_size(im)
+
+
+def _shown_size(im) -> tuple[int, int]:
+    """(height, width) after the EXIF orientation (5-8 turn the image a quarter)."""
+    return (im.width, im.height) if exif_orientation(im) in (5, 6, 7, 8) else (im.height, im.width)
+
+
+def load_image(source, height: int, width: int) -> torch.Tensor:
+    """(3, height, width) in [-1, 1] of an image file (or a DatasetImage), turned upright by its
+    EXIF orientation (phone photos; as diffusers' scripts do), resized (Lanczos) to cover the size,
+    then centre-cropped. An image already of that size is returned unchanged (PIL's resize to the
+    same size copies; without an orientation tag exif_transpose copies too)."""
+    import numpy as np
+    from PIL import Image, ImageOps
+    with Image.open(_opened(source)) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB")
+        scale = max(height / im.height, width / im.width)
+        rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
+        im = im.resize((rw, rh), Image.Resampling.LANCZOS)
+        left, top = (rw - width) // 2, (rh - height) // 2
+        im = im.crop((left, top, left + width, top + height))
+        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
+    return x.float() / 127.5 - 1.0
+
+
+def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
+    """(N,3,H,W) in [-1,1] -> one PNG grid with `nrow` images per row."""
+    import numpy as np
+    from PIL import Image
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    n, c, h, w = images.shape
+    rows = math.ceil(n / nrow)
+    grid = torch.zeros(c, rows * h, nrow * w, dtype=torch.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        grid[:, r * h:(r + 1) * h, col * w:(col + 1) * w] = images[i]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Image.fromarray(np.ascontiguousarray(grid.permute(1, 2, 0).numpy())).save(path)
