@@ -391,9 +391,20 @@ def make_kontext_setup(root):
     model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
     data, rows = make_mixed_dataset(str(root / "data"))
     env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
-    common = [f"--model_path={model_path}", f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32",
-              f"--max_steps={KONTEXT_STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
-              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=1"]
+    common = [
+        f"--model_path={model_path}",
+        f"--data_path={data}",
+        f"--text_cache_dir={root / 'text_cache'}",
+        "--precision=fp32",
+        f"--max_steps={KONTEXT_STEPS}",
+        "--log_every=1",
+        "--num_sample_pairs=2",
+        "--resolution=64",
+        "--lr=1e-3",
+        "--warmup_steps=0",
+        "--export_dtype=fp32",
+        "--sample_steps=1",
+    ]
     return {"root": root, "env": env, "common": common, "model_path": model_path, "rows": rows, "data": data}
 
 

@@ -110,8 +110,11 @@ def test_self_check_fails_a_wrong_kernel_in_one_line():
     def zeros(q, k, v):
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
 
-    with pytest.raises(LocalError, match=r"ATTENTION_BACKEND=broken: the start-up check failed on self .* "
-                                         r"relative error 1 in d?[qkvout]+ against .* use --attention_backend=native") as e:
+    with pytest.raises(
+        LocalError,
+        match=r"ATTENTION_BACKEND=broken: the start-up check failed on self .* "
+        r"relative error 1 in d?[qkvout]+ against .* use --attention_backend=native",
+    ) as e:
         attention.self_check([(s, zeros) for s in SHAPES], "broken", torch.float32, torch.device("cpu"))
     assert "\n" not in str(e.value)
 

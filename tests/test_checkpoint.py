@@ -224,7 +224,9 @@ def test_export_loads_with_from_pretrained_and_equals_trained(tmp_path, dtype_na
     tiny_unet().save_pretrained(src / "unet")
     (src / "other").mkdir()
     (src / "other" / "config.json").write_text("{}")
-    (src / "model_index.json").write_text(json.dumps({"_class_name": "X", "unet": ["diffusers", "UNet2DConditionModel"]}))
+    (src / "model_index.json").write_text(
+        json.dumps({"_class_name": "X", "unet": ["diffusers", "UNet2DConditionModel"]})
+    )
     run_ranks(_export, 2, str(src), str(tmp_path / "export"), dtype_name)
 
 

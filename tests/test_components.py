@@ -365,8 +365,8 @@ def test_an_output_dir_that_some_rank_cannot_see_fails_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("script,flag", [("train_dmd.py", "--help"), ("train_flux_kontext.py", "-h")])
 def test_help_prints_every_setting_grouped_and_exits_0(script, flag):
-    """--help / -h (once refused: write settings as --name=value): every setting with its default,
-    type and comment, under the script's group comments."""
+    """--help / -h: every setting with its default, type and comment, under the script's group
+    comments."""
     import subprocess
     from tests.conftest import ROOT
     from tests.test_readme import constants

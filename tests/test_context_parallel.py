@@ -20,7 +20,13 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_kontext_resumed_bit_exact, launch_kontext, load_kontext_export, read_metrics, run_ranks
+from tests.conftest import (
+    assert_kontext_resumed_bit_exact,
+    launch_kontext,
+    load_kontext_export,
+    read_metrics,
+    run_ranks,
+)
 
 import fsdp_utils
 import train_flux_kontext as tfk
@@ -36,8 +42,10 @@ def runs(kontext_setup):
     out["cp"] = str(root / "cp"), launch_kontext(kontext_setup, root / "cp", COMMON + ["--context_parallel=2"]).stdout
     os.makedirs(root / "cp_resumed" / "checkpoints")
     shutil.copytree(root / "cp" / "checkpoints" / "step_000002", root / "cp_resumed" / "checkpoints" / "step_000002")
-    out["resumed"] = (str(root / "cp_resumed"),
-                      launch_kontext(kontext_setup, root / "cp_resumed", COMMON + ["--context_parallel=2", "--resume=auto"]).stdout)
+    out["resumed"] = (
+        str(root / "cp_resumed"),
+        launch_kontext(kontext_setup, root / "cp_resumed", COMMON + ["--context_parallel=2", "--resume=auto"]).stdout,
+    )
     return out
 
 
@@ -51,7 +59,8 @@ def test_cp2_matches_one_process(runs):
     for a, b in zip(ref, cp):
         for key in ("loss", "val_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
-    w_ref, w_cp = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["cp"][0])  # the EMA, trained for 3 steps
+    # the EMA, trained for 3 steps
+    w_ref, w_cp = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["cp"][0])
     assert w_ref.keys() == w_cp.keys()
     # CP sums attention and grads in another order, and AdamW divides each element's update by its
     # own grad scale, so an element whose grad is near zero turns a rounding difference into a
@@ -103,7 +112,8 @@ def test_cp_config_errors_before_any_work(kontext_setup, tmp_path):
     proc = launch_kontext(kontext_setup, tmp_path / "bad", ["--context_parallel=3"], check=False)
     assert proc.returncode != 0
     errors = sorted({line for line in proc.stdout.splitlines() if line.startswith("error:")})
-    assert errors == ["error: CONTEXT_PARALLEL=3 x DP_REPLICATE=1 does not divide the world size 2"], proc.stdout[-2000:]
+    expected = "error: CONTEXT_PARALLEL=3 x DP_REPLICATE=1 does not divide the world size 2"
+    assert errors == [expected], proc.stdout[-2000:]
     assert "rank 0" not in proc.stdout.split(errors[0])[0]  # nothing started: the line comes first
     model = kontext_setup["model_path"]  # tiny transformer: 2 heads; T5 length 32; 64x64 -> 2 x 4 x 4 = 32 image tokens
     tfk.check_context_parallel_shapes(model, 2, 32, [(64, 64), (48, 96)], 8)
@@ -120,7 +130,8 @@ def test_cp_config_errors_before_any_work(kontext_setup, tmp_path):
 def _mesh_layout(rank, world):
     fsdp_mesh, cp_mesh = fsdp_utils.build_meshes(torch.device("cpu"), dp_replicate=2, context_parallel=2)
     assert fsdp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and fsdp_mesh.mesh.tolist() == [[0, 1], [2, 3]]
-    assert cp_mesh.mesh_dim_names == ("ring", "ulysses") and cp_mesh.mesh.tolist() == [[rank // 2 * 2, rank // 2 * 2 + 1]]
+    pair = rank // 2 * 2
+    assert cp_mesh.mesh_dim_names == ("ring", "ulysses") and cp_mesh.mesh.tolist() == [[pair, pair + 1]]
     assert fsdp_utils.data_parallel_rank(2) == (rank // 2, 2)
     fsdp_mesh, cp_mesh = fsdp_utils.build_meshes(torch.device("cpu"), dp_replicate=1, context_parallel=2)
     assert fsdp_mesh.mesh_dim_names == ("dp_shard_cp",) and fsdp_mesh.mesh.tolist() == [0, 1, 2, 3]

@@ -5,6 +5,15 @@ Record loading, images and grids are exercised through the scripts' tests.
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
 from components.errors import ConfigError
 from data.batches import global_batch_indices, rank_slice
 from data.images import check_image, exif_orientation, image_size, load_image
@@ -76,17 +85,8 @@ def test_prefetcher_loads_the_next_step_while_this_one_runs():
 
 
 # ----------------------------------------------------------------------------------------------
-# data sources (issue 29): JSONL aliases, folder layouts, datasets tables, EXIF, split checks,
+# data sources: JSONL aliases, folder layouts, datasets tables, EXIF, split checks,
 # caption dropout; every bad input a one-line ConfigError naming the file (and line / row)
-
-import json
-import os
-import re
-import sys
-
-import pytest
-import torch
-from PIL import Image
 
 
 PAIR = ("control", "target", "prompt")
@@ -221,7 +221,9 @@ def _saved_dataset(path, n=4, names=("control", "image", "prompt")):
     cols = {names[0]: [_img(path.parent / "src" / f"c{i}.png", colour=(i * 40, 0, 0)) for i in range(n)],
             names[1]: [_img(path.parent / "src" / f"t{i}.png", size=(16, 32)) for i in range(n)],
             names[2]: [f"edit {i}" for i in range(n)]}
-    features = datasets.Features({names[0]: datasets.Image(), names[1]: datasets.Image(), names[2]: datasets.Value("string")})
+    features = datasets.Features(
+        {names[0]: datasets.Image(), names[1]: datasets.Image(), names[2]: datasets.Value("string")}
+    )
     datasets.Dataset.from_dict(cols, features=features).save_to_disk(str(path))
     return cols
 
@@ -262,9 +264,13 @@ def test_datasets_bad_image_is_named_by_row(tmp_path):
     good = open(_img(tmp_path / "a.png"), "rb").read()
     table = {"control": [{"bytes": good, "path": None}] * 3, "target": [{"bytes": good, "path": None},
              {"bytes": b"broken", "path": None}, {"bytes": good, "path": None}], "prompt": ["a", "b", "c"]}
-    feats = datasets.Features({"control": datasets.Image(), "target": datasets.Image(), "prompt": datasets.Value("string")})
+    feats = datasets.Features(
+        {"control": datasets.Image(), "target": datasets.Image(), "prompt": datasets.Value("string")}
+    )
     datasets.Dataset.from_dict(table, features=feats).save_to_disk(str(tmp_path / "ds"))
-    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "ds")) + " row 1: image in column 'target' is unreadable"):
+    with pytest.raises(
+        ConfigError, match=re.escape(str(tmp_path / "ds")) + " row 1: image in column 'target' is unreadable"
+    ):
         read_rows(str(tmp_path / "ds"), PAIR, PAIR, skip_bad=False)
 
 

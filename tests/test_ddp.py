@@ -53,8 +53,18 @@ def test_ddp_matches_fsdp(tmp_path):
     from tools import tiny_models
     cache = tmp_path / "cache"
     model, data = tiny_models.ensure_default("flux_kontext", cache)
-    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}", "--precision=fp32", "--max_steps=2", "--log_every=1", "--sample_every=0", "--save_every=0",
-              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32"]
+    common = [
+        f"--model_path={model}",
+        f"--data_path={os.path.join(data, 'data.jsonl')}",
+        "--precision=fp32",
+        "--max_steps=2",
+        "--log_every=1",
+        "--sample_every=0",
+        "--save_every=0",
+        "--lr=1e-3",
+        "--warmup_steps=0",
+        "--export_dtype=fp32",
+    ]
     # separate text caches (under each OUTPUT_DIR): the two runs fill theirs at the same time
     logs, rec = run_both("train_flux_kontext.py", common, tmp_path, {"FSDP_DIFFUSION_CACHE": str(cache)})
     assert "ddp: FluxTransformer2DModel: full replica per rank" in logs["ddp"]
@@ -113,8 +123,19 @@ def test_bf16_replicas_run_samples_ema_and_validation(tmp_path):
            "--save_every=0", "--log_every=1"]
     runs = {f"dmd_{p}": ("train_dmd.py", dmd + [f"--precision={p}"]) for p in ("bf16-mixed", "bf16")}
     runs["dmd_lora"] = ("train_dmd.py", dmd + ["--lora_rank=4", "--fake_lora=1"])
-    runs["kontext_lora"] = ("train_flux_kontext.py", ["--parallelism=ddp", "--max_steps=2", "--lora_rank=4", "--val_every=1",
-                                                      "--sample_every=1", "--sample_steps=1", "--ema_decay=0.9", "--log_every=1"])
+    runs["kontext_lora"] = (
+        "train_flux_kontext.py",
+        [
+            "--parallelism=ddp",
+            "--max_steps=2",
+            "--lora_rank=4",
+            "--val_every=1",
+            "--sample_every=1",
+            "--sample_steps=1",
+            "--ema_decay=0.9",
+            "--log_every=1",
+        ],
+    )
     procs = {name: start(script, args + [f"--output_dir={tmp_path / name}"]) for name, (script, args) in runs.items()}
     logs = {}
     for name, proc in procs.items():

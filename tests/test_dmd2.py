@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from algorithms import dmd2 as dm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -155,7 +155,9 @@ def test_linked_text_encoder_keeps_its_weights_linked(sources, tmp_path):
     export = export_pipeline(src, str(tmp_path / "export"), {"unet": net}, torch.float16)
     te = os.path.join(export, "text_encoder")
     assert not os.path.islink(te) and os.path.islink(os.path.join(te, "model.safetensors"))
-    assert os.path.realpath(os.path.join(te, "model.safetensors")) == os.path.join(src, "text_encoder", "model.safetensors")
+    assert os.path.realpath(os.path.join(te, "model.safetensors")) == os.path.join(
+        src, "text_encoder", "model.safetensors"
+    )
     assert json.load(open(os.path.join(te, "config.json")))["dtype"] == "float32"
     assert os.path.islink(os.path.join(export, "vae")) and os.path.islink(os.path.join(export, "tokenizer"))
 
@@ -179,10 +181,20 @@ def test_lora_file_loads_onto_the_base(sources, tmp_path, model):
         assert_same_image(sample(pipe, model, dtype), reference, dtype)
 
 
-@pytest.mark.parametrize("model", [
-    pytest.param("sd15", marks=pytest.mark.xfail(strict=True, reason="the shipped teacher's text encoder config says float16")),
-    "sdxl",
-    pytest.param("kontext", marks=pytest.mark.xfail(strict=True, reason="the shipped base's text encoder configs say float16"))])
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(
+            "sd15",
+            marks=pytest.mark.xfail(strict=True, reason="the shipped teacher's text encoder config says float16"),
+        ),
+        "sdxl",
+        pytest.param(
+            "kontext",
+            marks=pytest.mark.xfail(strict=True, reason="the shipped base's text encoder configs say float16"),
+        ),
+    ],
+)
 def test_lora_base_loads_plain(sources, model):
     """A plain `from_pretrained(base)` is the base's business, not the export's: the shipped fp16
     assets carry `"dtype": "float16"` in their text encoder configs, so transformers 5 loads those
@@ -216,6 +228,8 @@ def test_dmd_lora_fp16_run_exports_load_both_ways(tmp_path):
     launch("train_dmd.py", ["--max_steps=2", "--sample_every=0", "--lora_rank=4", "--lora_export_merged=1",
                             "--export_dtype=fp16", f"--output_dir={out}"], env=launch_env())
     assert_loads_both_ways(str(out / "export_merged"), "sd15", torch.float16)
-    pipe = StableDiffusionPipeline.from_pretrained(os.path.join(ROOT, "assets", "shapes_teacher"), torch_dtype=torch.float16)
+    pipe = StableDiffusionPipeline.from_pretrained(
+        os.path.join(ROOT, "assets", "shapes_teacher"), torch_dtype=torch.float16
+    )
     pipe.load_lora_weights(str(out / "export"))
     assert torch.isfinite(sample(pipe, "sd15", torch.float16)).all()

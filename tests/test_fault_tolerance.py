@@ -49,9 +49,22 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault")
     env = launch_env()
     model, data = tiny_models.ensure_default("flux_kontext")
-    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}", "--precision=fp32", "--resolution=32", "--num_sample_pairs=0", "--sample_every=0", "--log_every=1",
-              "--save_every=1", "--keep_last=2", "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32",
-              f"--max_steps={STEPS}", f"--text_cache_dir={root / 'text_cache'}"]
+    common = [
+        f"--model_path={model}",
+        f"--data_path={os.path.join(data, 'data.jsonl')}",
+        "--precision=fp32",
+        "--resolution=32",
+        "--num_sample_pairs=0",
+        "--sample_every=0",
+        "--log_every=1",
+        "--save_every=1",
+        "--keep_last=2",
+        "--lr=1e-3",
+        "--warmup_steps=0",
+        "--export_dtype=fp32",
+        f"--max_steps={STEPS}",
+        f"--text_cache_dir={root / 'text_cache'}",
+    ]
     return {"root": root, "env": env, "common": common}
 
 

@@ -194,7 +194,9 @@ def test_flow_matching_loss_ignores_context_and_matches_hand():
     assert out.dtype == torch.float32
     assert (p.grad[:, nt:] == 0).all() and (p.grad[:, :nt] != 0).any()
     # weights=None equals all-ones
-    torch.testing.assert_close(km.flow_matching_loss(pred, target, nt, None), km.flow_matching_loss(pred, target, nt, torch.ones(2)))
+    torch.testing.assert_close(
+        km.flow_matching_loss(pred, target, nt, None), km.flow_matching_loss(pred, target, nt, torch.ones(2))
+    )
 
 
 # ---------------------------------------------------------------- sigmas / weights

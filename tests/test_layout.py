@@ -128,7 +128,9 @@ def test_no_import_cycle_and_tools_never_import_demos():
     graph = _graph()
     for module, deps in graph.items():
         if module.startswith("tools"):
-            assert not any(d.startswith("demos") for d in deps), f"{module} imports {deps}: demos may import tools, not the reverse"
+            assert not any(d.startswith("demos") for d in deps), (
+                f"{module} imports {deps}: demos may import tools, not the reverse"
+            )
     state = {}
 
     def visit(m, path):

@@ -22,8 +22,13 @@ def _meta_load(rank, world, folder, dtype_name):
     ref = UNet2DConditionModel.from_pretrained(folder).state_dict()
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     model = loading.build_on_meta(UNet2DConditionModel, folder).to(parse_dtype(dtype_name))
-    parallelize(model, mesh, get_precision("fp32").mp_policy(), block_classes=["BasicTransformerBlock", "ResnetBlock2D"],
-                verbose=False)
+    parallelize(
+        model,
+        mesh,
+        get_precision("fp32").mp_policy(),
+        block_classes=["BasicTransformerBlock", "ResnetBlock2D"],
+        verbose=False,
+    )
     loading.materialize_and_load(model, folder, torch.device("cpu"))
     for k, v in model.state_dict().items():
         full = v.full_tensor() if hasattr(v, "full_tensor") else v

@@ -39,9 +39,14 @@ TWO = ["--batch_size=2", "--ema_decay=0.5", "--save_every=2", "--sample_every=0"
 def runs(kontext_setup):
     root, out = kontext_setup["root"] / "lora", {}
     os.makedirs(root)
-    out["ref"] = launch_kontext(kontext_setup, root / "ref", LORA + ["--batch_size=4", "--sample_every=0"], ranks=1).stdout
+    out["ref"] = launch_kontext(
+        kontext_setup, root / "ref", LORA + ["--batch_size=4", "--sample_every=0"], ranks=1
+    ).stdout
     out["two"] = launch_kontext(kontext_setup, root / "two", LORA + TWO).stdout
-    for name, ranks, args in (("resumed", 2, TWO), ("one", 1, ["--batch_size=4", "--ema_decay=0.5", "--sample_every=0"])):
+    for name, ranks, args in (
+        ("resumed", 2, TWO),
+        ("one", 1, ["--batch_size=4", "--ema_decay=0.5", "--sample_every=0"]),
+    ):
         os.makedirs(root / name / "checkpoints")
         shutil.copytree(root / "two" / "checkpoints" / "step_000002", root / name / "checkpoints" / "step_000002")
         out[name] = launch_kontext(kontext_setup, root / name, LORA + args + ["--resume=auto"], ranks=ranks).stdout
@@ -168,7 +173,9 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
         dist.destroy_process_group()
     pipe = FluxKontextPipeline.from_pretrained(kontext_setup["model_path"], dtype=prec.compute_dtype)
     pipe.load_lora_weights(str(tmp_path / "export"))
-    cast = {k: v.to(prec.compute_dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    cast = {
+        k: v.to(prec.compute_dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
+    }
     with torch.no_grad():
         out = pipe.transformer(**cast).sample.float()
     atol = 1e-5 if mode == "fp32" else 3e-2

@@ -76,7 +76,7 @@ def _ok(runs, name):
 
 def _memory(stdout: str, which: int = -1) -> list[dict]:
     """The per-rank memory_bytes rows of a run's memory table (-1: after training)."""
-    lines = [l for l in stdout.splitlines() if l.startswith("memory_bytes ")]
+    lines = [line for line in stdout.splitlines() if line.startswith("memory_bytes ")]
     return json.loads(lines[which].split(" ", 1)[1])
 
 
@@ -155,8 +155,12 @@ def test_nf4_output_within_the_quantisation_error(kontext_setup):
                     if isinstance(m, torch.nn.Linear))
     inputs = transformer_inputs(ref.config)
     with torch.no_grad():
-        outs = {k: m(**{a: v.to(torch.bfloat16) if torch.is_tensor(v) and k != "ref" else v
-                        for a, v in inputs.items()}).sample.float() for k, m in (("ref", ref), ("bf16", bf16), ("nf4", nf4))}
+        outs = {
+            k: m(
+                **{a: v.to(torch.bfloat16) if torch.is_tensor(v) and k != "ref" else v for a, v in inputs.items()}
+            ).sample.float()
+            for k, m in (("ref", ref), ("bf16", bf16), ("nf4", nf4))
+        }
 
     def rel(a):
         return ((outs[a] - outs["ref"]).norm() / outs["ref"].norm()).item()

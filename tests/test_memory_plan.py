@@ -138,7 +138,10 @@ def test_fake_score_fp32_is_counted_in_fp32():
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
     biggest = max(_unit_params(unet, memory_plan.models.MODELS["UNet2DConditionModel"].units).values())
     assert on["largest_unit"] == biggest * 4 and off["largest_unit"] == biggest * 2
-    assert on["rows"]["fake_score"]["note"] == "trainable (fp32 compute)" and off["rows"]["fake_score"]["note"] == "trainable"
+    assert (
+        on["rows"]["fake_score"]["note"] == "trainable (fp32 compute)"
+        and off["rows"]["fake_score"]["note"] == "trainable"
+    )
     assert {k: v["params"] for k, v in on["rows"].items()} == {k: v["params"] for k, v in off["rows"].items()}
     assert 1.9 * off["activations"] < on["activations"] <= 2 * off["activations"]  # fp32 instead of bf16
 
@@ -217,10 +220,7 @@ def test_fit_table_is_markdown():
 # ----------------------------------------------------------------------------------------------
 # LoRA mode (--lora_rank): adapters added by parallel.lora.add_lora before the recipe shards the model
 
-# full fine-tuning's report, as the planner printed it before the LoRA mode existed: --lora_rank=0
-# must keep it byte for byte (change only on purpose). Regenerated when attention came to be counted
-# as flash / memory-efficient SDPA saves it (q, k, v, out, logsumexp; was: the math reference's fp32
-# L x L matrices): the note line and caption sentence added, 64 px activations 0.01 GiB lower in total
+# full fine-tuning's report: --lora_rank=0 prints it byte for byte (change it only on purpose)
 FULL_FT_PLAN = """\
 plan: sd15-dmd (sd15), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
 component           params   on rank  param GiB  grad GiB  optim GiB  role
@@ -276,7 +276,11 @@ def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
     assert adapted["count"] == adapters and adapted["local_count"] == adapters_local
     assert p["lora"] == {"generator": (adapters, base + adapters)}
     # adapters: fp32 params, fp32 grads, 2 fp32 AdamW states; the base: compute dtype, nothing else
-    assert (adapted["params"], adapted["grads"], adapted["optim"]) == (adapters_local * 4, adapters_local * 4, adapters_local * 8)
+    assert (adapted["params"], adapted["grads"], adapted["optim"]) == (
+        adapters_local * 4,
+        adapters_local * 4,
+        adapters_local * 8,
+    )
     assert gen["count"] == base and gen["local_count"] == full["rows"]["generator"]["local_count"]
     assert gen["params"] == gen["local_count"] * 2 and gen["grads"] == gen["optim"] == 0
     # the units fsdp_units reads hold the adapters too (all-gathered in bf16 with their block)
@@ -326,7 +330,9 @@ def test_flux_kontext_lora_rank_16_matches_a_hand_count():
     assert abs(p["rows"]["transformer"]["count"] - 11.90e9) < 0.01e9  # the base, as in full fine-tuning
     assert p["lora"]["transformer"] == (adapters, p["rows"]["transformer"]["count"] + adapters)
     full = memory_plan.plan("flux-kontext-dev", Settings(**SMALL))
-    lora_states = sum(p["rows"][n][k] for n in ("transformer", "transformer.lora") for k in ("params", "grads", "optim"))
+    lora_states = sum(
+        p["rows"][n][k] for n in ("transformer", "transformer.lora") for k in ("params", "grads", "optim")
+    )
     full_states = sum(full["rows"]["transformer"][k] for k in ("params", "grads", "optim"))
     assert lora_states < full_states / 7 and p["gpu_total"] < full["gpu_total"]
     # the units are all-gathered in bf16 with their adapters: one double block plus its adapters
@@ -360,8 +366,7 @@ def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags(capsys):
 # ----------------------------------------------------------------------------------------------
 # context parallelism (--context_parallel, FLUX Kontext only): the sequence split C ways
 
-# the FLUX report and fit table as the planner printed them before context parallelism existed
-# (generated with the previous tools/memory_plan.py): CP 1 must keep them byte for byte
+# the FLUX report and fit table: CP 1 prints them byte for byte (change them only on purpose)
 FLUX_PLAN = """\
 plan: flux-kontext-dev (flux_kontext), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
 component           params   on rank  param GiB  grad GiB  optim GiB  role
@@ -424,14 +429,32 @@ def test_activations_are_almost_all_along_the_sequence():
     assert 0 <= whole < 16 * 2**20 and whole < 0.002 * large   # under 16 MiB of 22 GiB at 512 px
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(context_parallel=0), r"^plan: --context_parallel=0: must be >= 1 \(1 = off\)$"),
-    (dict(world_size=8, context_parallel=3), r"^plan: --context_parallel=3 x --dp_replicate=1 does not divide --world_size=8$"),
-    (dict(world_size=8, dp_replicate=4, context_parallel=4), r"--context_parallel=4 x --dp_replicate=4 does not divide"),
-    (dict(world_size=16, context_parallel=16), r"^plan: --context_parallel=16: the transformer's 24 attention heads do not divide"),
-    (dict(world_size=3, context_parallel=3), r"^plan: --context_parallel=3: the 512 text tokens \(T5 length\) do not divide"),
-    (dict(world_size=4, context_parallel=4, resolution=48), r"^plan: --context_parallel=4: 48 px has 18 image tokens"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(context_parallel=0), r"^plan: --context_parallel=0: must be >= 1 \(1 = off\)$"),
+        (
+            dict(world_size=8, context_parallel=3),
+            r"^plan: --context_parallel=3 x --dp_replicate=1 does not divide --world_size=8$",
+        ),
+        (
+            dict(world_size=8, dp_replicate=4, context_parallel=4),
+            r"--context_parallel=4 x --dp_replicate=4 does not divide",
+        ),
+        (
+            dict(world_size=16, context_parallel=16),
+            r"^plan: --context_parallel=16: the transformer's 24 attention heads do not divide",
+        ),
+        (
+            dict(world_size=3, context_parallel=3),
+            r"^plan: --context_parallel=3: the 512 text tokens \(T5 length\) do not divide",
+        ),
+        (
+            dict(world_size=4, context_parallel=4, resolution=48),
+            r"^plan: --context_parallel=4: 48 px has 18 image tokens",
+        ),
+    ],
+)
 def test_context_parallel_checks_fail_with_one_line_before_any_work(settings, message, monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("built models before checking --context_parallel")
@@ -442,7 +465,9 @@ def test_context_parallel_checks_fail_with_one_line_before_any_work(settings, me
 
 
 def test_context_parallel_is_flux_only(capsys):
-    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext.py's"):
+    with pytest.raises(
+        SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext.py's"
+    ):
         memory_plan.plan("sd15-dmd", Settings(**SMALL, context_parallel=2))
     with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
         memory_plan.cp_table("sdxl-dmd")
@@ -482,7 +507,8 @@ def test_cp_table_names_the_smallest_cp_that_fits_and_larger_ones_that_need_less
         "|---:|---:|---:|---|---|",
         "| 1024 px | 24 GB | 60.00 (4.00) | CP 1: bf16 states + AC (15.0); CP 2: AC (23.0) "
         "| CP 1: bf16 states + AC (15.0); CP 2: AC (23.0) |",
-        "| 1024 px | 80 GB | 60.00 (4.00) | CP 1: AC (25.0); CP 2: as is (51.0) | CP 1: AC (25.0); CP 2: as is (51.0) |",
+        "| 1024 px | 80 GB | 60.00 (4.00) | CP 1: AC (25.0); CP 2: as is (51.0) "
+        "| CP 1: AC (25.0); CP 2: as is (51.0) |",
         "| 2048 px | 24 GB | 240.00 (16.00) | CP 1: AC + CPU offload (17.0); CP 2: bf16 states + AC (19.0) "
         "| CP 1: AC + CPU offload (17.0); CP 2: bf16 states + AC (19.0); CP 8: AC (23.0) |",
         "| 2048 px | 80 GB | 240.00 (16.00) | CP 1: AC (37.0) | CP 1: AC (37.0); CP 8: as is (51.0) |"]

@@ -56,9 +56,18 @@ def test_unet_units_come_in_execution_order(sdxl):
 
 def test_flux_units_are_the_double_then_the_single_blocks():
     from diffusers import FluxTransformer2DModel
-    model = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                   axes_dims_rope=[4, 4, 8])
+
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
     facts = MODELS["FluxTransformer2DModel"].units
     assert units_in_order(model, facts) == [*model.transformer_blocks, *model.single_transformer_blocks]
     assert parallelize_flux(model, None, get_precision("fp32").mp_policy()) == units_in_order(model, facts)
@@ -118,5 +127,7 @@ def test_prefetch_leaves_dmd_samples_unchanged(tmp_path):
         rc, log = finish(proc)
         assert rc == 0, log[-3000:]
     for step in (3, 6):
-        grids = [Image.open(os.path.join(tmp_path, str(p), "samples", f"step_{step:06d}.png")).tobytes() for p in (0, 1)]
+        grids = [
+            Image.open(os.path.join(tmp_path, str(p), "samples", f"step_{step:06d}.png")).tobytes() for p in (0, 1)
+        ]
         assert grids[0] == grids[1], step

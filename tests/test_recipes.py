@@ -99,14 +99,24 @@ def test_sdxl_1step_starts_the_generator_from_generator_init():
 
 @pytest.mark.parametrize("recipe,total", [("dmd_sd15_stage1.sh", 2048), ("dmd_sdxl_4step.sh", 128)])
 def test_a_batch_size_override_keeps_the_published_global_batch(recipe, total):
-    """--batch_size=N after the recipe's own: GRAD_ACCUM follows (it used to stay, halving the batch)."""
-    r = subprocess.run(["bash", os.path.join(ROOT, "recipes", recipe), "--batch_size=1"], capture_output=True, text=True,
-                       env={**os.environ, "DRY_RUN": "1", "NPROC": "8", "MODEL": "m", "DATA": "d", "GENERATOR_INIT": "g"},
-                       timeout=60)
+    """--batch_size=N after the recipe's own: GRAD_ACCUM follows, so the global batch stays the published one."""
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "recipes", recipe), "--batch_size=1"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", "NPROC": "8", "MODEL": "m", "DATA": "d", "GENERATOR_INIT": "g"},
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(next(line for line in r.stdout.splitlines() if line.startswith("+ torchrun"))[2:])
-    batch = [a for a in cmd if a.startswith("--batch_size=")][-1]  # the last one wins (components.config.apply_overrides)
+    # the last one wins (components.config.apply_overrides)
+    batch = [a for a in cmd if a.startswith("--batch_size=")][-1]
     assert batch == "--batch_size=1" and f"--grad_accum={total // 8}" in cmd, cmd
-    r = subprocess.run(["bash", os.path.join(ROOT, "recipes", recipe), "--batch_size=abc"], capture_output=True,
-                       text=True, env={**os.environ, "DRY_RUN": "1", "NPROC": "8", "MODEL": "m", "DATA": "d"}, timeout=60)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "recipes", recipe), "--batch_size=abc"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", "NPROC": "8", "MODEL": "m", "DATA": "d"},
+        timeout=60,
+    )
     assert r.returncode == 2 and "--batch_size=abc is not a positive integer" in r.stderr

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from demos import shapes_eval as se
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEEDS = 4  # real images per prompt in the sets below
 

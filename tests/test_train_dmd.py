@@ -376,7 +376,7 @@ def test_gan_head_computes_in_fp32_under_bf16_mixed():
 
 
 # ----------------------------------------------------------------------------------------------
-# your own data (issue 29): prompts from a folder of captions, GAN real images from REAL_DATA_PATH
+# your own data: prompts from a folder of captions, GAN real images from REAL_DATA_PATH
 
 
 def _real_folder(root, n=5):

@@ -32,7 +32,11 @@ def sdxl(tmp_path_factory):
     from tools import tiny_models
     cache = tmp_path_factory.mktemp("cache")
     model, data = tiny_models.ensure_default("sdxl", cache)
-    return {"model": model, "data": os.path.join(data, "data.jsonl"), "env": launch_env(FSDP_DIFFUSION_CACHE=str(cache))}
+    return {
+        "model": model,
+        "data": os.path.join(data, "data.jsonl"),
+        "env": launch_env(FSDP_DIFFUSION_CACHE=str(cache)),
+    }
 
 
 def train(sdxl, out, args=(), ranks=2) -> str:

@@ -64,7 +64,10 @@ def runs(kontext_setup):
     # resume: a new run whose OUTPUT_DIR holds the straight run's step-2 checkpoint continues to step 3
     os.makedirs(root / "resumed" / "checkpoints")
     shutil.copytree(root / "combo" / "checkpoints" / "step_000002", root / "resumed" / "checkpoints" / "step_000002")
-    out["resumed"] = (str(root / "resumed"), launch_kontext(kontext_setup, root / "resumed", COMBO + ["--resume=auto"]).stdout)
+    out["resumed"] = (
+        str(root / "resumed"),
+        launch_kontext(kontext_setup, root / "resumed", COMBO + ["--resume=auto"]).stdout,
+    )
     return out
 
 
@@ -200,7 +203,10 @@ def test_buckets_keep_each_global_batch_on_one_size():
 
 def test_pair_gets_one_resize_crop_and_flip(kontext_setup):
     raw = kontext_setup["rows"][5]  # this project's older naming: "image" is the input (control)
-    row = {k: os.path.join(os.path.dirname(kontext_setup["data"]), raw[j]) for k, j in (("control", "image"), ("target", "target"))}
+    row = {
+        k: os.path.join(os.path.dirname(kontext_setup["data"]), raw[j])
+        for k, j in (("control", "image"), ("target", "target"))
+    }
     context, target = tfk.load_pairs([row, row], (64, 64), [False, True])
     assert context.shape == target.shape == (2, 3, 64, 64)
     assert torch.equal(context[1], context[0].flip(-1)) and torch.equal(target[1], target[0].flip(-1))
@@ -209,7 +215,11 @@ def test_pair_gets_one_resize_crop_and_flip(kontext_setup):
 
 
 def test_text_cache_key_depends_on_encoder_settings(kontext_setup):
-    ids = {tfk.encoder_identity(kontext_setup["model_path"], n, dt) for n in (32, 16) for dt in (torch.float32, torch.bfloat16)}
+    ids = {
+        tfk.encoder_identity(kontext_setup["model_path"], n, dt)
+        for n in (32, 16)
+        for dt in (torch.float32, torch.bfloat16)
+    }
     assert len(ids) == 4
     a = tfk.cache_file("/c", ids.pop(), "make it red")
     assert a != tfk.cache_file("/c", ids.pop(), "make it red")
@@ -300,7 +310,7 @@ def test_no_third_party_nag_lines(runs):
 
 
 # ----------------------------------------------------------------------------------------------
-# your own data (issue 29): the folder layout, VAL_DATA_PATH, SAMPLE_PROMPTS, CAPTION_DROPOUT
+# your own data: the folder layout, VAL_DATA_PATH, SAMPLE_PROMPTS, CAPTION_DROPOUT
 
 
 def _as_toolkit_folder(kontext_setup, root):
@@ -324,8 +334,15 @@ def test_folder_layout_reads_the_same_pairs_as_the_jsonl(kontext_setup, tmp_path
         assert open(ra["target"], "rb").read() == open(rb["target"], "rb").read()
         assert open(ra["control"], "rb").read() == open(rb["control"], "rb").read()
     val = tmp_path / "val.jsonl"
-    val.write_text("".join(json.dumps({"control": str(controls / f"{i:03d}.png"), "target": str(targets / f"{i:03d}.png"),
-                                       "prompt": "held"}) + "\n" for i in range(3)))
+    val.write_text(
+        "".join(
+            json.dumps(
+                {"control": str(controls / f"{i:03d}.png"), "target": str(targets / f"{i:03d}.png"), "prompt": "held"}
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     train, held_out, _, _ = tfk.load_data(str(targets), 2, 64, tfk.BUCKET_ASPECTS, 16, False,
                                           control_path=str(controls), val_path=str(val))
     assert len(train) == 16 and [r["prompt"] for r in held_out] == ["held", "held"]  # VAL_DATA_PATH's first 2
@@ -345,11 +362,23 @@ def test_own_data_run_with_val_data_sample_prompts_and_caption_dropout(kontext_s
     dropped = [captions_dropped(s) for s in (1, 2)]
     assert any("" in d for d in dropped)  # these settings do drop a caption in the run
     out = tmp_path / "out"
-    proc = launch_kontext(kontext_setup, out, [f"--data_path={targets}", f"--control_path={controls}",
-                                               f"--val_data_path={val}", f"--sample_prompts={samples}",
-                                               "--caption_dropout=0.5", "--max_steps=2", "--sample_every=2",
-                                               "--val_every=2", "--batch_size=2", f"--text_cache_dir={tmp_path / 'tc'}"],
-                          ranks=1)
+    proc = launch_kontext(
+        kontext_setup,
+        out,
+        [
+            f"--data_path={targets}",
+            f"--control_path={controls}",
+            f"--val_data_path={val}",
+            f"--sample_prompts={samples}",
+            "--caption_dropout=0.5",
+            "--max_steps=2",
+            "--sample_every=2",
+            "--val_every=2",
+            "--batch_size=2",
+            f"--text_cache_dir={tmp_path / 'tc'}",
+        ],
+        ranks=1,
+    )
     log = proc.stdout
     assert "held out for samples and validation (the first of VAL_DATA_PATH=" in log, log[-3000:]
     assert f"samples: 3 prompts from SAMPLE_PROMPTS={samples}" in log

@@ -42,10 +42,25 @@ PRELOAD = ("numpy", "PIL.Image", "tqdm", "safetensors.torch", "torch", "torch.di
            "torch.nn.parallel", "torch.utils.data", "diffusers", "transformers", "peft")
 # names whose first touch imports diffusers' / transformers' lazily loaded modules the scripts use
 PRELOAD_ATTRS = {
-    "diffusers": ("UNet2DConditionModel", "AutoencoderKL", "FluxTransformer2DModel", "DDPMScheduler", "DDIMScheduler",
-                  "EulerDiscreteScheduler", "FlowMatchEulerDiscreteScheduler", "StableDiffusionPipeline",
-                  "StableDiffusionXLPipeline", "FluxKontextPipeline"),
-    "transformers": ("CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTokenizer", "T5EncoderModel", "T5TokenizerFast"),
+    "diffusers": (
+        "UNet2DConditionModel",
+        "AutoencoderKL",
+        "FluxTransformer2DModel",
+        "DDPMScheduler",
+        "DDIMScheduler",
+        "EulerDiscreteScheduler",
+        "FlowMatchEulerDiscreteScheduler",
+        "StableDiffusionPipeline",
+        "StableDiffusionXLPipeline",
+        "FluxKontextPipeline",
+    ),
+    "transformers": (
+        "CLIPTextModel",
+        "CLIPTextModelWithProjection",
+        "CLIPTokenizer",
+        "T5EncoderModel",
+        "T5TokenizerFast",
+    ),
 }
 GRACE_S = 30  # after a rank fails, how long the others get between SIGTERM and SIGKILL (torchrun's default)
 
