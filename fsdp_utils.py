@@ -381,8 +381,9 @@ def apply_ddp(model: nn.Module, device: torch.device, verbose: bool = True) -> n
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, last_micro_batch: bool):
     """Around one micro-batch's forward and backward under gradient accumulation (DDP decides in
-    the forward): communicate what can wait only on the last micro-batch, where that costs no memory. DDP: no all-reduce until the last
-    (`no_sync`; the local grads accumulate in place). HSDP: no cross-replica all-reduce until the
+    the forward): communicate what can wait only on the last micro-batch, where that costs no
+    memory. DDP: no all-reduce until the last (`no_sync`; the local grads accumulate in place).
+    HSDP: no cross-replica all-reduce until the
     last (`set_requires_all_reduce(False)`: the reduce-scattered shards accumulate; the
     replica all-reduce is the one that crosses nodes). Plain FSDP keeps its per-micro-batch
     reduce-scatter: skipping it would hold the unsharded gradients (a full copy) until the end."""

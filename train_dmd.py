@@ -188,7 +188,8 @@ def validate_config() -> list[int]:
     if GENERATOR_INIT:
         check_generator_init(GENERATOR_INIT, os.path.join(MODEL_PATH or default_paths()[0], "unet"))
     if MODEL_PATH and not DATA_PATH:
-        raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: give the prompts (.txt) or rows (.jsonl) to train on")
+        raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
+                          "give the prompts (.txt) or rows (.jsonl) to train on")
     try:
         steps = [int(t) for t in DENOISING_STEPS]
     except ValueError:
@@ -213,12 +214,15 @@ def check_generator_init(path: str, teacher_unet: str) -> None:
                           f"st.save_file(torch.load('{path}', map_location='cpu'), 'generator.safetensors')\"")
     is_file = path.endswith(".safetensors") and os.path.isfile(path)
     if not is_file and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"GENERATOR_INIT={path}: neither a .safetensors file nor a diffusers UNet folder (config.json)")
+        raise ConfigError(f"GENERATOR_INIT={path}: "
+                          "neither a .safetensors file nor a diffusers UNet folder (config.json)")
     if INIT_FROM:
         raise ConfigError("GENERATOR_INIT and INIT_FROM both set: INIT_FROM's checkpoint already holds the generator")
     if LORA_RANK > 0:
-        raise ConfigError("GENERATOR_INIT with LORA_RANK > 0: the official generator init is for a full generator, and "
-                          "a LoRA export's adapters assume MODEL_PATH's UNet as their base; train it fully (LORA_RANK=0)")
+        raise ConfigError("GENERATOR_INIT with LORA_RANK > 0: "
+                          "the official generator init is for a full generator, and "
+                          "a LoRA export's adapters assume MODEL_PATH's UNet as their base; "
+                          "train it fully (LORA_RANK=0)")
     if os.path.isdir(teacher_unet):  # a missing teacher folder is reported by the model-folder check next
         check_same_tensors(path, teacher_unet, "GENERATOR_INIT")
 
@@ -292,10 +296,12 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
                  fake_compute: torch.dtype | None = None, generator_init: str = "",
                  base_dtype: str = "") -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder (the generator's weights from
-    `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice by slice; with `lora` the generator, and with `fake_lora` the fake score too,
-    train LoRA adapters on a frozen base), the generator's EMA (sharded identically, so its update
-    is shard-local; LoRA: of the adapters only) and the GAN head (for features of `head_size`²
-    at the native resolution: the bottleneck's, or with head_features="up" the up path's). These are what checkpoints hold (of a LoRA model, the adapters).
+    `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice
+    by slice; with `lora` the generator, and with `fake_lora` the fake score too, train LoRA
+    adapters on a frozen base), the generator's EMA (sharded identically, so its update is
+    shard-local; LoRA: of the adapters only) and the GAN head (for features of `head_size`² at the
+    native resolution: the bottleneck's, or with head_features="up" the up path's). These are what
+    checkpoints hold (of a LoRA model, the adapters).
     `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
     (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
@@ -635,7 +641,8 @@ def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: 
     fixed noise, the same every time."""
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
     g = step_generator(seed, 0, stream=7)
-    return prompts, torch.randn((len(prompts), *shape), generator=g), torch.randn((len(prompts), n_sim, *shape), generator=g)
+    return (prompts, torch.randn((len(prompts), *shape), generator=g),
+            torch.randn((len(prompts), n_sim, *shape), generator=g))
 
 
 @torch.no_grad()
@@ -723,8 +730,8 @@ def main() -> None:
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
     encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
     uncond = unconditional(encode, sdxl)
-    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape, len(step_list) - 1,
-                                                             SEED)
+    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
+                                                             len(step_list) - 1, SEED)
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
     sample_text = encode(sample_prompts)
 
@@ -756,7 +763,7 @@ def main() -> None:
                 # Its update waits for the guidance turn: that one uses only detached images, so stepping
                 # both after it is the published order, and one finiteness check covers both updates.
                 for m, mb in enumerate(batches):
-                    with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                    with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
                         with torch.set_grad_enabled(gen_turn):
                             x = generator_images(train_gen, mb, step_list, index, alphas)
                         if gen_turn:
@@ -769,7 +776,7 @@ def main() -> None:
 
                 # guidance turn, every step: fake score (+ head) on the same pre-update images
                 for m, (mb, x) in enumerate(zip(batches, images)):
-                    with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # forward and backward
+                    with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
                         loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
                         (loss / GRAD_ACCUM).backward()
                     add_logs(logs, parts, 1 / GRAD_ACCUM)

@@ -123,8 +123,9 @@ def _teardown_quietly() -> None:
 class GracefulStop:
     """SIGTERM / SIGINT (cluster preemption, Ctrl-C): remember it; once per step the ranks agree on
     `signalled()` (inside the step's one collective, components.trainer.apply_updates), so all ranks
-    finish the same step, save together and exit. A second signal exits at once, except a SIGTERM within `duplicate_window_s` of a
-    first SIGTERM: that is the same stop delivered twice (SLURM signals every process of the job
+    finish the same step, save together and exit. A second signal exits at once, except a SIGTERM
+    within `duplicate_window_s` of a first SIGTERM: that is the same stop delivered twice (SLURM
+    signals every process of the job
     step, and torchrun forwards the one it got to its workers), and must not cut the save short."""
 
     def __init__(self, duplicate_window_s: float = 10.0):

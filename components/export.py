@@ -207,7 +207,8 @@ def _copy_as(src: str, dst: str, dtype: torch.dtype) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     for name in os.listdir(src):
         if name.endswith(".safetensors"):
-            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(os.path.join(src, name)).items()}
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v
+                       for k, v in load_file(os.path.join(src, name)).items()}
             save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
 
 

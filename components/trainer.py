@@ -231,7 +231,8 @@ def apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str
     collective that decides it also carries whether any rank was signalled to stop (end_step acts
     on it): the step's only host sync outside logging steps. Returns whether it stepped."""
     for params, _, name in updates:
-        logs["grad_norm_" + name if name else "grad_norm"] = fsdp_utils.clip_grad_norm_(params, run.config["MAX_GRAD_NORM"])
+        logs["grad_norm_" + name if name else "grad_norm"] = fsdp_utils.clip_grad_norm_(
+            params, run.config["MAX_GRAD_NORM"])
     # the step's one host sync: every rank's finiteness and stop signal in one collective
     finite = is_finite(*[v for k, v in logs.items() if k.startswith(("loss", "grad_norm"))])
     ok, go_on = agree(finite, not run.stopper.signalled())

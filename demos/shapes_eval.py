@@ -20,8 +20,8 @@ N = len(prompts) x seeds images from fixed noise, scored on
     Accuracies: colour, shape, background, and all three at once.
 (b) distribution match to real data: the Frechet distance between Gaussian fits of per-image
     features of the generated set and of a real set (rendered images of the
-    same prompts, REAL_PER_PROMPT each, fixed seed). Features (53-d, `image_features`), each standardised by the real set's
-    mean and std so that no group dominates by scale:
+    same prompts, REAL_PER_PROMPT each, fixed seed). Features (53-d, `image_features`), each
+    standardised by the real set's mean and std so that no group dominates by scale:
       - 13 descriptors from `analyse_image`: background RGB, foreground RGB, foreground area
         fraction, fill ratio, upper-half fraction, box centre x, y and box width, height (/ size);
       - an 8-bin colour histogram (each RGB channel split at 128; each of the task's 7 colours
@@ -594,7 +594,8 @@ def main(argv=None):
     ap.add_argument("--compare", nargs="+", metavar="NAME=PATH",
                     help="teacher=PATH, then DMD2 generators NAME=PATH (1 step) or NAME=PATH@4 (4 steps)")
     ap.add_argument("--grid", default=None, help="PNG path for the image grid")
-    ap.add_argument("--grid_every", type=int, default=1, help="grid rows: every n-th prompt (5: shapes, colours and backgrounds all vary)")
+    ap.add_argument("--grid_every", type=int, default=1,
+                    help="grid rows: every n-th prompt (5: shapes, colours and backgrounds all vary)")
     ap.add_argument("--json_out", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)

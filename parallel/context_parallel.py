@@ -26,7 +26,8 @@ def check_diffusers_supports_it(model_class: str = "FluxTransformer2DModel") -> 
     supported = (hasattr(modeling_parallel, "ContextParallelConfig")
                  and getattr(getattr(diffusers, model_class), "_cp_plan", None) is not None)
     if not supported:
-        raise ConfigError(f"CONTEXT_PARALLEL > 1 needs diffusers >= 0.36 (ContextParallelConfig, {model_class}._cp_plan); "
+        raise ConfigError("CONTEXT_PARALLEL > 1 needs diffusers >= 0.36 "
+                          f"(ContextParallelConfig, {model_class}._cp_plan); "
                           f"diffusers {diffusers.__version__} is installed: pip install -U diffusers")
 
 

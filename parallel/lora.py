@@ -29,7 +29,8 @@ class Lora:
     """The scripts' LORA_* settings. rank 0 = no adapters (full fine-tuning)."""
     rank: int = 0
     alpha: float = 0.0  # scaling = alpha / rank; 0 = alpha equal to rank (scaling 1)
-    targets: tuple[str, ...] = ()  # module-name suffixes (peft's target_modules); () = the model's in parallel.models.MODELS
+    # module-name suffixes (peft's target_modules); () = the model's in parallel.models.MODELS
+    targets: tuple[str, ...] = ()
     dropout: float = 0.0
     init: str = "gaussian"  # lora_A's init (lora_B = 0 either way): "gaussian" or peft's "default" (kaiming-uniform)
 

@@ -67,7 +67,8 @@ def check_lowbit(c: dict) -> None:
         raise ConfigError(f"OPTIMIZER={opt!r}: choose one of {list(OPTIMIZERS)}")
     if base == "nf4":
         if c["LORA_RANK"] <= 0:
-            raise ConfigError("BASE_DTYPE=nf4 needs LORA_RANK > 0: a 4-bit base is frozen, only LoRA adapters train on it")
+            raise ConfigError("BASE_DTYPE=nf4 needs LORA_RANK > 0: "
+                              "a 4-bit base is frozen, only LoRA adapters train on it")
         untested = {"CPU_OFFLOAD": c["CPU_OFFLOAD"], "COMPILE": c["COMPILE"], "DP_REPLICATE > 1": c["DP_REPLICATE"] > 1,
                     "LORA_EXPORT_MERGED": c["LORA_EXPORT_MERGED"],
                     "CONTEXT_PARALLEL > 1": c.get("CONTEXT_PARALLEL", 1) > 1}

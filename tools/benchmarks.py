@@ -6,14 +6,14 @@
     python tools/benchmarks.py compile    # COMPILE=1 vs eager per script step: step time, peak memory, compile time
     python tools/benchmarks.py stack      # FSDP1 (the DMD2 repository's settings) vs FSDP2 vs DDP, UNet and DMD2 steps
     python tools/benchmarks.py noise      # one DMD2 step's randomness per rank: whole global batch vs own samples
-    python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after the mid block
-    python tools/benchmarks.py fake_fp32  # FAKE_SCORE_FP32 on vs off: SD-1.5 real architecture on 2 CPU ranks, planned on GPUs
-    python tools/benchmarks.py nf4_width  # NF4 vs bf16 LoRA base at FLUX.1 width (1 + 1 blocks): peak memory vs the planner
-    python tools/benchmarks.py all        # everything, as the markdown tables of BENCHMARKS.md
+    python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after mid block
+    python tools/benchmarks.py fake_fp32  # FAKE_SCORE_FP32 on vs off: SD-1.5 on 2 CPU ranks, and planned on GPUs
+    python tools/benchmarks.py nf4_width  # NF4 vs bf16 LoRA base at FLUX.1 width (1 + 1 blocks): peak memory vs planner
+    python tools/benchmarks.py all        # everything, as the markdown tables of docs/benchmarks.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
 worker mode (save), or of the training scripts train_dmd.py / train_flux_kontext.py in the
-repository root (step, planner, compile), and prints a markdown table; the numbers in BENCHMARKS.md
+repository root (step, planner, compile), and prints a markdown table; the numbers in docs/benchmarks.md
 come from exactly these commands.
 """
 from __future__ import annotations
@@ -181,7 +181,8 @@ def run_script(script: str, size: str, parallelism: str, root: str) -> dict:
         args += [f"--model_path={medium_folder(kind, root)}", "--resolution=64"]
         from tools import tiny_models
         data = tiny_models.ensure_default(kind)[1]
-        args.append(f"--data_path={next(os.path.join(data, f) for f in sorted(os.listdir(data)) if f.endswith(('.jsonl', '.txt')))}")
+        data_file = next(os.path.join(data, f) for f in sorted(os.listdir(data)) if f.endswith((".jsonl", ".txt")))
+        args.append(f"--data_path={data_file}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, path), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
@@ -251,8 +252,8 @@ def bench_step() -> str:
         runs = {p: run_script(script, "medium", p, root) for p in ("fsdp", "ddp", "fsdp, no reshard", other)}
         n_params = runs["ddp"]["mem"][0]["grads_held"] / 4  # fp32
         for p, r in runs.items():
-            lines.append(f"| {SCRIPTS[script][0]} (medium) | {n_params / 1e6:.1f} M | {p} | {r['state'] / 2**20:.0f} MiB "
-                         f"| {r['peak'] / 2**20:.0f} MiB | {r['step_ms']:.0f} ms |")
+            lines.append(f"| {SCRIPTS[script][0]} (medium) | {n_params / 1e6:.1f} M | {p} "
+                         f"| {r['state'] / 2**20:.0f} MiB | {r['peak'] / 2**20:.0f} MiB | {r['step_ms']:.0f} ms |")
         ratios.append(f"| {SCRIPTS[script][0]} | {runs['fsdp']['state'] / runs['ddp']['state']:.2f} "
                       f"| {runs['fsdp']['peak'] / runs['ddp']['peak']:.2f} "
                       f"| {runs['fsdp']['step_ms'] / runs['ddp']['step_ms']:.2f} "
@@ -336,7 +337,8 @@ def bench_compile() -> str:
         ratios.append(f"| {SCRIPTS[script][0]} | {comp['step_ms'] / eager['step_ms']:.2f} "
                       f"| {comp['peak'] / eager['peak']:.2f} | {_compile_seconds(first):.0f} s | {loss_diff:.1e} |")
         if _compile_graphs(whole) != graphs:  # more graphs than after step 1
-            notes.append(f"{SCRIPTS[script][0]}: {whole} (the end-of-run sample grid's no-grad forwards are graphs of their own)")
+            notes.append(f"{SCRIPTS[script][0]}: {whole} "
+                         "(the end-of-run sample grid's no-grad forwards are graphs of their own)")
     lines += ["", "| script | compiled / eager step time | compiled / eager peak RSS | compile time "
               "| max relative loss difference, all steps |", "|---|---|---|---|---|", *ratios,
               "", f"2 CPU ranks (gloo), fp32, batch 1/rank at 64 px, {STEP_STEPS} steps, median step_ms of steps > "
@@ -527,7 +529,8 @@ def worker_stack(workload: str, mode: str, width: str, steps: str, dtype: str = 
     def step():
         text = torch.randn(batch, tokens, 256, generator=g).to(dt)
         if workload == "unet":
-            x, target = torch.randn(batch, 4, latent, latent, generator=g), torch.randn(batch, 4, latent, latent, generator=g)
+            x = torch.randn(batch, 4, latent, latent, generator=g)
+            target = torch.randn(batch, 4, latent, latent, generator=g)
             t = torch.randint(0, 1000, (batch,), generator=g)
             out = wrapped["unet"](x.to(dt), t, text).sample.float()
             loss = (out - target).square().mean()
@@ -608,7 +611,8 @@ def bench_stack() -> str:
                   f"{STACK_ROUNDS} runs per mode (interleaved)", "",
                   "| mode | step time (s), each run | step / FSDP1 | peak RSS in the steps / rank (GiB), each run "
                   "| peak RSS / FSDP1 | heap in use at the step's peak / rank (MiB) | heap / FSDP1 "
-                  "| RSS the steps add / rank (MiB), each run | tensors the step allocates, peak / rank (MiB), each run "
+                  "| RSS the steps add / rank (MiB), each run "
+                  "| tensors the step allocates, peak / rank (MiB), each run "
                   "| model states / rank (MiB) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for m, rs in runs.items():
@@ -654,7 +658,8 @@ def _noise_before(seed: int, it: int, batch: int, shape: tuple, gan: bool) -> di
     g = step_generator(seed, it)
     r = {"noise": torch.randn((batch, *shape), generator=g), "dm_t": dm.sample_dm_timesteps(batch, g),
          "dm_noise": torch.randn((batch, *shape), generator=g), "fake_t": dm.sample_fake_timesteps(batch, g),
-         "fake_noise": torch.randn((batch, *shape), generator=g), "sim_noise": torch.randn((batch, 0, *shape), generator=g)}
+         "fake_noise": torch.randn((batch, *shape), generator=g),
+         "sim_noise": torch.randn((batch, 0, *shape), generator=g)}
     if gan:
         for name in ("gan_gen", "gan_fake", "gan_real"):
             r[name + "_t"] = torch.randint(0, 1000, (batch,), generator=g)
@@ -804,7 +809,8 @@ def bench_fake_fp32() -> str:
         runs[fp32] = {"ms": statistics.median(s["step_ms"] for s in steps[1:]), "rss": max(m["rss_peak"] for m in mem),
                       "states": max(m["params"] + m["grads_held"] + m["optim"] for m in mem)}
     on, off = runs[1], runs[0]
-    lines = ["| SD-1.5 real architecture, 2 CPU ranks, bf16, 128 px, LoRA 64 on G and fake | step time (median of steps 2-3) | peak RSS / rank |",
+    lines = ["| SD-1.5 real architecture, 2 CPU ranks, bf16, 128 px, LoRA 64 on G and fake "
+             "| step time (median of steps 2-3) | peak RSS / rank |",
              "|---|---:|---:|",
              f"| FAKE_SCORE_FP32=1 (published) | {on['ms'] / 1000:.1f} s | {on['rss'] / 2**30:.2f} GiB |",
              f"| FAKE_SCORE_FP32=0 | {off['ms'] / 1000:.1f} s | {off['rss'] / 2**30:.2f} GiB |",
@@ -822,11 +828,13 @@ def bench_fake_fp32() -> str:
         s = memory_plan.Settings(world_size=8, precision="bf16-mixed", batch_size=32, resolution=512,
                                  activation_checkpointing=True, fake_score_fp32=fp32)
         plans[fp32] = memory_plan.plan(memory_plan.model_folder("sd15-dmd"), s)["gpu_total"]
-    lines += ["| planned on GPUs: SD-1.5 stage 1 (8 GPUs, bf16-mixed, batch 32, 512 px, AC) | FAKE_SCORE_FP32=1 | =0 | on / off |",
+    lines += ["| planned on GPUs: SD-1.5 stage 1 (8 GPUs, bf16-mixed, batch 32, 512 px, AC) "
+              "| FAKE_SCORE_FP32=1 | =0 | on / off |",
               "|---|---:|---:|---:|",
               f"| memory per GPU (planner) | {plans[True] / 2**30:.1f} GiB | {plans[False] / 2**30:.1f} GiB "
               f"| {plans[True] / plans[False]:.2f} |",
-              f"| compute-bound step time on an H100, TF32 on (default) | {with_tf32 / bf16:.2f} | 1.00 | {with_tf32 / bf16:.2f} |",
+              f"| compute-bound step time on an H100, TF32 on (default) | {with_tf32 / bf16:.2f} | 1.00 "
+              f"| {with_tf32 / bf16:.2f} |",
               f"| the same, TF32=0 (strict fp32) | {strict / bf16:.2f} | 1.00 | {strict / bf16:.2f} |", "",
               f"One UNet forward at 512 px = {f / 1e9:.0f} GFLOPs per sample (counted on the meta device); a step "
               f"averages {total / f:.1f} such forwards at the published ratio 10, {fake / total:.0%} of them the fake "
@@ -874,8 +882,8 @@ def bench_nf4_width() -> str:
     return "\n".join(lines)
 
 
-BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile, "stack": bench_stack,
-           "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
+BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile,
+           "stack": bench_stack, "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
            "nf4_width": bench_nf4_width}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 

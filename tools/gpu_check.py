@@ -336,7 +336,8 @@ def plan_runs(tiny: bool) -> list[dict]:
             extra, steps = {"dfake_gen_update_ratio": 5, **extra}, 12
         probe = s.pop("probe", False)
         return {"run": name, "script": script, "kind": kind, "world": 1, "resume": s.pop("resume", False),
-                "probe": probe, "steps": 2 if probe else steps, "settings": {**base, "resolution": res, **s, "extra": extra}}
+                "probe": probe, "steps": 2 if probe else steps,
+                "settings": {**base, "resolution": res, **s, "extra": extra}}
 
     return [
         row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),

@@ -10,7 +10,8 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
     python tools/memory_plan.py --model=/path/to/diffusers/folder --world_size=2
     python tools/memory_plan.py --fit_table --model=sdxl-dmd   # markdown: world sizes x GPU memory
     python tools/memory_plan.py --model=flux-kontext-dev --world_size=2 --lora_rank=16   # LoRA fine-tuning
-    python tools/memory_plan.py --fit_table --model=flux-kontext-dev --lora_rank=16 --world_sizes=1,2,4 --gpu_memory_gbs=24
+    python tools/memory_plan.py --fit_table --model=flux-kontext-dev --lora_rank=16 \\
+        --world_sizes=1,2,4 --gpu_memory_gbs=24
     python tools/memory_plan.py --model=flux-kontext-dev --world_size=8 --resolution=1024 --context_parallel=2
     python tools/memory_plan.py --cp_table --model=flux-kontext-dev   # which CP fits 1024 / 2048 px on 24 / 80 GB
 
@@ -60,10 +61,11 @@ over all tokens for H/C heads, logsumexp) are 1/C too; what has no sequence dime
 guidance and pooled embeddings, each block's modulation vectors: 3.2 MiB at batch 1, against 8.8
 MiB per token, measured by tests/test_memory_plan.py's linear fit) is in fact held whole on every
 rank, and the all-gathered final output (for the loss: 1 MiB at 1024 px) is not counted; nor are
-the all-to-all buffers (transient, as every temporary). The global batch is batch x world / C. Checked before any work, one line each: C >= 1, C x dp_replicate
-divides the world, C divides the transformer's attention heads, the text tokens and the image
-tokens (target + context). --cp_table: for resolutions x GPU memory, per world size, the smallest
-CP that fits and the cheapest settings (cheapest_fit) it needs, then any larger CP that needs fewer.
+the all-to-all buffers (transient, as every temporary). The global batch is batch x world / C.
+Checked before any work, one line each: C >= 1, C x dp_replicate divides the world, C divides the
+transformer's attention heads, the text tokens and the image tokens (target + context).
+--cp_table: for resolutions x GPU memory, per world size, the smallest CP that fits and the
+cheapest settings (cheapest_fit) it needs, then any larger CP that needs fewer.
 """
 from __future__ import annotations
 
@@ -130,7 +132,7 @@ class Holding:
     trained: bool   # grads and optimizer state; sharded by its recipe (parallel/parallelize.py)
 
 
-# the role vocabulary of parallel.models.Component (but "files": no weights); which component has which role is the table's
+# the role vocabulary of parallel.models.Component (but "files": no weights); the table assigns the roles
 HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
            "frozen-sharded": Holding(resident=True, sharded=True, trained=False),
            "replicated": Holding(resident=True, sharded=False, trained=False),
@@ -174,7 +176,7 @@ class Settings:
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
     fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
-    base_dtype: str = ""       # the scripts' BASE_DTYPE: "" = the compute dtype, nf4 = 4-bit LoRA base (parallel/lowbit.py)
+    base_dtype: str = ""       # the scripts' BASE_DTYPE: "" = compute dtype, nf4 = 4-bit LoRA base (parallel/lowbit.py)
     optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
 
     @property
@@ -312,9 +314,10 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
     model's recipe (parallel/parallelize.py), frozen-sharded ones by the same recipe after
     fsdp_utils.prepare_frozen. A component with LoRA (Part.lora) gets its adapters by
     parallel.lora.add_lora after the cast to its storage dtype and before its recipe, which then
-    shards it with the adapter policy, as the scripts do. Returns {name: local and global parameter counts, and the FSDP units fully_shard made (as
-    fsdp_utils.fsdp_units reads them off the sharded model: [(module name, params)], root last);
-    with LoRA also the trainable (adapter) counts: local, global and per unit}."""
+    shards it with the adapter policy, as the scripts do. Returns {name: local and global parameter
+    counts, and the FSDP units fully_shard made (as fsdp_utils.fsdp_units reads them off the
+    sharded model: [(module name, params)], root last); with LoRA also the trainable (adapter)
+    counts: local, global and per unit}."""
     out = {}
     block_classes = list(s.block_classes) or None
     sharding = fsdp_utils.Sharding(s.reshard_after_forward, s.cpu_offload, s.activation_checkpointing)
@@ -354,7 +357,8 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             if c.lora:
                 trainable = [p for p in c.module.parameters() if p.requires_grad]
                 out[c.name].update(
-                    trainable_local=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainable),
+                    trainable_local=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                        for p in trainable),
                     trainable_global=sum(p.numel() for p in trainable),
                     trainable_units=_trainable_per_unit(c.module, units))
     return out
@@ -702,7 +706,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         gathered += max(max(sharded[c.name]["trainable_units"]) * _size(ADAPTER_DTYPE) if c.lora else
                         max(u for _, u in sharded[c.name]["units"]) * r_size for c in comps if c.holding.trained)
     else:
-        gathered += max(u for _, u in sharded[trainable.name]["units"]) * r_size  # reduce-scatter input of the largest unit
+        # reduce-scatter input of the largest unit
+        gathered += max(u for _, u in sharded[trainable.name]["units"]) * r_size
     trained = {c.name for c in comps if c.holding.trained} | {c.name + ".lora" for c in comps if c.lora}
     states = sum(r["params"] + r["grads"] + r["optim"] for n, r in rows.items() if n in trained)
     frozen = sum(r["params"] for n, r in rows.items() if n not in trained)
@@ -761,7 +766,8 @@ def format_plan(name: str, p: dict) -> str:
     if s.lora:
         head += f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}"
     lines = [head] + _cp_lines(p)
-    lines.append(f"{'component':<16}{'params':>10}{'on rank':>10}{'param GiB':>11}{'grad GiB':>10}{'optim GiB':>11}  role")
+    lines.append(f"{'component':<16}{'params':>10}{'on rank':>10}"
+                 f"{'param GiB':>11}{'grad GiB':>10}{'optim GiB':>11}  role")
     for n, r in p["rows"].items():
         count, local = (_count(r.get(k, 0), r.get("adapters", False)) for k in ("count", "local_count"))
         lines.append(f"{n:<16}{count:>10}{local:>10}{r['params'] / GIB:>11.2f}{r['grads'] / GIB:>10.2f}"
@@ -777,7 +783,8 @@ def format_plan(name: str, p: dict) -> str:
         acts += (" (LoRA: backward through the adapters still needs most of the frozen base's activations; "
                  "frozen Linears save no inputs of their own, so somewhat less than full fine-tuning)")
     lines += [f"model states on: {where}" + (f", {p['host_total'] / GIB:.2f} GiB per rank" if s.cpu_offload else ""),
-              f"all-gathered units in flight: {p['gathered'] / GIB:.2f} GiB (largest unit {p['largest_unit'] / GIB:.2f} GiB)",
+              f"all-gathered units in flight: {p['gathered'] / GIB:.2f} GiB "
+              f"(largest unit {p['largest_unit'] / GIB:.2f} GiB)",
               acts,
               ATTENTION_NOTE,
               f"runtime reserve: {p['runtime'] / GIB:.2f} GiB",
@@ -1091,7 +1098,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--context_parallels", default="1,2,4,8", help="with --cp_table: the CP sizes to try")
     ap.add_argument("--resolutions", default="1024,2048", help="with --cp_table")
     ap.add_argument("--lora_rank", type=int, default=0,
-                    help="plan LoRA fine-tuning with adapters of this rank, as the scripts' LORA_RANK (0: full fine-tuning)")
+                    help="plan LoRA fine-tuning with adapters of this rank, as the scripts' LORA_RANK "
+                         "(0: full fine-tuning)")
     ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
     ap.add_argument("--lora_target_modules", default="",
                     help="comma-separated module-name suffixes to adapt, as the scripts' LORA_TARGET_MODULES "
@@ -1099,7 +1107,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     ap.add_argument("--fake_score_fp32", type=int, default=1,
-                    help="DMD: the fake score gathers and computes in fp32 (train_dmd.py's FAKE_SCORE_FP32, default on)")
+                    help="DMD: the fake score gathers and computes in fp32 "
+                         "(train_dmd.py's FAKE_SCORE_FP32, default on)")
     ap.add_argument("--base_dtype", default="", choices=list(lowbit.BASE_DTYPES),
                     help="LoRA: the frozen base's storage, as the scripts' BASE_DTYPE (nf4: 4-bit, parallel/lowbit.py)")
     ap.add_argument("--optimizer", default="adamw", choices=list(lowbit.OPTIMIZERS),
