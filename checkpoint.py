@@ -209,7 +209,7 @@ class Checkpointer:
                 write_json(os.path.join(partial, "trainer_state.json"), meta)
                 write_json(os.path.join(partial, "config.json"), self.config)
 
-        _agreed(meta_files, partial)  # every rank waits here for the folder (was a barrier)
+        _agreed(meta_files, partial)  # its collective is the barrier: every rank waits here for the folder
         _agreed(lambda: torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{rank()}.pt")), partial)
         state = _dcp_state(self.models, self.optimizers)
         if self.async_save:

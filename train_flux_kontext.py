@@ -21,7 +21,7 @@ once before training to fill an on-disk embedding cache and are freed.
     # after a stop or preemption: the same command plus --resume=auto
 
 Data (README, "Your data"): a .jsonl of {"control": input image, "target": edited image, "prompt":
-instruction} rows (paths relative to the file; "image" + "target", this project's older naming, still
+instruction} rows (paths relative to the file; "image" + "target", as the shipped pairs name them, also
 reads), a folder of targets with same-stem .txt captions and a control/ folder (ai-toolkit's and
 musubi-tuner's layout), or a Hugging Face datasets table. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
 (context | output | target per held-out pair), checkpoints/step_XXXXXX/, export/ (a diffusers

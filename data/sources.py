@@ -16,7 +16,7 @@ from data.images import check_image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")  # what the folder layouts read as images
 # the names users bring for each field (JSONL keys, datasets columns), the canonical one first.
-# "image" alone is ambiguous for pairs: this project's older Kontext files name the input so
+# "image" alone is ambiguous for pairs: this project's Kontext pairs (assets/kontext_blue) name the input so
 # (beside "target"), ai-toolkit and diffusers' examples the edited result (beside "control").
 ALIASES = {"control": ("control", "context", "source"), "target": ("target", "edited"),
            "prompt": ("prompt", "caption", "text", "instruction"), "image": ("image",)}
@@ -40,7 +40,7 @@ def match_fields(names, roles) -> tuple[dict[str, str], str]:
             found["target"] = "image"
             note = (f"\"image\" read as the edited result (beside \"{found['control']}\", the ai-toolkit / diffusers "
                     "naming); name it \"target\" to silence this")
-        else:  # beside "target" it can only be the input (this project's older files, the shipped pairs)
+        else:  # beside "target" it can only be the input (this project's files, the shipped pairs)
             found["control"] = "image"
             if "target" not in found:
                 note = ("\"image\" read as the input (context) image, as this project's older files name it; "

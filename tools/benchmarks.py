@@ -219,7 +219,8 @@ def tiny_default(script: str) -> tuple[str, str]:
 
 
 def _scripts_ready() -> list[str]:
-    """Scripts that have the PARALLELISM setting (train_dmd.py may not, in an older checkout)."""
+    """The scripts that have the PARALLELISM setting, which the step, planner and compile benchmarks
+    set; a script without it is skipped."""
     ready = []
     for name, (path, _) in SCRIPTS.items():
         with open(os.path.join(ROOT, path)) as f:
@@ -650,8 +651,8 @@ NOISE_GLOBAL_BATCH, NOISE_LATENT = 2048, (4, 64, 64)  # recipes/dmd_sd15_stage1.
 
 
 def _noise_before(seed: int, it: int, batch: int, shape: tuple, gan: bool) -> dict:
-    """The per-step draw train_dmd.py made before issue 28 (commit 525cc8f, `draw_step_noise`):
-    every tensor for the whole global batch from one CPU generator; each rank then kept its slice."""
+    """bench_noise's "before" draw (`draw_step_noise` in train_dmd.py at commit 525cc8f): every
+    tensor for the whole global batch from one CPU generator; each rank then keeps its slice."""
     import torch
     from data.randomness import step_generator
     from algorithms import dmd2 as dm
@@ -669,8 +670,9 @@ def _noise_before(seed: int, it: int, batch: int, shape: tuple, gan: bool) -> di
 
 def bench_noise() -> str:
     """Per-rank time to draw one DMD2 step's randomness at the stage-1 recipe's global batch, on
-    one CPU thread (torchrun's OMP_NUM_THREADS=1): before, every rank draws all 2048 samples; after,
-    a rank draws its own 2048 / world samples (train_dmd.draw_sample_noise per sample)."""
+    one CPU thread (torchrun's OMP_NUM_THREADS=1): "before" (_noise_before), every rank draws all 2048
+    samples; "after" (train_dmd.py's draw), a rank draws its own 2048 / world samples
+    (train_dmd.draw_sample_noise per sample)."""
     import functools
     import torch
     from data.randomness import per_sample_draws
