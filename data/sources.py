@@ -43,7 +43,7 @@ def match_fields(names, roles) -> tuple[dict[str, str], str]:
         else:  # beside "target" it can only be the input (this project's files, the shipped pairs)
             found["control"] = "image"
             if "target" not in found:
-                note = ("\"image\" read as the input (context) image, as this project's older files name it; "
+                note = ("\"image\" read as the input (context) image, as the shipped pairs name it; "
                         "name it \"control\" to silence this")
     return found, note
 

@@ -334,6 +334,8 @@ def markdown_table(results) -> str:
 
 
 def main(argv=None):
+    from components.warnings import quiet_known_warnings
+    quiet_known_warnings()  # before diffusers is imported: the import noise the training scripts silence too
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a FluxKontextPipeline folder to evaluate")

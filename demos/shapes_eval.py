@@ -574,7 +574,10 @@ def compare(teacher: str, generators: dict[str, str] | str | None, steps=25, cfg
 
 
 def quiet() -> None:
-    """Drop the diffusers/transformers chatter (accelerate hint, loading bars)."""
+    """Drop the diffusers/transformers chatter (accelerate hint, loading bars), and first the import
+    noise the training scripts silence too (torchao's CPU-build kernel libraries, pytree notices)."""
+    from components.warnings import quiet_known_warnings
+    quiet_known_warnings()
     import diffusers
     import transformers
     diffusers.utils.logging.set_verbosity_error()

@@ -189,3 +189,14 @@ def test_compare_takes_named_one_and_four_step_generators():
     runs = se.generator_runs({"stage1": "out/a/export", "four_step": "out/b/export@4"})
     assert runs == [("stage1, 1 step (t=999, no CFG)", "out/a/export", "onestep", 1),
                     ("four_step, 4 steps (999/749/499/249, no CFG)", "out/b/export", "fewstep", 4)]
+
+
+def test_the_evaluators_first_screen_has_no_import_noise():
+    """The demos' evaluation step (the Quickstart's last output) silences what importing diffusers
+    prints when torchao is installed, as the training scripts do."""
+    import subprocess
+    import sys
+    pytest.importorskip("torchao")
+    code = "import demos.shapes_eval as se; se.quiet(); from diffusers import StableDiffusionPipeline"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Failed to load" not in r.stderr and "_pytree" not in r.stderr, r.stderr[-2000:]

@@ -610,6 +610,16 @@ def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtyp
     return activation_bytes(model, inputs, list(unit_names), checkpointing)
 
 
+# the built-in real-size configs never change within a process: their shard counts and measured
+# activations are kept for every later plan (tests and fit tables plan the same models many times)
+_BUILTIN_SHARDS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_activations(*args) -> int:
+    return _activations(*args)
+
+
 def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     """Per-rank GPU bytes by category (and host bytes with CPU offload) for these settings.
     `shard_cache`: a dict to keep shard_components' counts in across calls that differ only in
@@ -623,12 +633,17 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     sequence it splits and that one forward's activations."""
     precision = get_precision(s.precision)
     folder = model_folder(name)
+    builtin = os.path.dirname(os.path.abspath(folder)) == os.path.join(HERE, "real_size_configs")
+    if shard_cache is None and builtin:
+        shard_cache = _BUILTIN_SHARDS
+    activations = _builtin_activations if builtin else _activations
     sequence = check_context_parallel(folder, s)
     key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes), s.reshard_after_forward)
     if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
         key += (s.lora_rank, tuple(s.lora_targets), s.fake_lora)
     if s.context_parallel > 1:  # another mesh (same shards: FSDP spans dp x cp), so sharded again
         key += (s.context_parallel,)
+    key += (repr(models.MODELS), repr(models.PIPELINES))  # the recipes' unit classes and roles decide the shards
     cached = shard_cache is not None and key in shard_cache
     script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora)
     if s.resolution is None:
@@ -639,19 +654,19 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         shard_cache[key] = sharded
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
-    acts = _activations(folder, trainable.spec.subfolder, kind, unit_names, precision.compute_dtype,
+    acts = activations(folder, trainable.spec.subfolder, kind, unit_names, precision.compute_dtype,
                         s.batch_size, s.resolution, s.activation_checkpointing, trainable.lora)
     for c in comps:  # LoRA: a trained model without adapters (DMD's full fake score) may save more
         if s.lora and c.holding.trained and c is not trainable:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
-            acts = max(acts, _activations(folder, c.spec.subfolder, kind, names, precision.compute_dtype,
+            acts = max(acts, activations(folder, c.spec.subfolder, kind, names, precision.compute_dtype,
                                           s.batch_size, s.resolution, s.activation_checkpointing, c.lora))
     # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
     fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
-            acts = max(acts, _activations(folder, c.spec.subfolder, kind, names, torch.float32, s.batch_size,
+            acts = max(acts, activations(folder, c.spec.subfolder, kind, names, torch.float32, s.batch_size,
                                           s.resolution, s.activation_checkpointing, c.lora))
     one_forward, acts = acts, -(-acts // s.context_parallel)  # CP: each rank holds 1/C of the sequence
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
