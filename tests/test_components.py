@@ -363,6 +363,7 @@ def test_an_output_dir_that_some_rank_cannot_see_fails_on_every_rank(tmp_path):
     run_ranks(_shared_output_dir, 2, str(tmp_path))
 
 
+@pytest.mark.slow  # launches the scripts
 @pytest.mark.parametrize("script,flag", [("train_dmd.py", "--help"), ("train_flux_kontext.py", "-h")])
 def test_help_prints_every_setting_grouped_and_exits_0(script, flag):
     """--help / -h: every setting with its default, type and comment, under the script's group

@@ -377,6 +377,7 @@ def test_missing_torchao_is_one_line(monkeypatch, over):
     lowbit.check_lowbit(_settings())  # the defaults never import it
 
 
+@pytest.mark.slow  # launches the scripts
 def test_scripts_refuse_bad_settings_before_any_work(kontext_setup, tmp_path):
     proc = launch_kontext(kontext_setup, tmp_path / "o", ["--base_dtype=nf4"], ranks=1, check=False)
     assert proc.returncode != 0 and "BASE_DTYPE=nf4 needs LORA_RANK > 0" in proc.stdout

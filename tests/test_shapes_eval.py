@@ -191,6 +191,7 @@ def test_compare_takes_named_one_and_four_step_generators():
                     ("four_step, 4 steps (999/749/499/249, no CFG)", "out/b/export", "fewstep", 4)]
 
 
+@pytest.mark.slow  # a Python process that imports diffusers
 def test_the_evaluators_first_screen_has_no_import_noise():
     """The demos' evaluation step (the Quickstart's last output) silences what importing diffusers
     prints when torchao is installed, as the training scripts do."""
