@@ -419,6 +419,7 @@ def launch_kontext(setup, out, args, ranks=2, check=True):
                          env=setup["env"], check=check)
 
 
-def load_kontext_export(out):
+def load_export(out, component: str = "transformer") -> dict:
+    """The exported trained model's tensors (OUTPUT_DIR/export/<component>/), by name."""
     from safetensors.torch import load_file
-    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))
+    return load_file(os.path.join(out, "export", component, "diffusion_pytorch_model.safetensors"))

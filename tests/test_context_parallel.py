@@ -23,7 +23,7 @@ import torch
 from tests.conftest import (
     assert_kontext_resumed_bit_exact,
     launch_kontext,
-    load_kontext_export,
+    load_export,
     read_metrics,
     run_ranks,
 )
@@ -60,7 +60,7 @@ def test_cp2_matches_one_process(runs):
         for key in ("loss", "val_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
     # the EMA, trained for 3 steps
-    w_ref, w_cp = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["cp"][0])
+    w_ref, w_cp = load_export(runs["ref"][0]), load_export(runs["cp"][0])
     assert w_ref.keys() == w_cp.keys()
     # CP sums attention and grads in another order, and AdamW divides each element's update by its
     # own grad scale, so an element whose grad is near zero turns a rounding difference into a
@@ -97,7 +97,7 @@ def test_cp_export_has_the_layout_of_a_non_cp_export(runs):
     ref, cp = (os.path.join(runs[k][0], "export") for k in ("ref", "cp"))
     files = sorted(os.path.relpath(os.path.join(d, f), ref) for d, _, fs in os.walk(ref) for f in fs)
     assert files == sorted(os.path.relpath(os.path.join(d, f), cp) for d, _, fs in os.walk(cp) for f in fs)
-    w_ref, w_cp = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["cp"][0])
+    w_ref, w_cp = load_export(runs["ref"][0]), load_export(runs["cp"][0])
     assert {k: (v.shape, v.dtype) for k, v in w_ref.items()} == {k: (v.shape, v.dtype) for k, v in w_cp.items()}
     for name in files:
         if name.endswith(".json"):

@@ -30,7 +30,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, finish, launch, launch_env, run_ranks, start as start_script
+from tests.conftest import ROOT, finish, launch, launch_env, load_export, run_ranks, start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import train_flux_kontext as tfk
@@ -106,11 +106,6 @@ def wait_for(pred, proc, timeout=TIMEOUT, poll=0.005):
             return None
         time.sleep(poll)
     return None
-
-
-def load_export(out):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(out, "export", "transformer", "diffusion_pytorch_model.safetensors"))
 
 
 @pytest.fixture(scope="module")

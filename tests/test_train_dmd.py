@@ -25,7 +25,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import assert_loads_with_automodel, launch, launch_dmd, launch_env, read_checkpoint, read_metrics
+from tests.conftest import (assert_loads_with_automodel, launch, launch_dmd, launch_env, load_export, read_checkpoint,
+                            read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -46,11 +47,6 @@ COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--pre
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     return launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
-
-
-def export_unet(out_dir) -> dict:
-    from safetensors.torch import load_file
-    return load_file(os.path.join(out_dir, "export", "unet", "diffusion_pytorch_model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +132,7 @@ def test_resume_is_bit_exact(run_a, run_resumed):
         assert any(k.startswith("." + part) for k in straight), part
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
-    ua, ur = export_unet(run_a), export_unet(run_resumed)
+    ua, ur = load_export(run_a, "unet"), load_export(run_resumed, "unet")
     assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
     la = read_metrics(run_a, timing=False)
     lr = read_metrics(run_resumed, timing=False)

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_loads_with_automodel, launch, launch_env, read_metrics
+from tests.conftest import assert_loads_with_automodel, launch, launch_env, load_export, read_metrics
 
 import train_dmd
 from algorithms import dmd2 as dm
@@ -66,11 +66,6 @@ def run_resumed(sdxl, tmp_path_factory, run_a):
     return out
 
 
-def export_unet(out) -> dict:
-    from safetensors.torch import load_file
-    return load_file(str(out / "export" / "unet" / "diffusion_pytorch_model.safetensors"))
-
-
 @pytest.mark.slow
 def test_sdxl_is_detected_and_its_parts_are_used(run_a):
     out, log = run_a
@@ -92,7 +87,7 @@ def test_two_ranks_match_one_process(run_a, run_b):
         for k in sorted(k for k in ra if k.startswith(("loss", "grad_norm"))):
             rel = 1e-4 if k.startswith("loss") else 1e-3
             assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-7), (ra["step"], k)
-    ua, ub = export_unet(run_a[0]), export_unet(run_b)
+    ua, ub = load_export(run_a[0], "unet"), load_export(run_b, "unet")
     assert ua.keys() == ub.keys()
     for k in ua:
         torch.testing.assert_close(ua[k], ub[k], rtol=1e-4, atol=1e-5)
@@ -105,7 +100,7 @@ def test_export_loads_with_automodel(run_a):
 
 @pytest.mark.slow
 def test_resume_is_bit_exact(run_a, run_resumed):
-    ua, ur = export_unet(run_a[0]), export_unet(run_resumed)
+    ua, ur = load_export(run_a[0], "unet"), load_export(run_resumed, "unet")
     assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
     assert read_metrics(run_a[0], timing=False)[2:] == read_metrics(run_resumed, timing=False)
 

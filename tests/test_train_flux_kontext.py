@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import (KONTEXT_STEPS, assert_kontext_resumed_bit_exact, assert_loads_with_automodel, free_port,
-                            launch_kontext, load_kontext_export, read_metrics)
+                            launch_kontext, load_export, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -90,7 +90,7 @@ def test_two_ranks_match_one_process_with_memory_options(runs, kontext_setup):
     # final weights too (combo exports its EMA, so compare the raw ones of ref and hsdp)
     from safetensors.torch import load_file
     initial = load_file(os.path.join(kontext_setup["model_path"], "transformer", "diffusion_pytorch_model.safetensors"))
-    trained_1, trained_2 = load_kontext_export(runs["ref"][0]), load_kontext_export(runs["hsdp"][0])
+    trained_1, trained_2 = load_export(runs["ref"][0]), load_export(runs["hsdp"][0])
     assert any(not torch.equal(initial[k], trained_1[k]) for k in initial)  # lr 1e-3: it did train
     for k in initial:
         torch.testing.assert_close(trained_2[k], trained_1[k], rtol=1e-4, atol=1e-5, msg=k)
@@ -99,7 +99,7 @@ def test_two_ranks_match_one_process_with_memory_options(runs, kontext_setup):
 @pytest.mark.slow
 def test_resume_is_bit_exact(runs):
     assert "resumed from" in runs["resumed"][1] and "(step 2)" in runs["resumed"][1]
-    straight, resumed = load_kontext_export(runs["combo"][0]), load_kontext_export(runs["resumed"][0])
+    straight, resumed = load_export(runs["combo"][0]), load_export(runs["resumed"][0])
     assert straight.keys() == resumed.keys()
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
@@ -143,7 +143,7 @@ def test_export_runs_in_flux_kontext_pipeline(runs):
                _auto_resize=False, num_inference_steps=2, max_sequence_length=32, output_type="pt",
                generator=torch.Generator().manual_seed(0)).images
     assert out.shape == (1, 3, 64, 64) and torch.isfinite(out).all()
-    trained = load_kontext_export(runs["combo"][0])
+    trained = load_export(runs["combo"][0])
     assert all(torch.equal(v, trained[k]) for k, v in pipe.transformer.state_dict().items())
 
 

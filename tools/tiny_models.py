@@ -1,9 +1,9 @@
-"""Tiny but real diffusers model folders: the embedded defaults of the training scripts.
+"""Tiny but real diffusers model folders with random weights, for tests and tools.
 
-With no model path given, `train_dmd.py` and `train_flux_kontext.py` train on these. They are
-random-weight models with the exact folder layout of SD-1.5 and FLUX.1 Kontext [dev], written with
-`save_pretrained` (safetensors) and read back through the same `from_pretrained` path as the real
-weights, so the smoke test exercises the real code path. Everything is built offline (no hub).
+They have the exact folder layout of SD-1.5 and FLUX.1 Kontext [dev], are written with
+`save_pretrained` (safetensors) and read back through the same `from_pretrained` path as real
+weights, so tests exercise the real loading code. Everything is built offline (no hub). The
+scripts' embedded defaults are not these: they are the trained tiny models shipped in `assets/`.
 
     python -m tools.tiny_models sd15        # build (or reuse) the default folders, print the paths
     python -m tools.tiny_models flux_kontext
