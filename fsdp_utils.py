@@ -223,6 +223,7 @@ def checkpoint_activations(module: nn.Module) -> None:
         return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
+    module.activation_checkpointed = True  # MFU's counter adds its forward once more for HFU
 
 
 def outermost(blocks: list[nn.Module]) -> list[nn.Module]:

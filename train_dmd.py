@@ -703,10 +703,10 @@ def main() -> None:
     train_gen, train_fake = generator, fake
     if mesh is None:  # DDP wrappers for the training forwards only
         train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
-    watch_model_flops(run, [generator, fake, teacher])  # MFU: the UNets' FLOPs, not the VAE's
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
     tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
                                                        vae_dtype, VAE_PATH, d.device)
+    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the UNets' FLOPs; the VAE's apart
     alphas = DDPMScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler").alphas_cumprod.to(d.device)
     resolution, latent_shape = latent_layout(RESOLUTION, vae.config, generator.config)
 

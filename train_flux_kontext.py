@@ -692,7 +692,7 @@ def main():
                f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
                f"{d.world_size} ranks")
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
-    watch_model_flops(run, [transformer])  # MFU: the transformer's FLOPs, not the VAE's
+    watch_model_flops(run, [transformer], vae)  # MFU: the transformer's FLOPs; the VAE's apart
 
     # optimizer: AdamW (OPTIMIZER: torch's fused kernel, see components.optim.adamw, or torchao's 8-/4-bit
     # states, parallel/lowbit.py), with a linear warmup

@@ -64,16 +64,13 @@ class _FlopCount(TorchDispatchMode):
         return out
 
 
-class ModelFlops:
-    """MFU's numerator: model FLOPs. Counts what the watched models' own forward calls dispatch
-    (matmuls, convolutions, attention), x3 for a call run with gradients enabled (its backward
-    computes input and weight gradients, each as much as the forward), by the peak each runs
-    against. So the VAE, text encoders and optimizer are not in it, nor AC's recomputation (a
-    block's forward run again in backward, outside the model's own forward call)."""
+class _Counted:
+    """Counts what one set of modules' own forward calls dispatch, by peak kind, each call's count
+    times `factor(grad enabled)`; nested calls of the set count once."""
 
-    def __init__(self, models: list[torch.nn.Module]):
-        self.active, self.by_kind, self._counter, self._depth = False, {}, None, 0
-        for m in models:
+    def __init__(self, modules, factor):
+        self.factor, self.active, self.by_kind, self._counter, self._depth = factor, False, {}, None, 0
+        for m in modules:
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(self._exit)
 
@@ -88,45 +85,87 @@ class ModelFlops:
         if self._counter is not None and self._depth == 0:
             self._counter.__exit__(None, None, None)
             for kind, n in self._counter.by_kind.items():
-                self.by_kind[kind] = self.by_kind.get(kind, 0) + n * (3 if self._grad else 1)
+                self.by_kind[kind] = self.by_kind.get(kind, 0) + n * self.factor(self._grad)
             self._counter = None
+
+
+class ModelFlops:
+    """MFU's numerator: model FLOPs. Counts what the watched models' own forward calls dispatch
+    (matmuls, convolutions, attention), x3 for a call run with gradients enabled (its backward
+    computes input and weight gradients, each as much as the forward), by the peak each runs
+    against. So the VAE, text encoders and optimizer are not in it, nor AC's recomputation. For
+    HFU the forwards of the activation-checkpointed units run with gradients are counted apart
+    (`recomputed`): backward runs each of them once more."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        units = [u for m in models for u in m.modules() if getattr(u, "activation_checkpointed", False)]
+        self._model = _Counted(models, lambda grad: 3 if grad else 1)
+        self._recomputed = _Counted(units, lambda grad: 1 if grad else 0)
+
+    @property
+    def by_kind(self) -> dict:
+        return self._model.by_kind
+
+    @property
+    def recomputed(self) -> dict:
+        return self._recomputed.by_kind
 
     @contextlib.contextmanager
     def counting(self):
-        """Count the watched forwards inside; returns {kind: FLOPs} in `self.by_kind`."""
-        self.active, self.by_kind = True, {}
+        """Count the watched forwards inside: {kind: FLOPs} in `by_kind` (and `recomputed`)."""
+        for c in (self._model, self._recomputed):
+            c.active, c.by_kind = True, {}
         try:
             yield self
         finally:
-            self.active = False
+            self._model.active = self._recomputed.active = False
 
 
-def watch_model_flops(run, models: list[torch.nn.Module]) -> None:
+def watch_model_flops(run, models: list[torch.nn.Module], vae: torch.nn.Module | None = None) -> None:
     """The models whose forward and backward are the step's model FLOPs (the trained, frozen
-    teacher and fake score networks; not the VAE or text encoders), where MFU is reported."""
+    teacher and fake score networks; not the VAE or text encoders), where MFU is reported; `vae`:
+    its forwards are counted apart (`vae_tflop`, and in HFU)."""
     if peak_tflops(run.d.device) is not None and not run.config["COMPILE"]:
         run.model_flops = ModelFlops(models)
+        run.vae_flops = ModelFlops([vae]) if vae is not None else None
+
+
+def _seconds_at_peak(by_kind: dict, peaks: dict) -> float:
+    return sum(n / (peaks[k] * 1e12) for k, n in by_kind.items())
+
+
+def _add(*counts: dict) -> dict:
+    out = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out
 
 
 @contextlib.contextmanager
 def counting_flops(run, kind: str, logs: dict):
-    """Around a step's forwards and backwards: the first step of each `kind` counts the watched
-    models' FLOPs on this rank (ModelFlops), later steps of that kind reuse the count. logs gets
-    `peak_s` (the seconds those FLOPs take at the GPU's peaks: MFU = peak_s / step time) and
-    `model_tflop`. Only where MFU is reported (a GPU of PEAK_TFLOPS; watch_model_flops): watching
-    every op costs more than a small model's step. Not under COMPILE (a dispatch mode would change
-    what dynamo traces): no MFU there."""
+    """Around a step's forwards and backwards: the first step of each `kind` counts on this rank
+    the watched models' FLOPs (ModelFlops), their recomputation under AC and the VAE's forwards;
+    later steps of that kind reuse the counts. logs gets `peak_s` (the seconds the model FLOPs take
+    at the GPU's peaks: MFU = peak_s / step time), `hw_peak_s` (the same for model + recomputation
+    + VAE: HFU), `model_tflop` and `vae_tflop`. Only where MFU is reported (a GPU of PEAK_TFLOPS;
+    watch_model_flops): watching every op costs more than a small model's step. Not under COMPILE
+    (a dispatch mode would change what dynamo traces): no MFU there."""
     counter = run.model_flops
     if counter is None or kind in run.flops:
         yield
     else:
-        with counter.counting():
+        vae = run.vae_flops.counting() if run.vae_flops is not None else contextlib.nullcontext()
+        with counter.counting(), vae:
             yield
-        run.flops[kind] = dict(counter.by_kind)
+        run.flops[kind] = {"model": dict(counter.by_kind), "recomputed": dict(counter.recomputed),
+                           "vae": dict(run.vae_flops.by_kind) if run.vae_flops is not None else {}}
     if kind in run.flops:
-        peaks = peak_tflops(run.d.device)
-        logs["peak_s"] = sum(n / (peaks[k] * 1e12) for k, n in run.flops[kind].items())
-        logs["model_tflop"] = sum(run.flops[kind].values()) / 1e12
+        peaks, counts = peak_tflops(run.d.device), run.flops[kind]
+        logs["peak_s"] = _seconds_at_peak(counts["model"], peaks)
+        logs["hw_peak_s"] = _seconds_at_peak(_add(counts["model"], counts["recomputed"], counts["vae"]), peaks)
+        logs["model_tflop"] = sum(counts["model"].values()) / 1e12
+        logs["vae_tflop"] = sum(counts["vae"].values()) / 1e12
 
 
 def throughput(metrics: dict, work: dict, d) -> dict:
@@ -136,13 +175,15 @@ def throughput(metrics: dict, work: dict, d) -> dict:
     known, and on CUDA the peak memory allocated and reserved since setup (max over ranks: one
     collective, on logging steps only)."""
     step_s, out = metrics.pop("step_s"), {}
-    peak_s = metrics.pop("peak_s", None)
+    peak_s, hw_peak_s = metrics.pop("peak_s", None), metrics.pop("hw_peak_s", None)
     for name, n in work.items():
         out[f"{name}_per_s"] = n / step_s
     if "data_wait_ms" in metrics:
         out["compute_ms"] = step_s * 1000 - metrics["data_wait_ms"]
     if peak_s is not None:
         out["mfu"] = peak_s / step_s
+    if hw_peak_s is not None:  # model FLOPs plus AC's recomputation and the VAE's forwards
+        out["hfu"] = hw_peak_s / step_s
     if d.device.type == "cuda":
         mem = torch.tensor([torch.cuda.max_memory_allocated(d.device), torch.cuda.max_memory_reserved(d.device)],
                            dtype=torch.float64, device=d.device)

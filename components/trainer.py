@@ -100,6 +100,7 @@ class Run:
     clock: float = 0.0  # when the last step ended (after its samples and checkpoint), for the step's wall time
     flops: dict = field(default_factory=dict)  # {step kind: {peak kind: model FLOPs on this rank}} (ModelFlops)
     model_flops: ModelFlops | None = None  # watch_model_flops: where MFU is reported
+    vae_flops: ModelFlops | None = None  # the VAE's forwards, counted apart
     devices_checked: dict | None = None  # {name: (module, optimizer)} whose devices the first step checks
     stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
 

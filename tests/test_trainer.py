@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import components.metrics
+import fsdp_utils
 import train_dmd
 import train_flux_kontext
 from components.config import script_constants
@@ -140,11 +141,11 @@ def test_throughput_fields_from_the_window():
 class _Net(torch.nn.Module):
     def __init__(self, checkpointed: bool = False):
         super().__init__()
-        self.a, self.b, self.checkpointed = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4), checkpointed
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+        if checkpointed:  # AC as the recipes apply it: a's forward runs again in backward
+            fsdp_utils.checkpoint_activations(self.a)
 
     def forward(self, x):
-        if self.checkpointed:  # AC: a's forward runs again in backward
-            return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
         return self.b(self.a(x))
 
 
@@ -174,18 +175,27 @@ def test_flops_counted_once_per_kind_of_step(monkeypatch):
         pass
     assert logs == {} and run.flops == {}
     monkeypatch.setattr(components.metrics, "peak_tflops", lambda device: {"bf16": 8.0, "tf32": 4.0, "fp32": 1.0})
-    net = _Net().to(torch.bfloat16)
-    watch_model_flops(run, [net])
+    net, vae = _Net(checkpointed=True).to(torch.bfloat16), torch.nn.Linear(16, 8).to(torch.bfloat16)
+    watch_model_flops(run, [net], vae)
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     logs = {}
-    with counting_flops(run, "big", logs), torch.no_grad():
-        net(x)
-    fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
-    assert run.flops["big"] == {"bf16": fwd} and logs["peak_s"] == pytest.approx(fwd / 8e12)
-    logs = {}
     with counting_flops(run, "big", logs):
-        net(x).sum().backward()  # not counted again: the kind's count is reused
-    assert logs["model_tflop"] == pytest.approx(fwd / 1e12)
+        with torch.no_grad():
+            latents = vae(x)  # the VAE: counted apart, and in the hardware count
+        net(x + latents.sum()).sum().backward()  # AC: a's forward runs again in backward
+    fwd, a_fwd, vae_fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4, 2 * 8 * 16 * 32, 2 * 8 * 16 * 8
+    assert run.flops["big"]["model"] == {"bf16": 3 * fwd}
+    assert run.flops["big"]["vae"] == {"bf16": vae_fwd}
+    assert run.flops["big"]["recomputed"] == {"bf16": a_fwd}  # backward runs a's forward once more
+    assert logs["peak_s"] == pytest.approx(3 * fwd / 8e12)
+    assert logs["hw_peak_s"] == pytest.approx((3 * fwd + a_fwd + vae_fwd) / 8e12)
+    assert logs["vae_tflop"] == pytest.approx(vae_fwd / 1e12)
+    logs = {}
+    with counting_flops(run, "big", logs), torch.no_grad():
+        net(x)  # not counted again: the kind's count is reused
+    assert logs["model_tflop"] == pytest.approx(3 * fwd / 1e12)
+    out = components.metrics.throughput({"step_s": 2 * logs["hw_peak_s"], **logs}, {}, cpu)
+    assert out["hfu"] == pytest.approx(0.5) and out["mfu"] < out["hfu"]
     compiled = Run({"COMPILE": True}, "", cpu, None, None, None)
     watch_model_flops(compiled, [net])
     assert compiled.model_flops is None
