@@ -59,7 +59,7 @@ from components.optim import warmup_scheduler
 from data import randomness
 from data.batches import global_batch_indices, micro_batch_positions
 from data.images import load_image, save_image_grid
-from data.prefetch import Prefetcher
+from data.prefetch import Prefetcher, to_device
 from data.randomness import drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
 from parallel import ema as ema_lib
@@ -458,8 +458,8 @@ def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", 
 def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.device) -> torch.Tensor:
     """CLIP last_hidden_state (B, L, D) in fp32, padded to the tokenizer's max length as SD does."""
     ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids.to(device)
-    return text_encoder(ids).last_hidden_state.float()
+                    truncation=True, return_tensors="pt").input_ids
+    return text_encoder(to_device(ids, device)).last_hidden_state.float()
 
 
 @torch.no_grad()
@@ -472,11 +472,11 @@ def encode_prompts_sdxl(tokenizers, text_encoders, prompts: list[str], size: int
     hidden = []
     for tokenizer, encoder in zip(tokenizers, text_encoders):
         ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids.to(device)
-        out = encoder(ids, output_hidden_states=True)
+                        truncation=True, return_tensors="pt").input_ids
+        out = encoder(to_device(ids, device), output_hidden_states=True)
         hidden.append(out.hidden_states[-2])
     pooled = out[0]  # the last encoder's (CLIPTextModelWithProjection) text_embeds
-    time_ids = torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32, device=device)
+    time_ids = to_device(torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32), device)
     return dm.Cond(torch.cat(hidden, dim=-1).float(),
                    {"text_embeds": pooled.float(), "time_ids": time_ids.repeat(len(prompts), 1)})
 

@@ -59,3 +59,11 @@ def _map_tensors(obj, fn):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (a host tensor) on `device`: on CUDA through pinned memory without blocking the host,
+    so the step's small copies (token ids, time ids) queue behind the GPU's work instead of waiting."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -78,3 +78,10 @@ def test_attention_self_check_at_flux_width():
     lines = attention.self_check([(shape, attention.dispatcher_attend("native"))], "native", torch.bfloat16,
                                  torch.device("cuda"))
     assert "fwd+bwd" in lines[0]
+
+
+def test_host_to_device_copies_are_pinned_and_exact():
+    from data.prefetch import to_device
+    ids = torch.randint(0, 49408, (4, 77))
+    moved = to_device(ids, torch.device("cuda"))
+    assert moved.device.type == "cuda" and torch.equal(moved.cpu(), ids)
