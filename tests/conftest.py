@@ -423,3 +423,23 @@ def load_export(out, component: str = "transformer") -> dict:
     """The exported trained model's tensors (OUTPUT_DIR/export/<component>/), by name."""
     from safetensors.torch import load_file
     return load_file(os.path.join(out, "export", component, "diffusion_pytorch_model.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------
+# where the suite's time goes: seconds per test file (setup, call and teardown), printed at the end
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.write_sep("=", "seconds per test file")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1.0:
+            terminalreporter.write_line(f"{seconds:7.1f}  {path}")
