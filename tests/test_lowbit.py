@@ -174,6 +174,7 @@ def test_nf4_output_within_the_quantisation_error(kontext_setup):
     assert weights
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_state_bytes_at_flux_width():
     """Bytes per rank of a FLUX-width weight (3072 x 3072) as NF4 vs bf16, and of torchao's 8-/4-bit
     AdamW states vs fp32 ones, measured on the tensors themselves (parallel/lowbit.state_bytes):

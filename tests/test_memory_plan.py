@@ -76,6 +76,7 @@ def test_flash_sdpa_stand_in_computes_attention_and_its_gradients():
         assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_cli_names_cheapest_fitting_settings():
     r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=2",
                         "--gpu_memory_gb=12", "--batch_size=2", "--resolution=256"],
@@ -161,6 +162,7 @@ def test_unit_parameter_counts_sum_to_the_model(name):
 SDXL_UNET_PARAMS = 2_567_463_684  # REFERENCE: stabilityai/stable-diffusion-xl-base-1.0 unet (≈ 2.567 B)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sdxl_unet_shards_to_an_eighth_at_world_size_8():
     p = memory_plan.plan("sdxl-dmd", Settings(world_size=8, batch_size=1, resolution=64))
     assert p["kind"] == "sdxl" and p["script"] == "train_dmd.py"
