@@ -278,6 +278,7 @@ def one_run(row: dict, models: dict, data: dict, out: str, log: str, deadline: D
     args = run_args(script, s, models[kind], data[(kind, s["resolution"])], run_dir)
     steps = row.get("steps", 6)
     result = {"run": name, "world": world, "status": "", "step_ms": float("nan"), "mfu": float("nan"),
+              "hfu": float("nan"),
               "model_tflop": float("nan"), "allocated_gib": float("nan"), "reserved_gib": float("nan"),
               "planned_gib": float("nan"), "resume_export": "-"}
     rc = launch(script, args + [f"--max_steps={steps}"], world, log, deadline.left())
@@ -288,7 +289,8 @@ def one_run(row: dict, models: dict, data: dict, out: str, log: str, deadline: D
     later = records[2:] or records
     if later:  # the mean over whole DMD2 cycles (steps 3-12 at ratio 5: 2 generator + 8 fake-score steps)
         result["step_ms"] = statistics.mean(r["step_ms"] for r in later)
-        for k_out, k_in in (("mfu", "mfu"), ("model_tflop", "model_tflop"), ("allocated_gib", "cuda_peak_gib"),
+        for k_out, k_in in (("mfu", "mfu"), ("hfu", "hfu"), ("model_tflop", "model_tflop"),
+                            ("allocated_gib", "cuda_peak_gib"),
                             ("reserved_gib", "cuda_reserved_gib")):
             if k_in in later[-1]:
                 result[k_out] = later[-1][k_in]
@@ -325,8 +327,10 @@ def export_loads(run_dir: str, script: str, s: dict) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def plan_runs(tiny: bool) -> list[dict]:
-    """The rows in order of value: what users hit first runs first."""
+def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
+    """The rows in order of value: what users hit first runs first. suite="speed": the step-time
+    rows instead (Kontext 1024 px full fine-tune per attention kernel, AC and COMPILE on and off;
+    DMD2 SD-1.5 at the published batch 32 per GPU with AC)."""
     sd, lo, hi = (32, 32, 64) if tiny else (512, 512, 1024)
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
@@ -339,6 +343,17 @@ def plan_runs(tiny: bool) -> list[dict]:
                 "probe": probe, "steps": 2 if probe else steps,
                 "settings": {**base, "resolution": res, **s, "extra": extra}}
 
+    if suite == "speed":
+        from parallel import attention
+        kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
+                   if k in attention.installed()]
+        return ([row(f"kontext_{hi}px_full_{k}", "train_flux_kontext.py", "flux", hi,
+                     extra={"attention_backend": k}) for k in kernels]
+                + [row(f"kontext_{hi}px_full_ac", "train_flux_kontext.py", "flux", hi, ac=True),
+                   row(f"kontext_{hi}px_full_compile", "train_flux_kontext.py", "flux", hi, extra={"compile": 1}),
+                   row(f"kontext_{hi}px_full_ac_compile", "train_flux_kontext.py", "flux", hi, ac=True,
+                       extra={"compile": 1}),
+                   row(f"dmd_sd15_{sd}px_b32_ac", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32, ac=True)])
     return [
         row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),
         row(f"dmd_sd15_{sd}px_b4", "train_dmd.py", "sd15", sd, batch_size=4),
@@ -370,9 +385,9 @@ def table(rows: list[dict], refs: dict, device: str, versions: str) -> str:
             continue
         lines.append(f"| {key} | {r['fwd_bwd_ms']:.1f} | {r['model_tflop']:.2f} | {_fmt(100 * r['mfu'], '.1f')} % | "
                      f"{r['adamw_ms']:.1f} | {r['vae_ms']:.1f} |")
-    lines += ["", "| run | step ms | x plain fwd+bwd | x plain fwd+bwd+AdamW+VAE | MFU | model TFLOP/step | "
+    lines += ["", "| run | step ms | x plain fwd+bwd | x plain fwd+bwd+AdamW+VAE | MFU | HFU | model TFLOP/step | "
                   "peak alloc GiB | peak reserved GiB | planned GiB | error % | train | resume/export |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ref = refs.get(r.get("ref", ""), {})
         plain = ref.get("fwd_bwd_ms")
@@ -380,7 +395,7 @@ def table(rows: list[dict], refs: dict, device: str, versions: str) -> str:
         err = 100 * (r["reserved_gib"] - r["planned_gib"]) / r["planned_gib"] if r["planned_gib"] > 0 else None
         ratio, ratio_whole = (r["step_ms"] / plain if plain else None), (r["step_ms"] / whole if whole else None)
         lines.append(f"| {r['run']} | {_fmt(r['step_ms'], '.0f')} | {_fmt(ratio, '.2f')} | "
-                     f"{_fmt(ratio_whole, '.2f')} | {_fmt(100 * r['mfu'], '.1f')} | "
+                     f"{_fmt(ratio_whole, '.2f')} | {_fmt(100 * r['mfu'], '.1f')} | {_fmt(100 * r['hfu'], '.1f')} | "
                      f"{_fmt(r['model_tflop'], '.2f')} | {_fmt(r['allocated_gib'], '.2f')} | "
                      f"{_fmt(r['reserved_gib'], '.2f')} | {_fmt(r['planned_gib'], '.2f')} | {_fmt(err, '+.1f')} | "
                      f"{r['status']} | {r['resume_export']} |")
@@ -397,6 +412,8 @@ def main() -> None:
     ap.add_argument("--deadline_s", type=float, default=540, help="seconds for everything; runs past it are cut")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--runs", default="", help="comma-separated parts of run names to keep ('' = all)")
+    ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed"),
+                    help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile)")
     a = ap.parse_args()
     deadline = Deadline(a.deadline_s)
     import torch
@@ -423,7 +440,7 @@ def main() -> None:
     blocks = tuple(int(x) for x in a.flux_blocks.split(","))
     with open(os.path.join(a.out, "build.log"), "w") as log:
         models = {"sd15": sd15_folder(work, a.tiny), "flux": flux_folder(work, a.tiny, blocks)}
-        runs = [r for r in plan_runs(a.tiny) if not a.runs or any(k in r["run"] for k in a.runs.split(","))]
+        runs = [r for r in plan_runs(a.tiny, a.suite) if not a.runs or any(k in r["run"] for k in a.runs.split(","))]
         data = {}
         for r in runs:
             prompts, pairs = datasets(work, r["settings"]["resolution"])
@@ -462,7 +479,8 @@ def main() -> None:
     open(log, "w").close()
     for r in runs:
         if deadline.left() < 30:
-            rows.append({**{k: float("nan") for k in ("step_ms", "mfu", "model_tflop", "allocated_gib", "reserved_gib",
+            rows.append({**{k: float("nan") for k in ("step_ms", "mfu", "hfu", "model_tflop", "allocated_gib",
+                                                      "reserved_gib",
                                                       "planned_gib")}, "run": r["run"], "world": r["world"],
                          "status": "not run (deadline)", "resume_export": "-", "ref": r["ref"], "full": r["full"]})
             continue
