@@ -97,6 +97,7 @@ CONTROL_COLUMN = ""  # datasets sources: the input image column; "" = control, c
 TARGET_COLUMN = ""  # datasets sources: the edited image column; "" = target or edited (or image beside control)
 CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
 TEXT_CACHE_DIR = ""  # text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
+CACHE_LATENTS = False  # encode each pair's images once per bucket into TEXT_CACHE_DIR/latents (no VAE in the step)
 BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # width/height ratios of the resolution buckets
 RANDOM_FLIP = False  # flip context and target together, left-right, with probability 0.5
 # schedule
@@ -168,6 +169,7 @@ VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed s
 VAL_SIGMAS = [0.25, 0.5, 0.75]  # noise levels each held-out pair is scored at
 
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
+_LATENT_CACHE_VERSION = 1  # part of every latent-cache key: bump when the encoding recipe changes
 _DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +185,9 @@ def validate_config() -> precision.Precision:
                           "built on the FSDP mesh; use fsdp")
     if CONTEXT_PARALLEL > 1:
         check_diffusers_supports_it()
+    if CACHE_LATENTS and RANDOM_FLIP:
+        raise ConfigError("CACHE_LATENTS with RANDOM_FLIP: a flip of the latents is not the latents of the flipped "
+                          "image; turn one of them off")
     check_settings({
         "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
         f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
@@ -421,6 +426,68 @@ def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device
 
 
 # ----------------------------------------------------------------------------------------------
+# latent cache (CACHE_LATENTS): each training pair's control and target latents at its bucket
+
+
+def vae_identity(model_path, dtype) -> str:
+    """What the latents depend on besides the images and the bucket: the VAE's files (config
+    text, weight sizes and mtimes) and its dtype."""
+    parts = [f"v{_LATENT_CACHE_VERSION}", precision.dtype_name(dtype)]
+    folder = os.path.join(model_path, "vae")
+    for name in sorted(os.listdir(folder)):
+        st = os.stat(os.path.join(folder, name))
+        parts.append(f"vae/{name}:{st.st_size}:{st.st_mtime_ns}")
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name), "rb") as f:
+                parts.append(hashlib.sha256(f.read()).hexdigest())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def image_hash(source, size) -> str:
+    """A file's bytes, or (a datasets image) its pixels at `size`."""
+    h = hashlib.sha256()
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    else:
+        h.update(load_image(source, *size).numpy().tobytes())
+    return h.hexdigest()
+
+
+def latent_file(cache_dir, identity, row, size) -> str:
+    key = hashlib.sha256(f"{identity}\n{size}\n{image_hash(row['control'], size)}\n"
+                         f"{image_hash(row['target'], size)}".encode()).hexdigest()
+    return os.path.join(cache_dir, "latents", key[:2], key + ".pt")
+
+
+@torch.no_grad()
+def fill_latent_cache(train, bucket_of, buckets, vae, cache_dir, identity) -> list[str]:
+    """Each rank encodes its share (rows rank::world) of the pairs missing from the cache, one
+    image at a time, so a pair's latents are the same whatever the world size or the batch it
+    trains in. Returns every training row's cache file (the same list on every rank)."""
+    files = [latent_file(cache_dir, identity, row, buckets[b]) for row, b in zip(train, bucket_of)]
+    mine = list(range(rank(), len(train), world_size()))
+    missing = [i for i in mine if not os.path.exists(files[i])]
+    for i in missing:
+        size = buckets[bucket_of[i]]
+        latents = {k: km.encode_latents(vae, load_image(train[i][k], *size)[None])[0].cpu()
+                   for k in ("control", "target")}
+        _save_atomic(latents, files[i])
+    counts = all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
+    barrier()  # every rank's files are written before any rank reads them
+    print0(f"latent cache: {len(train)} pairs, computed {int(counts[0])}, reused {int(counts[1])} "
+           f"({os.path.join(cache_dir, 'latents')})")
+    return files
+
+
+def load_latents(files) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context latents, target latents) (B, C, h, w) of a micro-batch's pairs, from the cache."""
+    items = [torch.load(f, weights_only=True) for f in files]
+    return torch.stack([it["control"] for it in items]), torch.stack([it["target"] for it in items])
+
+
+# ----------------------------------------------------------------------------------------------
 # data: pairs, resolution buckets, one bucket per global batch
 
 
@@ -553,11 +620,11 @@ def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
 
 
 def load_step(step, train, members, schedule, buckets, global_batch, micro_global, dp_rank, dp_size, grad_accum,
-              seed, random_flip, cache_dir, identity, caption_dropout=0.0) -> dict:
+              seed, random_flip, cache_dir, identity, caption_dropout=0.0, latent_files=None) -> dict:
     """Host side of step `step` on this rank (data.prefetch.Prefetcher runs it a step ahead): the bucket
     size and, per micro-batch, this rank's samples' positions in the global batch, both images of
-    each pair (one resize, crop and flip) and the cached text embeddings (of "" for a dropped
-    caption), on CPU."""
+    each pair (one resize, crop and flip; with `latent_files`, their cached latents instead) and the
+    cached text embeddings (of "" for a dropped caption), on CPU."""
     indices = step_indices(step - 1, members, schedule, global_batch, seed)
     size = buckets[schedule[step - 1][0]]
     flips = step_flips(seed, step, global_batch, random_flip)
@@ -565,19 +632,25 @@ def load_step(step, train, members, schedule, buckets, global_batch, micro_globa
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
         mine = micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
-        context, target = load_pairs(rows, size, flips[mine])
         prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)
         text = load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))
-        batches.append({"mine": mine, "context": context, "target": target, "text": text})
+        if latent_files is not None:
+            context, target = load_latents([latent_files[indices[i]] for i in mine])
+            batches.append({"mine": mine, "context_latents": context, "target_latents": target, "text": text})
+        else:
+            context, target = load_pairs(rows, size, flips[mine])
+            batches.append({"mine": mine, "context": context, "target": target, "text": text})
     return {"size": size, "batches": batches}
 
 
-def micro_batch_loss(transformer, vae, context, target, sigmas, noise, text, guidance, loss_weighting):
-    """One micro-batch on this rank (tensors on the run's device): encode both images, build
-    [noisy target ; clean context] tokens, predict, and return the fp32 flow-matching loss on the
-    target tokens."""
-    x0 = km.encode_latents(vae, target)
-    ctx = km.encode_latents(vae, context)
+def micro_batch_loss(transformer, vae, mb, sigmas, noise, text, guidance, loss_weighting):
+    """One micro-batch on this rank (tensors on the run's device): encode both images (or take
+    their cached latents), build [noisy target ; clean context] tokens, predict, and return the
+    fp32 flow-matching loss on the target tokens."""
+    if "target_latents" in mb:
+        x0, ctx = mb["target_latents"], mb["context_latents"]
+    else:
+        x0, ctx = km.encode_latents(vae, mb["target"]), km.encode_latents(vae, mb["context"])
     inputs = km.build_model_inputs(x0, ctx, noise, sigmas)
     pred = km.transformer_forward(transformer, inputs, sigmas, guidance, *text)
     weights = km.loss_weighting(sigmas, loss_weighting)
@@ -731,10 +804,12 @@ def main():
     # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
     # schedule and draws its randomness from (SEED, s); its images and embeddings are loaded on a
     # background thread while step s-1 runs
+    latent_files = (fill_latent_cache(train, bucket_of, buckets, vae, TEXT_CACHE_DIR,
+                                      vae_identity(MODEL_PATH, vae.dtype)) if CACHE_LATENTS else None)
     load = functools.partial(load_step, train=train, members=members, schedule=schedule, buckets=buckets,
                              global_batch=global_batch, micro_global=micro_global, dp_rank=dp_rank, dp_size=dp_size,
                              grad_accum=GRAD_ACCUM, seed=SEED, random_flip=RANDOM_FLIP, cache_dir=TEXT_CACHE_DIR,
-                             identity=identity, caption_dropout=CAPTION_DROPOUT)
+                             identity=identity, caption_dropout=CAPTION_DROPOUT, latent_files=latent_files)
     with Prefetcher(load, MAX_STEPS, d.device) as prefetch:
         for step in range(start + 1, MAX_STEPS + 1):
             data, waited = prefetch.get(step)
@@ -747,8 +822,8 @@ def main():
                 for m, mb in enumerate(data["batches"]):
                     rand = per_sample_draws(SEED, step, mb["mine"], d.device, draw)  # this rank's only
                     with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
-                        loss = micro_batch_loss(train_model, vae, mb["context"], mb["target"], rand["sigma"],
-                                                rand["noise"], mb["text"], GUIDANCE, LOSS_WEIGHTING) / GRAD_ACCUM
+                        loss = micro_batch_loss(train_model, vae, mb, rand["sigma"], rand["noise"], mb["text"],
+                                                GUIDANCE, LOSS_WEIGHTING) / GRAD_ACCUM
                         # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP
                         # group each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
                         (loss * CONTEXT_PARALLEL).backward()

@@ -392,3 +392,37 @@ def test_own_data_run_with_val_data_sample_prompts_and_caption_dropout(kontext_s
 def captions_dropped(step):
     from data.randomness import drop_captions
     return drop_captions(["x", "y"], 0, step, [0, 1], 0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# CACHE_LATENTS: the pairs encoded once, then read back instead of running the VAE in the step
+
+
+def _latent_counts(stdout):
+    m = re.search(r"latent cache: (\d+) pairs, computed (\d+), reused (\d+)", stdout)
+    return tuple(int(g) for g in m.groups()) if m else None
+
+
+@pytest.mark.slow
+def test_cached_latents_train_exactly_as_the_vae_in_the_step(kontext_setup, tmp_path):
+    """At one pair per micro-batch the cache's one-image encodes are the step's own: the losses
+    and grad norms are bit-identical. The second run (2 ranks, the same cache) encodes nothing."""
+    cache = [f"--text_cache_dir={tmp_path / 'tc'}", "--batch_size=1", "--sample_every=0", "--val_every=0"]
+    plain = launch_kontext(kontext_setup, tmp_path / "plain", cache, ranks=1)
+    cached = launch_kontext(kontext_setup, tmp_path / "cached", cache + ["--cache_latents=1"], ranks=1)
+    n = len(kontext_setup["rows"]) - 2  # the last NUM_SAMPLE_PAIRS rows are held out
+    assert _latent_counts(cached.stdout) == (n, n, 0), cached.stdout[-3000:]
+    assert _latent_counts(plain.stdout) is None
+    a, b = read_metrics(tmp_path / "plain", timing=False), read_metrics(tmp_path / "cached", timing=False)
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
+    again = launch_kontext(kontext_setup, tmp_path / "again", cache + ["--cache_latents=1"], ranks=2)
+    assert _latent_counts(again.stdout) == (n, 0, n), again.stdout[-3000:]
+    assert len(read_metrics(tmp_path / "again")) == KONTEXT_STEPS
+
+
+@pytest.mark.slow
+def test_cached_latents_refuse_random_flips_in_one_line(kontext_setup, tmp_path):
+    proc = launch_kontext(kontext_setup, tmp_path / "o", ["--cache_latents=1", "--random_flip=1"], ranks=1,
+                          check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "CACHE_LATENTS with RANDOM_FLIP" in errors[0], proc.stdout
