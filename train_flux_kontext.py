@@ -675,8 +675,9 @@ def validation_loss(transformer, vae, pairs, inputs, text, guidance, loss_weight
         n = len(sigmas)
         pair_text = (text[0][i:i + 1].expand(n, -1, -1), text[1][i:i + 1].expand(n, -1))
         context, target = (t.expand(n, -1, -1, -1).to(device) for t in load_pairs([row], size, [False]))
-        losses.append(micro_batch_loss(transformer, vae, context, target, sigmas.to(device), noise.to(device),
-                                       pair_text, guidance, loss_weighting).item())
+        mb = {"context": context, "target": target}
+        losses.append(micro_batch_loss(transformer, vae, mb, sigmas.to(device), noise.to(device), pair_text,
+                                       guidance, loss_weighting).item())
     fsdp_utils.reshard_all(transformer)
     return sum(losses) / len(losses)
 

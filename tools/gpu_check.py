@@ -353,6 +353,8 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"kontext_{hi}px_full_compile", "train_flux_kontext.py", "flux", hi, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_ac_compile", "train_flux_kontext.py", "flux", hi, ac=True,
                        extra={"compile": 1}),
+                   row(f"kontext_{hi}px_full_cache_latents", "train_flux_kontext.py", "flux", hi,
+                       extra={"cache_latents": 1}),
                    row(f"dmd_sd15_{sd}px_b32_ac", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32, ac=True)])
     return [
         row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),
