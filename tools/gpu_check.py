@@ -329,8 +329,8 @@ def export_loads(run_dir: str, script: str, s: dict) -> bool:
 
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     """The rows in order of value: what users hit first runs first. suite="speed": the step-time
-    rows instead (Kontext 1024 px full fine-tune per attention kernel, AC and COMPILE on and off;
-    DMD2 SD-1.5 at the published batch 32 per GPU with AC)."""
+    rows instead (Kontext 1024 px full fine-tune per attention kernel, AC, COMPILE and CACHE_LATENTS
+    on and off; DMD2 SD-1.5 at the published batch 32 per GPU with AC)."""
     sd, lo, hi = (32, 32, 64) if tiny else (512, 512, 1024)
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
