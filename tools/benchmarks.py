@@ -9,6 +9,7 @@
     python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after mid block
     python tools/benchmarks.py fake_fp32  # FAKE_SCORE_FP32 on vs off: SD-1.5 on 2 CPU ranks, and planned on GPUs
     python tools/benchmarks.py nf4_width  # NF4 vs bf16 LoRA base at FLUX.1 width (1 + 1 blocks): peak memory vs planner
+    python tools/benchmarks.py host       # host-side work per step outside the models: aten ops, copies, syncs
     python tools/benchmarks.py all        # everything, as the markdown tables of docs/benchmarks.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
@@ -884,9 +885,37 @@ def bench_nf4_width() -> str:
     return "\n".join(lines)
 
 
+def _host_work(repo: str, script: str, steps: int, out: str) -> dict:
+    args = [sys.executable, os.path.join(ROOT, "tools", "host_work.py"), f"--repo={repo}", script,
+            f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0", f"--output_dir={out}"]
+    if script == "train_flux_kontext.py":
+        args.append("--val_every=0")
+    r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line = next((x for x in r.stdout.splitlines() if x.startswith("HOST_WORK ")), None)
+    if r.returncode or line is None:
+        sys.exit(f"host_work {script} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return json.loads(line[len("HOST_WORK "):])
+
+
+def bench_host(repo: str = ROOT) -> str:
+    """Per training step, on one CPU rank with the embedded defaults: the aten ops dispatched, the
+    bytes copied and the host syncs outside the diffusion models' forwards and autograd's backward
+    (tools/host_work.py), as the difference of a 4-step and a 2-step run."""
+    rows = ["| script | aten ops / step | bytes copied / step | host syncs / step | most dispatched |",
+            "|---|---:|---:|---:|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in ("train_dmd.py", "train_flux_kontext.py"):
+            two, four = (_host_work(repo, script, n, os.path.join(tmp, f"{script}{n}")) for n in (2, 4))
+            per = {k: (four.get(k, 0) - two.get(k, 0)) / 2 for k in four}
+            top = sorted(((n, k[3:]) for k, n in per.items() if k.startswith("op:")), reverse=True)[:5]
+            rows.append(f"| {script} | {per['ops']:.0f} | {per.get('copied_bytes', 0) / 2**20:.2f} MiB | "
+                        f"{per.get('syncs', 0):.1f} | {', '.join(f'{k} {n:.0f}' for n, k in top)} |")
+    return "\n".join(rows)
+
+
 BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile,
            "stack": bench_stack, "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
-           "nf4_width": bench_nf4_width}
+           "nf4_width": bench_nf4_width, "host": bench_host}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 
