@@ -375,6 +375,84 @@ def backward_simulation(generator_unet, noise: torch.Tensor, step_list, chosen_i
     return z, forwards
 
 
+# ---------------------------------------------------------------------------- flow matching
+# The same objectives for a flow-matching teacher (FLUX.1): x_σ = (1 − σ)·x0 + σ·n (diffusers'
+# FlowMatchEulerDiscreteScheduler.scale_noise), the model predicts the velocity v = n − x0 (the
+# Kontext training target), so x̂0 = x_σ − σ·v. Models enter as callables velocity(x_σ, σ) -> v,
+# which hold their conditioning (text, context tokens, guidance value): the math knows no
+# model, as the epsilon path's callers hand it UNets.
+
+
+def fm_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x_σ = (1 − σ)·x0 + σ·n with one σ per sample, in fp32."""
+    s = sigma.float().reshape(-1, *([1] * (x0.ndim - 1)))
+    return (1.0 - s) * x0.float() + s * noise.float()
+
+
+def x0_from_velocity(x_sigma: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x̂0 = x_σ − σ·v, in float64 as the epsilon path's x̂0."""
+    s = sigma.double().reshape(-1, *([1] * (x_sigma.ndim - 1)))
+    return x_sigma.double() - s * v.double()
+
+
+def sample_dm_sigmas(batch: int, generator: torch.Generator | None = None, min_sigma: float = 0.02,
+                     max_sigma: float = 0.98, device=None) -> torch.Tensor:
+    """Per-sample σ for the distribution-matching loss, uniform in [min_sigma, max_sigma]: the
+    flow-matching counterpart of t in [0.02·T, 0.98·T]."""
+    if not 0 <= min_sigma < max_sigma <= 1:
+        raise ValueError(f"empty DM sigma range [{min_sigma}, {max_sigma}]")
+    device = device if device is not None else (generator.device if generator is not None else "cpu")
+    u = torch.rand(batch, generator=generator, device=device)
+    return min_sigma + (max_sigma - min_sigma) * u
+
+
+@torch.no_grad()
+def fm_dm_grad(x: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, real_velocity,
+               fake_velocity) -> tuple[torch.Tensor, dict]:
+    """The distribution-matching direction of dm_grad for flow-matching models:
+
+        x_σ    = (1 − σ)·x + σ·n
+        p_real = x − x̂0_real,   p_fake = x − x̂0_fake,   x̂0 = x_σ − σ·v   (float64)
+        grad   = (p_real − p_fake) / mean_{C,H,W}|p_real|,  non-finite -> 0
+
+    `real_velocity` is the teacher (a guidance-distilled one takes its guidance value as an
+    input, so there is no CFG pair here), `fake_velocity` the fake score. Without gradients."""
+    x_sigma = fm_noise(x, noise, sigma)
+    x0_real = x0_from_velocity(x_sigma, real_velocity(x_sigma, sigma), sigma)
+    x0_fake = x0_from_velocity(x_sigma, fake_velocity(x_sigma, sigma), sigma)
+    p_real, p_fake = x.double() - x0_real, x.double() - x0_fake
+    norm = p_real.abs().mean(dim=list(range(1, x.ndim)), keepdim=True)
+    grad = torch.nan_to_num((p_real - p_fake) / norm, nan=0.0, posinf=0.0, neginf=0.0).float()
+    return grad, {"p_real_abs_mean": norm.reshape(x.shape[0]).float(), "grad_norm": grad.norm(),
+                  "x_sigma": x_sigma, "x0_real": x0_real.float(), "x0_fake": x0_fake.float()}
+
+
+def fm_fake_score_loss(fake_velocity, x_detached: torch.Tensor, noise: torch.Tensor,
+                       sigma: torch.Tensor) -> torch.Tensor:
+    """The fake score's flow-matching loss on generator images: mean((v̂(x_σ, σ) − (n − x))²) in
+    fp32, the input detached so this loss never reaches the generator."""
+    x = x_detached.detach()
+    v = fake_velocity(fm_noise(x, noise, sigma), sigma)
+    return torch.mean((v.float() - (noise.float() - x.float())) ** 2)
+
+
+@torch.no_grad()
+def fm_backward_simulation(generator_velocity, noise: torch.Tensor, sigma_list, chosen_index: int,
+                           fresh_noise: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """backward_simulation for a flow-matching generator: from pure noise at sigma_list[0],
+    x̂0_i = x_i − σ_i·G(x_i, σ_i) and x_{i+1} = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·fresh_noise[i], for
+    i < chosen_index. Returns (the generator's input at sigma_list[chosen_index], forwards)."""
+    if not 0 <= chosen_index < len(sigma_list):
+        raise ValueError(f"chosen_index {chosen_index} outside [0, {len(sigma_list)})")
+    x, batch = noise, noise.shape[0]
+    for i in range(chosen_index):
+        s = torch.full((batch,), float(sigma_list[i]), device=noise.device)
+        x0 = x0_from_velocity(x, generator_velocity(x, s), s).float()
+        nxt = torch.full((batch,), float(sigma_list[i + 1]), device=noise.device)
+        x = fm_noise(x0, fresh_noise[i], nxt).to(noise.dtype)
+    return x, chosen_index
+
+
 # ---------------------------------------------------------------------------- schedule
 
 def should_update_generator(step: int, ratio: int) -> bool:

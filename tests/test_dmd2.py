@@ -487,3 +487,78 @@ def test_warmup_is_the_published_schedule_for_both_optimizers():
         opt_d.step()
         sched_g.step()  # ... but both schedules advance every iteration, as the training loop does
         sched_d.step()
+
+
+# ----------------------------------------------------------------------------------------------
+# the flow-matching form (FLUX.1): x_σ = (1 − σ)·x0 + σ·n, v = n − x0
+
+
+def _velocity(weight: float):
+    """A deterministic stand-in model: v = weight · x_σ (any function of x_σ and σ works here)."""
+    return lambda x_sigma, sigma: weight * x_sigma
+
+
+def test_fm_dm_grad_is_zero_when_teacher_and_fake_agree():
+    g = torch.Generator().manual_seed(0)
+    x, n = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    sigma = dm.sample_dm_sigmas(3, g)
+    grad, diag = dm.fm_dm_grad(x, sigma, n, _velocity(0.7), _velocity(0.7))
+    assert torch.count_nonzero(grad) == 0 and diag["grad_norm"] == 0
+    assert float(dm.dm_loss(x, grad)) == 0.0
+
+
+def test_fm_dm_grad_closed_form():
+    """p_real − p_fake = x̂0_fake − x̂0_real = σ·(v_real − v_fake), divided per sample by mean|p_real|."""
+    g = torch.Generator().manual_seed(1)
+    x, n = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    sigma = torch.tensor([0.25, 0.8])
+    real, fake = _velocity(1.0), _velocity(0.5)
+    grad, diag = dm.fm_dm_grad(x, sigma, n, real, fake)
+    x_sigma = (1 - sigma.view(-1, 1, 1, 1)) * x + sigma.view(-1, 1, 1, 1) * n
+    p_real = x.double() - (x_sigma.double() - sigma.view(-1, 1, 1, 1).double() * real(x_sigma, sigma).double())
+    expected = sigma.view(-1, 1, 1, 1).double() * (real(x_sigma, sigma) - fake(x_sigma, sigma)).double()
+    expected = expected / p_real.abs().mean(dim=(1, 2, 3), keepdim=True)
+    torch.testing.assert_close(grad, expected.float())
+    torch.testing.assert_close(diag["p_real_abs_mean"], p_real.abs().mean(dim=(1, 2, 3)).float())
+
+
+def test_fm_x0_and_noise_invert_each_other():
+    g = torch.Generator().manual_seed(2)
+    x0, n = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
+    sigma = torch.tensor([0.1, 0.9])
+    x_sigma = dm.fm_noise(x0, n, sigma)
+    torch.testing.assert_close(dm.x0_from_velocity(x_sigma, n - x0, sigma).float(), x0)  # the true velocity
+
+
+def test_fm_fake_score_loss_is_zero_at_the_true_velocity_and_never_reaches_the_generator():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 4, 4, generator=g, requires_grad=True)
+    n, sigma = torch.randn(2, 4, 4, 4, generator=g), torch.tensor([0.3, 0.6])
+    s = sigma.view(-1, 1, 1, 1)
+    true = lambda x_sigma, sig: (x_sigma - x.detach()) / s  # noqa: E731 - v = n − x, from x_σ
+    assert float(dm.fm_fake_score_loss(true, x, n, sigma)) == pytest.approx(0.0, abs=1e-10)
+    w = torch.nn.Parameter(torch.tensor(0.5))
+    loss = dm.fm_fake_score_loss(lambda x_sigma, sig: w * x_sigma, x, n, sigma)
+    loss.backward()
+    assert w.grad is not None and x.grad is None
+
+
+def test_fm_backward_simulation_renoises_each_prediction():
+    """With a generator that always predicts the clean sample c (v = (x − c)/σ), each step's input
+    is (1 − σ_{i+1})·c + σ_{i+1}·fresh noise; index 0 is the pure noise itself."""
+    g = torch.Generator().manual_seed(4)
+    c, noise = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
+    fresh = [torch.randn(2, 4, 4, 4, generator=g) for _ in range(3)]
+    sigmas = [1.0, 0.75, 0.5, 0.25]
+
+    def gen(x, sigma):
+        return (x - c) / sigma.view(-1, 1, 1, 1)
+    x, forwards = dm.fm_backward_simulation(gen, noise, sigmas, 0, fresh)
+    assert forwards == 0 and torch.equal(x, noise)
+    x, forwards = dm.fm_backward_simulation(gen, noise, sigmas, 2, fresh)
+    assert forwards == 2
+    torch.testing.assert_close(x, 0.5 * c + 0.5 * fresh[1])
+    with pytest.raises(ValueError):
+        dm.fm_backward_simulation(gen, noise, sigmas, 4, fresh)
+    s = dm.sample_dm_sigmas(1000, torch.Generator().manual_seed(5))
+    assert 0.02 <= float(s.min()) and float(s.max()) <= 0.98
