@@ -62,7 +62,7 @@ import precision
 from algorithms import flux_kontext as km
 from components import trainer
 from components.config import check_settings, script_constants
-from components.dist import all_reduce, barrier, print0, rank, world_size
+from components.dist import all_gather_objects, all_reduce, barrier, print0, rank, world_size
 from components.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
@@ -463,20 +463,22 @@ def latent_file(cache_dir, identity, row, size) -> str:
 
 @torch.no_grad()
 def fill_latent_cache(train, bucket_of, buckets, vae, cache_dir, identity) -> list[str]:
-    """Each rank encodes its share (rows rank::world) of the pairs missing from the cache, one
-    image at a time, so a pair's latents are the same whatever the world size or the batch it
+    """Each rank hashes and, where missing from the cache, encodes its share (rows rank::world),
+    one image at a time, so a pair's latents are the same whatever the world size or the batch it
     trains in. Returns every training row's cache file (the same list on every rank)."""
-    files = [latent_file(cache_dir, identity, row, buckets[b]) for row, b in zip(train, bucket_of)]
-    mine = list(range(rank(), len(train), world_size()))
-    missing = [i for i in mine if not os.path.exists(files[i])]
+    mine = {i: latent_file(cache_dir, identity, train[i], buckets[bucket_of[i]])
+            for i in range(rank(), len(train), world_size())}
+    missing = [i for i, f in mine.items() if not os.path.exists(f)]
     for i in missing:
         size = buckets[bucket_of[i]]
         latents = {k: km.encode_latents(vae, load_image(train[i][k], *size)[None])[0].cpu()
                    for k in ("control", "target")}
-        _save_atomic(latents, files[i])
-    counts = all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
-    barrier()  # every rank's files are written before any rank reads them
-    print0(f"latent cache: {len(train)} pairs, computed {int(counts[0])}, reused {int(counts[1])} "
+        _save_atomic(latents, mine[i])
+    # one collective: every rank's files (written before it, so it also orders writes before reads)
+    shares = all_gather_objects((mine, len(missing)))
+    files = [f for _, f in sorted((i, f) for share, _ in shares for i, f in share.items())]
+    computed = sum(n for _, n in shares)
+    print0(f"latent cache: {len(train)} pairs, computed {computed}, reused {len(train) - computed} "
            f"({os.path.join(cache_dir, 'latents')})")
     return files
 

@@ -98,7 +98,7 @@ class Run:
     memory_table: functools.partial | None = None
     window: dict = field(default_factory=dict)
     clock: float = 0.0  # when the last step ended (after its samples and checkpoint), for the step's wall time
-    flops: dict = field(default_factory=dict)  # {step kind: {peak kind: model FLOPs on this rank}} (ModelFlops)
+    flops: dict = field(default_factory=dict)  # {step kind: {"model"|"recomputed"|"vae": {peak kind: FLOPs}}}
     model_flops: ModelFlops | None = None  # watch_model_flops: where MFU is reported
     vae_flops: ModelFlops | None = None  # the VAE's forwards, counted apart
     devices_checked: dict | None = None  # {name: (module, optimizer)} whose devices the first step checks
@@ -125,11 +125,11 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     pipeline = pipeline_of(model_path, os.path.basename(namespace["__file__"]))
     check_model_folder(model_path, pipeline, models.folder_layout(pipeline))
     lora = lora_lib.Lora.from_settings(config)
+    trained = models.trained_component(pipeline)
     if lora:  # unknown target modules fail here, on the meta skeleton, before any work
-        trained = models.trained_component(pipeline)
         lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
-    trained_class = models.trained_component(pipeline).class_name
-    attention.check_backend(config["ATTENTION_BACKEND"], models.MODELS[trained_class].attention_dispatcher)
+    dispatcher = models.MODELS[trained.class_name].attention_dispatcher
+    attention.check_backend(config["ATTENTION_BACKEND"], dispatcher)
     check_output_dir(config["OUTPUT_DIR"])
     set_error_dir(config["OUTPUT_DIR"])
 
@@ -139,8 +139,8 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     print0(f"config ({d.world_size} ranks, {d.backend}, {d.device}):\n{format_config(config)}")
     print0(f"model {model_path} ({pipeline}) | data {config['DATA_PATH']}"
            + (" (the embedded default)" if embedded else ""))
-    print0(f"attention: {trained_class} {config['ATTENTION_BACKEND']}"
-           + (" (diffusers' dispatcher)" if models.MODELS[trained_class].attention_dispatcher else "")
+    print0(f"attention: {trained.class_name} {config['ATTENTION_BACKEND']}"
+           + (" (diffusers' dispatcher)" if dispatcher else "")
            + f"; torch SDPA for the other models: {sdpa}")
     slow_bf16 = precision.cpu_bf16_warning(precision.get_precision(config["PRECISION"]), d.device)
     if slow_bf16:
