@@ -260,6 +260,16 @@ def read_metrics(out_dir, timing: bool = True) -> list[dict]:
     return records if timing else [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
+def tiny_flux(seed: int = 0, **overrides):
+    """A random FluxTransformer2DModel of the diffusers test suite's tiny configuration (one double
+    and one single block, 2 heads of 16), with `overrides` of its config."""
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(seed)
+    config = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    return FluxTransformer2DModel(**{**config, **overrides})
+
+
 def tiny_unet(sdxl: bool = False, seed: int = 0):
     """A random UNet2DConditionModel of two levels, in the SD-1.5 block layout (cross-attention
     down first, up last) or the SDXL one (the reverse, two transformer layers per block), for

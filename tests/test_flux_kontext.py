@@ -18,30 +18,14 @@ import torch
 
 from algorithms import flux_kontext as km
 
-from diffusers import (
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    FluxKontextPipeline,
-    FluxTransformer2DModel,
-)
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+from tests.conftest import tiny_flux
 
 LATENT_C = 4
 
 
 def tiny_transformer(seed=0):
-    torch.manual_seed(seed)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * LATENT_C,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-        guidance_embeds=True,
-    ).eval()
+    return tiny_flux(seed, in_channels=4 * LATENT_C, guidance_embeds=True).eval()
 
 
 def tiny_vae(shift=0.1159, scale=0.3611, seed=0):
@@ -324,11 +308,7 @@ def test_transformer_forward_matches_pipeline_call():
 
 
 def test_transformer_forward_without_guidance_embeds():
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * LATENT_C, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
-    )
+    model = tiny_flux(0, in_channels=4 * LATENT_C)
     x0, ctx, n = _batch()
     inputs = km.build_model_inputs(x0, ctx, n, torch.full((2,), 0.5))
     pe, pooled = text_inputs(2)

@@ -224,7 +224,8 @@ def test_fit_table_is_markdown():
 
 # full fine-tuning's report: --lora_rank=0 prints it byte for byte (change it only on purpose)
 FULL_FT_PLAN = """\
-plan: sd15-dmd (sd15), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
+plan: sd15-dmd (sd15), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, \
+cpu_offload=0, reshard_after_forward=1
 component           params   on rank  param GiB  grad GiB  optim GiB  role
 generator            0.86B     0.43B       1.60      1.60       3.20  trainable
 fake_score           0.86B     0.43B       1.60      1.60       3.20  trainable
@@ -239,7 +240,9 @@ runtime reserve: 1.00 GiB
 TOTAL per GPU: 15.60 GiB"""
 
 FULL_FT_TABLE = """\
-sd15-dmd (sd15), bf16-mixed, batch 1/GPU at 64 px. Per-rank GiB as planned without checkpointing or offload (params: every component's local share); per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total. Activations: attention counted as flash/memory-efficient SDPA saves it: q, k, v, out, logsumexp.
+sd15-dmd (sd15), bf16-mixed, batch 1/GPU at 64 px. Per-rank GiB as planned without checkpointing or offload (params: \
+every component's local share); per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU \
+total. Activations: attention counted as flash/memory-efficient SDPA saves it: q, k, v, out, logsumexp.
 
 | GPUs | params | grads | optimizer | activations | activations (AC) | total as is | 1 GB | 80 GB |
 |---:|---:|---:|---:|---:|---:|---:|---|---|
@@ -370,7 +373,8 @@ def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags(capsys):
 
 # the FLUX report and fit table: CP 1 prints them byte for byte (change them only on purpose)
 FLUX_PLAN = """\
-plan: flux-kontext-dev (flux_kontext), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
+plan: flux-kontext-dev (flux_kontext), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, \
+activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
 component           params   on rank  param GiB  grad GiB  optim GiB  role
 transformer         11.90B     5.95B      22.17     22.17      44.34  trainable
 vae                  0.08B     0.08B       0.16      0.00       0.00  replicated

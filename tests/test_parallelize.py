@@ -18,7 +18,7 @@ import fsdp_utils
 from parallel.models import MODELS, PIPELINES, SCRIPTS, folder_layout, units_in_order
 from parallel.parallelize import parallelize, parallelize_flux, parallelize_unet
 from precision import get_precision
-from tests.conftest import finish, run_ranks, start, tiny_unet
+from tests.conftest import finish, run_ranks, start, tiny_flux, tiny_unet
 
 UNET_UNITS = MODELS["UNet2DConditionModel"].units
 
@@ -55,19 +55,7 @@ def test_unet_units_come_in_execution_order(sdxl):
 
 
 def test_flux_units_are_the_double_then_the_single_blocks():
-    from diffusers import FluxTransformer2DModel
-
-    model = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    )
+    model = tiny_flux(num_layers=2, num_single_layers=2)
     facts = MODELS["FluxTransformer2DModel"].units
     assert units_in_order(model, facts) == [*model.transformer_blocks, *model.single_transformer_blocks]
     assert parallelize_flux(model, None, get_precision("fp32").mp_policy()) == units_in_order(model, facts)

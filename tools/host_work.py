@@ -62,15 +62,21 @@ DATA_CODE = {"load_pairs", "micro_batches", "draw_sample_noise", "step_flips", "
              "bucket_schedule", "choose_step_index"}
 
 
+def project_read(code, repo: str) -> bool:
+    """Whether a tensor read made by the function `code` counts as a host sync of the training
+    code: the project's own (not a library's, the tests' or the data package's, whose tensors
+    live on the CPU by design) and not a data-order function."""
+    path = code.co_filename
+    return (path.startswith(repo + os.sep) and os.sep + ".venv" + os.sep not in path
+            and not path.startswith((os.path.join(repo, "data") + os.sep, os.path.join(repo, "tests") + os.sep))
+            and not path.endswith("data_utils.py") and code.co_name not in DATA_CODE)
+
+
 def _count_syncs(name, repo):
     original = getattr(torch.Tensor, name)
 
     def read(self, *args, **kwargs):
-        caller = sys._getframe(1).f_code
-        path = caller.co_filename
-        if (not _in_model_or_backward() and path.startswith(repo) and os.sep + ".venv" + os.sep not in path
-                and os.sep + "data" + os.sep not in path and not path.endswith("data_utils.py")
-                and caller.co_name not in DATA_CODE):
+        if not _in_model_or_backward() and project_read(sys._getframe(1).f_code, repo):
             counts["syncs"] += 1
         return original(self, *args, **kwargs)
     setattr(torch.Tensor, name, read)
