@@ -62,7 +62,7 @@ import precision
 from algorithms import flux_kontext as km
 from components import trainer
 from components.config import check_settings, script_constants
-from components.dist import all_gather_objects, all_reduce, barrier, print0, rank, world_size
+from components.dist import all_gather_objects, print0, rank, world_size
 from components.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
@@ -71,13 +71,13 @@ from data.images import image_size, load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows
+from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests as this script's
+    cache_file, encoder_identity, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
 from parallel import ema as ema_lib
+from parallel.flux import attention_shapes, build_transformer, load_vae
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
-from parallel.loading import build_on_meta, fill_built_model
 from parallel import attention, lowbit
-from parallel.lora import add_lora
 from parallel.models import vae_scale_factor
-from parallel.parallelize import parallelize_flux
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
@@ -164,11 +164,10 @@ SAMPLE_EVERY = 100  # steps between sample grids, and one at MAX_STEPS; 0 = no s
 SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "control"); "" = from the data
 NUM_SAMPLE_PAIRS = 4  # held-out pairs, never trained on, for samples and validation
 SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
-SAMPLE_GUIDANCE = 2.5  # guidance for samples (FluxKontextPipeline's default)
+SAMPLE_GUIDANCE = 2.5  # guidance for samples (BFL's Kontext examples; the pipeline's default is 3.5)
 VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none
 VAL_SIGMAS = [0.25, 0.5, 0.75]  # noise levels each held-out pair is scored at
 
-_TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
 _LATENT_CACHE_VERSION = 1  # part of every latent-cache key: bump when the encoding recipe changes
 _DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
 
@@ -251,62 +250,8 @@ def step_sizes(buckets, schedule) -> list[tuple[int, int]]:
     return [buckets[schedule[0][0]], max(used, key=lambda s: s[0] * s[1])]
 
 
-def attention_shapes(model_path, text_length, sizes, vae_factor, batch, context_parallel):
-    """The run's attention calls for the start-up kernel check: the transformer's joint attention
-    over text + target + context tokens (Ulysses: all tokens, heads / C per rank) at each (h, w) in
-    `sizes`, and the VAE mid-block's single head of its channels at the latent grid (forward only)."""
-    with open(os.path.join(model_path, "transformer", "config.json")) as f:
-        t = json.load(f)
-    with open(os.path.join(model_path, "vae", "config.json")) as f:
-        vae_channels = json.load(f)["block_out_channels"][-1]
-    trained, vae = [], []
-    for h, w in dict.fromkeys(sizes):
-        image = (h // (2 * vae_factor)) * (w // (2 * vae_factor))
-        tokens = text_length + 2 * image
-        trained.append(attention.Shape(f"transformer at {h}x{w}", batch, tokens, tokens,
-                                       t["num_attention_heads"] // context_parallel, t["attention_head_dim"]))
-        grid = (h // vae_factor) * (w // vae_factor)
-        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
-    return trained, vae
-
-
 # ----------------------------------------------------------------------------------------------
 # models
-
-
-def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora, seed, base_dtype="",
-                      attention_backend=attention.DEFAULT):
-    """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
-    recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
-    slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
-    With CPU offload the shards are materialised in host memory, where FSDP keeps them. mesh=None
-    (DDP): the recipe's AC and compile only, every rank loads the whole model (the caller wraps it
-    in DDP).
-
-    Dtypes: full fine-tuning stores the params in PRECISION's storage dtype; LoRA stores the frozen
-    base in the compute dtype (base_dtype="nf4": its Linear weights in 4-bit NF4, parallel/lowbit.py)
-    and the adapters in fp32, in the same per-block units."""
-    from diffusers import FluxTransformer2DModel
-    model = build_on_meta(FluxTransformer2DModel, folder)
-    attention.set_backend(model, attention_backend)  # ATTENTION_BACKEND, checked at start
-    storage = prec.compute_dtype if lora else prec.param_dtype
-    if storage != torch.float32:  # storage dtype of the params (on meta: free)
-        model.to(storage)
-    if lora:
-        add_lora(model, lora)
-        if base_dtype == "nf4":
-            lowbit.quantize_base(model, mesh.size() if mesh is not None else 1)
-    policy = prec.adapter_mp_policy() if lora else prec.mp_policy()
-    parallelize_flux(model, mesh, policy, sharding, block_classes, verbose=load)
-    home = torch.device("cpu") if sharding.cpu_offload else device
-    return fill_built_model(model, folder, mesh, home, load, lora_seed=seed)
-
-
-def load_vae(folder, dtype, device):
-    """The frozen VAE, replicated on every rank in its own dtype."""
-    from diffusers import AutoencoderKL
-    vae = AutoencoderKL.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)  # small: plain load
-    return fsdp_utils.prepare_frozen(vae, dtype, device)
 
 
 def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed,
@@ -325,104 +270,6 @@ def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema
     vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
     return transformer, ema, vae, scheduler
-
-
-# ----------------------------------------------------------------------------------------------
-# text-embedding cache: T5 token embeddings + CLIP pooled vector per prompt, one file each
-
-
-def encoder_identity(model_path, max_length, dtype) -> str:
-    """What the embeddings depend on besides the prompt: encoder and tokenizer files (config text,
-    weight sizes and mtimes), the T5 length and the dtype."""
-    parts = [f"v{_TEXT_CACHE_VERSION}", str(max_length), precision.dtype_name(dtype)]
-    for sub in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
-        folder = os.path.join(model_path, sub)
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
-            st = os.stat(path)
-            parts.append(f"{sub}/{name}:{st.st_size}:{st.st_mtime_ns}")
-            if name.endswith(".json") and st.st_size < 2**20:
-                with open(path, "rb") as f:
-                    parts.append(hashlib.sha256(f.read()).hexdigest())
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def cache_file(cache_dir, identity, prompt) -> str:
-    key = hashlib.sha256(f"{identity}\n{prompt}".encode()).hexdigest()
-    return os.path.join(cache_dir, key[:2], key + ".pt")
-
-
-def load_text_encoders(model_path, dtype, device):
-    """A FluxKontextPipeline holding only CLIP + T5 and their tokenizers: its encode_prompt is
-    exactly the pipeline's own text path, so cached embeddings equal what it would compute."""
-    from diffusers import FluxKontextPipeline
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-    return FluxKontextPipeline(
-        scheduler=None, vae=None, transformer=None,
-        tokenizer=CLIPTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
-        tokenizer_2=T5TokenizerFast.from_pretrained(os.path.join(model_path, "tokenizer_2")),
-        text_encoder=CLIPTextModel.from_pretrained(os.path.join(model_path, "text_encoder"),
-                                                   dtype=dtype).to(device).eval(),
-        text_encoder_2=T5EncoderModel.from_pretrained(os.path.join(model_path, "text_encoder_2"),
-                                                      dtype=dtype).to(device).eval())
-
-
-def t5_length(model_path, max_length) -> int:
-    """MAX_SEQUENCE_LENGTH capped at the T5 tokenizer's model_max_length (32 for the tiny one)."""
-    with open(os.path.join(model_path, "tokenizer_2", "tokenizer_config.json")) as f:
-        limit = json.load(f).get("model_max_length", max_length)
-    return int(min(max_length, limit))
-
-
-def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype, device, batch=16):
-    """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache;
-    the encoders are loaded only where something is missing and freed before training.
-    Returns (computed, reused), summed over ranks."""
-    mine = sorted(set(prompts))[rank()::world_size()]
-    missing = [p for p in mine if not os.path.exists(cache_file(cache_dir, identity, p))]
-    if missing:
-        pipe = load_text_encoders(model_path, dtype, device)
-        with torch.no_grad():
-            for i in range(0, len(missing), batch):
-                chunk = missing[i:i + batch]
-                embeds, pooled, _ = pipe.encode_prompt(chunk, prompt_2=None, device=device,
-                                                       max_sequence_length=max_length)
-                for p, e, v in zip(chunk, embeds.cpu(), pooled.cpu()):
-                    _save_atomic({"prompt": p, "prompt_embeds": e.clone(), "pooled": v.clone()},
-                                 cache_file(cache_dir, identity, p))
-        del pipe
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    counts = all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
-    barrier()  # every rank's cache files are written before any rank reads them
-    return int(counts[0]), int(counts[1])
-
-
-def _save_atomic(obj, path) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def load_text_embeds(prompts, cache_dir, identity, device):
-    """(B, T, D) T5 embeddings and (B, D) pooled CLIP vectors for `prompts`, read from the cache."""
-    if not prompts:
-        return None
-    items = [torch.load(cache_file(cache_dir, identity, p), weights_only=True) for p in prompts]
-    embeds = torch.stack([it["prompt_embeds"] for it in items]).to(device)
-    pooled = torch.stack([it["pooled"] for it in items]).to(device)
-    return embeds, pooled
-
-
-def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
-    """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
-    length = t5_length(model_path, max_length)
-    identity = encoder_identity(model_path, length, dtype)
-    computed, reused = fill_text_cache(prompts, model_path, cache_dir, identity, length, dtype, device)
-    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
-           f"({cache_dir}; T5 length {length}, {precision.dtype_name(dtype)})")
-    return identity
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,7 +320,7 @@ def fill_latent_cache(train, bucket_of, buckets, vae, cache_dir, identity) -> li
         size = buckets[bucket_of[i]]
         latents = {k: km.encode_latents(vae, load_image(train[i][k], *size)[None])[0].cpu()
                    for k in ("control", "target")}
-        _save_atomic(latents, mine[i])
+        save_atomic(latents, mine[i])
     # one collective: every rank's files (written before it, so it also orders writes before reads)
     shares = all_gather_objects((mine, len(missing)))
     files = [f for _, f in sorted((i, f) for share, _ in shares for i, f in share.items())]

@@ -297,7 +297,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
 
 def test_every_collective_goes_through_components_dist():
     """NCCL takes CUDA tensors only and gloo takes any, so a collective on a CPU tensor passes every
-    CPU test and kills the first GPU run (train_flux_kontext.fill_text_cache's text-cache counts did).
+    CPU test and kills the first GPU run (data.text_cache.fill_text_cache's text-cache counts did).
     Only components/dist.py's helpers, which move each tensor to comm_device(), may call torch.distributed's
     collectives; everything else calls them."""
     import ast
