@@ -43,6 +43,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -75,16 +76,19 @@ from precision import Precision, component_row, get_precision, parse_dtype
 # settings are in the same order in train_flux_kontext.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # SD-1.5 or SDXL diffusers folder (model_index.json says which); "" = the shipped shapes teacher
+MODEL_PATH = ""  # SD-1.5, SDXL or FLUX.1 Kontext folder (model_index.json says which); "" = the shapes teacher
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
+# (a Kontext teacher: pairs as train_flux_kontext.py reads them, "control" + "prompt"; targets are not used)
 REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
-RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (512 for SD-1.5, 32 for the shapes teacher)
+RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (SD-1.5 512, shapes teacher 32; FLUX 1024)
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
 IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
 CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
+TEXT_CACHE_DIR = ""  # FLUX teachers: the text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
+MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
@@ -99,8 +103,9 @@ MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a n
 EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled and exported
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 1.75  # teacher CFG scale inside the distribution-matching loss
+FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
-CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out
+CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
@@ -660,6 +665,72 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
 
 
 # ----------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass(frozen=True)
+class StepFns:
+    """What the loop asks of a model family (UNet or FLUX), each holding its models and settings."""
+    batches: Callable  # (it, loaded) -> this rank's micro-batches on the device
+    images: Callable  # (generator, mb, step index) -> G's images (latents or tokens)
+    generator_loss: Callable  # (x, mb, fake) -> (loss, logs): loss_dm (+ the GAN term)
+    guidance_loss: Callable  # (x, mb, fake) -> (loss, logs): loss_fake (+ the GAN term)
+
+
+def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, trained: tuple, optimizers: tuple,
+             schedulers: tuple, sample, skipped: int) -> None:
+    """The two-time-scale loop, the same for every model family. `trained` = (the generator and the
+    fake score as their training forwards see them (DDP-wrapped under PARALLELISM=ddp), the guidance
+    side: fake score (+ head)); step s (1-based, as in both scripts) is the official code's
+    iteration it = s - 1, which decides the generator's turn and seeds the step's randomness; its
+    data are read on a background thread while step s-1 runs."""
+    d, generator, ema = run.d, models["generator"], models.get("ema")
+    train_gen, train_fake, guidance = trained
+    opt_g, opt_d = optimizers
+    sched_g, sched_d = schedulers
+    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
+    with Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
+        for step in range(start + 1, MAX_STEPS + 1):
+            it = step - 1
+            gen_turn = dm.should_update_generator(it, DFAKE_GEN_UPDATE_RATIO)
+            index = dm.choose_step_index(it, SEED, n_steps) if n_steps > 1 else 0
+            loaded, waited = prefetch.get(step)
+            batches = steps.batches(it, loaded)
+            logs, images = {"data_wait_ms": waited * 1000, **({"step_index": index} if n_steps > 1 else {})}, []
+            with counting_flops(run, f"{gen_turn}-{index}", logs):  # MFU: FLOPs per kind of step
+                # generator turn: images from G (with graph only when G steps), then its loss and backward.
+                # Its update waits for the guidance turn: that one uses only detached images, so stepping
+                # both after it is the published order, and one finiteness check covers both updates.
+                for m, mb in enumerate(batches):
+                    with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
+                        with torch.set_grad_enabled(gen_turn):
+                            x = steps.images(train_gen, mb, index)
+                        if gen_turn:
+                            loss, parts = steps.generator_loss(x, mb, train_fake)
+                            (loss / GRAD_ACCUM).backward()
+                            add_logs(logs, parts, 1 / GRAD_ACCUM)
+                    images.append(x.detach())
+                if gen_turn:
+                    opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake model and head
+
+                # guidance turn, every step: fake score (+ head) on the same pre-update images
+                for m, (mb, x) in enumerate(zip(batches, images)):
+                    with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
+                        loss, parts = steps.guidance_loss(x, mb, train_fake)
+                        (loss / GRAD_ACCUM).backward()
+                    add_logs(logs, parts, 1 / GRAD_ACCUM)
+            updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
+            updates.append((list(guidance.parameters()), opt_d, "guidance"))
+            lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
+            if trainer.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
+                ema_lib.ema_update(ema, generator, EMA_DECAY)
+            sched_g.step()  # both every iteration, as published (make_optimizer)
+            sched_d.step()
+            trainer.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
+                             sample=sample, work={"images": global_batch})
+
+
+# ----------------------------------------------------------------------------------------------
 # main: config -> distributed init -> models (meta, sharded, loaded) -> optimizers -> resume ->
 # loop -> export -> teardown (components/trainer.py: what both scripts do before and after the loop)
 
@@ -739,57 +810,20 @@ def main() -> None:
         with final_weights() as model:
             write_samples(model, vae, sample_text, sample_noise.to(d.device), sample_sim, step_list, alphas, path)
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
-    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
     draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
 
-    # the loop: step s (1-based, as in both scripts) is the official code's iteration it = s - 1,
-    # which decides the generator's turn and seeds the step's randomness; its prompts and real
-    # images are read on a background thread while step s-1 runs
+    steps = StepFns(
+        batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
+        images=lambda model, mb, index: generator_images(model, mb, step_list, index, alphas),
+        generator_loss=lambda x, mb, fake_: generator_loss(x, mb, uncond, teacher, fake_, head, alphas, losses),
+        guidance_loss=lambda x, mb, fake_: guidance_loss(x, mb, fake_, head, alphas, losses))
     load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
                              real_size=resolution if USE_GAN else None, real_rows=real_rows,
                              caption_dropout=CAPTION_DROPOUT)
-    with Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
-        for step in range(start + 1, MAX_STEPS + 1):
-            it = step - 1
-            gen_turn = dm.should_update_generator(it, DFAKE_GEN_UPDATE_RATIO)
-            index = dm.choose_step_index(it, SEED, len(step_list)) if len(step_list) > 1 else 0
-            loaded, waited = prefetch.get(step)
-            batches = micro_batches(it, loaded, SEED, d.device, draw, encode, vae)
-            logs, images = {"data_wait_ms": waited * 1000, **({"step_index": index} if len(step_list) > 1 else {})}, []
-            with counting_flops(run, f"{gen_turn}-{index}", logs):  # MFU: FLOPs per kind of step
-                # generator turn: images from G (with graph only when G steps), then its loss and backward.
-                # Its update waits for the guidance turn: that one uses only detached images, so stepping
-                # both after it is the published order, and one finiteness check covers both updates.
-                for m, mb in enumerate(batches):
-                    with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
-                        with torch.set_grad_enabled(gen_turn):
-                            x = generator_images(train_gen, mb, step_list, index, alphas)
-                        if gen_turn:
-                            loss, parts = generator_loss(x, mb, uncond, teacher, train_fake, head, alphas, losses)
-                            (loss / GRAD_ACCUM).backward()
-                            add_logs(logs, parts, 1 / GRAD_ACCUM)
-                    images.append(x.detach())
-                if gen_turn:
-                    opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake UNet and head
-
-                # guidance turn, every step: fake score (+ head) on the same pre-update images
-                for m, (mb, x) in enumerate(zip(batches, images)):
-                    with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
-                        loss, parts = guidance_loss(x, mb, train_fake, head, alphas, losses)
-                        (loss / GRAD_ACCUM).backward()
-                    add_logs(logs, parts, 1 / GRAD_ACCUM)
-            updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
-            updates.append((list(guidance.parameters()), opt_d, "guidance"))
-            lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's
-            if trainer.apply_updates(run, updates, logs, step) and gen_turn and ema is not None:
-                ema_lib.ema_update(ema, generator, EMA_DECAY)
-            sched_g.step()  # both every iteration, as published (make_optimizer)
-            sched_d.step()
-            trainer.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
-                             sample=sample, work={"images": global_batch})
-
+    run_loop(run, start, steps, load, len(step_list), models, (train_gen, train_fake, guidance), (opt_g, opt_d),
+             (sched_g, sched_d), sample, skipped)
     trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
 
 

@@ -1,0 +1,133 @@
+"""DMD2's step for FLUX transformers (FLUX.1 Kontext, and FLUX.1 text-to-image without a context
+image): the three transformers enter algorithms/dmd2.py's flow-matching math as velocity callables
+that hold the sample's conditioning, built exactly as Kontext fine-tuning builds its input
+(algorithms/flux_kontext.py): [target tokens ; clean context tokens], ids (0, r, c) then (1, r, c),
+T5 embeddings + pooled CLIP vector, timestep = σ, the raw guidance value.
+
+Guidance. FLUX.1 [dev] and Kontext [dev] are guidance-distilled: the guidance value is an input
+embedding, not a CFG pair of forwards. All three transformers get the same value (FLUX_GUIDANCE), as
+NVlabs/FastGen's FLUX DMD2 does (fastgen/configs/experiments/Flux/config_dmd2.py:37-39 sets one
+guidance_scale on the net config that student, teacher and fake score are all built from;
+fastgen/networks/Flux/network.py:642-646 fills it in every forward). Why the same value: the
+generator starts as the teacher at that value, so the fake score, which must track the generator's
+distribution, starts exact when it sees it too, and the DM gradient (teacher − fake) then measures
+the distribution gap, not a difference of conditioning. The export is sampled at that value.
+
+σ convention: a few-step list given as DDPM-style timesteps t (DENOISING_STEPS, 999 = pure noise)
+maps to σ = (t + 1) / 1000, so [999, 749, 499, 249] is σ = [1, .75, .5, .25]: the list
+FluxKontextPipeline builds for num_inference_steps=4 (np.linspace(1, 1/4, 4),
+diffusers pipeline_flux_kontext.py:965) when its scheduler does not shift.
+
+    python -m pytest tests/test_train_dmd_kontext.py -q
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algorithms import dmd2 as dm
+from algorithms import flux_kontext as km
+
+
+def timestep_sigmas(timesteps) -> list[float]:
+    """DENOISING_STEPS / CONDITIONING_TIMESTEP (DDPM-style, 999 = pure noise) -> FLUX σ = (t + 1) / 1000."""
+    return [(int(t) + 1) / 1000 for t in timesteps]
+
+
+@dataclass
+class FluxCond:
+    """One micro-batch's conditioning, shared by the three transformers."""
+    text: torch.Tensor  # (B, T, D) T5 token embeddings
+    pooled: torch.Tensor  # (B, P) pooled CLIP vector
+    context: torch.Tensor | None  # (B, Nc, 4C) packed clean context latents (Kontext), None for text-to-image
+    img_ids: torch.Tensor  # (Nt [+ Nc], 3): target ids (0, r, c) [then context ids (1, r, c)]
+
+
+def image_ids(h: int, w: int, kontext: bool, device) -> torch.Tensor:
+    """Position ids of an h x w latent target [and its same-size context], made on `device`."""
+    ids = [km.latent_image_ids(h, w, 0, device=device)]
+    if kontext:
+        ids.append(km.latent_image_ids(h, w, 1, device=device))
+    return torch.cat(ids)
+
+
+def velocity(model, cond: FluxCond, guidance: float):
+    """v(x_σ, σ) of `model` under `cond`: x_σ are the packed target tokens (B, Nt, 4C); the context
+    tokens are appended and the prediction cut back to the target's (as the pipeline does,
+    pipeline_flux_kontext.py:1038, 1052)."""
+    def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        hidden = x if cond.context is None else torch.cat([x, cond.context.to(x.dtype)], dim=1)
+        out = km.transformer_forward(model, {"hidden_states": hidden, "img_ids": cond.img_ids}, sigma, guidance,
+                                     cond.text, cond.pooled)
+        return out[:, :x.shape[1]].float()
+    return v
+
+
+def generator_images(generator, mb: dict, sigmas: list[float], index: int, guidance: float) -> torch.Tensor:
+    """G's clean tokens x̂0 for this micro-batch: from pure noise at sigmas[0], or (few-step) from the
+    input at sigmas[index] built by backward simulation without gradients (fresh noise per step, as
+    inference with the exported stochastic scheduler does). Gradients as the caller's mode."""
+    v = velocity(generator, mb["cond"], guidance)
+    z = mb["noise"]
+    if index > 0:
+        z, _ = dm.fm_backward_simulation(v, z, sigmas, index, [mb["sim_noise"][:, i] for i in range(index)])
+    s = torch.full((z.shape[0],), float(sigmas[index]), device=z.device)
+    return dm.x0_from_velocity(z, v(z, s), s).float()
+
+
+def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float) -> tuple[torch.Tensor, dict]:
+    """loss_dm on G's tokens x: the per-sample normalised (teacher − fake) x̂0 direction at a σ drawn
+    in the DM range, teacher and fake at the same guidance value."""
+    grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], velocity(teacher, mb["cond"], guidance),
+                            velocity(fake, mb["cond"], guidance))
+    loss = dm.dm_loss(x, grad)
+    return loss, {"loss_dm": loss.detach()}
+
+
+def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float) -> tuple[torch.Tensor, dict]:
+    """loss_fake: the fake score's flow-matching loss on detached generator tokens."""
+    loss = dm.fm_fake_score_loss(velocity(fake, mb["cond"], guidance), x.detach(), mb["fake_noise"], mb["fake_sigma"])
+    return loss, {"loss_fake": loss.detach()}
+
+
+def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range: tuple[float, float]) -> dict:
+    """All randomness of one sample at one iteration, from its own generator on the run's device, in
+    a fixed order; latents unpacked (C, h, w), as the pipeline draws them before packing."""
+    dev = g.device
+    return {"noise": torch.randn(shape, generator=g, device=dev),
+            "dm_sigma": dm.sample_dm_sigmas(1, g, *sigma_range)[0],
+            "dm_noise": torch.randn(shape, generator=g, device=dev),
+            "fake_sigma": km.sample_sigmas(1, "uniform", g)[0],
+            "fake_noise": torch.randn(shape, generator=g, device=dev),
+            "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
+
+
+def pack_draws(r: dict) -> dict:
+    """draw_sample_noise's latents of a micro-batch (B, C, h, w) -> packed tokens (B, N, 4C)."""
+    out = dict(r)
+    for k in ("noise", "dm_noise", "fake_noise"):
+        out[k] = km.pack_latents(r[k])
+    sim = r["sim_noise"]  # (B, n_sim, C, h, w)
+    out["sim_noise"] = torch.stack([km.pack_latents(sim[:, i]) for i in range(sim.shape[1])], dim=1)
+    return out
+
+
+@torch.no_grad()
+def sample_tokens(generator, cond: FluxCond, noise: torch.Tensor, sim_noise: torch.Tensor, sigmas: list[float],
+                  guidance: float) -> torch.Tensor:
+    """Inference over the whole σ list (the exported stochastic scheduler's steps): packed noise
+    (B, N, 4C) -> x̂0 tokens after the last step."""
+    last = len(sigmas) - 1
+    mb = {"cond": cond, "noise": noise, "sim_noise": sim_noise}
+    return generator_images(generator, mb, sigmas, last, guidance)
+
+
+def distilled_scheduler_config(config: dict) -> dict:
+    """The teacher's FlowMatchEulerDiscreteScheduler config made to sample the distilled generator:
+    no shift (the σ list trained is the one num_inference_steps gives), and stochastic sampling
+    (x̂0 = x − σ·v, then re-noised to the next σ with fresh noise: diffusers
+    scheduling_flow_match_euler_discrete.py:515-518), the generator's few-step inference."""
+    out = {k: v for k, v in config.items() if not k.startswith("_") or k == "_class_name"}
+    out.update(use_dynamic_shifting=False, shift=1.0, stochastic_sampling=True)
+    return out
