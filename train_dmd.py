@@ -51,6 +51,8 @@ import torch.nn as nn
 import checkpoint
 import fsdp_utils
 from algorithms import dmd2 as dm
+from algorithms import dmd2_flux as flux_dm
+from algorithms import flux_kontext as km
 from components import trainer
 from components.config import check_settings, script_constants
 from components.dist import print0, rank
@@ -63,9 +65,11 @@ from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher, to_device
 from data.randomness import drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
+from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel import attention, lowbit
+from parallel import flux as flux_models
 from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize, parallelize_unet
@@ -731,12 +735,216 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 
 
 # ----------------------------------------------------------------------------------------------
+# FLUX teachers (FLUX.1 Kontext; FLUX.1 text-to-image): the same loop on three FLUX transformers
+
+
+FLUX_PIPELINES = ("FluxKontextPipeline", "FluxPipeline")
+
+
+def check_flux_settings(pipeline: str, kontext: bool) -> None:
+    """What a FLUX teacher does not take, refused in one line before any work."""
+    refused = {"USE_GAN=1": "the GAN head reads a UNet's bottleneck; FLUX teachers distil without it here",
+               "PARALLELISM=ddp": "the three FLUX transformers are sharded (PARALLELISM=fsdp)",
+               "GENERATOR_INIT": "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"}
+    for name, bad in (("USE_GAN=1", USE_GAN), ("PARALLELISM=ddp", PARALLELISM == "ddp"),
+                      ("GENERATOR_INIT", GENERATOR_INIT)):
+        if bad:
+            raise ConfigError(f"{name} with a {pipeline} teacher: {refused[name]}")
+    if kontext and source_kind(DATA_PATH) == "txt":
+        raise ConfigError(f"DATA_PATH={DATA_PATH} holds prompts only; a {pipeline} teacher edits images: give pairs "
+                          "with a \"control\" image and a \"prompt\" (.jsonl, folder or datasets, as "
+                          "train_flux_kontext.py reads them)")
+
+
+def flux_rows(kontext: bool, columns: dict) -> tuple[list[dict], int, list[dict]]:
+    """(training rows, bad rows skipped, sample rows): Kontext rows {"control", "prompt"[, "target"]}
+    (the target is only shown beside the samples), text-to-image rows {"prompt"}; the sample rows
+    are the first SAMPLE_COUNT distinct ones of SAMPLE_PROMPTS or the data."""
+    roles = ("control", "target", "prompt") if kontext else ("prompt",)
+    required = ("control", "prompt") if kontext else ("prompt",)
+    read = functools.partial(read_rows, roles=roles, required=required, columns=columns, split=DATASET_SPLIT)
+    rows, skipped = read(DATA_PATH, skip_bad=SKIP_BAD_SAMPLES)
+    samples = read(SAMPLE_PROMPTS, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS else rows
+    distinct = {(str(r.get("control", "")), r["prompt"]): r for r in reversed(samples)}  # the first of each
+    return rows, skipped, list(reversed(distinct.values()))[:SAMPLE_COUNT]
+
+
+def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identity: str, kontext: bool,
+                   d: fsdp_utils.Dist) -> list[dict]:
+    """Host side of iteration `it` on this rank (the Prefetcher runs it a step ahead): per
+    micro-batch, this rank's positions in the global batch, the cached text embeddings of its
+    prompts ("" where CAPTION_DROPOUT drops one) and (Kontext) its context images, on CPU."""
+    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
+    indices = global_batch_indices(it, global_batch, len(rows), SEED)
+    out = []
+    for m in range(GRAD_ACCUM):
+        mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
+        picked = [rows[indices[i]] for i in mine]
+        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
+        mb = {"mine": mine, "text": load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
+        if kontext:
+            mb["context"] = torch.stack([load_image(r["control"], size, size) for r in picked])
+        out.append(mb)
+    return out
+
+
+@torch.no_grad()
+def write_flux_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, tiles: list, side: int,
+                       path: str) -> None:
+    """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
+    grid: context | output | target per Kontext row (grey where a row has no target), outputs alone
+    for text-to-image."""
+    tokens = flux_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, guidance)
+    fsdp_utils.reshard_all(model)
+    if rank() != 0:
+        return
+    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+    latents = km.unpack_latents(tokens.float(), side, side) / scale + shift
+    out = vae.decode(latents.to(vae.dtype)).sample.float().cpu().clamp(-1, 1)
+    if not tiles:
+        return save_image_grid(out, path, nrow=4)
+    grid = [t for (context, target), o in zip(tiles, out) for t in (context, o, target)]
+    save_image_grid(torch.stack(grid), path, nrow=3)
+
+
+def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
+    """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
+    the FLUX recipe (parallel/flux.py, as train_flux_kontext.py builds its one), the prompts come
+    from the text cache train_flux_kontext.py fills (data/text_cache.py), the context image is
+    encoded and packed as Kontext fine-tuning does (algorithms/flux_kontext.py), and the step is
+    algorithms/dmd2_flux.py's, in the same loop as the UNets'."""
+    from diffusers.configuration_utils import FrozenDict
+
+    d, prec, kontext = run.d, get_precision(PRECISION), run.pipeline == "FluxKontextPipeline"
+    check_flux_settings(run.pipeline, kontext)
+    sigmas = flux_dm.timestep_sigmas(timesteps)
+    with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
+        vae_config = FrozenDict(json.load(f))
+    factor = vae_scale_factor(vae_config)
+    resolution = RESOLUTION or 128 * factor  # the pipelines' default_sample_size x the VAE factor: 1024 for FLUX
+    if resolution % (2 * factor):
+        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of {2 * factor} (VAE factor x 2x2 packing)")
+    side = resolution // factor
+    latent_shape = (vae_config["latent_channels"], side, side)
+    rows, skipped, sample_rows = flux_rows(kontext, {"prompt": PROMPT_COLUMN})
+    print0(f"data: {len(rows)} {'pairs' if kontext else 'prompts'} from {DATA_PATH}"
+           + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
+    text_length = t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
+    trainer.check_attention(run, *flux_models.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
+                                                               factor, BATCH_SIZE, 1), prec.compute_dtype)
+
+    # the text cache (encoders loaded only where prompts are missing, then freed), before the models
+    cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
+    prompts = [r["prompt"] for r in rows + sample_rows] + ([""] if CAPTION_DROPOUT > 0 else [])
+    identity = prepare_text_cache(prompts, MODEL_PATH, cache_dir, MAX_SEQUENCE_LENGTH,
+                                  prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
+
+    # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
+    mesh, _, sharding = trainer.mesh_and_sharding(run)
+    nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
+    fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
+    teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
+    build = functools.partial(flux_models.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
+                              d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
+                              attention_backend=ATTENTION_BACKEND)
+    generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
+    fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
+    fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
+                 base_dtype=BASE_DTYPE if fake_lora else "")
+    teacher = build(load=True, trainable=False, frozen_dtype=teacher_dtype, base_dtype="nf4" if nf4 else "")
+    generator.train()
+    fake.train()
+    ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
+                                                                    base_dtype=BASE_DTYPE if run.lora else ""))
+    models = {"generator": generator, "fake": fake, **({"ema": ema} if ema is not None else {})}
+    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
+    vae = flux_models.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
+    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
+
+    opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
+    opt_d, sched_d = make_optimizer(fake, GUIDANCE_LR, WARMUP_STEPS)
+    audit = [component_row(n, m, fake_compute if n == "fake" else prec.compute_dtype) for n, m in models.items()]
+    audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
+    tokens = side * side // 4
+    trainer.report_components(run, f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
+                              + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}", audit,
+                              {**models, "teacher": teacher}, {"generator": opt_g, "guidance": opt_d})
+    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (fake, opt_d)},
+                            {"generator": sched_g, "guidance": sched_d})
+    if not run.resume_path and INIT_FROM:
+        init_from(INIT_FROM, generator, fake, ema)
+
+    # fixed sample inputs: the sample rows' text and context, noise of the whole σ list
+    ids = flux_dm.image_ids(side, side, kontext, d.device)
+
+    def context_tokens(pixels):
+        return km.pack_latents(km.encode_latents(vae, pixels)) if kontext else None
+    text = load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
+    tiles = []
+    if kontext:
+        grey = torch.zeros(3, resolution, resolution)
+        tiles = [(load_image(r["control"], resolution, resolution),
+                  load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
+    sample_cond = flux_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
+                                   if kontext else None, ids)
+    g = step_generator(SEED, 0, stream=7)
+    noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g))
+    sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
+    sample_sim = flux_dm.pack_steps(sim)
+    final_weights = functools.partial(ema_lib.output_weights, generator, ema)
+
+    def sample(path):
+        with final_weights() as model:
+            write_flux_samples(model, vae, sample_cond, noise.to(d.device), sample_sim.to(d.device), sigmas,
+                               FLUX_GUIDANCE, tiles, side, path)
+
+    draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
+                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT))
+
+    def batches(it, loaded):
+        out = []
+        for host in loaded:
+            mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
+            mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None, ids)
+            out.append(mb)
+        return out
+    steps = StepFns(
+        batches=batches,
+        images=lambda model, mb, index: flux_dm.generator_images(model, mb, sigmas, index, FLUX_GUIDANCE),
+        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE),
+        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE))
+    load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
+                             kontext=kontext, d=d)
+    run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, fake), (opt_g, opt_d),
+             (sched_g, sched_d), sample, skipped)
+
+    # the export samples in len(sigmas) steps with the scheduler made for it (no shift, stochastic)
+    scheduler_dir = run.output("scheduler_distilled")
+    if rank() == 0:
+        with open(os.path.join(MODEL_PATH, "scheduler", "scheduler_config.json")) as f:
+            config = flux_dm.distilled_scheduler_config(json.load(f))
+        os.makedirs(scheduler_dir, exist_ok=True)
+        with open(os.path.join(scheduler_dir, "scheduler_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+    n = len(sigmas)
+    call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
+            f"num_inference_steps={n}, sigmas={sigmas}")
+    print0(f"sampling the export: {run.pipeline}.from_pretrained(export)(..., {call}, guidance_scale={FLUX_GUIDANCE})"
+           + (f" with the scheduler from {scheduler_dir} (FlowMatchEulerDiscreteScheduler.from_pretrained)"
+              if run.lora else ""))
+    frozen = {"scheduler": scheduler_dir, **({"vae": VAE_PATH} if VAE_PATH else {})}
+    trainer.finish(run, final_weights, frozen=frozen)
+
+
+# ----------------------------------------------------------------------------------------------
 # main: config -> distributed init -> models (meta, sharded, loaded) -> optimizers -> resume ->
 # loop -> export -> teardown (components/trainer.py: what both scripts do before and after the loop)
 
 
 def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
+    if run.pipeline in FLUX_PIPELINES:
+        return main_flux(run, step_list)
     d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
     columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
     rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,

@@ -108,9 +108,13 @@ def pack_draws(r: dict) -> dict:
     out = dict(r)
     for k in ("noise", "dm_noise", "fake_noise"):
         out[k] = km.pack_latents(r[k])
-    sim = r["sim_noise"]  # (B, n_sim, C, h, w)
-    out["sim_noise"] = torch.stack([km.pack_latents(sim[:, i]) for i in range(sim.shape[1])], dim=1)
+    out["sim_noise"] = pack_steps(r["sim_noise"])
     return out
+
+
+def pack_steps(sim: torch.Tensor) -> torch.Tensor:
+    """(B, n_sim, C, h, w) -> (B, n_sim, N, 4C); n_sim may be 0 (a 1-step generator)."""
+    return km.pack_latents(sim.flatten(0, 1)).unflatten(0, sim.shape[:2])
 
 
 @torch.no_grad()

@@ -77,8 +77,10 @@ PIPELINES = {  # by model_index.json's _class_name
         Component("scheduler", "scheduler", "files")),
 }
 
+PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-image: the same parts (DMD2 only)
+
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)
-    "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline"),
+    "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline"),
     "train_flux_kontext.py": ("FluxKontextPipeline",),
 }
 

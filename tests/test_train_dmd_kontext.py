@@ -1,0 +1,221 @@
+"""DMD2 with a FLUX.1 Kontext teacher (train_dmd.py's FLUX path, algorithms/dmd2_flux.py), run as
+users run it on the shipped tiny Kontext base (assets/kontext_base) and "make it blue" pairs.
+
+    HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd_kontext.py -q
+
+Launches, shared through module-scoped fixtures:
+  run_a      2 ranks, 4 steps, fp32, 4-step generator (backward simulation), EMA, generator every
+             2nd step, samples at steps 2 and 4, checkpoints at 2 and 4
+  run_b      1 process, the same global batch (2 micro-batches of 1)
+  run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
+  run_lora   1 process, 2 steps, a 1-step generator: LoRA generator and fake score on NF4 bases, NF4 teacher
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import launch, launch_env, read_checkpoint, read_metrics, tiny_flux
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(ROOT, "assets", "kontext_base")
+SIGMAS = [1.0, 0.75, 0.5, 0.25]
+COMMON = [f"--model_path={BASE}", "--resolution=32", "--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2",
+          "--precision=fp32", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2",
+          "--denoising_steps=999,749,499,249", "--sample_count=2", "--generator_lr=1e-4", "--guidance_lr=1e-4"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """The first 12 shipped pairs, image paths made absolute."""
+    src = os.path.join(ROOT, "assets", "kontext_blue")
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    with open(os.path.join(src, "train.jsonl")) as f, open(path, "w") as out:
+        for line in list(f)[:12]:
+            row = json.loads(line)
+            paths = {"control": os.path.join(src, row["image"]), "target": os.path.join(src, row["target"])}
+            out.write(json.dumps({**paths, "prompt": row["prompt"]}) + "\n")
+    return str(path)
+
+
+def _launch(args, env, out, ranks=2, check=True):
+    return launch("train_dmd.py", list(args) + [f"--output_dir={out}"], ranks=ranks, env=env, check=check)
+
+
+@pytest.fixture(scope="module")
+def run_a(env, pairs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("a")
+    log = _launch(COMMON + [f"--data_path={pairs}"], env, out).stdout
+    assert "FluxKontextPipeline" in log and "num_inference_steps=4, guidance_scale=2.5" in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_b(env, pairs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("b")
+    _launch(COMMON + [f"--data_path={pairs}", "--grad_accum=2"], env, out, ranks=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_resumed(env, pairs, tmp_path_factory, run_a):
+    out = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    log = _launch(COMMON + [f"--data_path={pairs}", "--resume=auto"], env, out).stdout
+    assert "step_000002 (step 2)" in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_lora(env, pairs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    log = _launch(COMMON + [f"--data_path={pairs}", "--max_steps=2", "--ema_decay=0", "--lora_rank=4",
+                            "--fake_lora=1", "--base_dtype=nf4", "--denoising_steps="], env, out, ranks=1).stdout
+    return out, log
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_distilled_generator(run_a):
+    rows = read_metrics(run_a)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "loss_dm" in r] == [1, 3]  # DFAKE_GEN_UPDATE_RATIO=2
+    # step 1: generator = teacher = fake at the same guidance value, so the DM gradient is exactly 0;
+    # at step 3 the fake score has moved off the teacher, so the generator gets a signal
+    assert rows[0]["loss_dm"] == 0 and rows[2]["loss_dm"] > 0
+    assert all(r["loss_fake"] > 0 and torch.isfinite(torch.tensor(r["loss_fake"])) for r in rows)
+    assert sorted(os.listdir(run_a / "samples")) == ["step_000002.png", "step_000004.png"]
+    from PIL import Image
+    with Image.open(run_a / "samples" / "step_000004.png") as im:
+        assert im.size == (3 * 32, 2 * 32)  # context | output | target, two sample rows
+
+
+@pytest.mark.slow
+def test_world_size_one_matches_two(run_a, run_b):
+    a, b = read_metrics(run_a), read_metrics(run_b)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        keys = sorted(k for k in ra if k.startswith(("loss", "grad_norm")))
+        assert keys == sorted(k for k in rb if k.startswith(("loss", "grad_norm")))
+        for k in keys:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-7), (ra["step"], k)
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(run_a, run_resumed):
+    straight, resumed = read_checkpoint(run_a, 4, flat=True), read_checkpoint(run_resumed, 4, flat=True)
+    assert straight.keys() == resumed.keys()
+    for part in ("model.generator.", "model.fake.", "model.ema.", "optim.generator.", "optim.guidance."):
+        assert any(k.startswith("." + part) for k in straight), part
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    assert read_metrics(run_a, timing=False)[2:] == read_metrics(run_resumed, timing=False)
+
+
+def _edit(pipe, pairs, steps=4):
+    """The export's pipeline on the first pair's context, in `steps` steps at the trained guidance value."""
+    from data.images import load_image
+    with open(pairs) as f:
+        row = json.loads(f.readline())
+    image = (load_image(row["control"], 32, 32)[None] + 1) / 2
+    out = pipe(image=image, prompt=row["prompt"], height=32, width=32, max_area=32 * 32, _auto_resize=False,
+               num_inference_steps=steps, guidance_scale=2.5, generator=torch.Generator().manual_seed(0),
+               output_type="pt").images
+    return out
+
+
+@pytest.mark.slow
+def test_export_samples_in_the_distilled_steps(run_a, pairs):
+    from diffusers import FluxKontextPipeline
+    pipe = FluxKontextPipeline.from_pretrained(run_a / "export")
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.scheduler.config.stochastic_sampling and not pipe.scheduler.config.use_dynamic_shifting
+    out = _edit(pipe, pairs)
+    assert out.shape == (1, 3, 32, 32) and torch.isfinite(out).all()
+    # the scheduler walked exactly the σ list the generator was trained on
+    assert pipe.scheduler.sigmas.tolist() == pytest.approx(SIGMAS + [0.0])
+    # the export is the EMA's weights (what the samples showed), not the teacher's
+    from safetensors.torch import load_file
+    exported = load_file(os.path.join(run_a, "export", "transformer", "diffusion_pytorch_model.safetensors"))
+    teacher = load_file(os.path.join(BASE, "transformer", "diffusion_pytorch_model.safetensors"))
+    assert exported.keys() == teacher.keys()
+    assert any(not torch.equal(exported[k].float(), teacher[k].float()) for k in teacher)
+
+
+@pytest.mark.slow
+def test_lora_nf4_run_exports_adapters_the_base_pipeline_loads(run_lora, pairs):
+    out, log = run_lora
+    assert "nf4" in log  # the dtype table shows the NF4 bases and teacher
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss_fake"])) for r in rows)
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+    pipe = FluxKontextPipeline.from_pretrained(BASE, torch_dtype=torch.float32)
+    pipe.load_lora_weights(out / "export")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out / "scheduler_distilled")
+    pipe.set_progress_bar_config(disable=True)
+    assert "num_inference_steps=1, guidance_scale=2.5" in log
+    assert torch.isfinite(_edit(pipe, pairs, steps=1)).all()
+    assert pipe.scheduler.sigmas.tolist() == pytest.approx([1.0, 0.0])
+
+
+@pytest.mark.slow
+def test_prompt_only_data_with_a_kontext_teacher_is_one_line(env, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("make it blue\n")
+    res = _launch([f"--model_path={BASE}", f"--data_path={prompts}", "--resolution=32"], env, tmp_path / "o",
+                  ranks=1, check=False)
+    assert res.returncode != 0
+    errors = [line for line in res.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "prompts only" in errors[0] and "control" in errors[0], res.stdout[-2000:]
+    assert "Traceback" not in res.stdout
+
+
+def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
+    """The property the UNet path's bar checks: with G = teacher = fake at guidance 1, loss_dm and its
+    gradient are exactly 0; a fake score that differs gives a non-zero gradient."""
+    from algorithms import dmd2_flux as fd
+    from algorithms import flux_kontext as km
+
+    model = tiny_flux(guidance_embeds=True).eval()
+    g = torch.Generator().manual_seed(0)
+    b, side = 2, 4
+    cond = fd.FluxCond(torch.randn(b, 3, 32, generator=g), torch.randn(b, 32, generator=g),
+                       km.pack_latents(torch.randn(b, 1, side, side, generator=g)),
+                       fd.image_ids(side, side, True, "cpu"))
+    draws = fd.pack_draws({"noise": torch.randn(b, 1, side, side, generator=g),
+                           "dm_noise": torch.randn(b, 1, side, side, generator=g),
+                           "fake_noise": torch.randn(b, 1, side, side, generator=g),
+                           "sim_noise": torch.randn(b, 0, 1, side, side, generator=g),
+                           "dm_sigma": torch.tensor([0.3, 0.8]), "fake_sigma": torch.tensor([0.5, 0.5])})
+    mb = {**draws, "cond": cond}
+    x = fd.generator_images(model, mb, [1.0], 0, guidance=1.0)
+    assert x.requires_grad
+    loss, logs = fd.generator_loss(x, mb, model, model, guidance=1.0)
+    loss.backward()
+    assert loss.item() == 0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    other = tiny_flux(seed=1, guidance_embeds=True).eval()
+    model.zero_grad(set_to_none=True)
+    x = fd.generator_images(model, mb, [1.0], 0, guidance=1.0)
+    loss, _ = fd.generator_loss(x, mb, model, other, guidance=1.0)
+    loss.backward()
+    assert loss.item() > 0 and any(p.grad is not None and p.grad.any() for p in model.parameters())
+
+
+def test_sigma_list_is_the_pipelines_for_the_step_count():
+    from algorithms import dmd2_flux as fd
+    assert fd.timestep_sigmas([999, 749, 499, 249]) == SIGMAS
+    assert fd.timestep_sigmas([999]) == [1.0]
+    config = fd.distilled_scheduler_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "x",
+                                            "use_dynamic_shifting": True, "shift": 3.0})
+    assert config == {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": False, "shift": 1.0,
+                      "stochastic_sampling": True}
