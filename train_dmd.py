@@ -71,6 +71,7 @@ from parallel import lora as lora_lib
 from parallel import attention, lowbit
 from parallel import flux as flux_models
 from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
+from parallel import models as facts
 from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize, parallelize_unet
 from precision import Precision, component_row, get_precision, parse_dtype
@@ -92,7 +93,6 @@ PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of pro
 IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
 CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
 TEXT_CACHE_DIR = ""  # FLUX teachers: the text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
-MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
@@ -105,6 +105,7 @@ OPTIMIZER = "adamw"  # adamw (torch fused, fp32 states) | adamw8bit | adamw4bit 
 WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (official: 7.8125)
 MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled and exported
+MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 1.75  # teacher CFG scale inside the distribution-matching loss
 FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
@@ -199,6 +200,9 @@ def validate_config() -> list[int]:
     if MODEL_PATH and not DATA_PATH:
         raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
                           "give the prompts (.txt) or rows (.jsonl) to train on")
+    pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
+    if pipeline in facts.FLUX_TEACHERS:
+        check_flux_settings(pipeline)
     try:
         steps = [int(t) for t in DENOISING_STEPS]
     except ValueError:
@@ -738,10 +742,7 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 # FLUX teachers (FLUX.1 Kontext; FLUX.1 text-to-image): the same loop on three FLUX transformers
 
 
-FLUX_PIPELINES = ("FluxKontextPipeline", "FluxPipeline")
-
-
-def check_flux_settings(pipeline: str, kontext: bool) -> None:
+def check_flux_settings(pipeline: str) -> None:
     """What a FLUX teacher does not take, refused in one line before any work."""
     refused = {"USE_GAN=1": "the GAN head reads a UNet's bottleneck; FLUX teachers distil without it here",
                "PARALLELISM=ddp": "the three FLUX transformers are sharded (PARALLELISM=fsdp)",
@@ -750,7 +751,7 @@ def check_flux_settings(pipeline: str, kontext: bool) -> None:
                       ("GENERATOR_INIT", GENERATOR_INIT)):
         if bad:
             raise ConfigError(f"{name} with a {pipeline} teacher: {refused[name]}")
-    if kontext and source_kind(DATA_PATH) == "txt":
+    if pipeline == "FluxKontextPipeline" and source_kind(DATA_PATH) == "txt":
         raise ConfigError(f"DATA_PATH={DATA_PATH} holds prompts only; a {pipeline} teacher edits images: give pairs "
                           "with a \"control\" image and a \"prompt\" (.jsonl, folder or datasets, as "
                           "train_flux_kontext.py reads them)")
@@ -816,7 +817,6 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     from diffusers.configuration_utils import FrozenDict
 
     d, prec, kontext = run.d, get_precision(PRECISION), run.pipeline == "FluxKontextPipeline"
-    check_flux_settings(run.pipeline, kontext)
     sigmas = flux_dm.timestep_sigmas(timesteps)
     with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
         vae_config = FrozenDict(json.load(f))
@@ -943,7 +943,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
 
 def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
-    if run.pipeline in FLUX_PIPELINES:
+    if run.pipeline in facts.FLUX_TEACHERS:
         return main_flux(run, step_list)
     d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
     columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}

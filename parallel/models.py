@@ -78,6 +78,7 @@ PIPELINES = {  # by model_index.json's _class_name
 }
 
 PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-image: the same parts (DMD2 only)
+FLUX_TEACHERS = ("FluxKontextPipeline", "FluxPipeline")  # train_dmd.py's FLUX path (algorithms/dmd2_flux.py)
 
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)
     "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline"),

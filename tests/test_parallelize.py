@@ -62,7 +62,8 @@ def test_flux_units_are_the_double_then_the_single_blocks():
 
 
 def test_the_table_names_each_scripts_pipelines():
-    assert SCRIPTS == {"train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline"),
+    assert SCRIPTS == {"train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline",
+                                        "FluxPipeline"),
                        "train_flux_kontext.py": ("FluxKontextPipeline",)}
     assert folder_layout("StableDiffusionXLPipeline")["text_encoder_2"] == "CLIPTextModelWithProjection"
     for pipeline, components in PIPELINES.items():
