@@ -330,7 +330,7 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             c.module.to(c.dtype)
             if c.lora:
                 try:
-                    lora_lib.add_lora(c.module, c.lora)
+                    _add_lora_on_meta(c.module, c.lora)
                 except ConfigError as e:
                     raise SystemExit(f"plan: --lora_target_modules: {e}") from None
             if c.holding.sharded and block_classes:  # a misspelt class would silently make one whole-model unit
@@ -362,6 +362,13 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                     trainable_global=sum(p.numel() for p in trainable),
                     trainable_units=_trainable_per_unit(c.module, units))
     return out
+
+
+def _add_lora_on_meta(model: nn.Module, lora: lora_lib.Lora) -> None:
+    """parallel.lora.add_lora with peft's new adapter layers made on meta too (it makes them on the
+    default device, then moves them to the base's: at rank 64, seconds of CPU init per 12 B model)."""
+    with torch.device("meta"):
+        lora_lib.add_lora(model, lora)
 
 
 def _trainable_per_unit(model: nn.Module, units: list[tuple[str, int]]) -> list[int]:
@@ -598,7 +605,7 @@ def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtyp
     base's activations (the adapted layers' inputs, norms, attention, nonlinearities)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     if lora:
-        lora_lib.add_lora(model, lora)
+        _add_lora_on_meta(model, lora)
         model.to(dtype)
     factor, text = _folder_shapes(folder, kind)
     pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
