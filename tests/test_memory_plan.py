@@ -529,3 +529,152 @@ def test_cp_table_runs_on_the_real_size_model():
     assert lines[4] == "| 64 px | 1 GB | 4.69 (0.28) | does not fit at CP <= 2 |"
     # the states (95 GiB at 2 ranks) need bf16 states at any CP; CP 2 needs no less, so it is not listed
     assert lines[5] == "| 64 px | 80 GB | 4.69 (0.28) | CP 1: bf16 states (52.1) |"
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 with a FLUX.1 Kontext teacher: train_dmd.py on a FLUX folder (--model=flux-kontext-dmd), three
+# 12 B transformers
+
+GIB = 2**30
+# docs/planner.md's rows as recipes/dmd_kontext_4step*.sh run them (tests/test_recipes.py checks the
+# recipes pass these): {recipe: (GPU memory in GB, Settings)}
+KONTEXT_DMD = {
+    "dmd_kontext_4step.sh": (80, dict(world_size=8, precision="bf16-mixed", batch_size=1, resolution=1024,
+                                      activation_checkpointing=True, fake_score_fp32=False)),
+    "dmd_kontext_4step_lora.sh": (24, dict(world_size=8, precision="bf16-mixed", batch_size=1, resolution=1024,
+                                           activation_checkpointing=True, fake_score_fp32=False, lora_rank=64,
+                                           lora_alpha=8, fake_lora=True, base_dtype="nf4")),
+}
+FULL_DMD, LORA_DMD = (s for _, s in KONTEXT_DMD.values())
+
+
+@pytest.fixture(scope="module")
+def kontext_dmd():
+    """planned(settings, **over): plan("flux-kontext-dmd") of `settings` changed by `over`, memoised. plan
+    keeps the built-in shard counts and measured activations, so a variant that changes neither the LoRA
+    settings nor the forward's shape builds nothing again."""
+    plans = {}
+
+    def planned(settings: dict, **over) -> dict:
+        key = tuple(sorted({**settings, **over}.items()))
+        if key not in plans:
+            plans[key] = memory_plan.plan("flux-kontext-dmd", Settings(**dict(key)))
+        return plans[key]
+    return planned
+
+
+def _states(p: dict, name: str) -> int:
+    """Per-rank bytes of one model: params, grads and optimizer state (LoRA: base + adapters)."""
+    return sum(r["params"] + r["grads"] + r["optim"] for n, r in p["rows"].items() if n.split(".")[0] == name)
+
+
+def _doc_row(label: str, p: dict, gpu_gb: int) -> str:
+    """A row of docs/planner.md's Kontext-DMD2 table."""
+    cells = [_states(p, n) for n in ("generator", "fake_score", "teacher", "ema")]
+    cells += [p["gathered"], p["activations"], p["gpu_total"]]
+    return (f"| {label} | {p['settings'].world_size} x {gpu_gb} GB | " + " | ".join(f"{c / GIB:.2f}" for c in cells)
+            + f" | {'fits' if p['gpu_total'] <= gpu_gb * GIB else 'does not fit'} |")
+
+
+def test_kontext_dmd_plans_three_flux_transformers_for_train_dmd():
+    p = memory_plan.plan("flux-kontext-dmd", Settings(**SMALL, fake_score_fp32=False))
+    assert (p["script"], p["kind"]) == ("train_dmd.py", "flux_kontext_dmd")
+    assert list(p["rows"]) == ["generator", "fake_score", "teacher", "vae", "text_encoder", "text_encoder_2"]
+    # the fine-tune's transformer, sharded by the same FLUX recipe, in each of DMD2's roles
+    dev = memory_plan.plan("flux-kontext-dev", Settings(**SMALL))
+    transformer = dev["rows"]["transformer"]
+    for name in ("generator", "fake_score", "teacher"):
+        assert p["units"][name] == dev["units"]["transformer"]
+        assert (p["rows"][name]["count"], p["rows"][name]["local_count"]) == (transformer["count"],
+                                                                               transformer["local_count"])
+    local, rows = transformer["local_count"], p["rows"]
+    for name in ("generator", "fake_score"):  # bf16-mixed: fp32 master, fp32 grads, 2 fp32 AdamW states
+        assert (rows[name]["params"], rows[name]["grads"], rows[name]["optim"]) == (local * 4, local * 4, local * 8)
+    assert (rows["teacher"]["params"], rows["teacher"]["grads"]) == (local * 2, 0)  # frozen, bf16
+    assert rows["text_encoder"]["params"] == rows["text_encoder_2"]["params"] == 0  # cached, then freed
+    # the generator's and the fake score's training forwards: Kontext's (text + target + context tokens)
+    assert p["activations"] == dev["activations"]
+    # a FLUX folder planned for train_dmd.py by --script is the built-in name
+    folder = memory_plan.plan(memory_plan.model_folder("flux-kontext-dev"),
+                              Settings(**SMALL, fake_score_fp32=False, script="train_dmd.py"))
+    assert folder["gpu_total"] == p["gpu_total"] and folder["rows"] == p["rows"]
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: three 12 B meta models at world size 8, activations at 1024 px
+def test_kontext_dmd_full_fits_8_x_80_gb_with_ac(kontext_dmd):
+    p, gb = kontext_dmd(FULL_DMD), KONTEXT_DMD["dmd_kontext_4step.sh"][0]
+    assert p["gpu_total"] <= gb * GIB < kontext_dmd(FULL_DMD, activation_checkpointing=False)["gpu_total"]
+    assert p["activations"] == memory_plan.plan("flux-kontext-dev", Settings(
+        world_size=8, resolution=1024, activation_checkpointing=True))["activations"]  # 512 + 2 x 64² tokens
+    # FAKE_SCORE_FP32=1: the fake score's units gathered in fp32 and its activations saved in fp32
+    fp32 = kontext_dmd(FULL_DMD, fake_score_fp32=True)
+    assert fp32["largest_unit"] == 2 * p["largest_unit"] and 1.9 < fp32["activations"] / p["activations"] <= 2
+    assert fp32["rows"]["fake_score"]["note"] == "trainable (fp32 compute)"
+    # an EMA of the generator: its shards again, fp32 (the storage), no grads or state; offloaded with it
+    ema = kontext_dmd(FULL_DMD, ema=True)
+    local = p["rows"]["generator"]["local_count"]
+    assert list(ema["rows"])[:2] == ["generator", "ema"] and ema["rows"]["ema"]["params"] == local * 4
+    assert ema["gpu_total"] - p["gpu_total"] == local * 4
+    offload = kontext_dmd(FULL_DMD, ema=True, cpu_offload=True)
+    assert offload["host_total"] == _states(p, "generator") + _states(p, "fake_score") + local * 4
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: LoRA on two 12 B meta models
+def test_kontext_dmd_lora_and_nf4_fit_8_x_24_gb(kontext_dmd):
+    p, gb = kontext_dmd(LORA_DMD), KONTEXT_DMD["dmd_kontext_4step_lora.sh"][0]
+    rows = p["rows"]
+    assert p["gpu_total"] <= gb * GIB and set(p["lora"]) == {"generator", "fake_score"}
+    assert rows["generator.lora"] == rows["fake_score.lora"] and "rank 64" in rows["generator.lora"]["note"]
+    assert rows["generator"]["note"] == rows["fake_score"]["note"] == "frozen LoRA base (nf4)"
+    # BASE_DTYPE=nf4 stores the frozen teacher as the LoRA bases: the same weights, the same bytes
+    assert rows["teacher"]["note"] == "frozen-sharded (nf4)" and rows["teacher"]["grads"] == 0
+    assert rows["teacher"]["params"] == rows["generator"]["params"]
+    bf16 = kontext_dmd(LORA_DMD, base_dtype="")
+    assert bf16["rows"]["teacher"]["note"] == "frozen-sharded"
+    assert 0.25 < rows["teacher"]["params"] / bf16["rows"]["teacher"]["params"] < 0.27
+    assert p["load_peak"] > 0
+    # an EMA of LoRA models: of the generator's adapters only (parallel/ema.py's AdapterEMA), fp32
+    ema = kontext_dmd(LORA_DMD, ema=True)
+    adapters = rows["generator.lora"]["local_count"]
+    assert list(ema["rows"])[:3] == ["generator", "generator.lora", "ema"]
+    assert ema["rows"]["ema"]["params"] == adapters * 4 and ema["gpu_total"] - p["gpu_total"] == adapters * 4
+    # the UNet path keeps its teacher in TEACHER_DTYPE (train_dmd.py quantises FLUX teachers only)
+    sd15 = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=4, fake_lora=True, fake_score_fp32=False,
+                                                 base_dtype="nf4"))
+    assert sd15["rows"]["teacher"]["note"] == "frozen-sharded"
+
+
+DMD_DOC_ROWS = [  # (label, recipe whose settings it starts from, changes, GPU memory in GB)
+    ("(a) full generator + full fake score (bf16), bf16 teacher, AC", "dmd_kontext_4step.sh", {}, 80),
+    ("(a) with an EMA (`--ema=1`)", "dmd_kontext_4step.sh", dict(ema=True), 80),
+    ("(a) with the fake score in fp32 (`--fake_score_fp32=1`)", "dmd_kontext_4step.sh", dict(fake_score_fp32=True), 80),
+    ("(a) without AC", "dmd_kontext_4step.sh", dict(activation_checkpointing=False), 80),
+    ("(a) + CPU offload", "dmd_kontext_4step.sh", dict(cpu_offload=True), 24),
+    ("(b) LoRA r64 generator + fake score, NF4 bases and teacher, AC", "dmd_kontext_4step_lora.sh", {}, 24),
+    ("(b) with an EMA (of the adapters)", "dmd_kontext_4step_lora.sh", dict(ema=True), 24),
+    ("(b) with bf16 bases and teacher (`--base_dtype=`)", "dmd_kontext_4step_lora.sh", dict(base_dtype=""), 24),
+]
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: the LoRA rows
+def test_docs_carry_the_kontext_dmd_rows(kontext_dmd):
+    docs = open(f"{ROOT}/docs/planner.md").read()
+    for label, recipe, over, gb in DMD_DOC_ROWS:
+        row = _doc_row(label, kontext_dmd(KONTEXT_DMD[recipe][1], **over), gb)
+        assert row in docs, row
+
+
+def test_kontext_dmd_cli_and_its_checks(capsys):
+    # in process, on the shards and activations test_kontext_dmd_plans_three_flux_transformers_for_train_dmd kept
+    assert memory_plan.main(["--model=flux-kontext-dmd", "--world_size=2", "--resolution=64", "--fake_score_fp32=0",
+                             "--ema=1", "--gpu_memory_gb=80"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: flux-kontext-dmd (flux_kontext_dmd), world size 2") and "\nema " in out
+    assert "does NOT fit in 80 GB; cheapest settings that fit:" in out and "--cpu_offload=1" in out
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext"):
+        memory_plan.plan("flux-kontext-dmd", Settings(**SMALL, context_parallel=2))
+    with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
+        memory_plan.cp_table("flux-kontext-dmd")
+    with pytest.raises(SystemExit, match=r"^plan: --script=train_flux_kontext.py: a unet/ folder is planned for "
+                                         r"train_dmd.py only$"):
+        memory_plan.plan("sd15-dmd", Settings(**SMALL, script="train_flux_kontext.py"))

@@ -14,11 +14,14 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
         --world_sizes=1,2,4 --gpu_memory_gbs=24
     python tools/memory_plan.py --model=flux-kontext-dev --world_size=8 --resolution=1024 --context_parallel=2
     python tools/memory_plan.py --cp_table --model=flux-kontext-dev   # which CP fits 1024 / 2048 px on 24 / 80 GB
+    python tools/memory_plan.py --model=flux-kontext-dmd --world_size=8 --resolution=1024 \\
+        --activation_checkpointing=1 --fake_score_fp32=0 --gpu_memory_gb=80   # DMD2 with a FLUX Kontext teacher
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
-transformer/ -> train_flux_kontext.py's). Optional components of the table (SDXL's text_encoder_2)
-are counted when the folder has them. Without --resolution: the model's native resolution (UNet
+transformer/ -> train_flux_kontext.py's, or with --script=train_dmd.py DMD2's; the built-in
+flux-kontext-dmd is flux-kontext-dev so planned). Optional components of the table (SDXL's
+text_encoder_2) are counted when the folder has them. Without --resolution: the model's native resolution (UNet
 sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is counted, per rank:
   params / grads / optimizer  the local shards (AdamW: 2 states), in the precision mode's dtypes;
                               frozen parts in their own dtype (SDXL's VAE: fp32, as train_dmd.py holds
@@ -33,9 +36,19 @@ sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is 
                               save it (q, k, v, out, fp32 logsumexp), not as the math reference that
                               runs on meta (two fp32 L x L matrices per call): flash_attention_saves
   runtime                     a fixed 1 GiB for the CUDA context and allocator slack
+  ema                         with --ema=1 (the scripts' EMA_DECAY > 0): the trained model's shards again, in
+                              its storage dtype (LoRA: its adapters, fp32); offloaded with it
 DMD2's fake score is counted as train_dmd.py runs it by default (FAKE_SCORE_FP32): its units gathered
 and its training forward's activations in fp32, whatever the precision mode (--fake_score_fp32=0:
 in the mode's compute dtype).
+
+DMD2 with a FLUX.1 Kontext teacher (flux-kontext-dmd; train_dmd.py on a FLUX folder): the FLUX
+pipeline's transformer in the DMD2 roles of the SD entries of parallel.models.PIPELINES (generator and
+fake score trainable, teacher frozen-sharded), each sharded by the FLUX recipe; the VAE replicated,
+the text encoders offline. The activations are the larger of the generator's and the fake score's
+training forwards over Kontext's text + target + context tokens (the generator's backward runs before
+the fake score's forward). With --base_dtype=nf4 the frozen teacher is stored in NF4 like the LoRA
+bases (NF4_TEACHER_KINDS); the UNet teacher is not.
 
 LoRA (--lora_rank=R > 0; --lora_alpha, --lora_target_modules as the scripts' LORA_*): the adapters are added
 with parallel.lora.add_lora to the meta model before its recipe shards it, as the scripts do, so the
@@ -100,6 +113,16 @@ RUNTIME_BYTES = 1 * GIB
 # pipeline's entry in parallel.models.PIPELINES says what it builds; kind picks the forward inputs.
 # A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
 LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
+# a layout planned for another script (Settings.script): {(subfolder, script): kind}. train_dmd.py
+# distils a FLUX Kontext folder with DMD2: its trained model in DMD2's three roles (pipeline_components)
+OTHER_SCRIPTS = {("transformer", "train_dmd.py"): "flux_kontext_dmd"}
+# built-in names that plan a built-in configuration for another script: {name: (configuration, script)}
+BUILTIN_SCRIPTS = {"flux-kontext-dmd": ("flux-kontext-dev", "train_dmd.py")}
+# DMD2 on a pipeline whose table entry trains one model: {kind: the kind whose pipeline and forward it has}
+DMD_KINDS = {"flux_kontext_dmd": "flux_kontext"}
+# kinds whose frozen teacher BASE_DTYPE=nf4 (with LoRA) stores in NF4 like the LoRA bases: train_dmd.py's
+# FLUX teacher (its UNet teacher stays in TEACHER_DTYPE)
+NF4_TEACHER_KINDS = ("flux_kontext_dmd",)
 
 # components a kind holds in fp32 whatever the precision: train_dmd.py keeps SDXL's VAE in fp32 by
 # default (it overflows in fp16/bf16; the official DMD2 SDXL code does the same)
@@ -178,6 +201,8 @@ class Settings:
     fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
     base_dtype: str = ""       # the scripts' BASE_DTYPE: "" = compute dtype, nf4 = 4-bit LoRA base (parallel/lowbit.py)
     optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
+    ema: bool = False          # the scripts' EMA_DECAY > 0: a copy of the trained model (LoRA: of its adapters)
+    script: str = ""           # the script planned: "" = the layout's (LAYOUTS), or the name's (BUILTIN_SCRIPTS)
 
     @property
     def lora(self) -> lora_lib.Lora:
@@ -188,12 +213,12 @@ class Settings:
 # building the real-size models on meta, as the scripts hold them
 
 def model_folder(name: str) -> str:
-    builtin = os.path.join(HERE, "real_size_configs", name)
+    builtin = os.path.join(HERE, "real_size_configs", BUILTIN_SCRIPTS.get(name, (name,))[0])
     if os.path.isdir(builtin):
         return builtin
     if os.path.isdir(name):
         return name
-    choices = sorted(os.listdir(os.path.join(HERE, "real_size_configs")))
+    choices = sorted(os.listdir(os.path.join(HERE, "real_size_configs")) + list(BUILTIN_SCRIPTS))
     raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(choices)}) nor a folder")
 
 
@@ -217,12 +242,23 @@ def is_sdxl(folder: str) -> bool:
             or os.path.isdir(os.path.join(folder, "text_encoder_2")))
 
 
-def layout(folder: str) -> tuple[str, str]:
-    """(training script, kind) for a pipeline folder, by which trained model's subfolder it has."""
-    for sub, (script, kind) in LAYOUTS.items():
-        if os.path.isdir(os.path.join(folder, sub)):
-            return script, ("sdxl" if kind == "sd15" and is_sdxl(folder) else kind)
+def layout(folder: str, script: str = "") -> tuple[str, str]:
+    """(training script, kind) for a pipeline folder, by which trained model's subfolder it has;
+    `script`: plan it for that one (OTHER_SCRIPTS) instead of the layout's."""
+    for sub, (default, kind) in LAYOUTS.items():
+        if not os.path.isdir(os.path.join(folder, sub)):
+            continue
+        if script and script != default:
+            if (sub, script) not in OTHER_SCRIPTS:
+                raise SystemExit(f"plan: --script={script}: a {sub}/ folder is planned for {default} only")
+            return script, OTHER_SCRIPTS[sub, script]
+        return default, ("sdxl" if kind == "sd15" and is_sdxl(folder) else kind)
     raise SystemExit(f"plan: {folder}: neither an SD-1.5/SDXL layout (unet/) nor a FLUX layout (transformer/)")
+
+
+def with_script(name: str, s: Settings) -> Settings:
+    """`s` with the script a built-in name plans for (BUILTIN_SCRIPTS) when it names none."""
+    return dataclasses.replace(s, script=BUILTIN_SCRIPTS[name][1]) if name in BUILTIN_SCRIPTS and not s.script else s
 
 
 PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
@@ -231,8 +267,16 @@ PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionX
 
 def pipeline_components(kind: str) -> list:
     """The components with weights that the script builds for a pipeline kind (the table's, in its
-    order; tokenizers and schedulers, role "files", hold no memory the planner counts)."""
-    return [c for c in models.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
+    order; tokenizers and schedulers, role "files", hold no memory the planner counts). A DMD_KINDS
+    kind: the SD-1.5 entry's DMD2 roles (generator, fake score, teacher) of its pipeline's trained
+    model, then that pipeline's other components."""
+    if kind not in DMD_KINDS:
+        return [c for c in models.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
+    pipeline, dmd = PIPELINE_OF_KIND[DMD_KINDS[kind]], PIPELINE_OF_KIND["sd15"]
+    trained, dmd_trained = models.trained_component(pipeline), models.trained_component(dmd)
+    roles = [dataclasses.replace(c, subfolder=trained.subfolder, class_name=trained.class_name)
+             for c in models.PIPELINES[dmd] if c.subfolder == dmd_trained.subfolder]
+    return roles + [c for c in models.PIPELINES[pipeline] if c != trained and c.role != "files"]
 
 
 def native_resolution(folder: str, kind: str) -> int:
@@ -267,15 +311,15 @@ def meta_model(folder: str) -> nn.Module:
 
 
 def build_components(folder: str, precision, build: bool = True, lora: lora_lib.Lora = lora_lib.Lora(),
-                     fake_lora: bool = False) -> tuple[str, str, list[Part]]:
+                     fake_lora: bool = False, script: str = "") -> tuple[str, str, list[Part]]:
     """(script, kind, components): what parallel.models.PIPELINES says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
     FP32_COMPONENTS). Optional components the folder lacks are skipped. build=False: the specs and
     dtypes only (module None). With `lora`, the first trainable component (the script's model) and,
     with `fake_lora`, the other trainable ones get adapters (Part.lora, added when sharded) and
-    their base is stored in the compute dtype, as the scripts store it."""
-    script, kind = layout(folder)
+    their base is stored in the compute dtype, as the scripts store it. `script`: as layout's."""
+    script, kind = layout(folder, script)
     parts = []
     for spec in pipeline_components(kind):
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
@@ -330,7 +374,7 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             c.module.to(c.dtype)
             if c.lora:
                 try:
-                    lora_lib.add_lora(c.module, c.lora)
+                    _add_lora_on_meta(c.module, c.lora)
                 except ConfigError as e:
                     raise SystemExit(f"plan: --lora_target_modules: {e}") from None
             if c.holding.sharded and block_classes:  # a misspelt class would silently make one whole-model unit
@@ -349,7 +393,9 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
             out[c.name] = {"local": local, "global": total, "units": units}
-            if c.lora:  # what BASE_DTYPE=nf4 would quantise: the frozen Linear weights lowbit accepts
+            # what BASE_DTYPE=nf4 would quantise: the frozen Linear weights lowbit accepts, of a LoRA base or
+            # of a frozen sharded model (a teacher: NF4_TEACHER_KINDS)
+            if c.lora or (c.holding.sharded and not c.holding.trained):
                 weights = [m.weight for m in c.module.modules() if isinstance(m, nn.Linear)
                            and not m.weight.requires_grad and lowbit.nf4_blocks(m.weight.shape) is not None]
                 out[c.name].update(nf4_global=sum(w.numel() for w in weights),
@@ -362,6 +408,13 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                     trainable_global=sum(p.numel() for p in trainable),
                     trainable_units=_trainable_per_unit(c.module, units))
     return out
+
+
+def _add_lora_on_meta(model: nn.Module, lora: lora_lib.Lora) -> None:
+    """parallel.lora.add_lora with peft's new adapter layers made on meta too (it makes them on the
+    default device, then moves them to the base's: at rank 64, seconds of CPU init per 12 B model)."""
+    with torch.device("meta"):
+        lora_lib.add_lora(model, lora)
 
 
 def _trainable_per_unit(model: nn.Module, units: list[tuple[str, int]]) -> list[int]:
@@ -553,7 +606,7 @@ def check_context_parallel(folder: str, s: Settings) -> dict:
         raise SystemExit(f"plan: --context_parallel={c}: must be >= 1 (1 = off)")
     if c == 1:
         return {}
-    script, kind = layout(folder)
+    script, kind = layout(folder, s.script)
     if kind != "flux_kontext":
         raise SystemExit(f"plan: --context_parallel={c}: context parallelism is train_flux_kontext.py's (FLUX "
                          f"layout); {os.path.basename(os.path.normpath(folder))} is planned for {script}, "
@@ -598,7 +651,7 @@ def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtyp
     base's activations (the adapted layers' inputs, norms, attention, nonlinearities)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     if lora:
-        lora_lib.add_lora(model, lora)
+        _add_lora_on_meta(model, lora)
         model.to(dtype)
     factor, text = _folder_shapes(folder, kind)
     pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
@@ -630,7 +683,11 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     Context parallelism (s.context_parallel = C > 1, FLUX only; checked first, check_context_parallel):
     sharded on the script's dp x cp mesh; the activations are one forward's over the full sequence
     divided by C (an assumption, see the module's docstring), and the plan has `cp`: the degree, the
-    sequence it splits and that one forward's activations."""
+    sequence it splits and that one forward's activations. DMD2 on FLUX Kontext (s.script train_dmd.py on
+    a FLUX folder, or the name flux-kontext-dmd): the three transformers of pipeline_components, the
+    teacher in NF4 with BASE_DTYPE=nf4 under LoRA (NF4_TEACHER_KINDS). s.ema: an "ema" row, a copy of
+    the trained model's shards in its storage dtype (LoRA: of its adapters, fp32), wherever they live."""
+    s = with_script(name, s)
     precision = get_precision(s.precision)
     folder = model_folder(name)
     builtin = os.path.dirname(os.path.abspath(folder)) == os.path.join(HERE, "real_size_configs")
@@ -638,14 +695,19 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         shard_cache = _BUILTIN_SHARDS
     activations = _builtin_activations if builtin else _activations
     sequence = check_context_parallel(folder, s)
+    kind = layout(folder, s.script)[1]
     key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes), s.reshard_after_forward)
+    if kind in DMD_KINDS:  # the same folder, other components
+        key += (kind,)
     if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
         key += (s.lora_rank, tuple(s.lora_targets), s.fake_lora)
     if s.context_parallel > 1:  # another mesh (same shards: FSDP spans dp x cp), so sharded again
         key += (s.context_parallel,)
     key += (repr(models.MODELS), repr(models.PIPELINES))  # the recipes' unit classes and roles decide the shards
     cached = shard_cache is not None and key in shard_cache
-    script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora)
+    script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora,
+                                           script=s.script)
+    forward = DMD_KINDS.get(kind, kind)  # the forward's inputs (DMD2 on FLUX: Kontext's, measured once for both)
     if s.resolution is None:
         s = dataclasses.replace(s, resolution=native_resolution(folder, kind))
     trainable = next(c for c in comps if c.holding.trained)
@@ -654,19 +716,19 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         shard_cache[key] = sharded
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
-    acts = activations(folder, trainable.spec.subfolder, kind, unit_names, precision.compute_dtype,
+    acts = activations(folder, trainable.spec.subfolder, forward, unit_names, precision.compute_dtype,
                         s.batch_size, s.resolution, s.activation_checkpointing, trainable.lora)
     for c in comps:  # LoRA: a trained model without adapters (DMD's full fake score) may save more
         if s.lora and c.holding.trained and c is not trainable:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
-            acts = max(acts, activations(folder, c.spec.subfolder, kind, names, precision.compute_dtype,
+            acts = max(acts, activations(folder, c.spec.subfolder, forward, names, precision.compute_dtype,
                                           s.batch_size, s.resolution, s.activation_checkpointing, c.lora))
     # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
     fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
-            acts = max(acts, activations(folder, c.spec.subfolder, kind, names, torch.float32, s.batch_size,
+            acts = max(acts, activations(folder, c.spec.subfolder, forward, names, torch.float32, s.batch_size,
                                           s.resolution, s.activation_checkpointing, c.lora))
     one_forward, acts = acts, -(-acts // s.context_parallel)  # CP: each rank holds 1/C of the sequence
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
@@ -674,6 +736,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     def compute_size(c: Part) -> int:
         return _size(torch.float32) if c.name in fp32_compute else c_size
     rows, gathered_units, result_load = {}, [], []
+    nf4_teacher = kind in NF4_TEACHER_KINDS and s.base_dtype == "nf4" and s.lora_rank > 0
     for c in comps:
         info, h = sharded[c.name], c.holding
         if not h.resident:
@@ -687,14 +750,10 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             n, a = info["trainable_local"], _size(ADAPTER_DTYPE)
             base_local = local - n
             if s.base_dtype == "nf4":  # the quantised share of the base, the rest (biases, norms, ...) as is
-                q = -(-info["nf4_global"] // s.world_size)
-                base_bytes = int(q * NF4_BYTES + (base_local - q) * _size(c.dtype))
-                load_peak = int(base_bytes + info["nf4_largest"] * NF4_LOAD_BYTES_PER_PARAM)
+                base_bytes, load_peak, units = _nf4_base(info, base_local, _size(c.dtype), compute_size(c),
+                                                         s.world_size)
                 result_load.append(load_peak)
-                frac = info["nf4_global"] / max(1, info["global"] - info["trainable_global"])
-                unit_bytes = frac * NF4_BYTES + (1 - frac) * compute_size(c)  # gathered as codes
-                temp = info["nf4_largest"] * compute_size(c)  # one Linear's weight dequantised at a time
-                gathered_units += [int(u * unit_bytes) + temp for _, u in info["units"]]
+                gathered_units += units
             else:
                 base_bytes = base_local * _size(c.dtype)
                 gathered_units += [u * compute_size(c) for _, u in info["units"]]  # base and adapters, in compute dtype
@@ -705,6 +764,13 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                                           note=f"LoRA adapters, rank {c.lora.rank} ({dtype_name(ADAPTER_DTYPE)})"
                                           + _optimizer_note(s.optimizer),
                                           count=info["trainable_global"], local_count=n, sharded=True, adapters=True)
+            continue
+        if nf4_teacher and h.sharded and not h.trained:  # stored and gathered as the NF4 LoRA bases are
+            base_bytes, load_peak, units = _nf4_base(info, local, _size(c.dtype), _size(c.dtype), s.world_size)
+            result_load.append(load_peak)
+            gathered_units += units
+            rows[c.name] = dict(params=base_bytes, grads=0, optim=0, note=f"{note} (nf4)", count=info["global"],
+                                local_count=local, sharded=True)
             continue
         rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
                             optim=int(local * _state_bytes(s.optimizer, p_size)) if h.trained else 0,
@@ -723,7 +789,9 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     else:
         # reduce-scatter input of the largest unit
         gathered += max(u for _, u in sharded[trainable.name]["units"]) * r_size
-    trained = {c.name for c in comps if c.holding.trained} | {c.name + ".lora" for c in comps if c.lora}
+    if s.ema:  # sharded like the model it copies (train_*.py's ema_lib.build_ema), so offloaded with it
+        rows = _with_ema(rows, trainable, sharded[trainable.name])
+    trained = {c.name for c in comps if c.holding.trained} | {c.name + ".lora" for c in comps if c.lora} | {"ema"}
     states = sum(r["params"] + r["grads"] + r["optim"] for n, r in rows.items() if n in trained)
     frozen = sum(r["params"] for n, r in rows.items() if n not in trained)
     host = states if s.cpu_offload else 0
@@ -741,6 +809,38 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         result["lora_targets"] = tuple(s.lora_targets) or getattr(
             models.MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
     return result
+
+
+def _nf4_base(info: dict, base_local: int, stored: int, compute: int, world: int) -> tuple[int, int, list[int]]:
+    """A frozen base whose Linear weights BASE_DTYPE=nf4 quantises (shard_components' nf4 counts):
+    (its shard's bytes, the host peak while loading it, the bytes of each unit in flight). The rest
+    (biases, norms, ...) stays in the stored dtype (`stored` bytes); units are gathered as codes plus
+    the rest in the compute dtype, and one Linear's weight is dequantised at a time."""
+    q = -(-info["nf4_global"] // world)
+    base_bytes = int(q * NF4_BYTES + (base_local - q) * stored)
+    load_peak = int(base_bytes + info["nf4_largest"] * NF4_LOAD_BYTES_PER_PARAM)
+    frac = info["nf4_global"] / max(1, info["global"] - info.get("trainable_global", 0))
+    unit_bytes = frac * NF4_BYTES + (1 - frac) * compute
+    temp = info["nf4_largest"] * compute
+    return base_bytes, load_peak, [int(u * unit_bytes) + temp for _, u in info["units"]]
+
+
+def _with_ema(rows: dict, trainable: Part, info: dict) -> dict:
+    """`rows` with an "ema" row after the trained model's: a copy of its local shards in its storage
+    dtype, or (LoRA) of its adapters in theirs (parallel/ema.py's AdapterEMA); no grads, no state."""
+    if trainable.lora:
+        n, count, dtype, what = info["trainable_local"], info["trainable_global"], ADAPTER_DTYPE, "adapters"
+    else:
+        n, count, dtype, what = info["local"], info["global"], trainable.dtype, "weights"
+    row = dict(params=n * _size(dtype), grads=0, optim=0, count=count, local_count=n, sharded=True,
+               adapters=bool(trainable.lora), note=f"EMA of {trainable.name}'s {what} ({dtype_name(dtype)})")
+    after = trainable.name + (".lora" if trainable.lora else "")
+    out = {}
+    for name, r in rows.items():
+        out[name] = r
+        if name == after:
+            out["ema"] = row
+    return out
 
 
 # what cheapest_fit tries, in order of what it costs in speed: (checkpointing, CPU offload, bf16 states)
@@ -895,7 +995,7 @@ def memo_planner():
     shard_cache, memo = {}, {}
 
     def planner(n: str, t: Settings) -> dict:
-        key = tuple(sorted(t.__dict__.items()))
+        key = (n, *sorted(t.__dict__.items()))
         if key not in memo:
             memo[key] = plan(n, t, shard_cache)
         return memo[key]
@@ -947,7 +1047,7 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
     settings it needs (cheapest_fit) and its per-GPU total in GiB, then any larger CP that needs less
     (cp_frontier). `planner`: plan, or a stand-in (default: memo_planner()). `lora`: as fit_table's."""
     folder = model_folder(name)
-    script, kind = layout(folder)
+    script, kind = layout(folder, with_script(name, Settings(1, **lora)).script)
     if kind != "flux_kontext":
         raise SystemExit(f"plan: --cp_table: context parallelism is train_flux_kontext.py's (FLUX layout); "
                          f"{name} is planned for {script}, which has none")
@@ -984,11 +1084,11 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
     return "\n".join(lines)
 
 
-def check_lora_targets(name: str, lora: lora_lib.Lora) -> list[str]:
+def check_lora_targets(name: str, lora: lora_lib.Lora, script: str = "") -> list[str]:
     """The LoRA targets of the model a configuration trains (its first trainable component), each
     checked to name a layer of it (parallel.lora.lora_targets; SystemExit naming a bad one)."""
     folder = model_folder(name)
-    _, kind = layout(folder)
+    _, kind = layout(folder, with_script(name, Settings(1, script=script)).script)
     spec = next(c for c in pipeline_components(kind) if HOLDING[c.role].trained)
     try:
         return lora_lib.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
@@ -1128,6 +1228,11 @@ def main(argv: list[str]) -> int:
                     help="LoRA: the frozen base's storage, as the scripts' BASE_DTYPE (nf4: 4-bit, parallel/lowbit.py)")
     ap.add_argument("--optimizer", default="adamw", choices=list(lowbit.OPTIMIZERS),
                     help="the scripts' OPTIMIZER: adamw (fp32/bf16 states) | adamw8bit | adamw4bit (torchao)")
+    ap.add_argument("--ema", type=int, default=0,
+                    help="count an EMA of the trained model, as the scripts' EMA_DECAY > 0 (LoRA: of its adapters)")
+    ap.add_argument("--script", default="", choices=["", *models.SCRIPTS],
+                    help="the training script to plan for (default: the folder's layout's, or the built-in name's); "
+                         "train_dmd.py on a FLUX Kontext folder: DMD2 with three FLUX transformers")
     ap.add_argument("--lowbit_table", action="store_true",
                     help="FLUX Kontext: markdown tables of BASE_DTYPE x OPTIMIZER on 1/2/4 x 24 GB at 512 and "
                          "1024 px, and BF16/NF4-base LoRA under DDP and FSDP2 with their largest batch")
@@ -1139,6 +1244,7 @@ def main(argv: list[str]) -> int:
         ap.error("--base_dtype=nf4 needs --lora_rank > 0 (only a frozen LoRA base is quantised)")
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
                 fake_score_fp32=bool(a.fake_score_fp32), base_dtype=a.base_dtype, optimizer=a.optimizer,
+                ema=bool(a.ema), script=a.script,
                 lora_targets=tuple(t.strip() for t in a.lora_target_modules.split(",") if t.strip()))
     try:
         lora_lib.check_lora(Settings(1, **lora).lora)
@@ -1157,12 +1263,13 @@ def main(argv: list[str]) -> int:
         ap.error("--world_size is required (or --fit_table / --cp_table)")
     # context parallelism's checks, one line each, before any work (no model is built for them)
     for ws in ([] if a.cp_table else world_sizes if a.fit_table else [a.world_size]):
-        check_context_parallel(model_folder(a.model), Settings(ws, dp_replicate=a.dp_replicate, resolution=a.resolution,
-                                                               context_parallel=a.context_parallel))
+        check_context_parallel(model_folder(a.model), with_script(a.model, Settings(
+            ws, dp_replicate=a.dp_replicate, resolution=a.resolution, context_parallel=a.context_parallel,
+            script=a.script)))
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
     if a.lora_rank:  # unknown targets fail here, on one meta model, as in the scripts, before any planning
-        check_lora_targets(a.model, Settings(1, **lora).lora)
+        check_lora_targets(a.model, Settings(1, **lora).lora, a.script)
     if a.cp_table:
         print(cp_table(a.model, [int(r) for r in a.resolutions.split(",")], gbs, world_sizes,
                        [int(c) for c in a.context_parallels.split(",")], a.batch_size, a.precision, **lora))
