@@ -5,14 +5,17 @@
 # `python tools/memory_plan.py --model=flux-kontext-dmd --world_size=8 --resolution=1024
 # --activation_checkpointing=1 --fake_score_fp32=0 --gpu_memory_gb=80` plans 55.2 GiB per GPU
 # (docs/planner.md). recipes/dmd_kontext_4step_lora.sh is the LoRA + NF4 variant for 8 x 24 GB.
-# There is no published DMD2 run on FLUX: the settings follow the published SDXL 4-step run
-# (recipes/dmd_sdxl_4step.sh) where they carry over, and FLUX's own where they do not:
+# There is no published DMD2 run on FLUX.1 Kontext. The settings follow NVlabs/FastGen's FLUX.1-dev
+# DMD2 config (fastgen/configs/experiments/Flux/config_dmd2.py) where it speaks and DMD2's SDXL
+# 4-step run otherwise:
 #   4 steps at timesteps 999, 749, 499, 249 (the FLUX path reads t as sigma = (t + 1) / 1000:
-#   sigmas 1, .75, .5, .25) with backward simulation, conditioning timestep 999, a generator step
-#   every 5 fake-score steps, generator and guidance LR 5e-7 as the SDXL run (its global batch
-#   128, here 64: GRAD_ACCUM = 64 / GPUs at 1 sample per GPU), no GAN;
-#   teacher guidance 2.5: FLUX.1 Kontext [dev] is guidance-distilled, so REAL_GUIDANCE_SCALE is the
-#   value of its guidance embedding (FluxKontextPipeline's default), not a CFG scale;
+#   sigmas 1, .75, .5, .25, what the export's scheduler gives for num_inference_steps=4) with
+#   backward simulation, a generator step every 5 fake-score steps (FastGen's student_update_freq
+#   5), generator and guidance LR 1e-5 (FastGen, :16-18), a global batch of 64 (GRAD_ACCUM = 64 /
+#   GPUs at 1 sample per GPU), no GAN;
+#   guidance 2.5 for teacher, fake score and generator (FLUX_GUIDANCE): Kontext [dev] is
+#   guidance-distilled, the value goes into its guidance embedding (no CFG pair), and the export is
+#   sampled at it (algorithms/dmd2_flux.py says why all three get the same value);
 #   1024 px, bf16-mixed, activation checkpointing (without it: 126 GiB per GPU), the fake score in
 #   bf16 (FAKE_SCORE_FP32=0: fp32 costs 5.3 GiB more per GPU, and its matmuls in TF32);
 #   T5 embeddings of 512 tokens, computed once into TEXT_CACHE_DIR before training (the text
@@ -33,8 +36,8 @@ PER_GPU=$(per_gpu 1 "$@")  # a --batch_size=N override keeps the global batch (G
 ACCUM=$(grad_accum 64 $PER_GPU)
 exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --output_dir="$OUT" \
     --text_cache_dir="$TEXT_CACHE_DIR" --max_sequence_length=512 \
-    --generator_lr=5e-7 --guidance_lr=5e-7 --batch_size=$PER_GPU --grad_accum=$ACCUM \
-    --resolution=1024 --real_guidance_scale=2.5 --dfake_gen_update_ratio=5 \
+    --generator_lr=1e-5 --guidance_lr=1e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \
+    --resolution=1024 --flux_guidance=2.5 --dfake_gen_update_ratio=5 \
     --conditioning_timestep=999 --denoising_steps=999,749,499,249 \
     --precision=bf16-mixed --fake_score_fp32=0 --activation_checkpointing=1 \
-    --max_steps=4000 --save_every=250 --sample_every=250 --log_every=10 --resume=auto "$@"
+    --export_dtype=bf16 --max_steps=4000 --save_every=250 --sample_every=250 --log_every=10 --resume=auto "$@"

@@ -27,7 +27,7 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --text_cache_dir="$TEXT_CACHE_DIR" --max_sequence_length=512 \
     --lora_rank=64 --lora_alpha=8 --lora_init=default --fake_lora=1 --base_dtype=nf4 \
     --generator_lr=5e-5 --guidance_lr=5e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \
-    --resolution=1024 --real_guidance_scale=2.5 --dfake_gen_update_ratio=5 \
+    --resolution=1024 --flux_guidance=2.5 --dfake_gen_update_ratio=5 \
     --conditioning_timestep=999 --denoising_steps=999,749,499,249 \
     --precision=bf16-mixed --fake_score_fp32=0 --activation_checkpointing=1 \
-    --max_steps=4000 --save_every=250 --sample_every=250 --log_every=10 --resume=auto "$@"
+    --export_dtype=bf16 --max_steps=4000 --save_every=250 --sample_every=250 --log_every=10 --resume=auto "$@"
