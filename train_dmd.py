@@ -92,6 +92,7 @@ DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk D
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
 IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
 CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
+PROMPT_CACHE = 0  # UNets: keep up to this many distinct prompts' embeddings on the device (small prompt sets); 0 = off
 TEXT_CACHE_DIR = ""  # FLUX teachers: the text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
@@ -178,7 +179,7 @@ def validate_config() -> list[int]:
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
-        "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
+        "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1, "PROMPT_CACHE >= 0": PROMPT_CACHE >= 0,
         f"GAN_HEAD_FEATURES in ({', '.join(dm.HEAD_FEATURES)})": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
     })
     if REAL_DATA_PATH and not USE_GAN:
@@ -499,6 +500,27 @@ def text_encoding(tokenizers, text_encoders, sdxl: bool, size: int, device: torc
     if sdxl:
         return functools.partial(encode_prompts_sdxl, tokenizers, text_encoders, size=size, device=device)
     return functools.partial(encode_prompts, tokenizers[0], text_encoders[0], device=device)
+
+
+class PromptCache:
+    """`encode` with each distinct prompt encoded once, alone, and its embedding kept on the device
+    (up to `size` prompts; later ones are encoded alone each time). Alone, so an embedding never
+    depends on which prompts shared its batch: the same on any world size and after a resume,
+    whatever the cache held. The text encoders then run on a step's new prompts only."""
+
+    def __init__(self, encode, size: int):
+        self.encode, self.size, self.store = encode, size, {}
+
+    def one(self, prompt: str):
+        hit = self.store.get(prompt)
+        if hit is None:
+            hit = self.encode([prompt])
+            if len(self.store) < self.size:
+                self.store[prompt] = hit
+        return hit
+
+    def __call__(self, prompts: list[str]):
+        return functools.reduce(dm.cat_cond, [self.one(p) for p in prompts])
 
 
 def unconditional(encode, sdxl: bool):
@@ -1008,6 +1030,8 @@ def main() -> None:
 
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
     encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
+    if PROMPT_CACHE > 0:
+        encode = PromptCache(encode, PROMPT_CACHE)
     uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
                                                              len(step_list) - 1, SEED)

@@ -443,3 +443,23 @@ def test_own_data_run_with_real_data_path_sample_prompts_and_caption_dropout(env
     assert f"data: 3 rows from {prompts}; GAN real images: 5 from REAL_DATA_PATH={real}" in log, log[-3000:]
     assert re.search(r"GAN_HEAD_FEATURES +=  *'up'", log)
     assert "loss_guidance_cls" in read_metrics(out)[0] and os.path.exists(out / "samples" / "step_000001.png")
+
+
+def test_prompt_cache_encodes_each_distinct_prompt_once_and_alone():
+    from algorithms import dmd2 as dm
+    calls = []
+
+    def encode(prompts):  # a stand-in encoder whose output shows which batch each row came from
+        calls.append(list(prompts))
+        n = torch.tensor([[float(len(prompts))]]).expand(len(prompts), 1)
+        text = torch.stack([torch.tensor([float(ord(p[0]))]) for p in prompts]) + 1000 * n
+        return dm.Cond(text, {"text_embeds": text * 2})
+
+    cached = train_dmd.PromptCache(encode, size=2)
+    out = cached(["a", "b", "a", "c"])
+    assert calls == [["a"], ["b"], ["c"]]  # each distinct prompt once, alone; "c" over the size is not kept
+    alone = torch.cat([encode([p]).text for p in "abac"])
+    assert torch.equal(out.text, alone) and torch.equal(out.added["text_embeds"], 2 * alone)
+    calls.clear()
+    again = cached(["c", "a"])
+    assert calls == [["c"]] and torch.equal(again.text, torch.cat([alone[3:], alone[:1]]))
