@@ -115,7 +115,7 @@ CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
-USE_GAN = False  # the paper's stage 2: classifier head on the fake UNet's bottleneck; needs .jsonl rows with "image"
+USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images from "image" (Kontext: "target")
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
 DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_GAN_MAX_TIMESTEP first
@@ -340,14 +340,14 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
 
 
 def build_gan_head(channels: int, native_size: int, mesh, precision, device: torch.device, seed: int,
-                   cpu_offload: bool, features: str = "mid") -> nn.Module:
+                   cpu_offload: bool, features: str = "mid", make=None) -> nn.Module:
     """The classifier head (algorithms/dmd2.ClassifierHead), randomly initialised from `seed` (the
     same full tensors on every rank, whatever the world size), then sharded as one FSDP unit that
     gathers and computes in fp32 whatever the mode (grads reduced as the mode's): the official head
     runs outside bf16 autocast on fp32 features (tianweiy/DMD2 main/sd_guidance.py:155-164)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = dm.ClassifierHead(channels, native_size, features)
+        head = make() if make is not None else dm.ClassifierHead(channels, native_size, features)
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
     parallelize(head, mesh, precision.mp_policy(torch.float32), fsdp_utils.Sharding(cpu_offload=cpu_offload))
     return head
@@ -766,11 +766,12 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 
 def check_flux_settings(pipeline: str) -> None:
     """What a FLUX teacher does not take, refused in one line before any work."""
-    refused = {"USE_GAN=1": "the GAN head reads a UNet's bottleneck; FLUX teachers distil without it here",
+    refused = {"USE_GAN=1": "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none",
+               "REAL_DATA_PATH": "the GAN's real images are the pairs' own targets, under their own instruction",
                "PARALLELISM=ddp": "the three FLUX transformers are sharded (PARALLELISM=fsdp)",
                "GENERATOR_INIT": "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"}
-    for name, bad in (("USE_GAN=1", USE_GAN), ("PARALLELISM=ddp", PARALLELISM == "ddp"),
-                      ("GENERATOR_INIT", GENERATOR_INIT)):
+    for name, bad in (("USE_GAN=1", USE_GAN and pipeline != "FluxKontextPipeline"), ("REAL_DATA_PATH", REAL_DATA_PATH),
+                      ("PARALLELISM=ddp", PARALLELISM == "ddp"), ("GENERATOR_INIT", GENERATOR_INIT)):
         if bad:
             raise ConfigError(f"{name} with a {pipeline} teacher: {refused[name]}")
     if pipeline == "FluxKontextPipeline" and source_kind(DATA_PATH) == "txt":
@@ -781,13 +782,15 @@ def check_flux_settings(pipeline: str) -> None:
 
 def flux_rows(kontext: bool, columns: dict) -> tuple[list[dict], int, list[dict]]:
     """(training rows, bad rows skipped, sample rows): Kontext rows {"control", "prompt"[, "target"]}
-    (the target is only shown beside the samples), text-to-image rows {"prompt"}; the sample rows
-    are the first SAMPLE_COUNT distinct ones of SAMPLE_PROMPTS or the data."""
+    (the target is the GAN's real image, required with USE_GAN, and shown beside the samples),
+    text-to-image rows {"prompt"}; the sample rows are the first SAMPLE_COUNT distinct ones of
+    SAMPLE_PROMPTS or the data."""
     roles = ("control", "target", "prompt") if kontext else ("prompt",)
     required = ("control", "prompt") if kontext else ("prompt",)
-    read = functools.partial(read_rows, roles=roles, required=required, columns=columns, split=DATASET_SPLIT)
-    rows, skipped = read(DATA_PATH, skip_bad=SKIP_BAD_SAMPLES)
-    samples = read(SAMPLE_PROMPTS, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS else rows
+    read = functools.partial(read_rows, roles=roles, columns=columns, split=DATASET_SPLIT)
+    rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES)
+    samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS
+               else rows)
     distinct = {(str(r.get("control", "")), r["prompt"]): r for r in reversed(samples)}  # the first of each
     return rows, skipped, list(reversed(distinct.values()))[:SAMPLE_COUNT]
 
@@ -796,7 +799,8 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
                    d: fsdp_utils.Dist) -> list[dict]:
     """Host side of iteration `it` on this rank (the Prefetcher runs it a step ahead): per
     micro-batch, this rank's positions in the global batch, the cached text embeddings of its
-    prompts ("" where CAPTION_DROPOUT drops one) and (Kontext) its context images, on CPU."""
+    prompts ("" where CAPTION_DROPOUT drops one) and (Kontext) its context images (with USE_GAN
+    also their targets), on CPU."""
     global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
     indices = global_batch_indices(it, global_batch, len(rows), SEED)
     out = []
@@ -807,6 +811,8 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
         mb = {"mine": mine, "text": load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
         if kontext:
             mb["context"] = torch.stack([load_image(r["control"], size, size) for r in picked])
+        if USE_GAN:
+            mb["target"] = torch.stack([load_image(r["target"], size, size) for r in picked])
         out.append(mb)
     return out
 
@@ -878,20 +884,31 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     fake.train()
     ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
                                                                     base_dtype=BASE_DTYPE if run.lora else ""))
-    models = {"generator": generator, "fake": fake, **({"ema": ema} if ema is not None else {})}
+    models = {"generator": generator, "fake": fake}
+    head = None
+    if USE_GAN:  # the head reads the fake's double-stream output (algorithms/dmd2_flux.py), in fp32
+        width = generator.config.num_attention_heads * generator.config.attention_head_dim
+        grid = flux_dm.head_grid(side)
+        head = build_gan_head(width, grid, mesh, prec, d.device, SEED, CPU_OFFLOAD,
+                              make=functools.partial(flux_dm.FluxHead, width, grid))
+        models["head"] = head
+    if ema is not None:
+        models["ema"] = ema
+    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
     vae = flux_models.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
 
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
-    opt_d, sched_d = make_optimizer(fake, GUIDANCE_LR, WARMUP_STEPS)
-    audit = [component_row(n, m, fake_compute if n == "fake" else prec.compute_dtype) for n, m in models.items()]
+    opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
+    computes = {"fake": fake_compute, "head": torch.float32}
+    audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
     tokens = side * side // 4
     trainer.report_components(run, f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
                               + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}", audit,
                               {**models, "teacher": teacher}, {"generator": opt_g, "guidance": opt_d})
-    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (fake, opt_d)},
+    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
                             {"generator": sched_g, "guidance": sched_d})
     if not run.resume_path and INIT_FROM:
         init_from(INIT_FROM, generator, fake, ema)
@@ -921,23 +938,27 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
                                FLUX_GUIDANCE, tiles, side, path)
 
     draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
-                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT))
+                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
+                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
+    gan = flux_dm.Gan(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
 
     def batches(it, loaded):
         out = []
         for host in loaded:
             mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
             mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None, ids)
+            if "target" in host:  # the GAN's real images: the pairs' targets, encoded as the contexts are
+                mb["real"] = km.pack_latents(km.encode_latents(vae, host["target"]))
             out.append(mb)
         return out
     steps = StepFns(
         batches=batches,
         images=lambda model, mb, index: flux_dm.generator_images(model, mb, sigmas, index, FLUX_GUIDANCE),
-        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE),
-        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE))
+        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE, gan),
+        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, gan))
     load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              kontext=kontext, d=d)
-    run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, fake), (opt_g, opt_d),
+    run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, guidance), (opt_g, opt_d),
              (sched_g, sched_d), sample, skipped)
 
     # the export samples in len(sigmas) steps with the scheduler made for it (no shift, stochastic)

@@ -22,9 +22,11 @@ diffusers pipeline_flux_kontext.py:965) when its scheduler does not shift.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from algorithms import dmd2 as dm
 from algorithms import flux_kontext as km
@@ -76,37 +78,72 @@ def generator_images(generator, mb: dict, sigmas: list[float], index: int, guida
     return dm.x0_from_velocity(z, v(z, s), s).float()
 
 
-def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float) -> tuple[torch.Tensor, dict]:
+@dataclass(frozen=True)
+class Gan:
+    """The optional GAN stage's settings (train_dmd.py's USE_GAN group); head None = off."""
+    head: nn.Module | None = None
+    gen_weight: float = 0.0
+    guidance_weight: float = 0.0
+    diffusion_gan: bool = True
+
+
+def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
+                   gan: Gan = Gan()) -> tuple[torch.Tensor, dict]:
     """loss_dm on G's tokens x: the per-sample normalised (teacher − fake) x̂0 direction at a σ drawn
-    in the DM range, teacher and fake at the same guidance value."""
+    in the DM range, teacher and fake at the same guidance value (+ gen_weight · loss_gen_cls)."""
     grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], velocity(teacher, mb["cond"], guidance),
                             velocity(fake, mb["cond"], guidance))
     loss = dm.dm_loss(x, grad)
-    return loss, {"loss_dm": loss.detach()}
+    logs = {"loss_dm": loss.detach()}
+    if gan.head is None:
+        return loss, logs
+    loss_cls = dm.gen_cls_loss(cls_logits(fake, gan.head, x, mb, "gan_gen", gan.diffusion_gan, guidance))
+    logs["loss_gen_cls"] = loss_cls.detach()
+    return loss + gan.gen_weight * loss_cls, logs
 
 
-def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float) -> tuple[torch.Tensor, dict]:
-    """loss_fake: the fake score's flow-matching loss on detached generator tokens."""
-    loss = dm.fm_fake_score_loss(velocity(fake, mb["cond"], guidance), x.detach(), mb["fake_noise"], mb["fake_sigma"])
-    return loss, {"loss_fake": loss.detach()}
+def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float, gan: Gan = Gan()) -> tuple[torch.Tensor, dict]:
+    """loss_fake: the fake score's flow-matching loss on detached generator tokens (+ guidance_weight
+    · loss_guidance_cls: the head on those tokens against the pairs' own targets, `mb["real"]`, under
+    the same conditioning)."""
+    x = x.detach()
+    loss = dm.fm_fake_score_loss(velocity(fake, mb["cond"], guidance), x, mb["fake_noise"], mb["fake_sigma"])
+    logs = {"loss_fake": loss.detach()}
+    if gan.head is None:
+        return loss, logs
+    logits_fake = cls_logits(fake, gan.head, x, mb, "gan_fake", gan.diffusion_gan, guidance)
+    logits_real = cls_logits(fake, gan.head, mb["real"], mb, "gan_real", gan.diffusion_gan, guidance)
+    loss_cls = dm.guidance_cls_loss(logits_fake, logits_real)
+    logs["loss_guidance_cls"] = loss_cls.detach()
+    return loss + gan.guidance_weight * loss_cls, logs
 
 
-def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range: tuple[float, float]) -> dict:
+def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range: tuple[float, float],
+                      gan_max_sigma: float | None = None) -> dict:
     """All randomness of one sample at one iteration, from its own generator on the run's device, in
-    a fixed order; latents unpacked (C, h, w), as the pipeline draws them before packing."""
+    a fixed order; latents unpacked (C, h, w), as the pipeline draws them before packing.
+    gan_max_sigma: the diffusion GAN's σ range [0, gan_max_sigma) when the GAN is on, else None."""
     dev = g.device
-    return {"noise": torch.randn(shape, generator=g, device=dev),
-            "dm_sigma": dm.sample_dm_sigmas(1, g, *sigma_range)[0],
-            "dm_noise": torch.randn(shape, generator=g, device=dev),
-            "fake_sigma": km.sample_sigmas(1, "uniform", g)[0],
-            "fake_noise": torch.randn(shape, generator=g, device=dev),
-            "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
+    r = {"noise": torch.randn(shape, generator=g, device=dev),
+         "dm_sigma": dm.sample_dm_sigmas(1, g, *sigma_range)[0],
+         "dm_noise": torch.randn(shape, generator=g, device=dev),
+         "fake_sigma": km.sample_sigmas(1, "uniform", g)[0],
+         "fake_noise": torch.randn(shape, generator=g, device=dev),
+         "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
+    if gan_max_sigma is not None:  # three head inputs: G's turn on fake, guidance turn on fake and real
+        for name in GAN_INPUTS:
+            r[name + "_sigma"] = torch.rand((), generator=g, device=dev) * gan_max_sigma
+            r[name + "_noise"] = torch.randn(shape, generator=g, device=dev)
+    return r
+
+
+GAN_INPUTS = ("gan_gen", "gan_fake", "gan_real")
 
 
 def pack_draws(r: dict) -> dict:
     """draw_sample_noise's latents of a micro-batch (B, C, h, w) -> packed tokens (B, N, 4C)."""
     out = dict(r)
-    for k in ("noise", "dm_noise", "fake_noise"):
+    for k in ("noise", "dm_noise", "fake_noise", *(n + "_noise" for n in GAN_INPUTS if n + "_noise" in r)):
         out[k] = km.pack_latents(r[k])
     out["sim_noise"] = pack_steps(r["sim_noise"])
     return out
@@ -135,3 +172,56 @@ def distilled_scheduler_config(config: dict) -> dict:
     out = {k: v for k, v in config.items() if not k.startswith("_") or k == "_class_name"}
     out.update(use_dynamic_shifting=False, shift=1.0, stochastic_sampling=True)
     return out
+
+
+# ---------------------------------------------------------------------------- GAN head (optional)
+# What it reads: the fake transformer's image stream after its last double-stream block (the joint
+# text-image blocks; the single-stream blocks and output layers are skipped), target tokens only, as a
+# (B, D, h/2, w/2) grid: the FLUX counterpart of the UNet bottleneck the published head reads
+# (tianweiy/DMD2 main/sd_guidance.py:107-133). D = 3072 for FLUX, so a 1x1 convolution first
+# brings it to HEAD_CHANNELS, then the published head's stride-2 stages (algorithms/dmd2.ClassifierHead).
+
+HEAD_CHANNELS = 256
+
+
+class _Passthrough(nn.Module):
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+def head_grid(side: int) -> int:
+    """The head's native grid: the token grid (latent side / 2), pooled to at most 8, a power of two >= 4."""
+    return max(4, min(8, 1 << ((side // 2).bit_length() - 1)))
+
+
+class FluxHead(nn.Sequential):
+    def __init__(self, width: int, grid: int):
+        super().__init__(nn.Conv2d(width, HEAD_CHANNELS, kernel_size=1), dm.ClassifierHead(HEAD_CHANNELS, grid))
+
+
+def double_stream_features(model, x: torch.Tensor, sigma: torch.Tensor, cond: FluxCond,
+                           guidance: float) -> torch.Tensor:
+    """The model's forward with its single-stream blocks and output layers swapped out for its
+    duration (the forward itself runs, so FSDP2 gathers, frees and registers backward as in any
+    forward; the removed units never run). Returns (B, D, h/2, w/2) fp32, keeping the graph."""
+    removed = {"single_transformer_blocks": nn.ModuleList(), "norm_out": _Passthrough(), "proj_out": nn.Identity()}
+    saved = {name: getattr(model, name) for name in removed}
+    for name, stand_in in removed.items():
+        setattr(model, name, stand_in)
+    try:
+        tokens = velocity(model, cond, guidance)(x, sigma)  # (B, Nt, D): the target tokens' hidden states
+    finally:
+        for name, module in saved.items():
+            setattr(model, name, module)
+    side = math.isqrt(tokens.shape[1])
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], side, side)
+
+
+def cls_logits(fake, head, x: torch.Tensor, mb: dict, name: str, diffusion_gan: bool, guidance: float) -> torch.Tensor:
+    """(B, 1) realism logits of clean tokens x, or (diffusion GAN) of x noised to the draw `name`'s σ."""
+    if diffusion_gan:
+        sigma = mb[name + "_sigma"]
+        x = dm.fm_noise(x, mb[name + "_noise"], sigma)
+    else:
+        sigma = torch.zeros(x.shape[0], device=x.device)
+    return head(double_stream_features(fake, x, sigma, mb["cond"], guidance))

@@ -4,8 +4,8 @@ users run it on the shipped tiny Kontext base (assets/kontext_base) and "make it
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd_kontext.py -q
 
 Launches, shared through module-scoped fixtures:
-  run_a      2 ranks, 4 steps, fp32, 4-step generator (backward simulation), EMA, generator every
-             2nd step, samples at steps 2 and 4, checkpoints at 2 and 4
+  run_a      2 ranks, 4 steps, fp32, 4-step generator (backward simulation), GAN head, EMA, generator
+             every 2nd step, samples at steps 2 and 4, checkpoints at 2 and 4
   run_b      1 process, the same global batch (2 micro-batches of 1)
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
   run_lora   1 process, 2 steps, LoRA generator and fake score on NF4 bases, NF4 teacher
@@ -30,7 +30,8 @@ BASE = os.path.join(ROOT, "assets", "kontext_base")
 SIGMAS = [1.0, 0.75, 0.5, 0.25]
 COMMON = [f"--model_path={BASE}", "--resolution=32", "--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2",
           "--precision=fp32", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2",
-          "--denoising_steps=999,749,499,249", "--sample_count=2", "--generator_lr=1e-4", "--guidance_lr=1e-4"]
+          "--denoising_steps=999,749,499,249", "--sample_count=2", "--generator_lr=1e-4", "--guidance_lr=1e-4",
+          "--use_gan=1"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def run_resumed(env, pairs, tmp_path_factory, run_a):
 @pytest.fixture(scope="module")
 def run_lora(env, pairs, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora")
-    log = _launch(COMMON + [f"--data_path={pairs}", "--max_steps=2", "--ema_decay=0", "--lora_rank=4",
+    log = _launch(COMMON + [f"--data_path={pairs}", "--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
                             "--fake_lora=1", "--base_dtype=nf4"], env, out, ranks=1).stdout
     return out, log
 
@@ -92,6 +93,8 @@ def test_two_ranks_train_the_distilled_generator(run_a):
     rows = read_metrics(run_a)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "loss_dm" in r] == [1, 3]  # DFAKE_GEN_UPDATE_RATIO=2
+    assert [r["step"] for r in rows if "loss_gen_cls" in r] == [1, 3]
+    assert all(torch.isfinite(torch.tensor(r["loss_guidance_cls"])) for r in rows)  # the head steps every step
     # step 1: generator = teacher = fake at the same guidance value, so the DM gradient is exactly 0;
     # at step 3 the fake score has moved off the teacher, so the generator gets a signal
     assert rows[0]["loss_dm"] == 0 and rows[2]["loss_dm"] > 0
@@ -117,7 +120,7 @@ def test_world_size_one_matches_two(run_a, run_b):
 def test_resume_is_bit_exact(run_a, run_resumed):
     straight, resumed = read_checkpoint(run_a, 4, flat=True), read_checkpoint(run_resumed, 4, flat=True)
     assert straight.keys() == resumed.keys()
-    for part in ("model.generator.", "model.fake.", "model.ema.", "optim.generator.", "optim.guidance."):
+    for part in ("model.generator.", "model.fake.", "model.head.", "model.ema.", "optim.generator.", "optim.guidance."):
         assert any(k.startswith("." + part) for k in straight), part
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
