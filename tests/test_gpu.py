@@ -35,16 +35,23 @@ def test_nccl_init_and_every_collective_helper():
     run_ranks(_nccl_helpers, GPUS)
 
 
+_KONTEXT_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "kontext_base")
+_KONTEXT_PAIRS = os.path.join(os.path.dirname(_KONTEXT_BASE), "kontext_blue", "train.jsonl")
+
+
 @pytest.mark.parametrize("script, args", [
     ("train_dmd.py", ["--dfake_gen_update_ratio=1", "--ema_decay=0.9"]),
+    ("train_dmd.py", [f"--model_path={_KONTEXT_BASE}", f"--data_path={_KONTEXT_PAIRS}", "--resolution=32",
+                      "--dfake_gen_update_ratio=1", "--ema_decay=0.9", "--use_gan=1", "--denoising_steps=999,499"]),
     ("train_dmd.py", ["--parallelism=ddp", "--precision=bf16", "--dfake_gen_update_ratio=1", "--ema_decay=0.9"]),
     ("train_flux_kontext.py", ["--lora_rank=4", "--val_every=1"]),
     ("train_flux_kontext.py", ["--parallelism=ddp", "--lora_rank=4", "--val_every=1"]),
-], ids=["dmd", "dmd-ddp-bf16", "kontext-lora", "kontext-ddp-lora"])
+], ids=["dmd", "dmd-kontext-gan", "dmd-ddp-bf16", "kontext-lora", "kontext-ddp-lora"])
 def test_two_steps_on_one_gpu(tmp_path, script, args):
     out = tmp_path / "out"
     launch(script, args + ["--max_steps=2", "--sample_every=2", "--save_every=1", "--log_every=1",
-                           "--sample_steps=1" if "kontext" in script else "--sample_count=2", f"--output_dir={out}"],
+                           "--sample_steps=1" if script == "train_flux_kontext.py" else "--sample_count=2",
+                           f"--output_dir={out}"],
            ranks=1)
     assert os.path.exists(out / "samples" / "step_000002.png")
     assert os.path.exists(out / "checkpoints" / "step_000002" / ".metadata")

@@ -250,12 +250,14 @@ def launch(script: str, args: list[str], world: int, log: str, timeout: float) -
             return 124
 
 
-def planned_bytes(model: str, world: int, s: dict) -> int:
+def planned_bytes(model: str, world: int, s: dict, script: str = "") -> int:
     from tools import memory_plan
+    extra = s.get("extra", {})
     settings = memory_plan.Settings(world_size=world, precision=s["precision"], batch_size=s["batch_size"],
                                     resolution=s["resolution"], activation_checkpointing=s.get("ac", False),
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
-                                    optimizer=s.get("optimizer", "adamw"))
+                                    optimizer=s.get("optimizer", "adamw"), script=script,
+                                    fake_score_fp32=bool(int(extra.get("fake_score_fp32", 1))))
     return memory_plan.plan(model, settings)["gpu_total"]
 
 
@@ -302,29 +304,33 @@ def one_run(row: dict, models: dict, data: dict, out: str, log: str, deadline: D
         result["probe"] = said[:1]
     if not cpu:
         try:
-            result["planned_gib"] = planned_bytes(models[kind], world, s) / GIB
+            result["planned_gib"] = planned_bytes(models[kind], world, s, script) / GIB
         except Exception as e:  # noqa: BLE001 - a planner gap is a table cell, not the end of the check
             result["planned_gib"] = float("nan")
             result["status"] += f"; planner: {type(e).__name__}"
     if rc == 0 and row.get("resume"):
         rc2 = launch(script, args + [f"--max_steps={steps + 1}", "--resume=auto"], world, log, deadline.left())
         resumed = rc2 == 0 and "resumed from" in open(log).read().rsplit("=====", 2)[-1]
-        result["resume_export"] = "pass" if resumed and export_loads(run_dir, script, s) else \
+        result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s) else \
             ("cut at the deadline" if rc2 == 124 else "FAIL (runs.log)")
     shutil.rmtree(run_dir, ignore_errors=True)  # a full checkpoint is tens of GB: one at a time
     return result
 
 
-def export_loads(run_dir: str, script: str, s: dict) -> bool:
+def export_loads(run_dir: str, kind: str, s: dict) -> bool:
     import diffusers
     export = os.path.join(run_dir, "export")
     if s.get("lora_rank"):
         return os.path.exists(os.path.join(export, "pytorch_lora_weights.safetensors"))
-    sub = "unet" if script == "train_dmd.py" else "transformer"
+    sub = "transformer" if kind == "flux" else "unet"
     return diffusers.AutoModel.from_pretrained(os.path.join(export, sub)) is not None
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+# DMD2 with a Kontext teacher as recipes/dmd_kontext_4step.sh runs it (three transformers of the FLUX folder)
+KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0, "export_dtype": "bf16"}
 
 
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
@@ -355,7 +361,8 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                        extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_cache_latents", "train_flux_kontext.py", "flux", hi,
                        extra={"cache_latents": 1}),
-                   row(f"dmd_sd15_{sd}px_b32_ac", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32, ac=True)])
+                   row(f"dmd_sd15_{sd}px_b32_ac", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32, ac=True),
+                   row(f"dmd_kontext_{hi}px_4step_ac", "train_dmd.py", "flux", hi, ac=True, extra=KONTEXT_DMD)])
     return [
         row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),
         row(f"dmd_sd15_{sd}px_b4", "train_dmd.py", "sd15", sd, batch_size=4),
@@ -369,6 +376,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
         row(f"kontext_{lo}px_full_compile", "train_flux_kontext.py", "flux", lo, extra={"compile": 1}),
         row(f"dmd_sd15_{sd}px_b4_ddp_bf16", "train_dmd.py", "sd15", sd, batch_size=4, precision="bf16",
             extra={"parallelism": "ddp"}),
+        row(f"dmd_kontext_{lo}px_4step_ac", "train_dmd.py", "flux", lo, ac=True, resume=True, extra=KONTEXT_DMD),
     ]
 
 
@@ -457,7 +465,7 @@ def main() -> None:
     refs = {}
     for r in runs:
         key = f"{r['kind']} {r['settings']['resolution']} px, batch {r['settings']['batch_size']}"
-        r["ref"], r["full"] = key, not r["settings"].get("lora_rank") and r["kind"] == "flux"
+        r["ref"], r["full"] = key, not r["settings"].get("lora_rank") and r["script"] == "train_flux_kontext.py"
         if key in refs or deadline.left() < 200:
             continue
         try:
