@@ -9,6 +9,7 @@
     python tools/benchmarks.py gan_head   # GAN head features: the whole fake UNet vs the forward cut after mid block
     python tools/benchmarks.py fake_fp32  # FAKE_SCORE_FP32 on vs off: SD-1.5 on 2 CPU ranks, and planned on GPUs
     python tools/benchmarks.py nf4_width  # NF4 vs bf16 LoRA base at FLUX.1 width (1 + 1 blocks): peak memory vs planner
+    python tools/benchmarks.py kontext_dmd_width  # DMD2, Kontext teacher, FLUX width (0 + 1 blocks), fp32: vs planner
     python tools/benchmarks.py host       # host-side work per step outside the models: aten ops, copies, syncs
     python tools/benchmarks.py all        # everything, as the markdown tables of docs/benchmarks.md
 
@@ -885,6 +886,58 @@ def bench_nf4_width() -> str:
     return "\n".join(lines)
 
 
+def bench_kontext_dmd_width() -> str:
+    """train_dmd.py with a FLUX.1 Kontext teacher at FLUX.1 width (3072) with 0 double + 1 single
+    block (~0.21 B parameters per transformer, random weights, tools/gpu_check.flux_folder): full
+    generator and full fake score with AdamW, the teacher frozen and sharded, all fp32, 2 CPU ranks,
+    256 px, batch 1, a generator step every step, 2 steps; then the planner for the same settings on
+    the same folder. One double block instead would hold ~7 GiB of model states per rank."""
+    from tools import gpu_check, memory_plan
+    root = _root()
+    folder = gpu_check.flux_folder(os.path.join(root, "gpu_check_models"), tiny=False, blocks=(0, 1))
+    data = gpu_check.datasets(os.path.join(root, "gpu_check_models"), 256)[1]
+    out = os.path.join(root, "kontext_dmd_width")
+    t0 = time.perf_counter()
+    mem = _two_rank_memory("train_dmd.py", [
+        f"--model_path={folder}", f"--data_path={data}", f"--output_dir={out}", "--precision=fp32",
+        "--fake_score_fp32=1", "--activation_checkpointing=0", "--resolution=256", "--batch_size=1",
+        "--max_steps=2", "--dfake_gen_update_ratio=1", "--ema_decay=0", "--log_every=1", "--sample_every=0",
+        "--save_every=0", "--sample_count=1", f"--text_cache_dir={os.path.join(out, 'text_cache')}"])
+    run_s = time.perf_counter() - t0
+    p = memory_plan.plan(folder, memory_plan.Settings(
+        world_size=2, precision="fp32", batch_size=1, resolution=256, activation_checkpointing=False,
+        fake_score_fp32=True, ema=False, script="train_dmd.py"))
+    sharded = [r for r in p["rows"].values() if r["sharded"]]  # generator, fake score, teacher: what the script reports
+    planned = {k: sum(r[k] for r in sharded) for k in ("params", "grads", "optim")}
+    big = max(mem, key=lambda m: m["params"] + m["grads_held"] + m["optim"])
+    measured = {"params": big["params"], "grads": big["grads_held"], "optim": big["optim"]}
+    planned["states"], measured["states"] = sum(planned.values()), sum(measured.values())
+    # the teacher only runs no-grad forwards, after which FSDP2 reshards neither its root nor its last
+    # block (fsdp_utils.reshard_all): the report counts those two units whole, the planner as shards
+    teacher = p["rows"]["teacher"]
+    units = dict(p["units"]["teacher"])
+    last = [u for name, u in p["units"]["teacher"] if name != "<root>"][-1]
+    gathered = (units["<root>"] + last) * teacher["params"] // teacher["local_count"] // 2  # full - shard at 2 ranks
+    planned["resharded"], measured["resharded"] = planned["states"], measured["states"] - gathered
+    planned["total"] = p["gpu_total"] - p["runtime"]
+    measured["total"] = max(m["rss_peak"] - m["rss_base"] for m in mem)
+    names = {"params": "parameters (G + fake + teacher)", "grads": "gradients (G + fake, as held in a step)",
+             "optim": "AdamW state (G + fake)", "states": "**model states**",
+             "resharded": "model states, the teacher's root + last block counted as shards",
+             "total": "**total** (planner: GPU total less the 1 GiB CUDA reserve; measured: peak RSS above baseline)"}
+    lines = ["| FLUX.1 width, 0 + 1 blocks, DMD2 full G + fake, fp32, 2 CPU ranks, 256 px, per rank "
+             "| planned | measured | measured / planned |", "|---|---:|---:|---:|"]
+    for k, name in names.items():
+        lines.append(f"| {name} | {planned[k] / 2**20:.1f} MiB | {measured[k] / 2**20:.1f} MiB "
+                     f"| {measured[k] / planned[k]:.4f} |")
+    lines += ["", f"Measured - planned parameters: {measured['params'] - planned['params']} bytes; the teacher's root "
+              f"and last block, gathered less sharded: {gathered} bytes. Planned beyond the model states: units in "
+              f"flight {p['gathered'] / 2**20:.0f} MiB, activations {p['activations'] / 2**20:.0f} MiB, the replicated "
+              f"VAE {p['rows']['vae']['params'] / 2**20:.0f} MiB. Measured: the larger rank's; the 2-rank training run "
+              f"took {run_s:.0f} s."]
+    return "\n".join(lines)
+
+
 def _host_work(repo: str, script: str, steps: int, out: str) -> dict:
     args = [sys.executable, os.path.join(ROOT, "tools", "host_work.py"), f"--repo={repo}", script,
             f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0", f"--output_dir={out}"]
@@ -915,7 +968,7 @@ def bench_host(repo: str = ROOT) -> str:
 
 BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile,
            "stack": bench_stack, "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
-           "nf4_width": bench_nf4_width, "host": bench_host}
+           "nf4_width": bench_nf4_width, "kontext_dmd_width": bench_kontext_dmd_width, "host": bench_host}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 
