@@ -240,6 +240,7 @@ class Sharding:
     activation_checkpointing: bool = False  # recompute each outermost unit in backward
     prefetch: int = 0  # > 0: explicit forward/backward prefetch of this many units ahead
     compile: bool = False  # torch.compile each innermost unit's forward (after AC, before fully_shard)
+    frozen: bool = False  # a model that never runs backward: every unit, the last and the root too, reshards
 
 
 def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
@@ -248,7 +249,8 @@ def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_p
     (the model's recipe, parallel/parallelize.py, gives them so, after activation checkpointing and
     compile).
 
-    - the last unit in execution order is not resharded after forward: backward needs it first
+    - the last unit in execution order is not resharded after forward: backward needs it first;
+      a frozen model (no backward ever) reshards every unit and its root, or they stay gathered
     - only the root hands its output back in `output_dtype` (fp32 for losses); units pass the
       compute dtype on, so the root's own layers (conv_out, proj_out) see their compute dtype
     - prefetch > 0 sets explicit forward/backward prefetch of that many units ahead
@@ -259,9 +261,10 @@ def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_p
     unit_policy = dataclasses.replace(mp_policy, output_dtype=None)
     ignored = unsharded_on_one_rank(model, mesh)
     for u in reversed(units):  # children before parents: nested units are allowed in FSDP2
-        fully_shard(u, mesh=mesh, mp_policy=unit_policy, offload_policy=offload,
-                    reshard_after_forward=sharding.reshard_after_forward and u is not last, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False,
+        reshard = sharding.frozen or (sharding.reshard_after_forward and u is not last)
+        fully_shard(u, mesh=mesh, mp_policy=unit_policy, offload_policy=offload, reshard_after_forward=reshard,
+                    ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=sharding.frozen,
                 ignored_params=ignored)
     if sharding.prefetch > 0 and len(units) > 1:
         n = sharding.prefetch

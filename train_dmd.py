@@ -298,7 +298,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
         model.requires_grad_(False)
     if not trainable:
         model.eval()
-        sharding = fsdp_utils.Sharding(compile=sharding.compile)
+        sharding = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
     parallelize_unet(model, mesh, policy, sharding, block_classes)
     home = torch.device("cpu") if sharding.cpu_offload else device
     return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)

@@ -44,8 +44,8 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
         model.to(dtype).requires_grad_(False).eval()
         if base_dtype == "nf4":
             lowbit.quantize_base(model, shards)
-        parallelize_flux(model, mesh, Precision.frozen_mp_policy(dtype), fsdp_utils.Sharding(compile=sharding.compile),
-                         block_classes, verbose=False)
+        frozen = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
+        parallelize_flux(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False)
         return fill_built_model(model, weights or folder, mesh, device, True)
     storage = prec.compute_dtype if lora else prec.param_dtype
     if storage != torch.float32:  # storage dtype of the params (on meta: free)

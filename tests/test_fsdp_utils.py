@@ -70,6 +70,25 @@ def _parity(rank, world, dp_replicate, ac, prefetch, mode="fp32", offload=False,
         torch.testing.assert_close(v.full_tensor(), ref_params[k], rtol=tol, atol=atol)
     report = memory.memory_report({"m": model}, {"m": opt})
     assert "rss_peak" in report
+    if dp_replicate == 1 and not ac:
+        _frozen_model_reshards_after_no_grad_forwards(mesh)
+
+
+def _frozen_model_reshards_after_no_grad_forwards(mesh):
+    """A frozen model (DMD2's teacher) only ever runs no-grad forwards: with Sharding(frozen=True)
+    every unit and the root are sharded again after each, while a trainable model's last unit and
+    root stay gathered for the backward that a frozen model never runs."""
+    from torch.distributed.tensor import DTensor
+
+    from precision import Precision
+    for frozen in (True, False):
+        model = TinyNet().requires_grad_(False)
+        parallelize(model, mesh, Precision.frozen_mp_policy(torch.float32), fsdp_utils.Sharding(frozen=frozen),
+                    block_classes=["Block"], verbose=False)
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        gathered = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        assert (gathered == []) == frozen, (frozen, gathered)
 
 
 @pytest.mark.slow

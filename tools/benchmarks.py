@@ -435,7 +435,8 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     knob = STACK_KNOBS.get(mode, {})
     if not trainable:  # the scripts' frozen teacher: prepare_frozen, then sharded by its recipe
         fsdp_utils.prepare_frozen(model, dtype)
-        parallelize(model, mesh, prec.frozen_mp_policy(dtype), fsdp_utils.Sharding(), knob.get("blocks"), verbose=False)
+        parallelize(model, mesh, prec.frozen_mp_policy(dtype), fsdp_utils.Sharding(frozen=True), knob.get("blocks"),
+                    verbose=False)
         return model.to(device)
     policy = prec.mp_policy()
     if knob.get("reduce") == "fp32":

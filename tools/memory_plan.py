@@ -387,8 +387,8 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                 parallelize(c.module, mesh, policy, sharding, block_classes, verbose=False)
             elif c.holding.sharded:
                 fsdp_utils.prepare_frozen(c.module, c.dtype)
-                parallelize(c.module, mesh, precision.frozen_mp_policy(c.dtype), fsdp_utils.Sharding(), block_classes,
-                            verbose=False)
+                parallelize(c.module, mesh, precision.frozen_mp_policy(c.dtype), fsdp_utils.Sharding(frozen=True),
+                            block_classes, verbose=False)
             total = sum(p.numel() for p in c.module.parameters())
             units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
