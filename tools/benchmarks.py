@@ -913,26 +913,18 @@ def bench_kontext_dmd_width() -> str:
     big = max(mem, key=lambda m: m["params"] + m["grads_held"] + m["optim"])
     measured = {"params": big["params"], "grads": big["grads_held"], "optim": big["optim"]}
     planned["states"], measured["states"] = sum(planned.values()), sum(measured.values())
-    # the teacher only runs no-grad forwards, after which FSDP2 reshards neither its root nor its last
-    # block (fsdp_utils.reshard_all): the report counts those two units whole, the planner as shards
-    teacher = p["rows"]["teacher"]
-    units = dict(p["units"]["teacher"])
-    last = [u for name, u in p["units"]["teacher"] if name != "<root>"][-1]
-    gathered = (units["<root>"] + last) * teacher["params"] // teacher["local_count"] // 2  # full - shard at 2 ranks
-    planned["resharded"], measured["resharded"] = planned["states"], measured["states"] - gathered
     planned["total"] = p["gpu_total"] - p["runtime"]
     measured["total"] = max(m["rss_peak"] - m["rss_base"] for m in mem)
     names = {"params": "parameters (G + fake + teacher)", "grads": "gradients (G + fake, as held in a step)",
              "optim": "AdamW state (G + fake)", "states": "**model states**",
-             "resharded": "model states, the teacher's root + last block counted as shards",
              "total": "**total** (planner: GPU total less the 1 GiB CUDA reserve; measured: peak RSS above baseline)"}
     lines = ["| FLUX.1 width, 0 + 1 blocks, DMD2 full G + fake, fp32, 2 CPU ranks, 256 px, per rank "
              "| planned | measured | measured / planned |", "|---|---:|---:|---:|"]
     for k, name in names.items():
         lines.append(f"| {name} | {planned[k] / 2**20:.1f} MiB | {measured[k] / 2**20:.1f} MiB "
                      f"| {measured[k] / planned[k]:.4f} |")
-    lines += ["", f"Measured - planned parameters: {measured['params'] - planned['params']} bytes; the teacher's root "
-              f"and last block, gathered less sharded: {gathered} bytes. Planned beyond the model states: units in "
+    lines += ["", f"Measured - planned parameters: {measured['params'] - planned['params']} bytes (the frozen teacher "
+              "reshards every unit and its root after each forward). Planned beyond the model states: units in "
               f"flight {p['gathered'] / 2**20:.0f} MiB, activations {p['activations'] / 2**20:.0f} MiB, the replicated "
               f"VAE {p['rows']['vae']['params'] / 2**20:.0f} MiB. Measured: the larger rank's; the 2-rank training run "
               f"took {run_s:.0f} s."]
