@@ -358,6 +358,19 @@ def assert_kontext_resumed_bit_exact(straight, resumed, step, models=("model.tra
     return a
 
 
+def assert_dmd_resumed_bit_exact(straight, resumed, step: int = 4) -> None:
+    """Two DMD2 runs' checkpoints of `step` hold the same generator, fake score, GAN head, EMA and both
+    AdamW states bit for bit, and the resumed run logged what the straight one did after the resume."""
+    a, b = read_checkpoint(straight, step, flat=True), read_checkpoint(resumed, step, flat=True)
+    assert a.keys() == b.keys()
+    for part in ("model.generator.", "model.fake.", "model.head.", "model.ema.", "optim.generator.", "optim.guidance."):
+        assert any(k.startswith("." + part) for k in a), part
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    after = read_metrics(resumed, timing=False)
+    assert read_metrics(straight, timing=False)[-len(after):] == after
+
+
 def write_pair(folder, name, size, colour, new_colour):
     """A context/target pair of `size` (w, h): one rectangle, recoloured in the target."""
     from PIL import Image, ImageDraw

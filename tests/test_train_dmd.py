@@ -25,8 +25,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (assert_loads_with_automodel, launch, launch_dmd, launch_env, load_export, read_checkpoint,
-                            read_metrics)
+from tests.conftest import (assert_dmd_resumed_bit_exact, assert_loads_with_automodel, launch, launch_dmd, launch_env,
+                            load_export, read_checkpoint, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -126,12 +126,7 @@ def test_outputs_written(run_a):
 
 @pytest.mark.slow
 def test_resume_is_bit_exact(run_a, run_resumed):
-    straight, resumed = read_checkpoint(run_a, 4, flat=True), read_checkpoint(run_resumed, 4, flat=True)
-    assert straight.keys() == resumed.keys()
-    for part in ("model.generator.", "model.fake.", "model.head.", "model.ema.", "optim.generator.", "optim.guidance."):
-        assert any(k.startswith("." + part) for k in straight), part
-    for k in straight:
-        assert torch.equal(straight[k], resumed[k]), k
+    assert_dmd_resumed_bit_exact(run_a, run_resumed)
     ua, ur = load_export(run_a, "unet"), load_export(run_resumed, "unet")
     assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
     la = read_metrics(run_a, timing=False)
