@@ -292,7 +292,7 @@ def t5_max_length(pipe) -> int:
 def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[np.ndarray]:
     """Edited images (HxWx3 uint8) for `rows`: FluxKontextPipeline at the context's size
     (max_area = h*w, _auto_resize=False), the T5 length of the tiny tokenizer, one generator per
-    batch seeded with seed + first index."""
+    batch seeded with seed + first index (the global RNG too, for a stochastic scheduler)."""
     import torch
     from PIL import Image
     outputs = []
@@ -300,6 +300,9 @@ def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[
         chunk = rows[i:i + batch_size]
         images = [Image.open(r["image"]).convert("RGB") for r in chunk]
         w, h = images[0].size
+        # a stochastic scheduler (a distilled export's) re-noises from the global RNG: the pipeline
+        # does not pass `generator` to scheduler.step, so seed that too
+        torch.manual_seed(seed + i)
         with torch.no_grad():
             result = pipe(image=images, prompt=[r["prompt"] for r in chunk], height=h, width=w,
                           max_area=h * w, _auto_resize=False, num_inference_steps=steps,
