@@ -30,6 +30,9 @@ Metrics, from pixels (the background colour is known, the shapes are flat colour
     # a LoRA fine-tune: the base pipeline + pipe.load_lora_weights(the LoRA export folder or file)
     python -m demos.kontext_eval --compare base=assets/kontext_base lora=assets/kontext_base \
         --lora lora=/tmp/kontext_lora/export
+    # one model at several step counts, and a distilled student at its own steps and guidance
+    python -m demos.kontext_eval --compare t28=T t4=T student=S --steps 28 --steps_for t4=4 student=4 \
+        --guidance_for student=1.0
     python -m demos.kontext_eval --make_data=out/kontext_task    # write the splits, print the paths
     python -m demos.kontext_eval --make_train=assets/kontext_blue  # rewrite the shipped train split
 
@@ -289,7 +292,7 @@ def t5_max_length(pipe) -> int:
 def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[np.ndarray]:
     """Edited images (HxWx3 uint8) for `rows`: FluxKontextPipeline at the context's size
     (max_area = h*w, _auto_resize=False), the T5 length of the tiny tokenizer, one generator per
-    batch seeded with seed + first index."""
+    batch seeded with seed + first index (the global RNG too, for a stochastic scheduler)."""
     import torch
     from PIL import Image
     outputs = []
@@ -297,6 +300,9 @@ def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[
         chunk = rows[i:i + batch_size]
         images = [Image.open(r["image"]).convert("RGB") for r in chunk]
         w, h = images[0].size
+        # a stochastic scheduler (a distilled export's) re-noises from the global RNG: the pipeline
+        # does not pass `generator` to scheduler.step, so seed that too
+        torch.manual_seed(seed + i)
         with torch.no_grad():
             result = pipe(image=images, prompt=[r["prompt"] for r in chunk], height=h, width=w,
                           max_area=h * w, _auto_resize=False, num_inference_steps=steps,
@@ -307,10 +313,12 @@ def generate(pipe, rows, steps=20, guidance=1.0, seed=0, batch_size=16) -> list[
 
 
 def evaluate(folder, rows, steps=20, guidance=1.0, seed=0, lora=None) -> tuple[dict, list[np.ndarray]]:
-    """(metrics, outputs) of the model in `folder` (plus the LoRA `lora`, see load_pipeline) on `rows`."""
+    """(metrics, outputs) of the model in `folder` (plus the LoRA `lora`, see load_pipeline) on `rows`;
+    the metrics include s_per_image, the generation wall time (loading excluded) per image."""
     pipe = load_pipeline(folder, lora=lora)
+    t0 = time.perf_counter()
     outputs = generate(pipe, rows, steps=steps, guidance=guidance, seed=seed)
-    return score_images(outputs, rows), outputs
+    return {**score_images(outputs, rows), "s_per_image": (time.perf_counter() - t0) / len(rows)}, outputs
 
 
 def save_grid(columns, path, rows=None, scale=1):
@@ -353,6 +361,10 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=0, help="use the first N held-out pairs (0 = all)")
     p.add_argument("--steps", type=int, default=20, help="inference steps")
     p.add_argument("--guidance", type=float, default=1.0, help="guidance embedding (training used 1.0)")
+    p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N",
+                   help="inference steps of model NAME (default --steps), e.g. a distilled student's")
+    p.add_argument("--guidance_for", nargs="+", default=[], metavar="NAME=G",
+                   help="guidance embedding of model NAME (default --guidance)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grid", default="out/kontext_eval/grid.png", help="PNG grid path ('' = none)")
     p.add_argument("--grid_rows", type=int, default=12)
@@ -386,6 +398,15 @@ def main(argv=None):
                 p.error(f"--lora wants NAME=PATH with NAME one of {sorted(models)}, got {item!r}")
             name, path = next(iter(models)), item
         loras[name] = path
+    per_model = {}
+    for flag, items, cast in (("--steps_for", args.steps_for, int), ("--guidance_for", args.guidance_for, float)):
+        for item in items:
+            name, _, value = item.partition("=")
+            if name not in models or not value:
+                p.error(f"{flag} wants NAME=VALUE with NAME one of {sorted(models)}, got {item!r}")
+            per_model.setdefault(name, {})[flag] = cast(value)
+    steps = {name: per_model.get(name, {}).get("--steps_for", args.steps) for name in models}
+    guidance = {name: per_model.get(name, {}).get("--guidance_for", args.guidance) for name in models}
 
     import torch
     torch.set_num_threads(args.threads)
@@ -402,12 +423,13 @@ def main(argv=None):
         t0 = time.time()
         results[name] = {}
         for split, rows in data.items():
-            metrics, images = evaluate(folder, rows, args.steps, args.guidance, args.seed, loras.get(name))
+            metrics, images = evaluate(folder, rows, steps[name], guidance[name], args.seed, loras.get(name))
             results[name][split] = metrics
             if split == "heldout":
                 outputs[name] = images
         lora = f" + LoRA {loras[name]}" if name in loras else ""
-        print(f"{name}: {folder}{lora} evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
+        print(f"{name}: {folder}{lora} ({steps[name]} steps, guidance {guidance[name]:g}) evaluated in "
+              f"{time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table({m: {s: {k: v for k, v in r.items() if k != "pairs"} for s, r in by.items()}
                           for m, by in results.items()}))
     if args.grid:
@@ -420,6 +442,7 @@ def main(argv=None):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"models": models, **({"lora": loras} if loras else {}),
                                                "data": splits, "steps": args.steps, "guidance": args.guidance,
+                                               "model_steps": steps, "model_guidance": guidance,
                                                "results": results}, indent=1))
     return 0
 
