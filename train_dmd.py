@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -836,6 +837,24 @@ def write_flux_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, til
     save_image_grid(torch.stack(grid), path, nrow=3)
 
 
+def write_distilled_scheduler(model_path: str, export_dir: str) -> None:
+    """export_dir/scheduler/: the teacher's scheduler made to sample the distilled generator
+    (algorithms/dmd2_flux.distilled_scheduler_config), a folder of its own rather than a link, so
+    the export travels without OUTPUT_DIR; beside a LoRA file, where the base's scheduler is not."""
+    with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
+        config = flux_dm.distilled_scheduler_config(json.load(f))
+    dst = os.path.join(export_dir, "scheduler")
+    tmp = dst + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "scheduler_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    if os.path.islink(dst):  # the teacher's scheduler, linked by the export
+        os.unlink(dst)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
 def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
     the FLUX recipe (parallel/flux.py, as train_flux_kontext.py builds its one), the prompts come
@@ -962,21 +981,15 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
              (sched_g, sched_d), sample, skipped)
 
     # the export samples in len(sigmas) steps with the scheduler made for it (no shift, stochastic)
-    scheduler_dir = run.output("scheduler_distilled")
-    if rank() == 0:
-        with open(os.path.join(MODEL_PATH, "scheduler", "scheduler_config.json")) as f:
-            config = flux_dm.distilled_scheduler_config(json.load(f))
-        os.makedirs(scheduler_dir, exist_ok=True)
-        with open(os.path.join(scheduler_dir, "scheduler_config.json"), "w") as f:
-            json.dump(config, f, indent=1)
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
+    lora_scheduler = " with FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
     print0(f"sampling the export: {run.pipeline}.from_pretrained(export)(..., {call}, guidance_scale={FLUX_GUIDANCE})"
-           + (f" with the scheduler from {scheduler_dir} (FlowMatchEulerDiscreteScheduler.from_pretrained)"
-              if run.lora else ""))
-    frozen = {"scheduler": scheduler_dir, **({"vae": VAE_PATH} if VAE_PATH else {})}
-    trainer.finish(run, final_weights, frozen=frozen)
+           + (lora_scheduler if run.lora else ""))
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
+    if d.rank == 0:
+        write_distilled_scheduler(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -140,6 +140,7 @@ def test_export_samples_in_the_distilled_steps(run_a, pairs):
     pipe = FluxKontextPipeline.from_pretrained(run_a / "export")
     pipe.set_progress_bar_config(disable=True)
     assert pipe.scheduler.config.stochastic_sampling and not pipe.scheduler.config.use_dynamic_shifting
+    assert not os.path.islink(run_a / "export" / "scheduler")  # the export's own, not a link into OUTPUT_DIR
     out = _edit(pipe, pairs)
     assert out.shape == (1, 3, 32, 32) and torch.isfinite(out).all()
     # the scheduler walked exactly the σ list the generator was trained on
@@ -161,7 +162,7 @@ def test_lora_nf4_run_exports_adapters_the_base_pipeline_loads(run_lora, pairs):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
     pipe = FluxKontextPipeline.from_pretrained(BASE, torch_dtype=torch.float32)
     pipe.load_lora_weights(out / "export")
-    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out / "scheduler_distilled")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out / "export", subfolder="scheduler")
     pipe.set_progress_bar_config(disable=True)
     assert "num_inference_steps=4, guidance_scale=2.5" in log
     assert torch.isfinite(_edit(pipe, pairs)).all()
