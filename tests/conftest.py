@@ -212,7 +212,21 @@ def _save_coverage() -> None:
 
 
 def run_ranks(fn, world: int, *args) -> None:
-    """Spawn `world` ranks running fn(rank, world, *args); re-raise the first failure here."""
+    """Run fn(rank, world, *args) on `world` ranks with the process group up; fail here with the
+    first failure. The ranks are forked from the launch server as a script's are (tests/rank_call.py:
+    no second import of torch and diffusers per rank), else spawned."""
+    env = launch_env()
+    if _zygote(env):
+        import pickle
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="run_ranks") as folder:
+            path = os.path.join(folder, "call.pkl")
+            with open(path, "wb") as f:
+                pickle.dump((fn, args), f)
+            rc, out = finish(start(os.path.join(ROOT, "tests", "rank_call.py"), [path], ranks=world, env=env), 600)
+        if rc != 0:
+            raise AssertionError(f"{fn.__module__}.{fn.__qualname__} on {world} ranks exited {rc}:\n{out[-6000:]}")
+        return
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()

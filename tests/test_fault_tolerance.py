@@ -12,7 +12,9 @@ End to end on train_flux_kontext.py with the random tiny Kontext model of tools/
              by themselves, not train on as orphans), SIGKILL of one rank while a save is in
              progress (a step_XXXXXX.partial folder exists); the last resume runs to MAX_STEPS and
              its export must equal the reference bit for bit.
-The rest runs in process (errors found before any process group exists) or on 2 spawned ranks.
+The runs that no signal reaches (the reference, the last resume) are forked from the launch server
+(tests/conftest.py), the interrupted ones are real torchrun. The rest runs in process (errors found
+before any process group exists) or on 2 ranks (run_ranks).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from components.dist import agree
 from components.errors import ConfigError, RunError
 from components.guard import NonFiniteGuard, is_finite
 
-STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
+STEPS = 12  # tiny steps take ~0.1 s, and each kill lands within a step or two of what it waits for
 TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
 
 
@@ -73,8 +75,11 @@ def start(setup, out, args=(), ranks=2):
                         env=setup["env"], torchrun=True)  # what users run: signals reach torchrun and its workers
 
 
-def run(setup, out, args=(), ranks=2):
-    return finish(start(setup, out, args, ranks))
+def run(setup, out, args=(), ranks=2, timeout=TIMEOUT):
+    """A launch that no test signals: forked from the launch server (conftest.launch)."""
+    proc = launch("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}", *args], ranks=ranks,
+                  env=setup["env"], timeout=timeout, check=False)
+    return proc.returncode, proc.stdout
 
 
 def workers(proc) -> dict[int, int]:
@@ -339,7 +344,7 @@ def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
     (tmp_path / "corrupt.png").write_bytes(b"not an image")
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"image": "corrupt.png", "target": "corrupt.png", "prompt": "p"}) + "\n")
-    rc, log = finish(start(setup, tmp_path / "out", [f"--data_path={data}"]), timeout=120)
+    rc, log = run(setup, tmp_path / "out", [f"--data_path={data}"], timeout=120)
     assert rc != 0
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {data}:1: image {tmp_path / 'corrupt.png'} is unreadable (UnidentifiedImageError)"], \
@@ -394,20 +399,21 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
 def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     """SIGTERM to one rank of train_dmd.py: both ranks finish the step, save and exit 143; the
     resumed run ends bit-identical to an uninterrupted one."""
+    steps = 16  # the SIGTERM lands after step 3, with steps to spare
     common = ["--precision=fp32", "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=0",
-              "--log_every=1", "--batch_size=1", "--max_steps=40", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
+              "--log_every=1", "--batch_size=1", f"--max_steps={steps}", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
 
-    def launch_dmd(out, *extra):
-        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra], torchrun=True)
+    def launch_dmd(out, *extra, torchrun=False):  # torchrun for the run that is signalled
+        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra], torchrun=torchrun)
+    proc = launch_dmd(tmp_path / "cut", torchrun=True)
     ref = launch_dmd(tmp_path / "ref")
-    proc = launch_dmd(tmp_path / "cut")
     metrics = tmp_path / "cut" / "metrics.jsonl"
     assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
     os.kill(workers(proc)[1], signal.SIGTERM)
     rc, log = finish(proc)
-    steps = complete_steps(tmp_path / "cut")
-    assert rc != 0 and len(steps) == 1 and 3 <= steps[0] < 40, log[-3000:]
-    assert f"stopped: checkpoint saved at step {steps[0]}; rerun with --resume=auto" in log, log[-3000:]
+    saved = complete_steps(tmp_path / "cut")
+    assert rc != 0 and len(saved) == 1 and 3 <= saved[0] < steps, log[-3000:]
+    assert f"stopped: checkpoint saved at step {saved[0]}; rerun with --resume=auto" in log, log[-3000:]
     rc, log = finish(launch_dmd(tmp_path / "cut", "--resume=auto"))
     assert rc == 0, log[-3000:]
     rc, log = finish(ref)
