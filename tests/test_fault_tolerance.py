@@ -12,9 +12,11 @@ End to end on train_flux_kontext.py with the random tiny Kontext model of tools/
              by themselves, not train on as orphans), SIGKILL of one rank while a save is in
              progress (a step_XXXXXX.partial folder exists); the last resume runs to MAX_STEPS and
              its export must equal the reference bit for bit.
-The runs that no signal reaches (the reference, the last resume) are forked from the launch server
-(tests/conftest.py), the interrupted ones are real torchrun. The rest runs in process (errors found
-before any process group exists) or on 2 ranks (run_ranks).
+The runs that test torchrun itself (its summary of the ranks' exit codes, its own death) are real
+torchrun; the others are forked from the launch server (tests/conftest.py), whose ranks get what
+torchrun gives them and end as torchrun's do (tests/test_zygote.py), and the reference trains while
+the chain is interrupted. The rest runs in process (errors found before any process group exists) or
+on 2 ranks (run_ranks).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, finish, launch, launch_env, load_export, run_ranks, start as start_script
+from tests.conftest import ROOT, ZygoteLaunch, finish, launch, launch_env, load_export, run_ranks
+from tests.conftest import start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import train_flux_kontext as tfk
@@ -70,29 +73,32 @@ def setup(tmp_path_factory):
     return {"root": root, "env": env, "common": common}
 
 
-def start(setup, out, args=(), ranks=2):
+def start(setup, out, args=(), ranks=2, torchrun=False):
+    """torchrun for what tests the launcher itself (its summary, its own death); otherwise a launch
+    forked from the launch server, whose ranks get what torchrun gives them (tests/zygote.py)."""
     return start_script("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}", *args], ranks=ranks,
-                        env=setup["env"], torchrun=True)  # what users run: signals reach torchrun and its workers
+                        env=setup["env"], torchrun=torchrun)
 
 
 def run(setup, out, args=(), ranks=2, timeout=TIMEOUT):
-    """A launch that no test signals: forked from the launch server (conftest.launch)."""
-    proc = launch("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}", *args], ranks=ranks,
-                  env=setup["env"], timeout=timeout, check=False)
-    return proc.returncode, proc.stdout
+    return finish(start(setup, out, args, ranks), timeout)
 
 
 def workers(proc) -> dict[int, int]:
-    """{rank: pid} of torchrun's worker processes."""
+    """{rank: pid} of a launch's rank processes: torchrun's workers by the RANK in their
+    environment, the launch server's by their order (it forks rank 0 first)."""
+    children = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    if isinstance(proc, ZygoteLaunch):
+        return dict(enumerate(children))
     found = {}
-    for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+    for pid in children:
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
         ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
         if ranks:
-            found[ranks[0]] = int(pid)
+            found[ranks[0]] = pid
     return found
 
 
@@ -114,25 +120,35 @@ def wait_for(pred, proc, timeout=TIMEOUT, poll=0.005):
 
 
 @pytest.fixture(scope="module")
-def reference(setup):
-    out = setup["root"] / "reference"
-    rc, log = run(setup, out)
-    assert rc == 0, log[-3000:]
-    return out
+def reference_run(setup):
+    """The uninterrupted run, trained while the chain is interrupted (`reference` waits for it)."""
+    proc = start(setup, setup["root"] / "reference")
+    yield proc
+    if proc.poll() is None:  # a failure left it running
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def chain(setup, reference):
+def reference(setup, reference_run, chain):
+    rc, log = finish(reference_run)
+    assert rc == 0, log[-3000:]
+    return setup["root"] / "reference"
+
+
+@pytest.fixture(scope="module")
+def chain(setup, reference_run):
     """Interrupt one run three ways, resuming after each; returns what each interruption left."""
     out, rng, events = setup["root"] / "chain", random.Random(0), {}
-    # 1. SIGTERM to rank 1 only once a checkpoint exists: both ranks stop together after a save
-    proc = start(setup, out)
+    # 1. SIGTERM to rank 1 only once a checkpoint exists: both ranks stop together after a save, and
+    #    torchrun's summary shows their exit code
+    proc = start(setup, out, torchrun=True)
     assert wait_for(lambda: complete_steps(out), proc), "no checkpoint before the run ended"
     os.kill(workers(proc)[1], signal.SIGTERM)
     events["sigterm"] = (*finish(proc), complete_steps(out))
     # 2. SIGKILL of the torchrun launcher alone at a random moment after the next checkpoint: its
     #    workers (in sessions of their own) must notice and exit within seconds, not train on
-    proc = start(setup, out, ["--resume=auto"])
+    proc = start(setup, out, ["--resume=auto"], torchrun=True)
     last = events["sigterm"][2][-1]
     assert wait_for(lambda: any(s > last for s in complete_steps(out)), proc)
     pids = list(workers(proc).values())
@@ -403,9 +419,9 @@ def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     common = ["--precision=fp32", "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=0",
               "--log_every=1", "--batch_size=1", f"--max_steps={steps}", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
 
-    def launch_dmd(out, *extra, torchrun=False):  # torchrun for the run that is signalled
-        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra], torchrun=torchrun)
-    proc = launch_dmd(tmp_path / "cut", torchrun=True)
+    def launch_dmd(out, *extra):
+        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra])
+    proc = launch_dmd(tmp_path / "cut")
     ref = launch_dmd(tmp_path / "ref")
     metrics = tmp_path / "cut" / "metrics.jsonl"
     assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
