@@ -5,12 +5,14 @@
     proc = start("train_flux_kontext.py", args)          # the same, not waited for (runs side by side)
     proc = start(script, args, torchrun=True)            # real torchrun: signals, kills, process trees
     rc, log = finish(proc)                               # wait; on timeout the whole group is killed
-    run_ranks(fn, 2, arg1, ...)   # fn(rank, world, *args) in spawned processes with the group up
+    launch_all({"a": dict(script=..., args=...), ...})   # independent launches side by side, all waited for
+    run_ranks(fn, 2, arg1, ...)   # fn(rank, world, *args) on 2 ranks with the group up
 
 Launches are forked from a server that imported torch, diffusers, transformers and peft once
 (tests/zygote.py: what each rank sees and how a launch ends are torchrun's, checked against it by
 tests/test_zygote.py); that saves each launch the seconds of start-up that dominated the suite on
-2 cores. FSDP_TESTS_TORCHRUN=1 sends every launch through torchrun instead. Every launch runs in its
+2 cores. run_ranks' ranks come from the same server (tests/rank_call.py). FSDP_TESTS_TORCHRUN=1 sends
+every launch through torchrun instead (and run_ranks through spawned processes). Every launch runs in its
 own process session, so a timeout kills the launcher and all its ranks (none is left running into
 the next test), with offline, one-thread-per-rank settings.
 """
@@ -90,6 +92,31 @@ def launch(script: str, args=(), *, ranks: int = 2, env: dict | None = None, tim
     return subprocess.CompletedProcess(proc.args, rc, out)
 
 
+def launch_all(runs: dict, timeout: float = TIMEOUT, check: bool = True) -> dict:
+    """Independent launches side by side, each waited for as `launch` does: {name: start()'s
+    arguments as a dict (script, args, ranks, env)} -> {name: CompletedProcess}. On 2 cores one run
+    leaves a core idle much of the time (one process, start-up, ranks waiting in collectives), which
+    a second run fills. Whatever is still running when one fails is killed."""
+    procs, done = {}, {}
+    try:
+        for name, kwargs in runs.items():
+            procs[name] = start(**kwargs)
+        for name, proc in procs.items():
+            rc, out = finish(proc, timeout)
+            if check and rc != 0:
+                pytest.fail(f"{name}: {' '.join(proc.args[-6:])} exited {rc}:\n{out[-3000:]}")
+            done[name] = subprocess.CompletedProcess(proc.args, rc, out)
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.communicate()
+    return done
+
+
 # environment variables the server's imports read at import time: a launch whose values differ
 # goes through torchrun, where its ranks import with them
 _IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP", "HF_", "TRANSFORMERS", "DIFFUSERS", "CUDA", "NCCL",
@@ -130,8 +157,8 @@ def _zygote(env: dict):
 
 
 class ZygoteLaunch:
-    """A launch forked by the server, with what `finish` uses of a Popen: pid (its process group:
-    the launcher and its ranks), args, returncode, communicate(timeout)."""
+    """A launch forked by the server, with what the tests use of a Popen: pid (its process group:
+    the launcher and its ranks), args, returncode, poll(), communicate(timeout)."""
 
     def __init__(self, server, script, args, ranks, env):
         path = script if os.path.isabs(script) else os.path.join(ROOT, script)
@@ -147,6 +174,12 @@ class ZygoteLaunch:
         self._conn.settimeout(120)
         self.pid = json.loads(self._conn.recv(1 << 16))["pid"]
         self._output = os.fdopen(read_end, "rb")
+
+    def poll(self) -> int | None:
+        """The exit code once the launcher has answered with it, else None."""
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.communicate()
+        return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -212,7 +245,21 @@ def _save_coverage() -> None:
 
 
 def run_ranks(fn, world: int, *args) -> None:
-    """Spawn `world` ranks running fn(rank, world, *args); re-raise the first failure here."""
+    """Run fn(rank, world, *args) on `world` ranks with the process group up; fail here with the
+    first failure. The ranks are forked from the launch server as a script's are (tests/rank_call.py:
+    no second import of torch and diffusers per rank), else spawned."""
+    env = launch_env()
+    if _zygote(env):
+        import pickle
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="run_ranks") as folder:
+            path = os.path.join(folder, "call.pkl")
+            with open(path, "wb") as f:
+                pickle.dump((fn, args), f)
+            rc, out = finish(start(os.path.join(ROOT, "tests", "rank_call.py"), [path], ranks=world, env=env), 600)
+        if rc != 0:
+            raise AssertionError(f"{fn.__module__}.{fn.__qualname__} on {world} ranks exited {rc}:\n{out[-6000:]}")
+        return
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
@@ -433,13 +480,24 @@ def make_kontext_setup(root):
 
 def launch_dmd(args, env: dict, out_dir, ranks: int = 2) -> str:
     """train_dmd.py with `args` into `out_dir`; its output."""
-    return launch("train_dmd.py", list(args) + [f"--output_dir={out_dir}"], ranks=ranks, env=env).stdout
+    return launch(**dmd_run(args, env, out_dir, ranks)).stdout
+
+
+def dmd_run(args, env: dict, out_dir, ranks: int = 2) -> dict:
+    """launch_dmd's run as launch_all takes it."""
+    return dict(script="train_dmd.py", args=list(args) + [f"--output_dir={out_dir}"], ranks=ranks, env=env)
 
 
 def launch_kontext(setup, out, args, ranks=2, check=True):
     """train_flux_kontext.py with the setup's common settings, into `out`."""
     return launch("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}"] + args, ranks=ranks,
-                         env=setup["env"], check=check)
+                  env=setup["env"], check=check)
+
+
+def kontext_run(setup, out, args, ranks=2) -> dict:
+    """launch_kontext's run as launch_all takes it."""
+    return dict(script="train_flux_kontext.py", args=setup["common"] + [f"--output_dir={out}"] + args, ranks=ranks,
+                env=setup["env"])
 
 
 def load_export(out, component: str = "transformer") -> dict:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, TinyNet, make_data, run_ranks, tiny_unet
+from tests.conftest import TinyNet, finish, make_data, run_ranks, start, tiny_unet
 
 import checkpoint
 import fsdp_utils
@@ -150,9 +148,10 @@ def _load_after_kill(rank, world, out):
 @pytest.mark.parametrize("where", ["write_data", "finish"])
 def test_killed_save_leaves_previous_checkpoint(tmp_path, where):
     out = str(tmp_path)
-    r = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=ROOT, out=out, where=where)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 9, r.stderr[-2000:]
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT.format(out=out, where=where))
+    rc, log = finish(start(str(script), ranks=1), 300)
+    assert rc == 9, log[-2000:]
     names = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert names == ["step_000002", "step_000004.partial"], names
     run_ranks(_load_after_kill, 1, out)

@@ -368,12 +368,9 @@ def test_an_output_dir_that_some_rank_cannot_see_fails_on_every_rank(tmp_path):
 def test_help_prints_every_setting_grouped_and_exits_0(script, flag):
     """--help / -h: every setting with its default, type and comment, under the script's group
     comments."""
-    import subprocess
-    from tests.conftest import ROOT
+    from tests.conftest import launch
     from tests.test_readme import constants
-    r = subprocess.run([sys.executable, os.path.join(ROOT, script), flag], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = launch(script, [flag], ranks=1, timeout=120)
     listed = re.findall(r"^  --([a-z0-9_]+)=", r.stdout, flags=re.M)
     assert listed == [n.lower() for n in constants(script)]
     assert "\nmodels and data\n" in r.stdout and '  --seed=0 (int): ' in r.stdout

@@ -4,7 +4,7 @@ FSDP2 over dp x cp. CPU, gloo, the tiny Kontext model, fp32.
 
     python -m pytest tests/test_context_parallel.py -q
 
-Runs (module-scoped, shared by the tests):
+Runs (module-scoped, shared by the tests; ref beside cp):
     ref      python, BATCH_SIZE=2                       (one process, no CP)
     cp       torchrun 2, CONTEXT_PARALLEL=2, BATCH_SIZE=2 (one DP group of 2 ranks: the same samples)
     resumed  the cp settings, RESUME=auto from a copy of cp's step-2 checkpoint to step 3
@@ -22,6 +22,8 @@ import torch
 
 from tests.conftest import (
     assert_kontext_resumed_bit_exact,
+    kontext_run,
+    launch_all,
     launch_kontext,
     load_export,
     read_metrics,
@@ -38,8 +40,9 @@ COMMON = ["--batch_size=2", "--ema_decay=0.5", "--val_every=1", "--sample_every=
 @pytest.fixture(scope="module")
 def runs(kontext_setup):
     root, out = kontext_setup["root"], {}
-    out["ref"] = str(root / "cp_ref"), launch_kontext(kontext_setup, root / "cp_ref", COMMON, ranks=1).stdout
-    out["cp"] = str(root / "cp"), launch_kontext(kontext_setup, root / "cp", COMMON + ["--context_parallel=2"]).stdout
+    done = launch_all({"ref": kontext_run(kontext_setup, root / "cp_ref", COMMON, ranks=1),
+                       "cp": kontext_run(kontext_setup, root / "cp", COMMON + ["--context_parallel=2"])})
+    out["ref"], out["cp"] = (str(root / "cp_ref"), done["ref"].stdout), (str(root / "cp"), done["cp"].stdout)
     os.makedirs(root / "cp_resumed" / "checkpoints")
     shutil.copytree(root / "cp" / "checkpoints" / "step_000002", root / "cp_resumed" / "checkpoints" / "step_000002")
     out["resumed"] = (

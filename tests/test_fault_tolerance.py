@@ -12,7 +12,11 @@ End to end on train_flux_kontext.py with the random tiny Kontext model of tools/
              by themselves, not train on as orphans), SIGKILL of one rank while a save is in
              progress (a step_XXXXXX.partial folder exists); the last resume runs to MAX_STEPS and
              its export must equal the reference bit for bit.
-The rest runs in process (errors found before any process group exists) or on 2 spawned ranks.
+The runs that test torchrun itself (its summary of the ranks' exit codes, its own death) are real
+torchrun; the others are forked from the launch server (tests/conftest.py), whose ranks get what
+torchrun gives them and end as torchrun's do (tests/test_zygote.py), and the reference trains while
+the chain is interrupted. The rest runs in process (errors found before any process group exists) or
+on 2 ranks (run_ranks).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, finish, launch, launch_env, load_export, run_ranks, start as start_script
+from tests.conftest import ROOT, ZygoteLaunch, finish, launch, launch_env, load_export, run_ranks
+from tests.conftest import start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import train_flux_kontext as tfk
@@ -39,7 +44,7 @@ from components.dist import agree
 from components.errors import ConfigError, RunError
 from components.guard import NonFiniteGuard, is_finite
 
-STEPS = 30  # tiny steps take ~0.1 s: room for the kills to land mid-run
+STEPS = 12  # tiny steps take ~0.1 s, and each kill lands within a step or two of what it waits for
 TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the suite
 
 
@@ -68,26 +73,32 @@ def setup(tmp_path_factory):
     return {"root": root, "env": env, "common": common}
 
 
-def start(setup, out, args=(), ranks=2):
+def start(setup, out, args=(), ranks=2, torchrun=False):
+    """torchrun for what tests the launcher itself (its summary, its own death); otherwise a launch
+    forked from the launch server, whose ranks get what torchrun gives them (tests/zygote.py)."""
     return start_script("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}", *args], ranks=ranks,
-                        env=setup["env"], torchrun=True)  # what users run: signals reach torchrun and its workers
+                        env=setup["env"], torchrun=torchrun)
 
 
-def run(setup, out, args=(), ranks=2):
-    return finish(start(setup, out, args, ranks))
+def run(setup, out, args=(), ranks=2, timeout=TIMEOUT):
+    return finish(start(setup, out, args, ranks), timeout)
 
 
 def workers(proc) -> dict[int, int]:
-    """{rank: pid} of torchrun's worker processes."""
+    """{rank: pid} of a launch's rank processes: torchrun's workers by the RANK in their
+    environment, the launch server's by their order (it forks rank 0 first)."""
+    children = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    if isinstance(proc, ZygoteLaunch):
+        return dict(enumerate(children))
     found = {}
-    for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+    for pid in children:
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
         ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
         if ranks:
-            found[ranks[0]] = int(pid)
+            found[ranks[0]] = pid
     return found
 
 
@@ -109,25 +120,35 @@ def wait_for(pred, proc, timeout=TIMEOUT, poll=0.005):
 
 
 @pytest.fixture(scope="module")
-def reference(setup):
-    out = setup["root"] / "reference"
-    rc, log = run(setup, out)
-    assert rc == 0, log[-3000:]
-    return out
+def reference_run(setup):
+    """The uninterrupted run, trained while the chain is interrupted (`reference` waits for it)."""
+    proc = start(setup, setup["root"] / "reference")
+    yield proc
+    if proc.poll() is None:  # a failure left it running
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def chain(setup, reference):
+def reference(setup, reference_run, chain):
+    rc, log = finish(reference_run)
+    assert rc == 0, log[-3000:]
+    return setup["root"] / "reference"
+
+
+@pytest.fixture(scope="module")
+def chain(setup, reference_run):
     """Interrupt one run three ways, resuming after each; returns what each interruption left."""
     out, rng, events = setup["root"] / "chain", random.Random(0), {}
-    # 1. SIGTERM to rank 1 only once a checkpoint exists: both ranks stop together after a save
-    proc = start(setup, out)
+    # 1. SIGTERM to rank 1 only once a checkpoint exists: both ranks stop together after a save, and
+    #    torchrun's summary shows their exit code
+    proc = start(setup, out, torchrun=True)
     assert wait_for(lambda: complete_steps(out), proc), "no checkpoint before the run ended"
     os.kill(workers(proc)[1], signal.SIGTERM)
     events["sigterm"] = (*finish(proc), complete_steps(out))
     # 2. SIGKILL of the torchrun launcher alone at a random moment after the next checkpoint: its
     #    workers (in sessions of their own) must notice and exit within seconds, not train on
-    proc = start(setup, out, ["--resume=auto"])
+    proc = start(setup, out, ["--resume=auto"], torchrun=True)
     last = events["sigterm"][2][-1]
     assert wait_for(lambda: any(s > last for s in complete_steps(out)), proc)
     pids = list(workers(proc).values())
@@ -339,7 +360,7 @@ def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
     (tmp_path / "corrupt.png").write_bytes(b"not an image")
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"image": "corrupt.png", "target": "corrupt.png", "prompt": "p"}) + "\n")
-    rc, log = finish(start(setup, tmp_path / "out", [f"--data_path={data}"]), timeout=120)
+    rc, log = run(setup, tmp_path / "out", [f"--data_path={data}"], timeout=120)
     assert rc != 0
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {data}:1: image {tmp_path / 'corrupt.png'} is unreadable (UnidentifiedImageError)"], \
@@ -397,20 +418,21 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
 def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     """SIGTERM to one rank of train_dmd.py: both ranks finish the step, save and exit 143; the
     resumed run ends bit-identical to an uninterrupted one."""
+    steps = 16  # the SIGTERM lands after step 3, with steps to spare
     common = ["--precision=fp32", "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=0",
-              "--log_every=1", "--batch_size=1", "--max_steps=40", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
+              "--log_every=1", "--batch_size=1", f"--max_steps={steps}", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
 
     def launch_dmd(out, *extra):
-        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra], torchrun=True)
-    ref = launch_dmd(tmp_path / "ref")
+        return start_script("train_dmd.py", [*common, f"--output_dir={out}", *extra])
     proc = launch_dmd(tmp_path / "cut")
+    ref = launch_dmd(tmp_path / "ref")
     metrics = tmp_path / "cut" / "metrics.jsonl"
     assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
     os.kill(workers(proc)[1], signal.SIGTERM)
     rc, log = finish(proc)
-    steps = complete_steps(tmp_path / "cut")
-    assert rc != 0 and len(steps) == 1 and 3 <= steps[0] < 40, log[-3000:]
-    assert f"stopped: checkpoint saved at step {steps[0]}; rerun with --resume=auto" in log, log[-3000:]
+    saved = complete_steps(tmp_path / "cut")
+    assert rc != 0 and len(saved) == 1 and 3 <= saved[0] < steps, log[-3000:]
+    assert f"stopped: checkpoint saved at step {saved[0]}; rerun with --resume=auto" in log, log[-3000:]
     rc, log = finish(launch_dmd(tmp_path / "cut", "--resume=auto"))
     assert rc == 0, log[-3000:]
     rc, log = finish(ref)

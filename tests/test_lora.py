@@ -3,7 +3,8 @@ the tiny Kontext model, and the adapters' dtypes, frozen base and export in proc
 
     python -m pytest tests/test_lora.py -q
 
-Runs (module-scoped, fp32 so that 1 process and 2 ranks agree to rounding):
+Runs (module-scoped, fp32 so that 1 process and 2 ranks agree to rounding; ref beside two, then
+resumed beside one):
     ref       python, BATCH_SIZE=4, LoRA rank 4 / alpha 8
     two       torchrun 2, BATCH_SIZE=2, the same LoRA, EMA of the adapters, a checkpoint at step 2,
               merged export too
@@ -19,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (assert_kontext_resumed_bit_exact, free_port, launch_dmd, launch_env, launch_kontext,
+from tests.conftest import (assert_kontext_resumed_bit_exact, dmd_run, free_port, kontext_run, launch_all, launch_env,
                             read_checkpoint, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,18 +40,16 @@ TWO = ["--batch_size=2", "--ema_decay=0.5", "--save_every=2", "--sample_every=0"
 def runs(kontext_setup):
     root, out = kontext_setup["root"] / "lora", {}
     os.makedirs(root)
-    out["ref"] = launch_kontext(
-        kontext_setup, root / "ref", LORA + ["--batch_size=4", "--sample_every=0"], ranks=1
-    ).stdout
-    out["two"] = launch_kontext(kontext_setup, root / "two", LORA + TWO).stdout
-    for name, ranks, args in (
-        ("resumed", 2, TWO),
-        ("one", 1, ["--batch_size=4", "--ema_decay=0.5", "--sample_every=0"]),
-    ):
+    ref = LORA + ["--batch_size=4", "--sample_every=0"]
+    out.update(launch_all({"ref": kontext_run(kontext_setup, root / "ref", ref, ranks=1),
+                           "two": kontext_run(kontext_setup, root / "two", LORA + TWO)}))
+    for name in ("resumed", "one"):
         os.makedirs(root / name / "checkpoints")
         shutil.copytree(root / "two" / "checkpoints" / "step_000002", root / name / "checkpoints" / "step_000002")
-        out[name] = launch_kontext(kontext_setup, root / name, LORA + args + ["--resume=auto"], ranks=ranks).stdout
-    return {k: (str(root / k), v) for k, v in out.items()}
+    one = ["--batch_size=4", "--ema_decay=0.5", "--sample_every=0"]
+    out.update(launch_all({"resumed": kontext_run(kontext_setup, root / "resumed", LORA + TWO + ["--resume=auto"]),
+                           "one": kontext_run(kontext_setup, root / "one", LORA + one + ["--resume=auto"], ranks=1)}))
+    return {k: (str(root / k), v.stdout) for k, v in out.items()}
 
 
 @pytest.mark.slow
@@ -238,8 +237,8 @@ DMD = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precis
 def dmd_runs(tmp_path_factory):
     env = launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
     root = tmp_path_factory.mktemp("dmd_lora")
-    launch_dmd(DMD + ["--batch_size=1", "--lora_export_merged=1"], env, root / "two")
-    launch_dmd(DMD + ["--batch_size=1", "--grad_accum=2"], env, root / "one", ranks=1)
+    launch_all({"two": dmd_run(DMD + ["--batch_size=1", "--lora_export_merged=1"], env, root / "two"),
+                "one": dmd_run(DMD + ["--batch_size=1", "--grad_accum=2"], env, root / "one", ranks=1)})
     return root
 
 

@@ -4,7 +4,8 @@ tiny Kontext model, plus the settings' checks and the quantisation error in proc
 
     python -m pytest tests/test_lowbit.py -q
 
-Runs (module-scoped, fp32 compute so that 1 process and 2 ranks agree to rounding):
+Runs (module-scoped, fp32 compute so that 1 process and 2 ranks agree to rounding; three stages of
+independent runs side by side):
     nf4_ref      python, BATCH_SIZE=4, LoRA rank 4 on an NF4 base
     nf4_two      torchrun 2, BATCH_SIZE=2, the same, a checkpoint at step 2
     nf4_resumed  torchrun 2 from a copy of nf4_two's step 2 (must equal it bit for bit)
@@ -24,8 +25,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (assert_kontext_resumed_bit_exact, launch_kontext, read_checkpoint, read_metrics,
-                            run_ranks)
+from tests.conftest import (assert_kontext_resumed_bit_exact, kontext_run, launch_all, launch_kontext, read_checkpoint,
+                            read_metrics, run_ranks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from components.errors import ConfigError
@@ -51,20 +52,22 @@ def runs(kontext_setup):
             shutil.copytree(root / resume_from / "checkpoints" / f"step_{step:06d}",
                             root / name / "checkpoints" / f"step_{step:06d}")
             args = args + ["--resume=auto"]
-        out[name] = launch_kontext(kontext_setup, root / name, args, ranks=ranks, check=False)
-        return out[name]
+        return kontext_run(kontext_setup, root / name, args, ranks=ranks)
 
-    run("nf4_ref", NF4 + ["--batch_size=4"], ranks=1)
-    run("nf4_two", NF4 + ["--batch_size=2", "--save_every=2"])
-    run("nf4_resumed", NF4 + ["--batch_size=2", "--save_every=2"], resume_from="nf4_two", step=2)
-    run("nf4_ddp", NF4 + ["--batch_size=2", "--parallelism=ddp"])
-    run("full_base", LORA + ["--batch_size=2"])
-    for opt in lowbit.OPTIMIZERS:
-        run(opt, OPT + [f"--optimizer={opt}"])
-    for opt in ("adamw8bit", "adamw4bit"):
-        run(f"{opt}_resumed", OPT + [f"--optimizer={opt}"], resume_from=opt, step=10)
-    run("adamw8bit_one", [a.replace("--batch_size=2", "--batch_size=4") for a in OPT] + ["--optimizer=adamw8bit"],
-        ranks=1, resume_from="adamw8bit", step=10)
+    def side_by_side(stage):
+        out.update(launch_all({name: run(name, *spec) for name, spec in stage.items()}, check=False))
+
+    # {name: (args, ranks, resumed from, at step)}, each stage after the one it resumes from
+    nf4_two = NF4 + ["--batch_size=2", "--save_every=2"]
+    side_by_side({"nf4_ref": (NF4 + ["--batch_size=4"], 1), "nf4_two": (nf4_two,),
+                  "nf4_ddp": (NF4 + ["--batch_size=2", "--parallelism=ddp"],),
+                  "full_base": (LORA + ["--batch_size=2"],)})
+    side_by_side({"nf4_resumed": (nf4_two, 2, "nf4_two", 2),
+                  **{opt: (OPT + [f"--optimizer={opt}"],) for opt in lowbit.OPTIMIZERS}})
+    one = [a.replace("--batch_size=2", "--batch_size=4") for a in OPT] + ["--optimizer=adamw8bit"]
+    side_by_side({"adamw8bit_resumed": (OPT + ["--optimizer=adamw8bit"], 2, "adamw8bit", 10),
+                  "adamw4bit_resumed": (OPT + ["--optimizer=adamw4bit"], 2, "adamw4bit", 10),
+                  "adamw8bit_one": (one, 1, "adamw8bit", 10)})
     return {k: (str(root / k), v) for k, v in out.items()}
 
 

@@ -5,7 +5,7 @@ python), through the same loading path as real SDXL weights.
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd_sdxl.py -q
 
   run_a        2 ranks, 4 steps, fp32, 4-step generator (backward simulation), GAN on, CFG 8
-  run_b        1 process, the same global batch (2 micro-batches of 1): FSDP vs one process
+  run_b        1 process, the same global batch (2 micro-batches of 1): FSDP vs one process (beside run_a)
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_loads_with_automodel, launch, launch_env, load_export, read_metrics
+from tests.conftest import assert_loads_with_automodel, launch, launch_all, launch_env, load_export, read_metrics
 
 import train_dmd
 from algorithms import dmd2 as dm
@@ -39,22 +39,32 @@ def sdxl(tmp_path_factory):
     }
 
 
+def run(sdxl, out, args=(), ranks=2) -> dict:
+    """A run as launch_all takes it."""
+    return dict(script="train_dmd.py", args=COMMON + [f"--model_path={sdxl['model']}", f"--data_path={sdxl['data']}",
+                                                      f"--output_dir={out}", *args], ranks=ranks, env=sdxl["env"])
+
+
 def train(sdxl, out, args=(), ranks=2) -> str:
-    return launch("train_dmd.py", COMMON + [f"--model_path={sdxl['model']}", f"--data_path={sdxl['data']}",
-                                            f"--output_dir={out}", *args], ranks=ranks, env=sdxl["env"]).stdout
+    return launch(**run(sdxl, out, args, ranks)).stdout
 
 
 @pytest.fixture(scope="module")
-def run_a(sdxl, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sdxl_a")
-    return out, train(sdxl, out)
+def first_runs(sdxl, tmp_path_factory):
+    """run_a and run_b, side by side."""
+    a, b = tmp_path_factory.mktemp("sdxl_a"), tmp_path_factory.mktemp("sdxl_b")
+    done = launch_all({"a": run(sdxl, a), "b": run(sdxl, b, ["--grad_accum=2"], ranks=1)})
+    return (a, done["a"].stdout), b
 
 
 @pytest.fixture(scope="module")
-def run_b(sdxl, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sdxl_b")
-    train(sdxl, out, ["--grad_accum=2"], ranks=1)
-    return out
+def run_a(first_runs):
+    return first_runs[0]
+
+
+@pytest.fixture(scope="module")
+def run_b(first_runs):
+    return first_runs[1]
 
 
 @pytest.fixture(scope="module")

@@ -78,36 +78,21 @@ def _reads_per_step(script: str, args: list[str], tmp_path) -> int:
     """Tensor-to-host reads per step outside logging steps (tests/sync_count_driver.py): the
     difference between a 4-step and a 2-step run whose only logging step is the last."""
     import json
-    import subprocess
-    import sys
-    from tests.conftest import ROOT, launch_env
+    from tests.conftest import ROOT, finish, start
 
     procs = {
-        steps: subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(ROOT, "tests", "sync_count_driver.py"),
-                script,
-                *args,
-                f"--max_steps={steps}",
-                "--log_every=100",
-                "--save_every=0",
-                "--sample_every=0",
-                "--precision=fp32",
-                f"--output_dir={tmp_path / str(steps)}",
-            ],
-            cwd=ROOT,
-            env=launch_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        steps: start(
+            os.path.join(ROOT, "tests", "sync_count_driver.py"),
+            [script, *args, f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0",
+             "--precision=fp32", f"--output_dir={tmp_path / str(steps)}"],
+            ranks=1,
         )
         for steps in (2, 4)
     }  # both at once: their startup overlaps
     total = {}
     for steps, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out[-3000:]
+        rc, out = finish(proc)
+        assert rc == 0, out[-3000:]
         line = next(line for line in out.splitlines() if line.startswith("SYNCS "))
         total[steps] = sum(json.loads(line[6:]).values())
     return (total[4] - total[2]) // 2
