@@ -3,7 +3,7 @@ users run it on the shipped tiny Kontext base (assets/kontext_base) and "make it
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd_kontext.py -q
 
-Launches, shared through module-scoped fixtures:
+Launches, shared through module-scoped fixtures (the first three side by side):
   run_a      2 ranks, 4 steps, fp32, 4-step generator (backward simulation), GAN head, EMA, generator
              every 2nd step, samples at steps 2 and 4, checkpoints at 2 and 4
   run_b      1 process, the same global batch (2 micro-batches of 1)
@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_dmd_resumed_bit_exact, launch, launch_env, read_metrics, tiny_flux
+from tests.conftest import assert_dmd_resumed_bit_exact, launch, launch_all, launch_env, read_metrics, tiny_flux
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,40 +52,46 @@ def pairs(tmp_path_factory):
     return str(path)
 
 
-def _launch(args, env, out, ranks=2, check=True):
-    return launch("train_dmd.py", list(args) + [f"--output_dir={out}"], ranks=ranks, env=env, check=check)
+def _run(args, env, out, ranks=2) -> dict:
+    return dict(script="train_dmd.py", args=list(args) + [f"--output_dir={out}"], ranks=ranks, env=env)
 
 
 @pytest.fixture(scope="module")
-def run_a(env, pairs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("a")
-    log = _launch(COMMON + [f"--data_path={pairs}"], env, out).stdout
-    assert "FluxKontextPipeline" in log and "num_inference_steps=4, guidance_scale=2.5" in log
-    return out
+def first_runs(env, pairs, tmp_path_factory):
+    """run_a, run_b and run_lora, side by side."""
+    a, b, lora = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora"))
+    data = [f"--data_path={pairs}"]
+    done = launch_all({
+        "a": _run(COMMON + data, env, a), "b": _run(COMMON + data + ["--grad_accum=2"], env, b, ranks=1),
+        "lora": _run(COMMON + data + ["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
+                                      "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1)})
+    assert "FluxKontextPipeline" in done["a"].stdout and "num_inference_steps=4, guidance_scale=2.5" in done["a"].stdout
+    return a, b, (lora, done["lora"].stdout)
 
 
 @pytest.fixture(scope="module")
-def run_b(env, pairs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("b")
-    _launch(COMMON + [f"--data_path={pairs}", "--grad_accum=2"], env, out, ranks=1)
-    return out
+def run_a(first_runs):
+    return first_runs[0]
+
+
+@pytest.fixture(scope="module")
+def run_b(first_runs):
+    return first_runs[1]
+
+
+@pytest.fixture(scope="module")
+def run_lora(first_runs):
+    return first_runs[2]
 
 
 @pytest.fixture(scope="module")
 def run_resumed(env, pairs, tmp_path_factory, run_a):
     out = tmp_path_factory.mktemp("resumed")
     shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-    log = _launch(COMMON + [f"--data_path={pairs}", "--resume=auto"], env, out).stdout
+    log = launch("train_dmd.py", COMMON + [f"--data_path={pairs}", "--resume=auto", f"--output_dir={out}"],
+                 env=env).stdout
     assert "step_000002 (step 2)" in log
     return out
-
-
-@pytest.fixture(scope="module")
-def run_lora(env, pairs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora")
-    log = _launch(COMMON + [f"--data_path={pairs}", "--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
-                            "--fake_lora=1", "--base_dtype=nf4"], env, out, ranks=1).stdout
-    return out, log
 
 
 @pytest.mark.slow
