@@ -4,7 +4,7 @@ itself is checked in tests/test_dmd2.py.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd.py -q
 
-Launches are few and shared through module-scoped fixtures, two at a time where independent:
+Launches are few and shared through module-scoped fixtures (a one-process run beside a 2-rank one):
   run_a      2 ranks, 4 steps, fp32, 1-step generator, GAN + EMA, generator every 2nd step,
              samples (from the EMA) at steps 2 and 4, checkpoints at 2 and 4
   run_b      1 process, same global batch as run_a (2 micro-batches of 1: FSDP and grad accumulation)
@@ -26,8 +26,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (assert_loads_with_automodel, dmd_run, launch, launch_all, launch_env, load_export,
-                            read_checkpoint, read_metrics)
+from tests.conftest import (assert_loads_with_automodel, dmd_run, launch, launch_all, launch_dmd, launch_env,
+                            load_export, read_checkpoint, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -69,35 +69,27 @@ def run_b(first_runs):
 
 
 @pytest.fixture(scope="module")
-def runs_from_a(env, tmp_path_factory, run_a):
-    """run_resumed and run_few, side by side: both start from run_a's checkpoints."""
-    # run_resumed: stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4
-    resumed = tmp_path_factory.mktemp("resumed")
-    shutil.copytree(run_a / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
-    # run_few: few-step mode on 2 ranks, with a data file holding 2 bad rows and SKIP_BAD_SAMPLES on
-    few = tmp_path_factory.mktemp("few")
-    data = few / "prompts.jsonl"
+def run_resumed(env, tmp_path_factory, run_a):
+    """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4."""
+    out = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    log = launch_dmd(COMMON + ["--resume=auto"], env, out)
+    assert "resumed from" in log and "step_000002 (step 2)" in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_few(env, tmp_path_factory, run_a):
+    """Few-step mode on 2 ranks, with a data file holding 2 bad rows and SKIP_BAD_SAMPLES on."""
+    out = tmp_path_factory.mktemp("few")
+    data = out / "prompts.jsonl"
     rows = [json.dumps({"prompt": f"a {c} square on a white background"}) for c in ("red", "blue", "green", "pink")]
     data.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"image": "x.png"})] + rows[2:]) + "\n")
-    done = launch_all({
-        "resumed": dmd_run(COMMON + ["--resume=auto"], env, resumed),
-        "few": dmd_run(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
-                        "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
-                        "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
-                        f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, few)})
-    log = done["resumed"].stdout
-    assert "resumed from" in log and "step_000002 (step 2)" in log
-    return resumed, (few, done["few"].stdout)
-
-
-@pytest.fixture(scope="module")
-def run_resumed(runs_from_a):
-    return runs_from_a[0]
-
-
-@pytest.fixture(scope="module")
-def run_few(runs_from_a):
-    return runs_from_a[1]
+    log = launch_dmd(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
+                      "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
+                      "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
+                      f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, out)
+    return out, log
 
 
 @pytest.fixture(scope="module")
