@@ -11,10 +11,10 @@
 Launches are forked from a server that imported torch, diffusers, transformers and peft once
 (tests/zygote.py: what each rank sees and how a launch ends are torchrun's, checked against it by
 tests/test_zygote.py); that saves each launch the seconds of start-up that dominated the suite on
-2 cores. run_ranks' ranks come from the same server (tests/rank_call.py). FSDP_TESTS_TORCHRUN=1 sends
-every launch through torchrun instead (and run_ranks through spawned processes). Every launch runs in its
-own process session, so a timeout kills the launcher and all its ranks (none is left running into
-the next test), with offline, one-thread-per-rank settings.
+2 cores. run_ranks' ranks come from the same server (tests/rank_call.py). FSDP_TESTS_TORCHRUN=1
+sends every launch through torchrun instead (and run_ranks through spawned processes). Every launch
+runs in its own process session, so a timeout kills the launcher and all its ranks (none is left
+running into the next test), with offline, one-thread-per-rank settings.
 """
 from __future__ import annotations
 
@@ -245,9 +245,9 @@ def _save_coverage() -> None:
 
 
 def run_ranks(fn, world: int, *args) -> None:
-    """Run fn(rank, world, *args) on `world` ranks with the process group up; fail here with the
-    first failure. The ranks are forked from the launch server as a script's are (tests/rank_call.py:
-    no second import of torch and diffusers per rank), else spawned."""
+    """Run fn(rank, world, *args) on `world` ranks with the process group up; a failure on any rank
+    fails here, with its traceback. The ranks are forked from the launch server as a script's are
+    (tests/rank_call.py: no import of torch and diffusers per rank), else spawned."""
     env = launch_env()
     if _zygote(env):
         import pickle

@@ -39,7 +39,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import launch_all, launch_env, read_metrics, run_ranks
+from tests.conftest import launch, launch_env, read_metrics, run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -81,14 +81,14 @@ def flux_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile_flux")
     common, env = flux_setup(root)
     common += ["--precision=fp32", "--save_every=2", "--export_dtype=fp32"]
-    def run(name, flag, *extra):
-        return dict(script="train_flux_kontext.py", args=common + [f"--compile={flag}", f"--output_dir={root / name}",
-                                                                   *extra], env=env)
-    done = launch_all({"eager": run("eager", "0"), "compiled": run("compiled", "1")}, timeout=900)
-    # compiled, from the eager run's step-2 checkpoint (hits the compiled run's cache)
-    shutil.copytree(root / "eager" / "checkpoints" / "step_000002", root / "resumed" / "checkpoints" / "step_000002")
-    done.update(launch_all({"resumed": run("resumed", "1", "--resume=auto")}, timeout=900))
-    return {name: (str(root / name), proc.stdout) for name, proc in done.items()}
+    runs = {}
+    for name, flag in (("eager", "0"), ("compiled", "1"), ("resumed", "1")):
+        out = root / name
+        if name == "resumed":  # compiled, from the eager run's step-2 checkpoint (hits the compiled run's cache)
+            shutil.copytree(root / "eager" / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+        args = [f"--compile={flag}", f"--output_dir={out}"] + (["--resume=auto"] if name == "resumed" else [])
+        runs[name] = (str(out), launch("train_flux_kontext.py", common + args, env=env, timeout=900).stdout)
+    return runs
 
 
 @pytest.mark.slow
@@ -141,11 +141,11 @@ def flux_lora_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile_flux_lora")
     common, env = flux_setup(root)
     common += ["--lora_rank=4", "--save_every=0"]
-    runs = {name: dict(script="train_flux_kontext.py", env=env,
-                       args=common + [f"--precision={precision}", f"--compile={flag}", f"--output_dir={root / name}"])
-            for name, precision, flag in (("eager", "bf16-mixed", "0"), ("compiled", "bf16-mixed", "1"),
-                                          ("fp32", "fp32", "0"))}
-    return {name: (str(root / name), proc.stdout) for name, proc in launch_all(runs, timeout=900).items()}
+    runs = {}
+    for name, precision, flag in (("eager", "bf16-mixed", "0"), ("compiled", "bf16-mixed", "1"), ("fp32", "fp32", "0")):
+        args = [f"--precision={precision}", f"--compile={flag}", f"--output_dir={root / name}"]
+        runs[name] = (str(root / name), launch("train_flux_kontext.py", common + args, env=env, timeout=900).stdout)
+    return runs
 
 
 @pytest.mark.slow

@@ -4,15 +4,16 @@ itself is checked in tests/test_dmd2.py.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd.py -q
 
-Launches are few and shared through module-scoped fixtures, two at a time where independent:
+Launches are few and shared through module-scoped fixtures (a one-process run beside a 2-rank one):
   run_a      2 ranks, 4 steps, fp32, 1-step generator, GAN + EMA, generator every 2nd step,
              samples (from the EMA) at steps 2 and 4, checkpoints at 2 and 4
   run_b      1 process, same global batch as run_a (2 micro-batches of 1: FSDP and grad accumulation)
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
   run_few    2 ranks, few-step generator (backward simulation), a data file with bad rows skipped,
              weights from run_a's last checkpoint (INIT_FROM) and LR 0, so they must stay exactly those
-  (own)      2 ranks, 1 step, LR 0, the generator from a GENERATOR_INIT file (its EMA too, the fake
+  init       2 ranks, 1 step, LR 0, the generator from a GENERATOR_INIT file (its EMA too, the fake
              score from the teacher)
+  own        1 process, 1 step, a caption folder, REAL_DATA_PATH, SAMPLE_PROMPTS (beside init)
 """
 from __future__ import annotations
 
@@ -68,35 +69,52 @@ def run_b(first_runs):
 
 
 @pytest.fixture(scope="module")
-def runs_from_a(env, tmp_path_factory, run_a):
-    """run_resumed and run_few, side by side: both start from run_a's checkpoints."""
-    # run_resumed: stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4
-    resumed = tmp_path_factory.mktemp("resumed")
-    shutil.copytree(run_a / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
-    # run_few: few-step mode on 2 ranks, with a data file holding 2 bad rows and SKIP_BAD_SAMPLES on
-    few = tmp_path_factory.mktemp("few")
-    data = few / "prompts.jsonl"
+def run_resumed(env, tmp_path_factory, run_a):
+    """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4."""
+    out = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
+    log = launch_dmd(COMMON + ["--resume=auto"], env, out)
+    assert "resumed from" in log and "step_000002 (step 2)" in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_few(env, tmp_path_factory, run_a):
+    """Few-step mode on 2 ranks, with a data file holding 2 bad rows and SKIP_BAD_SAMPLES on."""
+    out = tmp_path_factory.mktemp("few")
+    data = out / "prompts.jsonl"
     rows = [json.dumps({"prompt": f"a {c} square on a white background"}) for c in ("red", "blue", "green", "pink")]
     data.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"image": "x.png"})] + rows[2:]) + "\n")
+    log = launch_dmd(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
+                      "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
+                      "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
+                      f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, out)
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def init_and_own_runs(env, tmp_path_factory):
+    """Side by side: 2 ranks, 1 step, LR 0, the generator from a GENERATOR_INIT file; one process,
+    1 step, prompts from a caption folder, GAN real images from REAL_DATA_PATH, sample prompts."""
+    root = tmp_path_factory.mktemp("init_and_own")
+    init = _generator_init_file(root)
+    prompts = root / "prompts"
+    prompts.mkdir()
+    for i, c in enumerate(("red", "blue", "green")):
+        (prompts / f"{i}.txt").write_text(f"a {c} circle on a white background")
+    real = _real_folder(root / "real")
+    (root / "samples.txt").write_text("a pink square\na yellow circle\n")
     done = launch_all({
-        "resumed": dmd_run(COMMON + ["--resume=auto"], env, resumed),
-        "few": dmd_run(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
-                        "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
-                        "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
-                        f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, few)})
-    log = done["resumed"].stdout
-    assert "resumed from" in log and "step_000002 (step 2)" in log
-    return resumed, (few, done["few"].stdout)
-
-
-@pytest.fixture(scope="module")
-def run_resumed(runs_from_a):
-    return runs_from_a[0]
-
-
-@pytest.fixture(scope="module")
-def run_few(runs_from_a):
-    return runs_from_a[1]
+        "init": dmd_run(["--max_steps=1", "--save_every=1", "--sample_every=0", "--log_every=1", "--batch_size=1",
+                         "--precision=fp32", "--ema_decay=0.5", "--generator_lr=0", "--guidance_lr=0",
+                         f"--generator_init={init}"], env, root / "init"),
+        "own": dmd_run(["--max_steps=1", "--batch_size=2", "--precision=fp32", "--use_gan=1", f"--data_path={prompts}",
+                        f"--real_data_path={real}", f"--sample_prompts={root / 'samples.txt'}", "--sample_count=2",
+                        "--caption_dropout=0.5", "--log_every=1", "--save_every=0",
+                        "--gan_head_features=up"],  # (and the head on the up path's output)
+                       env, root / "own", ranks=1)})
+    return {"init": (init, root / "init", done["init"].stdout),
+            "own": (prompts, real, root / "own", done["own"].stdout)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,16 +327,13 @@ def _generator_init_file(folder) -> str:
 
 
 @pytest.mark.slow
-def test_generator_init_starts_the_generator_and_its_ema_only(env, tmp_path):
+def test_generator_init_starts_the_generator_and_its_ema_only(init_and_own_runs):
     """GENERATOR_INIT: generator and EMA start from the file, the fake score from the teacher (LR 0,
     so the step-1 checkpoint holds the starting weights), on 2 ranks, each reading its slices."""
     from safetensors.torch import load_file
-    init = _generator_init_file(tmp_path)
-    log = launch_dmd(["--max_steps=1", "--save_every=1", "--sample_every=0", "--log_every=1", "--batch_size=1",
-                      "--precision=fp32", "--ema_decay=0.5", "--generator_lr=0", "--guidance_lr=0",
-                      f"--generator_init={init}"], env, tmp_path / "out")
+    init, out, log = init_and_own_runs["init"]
     assert f"generator initialised from {init}" in log
-    ckpt = read_checkpoint(tmp_path / "out", 1, flat=True)
+    ckpt = read_checkpoint(out, 1, flat=True)
     wanted = load_file(init)
     teacher = load_file(os.path.join(train_dmd.default_paths()[0], "unet", "diffusion_pytorch_model.safetensors"))
     for part, source in (("generator", wanted), ("ema", wanted), ("fake", teacher)):
@@ -435,18 +450,8 @@ def test_dmd_data_inputs_checked_before_any_work(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_own_data_run_with_real_data_path_sample_prompts_and_caption_dropout(env, tmp_path):
-    prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    for i, c in enumerate(("red", "blue", "green")):
-        (prompts / f"{i}.txt").write_text(f"a {c} circle on a white background")
-    real = _real_folder(tmp_path / "real")
-    (tmp_path / "samples.txt").write_text("a pink square\na yellow circle\n")
-    out = tmp_path / "out"
-    log = launch_dmd(["--max_steps=1", "--batch_size=2", "--precision=fp32", "--use_gan=1", f"--data_path={prompts}",
-                      f"--real_data_path={real}", f"--sample_prompts={tmp_path / 'samples.txt'}", "--sample_count=2",
-                      "--caption_dropout=0.5", "--log_every=1", "--save_every=0",
-                      "--gan_head_features=up"], env, out, ranks=1)  # (and the head on the up path's output)
+def test_own_data_run_with_real_data_path_sample_prompts_and_caption_dropout(init_and_own_runs):
+    prompts, real, out, log = init_and_own_runs["own"]
     assert f"data: 3 rows from {prompts}; GAN real images: 5 from REAL_DATA_PATH={real}" in log, log[-3000:]
     assert re.search(r"GAN_HEAD_FEATURES +=  *'up'", log)
     assert "loss_guidance_cls" in read_metrics(out)[0] and os.path.exists(out / "samples" / "step_000001.png")

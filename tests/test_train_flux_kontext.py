@@ -4,8 +4,8 @@ and text-cache helpers.
     python -m pytest tests/test_train_flux_kontext.py -q
 
 The script is launched as users launch it (`torchrun --nproc_per_node=2` and plain `python`), on a
-small edit dataset with two aspect ratios (so steps switch between 64x64 and 48x96 buckets). The
-runs are module-scoped fixtures shared by several tests (hsdp beside combo, after ref):
+small edit dataset with two aspect ratios (so steps switch between 64x64 and 48x96 buckets). Each
+launch costs ~10 s of imports, so the runs are module-scoped fixtures shared by several tests:
 
     ref     python, BATCH_SIZE=4                                   (the 1-process reference)
     hsdp    torchrun 2, BATCH_SIZE=2, DP_REPLICATE=2, no reshard after forward
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import (KONTEXT_STEPS, assert_kontext_resumed_bit_exact, assert_loads_with_automodel, free_port,
-                            kontext_run, launch_all, launch_kontext, load_export, read_metrics)
+                            launch_kontext, load_export, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -56,13 +56,11 @@ COMBO = ["--batch_size=1", "--grad_accum=2", "--activation_checkpointing=1", "--
 @pytest.fixture(scope="module")
 def runs(kontext_setup):
     root, out = kontext_setup["root"], {}
-    # ref first: it fills the text cache that the others then read, side by side
-    out["ref"] = (str(root / "ref"), launch_kontext(kontext_setup, root / "ref", ["--batch_size=4", "--sample_every=0"],
-                                                    ranks=1).stdout)
-    hsdp = ["--batch_size=2", "--dp_replicate=2", "--reshard_after_forward=0", "--sample_every=0"]
-    done = launch_all({name: kontext_run(kontext_setup, root / name, args) for name, args in (("hsdp", hsdp),
-                                                                                             ("combo", COMBO))})
-    out.update((name, (str(root / name), proc.stdout)) for name, proc in done.items())
+    for name, ranks, args in (("ref", 1, ["--batch_size=4", "--sample_every=0"]),
+                              ("hsdp", 2, ["--batch_size=2", "--dp_replicate=2", "--reshard_after_forward=0",
+                                           "--sample_every=0"]),
+                              ("combo", 2, COMBO)):
+        out[name] = (str(root / name), launch_kontext(kontext_setup, root / name, args, ranks).stdout)
     # resume: a new run whose OUTPUT_DIR holds the straight run's step-2 checkpoint continues to step 3
     os.makedirs(root / "resumed" / "checkpoints")
     shutil.copytree(root / "combo" / "checkpoints" / "step_000002", root / "resumed" / "checkpoints" / "step_000002")
