@@ -235,7 +235,8 @@ def outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 class Sharding:
     """How a model is sharded: the scripts' settings of the same names (activation checkpointing
     and compile are applied by the model's recipe, before shard_units)."""
-    reshard_after_forward: bool = True  # free each unit's gathered params after its forward (ZeRO-3)
+    reshard_after_forward: bool | None = True  # free each unit's gathered params after its forward (ZeRO-3);
+    # None: decided per model (auto_reshard)
     cpu_offload: bool = False  # sharded params, grads and optimizer state live in host memory
     activation_checkpointing: bool = False  # recompute each outermost unit in backward
     prefetch: int = 0  # > 0: explicit forward/backward prefetch of this many units ahead
@@ -260,8 +261,12 @@ def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_p
     last = units[-1] if units else None
     unit_policy = dataclasses.replace(mp_policy, output_dtype=None)
     ignored = unsharded_on_one_rank(model, mesh)
+    after_forward = sharding.reshard_after_forward
+    if after_forward is None and not sharding.frozen:
+        after_forward, why = auto_reshard(model, mesh, mp_policy, sharding.cpu_offload)
+        print0(f"fsdp: {type(model).__name__}: {why}")
     for u in reversed(units):  # children before parents: nested units are allowed in FSDP2
-        reshard = sharding.frozen or (sharding.reshard_after_forward and u is not last)
+        reshard = sharding.frozen or (after_forward and u is not last)
         fully_shard(u, mesh=mesh, mp_policy=unit_policy, offload_policy=offload, reshard_after_forward=reshard,
                     ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=sharding.frozen,
@@ -274,6 +279,66 @@ def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_p
     return units
 
 
+RESHARD_FREE_SHARE = 0.1  # auto: reshard-free only while the gathered copy is at most this share of the memory
+
+
+def parse_reshard(value) -> bool | None:
+    """RESHARD_AFTER_FORWARD: auto (None: auto_reshard decides per model), 1 or 0."""
+    if isinstance(value, bool):
+        return value
+    low = str(value).strip().lower()
+    if low == "auto":
+        return None
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"RESHARD_AFTER_FORWARD={value!r}: choose auto, 1 or 0")
+
+
+def device_memory_bytes(device_type: str) -> int:
+    """The memory one rank computes in: its GPU's, or the host's RAM on CPU."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def reshard_free_fits(shard_ranks: int, cpu_offload: bool, copy_bytes: int, memory_bytes: int) -> tuple[bool, str]:
+    """RESHARD_AFTER_FORWARD=auto's rule, shared with tools/memory_plan.py: (reshard after forward?,
+    why). Across ranks, resharding frees the gathered copies between forward and backward (ZeRO-3).
+    A shard group of one rank (world size 1, or HSDP with DP_REPLICATE = world: full replicas)
+    gathers nothing: FSDP2's "all-gather" is a cast-copy of each parameter into the compute dtype,
+    made in forward and, when resharded, again in backward. Keeping it saves the second copy and
+    changes no number (the same values, copied once). The copy stays from forward to backward, so
+    it is kept only while it is at most RESHARD_FREE_SHARE of the device's memory, and never under
+    CPU offload (whose point is the least GPU memory)."""
+    if shard_ranks > 1:
+        return True, f"reshard after forward ({shard_ranks} ranks per shard group)"
+    gib = f"{copy_bytes / 2**30:.2f} GiB"
+    if cpu_offload:
+        return True, "reshard after forward (one rank per shard group, but CPU_OFFLOAD keeps GPU memory least)"
+    if copy_bytes > RESHARD_FREE_SHARE * memory_bytes:
+        return True, (f"reshard after forward (one rank per shard group; its {gib} compute copy is over "
+                      f"{RESHARD_FREE_SHARE:.0%} of the device's {memory_bytes / 2**30:.0f} GiB)")
+    return False, (f"reshard-free (one rank per shard group: its {gib} compute copy, at most "
+                   f"{RESHARD_FREE_SHARE:.0%} of the device's {memory_bytes / 2**30:.0f} GiB, is cast once per step, "
+                   "not again in backward)")
+
+
+def auto_reshard(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                 cpu_offload: bool = False) -> tuple[bool, str]:
+    """RESHARD_AFTER_FORWARD=auto for one model about to be sharded on `mesh` (reshard_free_fits).
+    Returns (reshard after forward?, a line saying why)."""
+    left = unsharded_on_one_rank(model, mesh) or set()
+    copy = sum(p.numel() * (mp_policy.param_dtype or p.dtype).itemsize for p in model.parameters() if p not in left)
+    return reshard_free_fits(shard_group_size(mesh), cpu_offload, copy, device_memory_bytes(mesh.device_type))
+
+
+def shard_group_size(mesh: DeviceMesh) -> int:
+    """Ranks that shard one copy of the parameters: the mesh's last dim (HSDP: inside a replica)."""
+    return mesh.size(mesh.ndim - 1)
+
+
 def has_all_gather_extension(p: torch.Tensor) -> bool:
     """Whether a parameter's storage is a tensor subclass with its own FSDP2 all-gather
     (fsdp_pre_all_gather / fsdp_post_all_gather: torchao's NF4Tensor, parallel/lowbit.py)."""
@@ -284,8 +349,9 @@ def unsharded_on_one_rank(model: nn.Module, mesh: DeviceMesh) -> set[nn.Paramete
     """The parameters FSDP2 must leave alone on a mesh of one rank: those with an all-gather
     extension. torch 2.13's world-size-1 shortcut (_fsdp_param_group.py, wait_for_unshard) copies
     only the first of an extension's all-gather inputs and NF4 has three; with one rank there is
-    nothing to shard, so they stay plain (frozen) tensors of the module."""
-    if mesh.size() != 1:
+    nothing to shard, so they stay plain (frozen) tensors of the module. HSDP with DP_REPLICATE =
+    world takes the same shortcut: its shard groups are of one rank."""
+    if shard_group_size(mesh) != 1:
         return None
     return {p for p in model.parameters() if has_all_gather_extension(p)} or None
 

@@ -144,7 +144,7 @@ EXPORT_DTYPE = "fp32"  # dtype of the exported trained model (fp16/bf16 halve th
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; DMD2: no GAN head)
 BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
 DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
-RESHARD_AFTER_FORWARD = True  # free gathered unit params after each forward (ZeRO-3); False = ZeRO-2-like
+RESHARD_AFTER_FORWARD = "auto"  # 1: free gathered params after each forward (ZeRO-3); 0: keep them; auto: see docs
 CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
 PREFETCH = 0  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
@@ -767,14 +767,17 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 
 def check_flux_settings(pipeline: str) -> None:
     """What a FLUX teacher does not take, refused in one line before any work."""
-    refused = {"USE_GAN=1": "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none",
-               "REAL_DATA_PATH": "the GAN's real images are the pairs' own targets, under their own instruction",
-               "PARALLELISM=ddp": "the three FLUX transformers are sharded (PARALLELISM=fsdp)",
-               "GENERATOR_INIT": "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"}
-    for name, bad in (("USE_GAN=1", USE_GAN and pipeline != "FluxKontextPipeline"), ("REAL_DATA_PATH", REAL_DATA_PATH),
-                      ("PARALLELISM=ddp", PARALLELISM == "ddp"), ("GENERATOR_INIT", GENERATOR_INIT)):
+    refused = [
+        ("USE_GAN=1", USE_GAN and pipeline != "FluxKontextPipeline",
+         "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none"),
+        ("REAL_DATA_PATH", REAL_DATA_PATH,
+         "the GAN's real images are the pairs' own targets, under their own instruction"),
+        ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three FLUX transformers are sharded (PARALLELISM=fsdp)"),
+        ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"),
+    ]
+    for name, bad, why in refused:
         if bad:
-            raise ConfigError(f"{name} with a {pipeline} teacher: {refused[name]}")
+            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
     if pipeline == "FluxKontextPipeline" and source_kind(DATA_PATH) == "txt":
         raise ConfigError(f"DATA_PATH={DATA_PATH} holds prompts only; a {pipeline} teacher edits images: give pairs "
                           "with a \"control\" image and a \"prompt\" (.jsonl, folder or datasets, as "
@@ -946,14 +949,15 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     sample_cond = flux_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
                                    if kontext else None, ids)
     g = step_generator(SEED, 0, stream=7)
-    noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g))
+    # drawn on the host (the same on every device), moved once
+    noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
     sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
-    sample_sim = flux_dm.pack_steps(sim)
+    sample_sim = flux_dm.pack_steps(sim).to(d.device)
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)
 
     def sample(path):
         with final_weights() as model:
-            write_flux_samples(model, vae, sample_cond, noise.to(d.device), sample_sim.to(d.device), sigmas,
+            write_flux_samples(model, vae, sample_cond, noise, sample_sim, sigmas,
                                FLUX_GUIDANCE, tiles, side, path)
 
     draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
@@ -1069,12 +1073,13 @@ def main() -> None:
     uncond = unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
                                                              len(step_list) - 1, SEED)
+    sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
     sample_text = encode(sample_prompts)
 
     def sample(path):
         with final_weights() as model:
-            write_samples(model, vae, sample_text, sample_noise.to(d.device), sample_sim, step_list, alphas, path)
+            write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
     draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),

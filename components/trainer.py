@@ -66,6 +66,7 @@ def check_shared_settings(c: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     fsdp_utils.check_dp_replicate(c["DP_REPLICATE"], world)
     fsdp_utils.check_parallelism(c["PARALLELISM"], c["CPU_OFFLOAD"], c["DP_REPLICATE"])
+    fsdp_utils.parse_reshard(c["RESHARD_AFTER_FORWARD"])
     compiling.check_compile(c["COMPILE"])
 
 
@@ -175,8 +176,8 @@ def mesh_and_sharding(run: Run, context_parallel: int = 1):
     c = run.config
     meshes = (fsdp_utils.build_meshes(run.d.device, c["DP_REPLICATE"], context_parallel)
               if c["PARALLELISM"] == "fsdp" else (None, None))
-    sharding = fsdp_utils.Sharding(c["RESHARD_AFTER_FORWARD"], c["CPU_OFFLOAD"], c["ACTIVATION_CHECKPOINTING"],
-                                   c["PREFETCH"], c["COMPILE"])
+    sharding = fsdp_utils.Sharding(fsdp_utils.parse_reshard(c["RESHARD_AFTER_FORWARD"]), c["CPU_OFFLOAD"],
+                                   c["ACTIVATION_CHECKPOINTING"], c["PREFETCH"], c["COMPILE"])
     return (*meshes, sharding)
 
 

@@ -104,6 +104,82 @@ def test_bf16_mixed_with_offload_and_checkpointing_tracks_fp32():
     run_ranks(_parity, 2, 1, True, 0, "bf16-mixed", True, 3e-2)
 
 
+def _step_copies(mesh, after_forward):
+    """One bf16-mixed step of TinyNet on `mesh` with RESHARD_AFTER_FORWARD = `after_forward`: (loss,
+    the parameters after AdamW, the aten copies the step dispatched, whether its blocks stayed gathered
+    between forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from precision import get_precision
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.n += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+    torch.manual_seed(0)
+    model = TinyNet()
+    blocks = parallelize(model, mesh, get_precision("bf16-mixed").mp_policy(),
+                         fsdp_utils.Sharding(reshard_after_forward=after_forward), block_classes=["Block"],
+                         verbose=False)
+    opt = adamw(model.parameters(), lr=1e-2)
+    x, y = make_data(1, 4)[0]
+    with Copies():
+        loss = ((model(x) - y) ** 2).mean()
+        gathered = [b._get_fsdp_state()._fsdp_param_group.is_unsharded for b in blocks[:-1]]
+        loss.backward()
+    opt.step()
+    return loss.detach(), [p.full_tensor() for p in model.parameters()], Copies.n, all(gathered)
+
+
+def _auto_reshard(rank, world):
+    """RESHARD_AFTER_FORWARD=auto: resharded across the ranks of a shard group; where each rank's
+    shard group is itself (HSDP with DP_REPLICATE = world: the world-size-1 path of FSDP2), reshard-free,
+    with the same loss and weights bit for bit and fewer copies (each cast-copy made once)."""
+    from precision import get_precision
+    flat = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    policy = get_precision("bf16-mixed").mp_policy()
+    assert fsdp_utils.auto_reshard(TinyNet(), flat, policy)[0] is True
+    replicas = fsdp_utils.build_meshes(torch.device("cpu"), dp_replicate=world)[0]
+    assert fsdp_utils.shard_group_size(replicas) == 1
+    keep, why = fsdp_utils.auto_reshard(TinyNet(), replicas, policy)
+    assert keep is False and why.startswith("reshard-free"), why
+    assert fsdp_utils.auto_reshard(TinyNet(), replicas, policy, cpu_offload=True)[0] is True
+    on, off = _step_copies(replicas, True), _step_copies(replicas, None)
+    assert torch.equal(on[0], off[0]) and all(torch.equal(a, b) for a, b in zip(on[1], off[1], strict=True))
+    assert not on[3] and off[3], "auto kept the blocks gathered from forward to backward"
+    assert off[2] < on[2], (off[2], on[2])
+    # NF4 on one-rank shard groups stays out of FSDP2, whose world-size-1 path copies one inner tensor of three
+    from parallel import lowbit
+    from precision import Precision
+    m = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False)).requires_grad_(False).to(torch.bfloat16)
+    lowbit.quantize_base(m, shards=1)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = m(x)
+        parallelize(m, replicas, Precision.frozen_mp_policy(torch.bfloat16), fsdp_utils.Sharding(frozen=True),
+                    block_classes=["Linear"], verbose=False)
+        assert fsdp_utils.unsharded_on_one_rank(m, replicas) == {m[0].weight}
+        assert torch.equal(m(x), ref)
+
+
+@pytest.mark.slow
+def test_auto_reshard_keeps_the_gathered_copy_only_where_nothing_is_sharded():
+    run_ranks(_auto_reshard, 2)
+
+
+def test_reshard_free_only_where_the_copy_is_small_and_not_offloaded():
+    gib = 2**30
+    assert fsdp_utils.reshard_free_fits(2, False, gib, 80 * gib)[0] is True
+    assert fsdp_utils.reshard_free_fits(1, False, gib, 80 * gib)[0] is False
+    assert fsdp_utils.reshard_free_fits(1, False, 9 * gib, 80 * gib)[0] is True  # over 10 %
+    assert fsdp_utils.reshard_free_fits(1, True, gib, 80 * gib)[0] is True  # CPU offload: least GPU memory
+    assert [fsdp_utils.parse_reshard(v) for v in ("auto", "1", "0", True, "false")] == [None, True, False, True, False]
+    with pytest.raises(ConfigError, match="RESHARD_AFTER_FORWARD='sometimes'"):
+        fsdp_utils.parse_reshard("sometimes")
+
+
 def _sharded_bytes(rank, world):
     from precision import get_precision
     model = TinyNet(d=32)

@@ -188,7 +188,7 @@ class Settings:
     precision: str = "bf16-mixed"
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = True  # None: the scripts' auto (fsdp_utils.reshard_free_fits)
     dp_replicate: int = 1
     batch_size: int = 1
     resolution: int | None = None  # None: the model's native resolution (native_resolution)
@@ -203,6 +203,7 @@ class Settings:
     optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
     ema: bool = False          # the scripts' EMA_DECAY > 0: a copy of the trained model (LoRA: of its adapters)
     script: str = ""           # the script planned: "" = the layout's (LAYOUTS), or the name's (BUILTIN_SCRIPTS)
+    gpu_memory_gb: float = 0.0  # the GPU planned for, where auto resharding asks (0: unknown)
 
     @property
     def lora(self) -> lora_lib.Lora:
@@ -364,7 +365,8 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
     counts: local, global and per unit}."""
     out = {}
     block_classes = list(s.block_classes) or None
-    sharding = fsdp_utils.Sharding(s.reshard_after_forward, s.cpu_offload, s.activation_checkpointing)
+    # the units and shards do not depend on it; auto is resolved by plan (reshard_free)
+    sharding = fsdp_utils.Sharding(s.reshard_after_forward is not False, s.cpu_offload, s.activation_checkpointing)
     with fake_world(s.world_size), warnings.catch_warnings():
         # torch's note on slicing the flattened dp x cp dim (build_meshes with CP) is not the user's concern
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
@@ -696,7 +698,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     activations = _builtin_activations if builtin else _activations
     sequence = check_context_parallel(folder, s)
     kind = layout(folder, s.script)[1]
-    key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes), s.reshard_after_forward)
+    key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes),
+           s.reshard_after_forward is not False)
     if kind in DMD_KINDS:  # the same folder, other components
         key += (kind,)
     if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
@@ -779,10 +782,10 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         if h.sharded:
             gathered_units += [u * (compute_size(c) if h.trained else _size(c.dtype)) for _, u in info["units"]]
     biggest = sorted(gathered_units, reverse=True)
-    if s.reshard_after_forward:
-        gathered = sum(biggest[:2])
-    else:
-        gathered = sum(u * compute_size(c) for c in comps if c.holding.trained for _, u in sharded[c.name]["units"])
+    free = reshard_free(comps, sharded, s, compute_size)
+    copies = sum(u * compute_size(c) for c in comps if c.name in free for _, u in sharded[c.name]["units"])
+    # the trained models kept gathered from forward to backward; any others still hold two units at a time
+    gathered = copies if free and free == {c.name for c in comps if c.holding.trained} else copies + sum(biggest[:2])
     if s.lora:  # reduce-scatter input of the largest unit's grads: LoRA units' adapters only, in fp32
         gathered += max(max(sharded[c.name]["trainable_units"]) * _size(ADAPTER_DTYPE) if c.lora else
                         max(u for _, u in sharded[c.name]["units"]) * r_size for c in comps if c.holding.trained)
@@ -796,7 +799,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     frozen = sum(r["params"] for n, r in rows.items() if n not in trained)
     host = states if s.cpu_offload else 0
     gpu = (0 if s.cpu_offload else states) + frozen + gathered + acts + RUNTIME_BYTES
-    result = dict(kind=kind, script=script, rows=rows, gathered=gathered, largest_unit=biggest[0] if biggest else 0,
+    result = dict(kind=kind, script=script, rows=rows, gathered=gathered, reshard_free=sorted(free),
+                  largest_unit=biggest[0] if biggest else 0,
                   activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s,
                   units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
     if s.context_parallel > 1:
@@ -809,6 +813,24 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         result["lora_targets"] = tuple(s.lora_targets) or getattr(
             models.MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
     return result
+
+
+def reshard_free(comps: list[Part], sharded: dict, s: Settings, compute_size) -> set[str]:
+    """The trained components that keep their gathered params from forward to backward: all of them
+    with reshard_after_forward=False; with auto (None) those the scripts' rule keeps
+    (fsdp_utils.reshard_free_fits: one rank per shard group, the compute copy at most a share of
+    s.gpu_memory_gb; unknown memory: none)."""
+    if s.reshard_after_forward:
+        return set()
+    free = set()
+    for c in comps:
+        if not c.holding.trained:
+            continue
+        copy = sum(u for _, u in sharded[c.name]["units"]) * compute_size(c)
+        if s.reshard_after_forward is False or not fsdp_utils.reshard_free_fits(
+                s.world_size // s.dp_replicate, s.cpu_offload, copy, int(s.gpu_memory_gb * GIB))[0]:
+            free.add(c.name)
+    return free
 
 
 def _nf4_base(info: dict, base_local: int, stored: int, compute: int, world: int) -> tuple[int, int, list[int]]:
@@ -877,7 +899,9 @@ def format_plan(name: str, p: dict) -> str:
     head = (f"plan: {name} ({p['kind']}), world size {s.world_size} (dp_replicate {s.dp_replicate}), "
             f"{s.precision}, batch {s.batch_size}/{'CP group' if 'cp' in p else 'rank'} at {s.resolution}px, "
             f"activation_checkpointing={int(s.activation_checkpointing)}, cpu_offload={int(s.cpu_offload)}, "
-            f"reshard_after_forward={int(s.reshard_after_forward)}")
+            f"reshard_after_forward={int(not p['reshard_free'])}"
+            + (f" (auto{': ' + ', '.join(p['reshard_free']) if p['reshard_free'] else ''})"
+               if s.reshard_after_forward is None else ""))
     if s.lora:
         head += f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}"
     lines = [head] + _cp_lines(p)
@@ -1195,7 +1219,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "bf16"])
     ap.add_argument("--cpu_offload", type=int, default=0)
     ap.add_argument("--activation_checkpointing", type=int, default=0)
-    ap.add_argument("--reshard_after_forward", type=int, default=1)
+    ap.add_argument("--reshard_after_forward", default="auto",
+                    help="auto (the scripts' default: 0 for a model alone in its shard group whose compute copy "
+                         "fits 10%% of --gpu_memory_gb, else 1) | 1 | 0")
     ap.add_argument("--dp_replicate", type=int, default=1)
     ap.add_argument("--block_classes", default="",
                     help="comma-separated FSDP unit classes, as the scripts' BLOCK_CLASSES (default: the recipe's)")
@@ -1279,8 +1305,9 @@ def main(argv: list[str]) -> int:
         print(fit_table(a.model, world_sizes, gbs, a.batch_size, a.resolution, a.precision, **lora, **cp))
         return 0
     s = Settings(a.world_size, a.precision, bool(a.cpu_offload), bool(a.activation_checkpointing),
-                 bool(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution,
-                 tuple(c for c in a.block_classes.split(",") if c), **lora, context_parallel=a.context_parallel)
+                 fsdp_utils.parse_reshard(a.reshard_after_forward), a.dp_replicate, a.batch_size, a.resolution,
+                 tuple(c for c in a.block_classes.split(",") if c), **lora, context_parallel=a.context_parallel,
+                 gpu_memory_gb=a.gpu_memory_gb)
     result = plan(a.model, s)
     print(format_plan(a.model, result))
     if a.gpu_memory_gb > 0:
