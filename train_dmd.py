@@ -54,7 +54,7 @@ import fsdp_utils
 from algorithms import dmd2 as dm
 from algorithms import dmd2_flux as flux_dm
 from algorithms import flux_kontext as km
-from components import trainer
+from components import profiling, trainer
 from components.config import check_settings, script_constants
 from components.dist import print0, rank
 from components.errors import ConfigError, run_main
@@ -162,6 +162,7 @@ INIT_FROM = ""  # a checkpoint folder whose generator and fake score start a fre
 GENERATOR_INIT = ""  # a UNet folder or .safetensors that starts the generator only (--generator_ckpt_path)
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records, and one at MAX_STEPS; 0 = none
 REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard | wandb | tensorboard,wandb
+PROFILE_STEPS = []  # [first, last]: torch.profiler over these steps (first >= 2): traces and ops in OUTPUT_DIR/profile
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 25  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
@@ -732,24 +733,26 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                 # generator turn: images from G (with graph only when G steps), then its loss and backward.
                 # Its update waits for the guidance turn: that one uses only detached images, so stepping
                 # both after it is the published order, and one finiteness check covers both updates.
-                for m, mb in enumerate(batches):
-                    with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
-                        with torch.set_grad_enabled(gen_turn):
-                            x = steps.images(train_gen, mb, index)
-                        if gen_turn:
-                            loss, parts = steps.generator_loss(x, mb, train_fake)
-                            (loss / GRAD_ACCUM).backward()
-                            add_logs(logs, parts, 1 / GRAD_ACCUM)
-                    images.append(x.detach())
-                if gen_turn:
-                    opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake model and head
+                with profiling.phase("generator_turn" if gen_turn else "generator_images"):
+                    for m, mb in enumerate(batches):
+                        with fsdp_utils.gradient_sync(train_gen, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd, bwd
+                            with torch.set_grad_enabled(gen_turn):
+                                x = steps.images(train_gen, mb, index)
+                            if gen_turn:
+                                loss, parts = steps.generator_loss(x, mb, train_fake)
+                                (loss / GRAD_ACCUM).backward()
+                                add_logs(logs, parts, 1 / GRAD_ACCUM)
+                        images.append(x.detach())
+                    if gen_turn:
+                        opt_d.zero_grad(set_to_none=True)  # the GAN term left grads on the fake model and head
 
                 # guidance turn, every step: fake score (+ head) on the same pre-update images
-                for m, (mb, x) in enumerate(zip(batches, images)):
-                    with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
-                        loss, parts = steps.guidance_loss(x, mb, train_fake)
-                        (loss / GRAD_ACCUM).backward()
-                    add_logs(logs, parts, 1 / GRAD_ACCUM)
+                with profiling.phase("guidance_turn"):
+                    for m, (mb, x) in enumerate(zip(batches, images)):
+                        with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd, bwd
+                            loss, parts = steps.guidance_loss(x, mb, train_fake)
+                            (loss / GRAD_ACCUM).backward()
+                        add_logs(logs, parts, 1 / GRAD_ACCUM)
             updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
             updates.append((list(guidance.parameters()), opt_d, "guidance"))
             lrs = {"lr_generator": sched_g.get_last_lr()[0], "lr_guidance": sched_d.get_last_lr()[0]}  # this step's

@@ -60,7 +60,7 @@ import torch
 import fsdp_utils
 import precision
 from algorithms import flux_kontext as km
-from components import trainer
+from components import profiling, trainer
 from components.config import check_settings, script_constants
 from components.dist import all_gather_objects, print0, rank, world_size
 from components.errors import ConfigError, run_main
@@ -158,6 +158,7 @@ ASYNC_SAVE = False  # write checkpoints in the background while training goes on
 RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records, and one at MAX_STEPS; 0 = none
 REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard | wandb | tensorboard,wandb
+PROFILE_STEPS = []  # [first, last]: torch.profiler over these steps (first >= 2): traces and ops in OUTPUT_DIR/profile
 WANDB_PROJECT = ""  # W&B project ("" = W&B's default); WANDB_MODE=offline works without a network
 WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 100  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
@@ -668,7 +669,7 @@ def main():
                                                                       w // vae_factor), sigma_kwargs=sigma_kwargs)
             loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
             logs, lr = {"data_wait_ms": waited * 1000}, lr_sched.get_last_lr()[0]
-            with counting_flops(run, f"{h}x{w}", logs):  # MFU: FLOPs per bucket size, counted once
+            with counting_flops(run, f"{h}x{w}", logs), profiling.phase("forward_backward"):  # MFU: per bucket size
                 for m, mb in enumerate(data["batches"]):
                     rand = per_sample_draws(SEED, step, mb["mine"], d.device, draw)  # this rank's only
                     with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd

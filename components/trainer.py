@@ -24,6 +24,7 @@ import torch
 import checkpoint
 import fsdp_utils
 import precision
+from components import profiling
 from components.checks import check_model_folder, check_output_dir, check_output_dir_shared
 from components.config import apply_overrides, check_settings, format_config, script_constants
 from components.dist import agree, print0
@@ -68,6 +69,7 @@ def check_shared_settings(c: dict) -> None:
     fsdp_utils.check_parallelism(c["PARALLELISM"], c["CPU_OFFLOAD"], c["DP_REPLICATE"])
     fsdp_utils.parse_reshard(c["RESHARD_AFTER_FORWARD"])
     compiling.check_compile(c["COMPILE"])
+    profiling.profile_steps(c["PROFILE_STEPS"], c["MAX_STEPS"])
 
 
 def pipeline_of(folder: str, script: str) -> str:
@@ -104,6 +106,7 @@ class Run:
     vae_flops: ModelFlops | None = None  # the VAE's forwards, counted apart
     devices_checked: dict | None = None  # {name: (module, optimizer)} whose devices the first step checks
     stop_agreed: bool = False  # some rank was signalled (SIGTERM/SIGINT): every rank saves and stops after this step
+    profiler: profiling.StepProfiler | None = None  # PROFILE_STEPS
 
     def output(self, *parts: str) -> str:
         return os.path.join(self.config["OUTPUT_DIR"], *parts)
@@ -149,7 +152,10 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     check_output_dir_shared(config["OUTPUT_DIR"])
     stopper = GracefulStop()
     resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])  # rank 0's answer
-    return Run(config, pipeline, d, lora, stopper, resume_path), validated
+    run = Run(config, pipeline, d, lora, stopper, resume_path)
+    run.profiler = profiling.StepProfiler(profiling.profile_steps(config["PROFILE_STEPS"], config["MAX_STEPS"]),
+                                          config["OUTPUT_DIR"], d.device)
+    return run, validated
 
 
 def check_attention(run: Run, trained: list[attention.Shape], others: list[attention.Shape],
@@ -219,6 +225,7 @@ def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) ->
     run.clock = time.perf_counter()
     run.logger = RunLogger(c["OUTPUT_DIR"], c["MAX_STEPS"], run.start_step, report_to=c["REPORT_TO"],
                            config=c, wandb_project=c["WANDB_PROJECT"], wandb_run_name=c["WANDB_RUN_NAME"])
+    run.profiler.after_step(run.start_step)  # PROFILE_STEPS starting at the first step after it
     return run.start_step
 
 
@@ -232,6 +239,11 @@ def apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str
     loss and norm is finite on every rank, step them all. Grads are zeroed either way. The one
     collective that decides it also carries whether any rank was signalled to stop (end_step acts
     on it): the step's only host sync outside logging steps. Returns whether it stepped."""
+    with profiling.phase("updates"):
+        return _apply_updates(run, updates, logs, step)
+
+
+def _apply_updates(run: Run, updates: list[tuple[list, torch.optim.Optimizer, str]], logs: dict, step: int) -> bool:
     for params, _, name in updates:
         logs["grad_norm_" + name if name else "grad_norm"] = fsdp_utils.clip_grad_norm_(
             params, run.config["MAX_GRAD_NORM"])
@@ -276,6 +288,7 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
     extras) and, on a stop or too many non-finite steps, the save and the exit. `work`: what one
     step processes over all ranks ({"images": n[, "tokens": n]}), logged as rates (throughput)."""
     c = run.config
+    run.profiler.updates_done(step)  # PROFILE_STEPS: the window ends with the last step's updates
     if c["COMPILE"] and step == run.start_step + 1:  # the training step's graphs, breaks and compile time
         print0(compiling.compile_report())
     now = time.perf_counter()
@@ -300,6 +313,7 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
     if stopping:
         run.logger.close()
         raise run.guard.error(step) if run.guard.exhausted else run.stopper.preempted(step)
+    run.profiler.after_step(step)
     run.clock = time.perf_counter()  # the next step's time starts here: samples and saves are not steps
 
 

@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 ROOT_FILES = ("checkpoint.py", "fsdp_utils.py", "precision.py", "train_dmd.py", "train_flux_kontext.py")
 # lower number = lower tier; a module may import lower tiers, and its own tier within its own package
 # (acyclically). A module's tier is that of its longest dotted prefix listed here.
-BASE = ("errors", "dist", "config", "checks", "warnings", "logger", "guard", "optim")
+BASE = ("errors", "dist", "config", "checks", "warnings", "logger", "guard", "optim", "profiling")
 TIERS = {"precision": 0, "algorithms": 0, "components": 0, **{f"components.{m}": 0 for m in BASE},
          "fsdp_utils": 1, "data": 1, "components.metrics": 1,
          "parallel": 2,

@@ -7,7 +7,8 @@ itself is checked in tests/test_dmd2.py.
 Launches are few and shared through module-scoped fixtures (a one-process run beside a 2-rank one):
   run_a      2 ranks, 4 steps, fp32, 1-step generator, GAN + EMA, generator every 2nd step,
              samples (from the EMA) at steps 2 and 4, checkpoints at 2 and 4
-  run_b      1 process, same global batch as run_a (2 micro-batches of 1: FSDP and grad accumulation)
+  run_b      1 process, same global batch as run_a (2 micro-batches of 1: FSDP and grad accumulation),
+             steps 2-3 profiled (PROFILE_STEPS)
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
   run_few    2 ranks, few-step generator (backward simulation), a data file with bad rows skipped,
              weights from run_a's last checkpoint (INIT_FROM) and LR 0, so they must stay exactly those
@@ -54,8 +55,9 @@ def env(tmp_path_factory):
 def first_runs(env, tmp_path_factory):
     """run_a and run_b, side by side."""
     a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
-    launch_all({"a": dmd_run(COMMON, env, a), "b": dmd_run(COMMON + ["--grad_accum=2"], env, b, ranks=1)})
-    return a, b
+    done = launch_all({"a": dmd_run(COMMON, env, a),
+                       "b": dmd_run(COMMON + ["--grad_accum=2", "--profile_steps=[2,3]"], env, b, ranks=1)})
+    return a, b, done["b"].stdout
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +123,19 @@ def init_and_own_runs(env, tmp_path_factory):
 # parity, schedule, GAN, resume
 
 @pytest.mark.slow
+def test_one_process_is_reshard_free_and_profiles_its_steps(run_b, first_runs):
+    """World size 1: RESHARD_AFTER_FORWARD=auto keeps each trained UNet's gathered copy (small against
+    the host's memory) and says so; PROFILE_STEPS=[2,3] leaves a trace and the phases' table."""
+    log = first_runs[2]
+    assert log.count("UNet2DConditionModel: reshard-free (one rank per shard group") == 2, log[-3000:]
+    table = (run_b / "profile" / "ops_rank0.txt").read_text()
+    assert "profile of steps 2-3" in log
+    for phase in ("step/generator_turn", "step/generator_images", "step/guidance_turn", "step/updates"):
+        assert phase in table, (phase, table[:2000])
+    trace = json.loads((run_b / "profile" / "trace_rank0.json").read_text())
+    assert any(e.get("name") == "step/guidance_turn" for e in trace["traceEvents"])
+
+
 def test_two_ranks_match_one_process(run_a, run_b):
     a, b = read_metrics(run_a), read_metrics(run_b)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]

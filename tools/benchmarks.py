@@ -11,6 +11,7 @@
     python tools/benchmarks.py nf4_width  # NF4 vs bf16 LoRA base at FLUX.1 width (1 + 1 blocks): peak memory vs planner
     python tools/benchmarks.py kontext_dmd_width  # DMD2, Kontext teacher, FLUX width (0 + 1 blocks), fp32: vs planner
     python tools/benchmarks.py host       # host-side work per step outside the models: aten ops, copies, syncs
+    python tools/benchmarks.py reshard    # RESHARD_AFTER_FORWARD auto vs 1 at world size 1: ops, copies, losses
     python tools/benchmarks.py all        # everything, as the markdown tables of docs/benchmarks.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of this file's
@@ -931,9 +932,10 @@ def bench_kontext_dmd_width() -> str:
     return "\n".join(lines)
 
 
-def _host_work(repo: str, script: str, steps: int, out: str) -> dict:
+def _host_work(repo: str, script: str, steps: int, out: str, extra: tuple = ()) -> dict:
     args = [sys.executable, os.path.join(ROOT, "tools", "host_work.py"), f"--repo={repo}", script,
-            f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0", f"--output_dir={out}"]
+            f"--max_steps={steps}", "--log_every=100", "--save_every=0", "--sample_every=0", f"--output_dir={out}",
+            *extra]
     if script == "train_flux_kontext.py":
         args.append("--val_every=0")
     r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -959,9 +961,37 @@ def bench_host(repo: str = ROOT) -> str:
     return "\n".join(rows)
 
 
+def bench_reshard() -> str:
+    """RESHARD_AFTER_FORWARD=auto against 1 on one CPU rank (world size 1: reshard-free), the embedded
+    defaults: the whole step's aten ops and bytes copied (tools/host_work.py, the difference of a
+    4-step and a 2-step run), and whether the 4 steps' logged losses are the same."""
+    rows = ["| script | setting | aten ops / step | bytes copied / step | losses |", "|---|---|---:|---:|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in ("train_dmd.py", "train_flux_kontext.py"):
+            per, losses = {}, {}
+            for setting in ("1", "auto"):
+                runs = {}
+                for n in (2, 4):
+                    out = os.path.join(tmp, f"{script}{setting}{n}")
+                    runs[n] = _host_work(ROOT, script, n, out, ("--log_every=1", f"--reshard_after_forward={setting}"))
+                per[setting] = {k: (runs[4].get(k, 0) - runs[2].get(k, 0)) / 2 for k in runs[4]}
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    losses[setting] = [{k: v for k, v in r.items() if "loss" in k or "norm" in k}
+                                       for r in map(json.loads, f) if "step" in r]
+            same = "the same" if losses["1"] == losses["auto"] else "DIFFER"
+            for setting in ("1", "auto"):
+                p, ratio = per[setting], "" if setting == "1" else " ({:.2f}x, {:.2f}x)".format(
+                    per["auto"]["step_ops"] / per["1"]["step_ops"],
+                    per["auto"]["step_copied_bytes"] / per["1"]["step_copied_bytes"])
+                rows.append(f"| {script} | `{setting}` | {p['step_ops']:.0f} | "
+                            f"{p['step_copied_bytes'] / 2**20:.2f} MiB{ratio} | {same} |")
+    return "\n".join(rows)
+
+
 BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile,
            "stack": bench_stack, "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
-           "nf4_width": bench_nf4_width, "kontext_dmd_width": bench_kontext_dmd_width, "host": bench_host}
+           "nf4_width": bench_nf4_width, "kontext_dmd_width": bench_kontext_dmd_width, "host": bench_host,
+           "reshard": bench_reshard}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 

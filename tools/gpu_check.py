@@ -12,14 +12,15 @@ transformer / UNet with the same tokens / latents, bf16 weights, forward + backw
 no optimizer (and, apart, the fused AdamW step over its fp32 parameters and the VAE encode of a
 step's images). Then the training runs by value: Kontext 1024 px full fine-tune (with save -> resume
 -> export -> load), DMD2 SD-1.5 512 px, Kontext LoRA 512 px, Kontext NF4 LoRA + adamw8bit, COMPILE=1
-Kontext, DMD2 DDP bf16; a run that cannot finish before the deadline is cut and says so. Each run
+Kontext, DMD2 DDP bf16 (--suite=speed: the step-time rows, and a DMD2 generator + fake-score step under
+torch.profiler, its table in profile_*.txt); a run that cannot finish before the deadline is cut and says so. Each run
 keeps one checkpoint at a time and deletes its folder when read (a 1.3 B full checkpoint is 21 GB).
 
 Every row shows its step time (the mean of the steps after the first two) as "x plain", its MFU
 (model FLOPs: the trained networks' forward + backward, no VAE, no recomputation, against the peak
 of the dtype used), its peak CUDA memory against the planner's. Output (at most 8 files):
 gpu_check.md (the table), gpu_check.json, runs.log (every run's output, tracebacks included),
-test_gpu.log, build.log.
+test_gpu.log, build.log, and with --suite=speed profile_dmd_sd15_*.txt.
 """
 from __future__ import annotations
 
@@ -313,6 +314,9 @@ def one_run(row: dict, models: dict, data: dict, out: str, log: str, deadline: D
         resumed = rc2 == 0 and "resumed from" in open(log).read().rsplit("=====", 2)[-1]
         result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s) else \
             ("cut at the deadline" if rc2 == 124 else "FAIL (runs.log)")
+    table_path = os.path.join(run_dir, "profile", "ops_rank0.txt")
+    if os.path.exists(table_path):  # PROFILE_STEPS' table (the traces stay behind: too big to bring back)
+        shutil.copy(table_path, os.path.join(out, f"profile_{name}.txt"))  # its step times include the profiler
     shutil.rmtree(run_dir, ignore_errors=True)  # a full checkpoint is tens of GB: one at a time
     return result
 
@@ -344,6 +348,9 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
         extra, steps = s.pop("extra", {}), 6
         if script == "train_dmd.py":
             extra, steps = {"dfake_gen_update_ratio": 5, **extra}, 12
+        profile = s.pop("profile", None)  # (first, last): PROFILE_STEPS, the run ends with the window
+        if profile:
+            extra, steps = {**extra, "profile_steps": f"[{profile[0]},{profile[1]}]"}, profile[1]
         probe = s.pop("probe", False)
         return {"run": name, "script": script, "kind": kind, "world": 1, "resume": s.pop("resume", False),
                 "probe": probe, "steps": 2 if probe else steps,
@@ -362,6 +369,9 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"kontext_{hi}px_full_cache_latents", "train_flux_kontext.py", "flux", hi,
                        extra={"cache_latents": 1}),
                    row(f"dmd_sd15_{sd}px_b32_ac", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32, ac=True),
+                   # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt
+                   row(f"dmd_sd15_{sd}px_b32_ac_profiled", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32,
+                       ac=True, profile=(6, 7)),
                    row(f"dmd_kontext_{hi}px_4step_ac", "train_dmd.py", "flux", hi, ac=True, extra=KONTEXT_DMD)])
     return [
         row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),

@@ -9,7 +9,8 @@ calls of the diffusion models (UNet2DConditionModel, FluxTransformer2DModel: tra
 fake score alike) and outside autograd's backward: the aten ops dispatched (each a kernel launch or
 more on a GPU), the bytes those ops copy (copy_, _to_copy, clone: casts and device moves), and the
 host syncs (.item(), .tolist(), float(), int(), bool() on tensors, in the project's own code
-outside its data-order functions, whose tensors live on the CPU by design). Prints `HOST_WORK <json>` at
+outside its data-order functions, whose tensors live on the CPU by design); and, as `step_ops` and
+`step_copied_bytes`, the ops and copied bytes of the whole step. Prints `HOST_WORK <json>` at
 exit. tools/benchmarks.py host takes the difference of a 4-step and a 2-step run: the per-step cost
 without setup, checkpoint and export. The data loader's thread is not counted (it prepares the next
 step while this one runs).
@@ -49,6 +50,10 @@ def _exit(module, args, output):
 class _Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # the whole step too, models and backward included (FSDP2's cast-copies are there)
+        counts["step_ops"] += 1
+        if func._overloadpacket.__name__ in COPIES and torch.is_tensor(out):
+            counts["step_copied_bytes"] += out.numel() * out.element_size()
         if not _in_model_or_backward():
             counts["ops"] += 1
             counts["op:" + func._overloadpacket.__name__] += 1
