@@ -243,6 +243,11 @@ class Sharding:
     compile: bool = False  # torch.compile each innermost unit's forward (after AC, before fully_shard)
     frozen: bool = False  # a model that never runs backward: every unit, the last and the root too, reshards
 
+    def never_backward(self) -> Sharding:
+        """The same sharding for a copy that only runs no-grad forwards (an EMA): its units are the
+        same, each resharded after its forward (nothing to keep for a backward)."""
+        return dataclasses.replace(self, frozen=True)
+
 
 def shard_units(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
                 sharding: Sharding = Sharding()) -> list[nn.Module]:

@@ -323,12 +323,13 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
     fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `base_dtype`: the
     LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
-    def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None, **kw):
+    def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
+             shard: fsdp_utils.Sharding = sharding, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
         if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
             storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
-        return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=sharding,
+        return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
                           block_classes=block_classes, lora=adapters, seed=seed + salt,
                           base_dtype=base_dtype if adapters else "", **kw)
     models = {"generator": unet(lora, weights=generator_init),
@@ -337,7 +338,8 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
         channels = models["fake"].config.block_out_channels[0 if head_features == "up" else -1]
         models["head"] = build_gan_head(channels, head_size, mesh, precision, device, seed, sharding.cpu_offload,
                                         features=head_features)
-    ema = ema_lib.build_ema(models["generator"], ema_decay, functools.partial(unet, load=False))
+    ema = ema_lib.build_ema(models["generator"], ema_decay,
+                            functools.partial(unet, load=False, shard=sharding.never_backward()))
     return models if ema is None else {**models, "ema": ema}
 
 
@@ -908,7 +910,8 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     generator.train()
     fake.train()
     ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
-                                                                    base_dtype=BASE_DTYPE if run.lora else ""))
+                                                                    base_dtype=BASE_DTYPE if run.lora else "",
+                                                                    sharding=sharding.never_backward()))
     models = {"generator": generator, "fake": fake}
     head = None
     if USE_GAN:  # the head reads the fake's double-stream output (algorithms/dmd2_flux.py), in fp32

@@ -267,7 +267,8 @@ def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema
                               attention_backend=attention_backend)
     transformer = build(load=True)
     transformer.train()
-    ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False))
+    ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False,
+                                                                      sharding=sharding.never_backward()))
     vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
     return transformer, ema, vae, scheduler
