@@ -978,7 +978,8 @@ def bench_reshard() -> str:
                 with open(os.path.join(out, "metrics.jsonl")) as f:
                     losses[setting] = [{k: v for k, v in r.items() if "loss" in k or "norm" in k}
                                        for r in map(json.loads, f) if "step" in r]
-            same = "the same" if losses["1"] == losses["auto"] else "DIFFER"
+            logged = len(losses["1"]) == 4 and all(losses["1"])  # 4 steps, each with its losses and norms
+            same = "the same" if logged and losses["1"] == losses["auto"] else "DIFFER (or not logged)"
             for setting in ("1", "auto"):
                 p, ratio = per[setting], "" if setting == "1" else " ({:.2f}x, {:.2f}x)".format(
                     per["auto"]["step_ops"] / per["1"]["step_ops"],
