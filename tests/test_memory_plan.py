@@ -40,6 +40,20 @@ def test_checkpointing_and_offload_shrink_the_gpu_total():
     assert off["gpu_total"] < ac["gpu_total"] and off["host_total"] > 0
 
 
+def test_auto_reshard_plans_the_scripts_choice():
+    """RESHARD_AFTER_FORWARD=auto, SD-1.5 DMD2 on one GPU: both trained UNets reshard-free on 80 GB
+    (their whole compute copies in flight, as with 0), the fp32 fake score's 3.2 GiB copy resharded
+    on 24 GB (over 10 %); across ranks, or with the GPU unknown, as with 1."""
+    def plan(world, gb, reshard=None):
+        return memory_plan.plan("sd15-dmd", Settings(world_size=world, resolution=64, reshard_after_forward=reshard,
+                                                     gpu_memory_gb=gb))
+    big, small, off, on = plan(1, 80), plan(1, 24), plan(1, 80, False), plan(1, 80, True)
+    assert big["reshard_free"] == ["fake_score", "generator"] and big["gathered"] == off["gathered"]
+    assert small["reshard_free"] == ["generator"] and on["gathered"] < small["gathered"] < big["gathered"]
+    assert plan(2, 80)["reshard_free"] == plan(1, 0)["reshard_free"] == []
+    assert "reshard_after_forward=0 (auto: fake_score, generator)" in memory_plan.format_plan("sd15-dmd", big)
+
+
 def test_activation_probe_matches_a_hand_count():
     # y = relu(x @ W): autograd saves x (for W's grad) and the relu output; W is a parameter (excluded)
     lin = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.ReLU())
