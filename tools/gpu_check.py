@@ -252,13 +252,18 @@ def launch(script: str, args: list[str], world: int, log: str, timeout: float) -
 
 
 def planned_bytes(model: str, world: int, s: dict, script: str = "") -> int:
+    """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on this GPU."""
+    import torch
+
     from tools import memory_plan
     extra = s.get("extra", {})
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB if torch.cuda.is_available() else 0
     settings = memory_plan.Settings(world_size=world, precision=s["precision"], batch_size=s["batch_size"],
                                     resolution=s["resolution"], activation_checkpointing=s.get("ac", False),
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
                                     optimizer=s.get("optimizer", "adamw"), script=script,
-                                    fake_score_fp32=bool(int(extra.get("fake_score_fp32", 1))))
+                                    fake_score_fp32=bool(int(extra.get("fake_score_fp32", 1))),
+                                    reshard_after_forward=None, gpu_memory_gb=gpu_gb)
     return memory_plan.plan(model, settings)["gpu_total"]
 
 
