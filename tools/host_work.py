@@ -37,13 +37,18 @@ def _in_model_or_backward() -> bool:
     return _depth[0] > 0 or torch._C._current_graph_task_id() != -1
 
 
+def _is_model(module) -> bool:
+    # by the class's ancestry: fully_shard makes a UNet2DConditionModel an FSDPUNet2DConditionModel
+    return any(c.__name__ in MODELS for c in type(module).__mro__)
+
+
 def _enter(module, args):
-    if type(module).__name__ in MODELS:
+    if _is_model(module):
         _depth[0] += 1
 
 
 def _exit(module, args, output):
-    if type(module).__name__ in MODELS:
+    if _is_model(module):
         _depth[0] -= 1
 
 
