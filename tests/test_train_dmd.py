@@ -136,6 +136,7 @@ def test_one_process_is_reshard_free_and_profiles_its_steps(run_b, first_runs):
     assert any(e.get("name") == "step/guidance_turn" for e in trace["traceEvents"])
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(run_a, run_b):
     a, b = read_metrics(run_a), read_metrics(run_b)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
