@@ -345,7 +345,7 @@ KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0, "expo
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     """The rows in order of value: what users hit first runs first. suite="speed": the step-time
     rows instead (Kontext 1024 px full fine-tune per attention kernel, AC, COMPILE and CACHE_LATENTS
-    on and off; DMD2 SD-1.5 at the published batch 32 per GPU with AC)."""
+    on and off; DMD2 SD-1.5 at the published batch 32 per GPU with AC, profiled, and with COMPILE)."""
     sd, lo, hi = (32, 32, 64) if tiny else (512, 512, 1024)
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
@@ -377,6 +377,8 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt
                    row(f"dmd_sd15_{sd}px_b32_ac_profiled", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32,
                        ac=True, profile=(6, 7)),
+                   row(f"dmd_sd15_{sd}px_b32_ac_compile", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32,
+                       ac=True, extra={"compile": 1}),
                    row(f"dmd_kontext_{hi}px_4step_ac", "train_dmd.py", "flux", hi, ac=True, extra=KONTEXT_DMD)])
     return [
         row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),

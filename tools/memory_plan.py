@@ -887,7 +887,8 @@ def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[
         if bf16 and s.lora_rank > 0:  # LoRA: the base is already in the compute dtype, adapters stay fp32
             continue
         trial = Settings(**{**s.__dict__, "activation_checkpointing": ac, "cpu_offload": off,
-                            "precision": "bf16" if bf16 else s.precision})
+                            "precision": "bf16" if bf16 else s.precision,
+                            "gpu_memory_gb": gpu_bytes / GIB})  # what auto resharding decides on
         result = (planner or plan)(name, trial)
         if result["gpu_total"] <= gpu_bytes:
             return trial, result
@@ -988,7 +989,8 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
     gbs = list(gpu_memory_gbs)
     lines = []
     for ws in world_sizes:
-        base = Settings(world_size=ws, precision=precision, batch_size=batch_size, resolution=resolution, **lora)
+        base = Settings(world_size=ws, precision=precision, batch_size=batch_size, resolution=resolution,
+                        reshard_after_forward=None, **lora)  # the scripts' auto, decided per GPU memory
         p = planner(name, base)
         if not lines:
             r = p["settings"]
