@@ -6,7 +6,10 @@ and the step's labelled phases by their device time (CPU time on a CPU run).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import time
 
 import torch
 
@@ -38,6 +41,7 @@ class StepProfiler:
         self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
         self.out_dir, self.device = os.path.join(out_dir, "profile"), device
         self.prof = None
+        self.phase_s = collections.Counter()  # wall seconds per phase inside the window
 
     def after_step(self, step: int) -> None:
         """Called when step `step` has ended; starts the window before step `first`."""
@@ -46,6 +50,7 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.prof = profile(activities=activities, record_shapes=True)
             self.prof.__enter__()
+            _WINDOW[0] = self
 
     def updates_done(self, step: int) -> str | None:
         """Called after step `step`'s updates; at `last` stops and writes. Returns the trace's path."""
@@ -54,6 +59,7 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the window's kernels end inside it
         self.prof.__exit__(None, None, None)
+        _WINDOW[0] = None
         os.makedirs(self.out_dir, exist_ok=True)
         trace = os.path.join(self.out_dir, f"trace_rank{rank()}.json")
         self.prof.export_chrome_trace(trace)
@@ -67,22 +73,38 @@ class StepProfiler:
         return trace
 
     def table(self) -> str:
-        """The step's phases (the `phase` labels: their time with everything inside), then the ops by
-        their own time: device time on a GPU (the kernels'), else CPU time."""
+        """The step's phases (the `phase` labels), then the ops by their own time: device time on a
+        GPU (the kernels'), else CPU time. A phase's time is its wall time with the device synchronised
+        at both ends: on a GPU the backward's kernels come from autograd's own thread, so the profiler
+        would not count them under the phase that ran the backward."""
         events = self.prof.key_averages()
-        gpu = self.device.type == "cuda"
         steps = self.last - self.first + 1
-        lines = [f"phase (per step, mean of {steps})" + ("  device ms" if gpu else "") + "  CPU ms  calls"]
-        for e in sorted((e for e in events if e.key.startswith(PHASE)), key=lambda e: -e.cpu_time_total):
-            device = f"  {e.device_time_total / 1e3 / steps:9.1f}" if gpu else ""
-            lines.append(f"{e.key:<36}{device}  {e.cpu_time_total / 1e3 / steps:6.1f}  {e.count / steps:5.1f}")
-        key = "self_device_time_total" if gpu else "self_cpu_time_total"
+        calls = {e.key: e.count for e in events if e.key.startswith(PHASE)}
+        lines = [f"phase (per step, mean of {steps})          wall ms  calls"]
+        for name, sec in self.phase_s.most_common():
+            lines.append(f"{name:<36}{sec * 1e3 / steps:9.1f}  {calls.get(name, 0) / steps:5.1f}")
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         return "\n".join(lines) + "\n" + events.table(sort_by=key, row_limit=TOP_OPS, max_name_column_width=60)
 
 
 PHASE = "step/"  # the record_function labels of a step's phases
+_WINDOW: list[StepProfiler | None] = [None]  # the profiler whose window is open, if any
 
 
+@contextlib.contextmanager
 def phase(name: str):
-    """A labelled phase of the step (record_function; free when no profiler runs)."""
-    return torch.profiler.record_function(PHASE + name)
+    """A labelled phase of the step (record_function); inside a PROFILE_STEPS window also timed, the
+    device synchronised at both ends. Outside a window it costs one record_function."""
+    window, label = _WINDOW[0], PHASE + name
+    with torch.profiler.record_function(label):
+        if window is None:
+            yield
+            return
+        sync = torch.cuda.synchronize if window.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            window.phase_s[label] += time.perf_counter() - t0

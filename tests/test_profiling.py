@@ -37,6 +37,9 @@ def test_the_window_holds_its_steps_phases_only(tmp_path):
         prof.after_step(step)
     table = (tmp_path / "profile" / "ops_rank0.txt").read_text()
     assert "mean of 2" in table and "step/forward_backward" in table and "step/updates" in table
+    assert set(prof.phase_s) == {"step/forward_backward", "step/updates"} and min(prof.phase_s.values()) > 0
+    assert profiling._WINDOW[0] is None  # closed: phases after the window are not timed
+    assert [line.split()[-1] for line in table.splitlines()[1:3]] == ["1.0", "1.0"]  # calls per step
     assert "aten::mm" in table and "aten::cumsum" not in table
     names = [e.get("name") for e in json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]]
     assert names.count("step/updates") == 2 and "aten::cumsum" not in names
