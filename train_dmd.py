@@ -999,7 +999,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
            + (lora_scheduler if run.lora else ""))
     trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
     if d.rank == 0:
-        write_distilled_scheduler(MODEL_PATH, os.path.join(OUTPUT_DIR, "export"))
+        write_distilled_scheduler(MODEL_PATH, run.output("export"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -490,8 +490,7 @@ def dmd_run(args, env: dict, out_dir, ranks: int = 2) -> dict:
 
 def launch_kontext(setup, out, args, ranks=2, check=True):
     """train_flux_kontext.py with the setup's common settings, into `out`."""
-    return launch("train_flux_kontext.py", setup["common"] + [f"--output_dir={out}"] + args, ranks=ranks,
-                  env=setup["env"], check=check)
+    return launch(**kontext_run(setup, out, args, ranks), check=check)
 
 
 def kontext_run(setup, out, args, ranks=2) -> dict:

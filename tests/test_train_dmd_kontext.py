@@ -21,7 +21,8 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import assert_dmd_resumed_bit_exact, launch, launch_all, launch_env, read_metrics, tiny_flux
+from tests.conftest import (assert_dmd_resumed_bit_exact, dmd_run, launch_all, launch_dmd, launch_env, read_metrics,
+                            tiny_flux)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,19 +53,15 @@ def pairs(tmp_path_factory):
     return str(path)
 
 
-def _run(args, env, out, ranks=2) -> dict:
-    return dict(script="train_dmd.py", args=list(args) + [f"--output_dir={out}"], ranks=ranks, env=env)
-
-
 @pytest.fixture(scope="module")
 def first_runs(env, pairs, tmp_path_factory):
     """run_a, run_b and run_lora, side by side."""
     a, b, lora = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora"))
     data = [f"--data_path={pairs}"]
     done = launch_all({
-        "a": _run(COMMON + data, env, a), "b": _run(COMMON + data + ["--grad_accum=2"], env, b, ranks=1),
-        "lora": _run(COMMON + data + ["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
-                                      "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1)})
+        "a": dmd_run(COMMON + data, env, a), "b": dmd_run(COMMON + data + ["--grad_accum=2"], env, b, ranks=1),
+        "lora": dmd_run(COMMON + data + ["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
+                                         "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1)})
     assert "FluxKontextPipeline" in done["a"].stdout and "num_inference_steps=4, guidance_scale=2.5" in done["a"].stdout
     return a, b, (lora, done["lora"].stdout)
 
@@ -88,8 +85,7 @@ def run_lora(first_runs):
 def run_resumed(env, pairs, tmp_path_factory, run_a):
     out = tmp_path_factory.mktemp("resumed")
     shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-    log = launch("train_dmd.py", COMMON + [f"--data_path={pairs}", "--resume=auto", f"--output_dir={out}"],
-                 env=env).stdout
+    log = launch_dmd(COMMON + [f"--data_path={pairs}", "--resume=auto"], env, out)
     assert "step_000002 (step 2)" in log
     return out
 

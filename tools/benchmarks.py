@@ -945,10 +945,18 @@ def _host_work(repo: str, script: str, steps: int, out: str, extra: tuple = ()) 
     return json.loads(line[len("HOST_WORK "):])
 
 
+def _host_work_per_step(repo: str, script: str, short: int, long: int, out: str, extra: tuple = ()) -> dict:
+    """tools/host_work.py's counts per step between a `short`- and a `long`-step run: the steps
+    without setup, checkpoint and export. The long run writes into `out`."""
+    a = _host_work(repo, script, short, out + f"_{short}", extra)
+    b = _host_work(repo, script, long, out, extra)
+    return {k: (b.get(k, 0) - a.get(k, 0)) / (long - short) for k in b}
+
+
 def bench_host(repo: str = ROOT) -> str:
     """Per training step, on one CPU rank with the embedded defaults: the aten ops dispatched, the
     bytes copied and the host syncs outside the diffusion models' forwards and autograd's backward
-    (tools/host_work.py), as the difference of a 4-step and a 2-step run."""
+    (tools/host_work.py), per step between a short and a long run (_host_work_per_step)."""
     rows = ["| script | aten ops / step | bytes copied / step | host syncs / step | most dispatched |",
             "|---|---:|---:|---:|---|"]
     # the prompt cache at steady state: the 36 shipped prompts are all cached by step 18 (2 per step)
@@ -956,8 +964,7 @@ def bench_host(repo: str = ROOT) -> str:
              ("train_dmd.py", (), 20, 40), ("train_dmd.py", ("--prompt_cache=64",), 20, 40)]
     with tempfile.TemporaryDirectory() as tmp:
         for i, (script, extra, a, b) in enumerate(cases):
-            short, long = (_host_work(repo, script, n, os.path.join(tmp, f"{i}_{n}"), extra) for n in (a, b))
-            per = {k: (long.get(k, 0) - short.get(k, 0)) / (b - a) for k in long}
+            per = _host_work_per_step(repo, script, a, b, os.path.join(tmp, str(i)), extra)
             top = sorted(((n, k[3:]) for k, n in per.items() if k.startswith("op:")), reverse=True)[:5]
             name = f"{script}{', ' + ' '.join(extra) if extra else ''}, steps {a + 1}-{b}"
             rows.append(f"| {name} | {per['ops']:.0f} | {per.get('copied_bytes', 0) / 2**20:.2f} MiB | "
@@ -967,19 +974,17 @@ def bench_host(repo: str = ROOT) -> str:
 
 def bench_reshard() -> str:
     """RESHARD_AFTER_FORWARD=auto against 1 on one CPU rank (world size 1: reshard-free), the embedded
-    defaults: the whole step's aten ops and bytes copied (tools/host_work.py, the difference of a
-    4-step and a 2-step run), and whether the 4 steps' logged losses are the same."""
+    defaults: the whole step's aten ops and bytes copied (tools/host_work.py, per step between a 2-step
+    and a 4-step run), and whether the 4 steps' logged losses are the same."""
     rows = ["| script | setting | aten ops / step | bytes copied / step | losses |", "|---|---|---:|---:|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for script in ("train_dmd.py", "train_flux_kontext.py"):
             per, losses = {}, {}
             for setting in ("1", "auto"):
-                runs = {}
-                for n in (2, 4):
-                    out = os.path.join(tmp, f"{script}{setting}{n}")
-                    runs[n] = _host_work(ROOT, script, n, out, ("--log_every=1", f"--reshard_after_forward={setting}"))
-                per[setting] = {k: (runs[4].get(k, 0) - runs[2].get(k, 0)) / 2 for k in runs[4]}
-                with open(os.path.join(out, "metrics.jsonl")) as f:
+                out = os.path.join(tmp, f"{script}{setting}")
+                per[setting] = _host_work_per_step(ROOT, script, 2, 4, out,
+                                                   ("--log_every=1", f"--reshard_after_forward={setting}"))
+                with open(os.path.join(out, "metrics.jsonl")) as f:  # the 4-step run's
                     losses[setting] = [{k: v for k, v in r.items() if "loss" in k or "norm" in k}
                                        for r in map(json.loads, f) if "step" in r]
             logged = len(losses["1"]) == 4 and all(losses["1"])  # 4 steps, each with its losses and norms
