@@ -64,7 +64,7 @@ from data import randomness
 from data.batches import global_batch_indices, micro_batch_positions
 from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher, to_device
-from data.randomness import drop_captions, per_sample_draws, sample_generator, step_generator
+from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
 from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
 from parallel import ema as ema_lib
@@ -272,7 +272,6 @@ class Losses:
     gen_cls_weight: float
     guidance_cls_weight: float
     diffusion_gan: bool
-    max_grad_norm: float
 
 
 def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
@@ -679,7 +678,7 @@ def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: 
     """Fixed sample prompts (the first distinct ones of `rows`: SAMPLE_PROMPTS' or the data's) and
     fixed noise, the same every time."""
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
-    g = step_generator(seed, 0, stream=7)
+    g = step_generator(seed, 0, stream=SAMPLE_NOISE_STREAM)
     return (prompts, torch.randn((len(prompts), *shape), generator=g),
             torch.randn((len(prompts), n_sim, *shape), generator=g))
 
@@ -954,7 +953,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
                   load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
     sample_cond = flux_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
                                    if kontext else None, ids)
-    g = step_generator(SEED, 0, stream=7)
+    g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     # drawn on the host (the same on every device), moved once
     noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
     sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
@@ -1086,7 +1085,7 @@ def main() -> None:
     def sample(path):
         with final_weights() as model:
             write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
-    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, MAX_GRAD_NORM)
+    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
     draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)

@@ -20,7 +20,7 @@ once before training to fill an on-disk embedding cache and are freed.
     bash demos/demo_kontext.sh
     # after a stop or preemption: the same command plus --resume=auto
 
-Data (README, "Your data"): a .jsonl of {"control": input image, "target": edited image, "prompt":
+Data (docs/data.md, "Your data"): a .jsonl of {"control": input image, "target": edited image, "prompt":
 instruction} rows (paths relative to the file; "image" + "target", as the shipped pairs name them, also
 reads), a folder of targets with same-stem .txt captions and a control/ folder (ai-toolkit's and
 musubi-tuner's layout), or a Hugging Face datasets table. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
@@ -41,8 +41,8 @@ ranks (fsdp_utils.build_meshes, parallel/context_parallel.py). Same updates as w
 
 Choices worth knowing: a global batch always comes from one resolution bucket (see
 bucket_schedule), because the transformer's position ids are shared by the batch; latents are
-encoded by the frozen VAE at every step (no latent cache, so flips and re-bucketing stay free; the
-VAE costs little next to the transformer); everything random in a step is drawn from (SEED, step),
+encoded by the frozen VAE at every step unless CACHE_LATENTS (then once, beside the text cache; not
+with RANDOM_FLIP, whose flips need fresh encodings); everything random in a step is drawn from (SEED, step),
 so any world size / GRAD_ACCUM split gives the same updates and a resume continues bit for bit.
 
     python -m pytest tests/test_train_flux_kontext.py -q
@@ -69,7 +69,7 @@ from components.optim import warmup_scheduler
 from data.batches import global_batch_indices, micro_batch_positions
 from data.images import image_size, load_image, save_image_grid
 from data.prefetch import Prefetcher
-from data.randomness import drop_captions, per_sample_draws, step_generator
+from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows
 from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests as this script's
     cache_file, encoder_identity, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
@@ -141,7 +141,7 @@ EXPORT_DTYPE = "bf16"  # dtype of the exported trained model (fp16/bf16 halve th
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
 BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
 DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
-CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see README
+CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see docs/kontext.md
 RESHARD_AFTER_FORWARD = "auto"  # 1: free gathered params after each forward (ZeRO-3); 0: keep them; auto: see docs
 CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
@@ -384,7 +384,7 @@ def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple
         if (weights > 0).sum() == 1:
             b = int(weights.argmax())
         else:
-            b = int(torch.multinomial(weights, 1, generator=step_generator(seed, step, 7)))
+            b = int(torch.multinomial(weights, 1, generator=step_generator(seed, step, BUCKET_STREAM)))
         schedule.append((b, used[b]))
         used[b] += 1
     return members, schedule
@@ -511,7 +511,7 @@ def micro_batch_loss(transformer, vae, mb, sigmas, noise, text, guidance, loss_w
 def validation_inputs(sizes, sigmas, latent_channels, vae_factor, seed):
     """Fixed (size, sigmas, noise) per held-out pair: the same at every validation and in every
     run with this SEED, so the validation loss is comparable across steps and runs."""
-    g = step_generator(seed, 0, stream=11)
+    g = step_generator(seed, 0, stream=VALIDATION_STREAM)
     return [((h, w), torch.tensor(sigmas),
              torch.randn(len(sigmas), latent_channels, h // vae_factor, w // vae_factor, generator=g))
             for h, w in sizes]

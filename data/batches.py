@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from data.randomness import step_generator
+from data.randomness import DATA_ORDER_STREAM, step_generator
 
 def global_batch_indices(step: int, global_batch: int, n: int, seed: int) -> list[int]:
     """Dataset indices of the global batch of `step`: epochs of seeded permutations laid end to
@@ -15,7 +15,7 @@ def global_batch_indices(step: int, global_batch: int, n: int, seed: int) -> lis
     out, pos = [], step * global_batch
     while len(out) < global_batch:
         epoch, offset = divmod(pos, n)
-        perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=99)).tolist()
+        perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=DATA_ORDER_STREAM)).tolist()
         take = perm[offset:offset + global_batch - len(out)]
         out += take
         pos += len(take)

@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import torch
 
+# step_generator's streams: 0 a step's own draws (the Kontext step's noise, σ and flips), then
+DATA_ORDER_STREAM = 99  # an epoch's permutation of the data (step = the epoch)
+BUCKET_STREAM = 7  # Kontext: the resolution bucket of a step's global batch
+SAMPLE_NOISE_STREAM = 7  # the fixed noise of the sample grids (step 0; another draw than a bucket's)
+VALIDATION_STREAM = 11  # Kontext: the fixed noise and σ of the held-out pairs (step 0)
+
+
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     """A CPU generator seeded from (seed, step, stream): randomness for the *global* batch of a
     step, identical on every rank and after a resume, whatever the world size."""

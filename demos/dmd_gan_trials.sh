@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GAN-stage trials of README's "Stage 2 (GAN)" table, on CPU: each continues the stage-1 demo
+# The GAN-stage trials of the trials table of docs/dmd2_gan_trials.md, "Research note", on CPU: each continues the stage-1 demo
 # checkpoint (demos/demo_dmd.sh) for STEPS steps with stage 1's schedule, then scores it (1 step,
 # demos/shapes_eval.py). Trials:
 #   control   no GAN (stage 1 continued: what the extra steps alone give)

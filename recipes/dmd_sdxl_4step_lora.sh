@@ -12,7 +12,7 @@
 # generator only: the fake score trains all its weights (main/sd_guidance.py:53-58), as FAKE_LORA=0.
 # Text encoders in fp32 (main/sdxl/sdxl_text_encoder.py:8-14). AC=1: activation checkpointing.
 # Export: OUT/export/pytorch_lora_weights.safetensors, loaded onto the ORIGINAL SDXL pipeline with
-# pipe.load_lora_weights (README, LoRA); --lora_export_merged=1 also writes a merged pipeline.
+# pipe.load_lora_weights (docs/lora_lowbit.md, "LoRA"); --lora_export_merged=1 also writes a merged pipeline.
 #
 #   MODEL=/models/stable-diffusion-xl-base-1.0 DATA=/data/laion.jsonl bash recipes/dmd_sdxl_4step_lora.sh
 # Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations

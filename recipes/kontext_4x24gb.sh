@@ -9,10 +9,10 @@
 #
 #   MODEL=/models/FLUX.1-Kontext-dev DATA=/data/edits.jsonl bash recipes/kontext_4x24gb.sh
 # DATA: a .jsonl of {"control": input, "target": edited, "prompt": instruction} (paths relative to it), a
-# folder of targets with same-stem .txt captions and a control/ folder, or a datasets table (README, Your data).
+# folder of targets with same-stem .txt captions and a control/ folder, or a datasets table (docs/data.md, "Your data").
 # As a LoRA instead (--lora_rank=16 --lr=1e-4, diffusers' image-to-image command): alpha defaults to
 # the rank here (scaling 1), where that command keeps diffusers' fixed alpha 4 (scaling 0.25,
-# train_dreambooth_lora_flux_kontext.py:406-411); add --lora_alpha=4 to match it (README, LoRA).
+# train_dreambooth_lora_flux_kontext.py:406-411); add --lora_alpha=4 to match it (docs/lora_lowbit.md, "LoRA").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a FLUX.1-Kontext diffusers folder}

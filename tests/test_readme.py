@@ -93,3 +93,58 @@ def test_recipes_pass_what_the_readme_says():
     recipe = read("recipes/kontext_lora.sh")
     for flag in ("--lora_rank=16", "--lora_alpha=4", "--lr=1e-4"):
         assert flag in recipe and flag in read("README.md"), flag
+
+
+def headings(path):
+    """A markdown file's headings, lower case (not the comment lines of its code blocks)."""
+    found, fenced = [], False
+    for line in read(path).splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            found.append(line.lstrip("#").strip().lower())
+    return found
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def tracked_text_files():
+    import subprocess
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [f for f in out.split()
+            if f.endswith((".py", ".sh", ".md", ".sbatch")) and os.path.exists(os.path.join(ROOT, f))]
+
+
+# `docs/x.md, "Section"`, `README's "Section"`, or unquoted inside brackets: `(README, Section)`
+SECTION_REF = re.compile(r"\b(README|docs/\w+\.md)(?:(?:, |'s )[\"“]([^\"”]+)[\"”]|, ([A-Z][\w ]+)\))")
+
+
+def test_sections_named_in_code_and_docs_exist():
+    """A comment or doc that sends the reader to `docs/x.md, "Section"` (or README's "Section") names a
+    heading that exists; markdown links into a doc's #anchor land on a heading."""
+    wrong = []
+    for f in tracked_text_files():
+        if f == "tests/test_readme.py":
+            continue
+        text = read(f)
+        for doc, quoted, bare in SECTION_REF.findall(text):
+            section = quoted or bare
+            doc = "README.md" if doc == "README" else doc
+            if not os.path.exists(os.path.join(ROOT, doc)) or \
+                    not any(h.startswith(section.lower()) for h in headings(doc)):
+                wrong.append(f"{f}: {doc}, \"{section}\"")
+        if f.endswith(".md"):
+            here = os.path.dirname(f)
+            for target, anchor in re.findall(r"\]\(([\w./-]*\.md)#([\w-]+)\)", text):
+                doc = os.path.normpath(os.path.join(here, target))
+                if os.path.exists(os.path.join(ROOT, doc)) and anchor not in {slug(h) for h in headings(doc)}:
+                    wrong.append(f"{f}: {target}#{anchor}")
+    assert not wrong, "sections that do not exist:\n" + "\n".join(wrong)
+
+
+def test_section_reference_pattern_catches_a_missing_section():
+    assert SECTION_REF.findall('see (README, "No such section")') == [("README", "No such section", "")]
+    assert SECTION_REF.findall("(README, No such section)") == [("README", "", "No such section")]
+    assert not any("no such section" in h for h in headings("README.md"))

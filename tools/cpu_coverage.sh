@@ -2,7 +2,7 @@
 # Which lines of the training code no CPU run executes: the test suite under coverage, every
 # launched process included (torchrun ranks and spawned ranks), then the lines of the scripts,
 # the root modules, components/, data/, parallel/ and algorithms/ that never ran. What remains is the code only a GPU runs (the
-# README's "On GPUs" section lists it and says why each line is right) plus error paths the tests
+# docs/gpu.md, "On GPUs", lists it and says why each line is right) plus error paths the tests
 # do not provoke.
 #
 #   bash tools/cpu_coverage.sh            # the whole suite (~15 minutes on 2 cores)
