@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -845,22 +844,11 @@ def write_flux_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, til
     save_image_grid(torch.stack(grid), path, nrow=3)
 
 
-def write_distilled_scheduler(model_path: str, export_dir: str) -> None:
-    """export_dir/scheduler/: the teacher's scheduler made to sample the distilled generator
-    (algorithms/dmd2_flux.distilled_scheduler_config), a folder of its own rather than a link, so
-    the export travels without OUTPUT_DIR; beside a LoRA file, where the base's scheduler is not."""
+def distilled_scheduler(model_path: str) -> dict:
+    """The scheduler config every export of the distilled generator carries (export/, export_merged/):
+    the teacher's made to sample the trained σ list (algorithms/dmd2_flux.distilled_scheduler_config)."""
     with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
-        config = flux_dm.distilled_scheduler_config(json.load(f))
-    dst = os.path.join(export_dir, "scheduler")
-    tmp = dst + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "scheduler_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    if os.path.islink(dst):  # the teacher's scheduler, linked by the export
-        os.unlink(dst)
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
+        return flux_dm.distilled_scheduler_config(json.load(f))
 
 
 def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
@@ -990,16 +978,17 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, guidance), (opt_g, opt_d),
              (sched_g, sched_d), sample, skipped)
 
-    # the export samples in len(sigmas) steps with the scheduler made for it (no shift, stochastic)
+    # every export carrying the generator samples in len(sigmas) steps with the scheduler made for it
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
-    lora_scheduler = " with FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
-    print0(f"sampling the export: {run.pipeline}.from_pretrained(export)(..., {call}, guidance_scale={FLUX_GUIDANCE})"
-           + (lora_scheduler if run.lora else ""))
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
-    if d.rank == 0:
-        write_distilled_scheduler(MODEL_PATH, run.output("export"))
+    how = (f"{run.pipeline}.from_pretrained(export)" if not run.lora else
+           f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
+           "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
+           + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
+    print0(f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})")
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None,
+                   scheduler=distilled_scheduler(MODEL_PATH))
 
 
 # ----------------------------------------------------------------------------------------------
