@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,7 +108,7 @@ MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a n
 EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled and exported
 MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
-REAL_GUIDANCE_SCALE = 1.75  # teacher CFG scale inside the distribution-matching loss
+REAL_GUIDANCE_SCALE = 0.0  # teacher CFG scale in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1 (none)
 FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
@@ -178,6 +177,7 @@ def validate_config() -> list[int]:
     """Reject bad or contradictory settings before any work. Returns the generator's step list."""
     check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
+        "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0,
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
@@ -254,10 +254,13 @@ def default_paths(use_gan: bool = False) -> tuple[str, str]:
 def resolve_defaults() -> dict:
     """Fill the "" settings (the embedded default) and return the resolved config, which is what
     the run prints and every checkpoint records."""
-    global MODEL_PATH, DATA_PATH
+    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
+    if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG)
+        flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in facts.FLUX_TEACHERS
+        REAL_GUIDANCE_SCALE = 1.0 if flux else 1.75
     return script_constants(globals())
 
 
@@ -770,7 +773,8 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 
 
 def check_flux_settings(pipeline: str) -> None:
-    """What a FLUX teacher does not take, refused in one line before any work."""
+    """What a FLUX teacher does not take, refused in one line before any work. REAL_GUIDANCE_SCALE
+    is 0 (resolved to 1: no teacher CFG) unless set: an explicit value other than 1 is refused."""
     refused = [
         ("USE_GAN=1", USE_GAN and pipeline != "FluxKontextPipeline",
          "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none"),
@@ -778,6 +782,9 @@ def check_flux_settings(pipeline: str) -> None:
          "the GAN's real images are the pairs' own targets, under their own instruction"),
         ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three FLUX transformers are sharded (PARALLELISM=fsdp)"),
         ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"),
+        (f"REAL_GUIDANCE_SCALE={REAL_GUIDANCE_SCALE:g}", REAL_GUIDANCE_SCALE not in (0, 1),
+         "FLUX.1 is guidance-distilled, its guidance is the embedded value FLUX_GUIDANCE, not a CFG pair; "
+         "set FLUX_GUIDANCE and leave REAL_GUIDANCE_SCALE at 0 (docs/dmd2_kontext.md)"),
     ]
     for name, bad, why in refused:
         if bad:
@@ -844,22 +851,11 @@ def write_flux_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, til
     save_image_grid(torch.stack(grid), path, nrow=3)
 
 
-def write_distilled_scheduler(model_path: str, export_dir: str) -> None:
-    """export_dir/scheduler/: the teacher's scheduler made to sample the distilled generator
-    (algorithms/dmd2_flux.distilled_scheduler_config), a folder of its own rather than a link, so
-    the export travels without OUTPUT_DIR; beside a LoRA file, where the base's scheduler is not."""
+def distilled_scheduler(model_path: str) -> dict:
+    """The scheduler config every export of the distilled generator carries (export/, export_merged/):
+    the teacher's made to sample the trained σ list (algorithms/dmd2_flux.distilled_scheduler_config)."""
     with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
-        config = flux_dm.distilled_scheduler_config(json.load(f))
-    dst = os.path.join(export_dir, "scheduler")
-    tmp = dst + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "scheduler_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    if os.path.islink(dst):  # the teacher's scheduler, linked by the export
-        os.unlink(dst)
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
+        return flux_dm.distilled_scheduler_config(json.load(f))
 
 
 def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
@@ -989,16 +985,17 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, guidance), (opt_g, opt_d),
              (sched_g, sched_d), sample, skipped)
 
-    # the export samples in len(sigmas) steps with the scheduler made for it (no shift, stochastic)
+    # every export carrying the generator samples in len(sigmas) steps with the scheduler made for it
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
-    lora_scheduler = " with FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
-    print0(f"sampling the export: {run.pipeline}.from_pretrained(export)(..., {call}, guidance_scale={FLUX_GUIDANCE})"
-           + (lora_scheduler if run.lora else ""))
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
-    if d.rank == 0:
-        write_distilled_scheduler(MODEL_PATH, run.output("export"))
+    how = (f"{run.pipeline}.from_pretrained(export)" if not run.lora else
+           f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
+           "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
+           + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
+    print0(f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})")
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None,
+                   scheduler=distilled_scheduler(MODEL_PATH))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -145,12 +145,15 @@ def export_model(model: nn.Module, folder: str, dtype: torch.dtype, max_shard_by
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
-def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: str, dtype: torch.dtype) -> str:
+def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: str, dtype: torch.dtype,
+                scheduler: dict | None = None) -> str:
     """OUTPUT_DIR/export/pytorch_lora_weights.safetensors: the adapters of a LoRA model in
     diffusers' LoRA format, written by the pipeline's own `save_lora_weights` (peft's key names via
     `get_peft_model_state_dict`, the LoraConfig as adapter metadata, so alpha travels with the
     file), as diffusers' LoRA training examples save theirs. Load it with
-    `Pipeline.from_pretrained(base).load_lora_weights(out_dir)`. Collective (gathers the shards)."""
+    `Pipeline.from_pretrained(base).load_lora_weights(out_dir)`. With `scheduler`, the scheduler the
+    adapters are to sample with goes beside them in scheduler/ (write_scheduler). Collective
+    (gathers the shards)."""
     import diffusers
     from peft.utils import get_peft_model_state_dict
 
@@ -168,12 +171,21 @@ def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: 
             partial, weight_name=LORA_WEIGHTS, **{f"{component}_lora_layers": layers,
                                                    f"{component}_lora_adapter_metadata":
                                                        model.peft_config["default"].to_dict()})
+        if scheduler:
+            write_scheduler(partial, scheduler)
         _swap_in(partial, out_dir)
         size = os.path.getsize(os.path.join(out_dir, LORA_WEIGHTS))
         print0(f"export: {out_dir}/{LORA_WEIGHTS} ({len(layers)} tensors, {size / 2**20:.2f} MiB, "
                f"{dtype_name(dtype)}; load with {pipeline_class}.load_lora_weights)")
     barrier()
     return out_dir
+
+
+def write_scheduler(folder: str, config: dict) -> None:
+    """folder/scheduler/: `config` saved by the diffusers class it names, so the file is one that class
+    builds (a conflicting config fails here, not at inference), written out rather than linked."""
+    import diffusers
+    getattr(diffusers, config["_class_name"]).from_config(config).save_pretrained(os.path.join(folder, "scheduler"))
 
 
 def _swap_in(partial: str, out_dir: str) -> None:
@@ -271,7 +283,8 @@ def _transformers_models(model_path: str) -> set[str]:
 
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
-                    link_frozen: bool = True, frozen: dict[str, str] | None = None) -> str:
+                    link_frozen: bool = True, frozen: dict[str, str] | None = None,
+                    scheduler: dict | None = None) -> str:
     """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
     frozen components (symlinked, or copied when link_frozen=False) + the trained components.
     Every component's weights end up in `dtype`: a frozen one stored in another dtype (a shipped
@@ -279,8 +292,9 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
     text encoders' configs say float32 (_pin_fp32_load), so a plain `Pipeline.from_pretrained(export)`
     loads every model in fp32 and `torch_dtype=dtype` every model in `dtype`, both runnable.
     `frozen` maps a component to another folder to use in place of the source's (e.g. a VAE the
-    run used instead of the pipeline's own). Written to export.partial/ and swapped in at the end,
-    so an old export is never half-replaced."""
+    run used instead of the pipeline's own); `scheduler`, a scheduler config written as the export's
+    scheduler/ in place of the source's (write_scheduler: a distilled model's own sampling). Written to
+    export.partial/ and swapped in at the end, so an old export is never half-replaced."""
     partial = out_dir.rstrip("/") + PARTIAL
     converted, pinned = [], []
     if rank() == 0:
@@ -288,7 +302,7 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
         os.makedirs(partial)
         text_models = _transformers_models(model_path)
         for name in sorted(os.listdir(model_path)):
-            if name in trained:
+            if name in trained or (scheduler and name == "scheduler"):
                 continue
             src = os.path.abspath((frozen or {}).get(name) or os.path.join(model_path, name))
             dst = os.path.join(partial, name)
@@ -297,6 +311,8 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
             if name in text_models and _pin_fp32_load(dst):
                 pinned.append(name)
         portable_json(os.path.join(partial, "model_index.json"))
+        if scheduler:
+            write_scheduler(partial, scheduler)
     barrier()
     for name, model in trained.items():
         export_model(model, os.path.join(partial, name), dtype)

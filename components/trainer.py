@@ -321,13 +321,15 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
 # the end of the run
 
 
-def finish(run: Run, final_weights, frozen: dict[str, str] | None = None) -> None:
+def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, scheduler: dict | None = None) -> None:
     """After the loop (the final checkpoint and samples were written at MAX_STEPS): the memory table
     (its peak is training's, not the export gather's), the whole run's compile report (with the
     samples' and validation's recompiles), the export of `final_weights()` (the model, or its EMA)
     into OUTPUT_DIR/export/: a diffusers pipeline folder, or with LoRA the adapters in diffusers'
     LoRA format (fp32: a few MB) and, with LORA_EXPORT_MERGED, a merged pipeline in export_merged/;
-    `frozen` maps a component to another folder used instead of MODEL_PATH's. Then teardown."""
+    `frozen` maps a component to another folder used instead of MODEL_PATH's; `scheduler`, a scheduler
+    config every export that carries the trained model gets as its scheduler/ (a distilled model's
+    own sampling), in place of MODEL_PATH's. Then teardown."""
     c = run.config
     run.logger.close()
     run.ckpt.wait()
@@ -337,8 +339,9 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None) -> Non
     component = models.trained_component(run.pipeline).subfolder
     with final_weights() as final_model:
         if run.lora:
-            export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32)
+            export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32, scheduler)
         if not run.lora or c["LORA_EXPORT_MERGED"]:
             export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
-                            {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen)
+                            {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen,
+                            scheduler=scheduler)
     fsdp_utils.cleanup_distributed()

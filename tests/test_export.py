@@ -162,6 +162,28 @@ def test_linked_text_encoder_keeps_its_weights_linked(sources, tmp_path):
     assert os.path.islink(os.path.join(export, "vae")) and os.path.islink(os.path.join(export, "tokenizer"))
 
 
+def test_own_scheduler_replaces_the_sources_in_both_exports(sources, tmp_path):
+    """`scheduler=` (a distilled model's own sampling: train_dmd.py's FLUX path): the pipeline folder
+    and the folder of the LoRA file both hold that config as scheduler/, written out rather than a
+    link into the source; without it the pipeline folder links the source's."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    src = sources["kontext"]
+    net = trained_model(src, "kontext", "lora_merged", "fp32")
+    own = {"use_dynamic_shifting": False, "shift": 1.0, "stochastic_sampling": True}
+    config = {"_class_name": "FlowMatchEulerDiscreteScheduler", **own}
+    lora_dir = export_lora(net, str(tmp_path / "export"), "FluxKontextPipeline", "transformer", torch.float32, config)
+    merged = export_pipeline(src, str(tmp_path / "export_merged"), {"transformer": net}, torch.float32,
+                             scheduler=config)
+    plain = export_pipeline(src, str(tmp_path / "plain"), {"transformer": net}, torch.float32)
+    assert sorted(os.listdir(tmp_path)) == ["export", "export_merged", "plain"]
+    assert os.path.realpath(os.path.join(plain, "scheduler")) == os.path.join(src, "scheduler")
+    assert os.path.islink(os.path.join(merged, "tokenizer"))  # the other frozen parts are placed as before
+    for folder in (lora_dir, merged):
+        assert not os.path.islink(os.path.join(folder, "scheduler"))
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
+        assert {k: scheduler.config[k] for k in own} == own, folder
+
+
 # ----------------------------------------------------------------------------------------------
 # the LoRA file: loaded onto its base pipeline
 

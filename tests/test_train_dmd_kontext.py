@@ -9,8 +9,10 @@ Launches, shared through module-scoped fixtures (the first three side by side):
   run_b      1 process, the same global batch (2 micro-batches of 1)
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
   run_lora   1 process, 2 steps, LoRA generator and fake score on NF4 bases, NF4 teacher
+  run_merged 1 process, 1 step, LoRA generator with LORA_EXPORT_MERGED (an NF4 base refuses the merged export)
 (the 1-step generator's draws and step: test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree)
-Settings a FLUX teacher refuses (prompt-only data, USE_GAN) are checked in tests/test_fault_tolerance.py.
+Settings a FLUX teacher refuses (prompt-only data, USE_GAN) are checked in tests/test_fault_tolerance.py,
+REAL_GUIDANCE_SCALE here.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,15 +58,17 @@ def pairs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_runs(env, pairs, tmp_path_factory):
-    """run_a, run_b and run_lora, side by side."""
-    a, b, lora = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora"))
+    """run_a, run_b, run_lora and run_merged, side by side."""
+    a, b, lora, merged = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora", "merged"))
     data = [f"--data_path={pairs}"]
     done = launch_all({
         "a": dmd_run(COMMON + data, env, a), "b": dmd_run(COMMON + data + ["--grad_accum=2"], env, b, ranks=1),
         "lora": dmd_run(COMMON + data + ["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
-                                         "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1)})
+                                         "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1),
+        "merged": dmd_run(COMMON + data + ["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0",
+                                           "--lora_rank=4", "--lora_export_merged=1"], env, merged, ranks=1)})
     assert "FluxKontextPipeline" in done["a"].stdout and "num_inference_steps=4, guidance_scale=2.5" in done["a"].stdout
-    return a, b, (lora, done["lora"].stdout)
+    return a, b, (lora, done["lora"].stdout), (merged, done["merged"].stdout)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +84,11 @@ def run_b(first_runs):
 @pytest.fixture(scope="module")
 def run_lora(first_runs):
     return first_runs[2]
+
+
+@pytest.fixture(scope="module")
+def run_merged(first_runs):
+    return first_runs[3]
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +181,25 @@ def test_lora_nf4_run_exports_adapters_the_base_pipeline_loads(run_lora, pairs):
     assert pipe.scheduler.sigmas.tolist() == pytest.approx(SIGMAS + [0.0])
 
 
+@pytest.mark.slow
+def test_lora_merged_export_and_adapters_sample_the_trained_sigmas(run_merged, pairs):
+    """Both exports that carry a LoRA generator, export/ (beside the adapters) and export_merged/, hold
+    the distilled scheduler: the trained σ list at the run's token count and at FLUX.1's at 1024 px."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+    out, log = run_merged
+    assert "FluxKontextPipeline.from_pretrained(export_merged); pipe(..., num_inference_steps=4" in log
+    for folder in ("export", "export_merged"):
+        assert os.path.isfile(out / folder / "scheduler" / "scheduler_config.json")
+        assert not os.path.islink(out / folder / "scheduler")  # its own, not the teacher's
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out / folder, subfolder="scheduler")
+        for tokens in (TOKENS_32, TOKENS_1024):
+            assert _pipeline_sigmas(scheduler, tokens) == SIGMAS, (folder, tokens)
+    pipe = FluxKontextPipeline.from_pretrained(out / "export_merged")
+    pipe.set_progress_bar_config(disable=True)
+    assert torch.isfinite(_edit(pipe, pairs)).all()
+    assert pipe.scheduler.sigmas.tolist() == SIGMAS + [0.0]
+
+
 def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
     """The property the UNet path's bar checks: with G = teacher = fake at guidance 1, loss_dm and its
     gradient are exactly 0; a fake score that differs gives a non-zero gradient."""
@@ -209,4 +238,70 @@ def test_sigma_list_is_the_pipelines_for_the_step_count():
     config = fd.distilled_scheduler_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "x",
                                             "use_dynamic_shifting": True, "shift": 3.0})
     assert config == {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": False, "shift": 1.0,
-                      "stochastic_sampling": True}
+                      "shift_terminal": None, "use_karras_sigmas": False, "use_exponential_sigmas": False,
+                      "use_beta_sigmas": False, "invert_sigmas": False, "stochastic_sampling": True}
+
+
+# target tokens of a 32 px image with the tiny base's VAE (factor 4, 2x2 packing), and of 1024 px with FLUX.1's (8)
+TOKENS_32, TOKENS_1024 = (32 // 4 // 2) ** 2, (1024 // 8 // 2) ** 2
+
+
+def _pipeline_sigmas(scheduler, tokens: int, n: int = 4) -> list[float]:
+    """The σ list FluxKontextPipeline (diffusers 0.42) walks for num_inference_steps=n at `tokens`
+    target tokens: σ = linspace(1, 1/n, n) and mu = calculate_shift(tokens, the scheduler's settings),
+    both passed to set_timesteps through retrieve_timesteps."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import calculate_shift, retrieve_timesteps
+    c = scheduler.config
+    mu = calculate_shift(tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    retrieve_timesteps(scheduler, n, "cpu", sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
+    return scheduler.sigmas[:-1].tolist()
+
+
+@pytest.mark.parametrize("bend", [
+    {}, {"shift": 3.0, "use_dynamic_shifting": False}, {"time_shift_type": "linear", "max_shift": 3.0},
+    {"shift_terminal": 0.5}, {"use_karras_sigmas": True}, {"use_exponential_sigmas": True},
+    {"use_beta_sigmas": True}, {"invert_sigmas": True}], ids=lambda b: ",".join(b) or "shipped")
+def test_written_scheduler_samples_the_trained_sigmas_whatever_bends_the_teachers(bend, tmp_path):
+    """Each FlowMatchEulerDiscreteScheduler setting that moves the σ list (on top of the shipped
+    teacher's dynamic shift) bends the teacher's steps away from the trained ones; the scheduler the
+    export writes walks exactly 1, .75, .5, .25 (shift 1 is the identity s / (1 + 0·s), and these are
+    exact in fp32) at any resolution."""
+    from algorithms import dmd2_flux as fd
+    from components.export import write_scheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    with open(os.path.join(BASE, "scheduler", "scheduler_config.json")) as f:
+        teacher = {**json.load(f), **bend}
+    if not bend.get("use_beta_sigmas"):  # beta σ need scipy to build; the written scheduler must not
+        bent = _pipeline_sigmas(FlowMatchEulerDiscreteScheduler.from_config(teacher), TOKENS_1024)
+        assert bent != pytest.approx(SIGMAS, abs=1e-3), bent
+    write_scheduler(str(tmp_path), fd.distilled_scheduler_config(teacher))
+    written = FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path, subfolder="scheduler")
+    assert written.config.stochastic_sampling
+    for tokens in (TOKENS_32, TOKENS_1024):
+        assert _pipeline_sigmas(written, tokens) == SIGMAS, tokens
+
+
+def test_flux_teacher_refuses_teacher_cfg_before_any_work(monkeypatch, pairs, tmp_path):
+    """REAL_GUIDANCE_SCALE: 0 (the default) resolves per teacher, 1.75 for a UNet and 1 (no CFG) for
+    FLUX; an explicit value other than 1 with a FLUX teacher stops main() in one line."""
+    import train_dmd
+    from components.config import script_constants
+    from components.errors import ConfigError
+    saved = script_constants(vars(train_dmd))
+    try:
+        for scale in ("1.75", "3"):
+            monkeypatch.setattr("sys.argv", ["train_dmd.py", f"--model_path={BASE}", f"--data_path={pairs}",
+                                             f"--output_dir={tmp_path}", f"--real_guidance_scale={scale}"])
+            with pytest.raises(ConfigError, match=f"REAL_GUIDANCE_SCALE={scale} with a FluxKontextPipeline teacher: "
+                                                  "FLUX.1 is guidance-distilled") as e:
+                train_dmd.main()
+            assert "\n" not in str(e.value) and not os.listdir(tmp_path)
+            vars(train_dmd).update(saved)
+        for model, scale, resolved in ((BASE, 0.0, 1.0), (BASE, 1.0, 1.0), ("", 0.0, 1.75), ("", 8.0, 8.0)):
+            vars(train_dmd).update(saved, MODEL_PATH=model, REAL_GUIDANCE_SCALE=scale,
+                                   DATA_PATH=pairs if model else "")
+            train_dmd.validate_config()
+            assert train_dmd.resolve_defaults()["REAL_GUIDANCE_SCALE"] == resolved, (model, scale)
+    finally:
+        vars(train_dmd).update(saved)
