@@ -149,8 +149,9 @@ def slurm_rank_env(env) -> dict[str, str]:
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if per_node:
         local_world = tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
-    else:
-        local_world = int(env.get("SLURM_NTASKS_PER_NODE") or world)
+    else:  # --ntasks-per-node's value, else the tasks spread evenly over the step's nodes
+        nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        local_world = int(env.get("SLURM_NTASKS_PER_NODE") or -(-world // nodes))
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
     master = env.get("MASTER_ADDR") or (_first_host(nodelist) if nodelist else "127.0.0.1")
     return dict(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(world), LOCAL_RANK=env.get("SLURM_LOCALID", "0"),

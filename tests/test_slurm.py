@@ -172,6 +172,7 @@ def test_srun_task_gets_torchruns_variables(monkeypatch):
         RANK="13", WORLD_SIZE="4", LOCAL_RANK="5", LOCAL_WORLD_SIZE="2", MASTER_ADDR="c3", MASTER_PORT="29500")
     per_node = {k: v for k, v in TASK.items() if k != "SLURM_TASKS_PER_NODE"}
     assert fsdp_utils.slurm_rank_env({**per_node, "SLURM_NTASKS_PER_NODE": "8"})["LOCAL_WORLD_SIZE"] == "8"
+    assert fsdp_utils.slurm_rank_env({**per_node, "SLURM_NNODES": "4"})["LOCAL_WORLD_SIZE"] == "4"
 
 
 def test_other_launches_are_left_alone():
