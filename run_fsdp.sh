@@ -9,7 +9,7 @@
 #
 # NPROC       processes on this node (default: number of GPUs, else 2)
 # NNODES      nodes in the job (default 1: --standalone rendezvous)
-# NODE_RANK   this node's index (default 0)
+# NODE_RANK   this node's index (0 on the node at MASTER_ADDR; required on several nodes)
 # MASTER_ADDR / MASTER_PORT   rendezvous host and port of node 0 (multi-node only)
 # DRY_RUN=1   print the torchrun command and exit (check a recipe or a launcher's settings)
 # SOCKET_IFNAME  the network interface for the rendezvous and collectives (e.g. ib0, eth1): sets
@@ -18,12 +18,13 @@
 # HSDP_PER_NODE=1   on several nodes, add --dp_replicate=NNODES (HSDP: shard inside a node, replicate
 #             across nodes) unless the arguments set it; the recipes in recipes/ turn this on
 #
-# Under SLURM (SLURM_JOB_ID set) and without an explicit NNODES, the job's allocation decides:
-# NNODES=$SLURM_NNODES, NODE_RANK=$SLURM_NODEID, MASTER_ADDR = the first host of
-# $SLURM_JOB_NODELIST (unless MASTER_ADDR is set), MASTER_PORT 29500 (unless set), NPROC = the
-# node's GPUs ($SLURM_GPUS_ON_NODE, else the count in $SLURM_GPUS_PER_NODE, else as above). Run it
-# as ONE task per node (torchrun starts the per-GPU processes): srun --ntasks-per-node=1, see
-# recipes/slurm_example.sbatch. A one-node job keeps --standalone.
+# Under SLURM (SLURM_JOB_ID set) the job's allocation decides what is not set by hand
+# (recipes/lib/slurm.sh, shared with the recipes' global batch): NNODES=$SLURM_NNODES,
+# NODE_RANK=$SLURM_NODEID, MASTER_ADDR = the first host of $SLURM_JOB_NODELIST, MASTER_PORT 29500,
+# NPROC = the node's GPUs ($SLURM_GPUS_ON_NODE, else the count in $SLURM_GPUS_PER_NODE, else as
+# above). An NNODES or NODE_RANK that contradicts the allocation stops in one line; NNODES=1 runs
+# this node alone. Run it as ONE task per node (torchrun starts the per-GPU processes):
+# srun --ntasks-per-node=1, see recipes/slurm_example.sbatch. A one-node job keeps --standalone.
 # Everything after the script name is passed to it (--name=value settings). The recipes in
 # recipes/ call this script with the published settings.
 set -euo pipefail
@@ -39,41 +40,11 @@ if [ ! -f "$SCRIPT" ]; then
   exit 2
 fi
 
-# first host of a SLURM node list: node[01-04,07] -> node01, gpu-a1,gpu-a2 -> gpu-a1, node7 -> node7
-slurm_first_host() {
-  local list=$1 first="" bracket='^([^[]*)\[([0-9]+)[^]]*\](.*)$'
-  if command -v scontrol >/dev/null 2>&1; then
-    first=$(scontrol show hostnames "$list" 2>/dev/null | head -n1 || true)
-    if [ -n "$first" ]; then
-      echo "$first"
-      return
-    fi
-  fi
-  while [[ $list =~ $bracket ]]; do  # each [ranges] group -> its first number
-    list="${BASH_REMATCH[1]}${BASH_REMATCH[2]}${BASH_REMATCH[3]}"
-  done
-  echo "${list%%,*}"
-}
-
-if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
-  if [ "${SLURM_LOCALID:-0}" != 0 ]; then
-    echo "run_fsdp.sh: several SLURM tasks on one node (SLURM_LOCALID=$SLURM_LOCALID): run one task per node" \
-         "(srun --ntasks-per-node=1); torchrun starts one process per GPU itself" >&2
-    exit 2
-  fi
-  NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
-  NODE_RANK=${SLURM_NODEID:-0}
-  if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
-    MASTER_ADDR=$(slurm_first_host "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}")
-  fi
-  if [ -z "${NPROC:-}" ]; then
-    if [[ ${SLURM_GPUS_ON_NODE:-} =~ ^[0-9]+$ ]] && [ "$SLURM_GPUS_ON_NODE" -gt 0 ]; then
-      NPROC=$SLURM_GPUS_ON_NODE
-    elif [[ ${SLURM_GPUS_PER_NODE:-} =~ ([0-9]+)$ ]] && [ "${BASH_REMATCH[1]}" -gt 0 ]; then
-      NPROC=${BASH_REMATCH[1]}  # "8" or "a100:8"
-    fi
-  fi
-  echo "run_fsdp.sh: SLURM job $SLURM_JOB_ID: $NNODES node(s), this is node_rank $NODE_RANK${MASTER_ADDR:+, master $MASTER_ADDR}" >&2
+. "$(dirname "$0")/recipes/lib/slurm.sh"
+slurm_settings  # under SLURM: NNODES, NODE_RANK, MASTER_ADDR, NPROC from the allocation where not set
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  where=${MASTER_ADDR:+, master $MASTER_ADDR}
+  echo "run_fsdp.sh: SLURM job $SLURM_JOB_ID: $NNODES node(s), this is node_rank ${NODE_RANK:-0}$where" >&2
 fi
 
 if [ -z "${NPROC:-}" ]; then
@@ -82,10 +53,13 @@ if [ -z "${NPROC:-}" ]; then
   [[ $NPROC =~ ^[1-9][0-9]*$ ]] || NPROC=2  # no torch for python3 here and no nvidia-smi: 2 CPU ranks
 fi
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 
 if [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0 for a multi-node run}"
+  if [ -z "${NODE_RANK:-}" ]; then  # 0 on every node would make every node the first
+    echo "run_fsdp.sh: NNODES=$NNODES: set NODE_RANK on each node (0 on the one at MASTER_ADDR)" >&2
+    exit 2
+  fi
   MASTER_PORT=${MASTER_PORT:-29500}
   RDZV=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
 else

@@ -91,6 +91,14 @@ def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     return {k: v / world_size() for k, v in zip(keys, t.tolist())}
 
 
+def gather_before_init(store, rank_: int, world: int, key: str, value: str) -> list[str]:
+    """[value of rank 0, rank 1, ...] on every rank through the rendezvous store, before the process
+    group exists: for the checks that must come before NCCL connects (fsdp_utils.init_distributed's
+    one rank per GPU). A few short strings per rank, not a data path."""
+    store.set(f"{key}/{rank_}", value)
+    return [v.decode() for v in store.multi_get([f"{key}/{r}" for r in range(world)])]
+
+
 def first_error(error: str | None) -> str | None:
     """Collective: the first failing rank's message (None when every rank succeeded), on every
     rank, so all ranks stop together after a local failure (e.g. one rank's disk is full)."""

@@ -59,6 +59,38 @@ def test_dmd_recipes_keep_the_published_global_batch(recipe, per_gpu, total):
     assert r.returncode == 2 and f"does not divide the published global batch {total}" in r.stderr
 
 
+GRAD_ACCUM_RECIPES = [(r, n) for r in RECIPES if "grad_accum " in open(os.path.join(ROOT, "recipes", r)).read()
+                      for n in (1, 2, 4)]
+PUBLISHED_BATCH = {"dmd_sd15": 2048, "dmd_sdxl": 128, "dmd_kontext": 64}
+
+
+@pytest.mark.parametrize("recipe,nodes", GRAD_ACCUM_RECIPES)
+def test_global_batch_is_the_published_one_on_any_node_count(recipe, nodes):
+    """GRAD_ACCUM x world x batch = the published global batch on 1, 2 and 4 nodes of 8 GPUs: set by
+    hand, from a SLURM job's variables alone, and by hand inside a SLURM job (the node's rank then
+    still comes from SLURM_NODEID, not 0 on every node)."""
+    total = next(v for k, v in PUBLISHED_BATCH.items() if recipe.startswith(k))
+    slurm = dict(SLURM_JOB_ID="77", SLURM_NNODES=str(nodes), SLURM_NODEID=str(nodes - 1),
+                 SLURM_JOB_NODELIST=f"gpu[01-{nodes:02d}]", SLURM_GPUS_ON_NODE="8")
+    by_hand = dict(NNODES=str(nodes), NODE_RANK=str(nodes - 1), MASTER_ADDR="10.0.0.1", NPROC="8")
+    for env in (by_hand, slurm, {**slurm, "NNODES": str(nodes)}):
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith("SLURM_") and k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "NPROC")}
+        full = {**base, "DRY_RUN": "1", "MODEL": "/models/m", "DATA": "/data/d.jsonl", "INIT_FROM": "/ckpt/c",
+                "GENERATOR_INIT": "/models/g.safetensors", **env}
+        r = subprocess.run(["bash", os.path.join(ROOT, "recipes", recipe)], env=full, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        cmd = shlex.split(next(line for line in r.stdout.splitlines() if line.startswith("+ torchrun"))[2:])
+        flags = dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+        assert int(flags["nnodes"]) == nodes and flags["nproc_per_node"] == "8", (env, cmd)
+        assert int(flags["grad_accum"]) * nodes * 8 * int(flags["batch_size"]) == total, (env, cmd)
+        if nodes > 1:
+            hsdp = "HSDP_PER_NODE=${HSDP_PER_NODE:-0}" not in open(os.path.join(ROOT, "recipes", recipe)).read()
+            assert flags["node_rank"] == str(nodes - 1), (env, cmd)
+            assert flags.get("dp_replicate") == (str(nodes) if hsdp else None), (env, cmd)  # NF4: no HSDP
+
+
 def test_stage2_keeps_the_original_teacher():
     for recipe in ("dmd_sd15_stage1.sh", "dmd_sd15_stage2.sh"):
         assert "--model_path=/models/m" in dry_run(recipe)
