@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import TinyNet, finish, make_data, run_ranks, start, tiny_unet
+from tests.conftest import TinyNet, finish, launch, make_data, run_ranks, start, tiny_unet
 
 import checkpoint
 import fsdp_utils
@@ -321,6 +321,18 @@ def test_a_fresh_run_into_a_used_output_dir_is_refused(tmp_path):
         assert held in message and "--resume=new" in message, message
         assert checkpoint.resolve_resume("new", str(tmp_path)) is None
     assert checkpoint.resolve_resume("auto", str(tmp_path)).endswith("step_000002")
+
+
+@pytest.mark.slow
+def test_a_script_refuses_a_used_output_dir_before_any_work(tmp_path):
+    """train_dmd.py on 2 ranks, fresh, into an OUTPUT_DIR holding a checkpoint: it stops before a
+    model is built, in one line (rank 0 decides, every rank stops; none waits)."""
+    tiny_checkpointer(tmp_path).write(2, {})
+    result = launch("train_dmd.py", [f"--output_dir={tmp_path}", "--max_steps=1"], check=False, timeout=240)
+    assert result.returncode != 0, result.stdout[-3000:]  # the ranks' 2 (a setting's error), the launcher's 1
+    lines = [line for line in result.stdout.splitlines() if "holds checkpoints of an earlier run" in line]
+    assert lines and "--resume=auto" in lines[0] and "new OUTPUT_DIR" in lines[0], result.stdout[-3000:]
+    assert "components (" not in result.stdout and "Traceback" not in result.stdout, result.stdout[-3000:]
 
 
 def test_runs_beside_each_other_prune_and_resume_only_their_own(tmp_path):
