@@ -56,8 +56,8 @@ from parallel.lowbit import state_bytes
 
 PARTIAL = ".partial"
 NEW = "new"  # RESUME=new: a fresh run even where OUTPUT_DIR holds other runs' checkpoints (they stay)
-LEGACY = ""  # the run id of checkpoints written before checkpoints named their run
-_FOLDER = re.compile(r"step_(\d+)(?:-([0-9a-f]+))?")
+LEGACY = ""  # the run id of checkpoints that name none (an earlier format)
+_FOLDER = re.compile(r"step_(\d+)(?:-[0-9a-f]+)?")  # step_XXXXXX[-RUNID]
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -139,7 +139,7 @@ def _resolve_resume(resume: str, output_dir: str) -> str | None:
 def newest_checkpoint(output_dir: str) -> str | None:
     """RESUME=auto: the complete checkpoint saved last (by the time in its trainer_state.json, so
     where RESUME=new put a second run beside a first it is the run that saved last, at the step it
-    saved last); checkpoints that name no time (written before they did) by step, before any that do."""
+    saved last); checkpoints that name no time (an earlier format) by step, before any that do."""
     def order(path_step):
         step, path = path_step
         saved = read_meta(path).get("saved_at")
@@ -281,7 +281,7 @@ class Checkpointer:
         self.models, self.optimizers, self.schedulers, self.config = models, optimizers, schedulers, config
         self.save_every, self.last_step = save_every, last_step
         self.saved_step = -1  # the newest step written (or loaded): never written again
-        self.run_id = uuid.uuid4().hex[:8]  # rank 0's is the one written and pruned by
+        self.run_id = uuid.uuid4().hex[:8]  # only rank 0's is used: rank 0 writes the meta and prunes
         self._pending = None  # (future, partial path, final path)
         # async saves run collectives from a background thread: give them their own group so they
         # never interleave with the training step's collectives on the default group
