@@ -3,9 +3,16 @@
 
 Layout of OUTPUT_DIR/checkpoints/step_XXXXXX/:
     .metadata, __*_*.distcp       DCP shards: every model (incl. EMA) and optimizer, each rank its own
-    trainer_state.json            step, LR schedulers, data position, world size, user extras
+    trainer_state.json            step, run id, LR schedulers, data position, world size, user extras
     config.json                   the run's final config
-    rng/rank_R.pt                 per-rank RNG states (torch, CUDA, numpy, python)
+    rng/rank_R.pt                 per-rank RNG states (torch, CUDA, numpy, python) as tensors and plain types
+
+Resume loads no pickle of its own: JSON, the RNG files and DCP's non-tensor entries with
+torch.load(weights_only=True); only DCP's own `.metadata` is a plain pickle (docs/checkpoints.md).
+
+Every checkpoint names its run (a random id; a resumed run keeps the checkpoint's). A fresh run into
+an OUTPUT_DIR that holds checkpoints is refused unless RESUME=new, and pruning only ever removes the
+run's own checkpoints; a step's folder is `step_XXXXXX-RUNID` where another run's holds the plain name.
 
 A checkpoint is written to `step_XXXXXX.partial/` and renamed to `step_XXXXXX/` by rank 0 only
 after DCP has written `.metadata` (which DCP writes last): a crash at any moment leaves either no
@@ -24,14 +31,20 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
+import re
 import shutil
+import time
+import uuid
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
@@ -42,6 +55,9 @@ from components.errors import ConfigError, RunError
 from parallel.lowbit import state_bytes
 
 PARTIAL = ".partial"
+NEW = "new"  # RESUME=new: a fresh run even where OUTPUT_DIR holds other runs' checkpoints (they stay)
+LEGACY = ""  # the run id of checkpoints that name none (an earlier format)
+_FOLDER = re.compile(r"step_(\d+)(?:-[0-9a-f]+)?")  # step_XXXXXX[-RUNID]
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -53,21 +69,42 @@ def is_complete(path: str) -> bool:
             and os.path.exists(os.path.join(path, "trainer_state.json")))
 
 
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints, oldest first, as (step, path)."""
+def read_meta(path: str) -> dict:
+    """A checkpoint folder's trainer_state.json ({} where missing or unreadable)."""
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def run_of(path: str) -> str:
+    """The id of the run that wrote the checkpoint at `path` (LEGACY for one that names none)."""
+    return str(read_meta(path).get("run_id", LEGACY))
+
+
+def _folders(output_dir: str) -> list[tuple[int, str, bool]]:
+    """Every checkpoint folder in OUTPUT_DIR/checkpoints/ as (step, path, complete), complete or not."""
     root = checkpoint_root(output_dir)
-    if not os.path.isdir(root):
-        return []
     found = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("step_") and name[5:].isdigit() and is_complete(path):
-            found.append((int(name[5:]), path))
-    return sorted(found)
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        m = _FOLDER.fullmatch(name[:-len(PARTIAL)] if name.endswith(PARTIAL) else name)
+        if m:
+            path = os.path.join(root, name)
+            found.append((int(m.group(1)), path, is_complete(path)))
+    return found
+
+
+def list_checkpoints(output_dir: str, run_id: str | None = None) -> list[tuple[int, str]]:
+    """Complete checkpoints, oldest first, as (step, path): of every run, or of run `run_id`."""
+    return sorted((step, path) for step, path, complete in _folders(output_dir)
+                  if complete and (run_id is None or run_of(path) == run_id))
 
 
 def resolve_resume(resume: str, output_dir: str) -> str | None:
-    """RESUME='' -> fresh start; 'auto' -> newest complete checkpoint (or fresh); else that path.
+    """RESUME='' -> fresh start (refused where OUTPUT_DIR holds checkpoints); 'new' -> fresh start
+    beside them; 'auto' -> the newest complete checkpoint (or fresh); else that path.
     Collective: rank 0 decides and every rank gets its answer (or its error), because on a shared
     filesystem that caches attributes, ranks listing checkpoints/ right after a save's rename can
     see different newest checkpoints."""
@@ -84,32 +121,81 @@ def resolve_resume(resume: str, output_dir: str) -> str | None:
 
 
 def _resolve_resume(resume: str, output_dir: str) -> str | None:
-    if not resume:
+    if resume in ("", NEW):
+        held = [os.path.basename(path) for _, path, _ in _folders(output_dir)]
+        if held and not resume:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise ConfigError(f"OUTPUT_DIR={output_dir} holds checkpoints of an earlier run "
+                              f"({shown}): continue it with --resume=auto "
+                              f"(RESUME=auto), or start a new run in a new OUTPUT_DIR (or beside them: --resume={NEW})")
         return None
     if resume == "auto":
-        ckpts = list_checkpoints(output_dir)
-        return ckpts[-1][1] if ckpts else None
+        return newest_checkpoint(output_dir)
     if not is_complete(resume):
         raise ConfigError(f"RESUME={resume}: not a complete checkpoint folder (no .metadata / trainer_state.json)")
     return resume
+
+
+def newest_checkpoint(output_dir: str) -> str | None:
+    """RESUME=auto: the complete checkpoint saved last (by the time in its trainer_state.json, so
+    where RESUME=new put a second run beside a first it is the run that saved last, at the step it
+    saved last); checkpoints that name no time (an earlier format) by step, before any that do."""
+    def order(path_step):
+        step, path = path_step
+        saved = read_meta(path).get("saved_at")
+        return (saved if isinstance(saved, (int, float)) else -1.0, step)
+    ckpts = list_checkpoints(output_dir)
+    return max(ckpts, key=order)[1] if ckpts else None
 
 
 # ----------------------------------------------------------------------------------------------
 # RNG
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This rank's RNG states as tensors and plain types only (torch.load(weights_only=True) reads
+    them back): torch's and the CUDA device's as the uint8 tensors torch gives (on the CPU), numpy's
+    MT19937 key as an int64 tensor, Python's as its tuple of ints. CUDA: the current device's, the one
+    this rank draws on; it goes back into whichever device the resumed rank has."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": [name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+             "python": list(random.getstate())}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().cpu()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, key, *rest = state["numpy"]
+    key = key.numpy() if torch.is_tensor(key) else key  # a tensor; a numpy array in the earlier format
+    np.random.set_state((name, key.astype(np.uint32), *rest))
+    random.setstate(tuple(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# what an RNG file of the earlier format holds besides plain types: numpy's key array. Allowed (as
+# weights_only allows them: numpy's array rebuild, nothing callable else) so those checkpoints resume.
+_NUMPY_ARRAY = (np.ndarray, np.dtype, np._core.multiarray._reconstruct, type(np.dtype(np.uint32)))
+
+
+def load_rng_state(path: str) -> dict:
+    """An RNG file, read with weights_only=True (never running a pickle's code); a file that needs
+    more fails in one line naming it."""
+    try:
+        with torch.serialization.safe_globals(list(_NUMPY_ARRAY)):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RunError(f"{path}: not RNG states of tensors and plain types, refused to unpickle ({_refusal(e)}); "
+                       "delete the rng/ folder to resume without restoring RNG states") from None
+
+
+def _refusal(e: BaseException) -> str:
+    """The gist of torch's many-line weights_only refusal: what it would not unpickle."""
+    m = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|$)", str(e), re.M)
+    lines = str(e).strip().splitlines()
+    return m.group(1).strip() if m else lines[-1] if lines else type(e).__name__
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,6 +225,31 @@ def _set_models(models: dict[str, nn.Module], state: dict) -> None:
             raise RunError(f"checkpoint lacks {k} tensors, e.g. {sorted(missing - frozen)[:3]}")
 
 
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading a checkpoint's non-tensor entries (optimizer param_groups
+    settings) with weights_only=True: DCP itself unpickles them unrestricted. Tensors DCP already
+    reads weights_only; its `.metadata` stays a pickle (docs/checkpoints.md)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    """dcp.load with the weights_only planner; an entry it refuses fails in one line naming `path`."""
+    try:
+        dcp.load(state, checkpoint_id=path, planner=_WeightsOnlyLoadPlanner())
+    except CheckpointException as e:
+        refused = [inner for inner, _ in e.failures.values() if isinstance(inner, pickle.UnpicklingError)]
+        if not refused:
+            raise
+        raise RunError(f"{path}: an entry is not tensors and plain types, refused to unpickle "
+                       f"({_refusal(refused[0])})") from None
+
+
 def _dcp_state(models: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, torch.optim.Optimizer]]) -> dict:
     state = _model_state(models)
     state.update({f"optim.{k}": get_optimizer_state_dict(m, o) for k, (m, o) in optimizers.items()})
@@ -152,6 +263,9 @@ class Checkpointer:
     optimizers: {name: (module, optimizer)}
     schedulers: {name: LR scheduler}
     config:     the run's settings, written beside every checkpoint
+
+    Its checkpoints name the run (`run_id`: a new random id, or the loaded checkpoint's), and pruning
+    to the newest `keep_last` only ever removes this run's.
 
     The loop calls `save(step, trainer_state, stopping=...)` after every step and the checkpointer
     decides, as torchtitan's does: a checkpoint every `save_every` steps, always at `last_step`,
@@ -167,6 +281,7 @@ class Checkpointer:
         self.models, self.optimizers, self.schedulers, self.config = models, optimizers, schedulers, config
         self.save_every, self.last_step = save_every, last_step
         self.saved_step = -1  # the newest step written (or loaded): never written again
+        self.run_id = uuid.uuid4().hex[:8]  # only rank 0's is used: rank 0 writes the meta and prunes
         self._pending = None  # (future, partial path, final path)
         # async saves run collectives from a background thread: give them their own group so they
         # never interleave with the training step's collectives on the default group
@@ -197,14 +312,14 @@ class Checkpointer:
     def write(self, step: int, trainer_state: dict) -> str:
         """Write the checkpoint of `step` now (in the background with async_save)."""
         self.wait()
-        final = os.path.join(self.root, f"step_{step:06d}")
+        final = broadcast_from_rank0(self._folder(step) if rank() == 0 else None)
         partial = final + PARTIAL
 
         def meta_files():
             if rank() == 0:
                 shutil.rmtree(partial, ignore_errors=True)
                 os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-                meta = {"step": step, "world_size": world_size(),
+                meta = {"step": step, "run_id": self.run_id, "saved_at": time.time(), "world_size": world_size(),
                         "schedulers": {k: scheduler_state(s) for k, s in self.schedulers.items()}, **trainer_state}
                 write_json(os.path.join(partial, "trainer_state.json"), meta)
                 write_json(os.path.join(partial, "config.json"), self.config)
@@ -251,21 +366,31 @@ class Checkpointer:
         except OSError as e:
             print(f"checkpoint: could not prune old checkpoints ({e})", flush=True)
 
+    def _folder(self, step: int) -> str:
+        """Where step `step` goes: step_XXXXXX, or step_XXXXXX-RUNID where that name (complete or
+        .partial) holds another run's checkpoint, which is never overwritten."""
+        plain = os.path.join(self.root, f"step_{step:06d}")
+        taken = any(os.path.exists(os.path.join(p, "trainer_state.json")) and run_of(p) != self.run_id
+                    for p in (plain, plain + PARTIAL))
+        return f"{plain}-{self.run_id}" if taken else plain
+
     def _prune(self) -> None:
-        ckpts = list_checkpoints(os.path.dirname(self.root))
+        """Keep this run's newest `keep_last` checkpoints; remove this run's crashed saves older than
+        its newest. Other runs' checkpoints and crashed saves are left alone."""
+        output_dir = os.path.dirname(self.root)
+        ckpts = list_checkpoints(output_dir, self.run_id)
         for _, path in ckpts[:-self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
         newest = ckpts[-1][0] if ckpts else -1
-        for name in os.listdir(self.root):  # leftovers of crashed saves that nothing will finish
-            step = name[5:-len(PARTIAL)]
-            if name.endswith(PARTIAL) and step.isdigit() and int(step) < newest:
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        for step, path, complete in _folders(output_dir):  # leftovers of crashed saves that nothing will finish
+            if not complete and step < newest and run_of(path) == self.run_id:
+                shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: str) -> dict:
         """Load everything into the already-sharded models, optimizers and schedulers (any world
         size). Returns trainer_state; the loaded step counts as saved."""
         state = _dcp_state(self.models, self.optimizers)
-        dcp.load(state, checkpoint_id=path)
+        _dcp_load(state, path)
         _set_models(self.models, state)
         for k, (m, o) in self.optimizers.items():
             set_optimizer_state_dict(m, o, state[f"optim.{k}"])
@@ -275,11 +400,12 @@ class Checkpointer:
             load_scheduler_state(s, meta["schedulers"][k])
         rng_file = os.path.join(path, "rng", f"rank_{rank()}.pt")
         if meta["world_size"] == world_size() and os.path.exists(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(load_rng_state(rng_file))
         else:
             print0(f"resume: saved on {meta['world_size']} ranks, running on {world_size()}: "
                    "per-rank RNG states not restored (step-seeded randomness is unaffected)")
         self.saved_step = meta["step"]
+        self.run_id = str(meta.get("run_id", LEGACY))  # the run goes on: its checkpoints stay its own
         return meta
 
 
@@ -287,7 +413,7 @@ def load_models(path: str, models: dict[str, nn.Module]) -> None:
     """Weights only, from a checkpoint's `model.<name>` entries, into already-sharded models (any
     world size): e.g. stage 2 of DMD2 starting its generator and fake score from stage 1."""
     state = _model_state(models)
-    dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
     _set_models(models, state)
 
 
@@ -421,16 +547,17 @@ def _folder_bytes(folder: str) -> int:
 
 
 def disk_preflight(output_dir: str, models: dict[str, nn.Module], optimizers, keep_last: int,
-                   export: int) -> str:
+                   export: int, resume: str | None = None) -> str:
     """Collective, before the loop: will KEEP_LAST + 1 checkpoints (the newest is written before
     the oldest is pruned) and the export (`export` bytes) fit the free space of OUTPUT_DIR's
-    filesystem? Complete checkpoints already in OUTPUT_DIR are on disk already and pruned as new
-    ones come: up to KEEP_LAST of them count against the need, each at most one new checkpoint's
-    size. Free space is the least any rank sees. Not even one checkpoint fits: ConfigError on every
-    rank; not all of them: a warning on rank 0. Returns (and prints on rank 0) the estimate line."""
+    filesystem? The complete checkpoints in OUTPUT_DIR of the run that `resume` (a checkpoint path)
+    continues are on disk already and pruned as new ones come: up to KEEP_LAST of them count against
+    the need, each at most one new checkpoint's size (a fresh run has none; other runs' stay). Free
+    space is the least any rank sees. Not even one checkpoint fits: ConfigError on every rank; not
+    all of them: a warning on rank 0. Returns (and prints on rank 0) the estimate line."""
     one = checkpoint_bytes(models, optimizers)
     fs = _existing_ancestor(output_dir)
-    present = [_folder_bytes(p) for _, p in list_checkpoints(output_dir)]
+    present = [_folder_bytes(p) for _, p in list_checkpoints(output_dir, run_of(resume))] if resume else []
     present = present[max(len(present) - keep_last, 0):]  # the newest KEEP_LAST: pruned last
     # rank 0's estimate and checkpoints, every rank's free space: every rank decides alike
     views = all_gather_objects((shutil.disk_usage(fs).free, one, present))

@@ -155,7 +155,7 @@ COLLECTIVE_TIMEOUT_S = 1800  # a collective waiting longer fails the run (a stuc
 SAVE_EVERY = 100  # steps between checkpoints, and always one at MAX_STEPS; 0 = only that one
 KEEP_LAST = 2  # complete checkpoints kept
 ASYNC_SAVE = False  # write checkpoints in the background while training goes on
-RESUME = ""  # "" = fresh, "auto" = newest complete checkpoint in OUTPUT_DIR (or fresh), or a checkpoint path
+RESUME = ""  # "" = fresh (OUTPUT_DIR without checkpoints), "new" = fresh beside them, "auto" = newest or fresh, a path
 LOG_EVERY = 10  # steps between log lines / metrics.jsonl records, and one at MAX_STEPS; 0 = none
 REPORT_TO = ""  # also log to: "" (metrics.jsonl only) | tensorboard | wandb | tensorboard,wandb
 PROFILE_STEPS = []  # [first, last]: torch.profiler over these steps (first >= 2): traces and ops in OUTPUT_DIR/profile

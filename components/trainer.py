@@ -201,7 +201,7 @@ def report_components(run: Run, caption: str, audit: list[dict], trained: dict, 
                           next(iter(trained.values())), precision.parse_dtype(c["EXPORT_DTYPE"]),
                           lora=bool(run.lora), merged=c["LORA_EXPORT_MERGED"],
                           frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None)
-    checkpoint.disk_preflight(c["OUTPUT_DIR"], saved, optimizers, c["KEEP_LAST"], export)
+    checkpoint.disk_preflight(c["OUTPUT_DIR"], saved, optimizers, c["KEEP_LAST"], export, run.resume_path)
 
 
 def restore(run: Run, checkpointed: dict, optimizers: dict, schedulers: dict) -> int:

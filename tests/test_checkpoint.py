@@ -1,5 +1,7 @@
 """Sharded checkpoints: bit-exact resume (sync and async), 2 ranks -> 1 rank, a save killed midway,
-keep-last pruning, export to a diffusers folder.
+keep-last pruning, two runs in one OUTPUT_DIR (refused; beside each other with RESUME=new, neither
+pruning nor resuming the other's), resume unpickling nothing but tensors and plain types, export to
+a diffusers folder.
 
     python -m pytest tests/test_checkpoint.py -q
 """
@@ -11,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import TinyNet, finish, make_data, run_ranks, start, tiny_unet
+from tests.conftest import TinyNet, finish, launch, make_data, run_ranks, start, tiny_unet
 
 import checkpoint
 import fsdp_utils
@@ -180,20 +182,20 @@ def test_keep_last_prunes_oldest(tmp_path):
     def fake(step, complete=True):
         d = tmp_path / "checkpoints" / (f"step_{step:06d}" + ("" if complete else ".partial"))
         d.mkdir(parents=True)
+        (d / "trainer_state.json").write_text("{}")  # naming no run: written before checkpoints did
         if complete:
             (d / ".metadata").write_text("x")
-            (d / "trainer_state.json").write_text("{}")
     for s in (1, 2, 3):
         fake(s)
     fake(0, complete=False)
     ck = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)
-    ck.root, ck.keep_last = str(tmp_path / "checkpoints"), 2
+    ck.root, ck.keep_last, ck.run_id = str(tmp_path / "checkpoints"), 2, checkpoint.LEGACY
     ck._prune()
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 3]
     assert sorted(os.listdir(ck.root)) == ["step_000002", "step_000003"]
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path / "nowhere"), str(tmp_path))
-    assert checkpoint.resolve_resume("", str(tmp_path)) is None
+    assert checkpoint.resolve_resume("", str(tmp_path / "elsewhere")) is None
 
 
 def _export(rank, world, src, out, dtype_name):
@@ -284,3 +286,139 @@ def test_scheduler_state_with_tensor_lrs_survives_json():
     sched.step()
     sched2.step()
     assert torch.equal(torch.as_tensor(opt.param_groups[0]["lr"]), torch.as_tensor(opt2.param_groups[0]["lr"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# two runs in one OUTPUT_DIR; what resume unpickles
+
+
+def tiny_checkpointer(out, seed: int = 0, keep_last: int = 2) -> checkpoint.Checkpointer:
+    """A Checkpointer of an unsharded TinyNet and its AdamW in this process (no process group)."""
+    torch.manual_seed(seed)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # optimizer states (and param_groups, DCP's non-tensor entries) to save
+    return checkpoint.Checkpointer(str(out), {"m": model}, {"m": (model, opt)}, {}, {}, keep_last=keep_last)
+
+
+def names(out) -> list[str]:
+    return sorted(os.listdir(os.path.join(out, "checkpoints")))
+
+
+def test_a_fresh_run_into_a_used_output_dir_is_refused(tmp_path):
+    """RESUME="" where OUTPUT_DIR holds checkpoints (complete, or a crashed save's .partial) stops in
+    one line naming RESUME=auto and a new OUTPUT_DIR; RESUME=new starts fresh beside them."""
+    assert checkpoint.resolve_resume("", str(tmp_path)) is None  # nothing there: fresh
+    (tmp_path / "checkpoints" / "step_000003.partial").mkdir(parents=True)
+    for held in ("step_000003.partial", "step_000002"):
+        if held == "step_000002":
+            tiny_checkpointer(tmp_path).write(2, {})
+        with pytest.raises(ConfigError) as e:
+            checkpoint.resolve_resume("", str(tmp_path))
+        message = str(e.value)
+        assert "\n" not in message and "--resume=auto" in message and "new OUTPUT_DIR" in message, message
+        assert held in message and "--resume=new" in message, message
+        assert checkpoint.resolve_resume("new", str(tmp_path)) is None
+    assert checkpoint.resolve_resume("auto", str(tmp_path)).endswith("step_000002")
+
+
+@pytest.mark.slow
+def test_a_script_refuses_a_used_output_dir_before_any_work(tmp_path):
+    """train_dmd.py on 2 ranks, fresh, into an OUTPUT_DIR holding a checkpoint: it stops before a
+    model is built, in one line (rank 0 decides, every rank stops; none waits)."""
+    tiny_checkpointer(tmp_path).write(2, {})
+    result = launch("train_dmd.py", [f"--output_dir={tmp_path}", "--max_steps=1"], check=False, timeout=240)
+    assert result.returncode != 0, result.stdout[-3000:]  # the ranks' 2 (a setting's error), the launcher's 1
+    lines = [line for line in result.stdout.splitlines() if "holds checkpoints of an earlier run" in line]
+    assert lines and "--resume=auto" in lines[0] and "new OUTPUT_DIR" in lines[0], result.stdout[-3000:]
+    assert "components (" not in result.stdout and "Traceback" not in result.stdout, result.stdout[-3000:]
+
+
+def test_runs_beside_each_other_prune_and_resume_only_their_own(tmp_path):
+    """Run A saves steps 2, 4, 6; run B (RESUME=new) beside it saves 2..8 with KEEP_LAST=1: B's steps
+    that A holds go to step_N-<B's id>, B prunes only its own, A's stay byte for byte. RESUME=auto
+    takes the run that saved last (B at 8); A resumed by path stays run A, its step 8 goes beside
+    B's and its pruning leaves B's alone; then RESUME=auto is A's step 8."""
+    out = str(tmp_path)
+    a = tiny_checkpointer(out, seed=0, keep_last=3)
+    for step in (2, 4, 6):
+        a.write(step, {})
+    a_files = {p: open(p, "rb").read() for _, p in checkpoint.list_checkpoints(out)
+               for p in [os.path.join(p, "trainer_state.json"), os.path.join(p, ".metadata")]}
+    assert checkpoint.resolve_resume("new", out) is None
+    b = tiny_checkpointer(out, seed=1, keep_last=1)
+    assert b.run_id != a.run_id
+    for step in (2, 4, 6, 8):
+        assert b.write(step, {}).endswith(f"-{b.run_id}") == (step < 8)
+    assert names(out) == ["step_000002", "step_000004", "step_000006", "step_000008"]  # B's 6 beside A's: pruned
+    assert {p: open(p, "rb").read() for p in a_files} == a_files  # A's untouched
+    assert [s for s, _ in checkpoint.list_checkpoints(out, a.run_id)] == [2, 4, 6]
+    assert checkpoint.list_checkpoints(out, b.run_id) == [(8, os.path.join(out, "checkpoints", "step_000008"))]
+    assert checkpoint.resolve_resume("auto", out).endswith("step_000008")
+
+    a2 = tiny_checkpointer(out, seed=2, keep_last=2)
+    assert a2.load(os.path.join(out, "checkpoints", "step_000006"))["run_id"] == a.run_id == a2.run_id
+    a2.write(8, {})  # step_000008 is B's: A's goes beside it; A keeps 2 of its own
+    assert names(out) == ["step_000006", "step_000008", f"step_000008-{a.run_id}"]
+    assert checkpoint.run_of(os.path.join(out, "checkpoints", "step_000008")) == b.run_id
+    assert checkpoint.resolve_resume("auto", out).endswith(f"step_000008-{a.run_id}")
+
+
+def test_rng_states_are_tensors_and_plain_types(tmp_path):
+    """The RNG file loads with weights_only=True and puts every generator back; a file in the earlier
+    format (numpy's state as an array) still loads; a pickle that would run code is refused in one line."""
+    import pickle
+    import random
+
+    import numpy as np
+    torch.manual_seed(5)
+    np.random.seed(5)
+    random.seed(5)
+    np.random.standard_normal()  # a cached Gaussian in numpy's state
+    random.gauss(0, 1)  # and in Python's
+    path, old = str(tmp_path / "rank_0.pt"), str(tmp_path / "old.pt")
+    torch.save(checkpoint.rng_state(), path)
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}, old)
+    draws = (torch.rand(3), np.random.standard_normal(3), [random.gauss(0, 1) for _ in range(3)])
+    for file in (path, old):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        checkpoint.set_rng_state(checkpoint.load_rng_state(file))
+        again = (torch.rand(3), np.random.standard_normal(3), [random.gauss(0, 1) for _ in range(3)])
+        assert torch.equal(draws[0], again[0]) and np.array_equal(draws[1], again[1]) and draws[2] == again[2]
+    torch.load(path, weights_only=True)  # no allowance needed: tensors and plain types only
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"torch": Evil()}, f)
+    with pytest.raises(checkpoint.RunError) as e:
+        checkpoint.load_rng_state(str(tmp_path / "evil.pt"))
+    assert "\n" not in str(e.value) and "evil.pt" in str(e.value)
+    assert not os.path.exists(tmp_path / "ran")
+
+
+class NotPlain:
+    """A non-tensor checkpoint entry that only an unrestricted unpickler would rebuild."""
+
+
+def test_dcp_non_tensor_entries_load_weights_only(tmp_path):
+    """Optimizer param_groups (DCP's pickled non-tensor entries) load through weights_only=True, and
+    the resumed optimizer equals the saved one; an entry needing more than plain types is refused."""
+    import torch.distributed.checkpoint as dcp
+    ck = tiny_checkpointer(tmp_path)
+    ck.write(1, {})
+    saved = ck.optimizers["m"][1].state_dict()
+    again = tiny_checkpointer(tmp_path, seed=3)
+    again.load(os.path.join(tmp_path, "checkpoints", "step_000001"))
+    loaded = again.optimizers["m"][1].state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for i, state in saved["state"].items():
+        assert all(torch.equal(v, loaded["state"][i][k]) for k, v in state.items()), i
+    dcp.save({"x": NotPlain()}, checkpoint_id=str(tmp_path / "odd"))
+    with pytest.raises(checkpoint.RunError) as e:
+        checkpoint._dcp_load({"x": NotPlain()}, str(tmp_path / "odd"))
+    assert "\n" not in str(e.value) and "NotPlain" in str(e.value), str(e.value)

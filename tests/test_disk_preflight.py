@@ -151,12 +151,15 @@ def test_preflight_warns_when_keep_last_plus_one_cannot_fit(setup, capsys):
 
 
 def test_preflight_counts_checkpoints_on_disk(setup, capsys):
-    """A checkpoint already in OUTPUT_DIR is pruned as new ones come: the need shrinks by its size."""
+    """A checkpoint of the resumed run already in OUTPUT_DIR is pruned as new ones come: the need
+    shrinks by its size; another run's (a fresh run's neighbour) is not."""
     state, one, free, out = setup
     old = out / "checkpoints" / "step_000004"
     old.mkdir(parents=True)
     (old / "trainer_state.json").write_text("{}")
     (old / ".metadata").write_bytes(b"\0" * one)
     free(5 * one // 2)  # fits 2 more checkpoints (one already on disk), not 3
-    line = checkpoint.disk_preflight(str(out), **state, keep_last=2, export=0)
+    line = checkpoint.disk_preflight(str(out), **state, keep_last=2, export=0, resume=str(old))
     assert "warning" not in capsys.readouterr().out and "(less 1 on disk)" in line
+    checkpoint.disk_preflight(str(out), **state, keep_last=2, export=0)  # a fresh run beside it prunes none
+    assert "warning" in capsys.readouterr().out
