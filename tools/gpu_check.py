@@ -200,7 +200,8 @@ def row_bytes(row: dict, folder: str) -> tuple[int, int]:
     models are built on meta as tools/memory_plan.py builds them (the roles of parallel.models, the
     precision mode's storage dtype, LoRA adapters), with the row's optimizer, and counted by the
     scripts' own disk preflight arithmetic (checkpoint.checkpoint_bytes, export_bytes; frozen parts
-    count where `folder` has their weights). Needs only the trained models' config.json."""
+    count where `folder` has their weights). Needs only the trained models' config.json. No row sets
+    EMA_DECAY, so no EMA is counted."""
     import torch
 
     from checkpoint import checkpoint_bytes
@@ -262,8 +263,8 @@ def fit_to_disk(rows: list[dict], free: int, need, folder_cost, smaller) -> dict
     choice = {r["run"]: r["size"] for r in rows}
     while True:
         room = free - HEADROOM - sum(folder_cost(z) for z in set(choice.values()) if z is not None)
-        over = [(need(r, choice[r["run"]]) - room, i) for i, r in enumerate(rows) if choice[r["run"]] is not None]
-        over = [(excess, i) for excess, i in over if excess > 0]
+        over = [(excess, i) for i, r in enumerate(rows) if choice[r["run"]] is not None
+                for excess in [need(r, choice[r["run"]]) - room] if excess > 0]
         if not over:
             return choice
         row = rows[max(over)[1]]
@@ -622,7 +623,7 @@ def table(rows: list[dict], refs: dict, header: list[str]) -> str:
                      f"{_fmt(ratio_whole, '.2f')} | {_fmt(100 * r['mfu'], '.1f')} | {_fmt(100 * r['hfu'], '.1f')} | "
                      f"{_fmt(r['model_tflop'], '.2f')} | {_fmt(r['allocated_gib'], '.2f')} | "
                      f"{_fmt(r['reserved_gib'], '.2f')} | {_fmt(r['planned_gib'], '.2f')} | {_fmt(err, '+.1f')} | "
-                     f"{_fmt(r['disk_need_gb'], '.1f')} / {_fmt(r['disk_free_gb'], '.1f')} | "
+                     f"{_fmt(r['disk_need_gb'], '.3g')} / {_fmt(r['disk_free_gb'], '.1f')} | "
                      f"{_fmt(r['wall_s'], '.0f')} / {r['expect_s']:.0f} | {r['status']} | {r['resume_export']} |")
     return "\n".join(lines)
 
@@ -655,7 +656,7 @@ def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tu
 
 def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, int]) -> tuple[dict, dict, dict]:
     """Model folders for the rows, each row sized to the disk (row["size"]; None: not run). Returns
-    ({size: folder}, {run: peak disk bytes at its size; not run: at its first size}, the disk as measured)."""
+    ({size: folder}, {run: peak disk bytes at its size; not run: at its smallest}, the disk as measured)."""
     folders = {}
     if any(r["kind"] == "sd15" for r in runs):
         folders["tiny_sd15" if tiny else "sd15"] = sd15_folder(work, tiny)
@@ -695,9 +696,14 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
     def smaller(row, size):
         return smaller_blocks(size) if isinstance(size, tuple) else None
 
+    def smallest(row, size):
+        while smaller(row, size) is not None:
+            size = smaller(row, size)
+        return size
+
     path, free, total = disk_usage(out)
     choice = fit_to_disk(runs, free, need, folder_cost, smaller)
-    peaks = {r["run"]: need(r, choice[r["run"]] or r["size"]) for r in runs}
+    peaks = {r["run"]: need(r, choice[r["run"]] or smallest(r, r["size"])) for r in runs}
     to_write = sum(folder_cost(z) for z in set(choice.values()) if z is not None)
     for r in runs:
         r["size"] = choice[r["run"]]
@@ -806,8 +812,8 @@ def main() -> None:
     for r in runs:
         if r["size"] is None:
             room = disk["free"] - disk["to_write"] - HEADROOM
-            result = blank_result(r, f"not run: needs {peaks[r['run']] / GB:.1f} GB of disk, {room / GB:.1f} GB "
-                                     f"to spare even with the smallest model", False)
+            result = blank_result(r, f"not run: needs {peaks[r['run']] / GB:.1f} GB of disk with its smallest "
+                                     f"model, {room / GB:.1f} GB to spare", False)
         elif r["gpu_only"] and not cuda:
             result = blank_result(r, "skipped: needs CUDA", True)
         elif not deadline.fits(r["expect_s"]):
