@@ -51,12 +51,11 @@ def test_fit_to_disk_shrinks_the_row_furthest_over_and_counts_each_new_folder_on
 
 
 @pytest.mark.slow  # ~15 s: the trained models of every row on meta, twice for the DMD2 row
-def test_the_dmd_kontext_row_is_sized_down_on_the_disk_that_refused_its_resume(tmp_path):
-    """On a bare H100 (64 GB disk) the 512 px Kontext-DMD2 row at 2+4 blocks trained and exported,
-    and its resume was refused by the scripts' preflight: "one checkpoint needs ~31.4 GB but only
-    23.4 GB are free". With the free space it then had (those 23.4 GB plus the row's own checkpoint
-    and export, and the 2+4 transformer folder not yet written when the rows are sized) the check
-    gives that row 1+2 blocks and keeps every other row as it is."""
+def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
+    """A bare H100's 64 GB disk: with the 512 px Kontext-DMD2 row's checkpoint at 2+4 blocks (31.4 GB
+    as the scripts' preflight counts it) and its export on disk, 23.4 GB are free, too little for the
+    second checkpoint its resume writes. Sized before the rows (that row's output not yet written,
+    nor the 2+4 transformer folder), the check gives that row 1+2 blocks and keeps every other row."""
     rows = gpu_check.plan_runs(tiny=False)
     folders = {"sd15": os.path.join(gpu_check.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
     for r in rows:

@@ -21,7 +21,7 @@ fine-tune (save -> resume -> export -> load), DMD2 SD-1.5 512 px, Kontext LoRA 5
 cuDNN-attention probe, Kontext NF4 LoRA + adamw8bit, DMD2 with a Kontext teacher (resume), Kontext
 LoRA under COMPILE=1 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score
 step under torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds
-(EXPECT_S in plan_runs, times how long the rows so far took against theirs) fit the time left;
+(each row's expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left;
 one still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
 deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
 
