@@ -1,33 +1,47 @@
-"""The GPU acceptance check: both scripts at real width on one bare GPU machine, inside one call of
-at most 10 minutes (models built included), one table.
+"""The GPU acceptance check: both scripts at real width on one bare GPU machine, sized to the disk it
+finds and timed to fit one call of at most 9.5 minutes (wheels, models and clean-up included), one table.
 
     bash tools/gpu_check.sh --out=$OUT             # on a machine with a CUDA GPU, no network needed
     python tools/gpu_check.py --tiny --cpu         # the same plumbing on the tiny models, on CPU
 
-What it does, in order, each part under one deadline (--deadline_s): tests/test_gpu.py runs in the
-background while the models are built (random weights: SD-1.5's UNet, VAE and CLIP at their real
-configs; FLUX.1 Kontext's transformer at real width with --flux_blocks double + single blocks, its
-real VAE, CLIP-L and a one-layer T5 of the real width). Then the plain-PyTorch reference: the same
-transformer / UNet with the same tokens / latents, bf16 weights, forward + backward with no FSDP and
-no optimizer (and, apart, the fused AdamW step over its fp32 parameters and the VAE encode of a
-step's images). Then the training runs by value: Kontext 1024 px full fine-tune (with save -> resume
--> export -> load), DMD2 SD-1.5 512 px, Kontext LoRA 512 px, Kontext NF4 LoRA + adamw8bit, COMPILE=1
-Kontext, DMD2 DDP bf16 (--suite=speed: the step-time rows, and a DMD2 generator + fake-score step under
-torch.profiler, its table in profile_*.txt); a run that cannot finish before the deadline is cut and says so. Each run
-keeps one checkpoint at a time and deletes its folder when read (a 1.3 B full checkpoint is 21 GB).
+What it does, in order, under one deadline (--deadline_s; gpu_check.sh counts it from its own start):
+tests/test_gpu.py starts in the background (three at a time where pytest-xdist is installed) while the
+models are built (random weights: SD-1.5's UNet, VAE and CLIP at their real configs; FLUX.1 Kontext's
+transformer at real width with --flux_blocks double + single blocks, its real VAE, CLIP-L and a
+one-layer T5 of the real width). Then every row is sized to the disk: one checkpoint of its trained
+models and optimizers (checkpoint.checkpoint_bytes, the models built on meta as tools/memory_plan.py
+builds them) and its export (components.export.export_bytes), two checkpoints and the export for a
+row that resumes, against the free space of --out less the model folders still to be written and
+HEADROOM. A FLUX row that does not fit gets a transformer with half the blocks (again, until it
+fits); any other row is not run and says why. The planner's GPU totals are computed meanwhile in a
+background process. Then the plain-PyTorch reference of the Kontext rows' transformer (bf16 weights,
+forward + backward, no FSDP, no optimizer; apart, the fused AdamW step over its fp32 parameters and
+the VAE encode of a step's images). Then the rows in order of value (plan_runs): Kontext 1024 px full
+fine-tune (save -> resume -> export -> load), DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a
+cuDNN-attention probe, Kontext NF4 LoRA + adamw8bit, DMD2 with a Kontext teacher (resume), Kontext
+LoRA under COMPILE=1 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score
+step under torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds
+(each row's expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left;
+one still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
+deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
 
-Every row shows its step time (the mean of the steps after the first two) as "x plain", its MFU
-(model FLOPs: the trained networks' forward + backward, no VAE, no recomputation, against the peak
-of the dtype used), its peak CUDA memory against the planner's. Output (at most 8 files):
-gpu_check.md (the table), gpu_check.json, runs.log (every run's output, tracebacks included),
-test_gpu.log, build.log, and with --suite=speed profile_dmd_sd15_*.txt.
+Every row shows its model, its step time (the mean of the steps after the first two) as "x plain", its
+MFU (model FLOPs: the trained networks' forward + backward, no VAE, no recomputation, against the peak
+of the dtype used), its peak CUDA memory against the planner's, its disk need against the free space,
+and its seconds against the expected. Exit 0 when every row passed (or was skipped for want of CUDA)
+and tests/test_gpu.py passed. Output (at most 8 files): gpu_check.md (the table), gpu_check.json,
+runs.log (every run's output, tracebacks included), test_gpu.log, build.log, and with --suite=speed
+profile_dmd_sd15_*.txt.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +52,14 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 REAL = os.path.join(HERE, "real_size_configs")
 GIB = 2**30
+GB = 10**9  # disks as they are sold and df -H shows them (checkpoint.py's messages too)
+HEADROOM = 2 * GB  # beside a row's checkpoints and export: logs, samples, the compile cache, profiler traces
+CALL_S = 540  # the whole check, wheels included (gpu_check.sh sets GPU_CHECK_T0): 9 of the device tool's 10 minutes
+END_RESERVE_S = 15  # kept back from the deadline: the table, stopping the tests, removing the work folder
+# before the first row on an H100: wheels, imports, the build (~17 s), sizing, the planner's start
+STARTUP_EXPECT_S = 45
+REF_EXPECT_S = 15  # one plain reference on an H100: load, 7 timed forward + backward, AdamW, VAE encode
+TEST_WORKERS = 3  # tests/test_gpu.py's launches side by side (pytest-xdist): ~100 s instead of ~280 s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,33 +103,65 @@ def sd15_folder(root: str, tiny: bool) -> str:
     return out
 
 
-def flux_folder(root: str, tiny: bool, blocks: tuple[int, int]) -> str:
-    """A FLUX.1 Kontext folder: the transformer at real width with `blocks` (double, single) blocks,
-    the real VAE, CLIP-L, a one-layer T5 of the real width (or, tiny, the tiny Kontext folder)."""
+def tiny_flux_folder(root: str) -> str:
     from tools import tiny_models
     base = os.path.join(root, "flux_tiny")
     if not os.path.isdir(base):
         tiny_models.make_tiny_flux_kontext(base)
-    if tiny:
-        return base
-    out = os.path.join(root, f"flux_real_{blocks[0]}_{blocks[1]}")
-    if not os.path.isdir(out):
-        from diffusers import AutoencoderKL, FluxTransformer2DModel
-        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
-        _copy_small_parts(base, out, ("tokenizer", "tokenizer_2", "scheduler"))
-        config = FluxTransformer2DModel.load_config(os.path.join(REAL, "flux-kontext-dev", "transformer"))
-        config.update(num_layers=blocks[0], num_single_layers=blocks[1])
-        with _init_device():
-            FluxTransformer2DModel.from_config(config).save_pretrained(os.path.join(out, "transformer"))
-            AutoencoderKL.from_config(AutoencoderKL.load_config(os.path.join(REAL, "flux-kontext-dev", "vae"))
-                                      ).save_pretrained(os.path.join(out, "vae"))
-            clip = CLIPTextConfig.from_pretrained(os.path.join(REAL, "flux-kontext-dev", "text_encoder"))
-            CLIPTextModel(clip).save_pretrained(os.path.join(out, "text_encoder"))
-            vocab = len(T5TokenizerFast.from_pretrained(os.path.join(out, "tokenizer_2")))
-            t5 = T5Config(vocab_size=vocab, d_model=config["joint_attention_dim"], d_kv=64, d_ff=1024, num_layers=1,
-                          num_heads=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1)
-            T5EncoderModel(t5).save_pretrained(os.path.join(out, "text_encoder_2"))
+    return base
+
+
+def flux_parts(root: str) -> str:
+    """Everything of a FLUX.1 Kontext folder but its transformer: the real VAE, CLIP-L and a
+    one-layer T5 of the real width (random weights), the tiny tokenizers, the scheduler."""
+    out = os.path.join(root, "flux_parts")
+    if os.path.isdir(out):
+        return out
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
+    partial = out + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    _copy_small_parts(tiny_flux_folder(root), partial, ("tokenizer", "tokenizer_2", "scheduler"))
+    width = FluxTransformer2DModel.load_config(os.path.join(REAL, "flux-kontext-dev", "transformer"))
+    with _init_device():
+        AutoencoderKL.from_config(AutoencoderKL.load_config(os.path.join(REAL, "flux-kontext-dev", "vae"))
+                                  ).save_pretrained(os.path.join(partial, "vae"))
+        clip = CLIPTextConfig.from_pretrained(os.path.join(REAL, "flux-kontext-dev", "text_encoder"))
+        CLIPTextModel(clip).save_pretrained(os.path.join(partial, "text_encoder"))
+        vocab = len(T5TokenizerFast.from_pretrained(os.path.join(partial, "tokenizer_2")))
+        t5 = T5Config(vocab_size=vocab, d_model=width["joint_attention_dim"], d_kv=64, d_ff=1024, num_layers=1,
+                      num_heads=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1)
+        T5EncoderModel(t5).save_pretrained(os.path.join(partial, "text_encoder_2"))
+    os.replace(partial, out)
     return out
+
+
+def flux_skeleton(root: str, blocks: tuple[int, int], parts: str | None) -> str:
+    """work/flux_real_D_S: the FLUX transformer's real config with D double + S single blocks, no
+    weights yet (flux_weights writes them), beside links to `parts`' components (None: config only,
+    enough to size a run)."""
+    from diffusers import FluxTransformer2DModel
+    out = os.path.join(root, f"flux_real_{blocks[0]}_{blocks[1]}")
+    os.makedirs(os.path.join(out, "transformer"), exist_ok=True)
+    config = dict(FluxTransformer2DModel.load_config(os.path.join(REAL, "flux-kontext-dev", "transformer")))
+    config.update(num_layers=blocks[0], num_single_layers=blocks[1])
+    with open(os.path.join(out, "transformer", "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    for name in os.listdir(parts) if parts else ():
+        dst, src = os.path.join(out, name), os.path.join(parts, name)
+        if not os.path.lexists(dst):  # folders linked (gigabytes), files copied (the export rewrites its copy)
+            os.symlink(src, dst) if os.path.isdir(src) else shutil.copy(src, dst)
+    return out
+
+
+def flux_weights(folder: str) -> None:
+    """The skeleton's transformer with random weights (written once)."""
+    sub = os.path.join(folder, "transformer")
+    if any(name.endswith(".safetensors") for name in os.listdir(sub)):
+        return
+    from diffusers import FluxTransformer2DModel
+    with _init_device():
+        FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(sub)).save_pretrained(sub)
 
 
 def datasets(root: str, size: int) -> tuple[str, str]:
@@ -120,6 +174,126 @@ def datasets(root: str, size: int) -> tuple[str, str]:
     if not os.path.isdir(pairs):
         tiny_models.make_edit_dataset(pairs, 24, size=size)
     return prompts, os.path.join(pairs, "data.jsonl")
+
+
+def model_label(size) -> str:
+    """A row's model for the table: "FLUX 2+4 blocks", "SD-1.5", "tiny FLUX", ..."""
+    if isinstance(size, tuple):
+        return f"FLUX {size[0]}+{size[1]} blocks"
+    return {"sd15": "SD-1.5", "tiny_sd15": "tiny SD-1.5", "tiny_flux": "tiny FLUX"}.get(size, "-")
+
+
+# ----------------------------------------------------------------------------------------------
+# disk: each row's checkpoints and export against the free space of --out
+
+
+def disk_usage(path: str) -> tuple[str, int, int]:
+    """(the existing folder measured, free bytes, total bytes) of `path`'s filesystem."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    usage = shutil.disk_usage(path)
+    return path, usage.free, usage.total
+
+
+def row_bytes(row: dict, folder: str) -> tuple[int, int]:
+    """(one checkpoint, the export) of `row` on the model folder `folder`, in bytes. The trained
+    models are built on meta as tools/memory_plan.py builds them (the roles of parallel.models, the
+    precision mode's storage dtype, LoRA adapters), with the row's optimizer, and counted by the
+    scripts' own disk preflight arithmetic (checkpoint.checkpoint_bytes, export_bytes; frozen parts
+    count where `folder` has their weights). Needs only the trained models' config.json. No row sets
+    EMA_DECAY, so no EMA is counted."""
+    import torch
+
+    from checkpoint import checkpoint_bytes
+    from components.export import export_bytes
+    from parallel import lora as lora_lib
+    from parallel import lowbit
+    from precision import get_precision, parse_dtype
+    from tools import memory_plan
+    s = row["settings"]
+    extra = s.get("extra", {})
+    lora = lora_lib.Lora(s.get("lora_rank", 0), float(extra.get("lora_alpha", 0)))
+    _, _, parts = memory_plan.build_components(folder, get_precision(s["precision"]), build=False, lora=lora,
+                                               script=row["script"])
+    trained, subfolder = {}, ""
+    for part in (p for p in parts if p.holding.trained):
+        model = torch.nn.Module.to(memory_plan.meta_model(os.path.join(folder, part.spec.subfolder)), part.dtype)
+        # under DDP a model computed wider than it is stored is stored in its compute dtype (docs/gpu.md)
+        if (extra.get("parallelism") == "ddp" and part.name == "fake_score"
+                and int(extra.get("fake_score_fp32", 1))):
+            model = torch.nn.Module.to(model, torch.float32)
+        if part.lora:
+            with torch.device("meta"):
+                lora_lib.add_lora(model, part.lora)
+        trained[part.name], subfolder = model, subfolder or part.spec.subfolder
+    optimizers = {k: lowbit.make_optimizer(s.get("optimizer", "adamw"), [p for p in m.parameters() if p.requires_grad],
+                                           lr=1e-4, betas=(0.9, 0.999)) for k, m in trained.items()}
+    export = export_bytes(folder, subfolder, next(iter(trained.values())), parse_dtype(s["export_dtype"]),
+                          lora=bool(lora))
+    return checkpoint_bytes(trained, optimizers), export
+
+
+def peak_disk(one: int, export: int, resume: bool) -> int:
+    """A row's most bytes on disk: its checkpoint and export; with a resume also the second
+    checkpoint, written before the first is pruned (KEEP_LAST=1), and the new export written beside
+    the old one (components.export swaps it in at the end)."""
+    return max(2 * one + export, one + 2 * export) if resume else one + export
+
+
+def folder_bytes(folder: str) -> int:
+    """What writing a skeleton's transformer takes: its parameters in fp32, as save_pretrained writes them."""
+    from tools import memory_plan
+    model = memory_plan.meta_model(os.path.join(folder, "transformer"))
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def smaller_blocks(blocks: tuple[int, int]) -> tuple[int, int] | None:
+    """Half the FLUX blocks of each kind, one of each at least (19+38 -> 9+19 -> 4+9 -> 2+4 -> 1+2 -> 1+1:
+    a LoRA row targets modules of both kinds); None past 1+1."""
+    half = (max(blocks[0] // 2, 1), max(blocks[1] // 2, 1))
+    return half if half != blocks else None
+
+
+def fit_to_disk(rows: list[dict], free: int, need, folder_cost, smaller) -> dict:
+    """{run: model size} where every row's peak bytes `need(row, size)` fit `free` less HEADROOM and
+    less the model folders the chosen sizes still need written (`folder_cost(size)`, 0 for one on
+    disk): the rows run one after the other and each deletes its output once checked, so each must
+    fit alone. The row furthest over gets `smaller(row, size)` (None: no smaller model, not run)
+    until every row fits."""
+    choice = {r["run"]: r["size"] for r in rows}
+    while True:
+        room = free - HEADROOM - sum(folder_cost(z) for z in set(choice.values()) if z is not None)
+        over = [(excess, i) for i, r in enumerate(rows) if choice[r["run"]] is not None
+                for excess in [need(r, choice[r["run"]]) - room] if excess > 0]
+        if not over:
+            return choice
+        row = rows[max(over)[1]]
+        choice[row["run"]] = smaller(row, choice[row["run"]])
+
+
+# ----------------------------------------------------------------------------------------------
+# time: one deadline, and rows started only where their expected seconds fit
+
+
+class Deadline:
+    """The seconds left, and whether a row expected to take `expect_s` fits them: its expectation
+    times how long the rows so far took against theirs (at least half), with END_RESERVE_S kept."""
+
+    def __init__(self, seconds: float, start: float):
+        self.seconds, self.end = seconds, start + seconds
+        self.taken = self.expected = 0.0
+
+    def left(self) -> float:
+        return self.end - time.monotonic() - END_RESERVE_S
+
+    def scale(self) -> float:
+        return max(0.5, self.taken / self.expected) if self.expected else 1.0
+
+    def fits(self, expect_s: float) -> bool:
+        return expect_s * self.scale() <= self.left()
+
+    def record(self, expect_s: float, took_s: float) -> None:
+        self.expected, self.taken = self.expected + expect_s, self.taken + took_s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,14 +399,6 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
 # one training run: steps, then (optionally) resume one step and load the export
 
 
-class Deadline:
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
 def launch(script: str, args: list[str], world: int, log: str, timeout: float) -> int:
     """torchrun of `script`; its output appended to `log`; killed (rc 124) past `timeout` seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
@@ -245,19 +411,16 @@ def launch(script: str, args: list[str], world: int, log: str, timeout: float) -
         try:
             return proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             f.write(f"===== killed: past the check's deadline ({timeout:.0f} s left for it)\n")
             return 124
 
 
-def planned_bytes(model: str, world: int, s: dict, script: str = "") -> int:
-    """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on this GPU."""
-    import torch
-
+def planned_bytes(model: str, world: int, s: dict, script: str, gpu_gb: float) -> int:
+    """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on a GPU of `gpu_gb`."""
     from tools import memory_plan
     extra = s.get("extra", {})
-    gpu_gb = torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB if torch.cuda.is_available() else 0
     settings = memory_plan.Settings(world_size=world, precision=s["precision"], batch_size=s["batch_size"],
                                     resolution=s["resolution"], activation_checkpointing=s.get("ac", False),
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
@@ -267,28 +430,50 @@ def planned_bytes(model: str, world: int, s: dict, script: str = "") -> int:
     return memory_plan.plan(model, settings)["gpu_total"]
 
 
+def plan_all(jobs: list[tuple[str, tuple]], path: str) -> None:
+    """In a background process (the planner takes seconds per row at real width, all CPU): each
+    row's planned GiB, or the planner's error, one JSON line each in `path`."""
+    from components.warnings import quiet_known_warnings
+    quiet_known_warnings()
+    for name, args in jobs:
+        try:
+            value = planned_bytes(*args) / GIB
+        except Exception as e:  # noqa: BLE001 - a planner gap is a table cell, not the end of the check
+            value = f"planner: {type(e).__name__}"
+        with open(path, "a") as f:
+            f.write(json.dumps({"run": name, "planned": value}) + "\n")
+
+
 def run_args(script: str, s: dict, model: str, data: str, out: str) -> list[str]:
     args = [f"--model_path={model}", f"--data_path={data}", f"--output_dir={out}", f"--precision={s['precision']}",
             f"--batch_size={s['batch_size']}", f"--resolution={s['resolution']}", "--log_every=1", "--save_every=0",
-            "--keep_last=1", "--sample_every=0", f"--activation_checkpointing={int(s.get('ac', False))}"]
+            "--keep_last=1", "--sample_every=0", f"--activation_checkpointing={int(s.get('ac', False))}",
+            f"--export_dtype={s['export_dtype']}"]
     args += [f"--{k}={v}" for k, v in s.get("extra", {}).items()]
     if s.get("lora_rank"):
         args.append(f"--lora_rank={s['lora_rank']}")
     if script == "train_flux_kontext.py":
-        args += ["--val_every=0", "--export_dtype=bf16"]
+        args.append("--val_every=0")
     return args
 
 
-def one_run(row: dict, models: dict, data: dict, out: str, log: str, deadline: Deadline, cpu: bool) -> dict:
+METRICS = ("step_ms", "mfu", "hfu", "model_tflop", "allocated_gib", "reserved_gib", "planned_gib")
+
+
+def blank_result(row: dict, status: str, ok: bool) -> dict:
+    """A row's result before (or without) running it; `ok`: whether it counts as passed."""
+    return {"run": row["run"], "model": model_label(row.get("size")), "world": row["world"], "status": status,
+            "ok": ok, "resume_export": "-", "wall_s": float("nan"), "expect_s": row["expect_s"],
+            "disk_need_gb": float("nan"), "disk_free_gb": float("nan"), **{k: float("nan") for k in METRICS}}
+
+
+def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Deadline) -> dict:
     name, script, kind, world, s = row["run"], row["script"], row["kind"], row["world"], row["settings"]
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = run_args(script, s, models[kind], data[(kind, s["resolution"])], run_dir)
-    steps = row.get("steps", 6)
-    result = {"run": name, "world": world, "status": "", "step_ms": float("nan"), "mfu": float("nan"),
-              "hfu": float("nan"),
-              "model_tflop": float("nan"), "allocated_gib": float("nan"), "reserved_gib": float("nan"),
-              "planned_gib": float("nan"), "resume_export": "-"}
+    args = run_args(script, s, folder, data, run_dir)
+    steps = row["steps"]
+    result = blank_result(row, "", False)
     rc = launch(script, args + [f"--max_steps={steps}"], world, log, deadline.left())
     records = []
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -303,26 +488,26 @@ def one_run(row: dict, models: dict, data: dict, out: str, log: str, deadline: D
             if k_in in later[-1]:
                 result[k_out] = later[-1][k_in]
     result["status"] = "pass" if rc == 0 else ("cut at the deadline" if rc == 124 else f"FAIL rc {rc} (runs.log)")
-    if row.get("probe"):  # a kernel the start-up check should stop: say what happened, pass or stop
+    result["ok"] = rc == 0
+    if row["probe"]:  # a kernel the start-up check should stop: say what happened, pass or stop
         said = [line for line in open(log).read().rsplit("=====", 1)[-1].splitlines() if "start-up check" in line]
         result["status"] = (f"stopped at start: {said[0].split(': ', 2)[-1][:160]}" if rc == 1 and said
                             else "trained: the kernel passed the check" if rc == 0 else result["status"])
+        result["ok"] = rc == 0 or (rc == 1 and bool(said))
         result["probe"] = said[:1]
-    if not cpu:
-        try:
-            result["planned_gib"] = planned_bytes(models[kind], world, s, script) / GIB
-        except Exception as e:  # noqa: BLE001 - a planner gap is a table cell, not the end of the check
-            result["planned_gib"] = float("nan")
-            result["status"] += f"; planner: {type(e).__name__}"
-    if rc == 0 and row.get("resume"):
-        rc2 = launch(script, args + [f"--max_steps={steps + 1}", "--resume=auto"], world, log, deadline.left())
-        resumed = rc2 == 0 and "resumed from" in open(log).read().rsplit("=====", 2)[-1]
-        result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s) else \
-            ("cut at the deadline" if rc2 == 124 else "FAIL (runs.log)")
+    if rc == 0 and row["resume"]:
+        if deadline.left() < 30:
+            result["resume_export"], result["ok"] = "not run (deadline)", False
+        else:
+            rc2 = launch(script, args + [f"--max_steps={steps + 1}", "--resume=auto"], world, log, deadline.left())
+            resumed = rc2 == 0 and "resumed from" in open(log).read().rsplit("=====", 1)[-1]
+            result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s) else \
+                ("cut at the deadline" if rc2 == 124 else "FAIL (runs.log)")
+            result["ok"] = result["resume_export"] == "pass"
     table_path = os.path.join(run_dir, "profile", "ops_rank0.txt")
     if os.path.exists(table_path):  # PROFILE_STEPS' table (the traces stay behind: too big to bring back)
         shutil.copy(table_path, os.path.join(out, f"profile_{name}.txt"))  # its step times include the profiler
-    shutil.rmtree(run_dir, ignore_errors=True)  # a full checkpoint is tens of GB: one at a time
+    shutil.rmtree(run_dir, ignore_errors=True)  # a full checkpoint is tens of GB: the next row needs the disk
     return result
 
 
@@ -336,20 +521,23 @@ def export_loads(run_dir: str, kind: str, s: dict) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# the rows
 
 
 # DMD2 with a Kontext teacher as recipes/dmd_kontext_4step.sh runs it (three transformers of the FLUX folder)
-KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0, "export_dtype": "bf16"}
+KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0}
 
 
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
-    """The rows in order of value: what users hit first runs first. suite="speed": the step-time
-    rows instead (Kontext 1024 px full fine-tune per attention kernel, AC, COMPILE and CACHE_LATENTS
-    on and off; DMD2 SD-1.5 at the published batch 32 per GPU with AC, profiled, and with COMPILE)."""
+    """The rows in order of value: what users hit first runs first. Each row's expect_s: its seconds
+    on one H100 with its 64 GB disk (launches, steps, checkpoint writes and reads, export, the load
+    check), as docs/gpu.md lists them. suite="speed": the step-time rows instead (Kontext 1024 px full
+    fine-tune per attention kernel, AC, COMPILE and CACHE_LATENTS on and off; DMD2 SD-1.5 at the
+    published batch 32 per GPU with AC, profiled, and with COMPILE; DMD2 under DDP in bf16)."""
     sd, lo, hi = (32, 32, 64) if tiny else (512, 512, 1024)
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
-    def row(name, script, kind, res, **s):
+    def row(name, script, kind, res, expect_s, **s):
         extra, steps = s.pop("extra", {}), 6
         if script == "train_dmd.py":
             extra, steps = {"dfake_gen_update_ratio": 5, **extra}, 12
@@ -357,172 +545,321 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
         if profile:
             extra, steps = {**extra, "profile_steps": f"[{profile[0]},{profile[1]}]"}, profile[1]
         probe = s.pop("probe", False)
+        export_dtype = s.pop("export_dtype", "bf16" if script == "train_flux_kontext.py" else "fp32")
         return {"run": name, "script": script, "kind": kind, "world": 1, "resume": s.pop("resume", False),
-                "probe": probe, "steps": 2 if probe else steps,
-                "settings": {**base, "resolution": res, **s, "extra": extra}}
+                "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "expect_s": expect_s,
+                # the x-plain columns: the Kontext rows (their plain model is the trained transformer)
+                "ref": script == "train_flux_kontext.py" or suite == "speed",
+                "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
+    kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
                    if k in attention.installed()]
-        return ([row(f"kontext_{hi}px_full_{k}", "train_flux_kontext.py", "flux", hi,
-                     extra={"attention_backend": k}) for k in kernels]
-                + [row(f"kontext_{hi}px_full_ac", "train_flux_kontext.py", "flux", hi, ac=True),
-                   row(f"kontext_{hi}px_full_compile", "train_flux_kontext.py", "flux", hi, extra={"compile": 1}),
-                   row(f"kontext_{hi}px_full_ac_compile", "train_flux_kontext.py", "flux", hi, ac=True,
-                       extra={"compile": 1}),
-                   row(f"kontext_{hi}px_full_cache_latents", "train_flux_kontext.py", "flux", hi,
-                       extra={"cache_latents": 1}),
-                   row(f"dmd_sd15_{sd}px_b32_ac", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32, ac=True),
+        b32 = 2 if tiny else 32
+        return ([row(f"kontext_{hi}px_full_{k}", kontext, "flux", hi, 45, extra={"attention_backend": k})
+                 for k in kernels]
+                + [row(f"kontext_{hi}px_full_ac", kontext, "flux", hi, 45, ac=True),
+                   row(f"kontext_{hi}px_full_compile", kontext, "flux", hi, 80, extra={"compile": 1}),
+                   row(f"kontext_{hi}px_full_ac_compile", kontext, "flux", hi, 80, ac=True, extra={"compile": 1}),
+                   row(f"kontext_{hi}px_full_cache_latents", kontext, "flux", hi, 50, extra={"cache_latents": 1}),
+                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 70, batch_size=b32, ac=True),
                    # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt
-                   row(f"dmd_sd15_{sd}px_b32_ac_profiled", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32,
-                       ac=True, profile=(6, 7)),
-                   row(f"dmd_sd15_{sd}px_b32_ac_compile", "train_dmd.py", "sd15", sd, batch_size=2 if tiny else 32,
-                       ac=True, extra={"compile": 1}),
-                   row(f"dmd_kontext_{hi}px_4step_ac", "train_dmd.py", "flux", hi, ac=True, extra=KONTEXT_DMD)])
+                   row(f"dmd_sd15_{sd}px_b32_ac_profiled", dmd, "sd15", sd, 70, batch_size=b32, ac=True,
+                       profile=(6, 7)),
+                   row(f"dmd_sd15_{sd}px_b32_ac_compile", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
+                       extra={"compile": 1}),
+                   row(f"dmd_sd15_{sd}px_b4_ddp_bf16", dmd, "sd15", sd, 60, batch_size=4, precision="bf16",
+                       extra={"parallelism": "ddp"}),
+                   row(f"dmd_kontext_{hi}px_4step_ac", dmd, "flux", hi, 70, ac=True, export_dtype="bf16",
+                       extra=KONTEXT_DMD)])
     return [
-        row(f"kontext_{hi}px_full", "train_flux_kontext.py", "flux", hi, resume=True),
-        row(f"dmd_sd15_{sd}px_b4", "train_dmd.py", "sd15", sd, batch_size=4),
-        row(f"kontext_{lo}px_lora16", "train_flux_kontext.py", "flux", lo, lora_rank=16, resume=True,
-            extra={"lora_alpha": 16}),
-        row(f"kontext_{hi}px_cudnn_attention_probe", "train_flux_kontext.py", "flux", hi, probe=True,
-            extra={"attention_backend": "_native_cudnn"}),
-        row(f"kontext_{lo}px_nf4_lora16_adamw8bit", "train_flux_kontext.py", "flux", lo, lora_rank=16,
-            base_dtype="nf4", optimizer="adamw8bit",
-            extra={"lora_alpha": 16, "base_dtype": "nf4", "optimizer": "adamw8bit"}),
-        row(f"kontext_{lo}px_full_compile", "train_flux_kontext.py", "flux", lo, extra={"compile": 1}),
-        row(f"dmd_sd15_{sd}px_b4_ddp_bf16", "train_dmd.py", "sd15", sd, batch_size=4, precision="bf16",
-            extra={"parallelism": "ddp"}),
-        row(f"dmd_kontext_{lo}px_4step_ac", "train_dmd.py", "flux", lo, ac=True, resume=True, extra=KONTEXT_DMD),
+        row(f"kontext_{hi}px_full", kontext, "flux", hi, 85, resume=True),
+        row(f"dmd_sd15_{sd}px_b4", dmd, "sd15", sd, 65, batch_size=4),
+        row(f"kontext_{lo}px_lora16", kontext, "flux", lo, 50, lora_rank=16, resume=True, extra={"lora_alpha": 16}),
+        # LoRA: the kernel's forward + backward at FLUX's 1024 px shapes without a full checkpoint to write
+        row(f"kontext_{hi}px_lora16_cudnn_attention_probe", kontext, "flux", hi, 30, probe=True, lora_rank=16,
+            extra={"lora_alpha": 16, "attention_backend": "_native_cudnn"}),
+        row(f"kontext_{lo}px_nf4_lora16_adamw8bit", kontext, "flux", lo, 50, lora_rank=16, base_dtype="nf4",
+            optimizer="adamw8bit", extra={"lora_alpha": 16, "base_dtype": "nf4", "optimizer": "adamw8bit"}),
+        row(f"dmd_kontext_{lo}px_4step_ac", dmd, "flux", lo, 100, ac=True, resume=True, export_dtype="bf16",
+            extra=KONTEXT_DMD),
+        row(f"kontext_{lo}px_lora16_compile", kontext, "flux", lo, 55, lora_rank=16,
+            extra={"lora_alpha": 16, "compile": 1}),
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
 
 
 def _fmt(v, spec: str) -> str:
     return "-" if v is None or v != v else format(v, spec)
 
 
-def table(rows: list[dict], refs: dict, device: str, versions: str) -> str:
-    lines = [f"GPU check on {device} ({versions})", "",
-             "plain reference (bf16 weights, forward + backward, no FSDP, no optimizer; AdamW and VAE apart):", "",
-             "| model | fwd+bwd ms | model TFLOP | MFU | fused AdamW ms | VAE encode ms |",
-             "|---|---:|---:|---:|---:|---:|"]
+def table(rows: list[dict], refs: dict, header: list[str]) -> str:
+    lines = header + ["", "plain reference (bf16 weights, forward + backward, no FSDP, no optimizer; AdamW and VAE "
+                          "apart):", "",
+                      "| model | fwd+bwd ms | model TFLOP | MFU | fused AdamW ms | VAE encode ms |",
+                      "|---|---:|---:|---:|---:|---:|"]
     for key, r in refs.items():
         if "error" in r:
             lines.append(f"| {key} | {r['error']} | | | | |")
             continue
         lines.append(f"| {key} | {r['fwd_bwd_ms']:.1f} | {r['model_tflop']:.2f} | {_fmt(100 * r['mfu'], '.1f')} % | "
                      f"{r['adamw_ms']:.1f} | {r['vae_ms']:.1f} |")
-    lines += ["", "| run | step ms | x plain fwd+bwd | x plain fwd+bwd+AdamW+VAE | MFU | HFU | model TFLOP/step | "
-                  "peak alloc GiB | peak reserved GiB | planned GiB | error % | train | resume/export |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines += ["", "| run | model | step ms | x plain fwd+bwd | x plain fwd+bwd+AdamW+VAE | MFU | HFU | "
+                  "model TFLOP/step | peak alloc GiB | peak reserved GiB | planned GiB | error % | "
+                  "disk GB need / free | s / expected | train | resume/export |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ref = refs.get(r.get("ref", ""), {})
         plain = ref.get("fwd_bwd_ms")
         whole = plain + ref["adamw_ms"] + ref["vae_ms"] if plain and r.get("full") else None
         err = 100 * (r["reserved_gib"] - r["planned_gib"]) / r["planned_gib"] if r["planned_gib"] > 0 else None
         ratio, ratio_whole = (r["step_ms"] / plain if plain else None), (r["step_ms"] / whole if whole else None)
-        lines.append(f"| {r['run']} | {_fmt(r['step_ms'], '.0f')} | {_fmt(ratio, '.2f')} | "
+        lines.append(f"| {r['run']} | {r['model']} | {_fmt(r['step_ms'], '.0f')} | {_fmt(ratio, '.2f')} | "
                      f"{_fmt(ratio_whole, '.2f')} | {_fmt(100 * r['mfu'], '.1f')} | {_fmt(100 * r['hfu'], '.1f')} | "
                      f"{_fmt(r['model_tflop'], '.2f')} | {_fmt(r['allocated_gib'], '.2f')} | "
                      f"{_fmt(r['reserved_gib'], '.2f')} | {_fmt(r['planned_gib'], '.2f')} | {_fmt(err, '+.1f')} | "
-                     f"{r['status']} | {r['resume_export']} |")
+                     f"{_fmt(r['disk_need_gb'], '.3g')} / {_fmt(r['disk_free_gb'], '.1f')} | "
+                     f"{_fmt(r['wall_s'], '.0f')} / {r['expect_s']:.0f} | {r['status']} | {r['resume_export']} |")
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+
+
+def start_tests(out: str) -> subprocess.Popen:
+    """tests/test_gpu.py in the background: it uses the GPU little, the model build mostly the CPU."""
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("xdist"):
+        cmd += ["-n", str(TEST_WORKERS)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(os.path.join(out, "test_gpu.log"), "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tuple[bool, str]:
+    """(passed, its summary line): waited for until `timeout`, then cut."""
+    if tests is None:
+        return True, "not run (--skip_tests)"
+    try:
+        tests.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(tests.pid, signal.SIGKILL)
+        tests.wait()
+        return False, "cut at the deadline (test_gpu.log)"
+    last = open(os.path.join(out, "test_gpu.log")).read().strip().splitlines()[-1:] or [""]
+    return tests.returncode == 0, f"{last[0].strip('= ')} (rc {tests.returncode})"
+
+
+def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, int]) -> tuple[dict, dict, dict]:
+    """Model folders for the rows, each row sized to the disk (row["size"]; None: not run). Returns
+    ({size: folder}, {run: peak disk bytes at its size; not run: at its smallest}, the disk as measured)."""
+    folders = {}
+    if any(r["kind"] == "sd15" for r in runs):
+        folders["tiny_sd15" if tiny else "sd15"] = sd15_folder(work, tiny)
+    parts = None
+    if any(r["kind"] == "flux" for r in runs):
+        if tiny:
+            folders["tiny_flux"] = tiny_flux_folder(work)
+        else:
+            parts = flux_parts(work)
+    for r in runs:
+        r["size"] = "tiny_" + r["kind"] if tiny else "sd15" if r["kind"] == "sd15" else blocks
+
+    def folder(size):
+        if size not in folders:
+            folders[size] = flux_skeleton(work, size, parts)
+        return folders[size]
+
+    needs = {}
+
+    def need(row, size):
+        if (row["run"], size) not in needs:
+            one, export = row_bytes(row, folder(size))
+            needs[row["run"], size] = peak_disk(one, export, row["resume"])
+        return needs[row["run"], size]
+
+    same_disk = os.stat(disk_usage(work)[0]).st_dev == os.stat(disk_usage(out)[0]).st_dev
+    unwritten = {}  # a transformer still to write costs its fp32 bytes where the runs write too
+
+    def folder_cost(size):
+        if not isinstance(size, tuple) or not same_disk:
+            return 0
+        if size not in unwritten:
+            written = any(n.endswith(".safetensors") for n in os.listdir(os.path.join(folder(size), "transformer")))
+            unwritten[size] = 0 if written else folder_bytes(folder(size))
+        return unwritten[size]
+
+    def smaller(row, size):
+        return smaller_blocks(size) if isinstance(size, tuple) else None
+
+    def smallest(row, size):
+        while smaller(row, size) is not None:
+            size = smaller(row, size)
+        return size
+
+    path, free, total = disk_usage(out)
+    choice = fit_to_disk(runs, free, need, folder_cost, smaller)
+    peaks = {r["run"]: need(r, choice[r["run"]] or smallest(r, r["size"])) for r in runs}
+    to_write = sum(folder_cost(z) for z in set(choice.values()) if z is not None)
+    for r in runs:
+        r["size"] = choice[r["run"]]
+    for size, f in list(folders.items()):
+        if isinstance(size, tuple):
+            if size in choice.values():
+                flux_weights(f)
+            else:  # a size tried and not taken: its config and links only
+                shutil.rmtree(f)
+                del folders[size]
+    return folders, peaks, {"path": path, "free": free, "total": total, "to_write": to_write}
+
+
+def disk_line(disk: dict) -> str:
+    return (f"disk: {disk['path']}: {disk['free'] / GB:.1f} GB free of {disk['total'] / GB:.1f} GB when the rows "
+            f"were sized; model folders then written {disk['to_write'] / GB:.1f} GB; each row's need kept under "
+            f"the free space less {HEADROOM / GB:.0f} GB")
+
+
 def main() -> None:
+    # counted from gpu_check.sh's start where it set GPU_CHECK_T0 (the wheels' install included)
+    started = time.monotonic() - max(time.time() - float(os.environ.get("GPU_CHECK_T0", time.time())), 0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_check"))
-    ap.add_argument("--work", default="", help="where models and runs go; '' = --out/work (not copied back)")
+    ap.add_argument("--work", default="", help="where models go; '' = --out/work (removed at the end)")
     ap.add_argument("--tiny", action="store_true", help="the tiny models (a plumbing check, minutes on CPU)")
-    ap.add_argument("--cpu", action="store_true", help="allow a machine without CUDA")
-    ap.add_argument("--flux_blocks", default="2,4", help="double,single FLUX blocks at real width (all: 19,38)")
-    ap.add_argument("--deadline_s", type=float, default=540, help="seconds for everything; runs past it are cut")
+    ap.add_argument("--cpu", action="store_true", help="allow a machine without CUDA (rows that need CUDA: skipped)")
+    ap.add_argument("--flux_blocks", default="2,4", help="double,single FLUX blocks at real width (all: 19,38); "
+                                                         "rows that do not fit the disk get fewer")
+    ap.add_argument("--deadline_s", type=float, default=0,
+                    help=f"seconds for everything from the start; rows that do not fit are not started, runs "
+                         f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--runs", default="", help="comma-separated parts of run names to keep ('' = all)")
     ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed"),
                     help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile)")
     a = ap.parse_args()
-    deadline = Deadline(a.deadline_s)
+    blocks = tuple(int(x) for x in a.flux_blocks.split(",") if x.strip().isdigit())
+    if len(blocks) != 2 or min(blocks) < 1:
+        sys.exit(f"gpu_check: --flux_blocks={a.flux_blocks}: give double,single block counts, each >= 1 (e.g. 2,4)")
     import torch
 
     from components.warnings import quiet_known_warnings
     quiet_known_warnings()
-    if not torch.cuda.is_available() and not a.cpu:
+    cuda = torch.cuda.is_available()
+    if not cuda and not a.cpu:
         sys.exit("gpu_check: no CUDA GPU here (use --cpu --tiny for the plumbing check on CPU)")
+    deadline = Deadline(a.deadline_s or (CALL_S if cuda else 1800), started)
     os.makedirs(a.out, exist_ok=True)
     work = a.work or os.path.join(a.out, "work")
     os.makedirs(work, exist_ok=True)
-    cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 0.0
+    name = f"{torch.cuda.get_device_name(0)} ({gpu_gb:.1f} GiB)" if cuda else "CPU"
     import diffusers
     versions = (f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if cuda else "")
                 + f", diffusers {diffusers.__version__}")
-    tests = None
-    if not a.skip_tests:  # while the models are built: it uses the GPU little, the build mostly the CPU
-        cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-p", "no:cacheprovider"]
-        tests = subprocess.Popen(cmd, cwd=ROOT, stdout=open(os.path.join(a.out, "test_gpu.log"), "w"),
-                                 stderr=subprocess.STDOUT)
+    tests = None if a.skip_tests else start_tests(a.out)
     t = time.monotonic()
-    blocks = tuple(int(x) for x in a.flux_blocks.split(","))
-    with open(os.path.join(a.out, "build.log"), "w") as log:
-        models = {"sd15": sd15_folder(work, a.tiny), "flux": flux_folder(work, a.tiny, blocks)}
-        runs = [r for r in plan_runs(a.tiny, a.suite) if not a.runs or any(k in r["run"] for k in a.runs.split(","))]
-        data = {}
-        for r in runs:
-            prompts, pairs = datasets(work, r["settings"]["resolution"])
-            data[(r["kind"], r["settings"]["resolution"])] = prompts if r["kind"] == "sd15" else pairs
-        log.write(f"models and data built in {time.monotonic() - t:.0f} s\n")
-    print(f"models and data built in {time.monotonic() - t:.0f} s", flush=True)
-
-    # the plain reference, for each model and size the runs use; T5 / CLIP lengths as the runs get them
-    from transformers import AutoTokenizer
-    t5_len = min(512, AutoTokenizer.from_pretrained(os.path.join(models["flux"], "tokenizer_2")).model_max_length)
-    clip_len = AutoTokenizer.from_pretrained(os.path.join(models["sd15"], "tokenizer")).model_max_length
-    refs = {}
+    runs = [r for r in plan_runs(a.tiny, a.suite) if not a.runs or any(k in r["run"] for k in a.runs.split(","))]
+    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks)
+    data = {}
     for r in runs:
-        key = f"{r['kind']} {r['settings']['resolution']} px, batch {r['settings']['batch_size']}"
-        r["ref"], r["full"] = key, not r["settings"].get("lora_rank") and r["script"] == "train_flux_kontext.py"
-        if key in refs or deadline.left() < 200:
-            continue
-        try:
-            refs[key] = plain_reference(r["kind"], models[r["kind"]], r["settings"]["resolution"],
-                                        r["settings"]["batch_size"], t5_len if r["kind"] == "flux" else clip_len,
-                                        device)
-        except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
-            refs[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        print(f"plain {key}: {refs[key]}", flush=True)
+        prompts, pairs = datasets(work, r["settings"]["resolution"])
+        data[r["run"]] = prompts if r["kind"] == "sd15" else pairs
+    with open(os.path.join(a.out, "build.log"), "w") as log:
+        log.write(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}\n")
+    print(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}", flush=True)
 
-    if tests is not None:  # the training runs' step times need the GPU to themselves
+    planner = None
+    plans = os.path.join(work, "planned.jsonl")
+    if os.path.exists(plans):  # an earlier check's, in a kept --work
+        os.remove(plans)
+    if cuda:  # the planner's GPU totals, all CPU work, beside the reference and the runs
+        jobs = [(r["run"], (folders[r["size"]], r["world"], r["settings"], r["script"], gpu_gb))
+                for r in runs if r["size"] is not None]
+        planner = multiprocessing.get_context("spawn").Process(target=plan_all, args=(jobs, plans), daemon=True)
+        planner.start()
+
+    # the plain reference of the rows that compare with it, while the rows would still fit after it
+    from transformers import AutoTokenizer
+    refs = {}
+    runnable = [r for r in runs if r["size"] is not None and (cuda or not r["gpu_only"])]
+    for r in runs:
+        s = r["settings"]
+        r["ref"] = (f"{model_label(r['size'])}, {s['resolution']} px, batch {s['batch_size']}"
+                    if r["ref"] and r in runnable else "")
+        r["full"] = not s.get("lora_rank") and r["script"] == "train_flux_kontext.py"
+    for r in runnable:
+        s, folder = r["settings"], folders[r["size"]]
+        if not r["ref"] or r["ref"] in refs:
+            continue
+        if deadline.left() - REF_EXPECT_S < sum(q["expect_s"] for q in runnable):
+            refs[r["ref"]] = {"error": "left out: the rows would not fit after it"}
+            continue
+        tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
+        text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
         try:
-            tests.wait(timeout=max(deadline.left() - 360, 1))
-        except subprocess.TimeoutExpired:
-            tests.kill()
-            tests.wait()
-        last = open(os.path.join(a.out, "test_gpu.log")).read().strip().splitlines()[-1:]
-        print(f"tests/test_gpu.py: rc {tests.returncode}: {last}", flush=True)
+            refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device)
+        except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
+            refs[r["ref"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        print(f"plain {r['ref']}: {refs[r['ref']]}", flush=True)
 
     rows, log = [], os.path.join(a.out, "runs.log")
     open(log, "w").close()
     for r in runs:
-        if deadline.left() < 30:
-            rows.append({**{k: float("nan") for k in ("step_ms", "mfu", "hfu", "model_tflop", "allocated_gib",
-                                                      "reserved_gib",
-                                                      "planned_gib")}, "run": r["run"], "world": r["world"],
-                         "status": "not run (deadline)", "resume_export": "-", "ref": r["ref"], "full": r["full"]})
-            continue
-        result = one_run(r, models, data, a.out, log, deadline, not cuda)
+        if r["size"] is None:
+            room = disk["free"] - disk["to_write"] - HEADROOM
+            result = blank_result(r, f"not run: needs {peaks[r['run']] / GB:.1f} GB of disk with its smallest "
+                                     f"model, {room / GB:.1f} GB to spare", False)
+        elif r["gpu_only"] and not cuda:
+            result = blank_result(r, "skipped: needs CUDA", True)
+        elif not deadline.fits(r["expect_s"]):
+            result = blank_result(r, f"not run: ~{r['expect_s'] * deadline.scale():.0f} s expected, "
+                                     f"{max(deadline.left(), 0):.0f} s left", False)
+        else:
+            free = disk_usage(a.out)[1]
+            if peaks[r["run"]] + HEADROOM > free:  # what earlier rows or the tests left behind
+                result = blank_result(r, f"not run: needs {peaks[r['run']] / GB:.1f} GB of disk, "
+                                         f"{free / GB:.1f} GB free", False)
+            else:
+                t = time.monotonic()
+                result = one_run(r, folders[r["size"]], data[r["run"]], a.out, log, deadline)
+                result["wall_s"] = time.monotonic() - t
+                if result["ok"]:
+                    deadline.record(r["expect_s"], result["wall_s"])
+            result["disk_free_gb"] = free / GB
+        result["disk_need_gb"] = peaks[r["run"]] / GB
         rows.append({**result, "ref": r["ref"], "full": r["full"]})
         print(f"{r['run']}: {result}", flush=True)
-    report = table(rows, refs, name, versions)
+
+    tests_ok, tests_line = finish_tests(tests, a.out, deadline.left())
+    print(f"tests/test_gpu.py: {tests_line}", flush=True)
+    if planner is not None:
+        planner.join(timeout=max(deadline.left(), 1))
+        planner.kill()
+        planned = {}
+        if os.path.exists(plans):
+            planned = {p["run"]: p["planned"] for p in map(json.loads, open(plans))}
+        for row in rows:
+            value = planned.get(row["run"], float("nan"))
+            row["planned_gib"] = value if isinstance(value, float) else float("nan")
+            if isinstance(value, str):
+                row["status"] += f"; {value}"
+    header = [f"GPU check on {name}: {versions}", "", disk_line(disk), f"tests/test_gpu.py: {tests_line}",
+              f"time: {time.monotonic() - started:.0f} s of the {deadline.seconds:.0f} s deadline"]
+    report = table(rows, refs, header)
     with open(os.path.join(a.out, "gpu_check.md"), "w") as f:
         f.write(report + "\n")
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
-        json.dump({"device": name, "versions": versions, "refs": refs, "rows": rows}, f, indent=1)
+        json.dump({"device": name, "versions": versions, "disk": disk, "tests": tests_line, "refs": refs,
+                   "rows": rows}, f, indent=1)
     print("\n" + report, flush=True)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
-    sys.exit(0 if all(r["status"] == "pass" and r["resume_export"] in ("pass", "-") for r in rows) else 1)
+    sys.exit(0 if tests_ok and all(r["ok"] for r in rows) else 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""tools/gpu_check.py without a GPU: the rows sized to the disk with the scripts' own checkpoint
+arithmetic, the deadline's arithmetic against one device call, and the plumbing check on CPU with
+the rows that need CUDA skipped.
+
+    python -m pytest tests/test_gpu_check.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from checkpoint import _gb
+from tests.conftest import ROOT, launch_env
+from tools import gpu_check
+
+
+def test_smaller_blocks_halve_to_one_of_each():
+    sizes, size = [], (19, 38)
+    while size:
+        sizes.append(size)
+        size = gpu_check.smaller_blocks(size)
+    assert sizes == [(19, 38), (9, 19), (4, 9), (2, 4), (1, 2), (1, 1)]
+
+
+def _rows(*specs):
+    return [{"run": name, "size": size, "resume": False} for name, size in specs]
+
+
+def test_fit_to_disk_shrinks_the_row_furthest_over_and_counts_each_new_folder_once():
+    gb = gpu_check.GB
+    peak = {(2, 4): 30 * gb, (1, 2): 15 * gb, (1, 1): 8 * gb, "sd15": 20 * gb}  # a row's need by model size
+    cost = {(2, 4): 0, (1, 2): 3 * gb, (1, 1): 2 * gb, "sd15": 0}  # (2, 4) written already
+
+    def fit(rows, free, need=lambda r, z: peak[z] * (2 if r["run"] == "big" else 1)):
+        return gpu_check.fit_to_disk(rows, free, need, cost.get,
+                                     lambda r, z: gpu_check.smaller_blocks(z) if isinstance(z, tuple) else None)
+
+    rows = _rows(("big", (2, 4)), ("small", (2, 4)), ("unet", "sd15"))
+    free = 60 * gb + gpu_check.HEADROOM
+    assert fit(rows, free) == {"big": (2, 4), "small": (2, 4), "unet": "sd15"}  # 60 GB: each fits alone
+    # 40 GB: "big" (60 GB) is over; at 1+2 it needs 30 GB, and its 3 GB folder leaves 37 GB for every row
+    assert fit(rows, 40 * gb + gpu_check.HEADROOM) == {"big": (1, 2), "small": (2, 4), "unet": "sd15"}
+    # 24 GB: "big" goes to 1+1 (16 GB), "small" to 1+2 (15 GB); their folders (5 GB) leave 19 GB, and
+    # SD-1.5 (20 GB) has no smaller model: not run
+    assert fit(rows, 24 * gb + gpu_check.HEADROOM) == {"big": (1, 1), "small": (1, 2), "unet": None}
+
+
+@pytest.mark.slow  # ~15 s: the trained models of every row on meta, twice for the DMD2 row
+def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
+    """A bare H100's 64 GB disk: with the 512 px Kontext-DMD2 row's checkpoint at 2+4 blocks (31.4 GB
+    as the scripts' preflight counts it) and its export on disk, 23.4 GB are free, too little for the
+    second checkpoint its resume writes. Sized before the rows (that row's output not yet written,
+    nor the 2+4 transformer folder), the check gives that row 1+2 blocks and keeps every other row."""
+    rows = gpu_check.plan_runs(tiny=False)
+    folders = {"sd15": os.path.join(gpu_check.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
+    for r in rows:
+        r["size"] = "sd15" if r["kind"] == "sd15" else (2, 4)
+
+    def folder(size):
+        if size not in folders:
+            folders[size] = gpu_check.flux_skeleton(str(tmp_path), size, None)
+        return folders[size]
+
+    sizes = {}
+
+    def row_bytes(r, size):
+        if (r["run"], size) not in sizes:
+            sizes[r["run"], size] = gpu_check.row_bytes(r, folder(size))
+        return sizes[r["run"], size]
+
+    dmd = next(r for r in rows if r["run"] == "dmd_kontext_512px_4step_ac")
+    one, export = row_bytes(dmd, (2, 4))
+    assert _gb(one) == "31.4 GB"  # the preflight's figure on that machine
+    free = int(23.4e9) + one + export + gpu_check.folder_bytes(folder((2, 4)))
+    choice = gpu_check.fit_to_disk(
+        rows, free, lambda r, z: gpu_check.peak_disk(*row_bytes(r, z), r["resume"]),
+        lambda z: gpu_check.folder_bytes(folder(z)) if isinstance(z, tuple) else 0,
+        lambda r, z: gpu_check.smaller_blocks(z) if isinstance(z, tuple) else None)
+    assert choice == {r["run"]: (1, 2) if r is dmd else r["size"] for r in rows}
+
+
+def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
+    deadline = gpu_check.Deadline(100 + gpu_check.END_RESERVE_S, time.monotonic())
+    assert deadline.fits(90) and not deadline.fits(110)
+    deadline.record(10, 20)  # the rows so far took twice their expected seconds
+    assert deadline.scale() == 2 and not deadline.fits(60) and deadline.fits(40)
+    deadline.record(100, 10)  # faster than expected: never trusted below half
+    assert deadline.scale() == 0.5
+
+
+def test_the_acceptance_rows_fit_one_device_call():
+    """Their expected seconds on an H100, the start-up and the plain references fit the deadline
+    with the end's reserve kept, and the deadline plus that reserve fit the 9.5 minutes of one call."""
+    rows = gpu_check.plan_runs(tiny=False)
+    refs = {(r["settings"]["resolution"], r["settings"]["batch_size"]) for r in rows if r["ref"]}
+    expected = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S * len(refs) + sum(r["expect_s"] for r in rows)
+    assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+    assert gpu_check.CALL_S + gpu_check.END_RESERVE_S <= 9.5 * 60
+    assert [r["run"] for r in rows if r["gpu_only"]] == ["kontext_1024px_lora16_cudnn_attention_probe"]
+
+
+@pytest.mark.slow
+def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
+                        "--runs=cudnn_attention_probe", f"--out={out}"], cwd=ROOT, env=launch_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (out / "gpu_check.md").read_text()
+    assert report.startswith("GPU check on CPU: torch ")
+    assert f"disk: {out}" in report and "GB free of" in report
+    row = next(line for line in report.splitlines() if "cudnn_attention_probe" in line)
+    assert "skipped: needs CUDA" in row and "tiny FLUX" in row
+    result = json.loads((out / "gpu_check.json").read_text())["rows"][0]
+    assert result["ok"] and result["disk_need_gb"] > 0
