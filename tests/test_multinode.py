@@ -114,8 +114,9 @@ def runs(tmp_path_factory, kontext_setup):
         for name in ("dmd0", "dmd1"):  # the agents, as SLURM's --signal reaches them
             os.kill(procs[name].pid, signal.SIGTERM)
         signalled = time.monotonic()
-        done = finish_all(procs)
-        done["dmd_stop_s"] = time.monotonic() - signalled  # at least until the agents were gone
+        done = finish_all({name: procs[name] for name in ("dmd0", "dmd1")})
+        done["dmd_stop_s"] = time.monotonic() - signalled  # until both agents were gone
+        done.update(finish_all({name: proc for name, proc in procs.items() if name not in done}))
         done["dmd_cut_steps"] = complete_steps(root / "dmd")
         done["dmd_partials"] = glob.glob(os.path.join(root, "dmd", "checkpoints", "*.partial"))
         nodes = start_nodes("train_dmd.py", DMD + [f"--output_dir={root / 'dmd'}", "--resume=auto"], env)
