@@ -90,8 +90,8 @@ def kontext_setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, kontext_setup):
-    """All runs: the two-node Kontext run, the two-node DMD run stopped by SIGTERM and the two
-    references side by side, then the DMD nodes resumed."""
+    """All runs side by side: the two-node Kontext run, the two-node DMD run stopped by SIGTERM,
+    the two references; the DMD nodes resumed as soon as they stopped."""
     root = tmp_path_factory.mktemp("multinode")
     # a CPU rank's threads follow its node's rank count (fsdp_utils.cpu_threads) unless OMP_NUM_THREADS
     # says more than 1, and the thread count changes the DMD losses' last bits: the same on every rank here
@@ -116,12 +116,11 @@ def runs(tmp_path_factory, kontext_setup):
         signalled = time.monotonic()
         done = finish_all({name: procs[name] for name in ("dmd0", "dmd1")})
         done["dmd_stop_s"] = time.monotonic() - signalled  # until both agents were gone
-        done.update(finish_all({name: proc for name, proc in procs.items() if name not in done}))
         done["dmd_cut_steps"] = complete_steps(root / "dmd")
         done["dmd_partials"] = glob.glob(os.path.join(root, "dmd", "checkpoints", "*.partial"))
         nodes = start_nodes("train_dmd.py", DMD + [f"--output_dir={root / 'dmd'}", "--resume=auto"], env)
-        procs = dict(resumed0=nodes[0], resumed1=nodes[1])
-        done.update(finish_all(procs))
+        procs.update(resumed0=nodes[0], resumed1=nodes[1])  # while the others still run
+        done.update(finish_all({name: proc for name, proc in procs.items() if name not in done}))
     finally:
         for proc in procs.values():
             if proc.poll() is None:
