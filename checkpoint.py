@@ -358,6 +358,8 @@ class Checkpointer:
         # so once rank 0 is here the checkpoint is whole: make it visible, then prune.
         if rank() != 0:
             return
+        if os.environ.get("FSDP_TEST_SAVE_DELAY_S"):  # tests only: a save slower than a launcher's shutdown wait
+            time.sleep(float(os.environ["FSDP_TEST_SAVE_DELAY_S"]))
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)

@@ -17,6 +17,10 @@
 #             often have several interfaces; the wrong one hangs the first collective)
 # HSDP_PER_NODE=1   on several nodes, add --dp_replicate=NNODES (HSDP: shard inside a node, replicate
 #             across nodes) unless the arguments set it; the recipes in recipes/ turn this on
+# SHUTDOWN_TIMEOUT  seconds torchrun waits, after it got SIGTERM / SIGINT and passed it on to the
+#             ranks, for them to finish the step, save and exit, before it SIGKILLs them (default
+#             270; torchrun's own is 30, shorter than many saves). Keep it below the lead time of
+#             the scheduler's warning signal (sbatch --signal=TERM@300) so the save ends before the limit
 #
 # Under SLURM (SLURM_JOB_ID set) the job's allocation decides what is not set by hand
 # (recipes/lib/slurm.sh, shared with the recipes' global batch): NNODES=$SLURM_NNODES,
@@ -88,7 +92,12 @@ if [ "${HSDP_PER_NODE:-0}" = 1 ] && [ "$NNODES" -gt 1 ] && [[ " $* " != *" --dp_
   EXTRA=(--dp_replicate="$NNODES")  # all-gathers stay inside a node; only gradients cross nodes
 fi
 
-CMD=(torchrun "${RDZV[@]}" --nproc_per_node="$NPROC" "$SCRIPT" "${EXTRA[@]}" "$@")
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-270}
+if ! [[ $SHUTDOWN_TIMEOUT =~ ^[0-9]+$ ]]; then
+  echo "run_fsdp.sh: SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT: expected whole seconds" >&2
+  exit 2
+fi
+CMD=(torchrun "${RDZV[@]}" --nproc_per_node="$NPROC" --shutdown_timeout="$SHUTDOWN_TIMEOUT" "$SCRIPT" "${EXTRA[@]}" "$@")
 echo "+ ${CMD[*]}"
 if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0

@@ -62,7 +62,7 @@ import precision
 from algorithms import flux_kontext as km
 from components import profiling, trainer
 from components.config import check_settings, script_constants
-from components.dist import all_gather_objects, print0, rank, world_size
+from components.dist import print0
 from components.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
@@ -72,7 +72,7 @@ from data.prefetch import Prefetcher
 from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows
 from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests as this script's
-    cache_file, encoder_identity, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
+    cache_file, encoder_identity, fill_in_rounds, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
 from parallel import ema as ema_lib
 from parallel.flux import attention_shapes, build_transformer, load_vae
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
@@ -170,6 +170,7 @@ VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed s
 VAL_SIGMAS = [0.25, 0.5, 0.75]  # noise levels each held-out pair is scored at
 
 _LATENT_CACHE_VERSION = 1  # part of every latent-cache key: bump when the encoding recipe changes
+_LATENT_ROUND = 16  # pairs per rank between two collectives of the latent-cache fill
 _DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
 
 # ----------------------------------------------------------------------------------------------
@@ -314,17 +315,20 @@ def latent_file(cache_dir, identity, row, size) -> str:
 def fill_latent_cache(train, bucket_of, buckets, vae, cache_dir, identity) -> list[str]:
     """Each rank hashes and, where missing from the cache, encodes its share (rows rank::world),
     one image at a time, so a pair's latents are the same whatever the world size or the batch it
-    trains in. Returns every training row's cache file (the same list on every rank)."""
-    mine = {i: latent_file(cache_dir, identity, train[i], buckets[bucket_of[i]])
-            for i in range(rank(), len(train), world_size())}
-    missing = [i for i, f in mine.items() if not os.path.exists(f)]
-    for i in missing:
-        size = buckets[bucket_of[i]]
-        latents = {k: km.encode_latents(vae, load_image(train[i][k], *size)[None])[0].cpu()
-                   for k in ("control", "target")}
-        save_atomic(latents, mine[i])
-    # one collective: every rank's files (written before it, so it also orders writes before reads)
-    shares = all_gather_objects((mine, len(missing)))
+    trains in; in rounds of _LATENT_ROUND pairs with a collective after each (fill_in_rounds), so no
+    rank waits in one collective for the slowest rank's whole share. Returns every training row's
+    cache file (the same list on every rank)."""
+    def work(rows):
+        files = {i: latent_file(cache_dir, identity, train[i], buckets[bucket_of[i]]) for i in rows}
+        missing = [i for i, f in files.items() if not os.path.exists(f)]
+        for i in missing:
+            size = buckets[bucket_of[i]]
+            latents = {k: km.encode_latents(vae, load_image(train[i][k], *size)[None])[0].cpu()
+                       for k in ("control", "target")}
+            save_atomic(latents, files[i])
+        return files, len(missing)
+
+    shares = [share for r in fill_in_rounds(list(range(len(train))), work, _LATENT_ROUND, "pairs") for share in r]
     files = [f for _, f in sorted((i, f) for share, _ in shares for i, f in share.items())]
     computed = sum(n for _, n in shares)
     print0(f"latent cache: {len(train)} pairs, computed {computed}, reused {len(train) - computed} "

@@ -1,10 +1,12 @@
-"""Inputs checked up front, before any rank starts work: OUTPUT_DIR writable and shared by all
-ranks, MODEL_PATH a diffusers folder of the pipeline a script trains.
+"""Inputs checked up front, before any rank starts work: OUTPUT_DIR (and TEXT_CACHE_DIR where it
+lies outside it) writable and shared by all ranks, MODEL_PATH a diffusers folder of the pipeline a
+script trains.
 
     python -m pytest tests/test_components.py tests/test_fault_tolerance.py -q
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -13,9 +15,22 @@ import time
 from components.dist import all_gather_objects, barrier, broadcast_from_rank0, rank
 from components.errors import ConfigError
 
-def check_output_dir(path: str) -> None:
-    """OUTPUT_DIR must be creatable and writable (a probe file is written and removed), so a bad
-    path fails before any work instead of at the first save."""
+def shared_folders(config: dict) -> dict[str, str]:
+    """{setting: folder} of the folders every rank reads what other ranks wrote: OUTPUT_DIR
+    (checkpoints, resume) and TEXT_CACHE_DIR where it is set outside OUTPUT_DIR (each rank embeds
+    and encodes its share of the text and latent caches, any rank reads any file)."""
+    folders = {"OUTPUT_DIR": config["OUTPUT_DIR"]}
+    cache = config.get("TEXT_CACHE_DIR") or ""
+    out = os.path.realpath(config["OUTPUT_DIR"])
+    if cache and os.path.commonpath([out, os.path.realpath(cache)]) != out:
+        folders["TEXT_CACHE_DIR"] = cache
+    return folders
+
+
+def check_output_dir(path: str, setting: str = "OUTPUT_DIR") -> None:
+    """OUTPUT_DIR (or another folder the run writes, named by `setting`) must be creatable and
+    writable (a probe file is written and removed), so a bad path fails before any work instead of
+    at the first save."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
@@ -23,17 +38,18 @@ def check_output_dir(path: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"OUTPUT_DIR={path!r} is not writable ({e.strerror or e})") from None
+        raise ConfigError(f"{setting}={path!r} is not writable ({e.strerror or e})") from None
 
 
-def check_output_dir_shared(path: str) -> None:
-    """Collective, after the process group is up: every rank sees a file rank 0 writes in OUTPUT_DIR.
-    Checkpoints (DCP: each rank writes its shards, rank 0 the metadata and the rename), the text
-    cache and resume need one folder that all ranks share; a node-local OUTPUT_DIR on a multi-node
-    run would otherwise fail mid-run, at the first save. Fails on every rank, naming the hosts that
-    do not see it."""
-    probe = os.path.join(path, ".shared_check")
+def check_output_dir_shared(path: str, setting: str = "OUTPUT_DIR") -> None:
+    """Collective, after the process group is up: every rank sees a file rank 0 writes in OUTPUT_DIR
+    (or the folder named by `setting`). Checkpoints (DCP: each rank writes its shards, rank 0 the
+    metadata and the rename), the text cache and resume need one folder that all ranks share; a
+    node-local folder on a multi-node run would otherwise fail mid-run, at the first save or the
+    first batch. Fails on every rank, naming the hosts that do not see it. The probe's name is this
+    run's own, so runs that share a folder (a TEXT_CACHE_DIR) can start together."""
     token = broadcast_from_rank0(f"{socket.gethostname()}:{os.getpid()}:{time.time()}")
+    probe = os.path.join(path, ".shared_check." + hashlib.sha256(token.encode()).hexdigest()[:16])
     if rank() == 0:
         with open(probe, "w") as f:
             f.write(token)
@@ -48,8 +64,8 @@ def check_output_dir_shared(path: str) -> None:
     if rank() == 0:
         os.remove(probe)
     if blind:
-        raise ConfigError(f"OUTPUT_DIR={path!r} is not shared by all ranks: {', '.join(blind)} cannot see the file "
-                          "rank 0 wrote there; on several nodes put OUTPUT_DIR on a filesystem every node mounts")
+        raise ConfigError(f"{setting}={path!r} is not shared by all ranks: {', '.join(blind)} cannot see the file "
+                          f"rank 0 wrote there; on several nodes put {setting} on a filesystem every node mounts")
 
 
 _COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json")

@@ -25,7 +25,7 @@ import checkpoint
 import fsdp_utils
 import precision
 from components import profiling
-from components.checks import check_model_folder, check_output_dir, check_output_dir_shared
+from components.checks import check_model_folder, check_output_dir, check_output_dir_shared, shared_folders
 from components.config import apply_overrides, check_settings, format_config, script_constants
 from components.dist import agree, print0
 from components.errors import ConfigError, GracefulStop, set_error_dir
@@ -134,7 +134,8 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
         lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
     dispatcher = models.MODELS[trained.class_name].attention_dispatcher
     attention.check_backend(config["ATTENTION_BACKEND"], dispatcher)
-    check_output_dir(config["OUTPUT_DIR"])
+    for setting, folder in shared_folders(config).items():
+        check_output_dir(folder, setting)
     set_error_dir(config["OUTPUT_DIR"])
 
     d = fsdp_utils.init_distributed(cpu_offload=config["CPU_OFFLOAD"], timeout_s=config["COLLECTIVE_TIMEOUT_S"])
@@ -149,7 +150,8 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     slow_bf16 = precision.cpu_bf16_warning(precision.get_precision(config["PRECISION"]), d.device)
     if slow_bf16:
         print0(slow_bf16)
-    check_output_dir_shared(config["OUTPUT_DIR"])
+    for setting, folder in shared_folders(config).items():
+        check_output_dir_shared(folder, setting)
     stopper = GracefulStop()
     resume_path = checkpoint.resolve_resume(config["RESUME"], config["OUTPUT_DIR"])  # rank 0's answer
     run = Run(config, pipeline, d, lora, stopper, resume_path)

@@ -1,6 +1,8 @@
 """The text-embedding cache of the FLUX scripts: T5 token embeddings + the pooled CLIP vector per
 prompt, one file each, keyed by the encoders' files, the T5 length and the dtype. Each rank embeds
 its share of the missing prompts with the pipeline's own encode_prompt, then the encoders are freed.
+Caches are filled in rounds (fill_in_rounds): a collective after every few items, so that no rank
+waits in one collective for the slowest rank's whole share, however large the dataset.
 
     python -m pytest tests/test_train_flux_kontext.py -q -k cache
 """
@@ -9,15 +11,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 
 import torch
 
 import precision
-from components.dist import all_reduce, barrier, print0, rank, world_size
+from components.dist import all_gather_objects, print0, rank, world_size
 
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
+TEXT_ROUND = 64  # prompts per rank between two collectives of the fill (4 encoder batches)
+PROGRESS_EVERY_S = 60.0  # a long fill prints how far it is at most this often
 
 
+def fill_in_rounds(items: list, work, round_size: int, what: str = "items") -> list[list]:
+    """Collective: run work(chunk) on this rank's share of `items` (items[rank::world]) in chunks
+    of `round_size`, with one all-gather of work's results after each chunk. Returns, per round,
+    [the result of rank 0, of rank 1, ...] (the same on every rank).
+
+    Every rank runs the same number of rounds (its last chunks may be empty), so a rank that has
+    nothing to compute waits at each collective for one chunk of the slowest rank, never for its
+    whole share: a fill of any size stays within COLLECTIVE_TIMEOUT_S. The last collective comes
+    after every rank's last write, so once this returns every file is there for every rank."""
+    mine = items[rank()::world_size()]
+    rounds = -(-len(items[0::world_size()]) // round_size)  # rank 0's share is the largest
+    results, shown = [], time.monotonic()
+    for r in range(rounds):
+        results.append(all_gather_objects(work(mine[r * round_size:(r + 1) * round_size])))
+        if time.monotonic() - shown > PROGRESS_EVERY_S and r + 1 < rounds:
+            shown = time.monotonic()
+            print0(f"  {min(len(items), (r + 1) * round_size * world_size())}/{len(items)} {what}")
+    return results
 
 
 def encoder_identity(model_path, max_length, dtype) -> str:
@@ -64,27 +87,32 @@ def t5_length(model_path, max_length) -> int:
 
 
 def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype, device, batch=16):
-    """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache;
-    the encoders are loaded only where something is missing and freed before training.
-    Returns (computed, reused), summed over ranks."""
-    mine = sorted(set(prompts))[rank()::world_size()]
-    missing = [p for p in mine if not os.path.exists(cache_file(cache_dir, identity, p))]
-    if missing:
-        pipe = load_text_encoders(model_path, dtype, device)
+    """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache, in
+    rounds (fill_in_rounds); the encoders are loaded only where something is missing and freed
+    before training. Returns (computed, reused), summed over ranks."""
+    pipe = []  # the encoders, loaded at this rank's first missing prompt
+
+    def work(chunk):
+        missing = [p for p in chunk if not os.path.exists(cache_file(cache_dir, identity, p))]
+        if missing and not pipe:
+            pipe.append(load_text_encoders(model_path, dtype, device))
         with torch.no_grad():
             for i in range(0, len(missing), batch):
-                chunk = missing[i:i + batch]
-                embeds, pooled, _ = pipe.encode_prompt(chunk, prompt_2=None, device=device,
-                                                       max_sequence_length=max_length)
-                for p, e, v in zip(chunk, embeds.cpu(), pooled.cpu()):
+                part = missing[i:i + batch]
+                embeds, pooled, _ = pipe[0].encode_prompt(part, prompt_2=None, device=device,
+                                                          max_sequence_length=max_length)
+                for p, e, v in zip(part, embeds.cpu(), pooled.cpu()):
                     save_atomic({"prompt": p, "prompt_embeds": e.clone(), "pooled": v.clone()},
-                                 cache_file(cache_dir, identity, p))
-        del pipe
+                                cache_file(cache_dir, identity, p))
+        return len(missing), len(chunk) - len(missing)
+
+    rounds = fill_in_rounds(sorted(set(prompts)), work, TEXT_ROUND, "prompts")
+    if pipe:
+        pipe.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    counts = all_reduce(torch.tensor([len(missing), len(mine) - len(missing)], dtype=torch.float64))
-    barrier()  # every rank's cache files are written before any rank reads them
-    return int(counts[0]), int(counts[1])
+    counts = [n for shares in rounds for n in shares]
+    return sum(c for c, _ in counts), sum(r for _, r in counts)
 
 
 def save_atomic(obj, path) -> None:

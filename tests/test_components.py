@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from components.checks import check_output_dir_shared
+from components.checks import check_output_dir, check_output_dir_shared, shared_folders
 from components.config import apply_overrides
 from components.dist import (agree, all_gather_objects, all_reduce, broadcast_from_rank0, comm_device, first_error,
                              mean_across_ranks, rank)
@@ -343,17 +343,20 @@ def test_collective_helpers_on_two_ranks():
 
 
 def _shared_output_dir(rank, world, root):
-    """Each rank's own folder stands for a node-local OUTPUT_DIR: rank 1 does not see rank 0's file."""
+    """Each rank's own folder stands for a node-local OUTPUT_DIR (or TEXT_CACHE_DIR): rank 1 does not
+    see rank 0's file."""
     import socket
     ours = os.path.join(root, "shared")
     check_output_dir_shared(ours)  # one folder for all: fine
+    check_output_dir_shared(ours, "TEXT_CACHE_DIR")  # twice in one folder: each probe is the run's own
     if rank == 0:  # rank 0 removes its probe after the last barrier
-        assert not os.path.exists(os.path.join(ours, ".shared_check"))
+        assert not glob.glob(os.path.join(ours, ".shared_check*"))
     local = os.path.join(root, f"local{rank}")
     os.makedirs(local, exist_ok=True)
-    with pytest.raises(ConfigError, match=f"rank 1 on {socket.gethostname()} cannot see") as e:
-        check_output_dir_shared(local)
-    assert "\n" not in str(e.value)
+    for setting in ("OUTPUT_DIR", "TEXT_CACHE_DIR"):
+        with pytest.raises(ConfigError, match=f"^{setting}=.*rank 1 on {socket.gethostname()} cannot see") as e:
+            check_output_dir_shared(local, setting)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
@@ -361,6 +364,22 @@ def test_an_output_dir_that_some_rank_cannot_see_fails_on_every_rank(tmp_path):
     from tests.conftest import run_ranks
     os.makedirs(tmp_path / "shared")
     run_ranks(_shared_output_dir, 2, str(tmp_path))
+
+
+def test_the_text_cache_is_checked_as_shared_where_it_lies_outside_the_output_dir(tmp_path):
+    """TEXT_CACHE_DIR holds every rank's share of the text and latent caches: checked (writable, then
+    shared) like OUTPUT_DIR unless it lies inside it; unset, it is OUTPUT_DIR/text_cache."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "out" / "linked")
+    assert shared_folders({"OUTPUT_DIR": out, "TEXT_CACHE_DIR": ""}) == {"OUTPUT_DIR": out}
+    assert shared_folders({"OUTPUT_DIR": out, "TEXT_CACHE_DIR": os.path.join(out, "text_cache")}) == {"OUTPUT_DIR": out}
+    assert shared_folders({"OUTPUT_DIR": out + "/", "TEXT_CACHE_DIR": out}) == {"OUTPUT_DIR": out + "/"}
+    for cache in (str(tmp_path / "cache"), out + "_cache", os.path.join(out, "linked", "cache")):
+        assert shared_folders({"OUTPUT_DIR": out, "TEXT_CACHE_DIR": cache}) == {"OUTPUT_DIR": out,
+                                                                              "TEXT_CACHE_DIR": cache}
+    with pytest.raises(ConfigError, match="^TEXT_CACHE_DIR='/proc/x' is not writable"):
+        check_output_dir("/proc/x", "TEXT_CACHE_DIR")
 
 
 @pytest.mark.slow  # launches the scripts

@@ -328,3 +328,64 @@ def test_image_checks_are_split_over_ranks_and_agree(tmp_path):
     (tmp_path / "00005.png").write_bytes(b"broken")  # rank 1's share
     (tmp_path / "00006.png").write_bytes(b"broken")  # rank 0's share: the first bad one is reported
     run_ranks(_checks_on_two_ranks, 2, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# cache fills in rounds (data/text_cache.fill_in_rounds): a collective after every few items
+
+def test_a_fill_in_rounds_works_through_each_share_in_equal_rounds(monkeypatch):
+    """Ranks 0..2 of 3 (simulated one after the other) each work through exactly their share
+    items[rank::3], at most `round_size` items between two collectives, and all make the same number
+    of collectives, also the rank whose share is shorter (it works on empty chunks)."""
+    import data.text_cache as tc
+    items, round_size, world = list(range(11)), 2, 3  # shares of 4, 4 and 3 items: 2 rounds each
+    calls = {}
+    for r in range(world):
+        chunks = []
+
+        def work(chunk):
+            chunks.append(list(chunk))
+            return sum(chunk)
+        monkeypatch.setattr(tc, "rank", lambda r=r: r)
+        monkeypatch.setattr(tc, "world_size", lambda: world)
+        monkeypatch.setattr(tc, "all_gather_objects", lambda obj: [obj] * world)
+        rounds = tc.fill_in_rounds(items, work, round_size)
+        assert [x for c in chunks for x in c] == items[r::world] and all(len(c) <= round_size for c in chunks)
+        assert [shares[0] for shares in rounds] == [sum(c) for c in chunks]
+        calls[r] = len(rounds)
+    assert set(calls.values()) == {2}
+    assert tc.fill_in_rounds([], lambda chunk: 1 / 0, round_size) == []  # nothing to fill: no collective
+
+
+FILL_TIMEOUT_S, FILL_ITEM_S = 3.0, 0.5  # the test's collective timeout; rank 1's time per item
+
+
+def _fill_longer_than_the_timeout(rank, world):
+    """Rank 1 computes every item of its share (FILL_ITEM_S each, 4 s in all), rank 0 finds its own
+    share cached; their collectives time out after FILL_TIMEOUT_S. Rounds of 2 items keep each wait
+    of rank 0 near 1 s, so the fill ends; one collective at the end would have waited 4 s."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    import data.text_cache as tc
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=FILL_TIMEOUT_S))
+    real = dist.all_gather_object
+    dist.all_gather_object = lambda out, obj: real(out, obj, group=group)
+
+    def work(chunk):
+        if rank == 1:
+            time.sleep(FILL_ITEM_S * len(chunk))
+        return len(chunk) if rank == 1 else 0
+    try:
+        rounds = tc.fill_in_rounds(list(range(16)), work, 2)
+    finally:
+        dist.all_gather_object = real
+    assert len(rounds) == 4 and sum(shares[1] for shares in rounds) == 8 and FILL_ITEM_S * 8 > FILL_TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_a_fill_longer_than_the_collective_timeout_ends_in_rounds():
+    from tests.conftest import run_ranks
+    run_ranks(_fill_longer_than_the_timeout, 2)

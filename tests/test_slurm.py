@@ -47,7 +47,8 @@ JOB = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NO
 
 def test_two_node_job_gets_its_rendezvous_from_slurm():
     assert torchrun(**JOB) == ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=node03",
-                               "--master_port=29500", "--nproc_per_node=8", "train_dmd.py", "--max_steps=10"]
+                               "--master_port=29500", "--nproc_per_node=8", "--shutdown_timeout=270", "train_dmd.py",
+                               "--max_steps=10"]
 
 
 @pytest.mark.parametrize("nodelist,first", [("node[01-04,07]", "node01"), ("gpu-a1,gpu-a2", "gpu-a1"),
@@ -114,14 +115,14 @@ def test_example_sbatch_runs_one_launcher_per_node(tmp_path):
     r = subprocess.run(["bash", sbatch], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(next(line for line in r.stdout.splitlines() if line.startswith("+ torchrun"))[2:])
-    assert cmd[:6] == ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=node03", "--master_port=29500",
-                       "--nproc_per_node=8"] and cmd[6] == "train_dmd.py"
-    assert cmd[7] == "--dp_replicate=2"  # HSDP: one replica per node
+    assert cmd[:7] == ["torchrun", "--nnodes=2", "--node_rank=1", "--master_addr=node03", "--master_port=29500",
+                       "--nproc_per_node=8", "--shutdown_timeout=270"] and cmd[7] == "train_dmd.py"
+    assert cmd[8] == "--dp_replicate=2"  # HSDP: one replica per node
     srun_line = next(line for line in text.splitlines() if line.startswith("srun "))
     assert '--cpus-per-task="$SRUN_CPUS_PER_TASK"' in srun_line  # srun does not inherit it (Slurm >= 22.05)
     constants = set(re.findall(r"^([A-Z][A-Z0-9_]*) *(?::[^=]*)?= ", open(os.path.join(ROOT, "train_dmd.py")).read(),
                                re.M))
-    for arg in cmd[7:]:
+    for arg in cmd[8:]:
         assert arg.startswith("--") and arg[2:].split("=")[0].upper() in constants, arg
 
 
