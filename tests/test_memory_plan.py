@@ -91,6 +91,18 @@ def test_flash_sdpa_stand_in_computes_attention_and_its_gradients():
 
 
 @pytest.mark.slow  # over 5 s on 2 cores
+def test_cli_prints_no_import_noise_before_its_plan():
+    """`python tools/memory_plan.py` as the README runs it: building the meta models imports transformers,
+    which imports torchao where it is installed; what that prints (its CUDA-only kernel libraries that do
+    not load on CPU builds, torch's pytree notice on its Enum constants) is silenced as in the scripts."""
+    r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=1",
+                        "--resolution=64"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("plan: sd15-dmd ")
+    noise = ("Failed to load", "_C_mxfp8", "_C_cutlass", "_pytree", "is an Enum subclass")
+    assert not [line for line in r.stderr.splitlines() if any(n in line for n in noise)], r.stderr
+
+
 def test_cli_names_cheapest_fitting_settings():
     r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=2",
                         "--gpu_memory_gb=12", "--batch_size=2", "--resolution=256"],

@@ -100,6 +100,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
 from components.errors import ConfigError  # noqa: E402
+from components.warnings import quiet_known_warnings  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
 from parallel import models  # noqa: E402  (the one table of per-model facts)
@@ -1265,6 +1266,9 @@ def main(argv: list[str]) -> int:
                     help="FLUX Kontext: markdown tables of BASE_DTYPE x OPTIMIZER on 1/2/4 x 24 GB at 512 and "
                          "1024 px, and BF16/NF4-base LoRA under DDP and FSDP2 with their largest batch")
     a = ap.parse_args(argv)
+    # what importing transformers/diffusers prints with torchao installed (its CUDA-only kernel libraries,
+    # torch's pytree notice), as the scripts silence it: before the first model is built
+    quiet_known_warnings()
     if a.lowbit_table:
         print(lowbit_tables(a.model))
         return 0
