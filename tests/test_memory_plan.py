@@ -370,7 +370,13 @@ def test_flux_kontext_lora_rank_16_matches_a_hand_count():
     assert p["largest_unit"] == full["largest_unit"] + double * 2
     text = memory_plan.format_plan("flux-kontext-dev", p)
     assert "transformer.lora" in text and "54,165,504 LoRA params = 0.45%" in text
-    assert "somewhat less than full fine-tuning" in text
+    # one LoRA model: in flight at the activations' peak, the turn to backward: the root, the last single
+    # block and the one prefetched before it, with their adapters, in bf16; and one double block's adapter
+    # grads for the reduce-scatter (fp32)
+    units = dict(p["units"]["transformer"])
+    at_turn = units["<root>"] + units["single_transformer_blocks.37"] + units["single_transformer_blocks.36"]
+    assert p["at_peak"] and p["gathered"] == 2 * at_turn + 4 * double
+    assert "all-gathered units in flight at the activations peak" in text
 
 
 def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags(capsys):
@@ -425,9 +431,15 @@ def flux_cp():
 
 def test_context_parallel_halves_the_activations_and_keeps_the_states(flux_cp):
     one, two = flux_cp[1], flux_cp[2]
-    assert "cp" not in one and two["cp"] == dict(degree=2, heads=24, text=512, image=32,
-                                                   one_forward=one["activations"])
-    assert two["activations"] == -(-one["activations"] // 2)          # one forward's, split 2 ways
+    cp = two["cp"]
+    assert "cp" not in one and {k: cp[k] for k in ("degree", "heads", "text", "image", "one_forward")} == dict(
+        degree=2, heads=24, text=512, image=32, one_forward=one["activations"])
+    # Ulysses' buffers of one attention call: q, k, v and out sent and received, 544 tokens / 2 x 3072 wide in
+    # bf16; and the fp32 output (32 image tokens x 64 channels) all-gathered: the other rank's half
+    assert cp["buffers"] == 8 * 544 // 2 * 3072 * 2 + 32 * 64 * 4 // 2
+    # no sequence dimension (embeddings, modulation): held whole (the linear fit, as in the test below)
+    assert 0 < cp["whole"] < 16 * 2**20
+    assert two["activations"] == cp["whole"] + -(-(one["activations"] - cp["whole"]) // 2) + cp["buffers"]
     # sharded on train_flux_kontext.py's dp x cp mesh: FSDP spans every rank, so the same shards
     assert two["rows"] == one["rows"] and two["units"] == one["units"]
     assert (two["gathered"], two["runtime"], two["host_total"]) == (one["gathered"], one["runtime"], one["host_total"])
@@ -437,7 +449,9 @@ def test_context_parallel_halves_the_activations_and_keeps_the_states(flux_cp):
     assert ("context parallel 2: each rank holds 1/2 of the sequence (512 text + 32 image tokens (target + context) "
             "= 544, 272 per rank); Ulysses attention over all 544 tokens for 12 of 24 heads per rank") in text
     assert "global batch 1 x 2 / 2 = 1 per step" in text
-    assert f"divided by CP 2): {two['activations'] / 2**30:.2f} GiB ({one['activations'] / 2**30:.2f} GiB" in text
+    assert (f"per rank its 1/2, {cp['whole'] / 2**20:.1f} MiB without a sequence dimension held whole, "
+            f"{cp['buffers'] / 2**20:.1f} MiB of all-to-all and output buffers): {two['activations'] / 2**30:.2f} GiB "
+            f"({one['activations'] / 2**30:.2f} GiB") in text
 
 
 def test_cp_1_report_is_unchanged(flux_cp):
