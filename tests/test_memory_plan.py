@@ -62,6 +62,77 @@ def test_activation_probe_matches_a_hand_count():
     assert got == (10 * 64 + 10 * 128) * 4
 
 
+def test_lora_activations_are_what_autograd_keeps_on_a_frozen_base():
+    # a frozen Linear saves nothing for its weight grad: with x requiring no grad, y = x @ W saves nothing; a
+    # LoRA'd one (peft) saves x for lora_A's grad and the rank-r intermediate x @ A for lora_B's
+    frozen = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False)).requires_grad_(False)
+    x = torch.randn(10, 64)
+    assert memory_plan.activation_bytes(frozen, {"input": x}, [], False) == 0
+    adapted = lora.add_lora(_Wrap(frozen), lora.Lora(4, targets=("0",)))
+    assert memory_plan.activation_bytes(adapted, {"input": x}, [], False) == (10 * 64 + 10 * 4) * 4
+
+
+class _Wrap(torch.nn.Module):
+    """A plain module with diffusers' add_adapter, which parallel.lora.add_lora calls."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input):
+        return self.inner(input)
+
+    def add_adapter(self, config):
+        from peft import inject_adapter_in_model
+        inject_adapter_in_model(config, self)
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: a 0.5 B model materialised on CPU
+def test_lora_activations_on_meta_match_a_real_width_flux_run_on_cpu():
+    """The planner's LoRA count (meta) against what autograd saves in a real forward of FLUX at real width
+    (1 double + 1 single block, 3072 wide, rank 16 on the default targets, 32 image + 8 text tokens), on
+    CPU in bf16, saved tensors counted once per storage. Meta counts more by two known amounts: the
+    norms' statistics in fp32 (as CUDA keeps them; CPU keeps bf16), and one (tokens x 3072) copy of the
+    double block's attention output, a reshape that meta copies where the kernels' layout makes a view."""
+    from diffusers import FluxTransformer2DModel
+    folder = memory_plan.model_folder("flux-kontext-dev")
+    cfg = FluxTransformer2DModel.load_config(f"{folder}/transformer")
+    cfg.update(num_layers=1, num_single_layers=1)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(cfg).to(torch.bfloat16)
+        lora.add_lora(model, lora.Lora(16))
+    model.to(torch.bfloat16)
+    with torch.device("meta"):
+        x = memory_plan._meta_inputs("flux_kontext", model, 1, 64, torch.bfloat16, 8, 8)
+    x["hidden_states"].requires_grad_(False)  # as the planner measures LoRA: the latents need no grad
+    meta = memory_plan.activation_bytes(model, x, [], False)
+    stats = [0]
+
+    def count_stats(t):  # the (..., 1) norm statistics meta saves
+        if t.shape[-1] == 1 and t.dim() > 1:
+            stats[0] += t.numel() * t.element_size()
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
+        model(**x)
+    model = model.to_empty(device="cpu")
+    real_x = {k: torch.zeros(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in x.items()}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, rank_r = {}, [0]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in saved:
+            saved[ptr] = t.untyped_storage().nbytes()
+            rank_r[0] += t.shape[-1] == 16
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**real_x)
+    real = sum(saved.values())
+    assert rank_r[0] == 6 + 6 + 4  # every adapted Linear's rank-r intermediate: 6 per stream + 4 single
+    assert 0 <= meta - real <= stats[0] + 40 * 3072 * 2
+    assert meta - real >= 40 * 3072 * 2 - stats[0]
+
+
 def test_attention_is_counted_as_flash_sdpa_saves_it():
     # one attention call on meta, as the planner measures: the stand-in saves q, k, v, out (bf16) and an
     # fp32 logsumexp (B, heads, L); the math reference (what meta runs) saves L x L matrices instead
