@@ -1197,7 +1197,8 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
                       f"= batch x GPUs / c) that fits, with the cheapest settings it needs and its per-GPU total "
                       f"in GiB; then any larger CP that needs less. CP tried: {', '.join(map(str, cps))} (those the "
                       f"GPU count, the attention heads and the token counts divide). Activations per rank: one "
-                      f"forward's (measured on meta) / c; {ATTENTION_NOTE}.", "",
+                      f"forward's (measured on meta) / c, plus what has no sequence dimension and the all-to-all "
+                      f"buffers; {ATTENTION_NOTE}.", "",
                       "| resolution | GPU memory | activations at CP 1 (AC) | "
                       + " | ".join(f"{w} GPUs" for w in wss) + " |",
                       "|---:|---:|---:|" + "---|" * len(wss)]
