@@ -546,6 +546,85 @@ def test_activations_are_almost_all_along_the_sequence():
     assert 0 <= whole < 16 * 2**20 and whole < 0.002 * large   # under 16 MiB of 22 GiB at 512 px
 
 
+CP_TEXT, CP_RES = 32, 128  # 32 text + 2 x (128 / 16)^2 = 128 image tokens: 160, 80 per rank at CP 2
+
+
+def _real_width_flux_1_1():
+    """FLUX.1 Kontext's transformer at real width with 1 double + 1 single block, bf16, on meta, and its
+    forward inputs at CP_TEXT / CP_RES (meta)."""
+    from diffusers import FluxTransformer2DModel
+    cfg = FluxTransformer2DModel.load_config(f"{memory_plan.model_folder('flux-kontext-dev')}/transformer")
+    cfg.update(num_layers=1, num_single_layers=1)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(cfg).to(torch.bfloat16)
+        x = memory_plan._meta_inputs("flux_kontext", model, 1, CP_RES, torch.bfloat16, 8, CP_TEXT)
+    return model, x
+
+
+def _cp_saved_bytes(rank, world, out):
+    """One rank of CP 2 as train_flux_kontext.py runs it (diffusers' Ulysses, enable_context_parallel):
+    the bytes autograd saves in a forward of _real_width_flux_1_1 on CPU, once per storage."""
+    import json
+
+    import fsdp_utils
+    from parallel.context_parallel import enable_context_parallel
+    model, xm = _real_width_flux_1_1()
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    x = {k: torch.randn(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in xm.items()}
+    x["hidden_states"].requires_grad_(True)
+    enable_context_parallel(model, fsdp_utils.build_meshes(torch.device("cpu"), 1, world)[1])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(**x)[0]
+    y.float().square().mean().backward()  # the CP graph runs through (its recomputation is not a forward save)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(sum(saved.values()), f)
+
+
+@pytest.mark.slow  # launches 2 ranks, each with a 0.5 B model materialised on CPU
+def test_cp_share_on_meta_matches_a_real_width_cp2_run_on_cpu(tmp_path):
+    """The planner's per-rank share of the activations under CP 2 (held whole: the constant of the linear
+    fit; the rest halved) against what autograd saves on a rank of a real CP 2 forward at FLUX width, on
+    2 CPU ranks. The planner never counts less; it counts more by known terms: diffusers' Ulysses op
+    saves q, k, v and recomputes the attention output in backward (no output, no logsumexp), meta copies
+    the double block's attention output where the kernels' layout gives a view, and meta keeps the
+    norms' statistics in fp32 (CUDA's dtype; CPU's is bf16)."""
+    import json
+
+    from tests.conftest import run_ranks
+    model, x = _real_width_flux_1_1()
+    one = memory_plan.activation_bytes(model, x, [], False)
+    with torch.device("meta"):
+        quarter = memory_plan._meta_inputs("flux_kontext", model, 1, CP_RES // 2, torch.bfloat16, 8, CP_TEXT // 4)
+    whole = (4 * memory_plan.activation_bytes(model, quarter, [], False) - one) // 3  # 40 tokens: L / 4
+    planned = whole + (one - whole) // 2
+    stats = [0]
+
+    def count_stats(t):
+        if t.dim() > 1 and t.shape[-1] == 1:
+            stats[0] += t.numel() * t.element_size()
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
+        model(**x)
+    tokens, width, heads = 160, 3072, 24
+    out_and_lse = 2 * (tokens * width * 2 + heads * tokens * 4) // 2  # 2 attention calls, half per rank
+    copy = tokens * width * 2 // 2
+    run_ranks(_cp_saved_bytes, 2, str(tmp_path / "saved.json"))
+    real = json.loads((tmp_path / "saved.json").read_text())
+    assert planned - out_and_lse - copy - stats[0] <= real <= planned
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
