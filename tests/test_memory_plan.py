@@ -162,6 +162,7 @@ def test_flash_sdpa_stand_in_computes_attention_and_its_gradients():
 
 
 @pytest.mark.slow  # over 5 s on 2 cores
+@pytest.mark.slow  # over 5 s on 2 cores: a fresh interpreter builds the meta models
 def test_cli_prints_no_import_noise_before_its_plan():
     """`python tools/memory_plan.py` as the README runs it: building the meta models imports transformers,
     which imports torchao where it is installed; what that prints (its CUDA-only kernel libraries that do
