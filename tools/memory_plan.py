@@ -57,24 +57,28 @@ units fsdp_units reads include them. The script's model (FLUX's transformer, DMD
 compute dtype (sharded; no grads, no optimizer state), and its adapters (`<name>.lora`: fp32 params,
 fp32 grads, 2 fp32 AdamW states, sharded). Units are all-gathered in the compute dtype, adapters
 included; only the adapter grads are reduce-scattered (fp32). Activations are measured on the LoRA
-model (inputs without grad, as the latents are): the frozen base's activations are still saved for
-backward through the adapters, so they are about as large as full fine-tuning's. With CPU offload
-the base shards live on the host too (FSDP offloads every parameter of a unit). bf16 states change
-nothing under LoRA (the base is already in the compute dtype, add_lora keeps adapters in fp32), so
-the fit search skips them.
+model, inputs without grad (as the latents are), so the hooks see what autograd keeps under LoRA:
+each adapted Linear's input (lora_A's grad) and rank-r intermediate (lora_B's), no input of a frozen
+Linear for a weight grad, and elsewhere what the input grads need (norms, attention, nonlinearities);
+tests/test_memory_plan.py checks this count against a real-width FLUX block run on CPU. One LoRA model
+(train_flux_kontext.py's) has almost no grads, so its step peaks where its activations do, at the turn
+from forward to backward: the units in flight are those gathered then (in_flight_at_peak: the root,
+the last unit, the one prefetched), not the two largest. With CPU offload the base shards live on
+the host too (FSDP offloads every parameter of a unit). bf16 states change nothing under LoRA (the
+base is already in the compute dtype, add_lora keeps adapters in fp32), so the fit search skips them.
 
 Context parallelism (--context_parallel=C, train_flux_kontext.py's CONTEXT_PARALLEL; FLUX layout only):
 the C ranks of a CP group take the same samples and each holds 1/C of the joint sequence (text +
 target + context image tokens), with Ulysses attention (each rank attends over the full sequence for
 H/C heads). The components are sharded on the script's mesh (fsdp_utils.build_meshes: FSDP over all
-dp x cp ranks), so the state rows and the gathered units are as without CP. The activations are
-ASSUMED to split C ways: the planner measures one forward over the full sequence, as without CP,
-and divides it by C. Token-wise tensors are split exactly, and attention's flash saves (q, k, v, out
-over all tokens for H/C heads, logsumexp) are 1/C too; what has no sequence dimension (timestep,
-guidance and pooled embeddings, each block's modulation vectors: 3.2 MiB at batch 1, against 8.8
-MiB per token, measured by tests/test_memory_plan.py's linear fit) is in fact held whole on every
-rank, and the all-gathered final output (for the loss: 1 MiB at 1024 px) is not counted; nor are
-the all-to-all buffers (transient, as every temporary). The global batch is batch x world / C.
+dp x cp ranks), so the state rows and the gathered units are as without CP. A rank's activations
+(_cp_activations): one forward over the full sequence is measured, as without CP; token-wise tensors
+and attention's flash saves (q, k, v, out over all tokens for H/C heads, logsumexp) are 1/C of it on
+each rank, and what has no sequence dimension (timestep, guidance and pooled embeddings, each block's
+modulation vectors: 3.2 MiB at batch 1, against 8.8 MiB per token) is whole on every rank: that part
+is the constant of A(L) = a + b L, from a second meta forward at a quarter of the tokens. Added: the
+all-to-all buffers of one attention call (q, k, v and the output, sent and received) and the final
+output all-gathered for the loss. The global batch is batch x world / C.
 Checked before any work, one line each: C >= 1, C x dp_replicate divides the world, C divides the
 transformer's attention heads, the text tokens and the image tokens (target + context).
 --cp_table: for resolutions x GPU memory, per world size, the smallest CP that fits and the
@@ -100,6 +104,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
 from components.errors import ConfigError  # noqa: E402
+from components.warnings import quiet_known_warnings  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
 from parallel import models  # noqa: E402  (the one table of per-model facts)
@@ -487,16 +492,42 @@ def flash_attention_saves():
         F.scaled_dot_product_attention = previous
 
 
-def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], checkpointing: bool,
-                     flash_attention: bool = True) -> int:
-    """Bytes autograd saves for backward in one forward (parameters excluded, views counted once).
-    `unit_names`: the submodules (by name) that are FSDP units; the outermost of them are the blocks
-    activation checkpointing recomputes. With checkpointing: what is saved outside blocks + every
-    block's inputs + the largest block's own saved bytes (recomputed one block at a time in backward).
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one forward saves for backward, by where it is saved: `outside` every unit (embedders,
+    final norm and projection), and per outermost unit in forward order `blocks`: (its name, bytes
+    saved inside it, bytes of its tensor inputs: what activation checkpointing keeps of it)."""
+    outside: int
+    blocks: tuple[tuple[str, int, int], ...]
+
+    def total(self, checkpointing: bool) -> int:
+        """The activations at their peak, the turn from forward to backward. With checkpointing:
+        outside + every block's inputs + the largest block's saves (recomputed one block at a time)."""
+        if checkpointing:
+            return self.outside + sum(i for _, _, i in self.blocks) + max((a for _, a, _ in self.blocks), default=0)
+        return self.outside + sum(a for _, a, _ in self.blocks)
+
+    def timeline(self, checkpointing: bool) -> list[tuple[str, int]]:
+        """(unit, activations held while it runs, forward or backward) in forward order: all saved
+        outside, what the units before it keep (checkpointing: their inputs) and its own saves."""
+        out, kept = [], self.outside
+        for name, saved, inputs in self.blocks:
+            out.append((name, kept + saved + (inputs if checkpointing else 0)))
+            kept += inputs if checkpointing else saved
+        return out
+
+
+def activation_profile(model: nn.Module, inputs: dict, unit_names: list[str],
+                       flash_attention: bool = True) -> ActivationProfile:
+    """What autograd saves for backward in one forward (saved-tensor hooks; parameters excluded,
+    views counted once), by unit (ActivationProfile). `unit_names`: the submodules (by name) that are
+    FSDP units; the outermost of them are the blocks activation checkpointing recomputes.
     `flash_attention`: attention saves what the GPU's flash / memory-efficient SDPA saves
-    (flash_attention_saves); False: what the math reference saves (two fp32 L x L per call)."""
+    (flash_attention_saves); False: what the math reference saves (two fp32 L x L per call). The
+    hooks see what autograd really keeps: ops save an input only where a grad needs it, so under
+    LoRA (frozen base, inputs without grad) the count is of what LoRA keeps."""
     params = {id(p) for p in model.parameters()}
-    seen, per_block, outside, inputs_b = set(), {}, [0], [0]
+    seen, per_block, outside, block_inputs = set(), {}, [0], {}
     current: list = [None]
 
     def pack(t):
@@ -514,20 +545,24 @@ def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], chec
 
     keep: list = []
     hooks = []
-    blocks = [model.get_submodule(n) for n in unit_names]
-    outer = [b for b in blocks if not any(b is not o and b in set(o.modules()) for o in blocks)]
+    blocks = {n: model.get_submodule(n) for n in unit_names}
+    outer = {n: b for n, b in blocks.items()
+             if not any(b is not o and b in set(o.modules()) for o in blocks.values())}
 
-    def enter(mod, args, kwargs):
-        if current[0] is None:
-            current[0] = id(mod)
-            inputs_b[0] += sum(a.numel() * a.element_size() for a in list(args) + list(kwargs.values())
-                               if torch.is_tensor(a))
+    def hooks_for(name):
+        def enter(mod, args, kwargs):
+            if current[0] is None:
+                current[0] = name
+                block_inputs[name] = sum(a.numel() * a.element_size() for a in list(args) + list(kwargs.values())
+                                         if torch.is_tensor(a))
 
-    def leave(mod, args, kwargs, out):
-        if current[0] == id(mod):
-            current[0] = None
+        def leave(mod, args, kwargs, out):
+            if current[0] == name:
+                current[0] = None
+        return enter, leave
 
-    for b in outer:
+    for name, b in outer.items():
+        enter, leave = hooks_for(name)
         hooks.append(b.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(b.register_forward_hook(leave, with_kwargs=True))
     try:
@@ -537,10 +572,15 @@ def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], chec
     finally:
         for h in hooks:
             h.remove()
-    total_blocks = sum(per_block.values())
-    if checkpointing:
-        return outside[0] + inputs_b[0] + max(per_block.values(), default=0)
-    return outside[0] + total_blocks
+    # block_inputs is filled in forward order (dicts keep insertion order)
+    return ActivationProfile(outside[0], tuple((n, per_block.get(n, 0), i) for n, i in block_inputs.items()))
+
+
+def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], checkpointing: bool,
+                     flash_attention: bool = True) -> int:
+    """Bytes autograd saves for backward in one forward (activation_profile), with checkpointing:
+    what is saved outside blocks + every block's inputs + the largest block's own saved bytes."""
+    return activation_profile(model, inputs, unit_names, flash_attention).total(checkpointing)
 
 
 def _folder_shapes(folder: str, kind: str) -> tuple[int, int]:
@@ -631,6 +671,30 @@ def check_context_parallel(folder: str, s: Settings) -> dict:
     return dict(heads=heads, text=text, image=image)
 
 
+def _cp_activations(folder: str, trainable: Part, kind: str, unit_names: tuple, dtype: torch.dtype, s: Settings,
+                    sequence: dict, one_forward: int, activations) -> dict:
+    """A CP rank's activations: {"per_rank", "whole", "buffers"}. Ulysses keeps on each rank the
+    token-wise tensors of its 1/C of the sequence, and attention's flash saves over all tokens for
+    H/C heads (1/C too); what has no sequence dimension (timestep, guidance and pooled embeddings,
+    the modulation vectors) is whole on every rank. With flash saves every saved tensor is linear in
+    the tokens, A(L) = a + b L: a second meta forward at a quarter of the text and image tokens gives
+    a. Added: the all-to-all buffers of one attention call (q, k, v and the output, each sent and
+    received: 8 x L/C x inner width) and the final output all-gathered for the loss (fp32)."""
+    ac, c, text, image = s.activation_checkpointing, s.context_parallel, sequence["text"], sequence["image"]
+    factor = _folder_shapes(folder, kind)[0]
+    small_res, small_text = s.resolution // 2, max(1, text // 4)
+    n1, n2 = text + image, small_text + _image_tokens(small_res, factor)
+    small = activations(folder, trainable.spec.subfolder, kind, unit_names, dtype, s.batch_size, small_res,
+                        trainable.lora, small_text).total(ac)
+    whole = min(one_forward, max(0, (n1 * small - n2 * one_forward) // (n1 - n2)))
+    cfg = _config(folder, trainable.spec.subfolder)
+    inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    out_channels = cfg.get("out_channels") or cfg["in_channels"]
+    buffers = (8 * s.batch_size * n1 * inner // c * _size(dtype)
+               + s.batch_size * image * out_channels * (c - 1) // c * _size(torch.float32))
+    return dict(per_rank=whole + -(-(one_forward - whole) // c) + buffers, whole=whole, buffers=buffers)
+
+
 def _image_tokens(resolution: int, factor: int) -> int:
     """FLUX Kontext's image tokens at a square resolution: target + context, 2x2-packed latents."""
     return 2 * (resolution // (2 * factor)) ** 2
@@ -645,24 +709,25 @@ def _size(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtype: torch.dtype, batch: int,
-                 resolution: int, checkpointing: bool, lora: lora_lib.Lora = lora_lib.Lora()) -> int:
-    """Activation bytes of one forward of the trainable model (folder/subfolder), its blocks being
-    the units of `unit_names`: those its recipe made. With `lora`: of the model with its adapters
-    (computed in `dtype`, as FSDP all-gathers them) on a frozen base, its inputs not requiring grad
-    (the latents do not): what backward through the adapters needs, which still includes most of the
-    base's activations (the adapted layers' inputs, norms, attention, nonlinearities)."""
+                 resolution: int, lora: lora_lib.Lora = lora_lib.Lora(), text: int = 0) -> ActivationProfile:
+    """What one forward of the trainable model (folder/subfolder) saves, by unit (activation_profile),
+    its blocks being the units of `unit_names`: those its recipe made. With `lora`: of the model with
+    its adapters (computed in `dtype`, as FSDP all-gathers them) on a frozen base, its inputs not
+    requiring grad (the latents do not), so autograd saves what LoRA keeps: each adapted Linear's
+    input (lora_A's grad) and its rank-r intermediate (lora_B's), and of the frozen layers only what
+    the input grads need. `text`: the text tokens (0: the folder's)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     if lora:
         _add_lora_on_meta(model, lora)
         model.to(dtype)
-    factor, text = _folder_shapes(folder, kind)
+    factor, folder_text = _folder_shapes(folder, kind)
     pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
-    inputs = _meta_inputs(kind, model, batch, resolution, dtype, factor, text, pooled)
+    inputs = _meta_inputs(kind, model, batch, resolution, dtype, factor, text or folder_text, pooled)
     if lora:
         for x in inputs.values():
             if torch.is_tensor(x):
                 x.requires_grad_(False)
-    return activation_bytes(model, inputs, list(unit_names), checkpointing)
+    return activation_profile(model, inputs, list(unit_names))
 
 
 # the built-in real-size configs never change within a process: their shard counts and measured
@@ -671,7 +736,7 @@ _BUILTIN_SHARDS: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_activations(*args) -> int:
+def _builtin_activations(*args) -> ActivationProfile:
     return _activations(*args)
 
 
@@ -683,12 +748,13 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     LoRA (s.lora_rank > 0): see the module's docstring; the LoRA components' rows are their frozen
     base (name) and their adapters (name + ".lora"), and the plan says what is trainable (`lora`).
     Context parallelism (s.context_parallel = C > 1, FLUX only; checked first, check_context_parallel):
-    sharded on the script's dp x cp mesh; the activations are one forward's over the full sequence
-    divided by C (an assumption, see the module's docstring), and the plan has `cp`: the degree, the
-    sequence it splits and that one forward's activations. DMD2 on FLUX Kontext (s.script train_dmd.py on
-    a FLUX folder, or the name flux-kontext-dmd): the three transformers of pipeline_components, the
-    teacher in NF4 with BASE_DTYPE=nf4 under LoRA (NF4_TEACHER_KINDS). s.ema: an "ema" row, a copy of
-    the trained model's shards in its storage dtype (LoRA: of its adapters, fp32), wherever they live."""
+    sharded on the script's dp x cp mesh; the activations are a rank's share of one forward's over the
+    full sequence (_cp_activations), and the plan has `cp`: the degree, the sequence it splits, that
+    one forward's activations, the part held whole and the buffers. DMD2 on FLUX Kontext (s.script
+    train_dmd.py on a FLUX folder, or the name flux-kontext-dmd): the three transformers of
+    pipeline_components, the teacher in NF4 with BASE_DTYPE=nf4 under LoRA (NF4_TEACHER_KINDS).
+    s.ema: an "ema" row, a copy of the trained model's shards in its storage dtype (LoRA: of its
+    adapters, fp32), wherever they live."""
     s = with_script(name, s)
     precision = get_precision(s.precision)
     folder = model_folder(name)
@@ -719,26 +785,32 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         shard_cache[key] = sharded
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
-    acts = activations(folder, trainable.spec.subfolder, forward, unit_names, precision.compute_dtype,
-                        s.batch_size, s.resolution, s.activation_checkpointing, trainable.lora)
+    ac = s.activation_checkpointing
+    profile = activations(folder, trainable.spec.subfolder, forward, unit_names, precision.compute_dtype,
+                          s.batch_size, s.resolution, trainable.lora)
+    acts = profile.total(ac)
     for c in comps:  # LoRA: a trained model without adapters (DMD's full fake score) may save more
         if s.lora and c.holding.trained and c is not trainable:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, forward, names, precision.compute_dtype,
-                                          s.batch_size, s.resolution, s.activation_checkpointing, c.lora))
+                                         s.batch_size, s.resolution, c.lora).total(ac))
     # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
     fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, forward, names, torch.float32, s.batch_size,
-                                          s.resolution, s.activation_checkpointing, c.lora))
-    one_forward, acts = acts, -(-acts // s.context_parallel)  # CP: each rank holds 1/C of the sequence
+                                         s.resolution, c.lora).total(ac))
+    one_forward = acts
+    if s.context_parallel > 1:  # FLUX Kontext only (check_context_parallel): one trained model
+        cp = _cp_activations(folder, trainable, forward, unit_names, precision.compute_dtype, s, sequence, one_forward,
+                             activations)
+        acts = cp["per_rank"]
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
 
     def compute_size(c: Part) -> int:
         return _size(torch.float32) if c.name in fp32_compute else c_size
-    rows, gathered_units, result_load = {}, [], []
+    rows, gathered_units, result_load, lora_units = {}, [], [], {}
     nf4_teacher = kind in NF4_TEACHER_KINDS and s.base_dtype == "nf4" and s.lora_rank > 0
     for c in comps:
         info, h = sharded[c.name], c.holding
@@ -756,10 +828,11 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                 base_bytes, load_peak, units = _nf4_base(info, base_local, _size(c.dtype), compute_size(c),
                                                          s.world_size)
                 result_load.append(load_peak)
-                gathered_units += units
             else:
                 base_bytes = base_local * _size(c.dtype)
-                gathered_units += [u * compute_size(c) for _, u in info["units"]]  # base and adapters, in compute dtype
+                units = [u * compute_size(c) for _, u in info["units"]]  # base and adapters, in compute dtype
+            gathered_units += units
+            lora_units[c.name] = {name: b for (name, _), b in zip(info["units"], units)}
             rows[c.name] = dict(params=base_bytes, grads=0, optim=0,
                                 note=f"frozen LoRA base ({'nf4' if s.base_dtype == 'nf4' else dtype_name(c.dtype)})",
                                 count=info["global"] - info["trainable_global"], local_count=base_local, sharded=True)
@@ -784,8 +857,17 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     biggest = sorted(gathered_units, reverse=True)
     free = reshard_free(comps, sharded, s, compute_size)
     copies = sum(u * compute_size(c) for c in comps if c.name in free for _, u in sharded[c.name]["units"])
-    # the trained models kept gathered from forward to backward; any others still hold two units at a time
-    gathered = copies if free and free == {c.name for c in comps if c.holding.trained} else copies + sum(biggest[:2])
+    trained_parts = [c for c in comps if c.holding.trained]
+    frozen_sharded = [c for c in comps if c.holding.resident and c.holding.sharded and not c.holding.trained]
+    at_peak = None
+    if trainable.lora and trained_parts == [trainable] and not frozen_sharded and not free:
+        at_peak = in_flight_at_peak(profile, lora_units[trainable.name], ac)
+    if free and free == {c.name for c in trained_parts}:  # kept gathered from forward to backward
+        gathered = copies
+    elif at_peak is not None:  # one LoRA model: its few grads put the step's peak where the activations peak
+        gathered = at_peak
+    else:  # any others hold two units at a time, counted beside all the activations and grads
+        gathered = copies + sum(biggest[:2])
     if s.lora:  # reduce-scatter input of the largest unit's grads: LoRA units' adapters only, in fp32
         gathered += max(max(sharded[c.name]["trainable_units"]) * _size(ADAPTER_DTYPE) if c.lora else
                         max(u for _, u in sharded[c.name]["units"]) * r_size for c in comps if c.holding.trained)
@@ -800,11 +882,13 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     host = states if s.cpu_offload else 0
     gpu = (0 if s.cpu_offload else states) + frozen + gathered + acts + RUNTIME_BYTES
     result = dict(kind=kind, script=script, rows=rows, gathered=gathered, reshard_free=sorted(free),
+                  at_peak=at_peak is not None,
                   largest_unit=biggest[0] if biggest else 0,
                   activations=acts, runtime=RUNTIME_BYTES, gpu_total=gpu, host_total=host, settings=s,
                   units={c.name: sharded[c.name]["units"] for c in comps if c.holding.sharded})
     if s.context_parallel > 1:
-        result["cp"] = dict(sequence, degree=s.context_parallel, one_forward=one_forward)
+        result["cp"] = dict(sequence, degree=s.context_parallel, one_forward=one_forward, whole=cp["whole"],
+                            buffers=cp["buffers"])
     if result_load:  # BASE_DTYPE=nf4: the host peak while loading (meta path), per rank
         result["load_peak"] = max(result_load)
     if s.lora:  # what trains: {component: (adapter params, all its params incl. adapters)}, and the targets
@@ -813,6 +897,22 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         result["lora_targets"] = tuple(s.lora_targets) or getattr(
             models.MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
     return result
+
+
+def in_flight_at_peak(profile: ActivationProfile, unit_bytes: dict, checkpointing: bool) -> int | None:
+    """The all-gathered bytes in flight when one model's activations and units together peak, for
+    {unit name: gathered bytes} (root "<root>"): at each unit, in forward or backward, the root (FSDP2
+    keeps it gathered), that unit and the neighbour prefetched (the next in forward, the previous in
+    backward), beside the activations held then (ActivationProfile.timeline); at least the root and
+    the last unit, kept gathered from forward to backward. None where the profile's units are not
+    the sharded ones (then the caller's bound applies)."""
+    timeline = profile.timeline(checkpointing)
+    if not timeline or any(n not in unit_bytes for n, _ in timeline):
+        return None
+    root, g = unit_bytes.get("<root>", 0), [unit_bytes[n] for n, _ in timeline]
+    peak = max(t + root + g[i] + max(g[i - 1] if i else 0, g[i + 1] if i + 1 < len(g) else 0)
+               for i, (_, t) in enumerate(timeline))
+    return max(peak - profile.total(checkpointing), root + g[-1])
 
 
 def reshard_free(comps: list[Part], sharded: dict, s: Settings, compute_size) -> set[str]:
@@ -915,15 +1015,18 @@ def format_plan(name: str, p: dict) -> str:
     where = "host (CPU offload)" if s.cpu_offload else "GPU"
     acts = f"activations (measured on meta): {p['activations'] / GIB:.2f} GiB"
     if "cp" in p:
-        acts = (f"activations (measured on meta over the full sequence, divided by CP {s.context_parallel}): "
-                f"{p['activations'] / GIB:.2f} GiB ({p['cp']['one_forward'] / GIB:.2f} GiB for one forward "
-                f"without CP)")
+        cp = p["cp"]
+        acts = (f"activations (measured on meta over the full sequence; per rank its 1/{s.context_parallel}, "
+                f"{cp['whole'] / 2**20:.1f} MiB without a sequence dimension held whole, {cp['buffers'] / 2**20:.1f} "
+                f"MiB of all-to-all and output buffers): {p['activations'] / GIB:.2f} GiB "
+                f"({cp['one_forward'] / GIB:.2f} GiB for one forward without CP)")
     if s.lora:
         lines += _lora_lines(p)
-        acts += (" (LoRA: backward through the adapters still needs most of the frozen base's activations; "
-                 "frozen Linears save no inputs of their own, so somewhat less than full fine-tuning)")
+        acts += (" (LoRA: as autograd keeps them on a frozen base: adapted Linears' inputs and rank-r "
+                 "intermediates, what the input grads need elsewhere; no frozen weight's grad inputs)")
     lines += [f"model states on: {where}" + (f", {p['host_total'] / GIB:.2f} GiB per rank" if s.cpu_offload else ""),
-              f"all-gathered units in flight: {p['gathered'] / GIB:.2f} GiB "
+              f"all-gathered units in flight{' at the activations peak' if p.get('at_peak') else ''}: "
+              f"{p['gathered'] / GIB:.2f} GiB "
               f"(largest unit {p['largest_unit'] / GIB:.2f} GiB)",
               acts,
               ATTENTION_NOTE,
@@ -1033,8 +1136,8 @@ def _cp_caption(p: dict) -> str:
     if "cp" not in p:
         return ""
     c = p["cp"]["degree"]
-    return (f", context parallel {c} (each rank holds 1/{c} of the sequence: activations are one forward's / {c}; "
-            f"global batch = batch x GPUs / {c})")
+    return (f", context parallel {c} (each rank holds 1/{c} of the sequence: activations are one forward's / {c}, "
+            f"plus what has no sequence dimension and the all-to-all buffers; global batch = batch x GPUs / {c})")
 
 
 def cp_frontier(name: str, base: Settings, gpu_bytes: int, context_parallels,
@@ -1094,7 +1197,8 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
                       f"= batch x GPUs / c) that fits, with the cheapest settings it needs and its per-GPU total "
                       f"in GiB; then any larger CP that needs less. CP tried: {', '.join(map(str, cps))} (those the "
                       f"GPU count, the attention heads and the token counts divide). Activations per rank: one "
-                      f"forward's (measured on meta) / c; {ATTENTION_NOTE}.", "",
+                      f"forward's (measured on meta) / c, plus what has no sequence dimension and the all-to-all "
+                      f"buffers; {ATTENTION_NOTE}.", "",
                       "| resolution | GPU memory | activations at CP 1 (AC) | "
                       + " | ".join(f"{w} GPUs" for w in wss) + " |",
                       "|---:|---:|---:|" + "---|" * len(wss)]
@@ -1130,8 +1234,9 @@ def _lora_caption(p: dict) -> str:
     return (f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}), trainable adapter params: {each}"
             + (f" ({', '.join(full)} fully trained)" if full else "")
             + f"; frozen base in {dtype_name(get_precision(s.precision).compute_dtype)} without grads or optimizer "
-            f"state, adapters fp32 with fp32 grads and AdamW states; activations measured on the LoRA model "
-            f"(somewhat less than full fine-tuning: backward through the adapters still needs most of the base's)")
+            f"state, adapters fp32 with fp32 grads and AdamW states; activations measured on the LoRA model, as "
+            f"autograd keeps them on a frozen base" + ("; units in flight at the activations peak" if p.get("at_peak")
+                                                        else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1234,7 +1339,7 @@ def main(argv: list[str]) -> int:
                     help="with --fit_table (default 24,40,80) or --cp_table (default 24,80)")
     ap.add_argument("--context_parallel", type=int, default=1,
                     help="FLUX Kontext: ranks that split each sample's sequence, as train_flux_kontext.py's "
-                         "CONTEXT_PARALLEL (1 = off); activations per rank: one forward's / C")
+                         "CONTEXT_PARALLEL (1 = off); activations per rank: about one forward's / C")
     ap.add_argument("--cp_table", action="store_true",
                     help="FLUX Kontext: markdown table of the smallest context parallelism that fits, "
                          "--resolutions x --gpu_memory_gbs, per --world_sizes")
@@ -1265,6 +1370,9 @@ def main(argv: list[str]) -> int:
                     help="FLUX Kontext: markdown tables of BASE_DTYPE x OPTIMIZER on 1/2/4 x 24 GB at 512 and "
                          "1024 px, and BF16/NF4-base LoRA under DDP and FSDP2 with their largest batch")
     a = ap.parse_args(argv)
+    # what importing transformers/diffusers prints with torchao installed (its CUDA-only kernel libraries,
+    # torch's pytree notice), as the scripts silence it: before the first model is built
+    quiet_known_warnings()
     if a.lowbit_table:
         print(lowbit_tables(a.model))
         return 0
