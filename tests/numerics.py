@@ -8,7 +8,31 @@ compares, elementwise where the error varies by element, instead of an rtol that
 """
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+
+def _threads() -> int:
+    """OMP_NUM_THREADS where set (torch starts on at most one thread per core, so 3 on 2 cores would
+    not reach the tests), else the count torch started with: this module is imported while the
+    tests are collected, before any test can change it."""
+    want = os.environ.get("OMP_NUM_THREADS", "")
+    return int(want) if want.isdigit() and int(want) > 0 else torch.get_num_threads()
+
+
+THREADS = _threads()
+
+
+@pytest.fixture(autouse=True)
+def threads_as_started():
+    """Each test of a module that imports this fixture runs on THREADS intra-op threads, whatever
+    an earlier test in the session set (fsdp_utils.init_distributed sets its own): .ci/run's
+    passes at OMP_NUM_THREADS=1 and 3 then test those counts (kernels split sums by thread, so
+    their rounding)."""
+    torch.set_num_threads(THREADS)
+    yield
 
 
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:

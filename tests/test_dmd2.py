@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from algorithms import dmd2 as dm
-from tests.numerics import assert_within, gamma, unit_roundoff
+from tests.numerics import THREADS, assert_within, gamma, unit_roundoff, threads_as_started  # noqa: F401 (autouse)
 
 U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
 
@@ -61,6 +61,13 @@ def data():
 def eps_of(unet, z, t, emb):
     with torch.no_grad():
         return unet(z, t, encoder_hidden_states=emb, return_dict=False)[0].float()
+
+
+def test_runs_on_the_thread_count_it_was_given():
+    """OMP_NUM_THREADS reaches these tests, above the core count too (.ci/run runs this file at 1
+    and 3 threads)."""
+    want = os.environ.get("OMP_NUM_THREADS", "")
+    assert torch.get_num_threads() == (int(want) if want.isdigit() and int(want) > 0 else THREADS)
 
 
 # ---------------------------------------------------------------- 4. schedule and timesteps

@@ -14,7 +14,7 @@ import torch
 from parallel import ema as ema_lib
 from parallel import lora
 from tests.conftest import tiny_unet
-from tests.numerics import assert_within, unit_roundoff
+from tests.numerics import assert_within, unit_roundoff, threads_as_started  # noqa: F401 (autouse)
 
 
 def moved(ema: torch.Tensor, start: torch.Tensor, step: float, weight: float) -> None:

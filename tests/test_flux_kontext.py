@@ -19,7 +19,7 @@ from algorithms import flux_kontext as km
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
 from tests.conftest import tiny_flux
-from tests.numerics import gamma, unit_roundoff
+from tests.numerics import gamma, unit_roundoff, threads_as_started  # noqa: F401 (autouse)
 
 LATENT_C = 4
 
