@@ -28,7 +28,7 @@ THREADS = _threads()
 @pytest.fixture(autouse=True)
 def threads_as_started():
     """Each test of a module that imports this fixture runs on THREADS intra-op threads, whatever
-    an earlier test in the session set (fsdp_utils.init_distributed sets its own): .ci/run's
+    an earlier test in the session set (test_export.py runs on one): .ci/run's
     passes at OMP_NUM_THREADS=1 and 3 then test those counts (kernels split sums by thread, so
     their rounding)."""
     torch.set_num_threads(THREADS)
