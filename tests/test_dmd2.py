@@ -571,7 +571,9 @@ def test_fm_x0_and_noise_invert_each_other():
     x0, n = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
     sigma = torch.tensor([0.1, 0.9])
     x_sigma = dm.fm_noise(x0, n, sigma)
-    torch.testing.assert_close(dm.x0_from_velocity(x_sigma, n - x0, sigma).float(), x0)  # the true velocity
+    # the true velocity; fp32 x_σ (1 − σ, two products, the sum) and n − x0 round by at most
+    # u·(|x0| + |n|) each, the float64 x̂0 once more on the way back to fp32; 2x for second-order terms
+    assert_within(dm.x0_from_velocity(x_sigma, n - x0, sigma).float(), x0, 2 * 6 * U32 * (x0.abs() + n.abs()), "x0")
 
 
 def test_fm_fake_score_loss_is_zero_at_the_true_velocity_and_never_reaches_the_generator():
@@ -601,7 +603,12 @@ def test_fm_backward_simulation_renoises_each_prediction():
     assert forwards == 0 and torch.equal(x, noise)
     x, forwards = dm.fm_backward_simulation(gen, noise, sigmas, 2, fresh)
     assert forwards == 2
-    torch.testing.assert_close(x, 0.5 * c + 0.5 * fresh[1])
+    # x̂0 = x − σ·(x − c)/σ is c whatever x was, to the roundings of x − c and the division (u·|x − c|
+    # each, times σ) and of x̂0 (u·|c|); halved into x along with fresh noise, then x's own rounding
+    # (u·|x|); x − c at σ = 0.75 is 0.75·(fresh[0] − c). 2x for second-order terms.
+    want = 0.5 * c.double() + 0.5 * fresh[1].double()
+    x0_err = U32 * (2 * 0.75 * (fresh[0] - c).abs() + c.abs())
+    assert_within(x, want, 2 * (0.5 * x0_err + U32 * want.abs()), "x at index 2")
     with pytest.raises(ValueError):
         dm.fm_backward_simulation(gen, noise, sigmas, 4, fresh)
     s = dm.sample_dm_sigmas(1000, torch.Generator().manual_seed(5))
