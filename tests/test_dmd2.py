@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from algorithms import dmd2 as dm
+from tests.numerics import THREADS, assert_within, gamma, unit_roundoff, threads_as_started  # noqa: F401 (autouse)
+
+U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +63,13 @@ def eps_of(unet, z, t, emb):
         return unet(z, t, encoder_hidden_states=emb, return_dict=False)[0].float()
 
 
+def test_runs_on_the_thread_count_it_was_given():
+    """OMP_NUM_THREADS reaches these tests, above the core count too (.ci/run runs this file at 1
+    and 3 threads)."""
+    want = os.environ.get("OMP_NUM_THREADS", "")
+    assert torch.get_num_threads() == (int(want) if want.isdigit() and int(want) > 0 else THREADS)
+
+
 # ---------------------------------------------------------------- 4. schedule and timesteps
 
 def test_sd15_alphas(alphas):
@@ -74,15 +84,18 @@ def test_add_noise_x0_round_trip(alphas):
     z = dm.add_noise(x0, n, t, alphas)
     a = alphas.double()[t].view(-1, 1, 1, 1)
     assert z.dtype == torch.float32
-    torch.testing.assert_close(z.double(), a.sqrt() * x0.double() + (1 - a).sqrt() * n.double(),
-                               rtol=0, atol=1e-6)
+    exact = a.sqrt() * x0.double() + (1 - a).sqrt() * n.double()
+    assert_within(z, exact, (U32 + 4 * U64) * exact.abs(), "add_noise")  # float64, one rounding to fp32
     back = dm.x0_from_eps(z, n, t, alphas)
     assert back.dtype == torch.float32
-    torch.testing.assert_close(back, x0, rtol=0, atol=5e-5)  # 1/√ᾱ_999 ≈ 14.6 amplifies fp32 z
-    # computed in float64: exact on float64 inputs, for an int t as well as per-sample t
+    # z's rounding amplified by 1/√ᾱ (14.6 at t = 999), then back's own; 2x for the float64 steps
+    assert_within(back, x0, 2 * U32 * (z.double().abs() / a.sqrt() + x0.abs()), "x0_from_eps")
+    # computed in float64: exact to float64 rounding on float64 inputs, for an int t as well as per-sample t;
+    # a handful of roundings of each term, the same 1/√ᾱ amplification
     z64 = dm.add_noise(x0.double(), n.double(), 999, alphas)
-    torch.testing.assert_close(dm.x0_from_eps(z64, n.double(), 999, alphas), x0.double(),
-                               rtol=0, atol=1e-12)
+    a999 = alphas.double()[999]
+    assert_within(dm.x0_from_eps(z64, n.double(), 999, alphas), x0.double(),
+                  8 * U64 * ((z64.abs() + n.double().abs()) / a999.sqrt() + x0.double().abs()), "float64")
     assert dm.x0_from_eps(z.bfloat16(), n.bfloat16(), t, alphas).dtype == torch.float32
 
 
@@ -129,8 +142,17 @@ def test_dm_loss_gradient_is_grad_over_numel(unets, data, alphas):
     x = data["x"].clone().requires_grad_(True)
     loss = dm.dm_loss(x, grad)
     loss.backward()
-    torch.testing.assert_close(x.grad, grad / x.numel(), rtol=1e-5, atol=1e-12)
-    torch.testing.assert_close(loss, 0.5 * grad.pow(2).mean(), rtol=1e-5, atol=0)
+    # x − (x − grad) in fp32 keeps the rounding of x − grad, u·|x − grad|: far above u·|grad| where
+    # |grad| << |x|. The difference, 2/numel and the two products round on the order of |grad|:
+    # per element (u·|x − grad| + 4u·|grad|) / numel, 2x for the second-order terms.
+    xd, g, n = data["x"].double(), grad.double(), grad.numel()
+    diff_err = U32 * ((xd - g).abs() + g.abs())  # |fl(x − fl(x − grad)) − grad| per element
+    assert_within(x.grad, g / n, 2 * (diff_err + 3 * U32 * g.abs()) / n, "d loss / dx")
+    # loss = 0.5·mean(d²), d as above: d² errs by 2|g|·diff_err + u·d² per element, the sum of
+    # numel positive terms by gamma(numel) of itself in any order (threads split it), then the mean
+    ref = 0.5 * g.pow(2).mean()
+    bound = 0.5 * (2 * g.abs() * diff_err + U32 * g.pow(2)).mean() + (gamma(n) + 2 * U32) * ref
+    assert_within(loss, ref, 2 * bound, "loss")
 
 
 # ---------------------------------------------------------------- 3. CFG closed form
@@ -142,18 +164,29 @@ def test_cfg_numerator_closed_form(unets, data, alphas):
 
     a = alphas.double()[t].view(-1, 1, 1, 1)
     z = (a.sqrt() * x.double() + (1 - a).sqrt() * n.double()).float()
-    eps_c = eps_of(teacher, z, t, c).double()
-    eps_u = eps_of(teacher, z, t, u.expand(B, -1, -1)).double()
-    numerator = (s - 1) * ((1 - a) / a).sqrt() * (eps_c - eps_u)
+    assert torch.equal(z, diag["z_t"])  # the same float64 formula, one rounding
+    # the teacher's [uncond; cond] call, batched by hand, and the fake score's (the same weights) on
+    # the cond batch alone: on some kernels a row's result depends on the batch it is in
+    eps_u, eps_c = eps_of(teacher, torch.cat([z, z]), torch.cat([t, t]),
+                          torch.cat([u.expand(B, -1, -1), c])).double().chunk(2)
+    eps_fake = eps_of(teacher, z, t, c).double()
+    k = ((1 - a) / a).sqrt()
+    # p_real − p_fake = x̂0_fake − x̂0_real = k·(ε_real − ε_fake) = k·((s − 1)·(ε_c − ε_u) + (ε_c − ε_fake))
+    numerator = k * ((s - 1) * (eps_c - eps_u) + (eps_c - eps_fake))
     x0_real = (z.double() - (1 - a).sqrt() * (eps_u + s * (eps_c - eps_u))) / a.sqrt()
     norm = (x.double() - x0_real).abs().mean(dim=(1, 2, 3), keepdim=True)
 
-    torch.testing.assert_close(diag["p_real_abs_mean"].double(), norm.flatten(), rtol=1e-4, atol=0)
+    # dm_grad forms ε_real = ε_u + s·(ε_c − ε_u) in fp32 (three roundings; the rest is float64):
+    # an error of u·(2s·|ε_c − ε_u| + |ε_real|), scaled by k in the numerator and in p_real, whose
+    # mean is the norm. Each fp32 output adds its own rounding; 2x for second-order terms.
+    eps_real = eps_u + s * (eps_c - eps_u)
+    num_err = k * U32 * (2 * s * (eps_c - eps_u).abs() + eps_real.abs())
+    norm_err = num_err.mean(dim=(1, 2, 3), keepdim=True)
+    assert_within(diag["p_real_abs_mean"], norm.flatten(), 2 * (norm_err + U32 * norm).flatten(), "norm")
     recovered = grad.double() * diag["p_real_abs_mean"].double().view(-1, 1, 1, 1)
-    scale = numerator.abs().max().item()
-    torch.testing.assert_close(recovered, numerator, rtol=0, atol=1e-4 * scale)
-    torch.testing.assert_close(grad.double(), numerator / norm, rtol=0,
-                               atol=1e-4 * (numerator / norm).abs().max().item())
+    assert_within(recovered, numerator, 2 * (num_err + 2 * U32 * numerator.abs()), "grad · norm")
+    closed = numerator / norm
+    assert_within(grad, closed, 2 * (num_err / norm + closed.abs() * norm_err / norm + U32 * closed.abs()), "grad")
 
 
 def test_dm_grad_nonfinite_set_to_zero(data, alphas):
@@ -176,8 +209,12 @@ def test_fake_score_loss_by_hand_and_detached(unets, data, alphas):
 
     a = alphas.double()[t].view(-1, 1, 1, 1)
     z = (a.sqrt() * x.detach().double() + (1 - a).sqrt() * n.double()).float()
-    expected = ((eps_of(fake, z, t, data["cond"]) - n) ** 2).mean()
-    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=0)
+    # the fake score's own call (train mode, with autograd), so that ε̂ is the loss's, bit for bit
+    eps = fake(z, t, encoder_hidden_states=data["cond"], return_dict=False)[0].detach()
+    sq = (eps.double() - n.double()) ** 2
+    # fp32: the difference and the square round by 3u·d² per element, the sum of numel positive
+    # terms by gamma(numel) in any order, the mean by u; 2x for second-order terms
+    assert_within(loss.detach(), sq.mean(), 2 * (4 * U32 + gamma(sq.numel())) * sq.mean(), "fake score loss")
 
     gen_unet.zero_grad(set_to_none=True)
     loss.backward()
@@ -445,13 +482,20 @@ def test_sdxl_dm_loss_bar_and_cfg_use_the_added_conditions(alphas):
     t, noise = torch.randint(20, 980, (B,)), torch.randn(B, 4, 8, 8)
     grad, _ = dm.dm_grad(x, t, noise, unet, copy.deepcopy(unet), cond, uncond, 1.0, alphas)
     assert torch.equal(grad, torch.zeros_like(grad)) and dm.dm_loss(x, grad).item() == 0.0
-    # s > 1: the teacher's CFG equals two separate calls with the matching added conditions
+    # s > 1: the teacher's CFG equals its [uncond; cond] batch built by hand, each added condition row by row
     grad_cfg, diag = dm.dm_grad(x, t, noise, unet, copy.deepcopy(unet), cond, uncond, 8.0, alphas)
+    z = diag["z_t"]
+    added = {k: torch.cat([uncond.added[k].expand(B, -1), v]) for k, v in cond.added.items()}
     with torch.no_grad():
-        eps_c = dm.predict_eps(unet, diag["z_t"], t, cond)
-        eps_u = dm.predict_eps(unet, diag["z_t"], t, dm.expand_cond(uncond, B))
-    x0_real = dm.x0_from_eps(diag["z_t"], eps_u + 8.0 * (eps_c - eps_u), t, alphas, out_dtype=torch.float64)
-    torch.testing.assert_close(diag["x0_real"], x0_real.float(), rtol=1e-4, atol=1e-4)
+        eps_u, eps_c = unet(torch.cat([z, z]), torch.cat([t, t]), encoder_hidden_states=torch.cat(
+            [uncond.text.expand(B, -1, -1), cond.text]), added_cond_kwargs=added, return_dict=False)[0].chunk(2)
+    eps_u, eps_c = eps_u.double(), eps_c.double()
+    x0_real = dm.x0_from_eps(z, eps_u + 8.0 * (eps_c - eps_u), t, alphas, out_dtype=torch.float64)
+    # dm_grad forms ε_real in fp32: u·(2s·|ε_c − ε_u| + |ε_real|), times √(1 − ᾱ)/√ᾱ in x̂0, then
+    # x̂0's rounding to fp32; 2x for second-order terms
+    a = alphas.double()[t].view(-1, 1, 1, 1)
+    eps_err = U32 * (16 * (eps_c - eps_u).abs() + (eps_u + 8 * (eps_c - eps_u)).abs())
+    assert_within(diag["x0_real"], x0_real, 2 * (((1 - a) / a).sqrt() * eps_err + U32 * x0_real.abs()), "x0_real")
     assert grad_cfg.abs().sum() > 0
     # the added conditions matter (a UNet ignoring them would pass the checks above)
     other = dm.Cond(cond.text, {**cond.added, "text_embeds": torch.zeros_like(cond.added["text_embeds"])})
@@ -527,7 +571,9 @@ def test_fm_x0_and_noise_invert_each_other():
     x0, n = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
     sigma = torch.tensor([0.1, 0.9])
     x_sigma = dm.fm_noise(x0, n, sigma)
-    torch.testing.assert_close(dm.x0_from_velocity(x_sigma, n - x0, sigma).float(), x0)  # the true velocity
+    # the true velocity; fp32 x_σ (1 − σ, two products, the sum) and n − x0 round by at most
+    # u·(|x0| + |n|) each, the float64 x̂0 once more on the way back to fp32; 2x for second-order terms
+    assert_within(dm.x0_from_velocity(x_sigma, n - x0, sigma).float(), x0, 2 * 6 * U32 * (x0.abs() + n.abs()), "x0")
 
 
 def test_fm_fake_score_loss_is_zero_at_the_true_velocity_and_never_reaches_the_generator():
@@ -557,7 +603,12 @@ def test_fm_backward_simulation_renoises_each_prediction():
     assert forwards == 0 and torch.equal(x, noise)
     x, forwards = dm.fm_backward_simulation(gen, noise, sigmas, 2, fresh)
     assert forwards == 2
-    torch.testing.assert_close(x, 0.5 * c + 0.5 * fresh[1])
+    # x̂0 = x − σ·(x − c)/σ is c whatever x was, to the roundings of x − c and the division (u·|x − c|
+    # each, times σ) and of x̂0 (u·|c|); halved into x along with fresh noise, then x's own rounding
+    # (u·|x|); x − c at σ = 0.75 is 0.75·(fresh[0] − c). 2x for second-order terms.
+    want = 0.5 * c.double() + 0.5 * fresh[1].double()
+    x0_err = U32 * (2 * 0.75 * (fresh[0] - c).abs() + c.abs())
+    assert_within(x, want, 2 * (0.5 * x0_err + U32 * want.abs()), "x at index 2")
     with pytest.raises(ValueError):
         dm.fm_backward_simulation(gen, noise, sigmas, 4, fresh)
     s = dm.sample_dm_sigmas(1000, torch.Generator().manual_seed(5))
