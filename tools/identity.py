@@ -1,0 +1,147 @@
+"""Fingerprints of what the scripts produce, for refactors that must not change a number.
+
+    python tools/identity.py --out=out/identity/before.json      # on the commit before a move
+    python tools/identity.py --out=out/identity/after.json       # after it
+    python tools/identity.py --compare out/identity/before.json out/identity/after.json
+
+Three jobs on their embedded defaults, 2 CPU ranks (torchrun), one thread each, 4 steps with EMA,
+checkpoints at steps 2 and 4, samples at 2 and 4 (and validation for Kontext): DMD2 with the shipped
+UNet teacher (GAN head on), DMD2 with the shipped Kontext teacher (4-step generator, GAN head on),
+and Kontext fine-tuning. A fingerprint holds, per job: every metrics.jsonl record without its
+timings, a hash of every checkpoint file (trainer_state.json without its run id and save time),
+every export file (links by where they point) and every sample grid's pixels. `--compare` prints
+what differs and exits 1 if anything does.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KONTEXT_BASE = os.path.join(ROOT, "assets", "kontext_base")
+KONTEXT_PAIRS = os.path.join(ROOT, "assets", "kontext_blue", "train.jsonl")
+STEPS = ["--max_steps=4", "--log_every=1", "--ema_decay=0.9", "--save_every=2", "--sample_every=2", "--keep_last=2"]
+JOBS = {
+    "dmd_unet": ("train_dmd.py", STEPS + ["--dfake_gen_update_ratio=2", "--use_gan=1"]),
+    "dmd_kontext": ("train_dmd.py", STEPS + [f"--model_path={KONTEXT_BASE}", f"--data_path={KONTEXT_PAIRS}",
+                                             "--resolution=32", "--dfake_gen_update_ratio=2", "--batch_size=1",
+                                             "--denoising_steps=999,749,499,249", "--sample_count=2", "--use_gan=1"]),
+    "kontext_ft": ("train_flux_kontext.py", STEPS + ["--val_every=2", "--sample_steps=2"]),
+}
+# metrics.jsonl fields that measure the machine, not the computation
+TIMING_WORDS = ("_ms", "time", "mfu", "hfu", "tflop", "throughput", "per_s", "mem", "rss", "gib", "eta", "seconds")
+RUN_FIELDS = ("run_id", "saved_at")  # trainer_state.json: who saved it and when, not what
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _file_hash(path: str) -> str:
+    name = os.path.basename(path)
+    if name == "trainer_state.json":
+        with open(path) as f:
+            state = {k: v for k, v in json.load(f).items() if k not in RUN_FIELDS}
+        return _sha(json.dumps(state, sort_keys=True).encode())
+    if name.endswith(".png"):
+        import numpy as np
+        from PIL import Image
+        return _sha(np.asarray(Image.open(path).convert("RGB")).tobytes())
+    with open(path, "rb") as f:
+        return _sha(f.read())
+
+
+def _where(path: str, work: str) -> str:
+    """A link's target, named the same in every run: below the run's work folder or the repository."""
+    target = os.path.realpath(path)
+    for base, name in ((os.path.realpath(work), "$WORK"), (ROOT, "$ROOT")):
+        if target.startswith(base + os.sep):
+            return f"{name}/{os.path.relpath(target, base)}"
+    return target
+
+
+def _tree(folder: str, work: str) -> dict[str, str]:
+    """{relative path: hash} of every file below `folder`; a link counts by where it points."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                out[rel] = "link:" + _where(path, work)
+            elif name in filenames:
+                out[rel] = _file_hash(path)
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+    return out
+
+
+def _metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [{k: v for k, v in r.items() if not any(w in k.lower() for w in TIMING_WORDS)} for r in records]
+
+
+def fingerprint(out_dir: str, work: str) -> dict:
+    found = {"metrics": _metrics(os.path.join(out_dir, "metrics.jsonl"))}
+    for part in ("checkpoints", "export", "export_merged", "samples"):
+        if os.path.isdir(os.path.join(out_dir, part)):
+            found[part] = _tree(os.path.join(out_dir, part), work)
+    return found
+
+
+def run_job(name: str, work: str) -> dict:
+    script, args = JOBS[name]
+    out_dir = os.path.join(work, name)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, script), *args, f"--output_dir={out_dir}", f"--text_cache_dir={work}/text_cache_{name}"]
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"{name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return fingerprint(out_dir, work)
+
+
+def differences(a: dict, b: dict, where: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in differences(a.get(k), b.get(k), f"{where}/{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="write the fingerprints here (JSON)")
+    p.add_argument("--jobs", default=",".join(JOBS), help="comma-separated subset of " + ", ".join(JOBS))
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    a = p.parse_args()
+    if a.compare:
+        before, after = (json.load(open(f)) for f in a.compare)
+        diff = differences(before, after)
+        print("\n".join(diff[:50]) if diff else "identical: " + ", ".join(sorted(before)))
+        sys.exit(1 if diff else 0)
+    if not a.out:
+        p.error("--out or --compare")
+    jobs = [j for j in a.jobs.split(",") if j]
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown:
+        p.error(f"unknown job(s) {unknown}: choose from {', '.join(JOBS)}")
+    with tempfile.TemporaryDirectory() as work:
+        found = {}
+        for name in jobs:
+            found[name] = run_job(name, work)
+            print(f"{name}: {len(found[name]['metrics'])} records, "
+                  f"{sum(len(v) for k, v in found[name].items() if k != 'metrics')} files", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(found, f, indent=1, sort_keys=True)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
