@@ -50,8 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from components.dist import all_gather_objects, broadcast_from_rank0, first_error, print0, rank, world_size
-from components.errors import ConfigError, RunError
+from core.dist import all_gather_objects, broadcast_from_rank0, first_error, print0, rank, world_size
+from core.errors import ConfigError, RunError
 from parallel.lowbit import state_bytes
 
 PARTIAL = ".partial"

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from components.dist import barrier, gather_before_init, print0, rank, world_size
-from components.errors import ConfigError
+from core.dist import barrier, gather_before_init, print0, rank, world_size
+from core.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------
 # process groups and meshes

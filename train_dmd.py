@@ -53,10 +53,10 @@ import fsdp_utils
 from algorithms import dmd2 as dm
 from algorithms import dmd2_flux as flux_dm
 from algorithms import flux_kontext as km
-from components import profiling, trainer
+from components import optim, profiling, trainer
 from components.config import check_settings, script_constants
-from components.dist import print0, rank
-from components.errors import ConfigError, run_main
+from core.dist import print0, rank
+from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data import randomness
@@ -442,7 +442,7 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     s / warmup_step after s scheduler steps), and accelerate advances a prepared scheduler once per
     process per call ("500 / num_gpu steps", train_sd.py:204). So WARMUP_STEPS = warmup_step /
     num_processes iterations (500 / 64 = 7.8125 for the published runs), the first at LR 0."""
-    opt = lowbit.make_optimizer(OPTIMIZER, [p for p in module.parameters() if p.requires_grad], lr=lr,
+    opt = optim.make_optimizer(OPTIMIZER, [p for p in module.parameters() if p.requires_grad], lr=lr,
                                 betas=(0.9, 0.999), weight_decay=0.01)
     return opt, warmup_scheduler(opt, warmup_steps, first_step=0)
 

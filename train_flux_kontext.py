@@ -60,10 +60,10 @@ import torch
 import fsdp_utils
 import precision
 from algorithms import flux_kontext as km
-from components import profiling, trainer
+from components import optim, profiling, trainer
 from components.config import check_settings, script_constants
-from components.dist import print0
-from components.errors import ConfigError, run_main
+from core.dist import print0
+from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data.batches import global_batch_indices, micro_batch_positions
@@ -76,7 +76,7 @@ from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests 
 from parallel import ema as ema_lib
 from parallel.flux import attention_shapes, build_transformer, load_vae
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
-from parallel import attention, lowbit
+from parallel import attention
 from parallel.models import vae_scale_factor
 
 # ----------------------------------------------------------------------------------------------
@@ -626,7 +626,7 @@ def main():
     # optimizer: AdamW (OPTIMIZER: torch's fused kernel, see components.optim.adamw, or torchao's 8-/4-bit
     # states, parallel/lowbit.py), with a linear warmup
     params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = lowbit.make_optimizer(OPTIMIZER, params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
+    optimizer = optim.make_optimizer(OPTIMIZER, params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
                                       weight_decay=WEIGHT_DECAY)
     lr_sched = warmup_scheduler(optimizer, WARMUP_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}

@@ -12,8 +12,8 @@ import os
 import socket
 import time
 
-from components.dist import all_gather_objects, barrier, broadcast_from_rank0, rank
-from components.errors import ConfigError
+from core.dist import all_gather_objects, barrier, broadcast_from_rank0, rank
+from core.errors import ConfigError
 
 def shared_folders(config: dict) -> dict[str, str]:
     """{setting: folder} of the folders every rank reads what other ranks wrote: OUTPUT_DIR

@@ -10,8 +10,8 @@ import json
 import os
 import re
 
-from components.dist import print0
-from components.errors import ConfigError
+from core.dist import print0
+from core.errors import ConfigError
 
 CONFIG_TYPES = (bool, int, float, str, list)
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from checkpoint import PARTIAL, write_json
-from components.dist import barrier, print0, rank
+from core.dist import barrier, print0, rank
 from parallel.lora import is_adapter, safetensors_key
 from precision import check_state_dict_dtypes, dtype_name
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from components.errors import RunError
+from core.errors import RunError
 
 def is_finite(*values):
     """Whether every value (floats, or 0-d tensors such as losses and grad norms) is finite: a 0-d

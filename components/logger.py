@@ -12,8 +12,8 @@ import sys
 import time
 
 from components.config import format_config
-from components.dist import rank
-from components.errors import ConfigError
+from core.dist import rank
+from core.errors import ConfigError
 
 # REPORT_TO names -> the package each needs (checked with find_spec, imported only on rank 0)
 REPORT_TO_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import precision
-from components.dist import all_reduce, mean_across_ranks
+from core.dist import all_reduce, mean_across_ranks
 
 # dense tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name:
 # bf16/fp16, TF32 (fp32 matmuls with allow_tf32), fp32 without TF32

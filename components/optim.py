@@ -1,11 +1,13 @@
-"""The optimizer and its LR schedule: torch's AdamW with its fused kernel where it has one, and the
-linear warmup.
+"""The optimizer and its LR schedule: torch's AdamW with its fused kernel where it has one, torchao's
+8-/4-bit AdamW (OPTIMIZER), and the linear warmup.
 
     python -m pytest tests/test_fsdp_utils.py tests/test_trainer.py -q
 """
 from __future__ import annotations
 
 import torch
+
+from parallel.lowbit import torchao
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")  # where torch has a fused AdamW kernel
 
@@ -21,6 +23,36 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     params = list(params)
     fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {"foreach": True}))
+
+
+def make_optimizer(name: str, params, *, lr: float, betas, eps: float = 1e-8, weight_decay: float = 0.0):
+    """OPTIMIZER `name` over (possibly DTensor) params: "adamw" = torch's fused AdamW (adamw);
+    "adamw8bit" / "adamw4bit" = torchao's (parallel/lowbit.py: their states over FSDP2's shards). torchao
+    compiles each parameter's update (torch.compile, one graph per shape); without a GPU the update
+    runs eagerly instead (same arithmetic; inductor's CPU compile of dozens of shapes takes minutes
+    on small machines)."""
+    params = list(params)
+    if name == "adamw":
+        return adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    torchao(f"OPTIMIZER={name}")  # one line where torchao is missing
+    from torchao import optim as ao_optim
+    cls = {"adamw8bit": ao_optim.AdamW8bit, "adamw4bit": ao_optim.AdamW4bit}[name]
+    opt = cls(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    if not any(p.is_cuda for p in params):
+        _eager_steps(opt)
+    return opt
+
+
+def _eager_steps(opt: torch.optim.Optimizer) -> None:
+    """Run `opt.step` with torch.compile's stance forced to eager (a bound method: LR schedulers wrap it)."""
+    import types
+    inner = opt.step
+
+    def step(self, closure=None):
+        with torch.compiler.set_stance("force_eager"):
+            return inner(closure)
+
+    opt.step = types.MethodType(step, opt)
 
 
 def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: float,

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from components.dist import print0, rank
-from components.errors import ConfigError
+from core.dist import print0, rank
+from core.errors import ConfigError
 
 TOP_OPS = 30  # rows of the table rank 0 writes and prints
 

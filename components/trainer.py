@@ -27,8 +27,8 @@ import precision
 from components import profiling
 from components.checks import check_model_folder, check_output_dir, check_output_dir_shared, shared_folders
 from components.config import apply_overrides, check_settings, format_config, script_constants
-from components.dist import agree, print0
-from components.errors import ConfigError, GracefulStop, set_error_dir
+from core.dist import agree, print0
+from core.errors import ConfigError, GracefulStop, set_error_dir
 from components.export import export_bytes, export_lora, export_pipeline
 from components.guard import NonFiniteGuard, is_finite
 from components.logger import RunLogger, check_report_to

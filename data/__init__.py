@@ -6,6 +6,6 @@
     images.py      image checks and sizes (EXIF orientation applied), loading, PNG grids
     prefetch.py    the next step's data, loaded on a background thread while this step runs
 
-Imports go one way: data/ imports components/errors.py and dist.py only; the scripts import data/.
+Imports go one way: data/ imports core/ and precision.py only; the scripts and components/ import data/.
 tests/test_layout.py checks it.
 """

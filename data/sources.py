@@ -10,8 +10,8 @@ import json
 import os
 import re
 
-from components.dist import print0
-from components.errors import ConfigError
+from core.dist import print0
+from core.errors import ConfigError
 from data.images import check_image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")  # what the folder layouts read as images
@@ -321,7 +321,7 @@ def _dataset_entries(path, roles, required, images, columns, split, setting):
 def _check_share(rows: list[dict], images, size_of) -> list[tuple[str | None, tuple | None]]:
     """(error or None, size or None) per row, each rank checking rows rank::world and every rank
     getting all results (one all_gather of small tuples)."""
-    from components.dist import all_gather_objects, rank, world_size
+    from core.dist import all_gather_objects, rank, world_size
     me, world = rank(), world_size()
     mine = {}
     for k in range(me, len(rows), world):

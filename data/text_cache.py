@@ -16,7 +16,7 @@ import time
 import torch
 
 import precision
-from components.dist import all_gather_objects, print0, rank, world_size
+from core.dist import all_gather_objects, print0, rank, world_size
 
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
 TEXT_ROUND = 64  # prompts per rank between two collectives of the fill (4 encoder batches)

@@ -11,8 +11,7 @@ distributed/compile.py, distributed/context_parallel/, components/lora.py, model
     loading.py           meta-device build, each rank loading only its slices of the safetensors
     memory.py            bytes per rank of params, grads, optimizer state; host/CUDA peaks
 
-Imports go one way: the scripts, checkpoint.py and components/ (trainer.py, export.py) import these;
-these import torch, diffusers, peft and the base layer only (fsdp_utils.py for the generic FSDP2/DDP
-mechanics; components/errors.py, dist.py and optim.py for errors, rank-0 printing, gathers and
-AdamW). tests/test_layout.py checks it.
+Imports go one way: the scripts, checkpoint.py, families/ and components/ import these; these import
+torch, diffusers, peft and the floors below only (fsdp_utils.py for the generic FSDP2/DDP mechanics,
+precision.py, core/ for errors, rank-0 printing and gathers). tests/test_layout.py checks it.
 """

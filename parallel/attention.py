@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from components.errors import ConfigError, LocalError
+from core.errors import ConfigError, LocalError
 
 DEFAULT = "native"
 TORCH_SDPA = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from components.errors import ConfigError
+from core.errors import ConfigError
 
 # What is compiled is each unit's `forward`, patched on the instance as fsdp_utils.checkpoint_activations does: the
 # block's own forward, or with activation checkpointing the checkpoint wrapper, so the recompute

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.errors import ConfigError
+from core.errors import ConfigError
 
 
 def check_diffusers_supports_it(model_class: str = "FluxTransformer2DModel") -> None:

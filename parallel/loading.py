@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.errors import ConfigError
+from core.errors import ConfigError
 from fsdp_utils import assert_sharded, fill_local
 from parallel.lora import init_lora, is_adapter, safetensors_key
 from parallel.lowbit import fill_nf4, is_nf4

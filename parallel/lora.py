@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from components.errors import ConfigError
+from core.errors import ConfigError
 from fsdp_utils import fill_local, local_tensor
 from parallel.models import MODELS
 

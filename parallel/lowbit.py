@@ -1,6 +1,6 @@
 """Low-bit storage from torchao, for fitting where bf16 does not: a 4-bit NF4 frozen base under
 LoRA (QLoRA, Dettmers et al. 2023) sharded by the same per-block FSDP2 recipe, and AdamW with 8-bit
-or 4-bit states (torchao.optim) for full fine-tunes and LoRA.
+or 4-bit states (torchao.optim, built by components/optim.py) for full fine-tunes and LoRA.
 
 NF4 base (BASE_DTYPE=nf4). On the meta skeleton, after the adapters are added and before the
 recipe shards it, every frozen 2-D Linear weight becomes a torchao `NF4Tensor` parameter (4-bit
@@ -36,8 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from components.errors import ConfigError
-from components.optim import adamw
+from core.errors import ConfigError
 
 BASE_DTYPES = ("", "nf4")  # BASE_DTYPE's choices: "" = PRECISION's compute dtype (today's LoRA base)
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")  # OPTIMIZER's choices
@@ -236,40 +235,6 @@ def check_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 if k != "step" and torch.is_tensor(v):
                     check(f"optimizer state {k} of {names.get(id(p), tuple(p.shape))}", v,
                           torch.device(device) if device is not None else p.device)
-
-
-# ----------------------------------------------------------------------------------------------
-# optimizers
-
-
-def make_optimizer(name: str, params, *, lr: float, betas, eps: float = 1e-8, weight_decay: float = 0.0):
-    """OPTIMIZER `name` over (possibly DTensor) params: "adamw" = torch's fused AdamW
-    (components.optim.adamw); "adamw8bit" / "adamw4bit" = torchao's. torchao
-    compiles each parameter's update (torch.compile, one graph per shape); without a GPU the update
-    runs eagerly instead (same arithmetic; inductor's CPU compile of dozens of shapes takes minutes
-    on small machines)."""
-    params = list(params)
-    if name == "adamw":
-        return adamw(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    torchao(f"OPTIMIZER={name}")
-    from torchao import optim as ao_optim
-    cls = {"adamw8bit": ao_optim.AdamW8bit, "adamw4bit": ao_optim.AdamW4bit}[name]
-    opt = cls(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    if not any(p.is_cuda for p in params):
-        _eager_steps(opt)
-    return opt
-
-
-def _eager_steps(opt: torch.optim.Optimizer) -> None:
-    """Run `opt.step` with torch.compile's stance forced to eager (a bound method: LR schedulers wrap it)."""
-    import types
-    inner = opt.step
-
-    def step(self, closure=None):
-        with torch.compiler.set_stance("force_eager"):
-            return inner(closure)
-
-    opt.step = types.MethodType(step, opt)
 
 
 def state_bytes(t: torch.Tensor) -> int:

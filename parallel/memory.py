@@ -12,7 +12,7 @@ import resource
 import torch
 import torch.nn as nn
 
-from components.dist import all_gather_objects
+from core.dist import all_gather_objects
 from parallel.lowbit import state_bytes
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from components.dist import print0
+from core.dist import print0
 from fsdp_utils import Sharding, apply_precision, checkpoint_activations, find_block_classes, outermost, shard_units
 from parallel.compile import compile_units
 from parallel.models import MODELS, units_in_order

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_dmd
 import train_flux_kontext
-from components.errors import ConfigError, LocalError
+from core.errors import ConfigError, LocalError
 from parallel import attention
 from tests.conftest import ROOT, launch, tiny_unet
 

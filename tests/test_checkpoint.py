@@ -17,7 +17,7 @@ from tests.conftest import TinyNet, finish, launch, make_data, run_ranks, start,
 
 import checkpoint
 import fsdp_utils
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.export import export_model, export_pipeline
 from data.batches import rank_slice
 from parallel.parallelize import parallelize

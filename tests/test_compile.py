@@ -43,7 +43,7 @@ from tests.conftest import launch, launch_all, launch_env, read_metrics, run_ran
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
-from components.errors import ConfigError
+from core.errors import ConfigError
 from parallel import compile as compiling
 import train_dmd
 import train_flux_kontext as tfk

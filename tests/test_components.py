@@ -18,9 +18,9 @@ import pytest
 
 from components.checks import check_output_dir, check_output_dir_shared, shared_folders
 from components.config import apply_overrides
-from components.dist import (agree, all_gather_objects, all_reduce, broadcast_from_rank0, comm_device, first_error,
+from core.dist import (agree, all_gather_objects, all_reduce, broadcast_from_rank0, comm_device, first_error,
                              mean_across_ranks, rank)
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.logger import RunLogger, check_report_to, _installed
 from tests.conftest import ROOT
 
@@ -279,7 +279,7 @@ def test_overrides_type_checked_and_case_insensitive():
 
 
 def test_run_main_config_error_is_one_line_exit_2():
-    code = ("import sys; sys.path.insert(0, %r); from components import errors\n"
+    code = ("import sys; sys.path.insert(0, %r); from core import errors\n"
             "def main():\n    raise errors.ConfigError('bad thing')\n"
             "errors.run_main(main)\n") % ROOT
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -295,18 +295,18 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "all_to_all_single", "send", "recv", "isend", "irecv"}
 
 
-def test_every_collective_goes_through_components_dist():
+def test_every_collective_goes_through_core_dist():
     """NCCL takes CUDA tensors only and gloo takes any, so a collective on a CPU tensor passes every
     CPU test and kills the first GPU run (data.text_cache.fill_text_cache's text-cache counts did).
-    Only components/dist.py's helpers, which move each tensor to comm_device(), may call torch.distributed's
+    Only core/dist.py's helpers, which move each tensor to comm_device(), may call torch.distributed's
     collectives; everything else calls them."""
     import ast
     files = glob.glob(os.path.join(ROOT, "*.py"))
-    for folder in ("components", "data", "parallel", "algorithms", "tools", "demos"):
+    for folder in ("core", "components", "data", "parallel", "algorithms", "tools", "demos"):
         files += glob.glob(os.path.join(ROOT, folder, "*.py"))
     offenders = []
     for path in files:
-        if os.path.relpath(path, ROOT) == os.path.join("components", "dist.py"):
+        if os.path.relpath(path, ROOT) == os.path.join("core", "dist.py"):
             continue
         for node in ast.walk(ast.parse(open(path).read())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
@@ -437,7 +437,7 @@ def test_launches_keep_the_callers_pythonpath(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     env = launch_env()
     assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, str(tmp_path)]
-    r = subprocess.run([sys.executable, "-c", "import only_on_the_callers_path, components.dist; "
+    r = subprocess.run([sys.executable, "-c", "import only_on_the_callers_path, core.dist; "
                         "print(only_on_the_callers_path.VALUE)"], env=env, capture_output=True, text=True,
                        cwd=tmp_path)
     assert r.stdout.strip() == "7", r.stderr

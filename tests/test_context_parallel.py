@@ -32,7 +32,7 @@ from tests.conftest import (
 
 import fsdp_utils
 import train_flux_kontext as tfk
-from components.errors import ConfigError
+from core.errors import ConfigError
 
 COMMON = ["--batch_size=2", "--ema_decay=0.5", "--val_every=1", "--sample_every=3", "--save_every=2"]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from components.errors import ConfigError
+from core.errors import ConfigError
 from data.batches import global_batch_indices, rank_slice
 from data.images import check_image, exif_orientation, image_size, load_image
 from data.prefetch import Prefetcher

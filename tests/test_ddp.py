@@ -18,7 +18,7 @@ from tests.conftest import finish, launch_env, start
 
 import fsdp_utils
 from components.config import script_constants
-from components.errors import ConfigError
+from core.errors import ConfigError
 
 
 def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):

@@ -17,7 +17,7 @@ import torch.nn as nn
 from tests.conftest import tiny_unet
 
 import checkpoint
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.export import export_bytes, export_pipeline
 
 Usage = namedtuple("Usage", "total used free")
@@ -60,7 +60,7 @@ def test_checkpoint_estimate_before_first_step_matches_dcp(tmp_path, frozen):
 
 def test_lowbit_optimizer_estimate_matches_dcp(tmp_path):
     pytest.importorskip("torchao")
-    from parallel.lowbit import make_optimizer
+    from components.optim import make_optimizer
     model = small_model(False)
     opt = make_optimizer("adamw8bit", model.parameters(), lr=1e-3, betas=(0.9, 0.99))
     estimate = checkpoint.checkpoint_bytes({"m": model}, {"m": opt})

@@ -40,8 +40,8 @@ from tests.conftest import start as start_script
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import train_flux_kontext as tfk
 from components.config import script_constants
-from components.dist import agree
-from components.errors import ConfigError, RunError
+from core.dist import agree
+from core.errors import ConfigError, RunError
 from components.guard import NonFiniteGuard, is_finite
 
 STEPS = 12  # tiny steps take ~0.1 s, and each kill lands within a step or two of what it waits for
@@ -450,7 +450,7 @@ def test_second_signal_exits_at_once():
     unless it is the same SIGTERM delivered twice (SLURM + torchrun, within the window)."""
     code = ("import os, signal, sys, time\n"
             f"sys.path.insert(0, {ROOT!r})\n"
-            "from components.errors import GracefulStop\n"
+            "from core.errors import GracefulStop\n"
             "stop = GracefulStop(duplicate_window_s=1.0)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\n"

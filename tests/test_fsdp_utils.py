@@ -14,8 +14,8 @@ import torch
 from tests.conftest import TinyNet, make_data, run_ranks
 
 import fsdp_utils
-from components.dist import mean_across_ranks
-from components.errors import ConfigError
+from core.dist import mean_across_ranks
+from core.errors import ConfigError
 from components.optim import adamw
 from data.batches import rank_slice
 from parallel import memory

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from components.dist import (agree, all_gather_objects, all_reduce, barrier, broadcast_from_rank0, comm_device,
+from core.dist import (agree, all_gather_objects, all_reduce, barrier, broadcast_from_rank0, comm_device,
                              mean_across_ranks)
 from tests.conftest import launch, run_ranks
 

@@ -1,7 +1,7 @@
 """The house's layout, checked: the root holds only the two scripts and the three modules users edit
-(fsdp_utils, precision, checkpoint), imports go one way through the tiers (scripts ->
-components.trainer -> components.export -> checkpoint -> parallel/ -> fsdp_utils, data/,
-components.metrics -> components' base modules, precision, algorithms), no import cycle, tools/ never
+(fsdp_utils, precision, checkpoint), imports go one way, a tier per folder (scripts -> components/ ->
+families/ -> checkpoint -> parallel/ -> fsdp_utils, data/ -> precision, algorithms/ -> core/), no import
+cycle, tools/ never
 importing demos/, and the two scripts' settings: every UPPER_CASE constant overridable, the shared
 ones in the same order with the same comment.
 
@@ -19,19 +19,19 @@ import pytest
 from tests.conftest import ROOT
 
 ROOT_FILES = ("checkpoint.py", "fsdp_utils.py", "precision.py", "train_dmd.py", "train_flux_kontext.py")
-# lower number = lower tier; a module may import lower tiers, and its own tier within its own package
-# (acyclically). A module's tier is that of its longest dotted prefix listed here.
-BASE = ("errors", "dist", "config", "checks", "warnings", "logger", "guard", "optim", "profiling")
-TIERS = {"precision": 0, "algorithms": 0, "components": 0, **{f"components.{m}": 0 for m in BASE},
-         "fsdp_utils": 1, "data": 1, "components.metrics": 1,
-         "parallel": 2,
-         "checkpoint": 3,
-         "components.export": 4,
-         "components.trainer": 5,
-         "train_dmd": 6, "train_flux_kontext": 6}
-PROJECT = ("components", "data", "fsdp_utils", "parallel", "precision", "algorithms", "checkpoint", "train_dmd",
-           "train_flux_kontext", "tools", "demos", "tests")
-FOLDERS = ("components", "data", "parallel", "algorithms", "tools", "demos")
+# one tier per folder or root module, lower = further down: a module imports lower tiers and its own
+# folder (acyclically), never a folder of its own tier or above
+TIERS = {"core": 0,
+         "precision": 1, "algorithms": 1,
+         "fsdp_utils": 2, "data": 2,
+         "parallel": 3,
+         "checkpoint": 4,
+         "families": 5,
+         "components": 6,
+         "train_dmd": 7, "train_flux_kontext": 7}
+PROJECT = ("core", "families", "components", "data", "fsdp_utils", "parallel", "precision", "algorithms", "checkpoint",
+           "train_dmd", "train_flux_kontext", "tools", "demos", "tests")
+FOLDERS = ("core", "families", "components", "data", "parallel", "algorithms", "tools", "demos")
 
 
 def _module_name(path: str) -> str:
@@ -73,11 +73,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _tier(module: str) -> int | None:
-    parts = module.split(".")
-    for n in range(len(parts), 0, -1):
-        if ".".join(parts[:n]) in TIERS:
-            return TIERS[".".join(parts[:n])]
-    return None
+    return TIERS.get(module.split(".")[0])
 
 
 def _tier_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -101,12 +97,10 @@ def test_root_holds_only_the_scripts_and_the_modules_users_edit():
 
 
 def test_every_module_of_the_training_code_has_a_tier():
-    """A new module in components/ names its tier here (the package's own fallback is for its __init__)."""
+    """A new folder of the training code names its tier here."""
     for module in _graph():
-        if module.startswith("components."):
-            assert module in TIERS, f"{module}: add it to TIERS"
-        elif not module.startswith(("tools", "demos")):
-            assert _tier(module) is not None, f"{module}: add it to TIERS"
+        if not module.startswith(("tools", "demos")):
+            assert _tier(module) is not None, f"{module}: add its folder to TIERS"
 
 
 def test_imports_follow_the_tiers():
@@ -115,13 +109,14 @@ def test_imports_follow_the_tiers():
 
 
 def test_the_tier_check_catches_an_upward_import():
-    """The check itself: an import from a lower tier up, or across packages within a tier, is caught."""
-    assert _tier_violations({"components.errors": {"components.trainer"}})  # base -> trainer
-    assert _tier_violations({"data.sources": {"fsdp_utils"}})  # same tier, another package
+    """The check itself: an import from a lower tier up, or sideways into another folder of its tier, is caught."""
+    assert _tier_violations({"core.errors": {"components.trainer"}})  # ground -> the run's components
+    assert _tier_violations({"parallel.lowbit": {"components.optim"}})  # sharding -> the run's components
+    assert _tier_violations({"data.sources": {"fsdp_utils"}})  # same tier, another folder
     assert _tier_violations({"checkpoint": {"components.export"}})
     assert _tier_violations({"parallel.lora": {"tools.tiny_models"}})
     assert not _tier_violations({"components.trainer": {"checkpoint", "components.export", "data.sources"},
-                                 "components.logger": {"components.config"}})
+                                 "components.logger": {"components.config"}, "parallel.lowbit": {"core.errors"}})
 
 
 def test_no_import_cycle_and_tools_never_import_demos():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsdp_utils
-from components.errors import ConfigError
+from core.errors import ConfigError
 from parallel import loading
 from parallel.parallelize import parallelize
 from tests.conftest import run_ranks, tiny_unet

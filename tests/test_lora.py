@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
 import train_flux_kontext as tfk
 from components.config import script_constants
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.export import LORA_WEIGHTS, export_lora
 from components.warnings import quiet_known_warnings
 from parallel import lora

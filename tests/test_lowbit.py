@@ -29,7 +29,8 @@ from tests.conftest import (assert_kontext_resumed_bit_exact, kontext_run, launc
                             read_metrics, run_ranks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from components.errors import ConfigError
+from core.errors import ConfigError
+from components import optim
 from parallel import lora, lowbit
 
 torchao = pytest.importorskip("torchao")
@@ -194,7 +195,7 @@ def test_state_bytes_at_flux_width():
     p.grad = torch.randn_like(p)
     full = 2 * p.numel() * 4
     for cls, expected in ((AdamW8bit, 0.254), (AdamW4bit, 0.133)):
-        opt = lowbit.make_optimizer({AdamW8bit: "adamw8bit", AdamW4bit: "adamw4bit"}[cls], [p], lr=1e-3,
+        opt = optim.make_optimizer({AdamW8bit: "adamw8bit", AdamW4bit: "adamw4bit"}[cls], [p], lr=1e-3,
                                     betas=(0.9, 0.999))
         assert isinstance(opt, cls)
         opt.step()
@@ -276,7 +277,7 @@ def test_misplaced_inner_tensors_of_nf4_and_low_bit_optimizer_states():
     from torchao.optim import AdamW8bit
     model = torch.nn.Linear(128, 64, bias=False)  # 8192 values: block-quantised states
     model.weight.grad = torch.randn_like(model.weight)
-    opt = lowbit.make_optimizer("adamw8bit", model.parameters(), lr=1e-3, betas=(0.9, 0.999))
+    opt = optim.make_optimizer("adamw8bit", model.parameters(), lr=1e-3, betas=(0.9, 0.999))
     assert isinstance(opt, AdamW8bit)
     opt.step()
     state = opt.state[model.weight]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from components import profiling
-from components.errors import ConfigError
+from core.errors import ConfigError
 
 
 def test_profile_steps_are_a_window_after_the_first_step():

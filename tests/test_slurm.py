@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import fsdp_utils
-from components.errors import ConfigError
+from core.errors import ConfigError
 from tests.conftest import ROOT, finish, free_port, launch_env
 
 
@@ -206,7 +206,7 @@ def test_a_bad_task_count_is_one_line():
 
 PROBE = """
 import fsdp_utils
-from components.dist import all_gather_objects
+from core.dist import all_gather_objects
 d = fsdp_utils.init_distributed(timeout_s=120)
 print("probe", d.rank, d.world_size, d.local_rank, all_gather_objects(d.rank), flush=True)
 fsdp_utils.cleanup_distributed()

@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local 
 import fsdp_utils
 import train_dmd
 from components.config import script_constants
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.trainer import check_shared_settings
 from data.batches import global_batch_indices
 from data.images import load_image

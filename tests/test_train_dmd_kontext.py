@@ -287,7 +287,7 @@ def test_flux_teacher_refuses_teacher_cfg_before_any_work(monkeypatch, pairs, tm
     FLUX; an explicit value other than 1 with a FLUX teacher stops main() in one line."""
     import train_dmd
     from components.config import script_constants
-    from components.errors import ConfigError
+    from core.errors import ConfigError
     saved = script_constants(vars(train_dmd))
     try:
         for scale in ("1.75", "3"):

@@ -33,7 +33,7 @@ from tests.conftest import (KONTEXT_STEPS, assert_kontext_resumed_bit_exact, ass
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
 from components.config import script_constants
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.warnings import quiet_known_warnings
 from parallel import lora
 import train_flux_kontext as tfk

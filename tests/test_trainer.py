@@ -18,7 +18,7 @@ import fsdp_utils
 import train_dmd
 import train_flux_kontext
 from components.config import script_constants
-from components.errors import ConfigError
+from core.errors import ConfigError
 from components.metrics import (ModelFlops, counting_flops, flop_kind, _FlopCount, peak_tflops, throughput,
                                 watch_model_flops, window_add, window_metrics)
 from components.optim import warmup_scheduler

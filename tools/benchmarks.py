@@ -45,7 +45,7 @@ def _torchrun(worker: str, *args: str, nproc: int = 2) -> list[dict]:
 
 
 def _emit(obj: dict) -> None:
-    from components.dist import rank
+    from core.dist import rank
     if rank() == 0:
         print("BENCH " + json.dumps(obj), flush=True)
 

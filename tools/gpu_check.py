@@ -207,7 +207,7 @@ def row_bytes(row: dict, folder: str) -> tuple[int, int]:
     from checkpoint import checkpoint_bytes
     from components.export import export_bytes
     from parallel import lora as lora_lib
-    from parallel import lowbit
+    from components import optim
     from precision import get_precision, parse_dtype
     from tools import memory_plan
     s = row["settings"]
@@ -226,7 +226,7 @@ def row_bytes(row: dict, folder: str) -> tuple[int, int]:
             with torch.device("meta"):
                 lora_lib.add_lora(model, part.lora)
         trained[part.name], subfolder = model, subfolder or part.spec.subfolder
-    optimizers = {k: lowbit.make_optimizer(s.get("optimizer", "adamw"), [p for p in m.parameters() if p.requires_grad],
+    optimizers = {k: optim.make_optimizer(s.get("optimizer", "adamw"), [p for p in m.parameters() if p.requires_grad],
                                            lr=1e-4, betas=(0.9, 0.999)) for k, m in trained.items()}
     export = export_bytes(folder, subfolder, next(iter(trained.values())), parse_dtype(s["export_dtype"]),
                           lora=bool(lora))

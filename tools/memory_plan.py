@@ -103,7 +103,7 @@ import torch.nn as nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
-from components.errors import ConfigError  # noqa: E402
+from core.errors import ConfigError  # noqa: E402
 from components.warnings import quiet_known_warnings  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402

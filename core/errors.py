@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-from components.dist import rank
+from core.dist import rank
 
 # each kind ends the run in one line with its own exit code (see run_main)
 
