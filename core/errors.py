@@ -41,10 +41,15 @@ class RunError(Exception):
     a failed save, too many non-finite steps): rank 0 reports it in one line, all ranks exit 1."""
 
 
+CONFIG_ERROR_GRACE_S = 10.0  # how long a rank other than 0 waits for rank 0 to print a shared ConfigError
+
+
 def run_main(main_fn) -> None:
     """Run a script's main(): errors end the process with one clear line and a non-zero code.
 
-    A ConfigError is the same on every rank, so only rank 0 prints it and all exit 2. Any other
+    A ConfigError is the same on every rank, so only rank 0 prints it and all exit 2 (the other ranks
+    wait CONFIG_ERROR_GRACE_S first, so a launcher that stops the rest when one rank exits cannot stop
+    rank 0 before its line; a rank still there then prints its own, an error rank 0 did not hit). Any other
     exception is local to one rank: that rank prints its traceback and a one-line summary with its
     rank number (also into OUTPUT_DIR/error_rank{N}.txt and torchrun's error file) and exits at once
     (os._exit) without entering another collective; torchrun then stops the other ranks, and the
@@ -56,6 +61,10 @@ def run_main(main_fn) -> None:
     except ConfigError as e:
         if rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # give rank 0 time to print it before a launcher stops this rank (a launcher stops the
+            # others as soon as one rank exits); still here afterwards, the error was this rank's own
+            time.sleep(CONFIG_ERROR_GRACE_S)
+            print(f"[rank {rank()}] error: {e}", file=sys.stderr, flush=True)
         _teardown_quietly()
         sys.exit(2)
     except Preempted as e:
