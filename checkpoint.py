@@ -177,7 +177,8 @@ def set_rng_state(state: dict) -> None:
 
 # what an RNG file of the earlier format holds besides plain types: numpy's key array. Allowed (as
 # weights_only allows them: numpy's array rebuild, nothing callable else) so those checkpoints resume.
-_NUMPY_ARRAY = (np.ndarray, np.dtype, np._core.multiarray._reconstruct, type(np.dtype(np.uint32)))
+_MULTIARRAY = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core to numpy._core
+_NUMPY_ARRAY = (np.ndarray, np.dtype, _MULTIARRAY.multiarray._reconstruct, type(np.dtype(np.uint32)))
 
 
 def load_rng_state(path: str) -> dict:
