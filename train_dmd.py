@@ -62,18 +62,19 @@ from components.optim import warmup_scheduler
 from data import randomness
 from data.batches import global_batch_indices, micro_batch_positions
 from data.images import load_image, save_image_grid
-from data.prefetch import Prefetcher, to_device
+from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
 from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
+from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
-from parallel import attention, lowbit
+from parallel import lowbit
 from parallel import flux as flux_models
-from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
+from parallel.loading import check_same_tensors
 from parallel import models as facts
 from parallel.models import vae_scale_factor
-from parallel.parallelize import parallelize, parallelize_unet
+from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
 
 # ----------------------------------------------------------------------------------------------
@@ -277,37 +278,6 @@ class Losses:
     diffusion_gan: bool
 
 
-def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
-               sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
-               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0, weights: str = "",
-               base_dtype: str = "") -> nn.Module:
-    """A UNet2DConditionModel built on the meta device from `folder`'s config, stored in `dtype`,
-    sharded by the UNet recipe, then each rank reads only its slices from `weights` (a UNet folder or
-    one .safetensors file; "" = `folder`) (load=False: allocated, unfilled and without grads, for
-    the EMA). Trainable: `policy` is the precision's mixed-precision policy and
-    `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
-    frozen base, which the caller stores in its compute dtype (parallel/lora.py; base_dtype="nf4":
-    its Linear weights in 4-bit NF4, parallel/lowbit.py). Frozen: no grads
-    ever, stored in its compute dtype (the frozen policy), resharded after every forward. mesh=None
-    (PARALLELISM=ddp): the recipe's AC and compile only, every rank loads the whole model (the
-    caller wraps a trainable one in DDP)."""
-    from diffusers import UNet2DConditionModel
-
-    model = build_on_meta(UNet2DConditionModel, folder).to(dtype)
-    if trainable and lora:
-        lora_lib.add_lora(model, lora)
-        if base_dtype == "nf4":
-            lowbit.quantize_base(model, mesh.size() if mesh is not None else 1)
-    if not load or not trainable:
-        model.requires_grad_(False)
-    if not trainable:
-        model.eval()
-        sharding = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
-    parallelize_unet(model, mesh, policy, sharding, block_classes)
-    home = torch.device("cpu") if sharding.cpu_offload else device
-    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
-
-
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float, head_features: str = "mid",
                  seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
@@ -325,23 +295,23 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
     fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `base_dtype`: the
     LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
-    def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
+    def make(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
              shard: fsdp_utils.Sharding = sharding, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
         if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
             storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
-        return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
-                          block_classes=block_classes, lora=adapters, seed=seed + salt,
-                          base_dtype=base_dtype if adapters else "", **kw)
-    models = {"generator": unet(lora, weights=generator_init),
-              "fake": unet(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
+        return unet.build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
+                               block_classes=block_classes, lora=adapters, seed=seed + salt,
+                               base_dtype=base_dtype if adapters else "", **kw)
+    models = {"generator": make(lora, weights=generator_init),
+              "fake": make(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
         channels = models["fake"].config.block_out_channels[0 if head_features == "up" else -1]
         models["head"] = build_gan_head(channels, head_size, mesh, precision, device, seed, sharding.cpu_offload,
                                         features=head_features)
     ema = ema_lib.build_ema(models["generator"], ema_decay,
-                            functools.partial(unet, load=False, shard=sharding.never_backward()))
+                            functools.partial(make, load=False, shard=sharding.never_backward()))
     return models if ema is None else {**models, "ema": ema}
 
 
@@ -357,72 +327,6 @@ def build_gan_head(channels: int, native_size: int, mesh, precision, device: tor
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
     parallelize(head, mesh, precision.mp_policy(torch.float32), fsdp_utils.Sharding(cpu_offload=cpu_offload))
     return head
-
-
-def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dtype: torch.dtype,
-                      vae_path: str, device: torch.device):
-    """Tokenizers, CLIP text encoders (SDXL: the second with its projection) and the VAE (from
-    `vae_path` when given): small, frozen, replicated on every rank."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    tokenizers = [CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")]
-    encoders = [CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")]
-    if sdxl:
-        tokenizers.append(CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer_2"))
-        encoders.append(CLIPTextModelWithProjection.from_pretrained(model_path, subfolder="text_encoder_2"))
-    vae = (AutoencoderKL.from_pretrained(vae_path, low_cpu_mem_usage=False) if vae_path else
-           AutoencoderKL.from_pretrained(model_path, subfolder="vae", low_cpu_mem_usage=False))
-    for encoder in encoders:
-        fsdp_utils.prepare_frozen(encoder, te_dtype, device)
-    fsdp_utils.prepare_frozen(vae, vae_dtype, device)
-    return tokenizers, encoders, vae
-
-
-def gan_head_size(unet_dir: str, sdxl: bool, features: str = "mid") -> int:
-    """The GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8 as the
-    official head, SDXL 32), or with features="up" the latent side (SD-1.5 64, SDXL 128)."""
-    from diffusers import UNet2DConditionModel
-    config = UNet2DConditionModel.load_config(unet_dir)
-    if features == "up":
-        return max(4, 1 << (config["sample_size"].bit_length() - 1))  # a power of two, as the head's stages halve
-    return config["sample_size"] // 2 ** (len(config["block_out_channels"]) - 1) if sdxl else 8
-
-
-def latent_layout(resolution: int, vae_config, unet_config) -> tuple[int, tuple[int, int, int]]:
-    """(image side, latent shape): RESOLUTION, or 0 = the UNet's native sample_size x the VAE factor."""
-    factor = vae_scale_factor(vae_config)
-    resolution = resolution or unet_config.sample_size * factor
-    if resolution % factor:
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of the VAE factor {factor}")
-    return resolution, (unet_config.in_channels, resolution // factor, resolution // factor)
-
-
-def attention_shapes(model_path: str, resolution: int, batch: int, vae_path: str = "") -> tuple[list, list]:
-    """The run's attention calls for the start-up kernel check: at every UNet level with
-    cross-attention, its self-attention over the latent grid and its cross-attention to the text
-    tokens (trained: forward and backward), and the VAE mid-block's single head at the latent grid
-    (forward only). diffusers' UNet reads `attention_head_dim` as the head count when
-    `num_attention_heads` is unset (unet_2d_condition.py)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from diffusers.configuration_utils import FrozenDict
-    unet = UNet2DConditionModel.load_config(os.path.join(model_path, "unet"))
-    vae = AutoencoderKL.load_config(vae_path or os.path.join(model_path, "vae"))
-    with open(os.path.join(model_path, "text_encoder", "config.json")) as f:
-        text = json.load(f).get("max_position_embeddings", 77)
-    _, (_, side, _) = latent_layout(resolution, FrozenDict(vae), FrozenDict(unet))  # attribute access, as .config
-    heads = unet.get("num_attention_heads") or unet["attention_head_dim"]
-    trained = []
-    for i, (kind, channels) in enumerate(zip(unet["down_block_types"], unet["block_out_channels"])):
-        if "CrossAttn" not in kind:
-            continue
-        h = heads[i] if isinstance(heads, (list, tuple)) else heads
-        grid = (side >> i) ** 2
-        trained += [attention.Shape(f"UNet level {i} self-attention", batch, grid, grid, h, channels // h),
-                    attention.Shape(f"UNet level {i} cross-attention", batch, grid, text, h, channels // h)]
-    vae_mid = attention.Shape("VAE mid-block", batch, side * side, side * side, 1, vae["block_out_channels"][-1],
-                              backward=False)
-    return trained, [vae_mid]
 
 
 def init_from(path: str, generator: nn.Module, fake: nn.Module, ema: nn.Module | None) -> None:
@@ -472,83 +376,6 @@ def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", 
     real, real_skipped = read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
                                    setting="REAL_DATA_PATH", columns=columns, split=split)
     return rows, skipped + real_skipped, real
-
-
-@torch.no_grad()
-def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.device) -> torch.Tensor:
-    """CLIP last_hidden_state (B, L, D) in fp32, padded to the tokenizer's max length as SD does."""
-    ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids
-    return text_encoder(to_device(ids, device)).last_hidden_state.float()
-
-
-@torch.no_grad()
-def encode_prompts_sdxl(tokenizers, text_encoders, prompts: list[str], size: int, device: torch.device) -> dm.Cond:
-    """SDXL's conditioning as the official code builds it (tianweiy/DMD2 main/sdxl/sdxl_text_encoder.py
-    lines 18-40; main/sd_unified_model.py lines 113-120, 251-256): both encoders' penultimate hidden
-    states concatenated (B, L, 768 + 1280), the second encoder's projected pooled output as
-    `text_embeds`, and `time_ids` = (original size, crop top-left, target size) =
-    (size, size, 0, 0, size, size), all fp32."""
-    hidden = []
-    for tokenizer, encoder in zip(tokenizers, text_encoders):
-        ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids
-        out = encoder(to_device(ids, device), output_hidden_states=True)
-        hidden.append(out.hidden_states[-2])
-    pooled = out[0]  # the last encoder's (CLIPTextModelWithProjection) text_embeds
-    time_ids = to_device(torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32), device)
-    return dm.Cond(torch.cat(hidden, dim=-1).float(),
-                   {"text_embeds": pooled.float(), "time_ids": time_ids.repeat(len(prompts), 1)})
-
-
-def text_encoding(tokenizers, text_encoders, sdxl: bool, size: int, device: torch.device):
-    """prompts -> the UNet's conditioning: CLIP embeddings (SD-1.5) or SDXL's dm.Cond."""
-    if sdxl:
-        return functools.partial(encode_prompts_sdxl, tokenizers, text_encoders, size=size, device=device)
-    return functools.partial(encode_prompts, tokenizers[0], text_encoders[0], device=device)
-
-
-class PromptCache:
-    """`encode` with each distinct prompt encoded once, alone, and its embedding kept on the device
-    (up to `size` prompts; later ones are encoded alone each time). Alone, so an embedding never
-    depends on which prompts shared its batch: the same on any world size and after a resume,
-    whatever the cache held. The text encoders then run on a step's new prompts only."""
-
-    def __init__(self, encode, size: int):
-        self.encode, self.size, self.store = encode, size, {}
-
-    def one(self, prompt: str):
-        hit = self.store.get(prompt)
-        if hit is None:
-            hit = self.encode([prompt])
-            if len(self.store) < self.size:
-                self.store[prompt] = hit
-        return hit
-
-    def __call__(self, prompts: list[str]):
-        return functools.reduce(dm.cat_cond, [self.one(p) for p in prompts])
-
-
-def unconditional(encode, sdxl: bool):
-    """The teacher's CFG unconditional input: SD-1.5 the embedding of "" (official); SDXL zeros for
-    both the token and the pooled embeddings, with the same time_ids (official
-    main/sd_unified_model.py lines 258-262)."""
-    empty = encode([""])
-    if not sdxl:
-        return empty
-    return dm.Cond(torch.zeros_like(empty.text), {"text_embeds": torch.zeros_like(empty.added["text_embeds"]),
-                                                  "time_ids": empty.added["time_ids"]})
-
-
-@torch.no_grad()
-def encode_images(vae, pixels: torch.Tensor, generators: list) -> torch.Tensor:
-    """VAE latents × scaling_factor of real images (pixels in [-1, 1] on the device), fp32: a
-    sample of the posterior, as the official code takes it (tianweiy/DMD2
-    main/sdxl/generate_vae_latents.py:86, `latent_dist.sample()`, once, offline; here a fresh sample
-    each time an image is drawn), each image's noise from its own generator (per-sample streams:
-    exact on resume and on any world size)."""
-    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
-    return posterior.sample(generator=generators).float() * vae.config.scaling_factor
 
 
 def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_timesteps: int,
@@ -609,7 +436,7 @@ def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, 
             mb["real_text"] = encode(host["real_prompts"])
         if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
             gens = [sample_generator(seed, it, i, device, randomness.POSTERIOR_STREAM) for i in host["mine"]]
-            mb["real"] = encode_images(vae, host["pixels"], gens)
+            mb["real"] = unet.encode_images(vae, host["pixels"], gens)
         out.append(mb)
     return out
 
@@ -684,20 +511,6 @@ def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: 
     g = step_generator(seed, 0, stream=SAMPLE_NOISE_STREAM)
     return (prompts, torch.randn((len(prompts), *shape), generator=g),
             torch.randn((len(prompts), n_sim, *shape), generator=g))
-
-
-@torch.no_grad()
-def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: str) -> None:
-    """Every rank runs the sharded generator (the same forwards everywhere); rank 0 decodes and
-    writes the grid. Few-step mode runs the whole step list, as inference does."""
-    last = len(step_list) - 1
-    fresh = [sim_noise[:, i] for i in range(last)]
-    z, _ = dm.backward_simulation(model, noise, step_list, last, text, alphas, fresh_noise=fresh)
-    latents = dm.generator_forward(model, z, step_list[last], text, alphas)
-    fsdp_utils.reshard_all(model)  # no gathered copy left behind until the next grid
-    if rank() == 0:
-        images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
-        save_image_grid(images, path, nrow=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1007,7 +820,7 @@ def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
     if run.pipeline in facts.FLUX_TEACHERS:
         return main_flux(run, step_list)
-    d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
+    d, sdxl, precision = run.d, unet.is_sdxl(run.pipeline), get_precision(PRECISION)
     columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
     rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
                                          columns=columns, split=DATASET_SPLIT)
@@ -1019,18 +832,17 @@ def main() -> None:
         sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
                                    setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
 
-    shapes = attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
+    shapes = unet.attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
     trainer.check_attention(run, *shapes, precision.compute_dtype)
 
     # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
     # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
     # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
-    from diffusers import DDPMScheduler
     mesh, _, sharding = trainer.mesh_and_sharding(run)
     unet_dir = os.path.join(MODEL_PATH, "unet")
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
+                          use_gan=USE_GAN, head_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
                           head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
                           lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
                           base_dtype=BASE_DTYPE)
@@ -1038,18 +850,19 @@ def main() -> None:
     if GENERATOR_INIT and not run.resume_path:
         print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
-    teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
-                         trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
+    teacher = unet.build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
+                              trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     train_gen, train_fake = generator, fake
     if mesh is None:  # DDP wrappers for the training forwards only
         train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
-    tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
-                                                       vae_dtype, VAE_PATH, d.device)
+    tokenizers, text_encoders, vae = unet.load_frozen_parts(MODEL_PATH, sdxl,
+                                                            precision.frozen_dtype(TEXT_ENCODER_DTYPE), vae_dtype,
+                                                            VAE_PATH, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the UNets' FLOPs; the VAE's apart
-    alphas = DDPMScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler").alphas_cumprod.to(d.device)
-    resolution, latent_shape = latent_layout(RESOLUTION, vae.config, generator.config)
+    alphas = unet.train_alphas(MODEL_PATH, d.device)
+    resolution, latent_shape = unet.latent_layout(RESOLUTION, vae.config, generator.config)
 
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
@@ -1069,10 +882,10 @@ def main() -> None:
         init_from(INIT_FROM, generator, fake, ema)
 
     # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
-    encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
+    encode = unet.text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
     if PROMPT_CACHE > 0:
-        encode = PromptCache(encode, PROMPT_CACHE)
-    uncond = unconditional(encode, sdxl)
+        encode = unet.PromptCache(encode, PROMPT_CACHE)
+    uncond = unet.unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
                                                              len(step_list) - 1, SEED)
     sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
@@ -1081,7 +894,7 @@ def main() -> None:
 
     def sample(path):
         with final_weights() as model:
-            write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
+            unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
     losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
     draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),

@@ -1,6 +1,6 @@
 """The house's layout, checked: the root holds only the two scripts and the three modules users edit
 (fsdp_utils, precision, checkpoint), imports go one way through the tiers (scripts ->
-components.trainer -> components.export -> checkpoint -> parallel/ -> fsdp_utils, data/,
+components.trainer -> components.export -> checkpoint, families/ (the model families) -> parallel/ -> fsdp_utils, data/,
 components.metrics -> components' base modules, precision, algorithms), no import cycle, tools/ never
 importing demos/, and the two scripts' settings: every UPPER_CASE constant overridable, the shared
 ones in the same order with the same comment.
@@ -25,13 +25,13 @@ BASE = ("errors", "dist", "config", "checks", "warnings", "logger", "guard", "op
 TIERS = {"precision": 0, "algorithms": 0, "components": 0, **{f"components.{m}": 0 for m in BASE},
          "fsdp_utils": 1, "data": 1, "components.metrics": 1,
          "parallel": 2,
-         "checkpoint": 3,
+         "checkpoint": 3, "families": 3,
          "components.export": 4,
          "components.trainer": 5,
          "train_dmd": 6, "train_flux_kontext": 6}
-PROJECT = ("components", "data", "fsdp_utils", "parallel", "precision", "algorithms", "checkpoint", "train_dmd",
-           "train_flux_kontext", "tools", "demos", "tests")
-FOLDERS = ("components", "data", "parallel", "algorithms", "tools", "demos")
+PROJECT = ("components", "data", "fsdp_utils", "parallel", "precision", "algorithms", "checkpoint", "families",
+           "train_dmd", "train_flux_kontext", "tools", "demos", "tests")
+FOLDERS = ("components", "data", "parallel", "algorithms", "families", "tools", "demos")
 
 
 def _module_name(path: str) -> str:

@@ -1,0 +1,15 @@
+"""The model families, one room each: what is true of a family alone (how its models are built and
+sharded, its conditioning, latent layout, training target and samples), apart from the scripts'
+training stories. The scripts pick the room from model_index.json's `_class_name` through FAMILIES.
+
+    sd_unet.py  SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
+
+A new family (Qwen-Image-Edit next) is one more module here and its pipeline names in FAMILIES.
+Rooms import parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms,
+never the other way (tests/test_layout.py checks it).
+"""
+from __future__ import annotations
+
+from families import sd_unet
+
+FAMILIES = {pipeline: room for room in (sd_unet,) for pipeline in room.PIPELINES}
