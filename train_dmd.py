@@ -55,22 +55,22 @@ from algorithms import dmd2_flux as flux_dm
 from algorithms import flux_kontext as km
 from components import profiling, trainer
 from components.config import check_settings, script_constants
-from components.dist import print0, rank
+from components.dist import print0
 from components.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data import randomness
 from data.batches import global_batch_indices, micro_batch_positions
-from data.images import load_image, save_image_grid
+from data.images import load_image
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
 from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
+from families import flux
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel import lowbit
-from parallel import flux as flux_models
 from parallel.loading import check_same_tensors
 from parallel import models as facts
 from parallel.models import vae_scale_factor
@@ -260,8 +260,8 @@ def resolve_defaults() -> dict:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
     if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG)
-        flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in facts.FLUX_TEACHERS
-        REAL_GUIDANCE_SCALE = 1.0 if flux else 1.75
+        is_flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in facts.FLUX_TEACHERS
+        REAL_GUIDANCE_SCALE = 1.0 if is_flux else 1.75
     return script_constants(globals())
 
 
@@ -645,56 +645,26 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     return out
 
 
-@torch.no_grad()
-def write_flux_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, tiles: list, side: int,
-                       path: str) -> None:
-    """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
-    grid: context | output | target per Kontext row (grey where a row has no target), outputs alone
-    for text-to-image."""
-    tokens = flux_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, guidance)
-    fsdp_utils.reshard_all(model)
-    if rank() != 0:
-        return
-    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
-    latents = km.unpack_latents(tokens.float(), side, side) / scale + shift
-    out = vae.decode(latents.to(vae.dtype)).sample.float().cpu().clamp(-1, 1)
-    if not tiles:
-        return save_image_grid(out, path, nrow=4)
-    grid = [t for (context, target), o in zip(tiles, out) for t in (context, o, target)]
-    save_image_grid(torch.stack(grid), path, nrow=3)
-
-
-def distilled_scheduler(model_path: str) -> dict:
-    """The scheduler config every export of the distilled generator carries (export/, export_merged/):
-    the teacher's made to sample the trained σ list (algorithms/dmd2_flux.distilled_scheduler_config)."""
-    with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
-        return flux_dm.distilled_scheduler_config(json.load(f))
-
-
 def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
-    the FLUX recipe (parallel/flux.py, as train_flux_kontext.py builds its one), the prompts come
+    the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
     from the text cache train_flux_kontext.py fills (data/text_cache.py), the context image is
     encoded and packed as Kontext fine-tuning does (algorithms/flux_kontext.py), and the step is
     algorithms/dmd2_flux.py's, in the same loop as the UNets'."""
     from diffusers.configuration_utils import FrozenDict
 
-    d, prec, kontext = run.d, get_precision(PRECISION), run.pipeline == "FluxKontextPipeline"
+    d, prec, kontext = run.d, get_precision(PRECISION), flux.is_kontext(run.pipeline)
     sigmas = flux_dm.timestep_sigmas(timesteps)
     with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
         vae_config = FrozenDict(json.load(f))
     factor = vae_scale_factor(vae_config)
-    resolution = RESOLUTION or 128 * factor  # the pipelines' default_sample_size x the VAE factor: 1024 for FLUX
-    if resolution % (2 * factor):
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of {2 * factor} (VAE factor x 2x2 packing)")
-    side = resolution // factor
-    latent_shape = (vae_config["latent_channels"], side, side)
+    resolution, side, latent_shape = flux.latent_layout(RESOLUTION, vae_config)
     rows, skipped, sample_rows = flux_rows(kontext, {"prompt": PROMPT_COLUMN})
     print0(f"data: {len(rows)} {'pairs' if kontext else 'prompts'} from {DATA_PATH}"
            + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
     text_length = t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
-    trainer.check_attention(run, *flux_models.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
-                                                               factor, BATCH_SIZE, 1), prec.compute_dtype)
+    trainer.check_attention(run, *flux.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
+                                                        factor, BATCH_SIZE, 1), prec.compute_dtype)
 
     # the text cache (encoders loaded only where prompts are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
@@ -707,7 +677,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
     teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
-    build = functools.partial(flux_models.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
+    build = functools.partial(flux.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
                               d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                               attention_backend=ATTENTION_BACKEND)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
@@ -732,7 +702,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
         models["ema"] = ema
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
-    vae = flux_models.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
+    vae = flux.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
 
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
@@ -753,7 +723,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     ids = flux_dm.image_ids(side, side, kontext, d.device)
 
     def context_tokens(pixels):
-        return km.pack_latents(km.encode_latents(vae, pixels)) if kontext else None
+        return flux.image_tokens(vae, pixels) if kontext else None
     text = load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
     tiles = []
     if kontext:
@@ -771,8 +741,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
 
     def sample(path):
         with final_weights() as model:
-            write_flux_samples(model, vae, sample_cond, noise, sample_sim, sigmas,
-                               FLUX_GUIDANCE, tiles, side, path)
+            flux.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, FLUX_GUIDANCE, tiles, side, path)
 
     draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
@@ -785,7 +754,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
             mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
             mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None, ids)
             if "target" in host:  # the GAN's real images: the pairs' targets, encoded as the contexts are
-                mb["real"] = km.pack_latents(km.encode_latents(vae, host["target"]))
+                mb["real"] = flux.image_tokens(vae, host["target"])
             out.append(mb)
         return out
     steps = StepFns(
@@ -808,7 +777,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
     print0(f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})")
     trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None,
-                   scheduler=distilled_scheduler(MODEL_PATH))
+                   scheduler=flux.distilled_scheduler(MODEL_PATH))
 
 
 # ----------------------------------------------------------------------------------------------

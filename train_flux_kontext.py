@@ -73,8 +73,8 @@ from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per
 from data.sources import read_rows
 from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests as this script's
     cache_file, encoder_identity, fill_in_rounds, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
+from families.flux import attention_shapes, build_transformer, load_vae
 from parallel import ema as ema_lib
-from parallel.flux import attention_shapes, build_transformer, load_vae
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel import attention, lowbit
 from parallel.models import vae_scale_factor

@@ -3,6 +3,7 @@ sharded, its conditioning, latent layout, training target and samples), apart fr
 training stories. The scripts pick the room from model_index.json's `_class_name` through FAMILIES.
 
     sd_unet.py  SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
+    flux.py     FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
 
 A new family (Qwen-Image-Edit next) is one more module here and its pipeline names in FAMILIES.
 Rooms import parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms,
@@ -10,6 +11,6 @@ never the other way (tests/test_layout.py checks it).
 """
 from __future__ import annotations
 
-from families import sd_unet
+from families import flux, sd_unet
 
-FAMILIES = {pipeline: room for room in (sd_unet,) for pipeline in room.PIPELINES}
+FAMILIES = {pipeline: room for room in (sd_unet, flux) for pipeline in room.PIPELINES}
