@@ -67,13 +67,12 @@ from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws
 from data.sources import read_rows, source_kind
 from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
 from families import flux
+from families.pipelines import vae_scale_factor
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel import lowbit
 from parallel.loading import check_same_tensors
-from parallel import models as facts
-from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
 
@@ -125,7 +124,7 @@ GAN_HEAD_FEATURES = "mid"  # the GAN head reads the bottleneck (mid, published) 
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters on the generator (official run: 64)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py)
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/model_facts.py)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
 LORA_INIT = "gaussian"  # lora_A's init: gaussian (diffusers' examples) | default (peft's, the official DMD2 run)
 BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 = 4-bit NormalFloat (QLoRA)
@@ -205,7 +204,7 @@ def validate_config() -> list[int]:
         raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
-    if pipeline in facts.FLUX_TEACHERS:
+    if pipeline in flux.PIPELINES:
         check_flux_settings(pipeline)
     try:
         steps = [int(t) for t in DENOISING_STEPS]
@@ -260,7 +259,7 @@ def resolve_defaults() -> dict:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
     if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG)
-        is_flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in facts.FLUX_TEACHERS
+        is_flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in flux.PIPELINES
         REAL_GUIDANCE_SCALE = 1.0 if is_flux else 1.75
     return script_constants(globals())
 
@@ -787,7 +786,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
 
 def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
-    if run.pipeline in facts.FLUX_TEACHERS:
+    if run.pipeline in flux.PIPELINES:
         return main_flux(run, step_list)
     d, sdxl, precision = run.d, unet.is_sdxl(run.pipeline), get_precision(PRECISION)
     columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}

@@ -2,8 +2,9 @@
 sharded, its conditioning, latent layout, training target and samples), apart from the scripts'
 training stories. The scripts pick the room from model_index.json's `_class_name` through FAMILIES.
 
-    sd_unet.py  SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
-    flux.py     FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
+    sd_unet.py    SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
+    flux.py       FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
+    pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it
 
 A new family (Qwen-Image-Edit next) is one more module here and its pipeline names in FAMILIES.
 Rooms import parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms,

@@ -21,11 +21,11 @@ from algorithms import flux_kontext as km
 from components.dist import rank
 from components.errors import ConfigError
 from data.images import save_image_grid
+from families.pipelines import vae_scale_factor
 from precision import Precision
 from parallel import attention, lowbit
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.lora import Lora, add_lora
-from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize_flux
 
 PIPELINES = ("FluxKontextPipeline", "FluxPipeline")  # model_index.json's _class_name

@@ -20,13 +20,20 @@ from components.dist import rank
 from components.errors import ConfigError
 from data.images import save_image_grid
 from data.prefetch import to_device
+from families.pipelines import vae_scale_factor
 from parallel import attention, lowbit
 from parallel import lora as lora_lib
 from parallel.loading import build_on_meta, fill_built_model
-from parallel.models import vae_scale_factor
 from parallel.parallelize import parallelize_unet
 
 PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")  # model_index.json's _class_name
+
+# The official DMD2 LoRA run's targets (tianweiy/DMD2 main/sd_unified_model.py:47-62, its
+# --generator_lora path, SDXL only there): attention, proj_in/out, feed-forward, the resnets' convs
+# and time embedding projections, the down/up samplers' convs. recipes/dmd_*_lora.sh pass them as
+# LORA_TARGET_MODULES (tests/test_recipes.py checks they are these).
+DMD2_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
+                     "conv1", "conv2", "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv", "time_emb_proj")
 
 
 def is_sdxl(pipeline: str) -> bool:
