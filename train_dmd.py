@@ -1,19 +1,21 @@
-"""DMD2 distillation of an SD-1.5 or SDXL UNet into a 1-step (or few-step) generator, on FSDP2.
+"""DMD2 distillation of an SD-1.5 / SDXL UNet or a FLUX.1 (Kontext or text-to-image) transformer into
+a 1-step (or few-step) generator, on FSDP2.
 
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
-Three UNets start from the same teacher weights: the generator G (trained), the frozen teacher
-("real score") and the fake score (trained to follow G's output distribution). Each is sharded by
-the UNet recipe (parallel/parallelize.py: a `fully_shard` unit per BasicTransformerBlock /
-ResnetBlock2D, in execution order) and loaded straight into its shards. Per step (two time
-scales, as published):
+Three copies of the teacher start from the same weights: the generator G (trained), the frozen
+teacher ("real score") and the fake score (trained to follow G's output distribution). Each is
+sharded by its family's recipe (a `fully_shard` unit per block, in execution order) and loaded
+straight into its shards. Per step (two time scales, as published):
   - every DFAKE_GEN_UPDATE_RATIO steps, G steps on the distribution-matching loss `loss_dm`
     (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
-The math lives in algorithms/dmd2.py; what both scripts do around the loop in components/trainer.py;
-this file builds the models and runs the loop. The pipeline kind comes from MODEL_PATH's
-model_index.json: StableDiffusionPipeline (CLIP text embeddings) or StableDiffusionXLPipeline
-(two text encoders, added time/text conditions, fp32 VAE), through the same loop.
+The math lives in algorithms/dmd2.py (FLUX: algorithms/dmd2_flux.py); what both scripts do around
+the loop in components/trainer.py; what is true of a model family alone in its room, families/.
+MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
+text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
+VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md); its setup here builds the models,
+VAE, batches and losses, and one story (main) runs them through the same loop.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default (the shipped shapes teacher): a smoke run
     torchrun --standalone --nproc_per_node=2 train_dmd.py
@@ -49,6 +51,7 @@ import torch
 import torch.nn as nn
 
 import checkpoint
+import families
 import fsdp_utils
 from algorithms import dmd2 as dm
 from algorithms import dmd2_flux as flux_dm
@@ -644,7 +647,118 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     return out
 
 
-def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
+# ----------------------------------------------------------------------------------------------
+# the families' DMD2 setups: each builds its models, trained views, VAE, batches, losses and samples
+# from its room (families/), for the one story in main
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What main needs of a model family: built by the family's setup function (_SETUPS)."""
+    models: dict  # generator, fake[, head][, ema]: what checkpoints hold
+    teacher: nn.Module  # the frozen real score
+    trained: tuple  # (generator, fake score) as their training forwards see them (DDP-wrapped under ddp)
+    guidance: nn.Module  # fake score (+ head): what the guidance optimizer steps
+    audit: list  # the dtype rows of every component, for the start-up report
+    caption: str  # the report's caption: resolution, latents or tokens
+    n_steps: int  # the generator's sampling steps (1 = a 1-step generator)
+    skipped: int  # bad data rows skipped
+    inputs: Callable  # (final_weights) -> (StepFns, load, sample), after restore: fixed inputs, batches, losses
+    scheduler: dict | None = None  # the scheduler config every export carries (None: the teacher's)
+    export_note: str = ""  # how to sample the export, printed before it is written
+
+
+def unet_setup(run: trainer.Run, step_list: list[int], precision: Precision) -> Setup:
+    """DMD2 with an SD-1.5 or SDXL teacher: generator, fake score and teacher are UNets built by the
+    UNet recipe (families/sd_unet.py), each sharded per block (PARALLELISM=ddp: full replicas, the
+    trainable ones wrapped in DDP for their training forwards; checkpoints, EMA, samples and export
+    always use the unwrapped modules, whose names match); prompts encoded by the CLIP text encoders
+    (SDXL: two, with the added time/text conditions), ε-prediction on the teacher's DDPM alphas."""
+    d, sdxl = run.d, unet.is_sdxl(run.pipeline)
+    columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
+    rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
+                                         columns=columns, split=DATASET_SPLIT)
+    print0(f"data: {len(rows)} rows from {DATA_PATH}"
+           + (f"; GAN real images: {len(real_rows)} from REAL_DATA_PATH={REAL_DATA_PATH}" if real_rows else "")
+           + (f", {skipped} bad rows skipped" if skipped else ""))
+    sample_rows = rows
+    if SAMPLE_PROMPTS:
+        sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
+                                   setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
+
+    shapes = unet.attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
+    trainer.check_attention(run, *shapes, precision.compute_dtype)
+
+    # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
+    mesh, _, sharding = trainer.mesh_and_sharding(run)
+    unet_dir = os.path.join(MODEL_PATH, "unet")
+    fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
+    models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
+                          use_gan=USE_GAN, head_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
+                          head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
+                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
+                          base_dtype=BASE_DTYPE)
+    generator, fake, head = (models.get(k) for k in ("generator", "fake", "head"))
+    if GENERATOR_INIT and not run.resume_path:
+        print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
+    teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
+    teacher = unet.build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
+                              trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
+    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
+    train_gen, train_fake = generator, fake
+    if mesh is None:  # DDP wrappers for the training forwards only
+        train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
+    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
+    tokenizers, text_encoders, vae = unet.load_frozen_parts(MODEL_PATH, sdxl,
+                                                            precision.frozen_dtype(TEXT_ENCODER_DTYPE), vae_dtype,
+                                                            VAE_PATH, d.device)
+    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the UNets' FLOPs; the VAE's apart
+    alphas = unet.train_alphas(MODEL_PATH, d.device)
+    resolution, latent_shape = unet.latent_layout(RESOLUTION, vae.config, generator.config)
+    computes = {"fake": fake_compute, "head": torch.float32}  # FAKE_SCORE_FP32; the head always (build_gan_head)
+    audit = [component_row(n, m, computes.get(n, precision.compute_dtype)) for n, m in models.items()]
+    audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
+                                                            (teacher, *text_encoders))]
+    encode = unet.text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
+    if PROMPT_CACHE > 0:
+        encode = unet.PromptCache(encode, PROMPT_CACHE)
+    inputs = functools.partial(unet_inputs, d=d, encode=encode, sdxl=sdxl, vae=vae, teacher=teacher, head=head,
+                               alphas=alphas, rows=rows, real_rows=real_rows, sample_rows=sample_rows,
+                               resolution=resolution, latent_shape=latent_shape, step_list=step_list)
+    return Setup(models, teacher, (train_gen, train_fake), guidance, audit + [component_row("vae", vae, vae.dtype)],
+                 f"{resolution} px, latents {latent_shape}", len(step_list), skipped, inputs)
+
+
+def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, rows, real_rows, sample_rows,
+                resolution, latent_shape, step_list) -> tuple[StepFns, Callable, Callable]:
+    """The UNet family's step: fixed inputs (the unconditional embedding of the teacher's CFG, sample
+    prompts and noise), batches (prompt embeddings, real latents, per-sample draws) and losses."""
+    uncond = unet.unconditional(encode, sdxl)
+    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
+                                                             len(step_list) - 1, SEED)
+    sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
+    sample_text = encode(sample_prompts)
+
+    def sample(path):
+        with final_weights() as model:
+            unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
+    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
+    draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
+                             num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
+                             gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
+
+    steps = StepFns(
+        batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
+        images=lambda model, mb, index: generator_images(model, mb, step_list, index, alphas),
+        generator_loss=lambda x, mb, fake_: generator_loss(x, mb, uncond, teacher, fake_, head, alphas, losses),
+        guidance_loss=lambda x, mb, fake_: guidance_loss(x, mb, fake_, head, alphas, losses))
+    load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
+                             real_size=resolution if USE_GAN else None, real_rows=real_rows,
+                             caption_dropout=CAPTION_DROPOUT)
+    return steps, load, sample
+
+
+def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
     the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
     from the text cache train_flux_kontext.py fills (data/text_cache.py), the context image is
@@ -652,7 +766,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     algorithms/dmd2_flux.py's, in the same loop as the UNets'."""
     from diffusers.configuration_utils import FrozenDict
 
-    d, prec, kontext = run.d, get_precision(PRECISION), flux.is_kontext(run.pipeline)
+    d, kontext = run.d, flux.is_kontext(run.pipeline)
     sigmas = flux_dm.timestep_sigmas(timesteps)
     with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
         vae_config = FrozenDict(json.load(f))
@@ -703,22 +817,23 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
     vae = flux.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
-
-    opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
-    opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
     computes = {"fake": fake_compute, "head": torch.float32}
     audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
     tokens = side * side // 4
-    trainer.report_components(run, f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
-                              + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}", audit,
-                              {**models, "teacher": teacher}, {"generator": opt_g, "guidance": opt_d})
-    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
-                            {"generator": sched_g, "guidance": sched_d})
-    if not run.resume_path and INIT_FROM:
-        init_from(INIT_FROM, generator, fake, ema)
+    caption = (f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
+               + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}")
+    inputs = functools.partial(flux_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
+                               sample_rows=sample_rows, kontext=kontext, resolution=resolution, side=side,
+                               latent_shape=latent_shape, sigmas=sigmas, cache_dir=cache_dir, identity=identity)
+    return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), skipped, inputs,
+                 flux.distilled_scheduler(MODEL_PATH), export_note(run, sigmas))
 
-    # fixed sample inputs: the sample rows' text and context, noise of the whole σ list
+
+def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kontext, resolution, side, latent_shape,
+                sigmas, cache_dir, identity) -> tuple[StepFns, Callable, Callable]:
+    """The FLUX family's step: fixed sample inputs (the sample rows' text and context, noise of the
+    whole σ list), batches (cached text, packed context and real tokens, per-sample draws) and losses."""
     ids = flux_dm.image_ids(side, side, kontext, d.device)
 
     def context_tokens(pixels):
@@ -736,7 +851,6 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
     sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
     sample_sim = flux_dm.pack_steps(sim).to(d.device)
-    final_weights = functools.partial(ema_lib.output_weights, generator, ema)
 
     def sample(path):
         with final_weights() as model:
@@ -763,10 +877,12 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
         guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, gan))
     load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              kontext=kontext, d=d)
-    run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, guidance), (opt_g, opt_d),
-             (sched_g, sched_d), sample, skipped)
+    return steps, load, sample
 
-    # every export carrying the generator samples in len(sigmas) steps with the scheduler made for it
+
+def export_note(run: trainer.Run, sigmas: list[float]) -> str:
+    """How to sample a FLUX export: every export carrying the generator samples in len(sigmas) steps
+    with the scheduler made for it."""
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
@@ -774,111 +890,45 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
            f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
-    print0(f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})")
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None,
-                   scheduler=flux.distilled_scheduler(MODEL_PATH))
+    return f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})"
+
+
+_SETUPS = {unet: unet_setup, flux: flux_setup}  # by room (families.FAMILIES: model_index.json's _class_name)
 
 
 # ----------------------------------------------------------------------------------------------
-# main: config -> distributed init -> models (meta, sharded, loaded) -> optimizers -> resume ->
-# loop -> export -> teardown (components/trainer.py: what both scripts do before and after the loop)
+# main: config -> distributed init -> the family's setup (models meta, sharded, loaded; VAE; data) ->
+# optimizers -> resume -> loop -> export -> teardown (components/trainer.py: what both scripts do
+# before and after the loop)
 
 
 def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
-    if run.pipeline in flux.PIPELINES:
-        return main_flux(run, step_list)
-    d, sdxl, precision = run.d, unet.is_sdxl(run.pipeline), get_precision(PRECISION)
-    columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
-    rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
-                                         columns=columns, split=DATASET_SPLIT)
-    print0(f"data: {len(rows)} rows from {DATA_PATH}"
-           + (f"; GAN real images: {len(real_rows)} from REAL_DATA_PATH={REAL_DATA_PATH}" if real_rows else "")
-           + (f", {skipped} bad rows skipped" if skipped else ""))
-    sample_rows = rows
-    if SAMPLE_PROMPTS:
-        sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
-                                   setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
-
-    shapes = unet.attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
-    trainer.check_attention(run, *shapes, precision.compute_dtype)
-
-    # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
-    # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
-    # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
-    mesh, _, sharding = trainer.mesh_and_sharding(run)
-    unet_dir = os.path.join(MODEL_PATH, "unet")
-    fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
-    models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
-                          head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
-                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
-                          base_dtype=BASE_DTYPE)
-    generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
-    if GENERATOR_INIT and not run.resume_path:
-        print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
-    teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
-    teacher = unet.build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
-                              trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
-    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
-    train_gen, train_fake = generator, fake
-    if mesh is None:  # DDP wrappers for the training forwards only
-        train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
-    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
-    tokenizers, text_encoders, vae = unet.load_frozen_parts(MODEL_PATH, sdxl,
-                                                            precision.frozen_dtype(TEXT_ENCODER_DTYPE), vae_dtype,
-                                                            VAE_PATH, d.device)
-    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the UNets' FLOPs; the VAE's apart
-    alphas = unet.train_alphas(MODEL_PATH, d.device)
-    resolution, latent_shape = unet.latent_layout(RESOLUTION, vae.config, generator.config)
+    family = _SETUPS[families.FAMILIES[run.pipeline]](run, step_list, get_precision(PRECISION))
+    generator, fake, ema = (family.models.get(k) for k in ("generator", "fake", "ema"))
 
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
-    opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
-    computes = {"fake": fake_compute, "head": torch.float32}  # FAKE_SCORE_FP32; the head always (build_gan_head)
-    audit = [component_row(n, m, computes.get(n, precision.compute_dtype)) for n, m in models.items()]
-    audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
-                                                            (teacher, *text_encoders))]
-    trainer.report_components(run, f"{resolution} px, latents {latent_shape}",
-                              audit + [component_row("vae", vae, vae.dtype)], {**models, "teacher": teacher},
+    opt_d, sched_d = make_optimizer(family.guidance, GUIDANCE_LR, WARMUP_STEPS)
+    trainer.report_components(run, family.caption, family.audit, {**family.models, "teacher": family.teacher},
                               {"generator": opt_g, "guidance": opt_d})
 
     # checkpoints (the checkpointer decides when), resume; or weights only from INIT_FROM
-    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
+    start = trainer.restore(run, family.models, {"generator": (generator, opt_g), "guidance": (family.guidance, opt_d)},
                             {"generator": sched_g, "guidance": sched_d})
     if not run.resume_path and INIT_FROM:
         init_from(INIT_FROM, generator, fake, ema)
 
-    # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
-    encode = unet.text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
-    if PROMPT_CACHE > 0:
-        encode = unet.PromptCache(encode, PROMPT_CACHE)
-    uncond = unet.unconditional(encode, sdxl)
-    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
-                                                             len(step_list) - 1, SEED)
-    sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
+    # the loop, on the family's fixed inputs, batches and losses
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
-    sample_text = encode(sample_prompts)
+    steps, load, sample = family.inputs(final_weights)
+    run_loop(run, start, steps, load, family.n_steps, family.models, (*family.trained, family.guidance),
+             (opt_g, opt_d), (sched_g, sched_d), sample, family.skipped)
 
-    def sample(path):
-        with final_weights() as model:
-            unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
-    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
-    draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
-                             num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
-                             gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
-
-    steps = StepFns(
-        batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
-        images=lambda model, mb, index: generator_images(model, mb, step_list, index, alphas),
-        generator_loss=lambda x, mb, fake_: generator_loss(x, mb, uncond, teacher, fake_, head, alphas, losses),
-        guidance_loss=lambda x, mb, fake_: guidance_loss(x, mb, fake_, head, alphas, losses))
-    load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
-                             real_size=resolution if USE_GAN else None, real_rows=real_rows,
-                             caption_dropout=CAPTION_DROPOUT)
-    run_loop(run, start, steps, load, len(step_list), models, (train_gen, train_fake, guidance), (opt_g, opt_d),
-             (sched_g, sched_d), sample, skipped)
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
+    # export
+    if family.export_note:
+        print0(family.export_note)
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None, scheduler=family.scheduler)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ training stories. The scripts pick the room from model_index.json's `_class_name
     flux.py       FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
     pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it
 
-A new family (Qwen-Image-Edit next) is one more module here and its pipeline names in FAMILIES.
-Rooms import parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms,
-never the other way (tests/test_layout.py checks it).
+A new family (Qwen-Image-Edit next) is one more room here, listed in FAMILIES, with its pipeline's
+components in pipelines.py and, for DMD2, its setup in train_dmd.py's _SETUPS. Rooms import
+parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms, never the
+other way (tests/test_layout.py checks it).
 """
 from __future__ import annotations
 
