@@ -1,19 +1,21 @@
-"""DMD2 distillation of an SD-1.5 or SDXL UNet into a 1-step (or few-step) generator, on FSDP2.
+"""DMD2 distillation of an SD-1.5 / SDXL UNet or a FLUX.1 (Kontext or text-to-image) transformer into
+a 1-step (or few-step) generator, on FSDP2.
 
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
-Three UNets start from the same teacher weights: the generator G (trained), the frozen teacher
-("real score") and the fake score (trained to follow G's output distribution). Each is sharded by
-the UNet recipe (parallel/parallelize.py: a `fully_shard` unit per BasicTransformerBlock /
-ResnetBlock2D, in execution order) and loaded straight into its shards. Per step (two time
-scales, as published):
+Three copies of the teacher start from the same weights: the generator G (trained), the frozen
+teacher ("real score") and the fake score (trained to follow G's output distribution). Each is
+sharded by its family's recipe (a `fully_shard` unit per block, in execution order) and loaded
+straight into its shards. Per step (two time scales, as published):
   - every DFAKE_GEN_UPDATE_RATIO steps, G steps on the distribution-matching loss `loss_dm`
     (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
-The math lives in algorithms/dmd2.py; what both scripts do around the loop in components/trainer.py;
-this file builds the models and runs the loop. The pipeline kind comes from MODEL_PATH's
-model_index.json: StableDiffusionPipeline (CLIP text embeddings) or StableDiffusionXLPipeline
-(two text encoders, added time/text conditions, fp32 VAE), through the same loop.
+The math lives in algorithms/dmd2.py (FLUX: algorithms/dmd2_flux.py); what both scripts do around
+the loop in components/trainer.py; what is true of a model family alone in its room, families/.
+MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
+text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
+VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md); its setup here builds the models,
+VAE, batches and losses, and one story (main) runs them through the same loop.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default (the shipped shapes teacher): a smoke run
     torchrun --standalone --nproc_per_node=2 train_dmd.py
@@ -49,31 +51,31 @@ import torch
 import torch.nn as nn
 
 import checkpoint
+import families
 import fsdp_utils
 from algorithms import dmd2 as dm
 from algorithms import dmd2_flux as flux_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
 from components.config import check_settings, script_constants
-from core.dist import print0, rank
+from core.dist import print0
 from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data import randomness
 from data.batches import global_batch_indices, micro_batch_positions
-from data.images import load_image, save_image_grid
-from data.prefetch import Prefetcher, to_device
+from data.images import load_image
+from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
 from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
+from families import flux
+from families.pipelines import vae_scale_factor
+from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
-from parallel import attention, lowbit
-from parallel import flux as flux_models
-from parallel.loading import build_on_meta, check_same_tensors, fill_built_model
-from parallel import models as facts
-from parallel.models import vae_scale_factor
-from parallel.parallelize import parallelize, parallelize_unet
+from parallel.loading import check_same_tensors
+from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
 
 # ----------------------------------------------------------------------------------------------
@@ -124,7 +126,7 @@ GAN_HEAD_FEATURES = "mid"  # the GAN head reads the bottleneck (mid, published) 
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters on the generator (official run: 64)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py)
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/model_facts.py)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
 LORA_INIT = "gaussian"  # lora_A's init: gaussian (diffusers' examples) | default (peft's, the official DMD2 run)
 BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 = 4-bit NormalFloat (QLoRA)
@@ -204,7 +206,7 @@ def validate_config() -> list[int]:
         raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
-    if pipeline in facts.FLUX_TEACHERS:
+    if pipeline in flux.PIPELINES:
         check_flux_settings(pipeline)
     try:
         steps = [int(t) for t in DENOISING_STEPS]
@@ -259,8 +261,8 @@ def resolve_defaults() -> dict:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
     if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG)
-        flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in facts.FLUX_TEACHERS
-        REAL_GUIDANCE_SCALE = 1.0 if flux else 1.75
+        is_flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in flux.PIPELINES
+        REAL_GUIDANCE_SCALE = 1.0 if is_flux else 1.75
     return script_constants(globals())
 
 
@@ -275,37 +277,6 @@ class Losses:
     gen_cls_weight: float
     guidance_cls_weight: float
     diffusion_gan: bool
-
-
-def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
-               sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
-               lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0, weights: str = "",
-               base_dtype: str = "") -> nn.Module:
-    """A UNet2DConditionModel built on the meta device from `folder`'s config, stored in `dtype`,
-    sharded by the UNet recipe, then each rank reads only its slices from `weights` (a UNet folder or
-    one .safetensors file; "" = `folder`) (load=False: allocated, unfilled and without grads, for
-    the EMA). Trainable: `policy` is the precision's mixed-precision policy and
-    `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
-    frozen base, which the caller stores in its compute dtype (parallel/lora.py; base_dtype="nf4":
-    its Linear weights in 4-bit NF4, parallel/lowbit.py). Frozen: no grads
-    ever, stored in its compute dtype (the frozen policy), resharded after every forward. mesh=None
-    (PARALLELISM=ddp): the recipe's AC and compile only, every rank loads the whole model (the
-    caller wraps a trainable one in DDP)."""
-    from diffusers import UNet2DConditionModel
-
-    model = build_on_meta(UNet2DConditionModel, folder).to(dtype)
-    if trainable and lora:
-        lora_lib.add_lora(model, lora)
-        if base_dtype == "nf4":
-            lowbit.quantize_base(model, mesh.size() if mesh is not None else 1)
-    if not load or not trainable:
-        model.requires_grad_(False)
-    if not trainable:
-        model.eval()
-        sharding = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
-    parallelize_unet(model, mesh, policy, sharding, block_classes)
-    home = torch.device("cpu") if sharding.cpu_offload else device
-    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
 
 
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
@@ -325,23 +296,23 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
     fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `base_dtype`: the
     LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
-    def unet(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
+    def make(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
              shard: fsdp_utils.Sharding = sharding, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
         if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
             storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
-        return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
-                          block_classes=block_classes, lora=adapters, seed=seed + salt,
-                          base_dtype=base_dtype if adapters else "", **kw)
-    models = {"generator": unet(lora, weights=generator_init),
-              "fake": unet(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
+        return unet.build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
+                               block_classes=block_classes, lora=adapters, seed=seed + salt,
+                               base_dtype=base_dtype if adapters else "", **kw)
+    models = {"generator": make(lora, weights=generator_init),
+              "fake": make(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
     if use_gan:
         channels = models["fake"].config.block_out_channels[0 if head_features == "up" else -1]
         models["head"] = build_gan_head(channels, head_size, mesh, precision, device, seed, sharding.cpu_offload,
                                         features=head_features)
     ema = ema_lib.build_ema(models["generator"], ema_decay,
-                            functools.partial(unet, load=False, shard=sharding.never_backward()))
+                            functools.partial(make, load=False, shard=sharding.never_backward()))
     return models if ema is None else {**models, "ema": ema}
 
 
@@ -357,72 +328,6 @@ def build_gan_head(channels: int, native_size: int, mesh, precision, device: tor
     head.to(device=torch.device("cpu") if cpu_offload else device, dtype=precision.param_dtype)
     parallelize(head, mesh, precision.mp_policy(torch.float32), fsdp_utils.Sharding(cpu_offload=cpu_offload))
     return head
-
-
-def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dtype: torch.dtype,
-                      vae_path: str, device: torch.device):
-    """Tokenizers, CLIP text encoders (SDXL: the second with its projection) and the VAE (from
-    `vae_path` when given): small, frozen, replicated on every rank."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    tokenizers = [CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer")]
-    encoders = [CLIPTextModel.from_pretrained(model_path, subfolder="text_encoder")]
-    if sdxl:
-        tokenizers.append(CLIPTokenizer.from_pretrained(model_path, subfolder="tokenizer_2"))
-        encoders.append(CLIPTextModelWithProjection.from_pretrained(model_path, subfolder="text_encoder_2"))
-    vae = (AutoencoderKL.from_pretrained(vae_path, low_cpu_mem_usage=False) if vae_path else
-           AutoencoderKL.from_pretrained(model_path, subfolder="vae", low_cpu_mem_usage=False))
-    for encoder in encoders:
-        fsdp_utils.prepare_frozen(encoder, te_dtype, device)
-    fsdp_utils.prepare_frozen(vae, vae_dtype, device)
-    return tokenizers, encoders, vae
-
-
-def gan_head_size(unet_dir: str, sdxl: bool, features: str = "mid") -> int:
-    """The GAN head's native input: the bottleneck side at the native resolution (SD-1.5 8 as the
-    official head, SDXL 32), or with features="up" the latent side (SD-1.5 64, SDXL 128)."""
-    from diffusers import UNet2DConditionModel
-    config = UNet2DConditionModel.load_config(unet_dir)
-    if features == "up":
-        return max(4, 1 << (config["sample_size"].bit_length() - 1))  # a power of two, as the head's stages halve
-    return config["sample_size"] // 2 ** (len(config["block_out_channels"]) - 1) if sdxl else 8
-
-
-def latent_layout(resolution: int, vae_config, unet_config) -> tuple[int, tuple[int, int, int]]:
-    """(image side, latent shape): RESOLUTION, or 0 = the UNet's native sample_size x the VAE factor."""
-    factor = vae_scale_factor(vae_config)
-    resolution = resolution or unet_config.sample_size * factor
-    if resolution % factor:
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of the VAE factor {factor}")
-    return resolution, (unet_config.in_channels, resolution // factor, resolution // factor)
-
-
-def attention_shapes(model_path: str, resolution: int, batch: int, vae_path: str = "") -> tuple[list, list]:
-    """The run's attention calls for the start-up kernel check: at every UNet level with
-    cross-attention, its self-attention over the latent grid and its cross-attention to the text
-    tokens (trained: forward and backward), and the VAE mid-block's single head at the latent grid
-    (forward only). diffusers' UNet reads `attention_head_dim` as the head count when
-    `num_attention_heads` is unset (unet_2d_condition.py)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from diffusers.configuration_utils import FrozenDict
-    unet = UNet2DConditionModel.load_config(os.path.join(model_path, "unet"))
-    vae = AutoencoderKL.load_config(vae_path or os.path.join(model_path, "vae"))
-    with open(os.path.join(model_path, "text_encoder", "config.json")) as f:
-        text = json.load(f).get("max_position_embeddings", 77)
-    _, (_, side, _) = latent_layout(resolution, FrozenDict(vae), FrozenDict(unet))  # attribute access, as .config
-    heads = unet.get("num_attention_heads") or unet["attention_head_dim"]
-    trained = []
-    for i, (kind, channels) in enumerate(zip(unet["down_block_types"], unet["block_out_channels"])):
-        if "CrossAttn" not in kind:
-            continue
-        h = heads[i] if isinstance(heads, (list, tuple)) else heads
-        grid = (side >> i) ** 2
-        trained += [attention.Shape(f"UNet level {i} self-attention", batch, grid, grid, h, channels // h),
-                    attention.Shape(f"UNet level {i} cross-attention", batch, grid, text, h, channels // h)]
-    vae_mid = attention.Shape("VAE mid-block", batch, side * side, side * side, 1, vae["block_out_channels"][-1],
-                              backward=False)
-    return trained, [vae_mid]
 
 
 def init_from(path: str, generator: nn.Module, fake: nn.Module, ema: nn.Module | None) -> None:
@@ -472,83 +377,6 @@ def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", 
     real, real_skipped = read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
                                    setting="REAL_DATA_PATH", columns=columns, split=split)
     return rows, skipped + real_skipped, real
-
-
-@torch.no_grad()
-def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.device) -> torch.Tensor:
-    """CLIP last_hidden_state (B, L, D) in fp32, padded to the tokenizer's max length as SD does."""
-    ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids
-    return text_encoder(to_device(ids, device)).last_hidden_state.float()
-
-
-@torch.no_grad()
-def encode_prompts_sdxl(tokenizers, text_encoders, prompts: list[str], size: int, device: torch.device) -> dm.Cond:
-    """SDXL's conditioning as the official code builds it (tianweiy/DMD2 main/sdxl/sdxl_text_encoder.py
-    lines 18-40; main/sd_unified_model.py lines 113-120, 251-256): both encoders' penultimate hidden
-    states concatenated (B, L, 768 + 1280), the second encoder's projected pooled output as
-    `text_embeds`, and `time_ids` = (original size, crop top-left, target size) =
-    (size, size, 0, 0, size, size), all fp32."""
-    hidden = []
-    for tokenizer, encoder in zip(tokenizers, text_encoders):
-        ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids
-        out = encoder(to_device(ids, device), output_hidden_states=True)
-        hidden.append(out.hidden_states[-2])
-    pooled = out[0]  # the last encoder's (CLIPTextModelWithProjection) text_embeds
-    time_ids = to_device(torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32), device)
-    return dm.Cond(torch.cat(hidden, dim=-1).float(),
-                   {"text_embeds": pooled.float(), "time_ids": time_ids.repeat(len(prompts), 1)})
-
-
-def text_encoding(tokenizers, text_encoders, sdxl: bool, size: int, device: torch.device):
-    """prompts -> the UNet's conditioning: CLIP embeddings (SD-1.5) or SDXL's dm.Cond."""
-    if sdxl:
-        return functools.partial(encode_prompts_sdxl, tokenizers, text_encoders, size=size, device=device)
-    return functools.partial(encode_prompts, tokenizers[0], text_encoders[0], device=device)
-
-
-class PromptCache:
-    """`encode` with each distinct prompt encoded once, alone, and its embedding kept on the device
-    (up to `size` prompts; later ones are encoded alone each time). Alone, so an embedding never
-    depends on which prompts shared its batch: the same on any world size and after a resume,
-    whatever the cache held. The text encoders then run on a step's new prompts only."""
-
-    def __init__(self, encode, size: int):
-        self.encode, self.size, self.store = encode, size, {}
-
-    def one(self, prompt: str):
-        hit = self.store.get(prompt)
-        if hit is None:
-            hit = self.encode([prompt])
-            if len(self.store) < self.size:
-                self.store[prompt] = hit
-        return hit
-
-    def __call__(self, prompts: list[str]):
-        return functools.reduce(dm.cat_cond, [self.one(p) for p in prompts])
-
-
-def unconditional(encode, sdxl: bool):
-    """The teacher's CFG unconditional input: SD-1.5 the embedding of "" (official); SDXL zeros for
-    both the token and the pooled embeddings, with the same time_ids (official
-    main/sd_unified_model.py lines 258-262)."""
-    empty = encode([""])
-    if not sdxl:
-        return empty
-    return dm.Cond(torch.zeros_like(empty.text), {"text_embeds": torch.zeros_like(empty.added["text_embeds"]),
-                                                  "time_ids": empty.added["time_ids"]})
-
-
-@torch.no_grad()
-def encode_images(vae, pixels: torch.Tensor, generators: list) -> torch.Tensor:
-    """VAE latents × scaling_factor of real images (pixels in [-1, 1] on the device), fp32: a
-    sample of the posterior, as the official code takes it (tianweiy/DMD2
-    main/sdxl/generate_vae_latents.py:86, `latent_dist.sample()`, once, offline; here a fresh sample
-    each time an image is drawn), each image's noise from its own generator (per-sample streams:
-    exact on resume and on any world size)."""
-    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
-    return posterior.sample(generator=generators).float() * vae.config.scaling_factor
 
 
 def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_timesteps: int,
@@ -609,7 +437,7 @@ def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, 
             mb["real_text"] = encode(host["real_prompts"])
         if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
             gens = [sample_generator(seed, it, i, device, randomness.POSTERIOR_STREAM) for i in host["mine"]]
-            mb["real"] = encode_images(vae, host["pixels"], gens)
+            mb["real"] = unet.encode_images(vae, host["pixels"], gens)
         out.append(mb)
     return out
 
@@ -684,20 +512,6 @@ def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: 
     g = step_generator(seed, 0, stream=SAMPLE_NOISE_STREAM)
     return (prompts, torch.randn((len(prompts), *shape), generator=g),
             torch.randn((len(prompts), n_sim, *shape), generator=g))
-
-
-@torch.no_grad()
-def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: str) -> None:
-    """Every rank runs the sharded generator (the same forwards everywhere); rank 0 decodes and
-    writes the grid. Few-step mode runs the whole step list, as inference does."""
-    last = len(step_list) - 1
-    fresh = [sim_noise[:, i] for i in range(last)]
-    z, _ = dm.backward_simulation(model, noise, step_list, last, text, alphas, fresh_noise=fresh)
-    latents = dm.generator_forward(model, z, step_list[last], text, alphas)
-    fsdp_utils.reshard_all(model)  # no gathered copy left behind until the next grid
-    if rank() == 0:
-        images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
-        save_image_grid(images, path, nrow=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -832,56 +646,137 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     return out
 
 
-@torch.no_grad()
-def write_flux_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, tiles: list, side: int,
-                       path: str) -> None:
-    """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
-    grid: context | output | target per Kontext row (grey where a row has no target), outputs alone
-    for text-to-image."""
-    tokens = flux_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, guidance)
-    fsdp_utils.reshard_all(model)
-    if rank() != 0:
-        return
-    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
-    latents = km.unpack_latents(tokens.float(), side, side) / scale + shift
-    out = vae.decode(latents.to(vae.dtype)).sample.float().cpu().clamp(-1, 1)
-    if not tiles:
-        return save_image_grid(out, path, nrow=4)
-    grid = [t for (context, target), o in zip(tiles, out) for t in (context, o, target)]
-    save_image_grid(torch.stack(grid), path, nrow=3)
+# ----------------------------------------------------------------------------------------------
+# the families' DMD2 setups: each builds its models, trained views, VAE, batches, losses and samples
+# from its room (families/), for the one story in main
 
 
-def distilled_scheduler(model_path: str) -> dict:
-    """The scheduler config every export of the distilled generator carries (export/, export_merged/):
-    the teacher's made to sample the trained σ list (algorithms/dmd2_flux.distilled_scheduler_config)."""
-    with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
-        return flux_dm.distilled_scheduler_config(json.load(f))
+@dataclass(frozen=True)
+class Setup:
+    """What main needs of a model family: built by the family's setup function (_SETUPS)."""
+    models: dict  # generator, fake[, head][, ema]: what checkpoints hold
+    teacher: nn.Module  # the frozen real score
+    trained: tuple  # (generator, fake score) as their training forwards see them (DDP-wrapped under ddp)
+    guidance: nn.Module  # fake score (+ head): what the guidance optimizer steps
+    audit: list  # the dtype rows of every component, for the start-up report
+    caption: str  # the report's caption: resolution, latents or tokens
+    n_steps: int  # the generator's sampling steps (1 = a 1-step generator)
+    skipped: int  # bad data rows skipped
+    inputs: Callable  # (final_weights) -> (StepFns, load, sample), after restore: fixed inputs, batches, losses
+    scheduler: dict | None = None  # the scheduler config every export carries (None: the teacher's)
+    export_note: str = ""  # how to sample the export, printed before it is written
 
 
-def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
+def unet_setup(run: trainer.Run, step_list: list[int], precision: Precision) -> Setup:
+    """DMD2 with an SD-1.5 or SDXL teacher: generator, fake score and teacher are UNets built by the
+    UNet recipe (families/sd_unet.py), each sharded per block (PARALLELISM=ddp: full replicas, the
+    trainable ones wrapped in DDP for their training forwards; checkpoints, EMA, samples and export
+    always use the unwrapped modules, whose names match); prompts encoded by the CLIP text encoders
+    (SDXL: two, with the added time/text conditions), ε-prediction on the teacher's DDPM alphas."""
+    d, sdxl = run.d, unet.is_sdxl(run.pipeline)
+    columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
+    rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
+                                         columns=columns, split=DATASET_SPLIT)
+    print0(f"data: {len(rows)} rows from {DATA_PATH}"
+           + (f"; GAN real images: {len(real_rows)} from REAL_DATA_PATH={REAL_DATA_PATH}" if real_rows else "")
+           + (f", {skipped} bad rows skipped" if skipped else ""))
+    sample_rows = rows
+    if SAMPLE_PROMPTS:
+        sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
+                                   setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
+
+    shapes = unet.attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
+    trainer.check_attention(run, *shapes, precision.compute_dtype)
+
+    # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
+    mesh, _, sharding = trainer.mesh_and_sharding(run)
+    unet_dir = os.path.join(MODEL_PATH, "unet")
+    fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
+    models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
+                          use_gan=USE_GAN, head_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
+                          head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
+                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
+                          base_dtype=BASE_DTYPE)
+    generator, fake, head = (models.get(k) for k in ("generator", "fake", "head"))
+    if GENERATOR_INIT and not run.resume_path:
+        print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
+    teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
+    teacher = unet.build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
+                              trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
+    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
+    train_gen, train_fake = generator, fake
+    if mesh is None:  # DDP wrappers for the training forwards only
+        train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
+    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
+    tokenizers, text_encoders, vae = unet.load_frozen_parts(MODEL_PATH, sdxl,
+                                                            precision.frozen_dtype(TEXT_ENCODER_DTYPE), vae_dtype,
+                                                            VAE_PATH, d.device)
+    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the UNets' FLOPs; the VAE's apart
+    alphas = unet.train_alphas(MODEL_PATH, d.device)
+    resolution, latent_shape = unet.latent_layout(RESOLUTION, vae.config, generator.config)
+    computes = {"fake": fake_compute, "head": torch.float32}  # FAKE_SCORE_FP32; the head always (build_gan_head)
+    audit = [component_row(n, m, computes.get(n, precision.compute_dtype)) for n, m in models.items()]
+    audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
+                                                            (teacher, *text_encoders))]
+    encode = unet.text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
+    if PROMPT_CACHE > 0:
+        encode = unet.PromptCache(encode, PROMPT_CACHE)
+    inputs = functools.partial(unet_inputs, d=d, encode=encode, sdxl=sdxl, vae=vae, teacher=teacher, head=head,
+                               alphas=alphas, rows=rows, real_rows=real_rows, sample_rows=sample_rows,
+                               resolution=resolution, latent_shape=latent_shape, step_list=step_list)
+    return Setup(models, teacher, (train_gen, train_fake), guidance, audit + [component_row("vae", vae, vae.dtype)],
+                 f"{resolution} px, latents {latent_shape}", len(step_list), skipped, inputs)
+
+
+def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, rows, real_rows, sample_rows,
+                resolution, latent_shape, step_list) -> tuple[StepFns, Callable, Callable]:
+    """The UNet family's step: fixed inputs (the unconditional embedding of the teacher's CFG, sample
+    prompts and noise), batches (prompt embeddings, real latents, per-sample draws) and losses."""
+    uncond = unet.unconditional(encode, sdxl)
+    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
+                                                             len(step_list) - 1, SEED)
+    sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
+    sample_text = encode(sample_prompts)
+
+    def sample(path):
+        with final_weights() as model:
+            unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
+    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
+    draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
+                             num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
+                             gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
+
+    steps = StepFns(
+        batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
+        images=lambda model, mb, index: generator_images(model, mb, step_list, index, alphas),
+        generator_loss=lambda x, mb, fake_: generator_loss(x, mb, uncond, teacher, fake_, head, alphas, losses),
+        guidance_loss=lambda x, mb, fake_: guidance_loss(x, mb, fake_, head, alphas, losses))
+    load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
+                             real_size=resolution if USE_GAN else None, real_rows=real_rows,
+                             caption_dropout=CAPTION_DROPOUT)
+    return steps, load, sample
+
+
+def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
-    the FLUX recipe (parallel/flux.py, as train_flux_kontext.py builds its one), the prompts come
+    the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
     from the text cache train_flux_kontext.py fills (data/text_cache.py), the context image is
     encoded and packed as Kontext fine-tuning does (algorithms/flux_kontext.py), and the step is
     algorithms/dmd2_flux.py's, in the same loop as the UNets'."""
     from diffusers.configuration_utils import FrozenDict
 
-    d, prec, kontext = run.d, get_precision(PRECISION), run.pipeline == "FluxKontextPipeline"
+    d, kontext = run.d, flux.is_kontext(run.pipeline)
     sigmas = flux_dm.timestep_sigmas(timesteps)
     with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
         vae_config = FrozenDict(json.load(f))
     factor = vae_scale_factor(vae_config)
-    resolution = RESOLUTION or 128 * factor  # the pipelines' default_sample_size x the VAE factor: 1024 for FLUX
-    if resolution % (2 * factor):
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of {2 * factor} (VAE factor x 2x2 packing)")
-    side = resolution // factor
-    latent_shape = (vae_config["latent_channels"], side, side)
+    resolution, side, latent_shape = flux.latent_layout(RESOLUTION, vae_config)
     rows, skipped, sample_rows = flux_rows(kontext, {"prompt": PROMPT_COLUMN})
     print0(f"data: {len(rows)} {'pairs' if kontext else 'prompts'} from {DATA_PATH}"
            + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
     text_length = t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
-    trainer.check_attention(run, *flux_models.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
-                                                               factor, BATCH_SIZE, 1), prec.compute_dtype)
+    trainer.check_attention(run, *flux.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
+                                                        factor, BATCH_SIZE, 1), prec.compute_dtype)
 
     # the text cache (encoders loaded only where prompts are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
@@ -894,7 +789,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
     teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
-    build = functools.partial(flux_models.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
+    build = functools.partial(flux.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
                               d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                               attention_backend=ATTENTION_BACKEND)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
@@ -919,28 +814,29 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
         models["ema"] = ema
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
-    vae = flux_models.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
+    vae = flux.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
-
-    opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
-    opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
     computes = {"fake": fake_compute, "head": torch.float32}
     audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
     tokens = side * side // 4
-    trainer.report_components(run, f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
-                              + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}", audit,
-                              {**models, "teacher": teacher}, {"generator": opt_g, "guidance": opt_d})
-    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
-                            {"generator": sched_g, "guidance": sched_d})
-    if not run.resume_path and INIT_FROM:
-        init_from(INIT_FROM, generator, fake, ema)
+    caption = (f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
+               + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}")
+    inputs = functools.partial(flux_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
+                               sample_rows=sample_rows, kontext=kontext, resolution=resolution, side=side,
+                               latent_shape=latent_shape, sigmas=sigmas, cache_dir=cache_dir, identity=identity)
+    return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), skipped, inputs,
+                 flux.distilled_scheduler(MODEL_PATH), export_note(run, sigmas))
 
-    # fixed sample inputs: the sample rows' text and context, noise of the whole σ list
+
+def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kontext, resolution, side, latent_shape,
+                sigmas, cache_dir, identity) -> tuple[StepFns, Callable, Callable]:
+    """The FLUX family's step: fixed sample inputs (the sample rows' text and context, noise of the
+    whole σ list), batches (cached text, packed context and real tokens, per-sample draws) and losses."""
     ids = flux_dm.image_ids(side, side, kontext, d.device)
 
     def context_tokens(pixels):
-        return km.pack_latents(km.encode_latents(vae, pixels)) if kontext else None
+        return flux.image_tokens(vae, pixels) if kontext else None
     text = load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
     tiles = []
     if kontext:
@@ -954,12 +850,10 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
     noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
     sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
     sample_sim = flux_dm.pack_steps(sim).to(d.device)
-    final_weights = functools.partial(ema_lib.output_weights, generator, ema)
 
     def sample(path):
         with final_weights() as model:
-            write_flux_samples(model, vae, sample_cond, noise, sample_sim, sigmas,
-                               FLUX_GUIDANCE, tiles, side, path)
+            flux.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, FLUX_GUIDANCE, tiles, side, path)
 
     draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
@@ -972,7 +866,7 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
             mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
             mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None, ids)
             if "target" in host:  # the GAN's real images: the pairs' targets, encoded as the contexts are
-                mb["real"] = km.pack_latents(km.encode_latents(vae, host["target"]))
+                mb["real"] = flux.image_tokens(vae, host["target"])
             out.append(mb)
         return out
     steps = StepFns(
@@ -982,10 +876,12 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
         guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, gan))
     load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              kontext=kontext, d=d)
-    run_loop(run, start, steps, load, len(sigmas), models, (generator, fake, guidance), (opt_g, opt_d),
-             (sched_g, sched_d), sample, skipped)
+    return steps, load, sample
 
-    # every export carrying the generator samples in len(sigmas) steps with the scheduler made for it
+
+def export_note(run: trainer.Run, sigmas: list[float]) -> str:
+    """How to sample a FLUX export: every export carrying the generator samples in len(sigmas) steps
+    with the scheduler made for it."""
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
@@ -993,111 +889,45 @@ def main_flux(run: trainer.Run, timesteps: list[int]) -> None:
            f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
-    print0(f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})")
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None,
-                   scheduler=distilled_scheduler(MODEL_PATH))
+    return f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})"
+
+
+_SETUPS = {unet: unet_setup, flux: flux_setup}  # by room (families.FAMILIES: model_index.json's _class_name)
 
 
 # ----------------------------------------------------------------------------------------------
-# main: config -> distributed init -> models (meta, sharded, loaded) -> optimizers -> resume ->
-# loop -> export -> teardown (components/trainer.py: what both scripts do before and after the loop)
+# main: config -> distributed init -> the family's setup (models meta, sharded, loaded; VAE; data) ->
+# optimizers -> resume -> loop -> export -> teardown (components/trainer.py: what both scripts do
+# before and after the loop)
 
 
 def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
-    if run.pipeline in facts.FLUX_TEACHERS:
-        return main_flux(run, step_list)
-    d, sdxl, precision = run.d, run.pipeline == "StableDiffusionXLPipeline", get_precision(PRECISION)
-    columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
-    rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
-                                         columns=columns, split=DATASET_SPLIT)
-    print0(f"data: {len(rows)} rows from {DATA_PATH}"
-           + (f"; GAN real images: {len(real_rows)} from REAL_DATA_PATH={REAL_DATA_PATH}" if real_rows else "")
-           + (f", {skipped} bad rows skipped" if skipped else ""))
-    sample_rows = rows
-    if SAMPLE_PROMPTS:
-        sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
-                                   setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
-
-    shapes = attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
-    trainer.check_attention(run, *shapes, precision.compute_dtype)
-
-    # models: generator, fake score (trainable) and teacher (frozen), each sharded per block
-    # (PARALLELISM=ddp: full replicas, the trainable ones wrapped in DDP for their training forwards;
-    # checkpoints, EMA, samples and export always use the unwrapped modules, whose names match)
-    from diffusers import DDPMScheduler
-    mesh, _, sharding = trainer.mesh_and_sharding(run)
-    unet_dir = os.path.join(MODEL_PATH, "unet")
-    fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
-    models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
-                          head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
-                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
-                          base_dtype=BASE_DTYPE)
-    generator, fake, head, ema = (models.get(k) for k in ("generator", "fake", "head", "ema"))
-    if GENERATOR_INIT and not run.resume_path:
-        print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
-    teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
-    teacher = build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
-                         trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
-    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
-    train_gen, train_fake = generator, fake
-    if mesh is None:  # DDP wrappers for the training forwards only
-        train_gen, train_fake = fsdp_utils.apply_ddp(generator, d.device), fsdp_utils.apply_ddp(fake, d.device, False)
-    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else (torch.float32 if sdxl else precision.compute_dtype)
-    tokenizers, text_encoders, vae = load_frozen_parts(MODEL_PATH, sdxl, precision.frozen_dtype(TEXT_ENCODER_DTYPE),
-                                                       vae_dtype, VAE_PATH, d.device)
-    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the UNets' FLOPs; the VAE's apart
-    alphas = DDPMScheduler.from_pretrained(MODEL_PATH, subfolder="scheduler").alphas_cumprod.to(d.device)
-    resolution, latent_shape = latent_layout(RESOLUTION, vae.config, generator.config)
+    family = _SETUPS[families.FAMILIES[run.pipeline]](run, step_list, get_precision(PRECISION))
+    generator, fake, ema = (family.models.get(k) for k in ("generator", "fake", "ema"))
 
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
-    opt_d, sched_d = make_optimizer(guidance, GUIDANCE_LR, WARMUP_STEPS)
-    computes = {"fake": fake_compute, "head": torch.float32}  # FAKE_SCORE_FP32; the head always (build_gan_head)
-    audit = [component_row(n, m, computes.get(n, precision.compute_dtype)) for n, m in models.items()]
-    audit += [component_row(n, m, m.dtype) for n, m in zip(("teacher", "text_encoder", "text_encoder_2"),
-                                                            (teacher, *text_encoders))]
-    trainer.report_components(run, f"{resolution} px, latents {latent_shape}",
-                              audit + [component_row("vae", vae, vae.dtype)], {**models, "teacher": teacher},
+    opt_d, sched_d = make_optimizer(family.guidance, GUIDANCE_LR, WARMUP_STEPS)
+    trainer.report_components(run, family.caption, family.audit, {**family.models, "teacher": family.teacher},
                               {"generator": opt_g, "guidance": opt_d})
 
     # checkpoints (the checkpointer decides when), resume; or weights only from INIT_FROM
-    start = trainer.restore(run, models, {"generator": (generator, opt_g), "guidance": (guidance, opt_d)},
+    start = trainer.restore(run, family.models, {"generator": (generator, opt_g), "guidance": (family.guidance, opt_d)},
                             {"generator": sched_g, "guidance": sched_d})
     if not run.resume_path and INIT_FROM:
         init_from(INIT_FROM, generator, fake, ema)
 
-    # fixed inputs: the unconditional embedding (the teacher's CFG), sample prompts and noise
-    encode = text_encoding(tokenizers, text_encoders, sdxl, resolution, d.device)
-    if PROMPT_CACHE > 0:
-        encode = PromptCache(encode, PROMPT_CACHE)
-    uncond = unconditional(encode, sdxl)
-    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
-                                                             len(step_list) - 1, SEED)
-    sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
+    # the loop, on the family's fixed inputs, batches and losses
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
-    sample_text = encode(sample_prompts)
+    steps, load, sample = family.inputs(final_weights)
+    run_loop(run, start, steps, load, family.n_steps, family.models, (*family.trained, family.guidance),
+             (opt_g, opt_d), (sched_g, sched_d), sample, family.skipped)
 
-    def sample(path):
-        with final_weights() as model:
-            write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
-    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
-    draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
-                             num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
-                             gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
-
-    steps = StepFns(
-        batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
-        images=lambda model, mb, index: generator_images(model, mb, step_list, index, alphas),
-        generator_loss=lambda x, mb, fake_: generator_loss(x, mb, uncond, teacher, fake_, head, alphas, losses),
-        guidance_loss=lambda x, mb, fake_: guidance_loss(x, mb, fake_, head, alphas, losses))
-    load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
-                             real_size=resolution if USE_GAN else None, real_rows=real_rows,
-                             caption_dropout=CAPTION_DROPOUT)
-    run_loop(run, start, steps, load, len(step_list), models, (train_gen, train_fake, guidance), (opt_g, opt_d),
-             (sched_g, sched_d), sample, skipped)
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None)
+    # export
+    if family.export_note:
+        print0(family.export_note)
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None, scheduler=family.scheduler)
 
 
 if __name__ == "__main__":

@@ -73,11 +73,11 @@ from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per
 from data.sources import read_rows
 from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests as this script's
     cache_file, encoder_identity, fill_in_rounds, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
+from families.flux import attention_shapes, build_transformer, load_vae
+from families.pipelines import vae_scale_factor
 from parallel import ema as ema_lib
-from parallel.flux import attention_shapes, build_transformer, load_vae
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel import attention
-from parallel.models import vae_scale_factor
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
@@ -126,7 +126,7 @@ LOSS_WEIGHTING = "none"  # none | sigma_sqrt | cosmap (diffusers' compute_loss_w
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/models.py)
+LORA_TARGET_MODULES = []  # module-name suffixes to adapt; [] = the model's defaults (parallel/model_facts.py)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
 LORA_INIT = "gaussian"  # lora_A's init: gaussian (diffusers' examples) | default (peft's, the official DMD2 run)
 BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 = 4-bit NormalFloat (QLoRA)

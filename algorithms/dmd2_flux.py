@@ -164,25 +164,6 @@ def sample_tokens(generator, cond: FluxCond, noise: torch.Tensor, sim_noise: tor
     return generator_images(generator, mb, sigmas, last, guidance)
 
 
-# FlowMatchEulerDiscreteScheduler's settings that move its σ list away from the one passed (diffusers 0.42
-# set_timesteps: shift or resolution-dependent shift, stretch to a terminal σ, Karras / exponential / beta
-# respacing, 1 − σ), each at its neutral value; base_shift, max_shift, *_image_seq_len and time_shift_type
-# act only through use_dynamic_shifting
-NEUTRAL_SIGMAS = {"use_dynamic_shifting": False, "shift": 1.0, "shift_terminal": None, "use_karras_sigmas": False,
-                  "use_exponential_sigmas": False, "use_beta_sigmas": False, "invert_sigmas": False}
-
-
-def distilled_scheduler_config(config: dict) -> dict:
-    """The teacher's FlowMatchEulerDiscreteScheduler config made to sample the distilled generator:
-    every σ-bending setting neutral (NEUTRAL_SIGMAS: the σ list trained is the one the pipeline
-    passes, at any resolution), and stochastic sampling (x̂0 = x − σ·v, then re-noised to the next σ
-    with fresh noise: diffusers scheduling_flow_match_euler_discrete.py:515-518), the generator's
-    few-step inference."""
-    out = {k: v for k, v in config.items() if not k.startswith("_") or k == "_class_name"}
-    out.update(NEUTRAL_SIGMAS, stochastic_sampling=True)
-    return out
-
-
 # ---------------------------------------------------------------------------- GAN head (optional)
 # What it reads: the fake transformer's image stream after its last double-stream block (the joint
 # text-image blocks; the single-stream blocks and output layers are skipped), target tokens only, as a

@@ -38,7 +38,9 @@ from parallel import attention
 from parallel import compile as compiling
 from parallel import lora as lora_lib
 from parallel import lowbit
-from parallel import memory, models
+from families import pipelines
+from parallel import memory
+from parallel.model_facts import MODELS
 
 # ----------------------------------------------------------------------------------------------
 # the start
@@ -74,8 +76,8 @@ def check_shared_settings(c: dict) -> None:
 
 def pipeline_of(folder: str, script: str) -> str:
     """The folder's pipeline class (model_index.json's _class_name) when `script` trains it
-    (models.SCRIPTS), else the script's first, whose folder check then names what is missing."""
-    kinds = models.SCRIPTS[script]
+    (pipelines.SCRIPTS), else the script's first, whose folder check then names what is missing."""
+    kinds = pipelines.SCRIPTS[script]
     try:
         with open(os.path.join(folder, "model_index.json")) as f:
             kind = json.load(f).get("_class_name")
@@ -127,12 +129,12 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     config = resolve()
     model_path = config["MODEL_PATH"]
     pipeline = pipeline_of(model_path, os.path.basename(namespace["__file__"]))
-    check_model_folder(model_path, pipeline, models.folder_layout(pipeline))
+    check_model_folder(model_path, pipeline, pipelines.folder_layout(pipeline))
     lora = lora_lib.Lora.from_settings(config)
-    trained = models.trained_component(pipeline)
+    trained = pipelines.trained_component(pipeline)
     if lora:  # unknown target modules fail here, on the meta skeleton, before any work
         lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
-    dispatcher = models.MODELS[trained.class_name].attention_dispatcher
+    dispatcher = MODELS[trained.class_name].attention_dispatcher
     attention.check_backend(config["ATTENTION_BACKEND"], dispatcher)
     for setting, folder in shared_folders(config).items():
         check_output_dir(folder, setting)
@@ -170,8 +172,8 @@ def check_attention(run: Run, trained: list[attention.Shape], others: list[atten
     if run.d.device.type != "cuda":
         return
     name = run.config["ATTENTION_BACKEND"]
-    trained_class = models.trained_component(run.pipeline).class_name
-    attend = (attention.dispatcher_attend(name) if models.MODELS[trained_class].attention_dispatcher
+    trained_class = pipelines.trained_component(run.pipeline).class_name
+    attend = (attention.dispatcher_attend(name) if MODELS[trained_class].attention_dispatcher
               else attention.sdpa_attend)
     alternative = "_native_math" if name == attention.DEFAULT else attention.DEFAULT
     calls = [(s, attend) for s in trained] + [(s, attention.sdpa_attend) for s in others]
@@ -199,7 +201,7 @@ def report_components(run: Run, caption: str, audit: list[dict], trained: dict, 
     # EMA, not a teacher (read from MODEL_PATH); the first of `trained` is the model the export writes
     c = run.config
     saved = {k: m for k, m in trained.items() if k == "ema" or any(p.requires_grad for p in m.parameters())}
-    export = export_bytes(c["MODEL_PATH"], models.trained_component(run.pipeline).subfolder,
+    export = export_bytes(c["MODEL_PATH"], pipelines.trained_component(run.pipeline).subfolder,
                           next(iter(trained.values())), precision.parse_dtype(c["EXPORT_DTYPE"]),
                           lora=bool(run.lora), merged=c["LORA_EXPORT_MERGED"],
                           frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None)
@@ -338,7 +340,7 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
     print0(f"memory after training:\n{run.memory_table()}")
     if c["COMPILE"]:
         print0(compiling.compile_report("compile, whole run"))
-    component = models.trained_component(run.pipeline).subfolder
+    component = pipelines.trained_component(run.pipeline).subfolder
     with final_weights() as final_model:
         if run.lora:
             export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32, scheduler)

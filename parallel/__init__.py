@@ -1,8 +1,8 @@
 """The model-side machinery of sharded training, one concern per module (torchtitan's split: its
 distributed/compile.py, distributed/context_parallel/, components/lora.py, models/*/parallelize.py):
 
-    models.py            the one table of per-model facts: FSDP unit classes, LoRA targets, the
-                         pipelines each script trains; the UNet's execution order
+    model_facts.py       per model class: FSDP unit classes, default LoRA targets, attention dispatch
+    execution_order.py   the order a forward runs its modules (diffusers' UNets differ from registration)
     parallelize.py       the per-model recipes: AC -> compile -> fully_shard per unit -> root
     compile.py           torch.compile per unit, its report and checks
     context_parallel.py  Ulysses attention through diffusers' own implementation

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from core.errors import ConfigError
 from fsdp_utils import fill_local, local_tensor
-from parallel.models import MODELS
+from parallel.model_facts import MODELS
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Lora:
     """The scripts' LORA_* settings. rank 0 = no adapters (full fine-tuning)."""
     rank: int = 0
     alpha: float = 0.0  # scaling = alpha / rank; 0 = alpha equal to rank (scaling 1)
-    # module-name suffixes (peft's target_modules); () = the model's in parallel.models.MODELS
+    # module-name suffixes (peft's target_modules); () = the model's in parallel.model_facts.MODELS
     targets: tuple[str, ...] = ()
     dropout: float = 0.0
     init: str = "gaussian"  # lora_A's init (lora_B = 0 either way): "gaussian" or peft's "default" (kaiming-uniform)

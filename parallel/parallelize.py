@@ -19,7 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from core.dist import print0
 from fsdp_utils import Sharding, apply_precision, checkpoint_activations, find_block_classes, outermost, shard_units
 from parallel.compile import compile_units
-from parallel.models import MODELS, units_in_order
+from parallel.execution_order import units_in_order
+from parallel.model_facts import MODELS
 
 
 def parallelize_unet(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,
@@ -27,7 +28,7 @@ def parallelize_unet(model: nn.Module, mesh: DeviceMesh | None, mp_policy: Mixed
                      verbose: bool = True) -> list[nn.Module]:
     """SD-1.5 / SDXL UNet2DConditionModel: a unit per ResnetBlock2D and BasicTransformerBlock of the
     down, mid and up blocks (unless `block_classes` names others), in execution order (down, mid,
-    up; resnet before attention: parallel.models.execution_order), so the unit kept gathered after
+    up; resnet before attention: parallel.execution_order), so the unit kept gathered after
     forward is the last up block's last resnet. The stem, time embedding and conv_out stay in the
     root unit."""
     names, _ = find_block_classes(model, list(block_classes or MODELS["UNet2DConditionModel"].units))

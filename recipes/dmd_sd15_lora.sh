@@ -6,7 +6,7 @@
 #   - LoRA as the official SDXL LoRA run (main/sd_unified_model.py:44-69, defaults
 #     main/train_sd.py:680-682; experiments/sdxl/..._backsim_scratch_lora.sh lines 9-10, 45):
 #     rank 64, alpha 8 (scaling 0.125), dropout 0, peft's default init (kaiming-uniform lora_A, zero
-#     lora_B), the 14 target module types of parallel/models.DMD2_LORA_TARGETS (all present in
+#     lora_B), the 14 target module types of families/sd_unet.DMD2_LORA_TARGETS (all present in
 #     SD-1.5's UNet), on the generator only (the fake score trains fully, FAKE_LORA=0), generator
 #     and guidance LR 5e-5;
 #   - everything else as dmd_sd15_stage1.sh (experiments/sdv1.5/

@@ -7,7 +7,7 @@
 # LoRA as the official --generator_lora path builds it (main/sd_unified_model.py:44-69, defaults
 # main/train_sd.py:680-682): peft adapters of rank 64, alpha 8 (scaling 0.125), dropout 0, peft's
 # default init (LoraConfig without init_lora_weights: kaiming-uniform lora_A, zero lora_B) on 14
-# module types (parallel/models.DMD2_LORA_TARGETS: attention, proj_in/out, feed-forward, the
+# module types (families/sd_unet.DMD2_LORA_TARGETS: attention, proj_in/out, feed-forward, the
 # resnets' conv1/conv2/conv_shortcut and time_emb_proj, the down/up samplers' convs). The
 # generator only: the fake score trains all its weights (main/sd_guidance.py:53-58), as FAKE_LORA=0.
 # Text encoders in fp32 (main/sdxl/sdxl_text_encoder.py:8-14). AC=1: activation checkpointing.

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import train_dmd
 import train_flux_kontext
 from core.errors import ConfigError, LocalError
+from families import sd_unet
 from parallel import attention
 from tests.conftest import ROOT, launch, tiny_unet
 
@@ -145,7 +145,7 @@ def test_shapes_are_the_runs_own():
                                                                            (3, 12 + 2 * 8, heads, dim)]
     assert [(s.q_len, s.heads, s.backward) for s in vae] == [(16, 1, False), (32, 1, False)]
     sd = os.path.join(ROOT, "assets", "shapes_teacher")
-    trained, vae = train_dmd.attention_shapes(sd, 0, 2)
+    trained, vae = sd_unet.attention_shapes(sd, 0, 2)
     assert trained and all(s.backward for s in trained) and not vae[0].backward
     assert [(s.q_len, s.k_len) for s in trained if "cross" in s.what] == [(64, 16), (16, 16)]  # 16 text tokens
     assert (vae[0].q_len, vae[0].head_dim) == (64, 64)

@@ -13,7 +13,7 @@ fully_shard, against eager.
 - The same with LoRA (rank 4) at bf16-mixed, eager, compiled and eager in fp32, one process each,
   side by side: losses to 2e-3 relative, the trained lora_B no further from eager than bf16 puts it
   from fp32, 3 graphs and 0 breaks.
-- The DMD UNet in process, on 2 spawned ranks: train_dmd.build_unet with activation checkpointing
+- The DMD UNet in process, on 2 spawned ranks: families.sd_unet.build_unet with activation checkpointing
   and COMPILE, 2 AdamW steps against the same model eager. Its 15 units have 9 distinct shapes
   (ResnetBlock2D at 7 channel pairs, BasicTransformerBlock at 2 widths), each a graph of the
   checkpoint wrapper's one code object: more than dynamo's default recompile limit (8), which
@@ -47,6 +47,7 @@ from core.errors import ConfigError
 from parallel import compile as compiling
 import train_dmd
 import train_flux_kontext as tfk
+from families import sd_unet
 
 STEPS = 3
 LR = 1e-3
@@ -193,8 +194,8 @@ def _unet_steps(rank, world, unet_dir, compile_: bool, steps: int = 2):
     prec = get_precision("fp32")
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     sharding = fsdp_utils.Sharding(activation_checkpointing=True, compile=compile_)
-    model = train_dmd.build_unet(unet_dir, mesh, torch.float32, torch.device("cpu"), policy=prec.mp_policy(),
-                                 trainable=True, sharding=sharding, block_classes=[])
+    model = sd_unet.build_unet(unet_dir, mesh, torch.float32, torch.device("cpu"), policy=prec.mp_policy(),
+                               trainable=True, sharding=sharding, block_classes=[])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     g = torch.Generator().manual_seed(100 + rank)
     losses = []

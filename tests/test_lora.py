@@ -203,7 +203,7 @@ def test_lora_init_draws_as_peft_does(init, std):
     official DMD2 LoRA run's), "gaussian" N(0, 1/rank²); lora_B = 0. Checked against what peft
     itself draws for the same LoraConfig on a materialised UNet with the official DMD2 targets
     (linear and conv layers), in units of the bound (√fan_in) or of 1/rank; same seed, same draw."""
-    from parallel.models import DMD2_LORA_TARGETS
+    from families.sd_unet import DMD2_LORA_TARGETS
     from tests.conftest import tiny_unet
     rank = 4
     unet = lora.add_lora(tiny_unet(), lora.Lora(rank=rank, targets=DMD2_LORA_TARGETS, init=init))

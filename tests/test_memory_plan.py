@@ -15,7 +15,9 @@ from tests.conftest import ROOT
 
 from tools import memory_plan
 from tools.memory_plan import Settings
+from families import pipelines
 from parallel import lora
+from parallel.model_facts import MODELS
 
 
 def test_flux_kontext_shards_to_a_quarter_at_world_size_4():
@@ -200,18 +202,17 @@ def _unit_params(model, classes):
 
 
 def test_planner_follows_the_recipes_and_the_table(monkeypatch):
-    models = memory_plan.models
     src = open(memory_plan.__file__).read()
-    for facts in models.MODELS.values():  # no wrapping decision repeated in the planner
+    for facts in MODELS.values():  # no wrapping decision repeated in the planner
         assert not any(f'"{c}"' in src for c in facts.units)
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
     base = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
-    default = _unit_params(unet, models.MODELS["UNet2DConditionModel"].units)
+    default = _unit_params(unet, MODELS["UNet2DConditionModel"].units)
     assert dict(base["units"]["generator"]) == default
     assert base["largest_unit"] == max(default.values()) * 2  # bf16 compute dtype
     # another unit choice in the UNet recipe: the planner's units, largest unit and gathered bytes follow
-    monkeypatch.setitem(models.MODELS, "UNet2DConditionModel",
-                        dataclasses.replace(models.MODELS["UNet2DConditionModel"], units=("ResnetBlock2D",)))
+    monkeypatch.setitem(MODELS, "UNet2DConditionModel",
+                        dataclasses.replace(MODELS["UNet2DConditionModel"], units=("ResnetBlock2D",)))
     coarse = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     want = _unit_params(unet, ("ResnetBlock2D",))
     for name in ("generator", "fake_score", "teacher"):
@@ -221,8 +222,8 @@ def test_planner_follows_the_recipes_and_the_table(monkeypatch):
     # plus the largest trainable unit's fp32 reduce-scatter buffer
     assert coarse["gathered"] == 2 * max(want.values()) * 2 + max(want.values()) * 4 > base["gathered"]
     # the table decides the roles: a replicated teacher is a full copy, and its units gather nothing
-    sd15 = models.PIPELINES["StableDiffusionPipeline"]
-    monkeypatch.setitem(models.PIPELINES, "StableDiffusionPipeline", tuple(
+    sd15 = pipelines.PIPELINES["StableDiffusionPipeline"]
+    monkeypatch.setitem(pipelines.PIPELINES, "StableDiffusionPipeline", tuple(
         dataclasses.replace(c, role="replicated") if c.name == "teacher" else c for c in sd15))
     replicated = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     row = replicated["rows"]["teacher"]
@@ -235,7 +236,7 @@ def test_fake_score_fp32_is_counted_in_fp32():
     on = memory_plan.plan("sd15-dmd", Settings(**SMALL))
     off = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
-    biggest = max(_unit_params(unet, memory_plan.models.MODELS["UNet2DConditionModel"].units).values())
+    biggest = max(_unit_params(unet, MODELS["UNet2DConditionModel"].units).values())
     assert on["largest_unit"] == biggest * 4 and off["largest_unit"] == biggest * 2
     assert (
         on["rows"]["fake_score"]["note"] == "trainable (fp32 compute)"

@@ -1,7 +1,7 @@
-"""parallel/models.py and parallel/parallelize.py: a model's FSDP units come in execution order
-(diffusers' UNets register up_blocks before mid_block and attentions before resnets), the
-last-executed unit is the one kept gathered after forward, explicit prefetch follows that order,
-and the table is what the recipes read.
+"""parallel/execution_order.py, parallel/model_facts.py, families/pipelines.py and parallel/parallelize.py:
+a model's FSDP units come in execution order (diffusers' UNets register up_blocks before mid_block and
+attentions before resnets), the last-executed unit is the one kept gathered after forward, explicit
+prefetch follows that order, and the table is what the recipes read.
 
     python -m pytest tests/test_parallelize.py -q
 """
@@ -15,7 +15,9 @@ from PIL import Image
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_utils
-from parallel.models import MODELS, PIPELINES, SCRIPTS, folder_layout, units_in_order
+from families.pipelines import PIPELINES, SCRIPTS, folder_layout
+from parallel.execution_order import units_in_order
+from parallel.model_facts import MODELS
 from parallel.parallelize import parallelize, parallelize_flux, parallelize_unet
 from precision import get_precision
 from tests.conftest import finish, run_ranks, start, tiny_flux, tiny_unet

@@ -132,7 +132,7 @@ def test_kontext_dmd_recipes_run_what_the_planner_fits(recipe):
 def test_lora_recipes_carry_the_official_lora_settings(recipe, lr):
     """The official --generator_lora run: rank 64, alpha 8, peft's default init, its 14 targets, the
     generator only (the fake score trains fully), LR 5e-5 for both models."""
-    from parallel.models import DMD2_LORA_TARGETS
+    from families.sd_unet import DMD2_LORA_TARGETS
     cmd = dry_run(recipe)
     for want in ("--lora_rank=64", "--lora_alpha=8", "--lora_init=default", "--fake_lora=0",
                  f"--generator_lr={lr}", f"--guidance_lr={lr}"):

@@ -39,6 +39,7 @@ from core.errors import ConfigError
 from components.trainer import check_shared_settings
 from data.batches import global_batch_indices
 from data.images import load_image
+from families import sd_unet
 
 PROMPT = "a red circle on a blue background"
 # run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
@@ -483,7 +484,7 @@ def test_prompt_cache_encodes_each_distinct_prompt_once_and_alone():
         text = torch.stack([torch.tensor([float(ord(p[0]))]) for p in prompts]) + 1000 * n
         return dm.Cond(text, {"text_embeds": text * 2})
 
-    cached = train_dmd.PromptCache(encode, size=2)
+    cached = sd_unet.PromptCache(encode, size=2)
     out = cached(["a", "b", "a", "c"])
     assert calls == [["a"], ["b"], ["c"]]  # each distinct prompt once, alone; "c" over the size is not kept
     alone = torch.cat([encode([p]).text for p in "abac"])

@@ -233,10 +233,11 @@ def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
 
 def test_sigma_list_is_the_pipelines_for_the_step_count():
     from algorithms import dmd2_flux as fd
+    from families import flux
     assert fd.timestep_sigmas([999, 749, 499, 249]) == SIGMAS
     assert fd.timestep_sigmas([999]) == [1.0]
-    config = fd.distilled_scheduler_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "x",
-                                            "use_dynamic_shifting": True, "shift": 3.0})
+    config = flux.distilled_scheduler_config({"_class_name": "FlowMatchEulerDiscreteScheduler",
+                                              "_diffusers_version": "x", "use_dynamic_shifting": True, "shift": 3.0})
     assert config == {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": False, "shift": 1.0,
                       "shift_terminal": None, "use_karras_sigmas": False, "use_exponential_sigmas": False,
                       "use_beta_sigmas": False, "invert_sigmas": False, "stochastic_sampling": True}
@@ -267,15 +268,15 @@ def test_written_scheduler_samples_the_trained_sigmas_whatever_bends_the_teacher
     teacher's dynamic shift) bends the teacher's steps away from the trained ones; the scheduler the
     export writes walks exactly 1, .75, .5, .25 (shift 1 is the identity s / (1 + 0·s), and these are
     exact in fp32) at any resolution."""
-    from algorithms import dmd2_flux as fd
     from components.export import write_scheduler
+    from families import flux
     from diffusers import FlowMatchEulerDiscreteScheduler
     with open(os.path.join(BASE, "scheduler", "scheduler_config.json")) as f:
         teacher = {**json.load(f), **bend}
     if not bend.get("use_beta_sigmas"):  # beta σ need scipy to build; the written scheduler must not
         bent = _pipeline_sigmas(FlowMatchEulerDiscreteScheduler.from_config(teacher), TOKENS_1024)
         assert bent != pytest.approx(SIGMAS, abs=1e-3), bent
-    write_scheduler(str(tmp_path), fd.distilled_scheduler_config(teacher))
+    write_scheduler(str(tmp_path), flux.distilled_scheduler_config(teacher))
     written = FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path, subfolder="scheduler")
     assert written.config.stochastic_sampling
     for tokens in (TOKENS_32, TOKENS_1024):

@@ -18,8 +18,8 @@ import torch
 
 from tests.conftest import assert_loads_with_automodel, launch, launch_all, launch_env, load_export, read_metrics
 
-import train_dmd
 from algorithms import dmd2 as dm
+from families import sd_unet
 
 PROMPT = "a red circle on a white background"
 COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32", "--use_gan=1",
@@ -128,8 +128,8 @@ def test_export_is_an_sdxl_pipeline_with_one_and_four_step_sampling(run_a):
     z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     latents = pipe(PROMPT, num_inference_steps=1, guidance_scale=0, timesteps=[999], latents=z.clone(),
                    output_type="latent").images
-    cond = train_dmd.encode_prompts_sdxl([pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2],
-                                         [PROMPT], 64, torch.device("cpu"))
+    cond = sd_unet.encode_prompts_sdxl([pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2],
+                                       [PROMPT], 64, torch.device("cpu"))
     with torch.no_grad():
         x0 = dm.generator_forward(pipe.unet, z, 999, cond, pipe.scheduler.alphas_cumprod)
     torch.testing.assert_close(latents, x0, rtol=1e-5, atol=1e-5 * x0.abs().max().item())

@@ -197,7 +197,7 @@ def disk_usage(path: str) -> tuple[str, int, int]:
 
 def row_bytes(row: dict, folder: str) -> tuple[int, int]:
     """(one checkpoint, the export) of `row` on the model folder `folder`, in bytes. The trained
-    models are built on meta as tools/memory_plan.py builds them (the roles of parallel.models, the
+    models are built on meta as tools/memory_plan.py builds them (the roles of families.pipelines, the
     precision mode's storage dtype, LoRA adapters), with the row's optimizer, and counted by the
     scripts' own disk preflight arithmetic (checkpoint.checkpoint_bytes, export_bytes; frozen parts
     count where `folder` has their weights). Needs only the trained models' config.json. No row sets

@@ -8,7 +8,9 @@ Three jobs on their embedded defaults, 2 CPU ranks (torchrun), one thread each, 
 checkpoints at steps 2 and 4, samples at 2 and 4 (and validation for Kontext): DMD2 with the shipped
 UNet teacher (GAN head on), DMD2 with the shipped Kontext teacher (4-step generator, GAN head on),
 and Kontext fine-tuning. A fingerprint holds, per job: every metrics.jsonl record without its
-timings, a hash of every checkpoint file (trainer_state.json without its run id and save time),
+timings, a hash of every checkpoint file (trainer_state.json without its run id and save time, the
+config with its temporary folders named alike; DCP's pickled .metadata and the per-process RNG files
+only by their presence),
 every export file (links by where they point) and every sample grid's pixels. `--compare` prints
 what differs and exits 1 if anything does.
 """
@@ -36,14 +38,23 @@ JOBS = {
 # metrics.jsonl fields that measure the machine, not the computation
 TIMING_WORDS = ("_ms", "time", "mfu", "hfu", "tflop", "throughput", "per_s", "mem", "rss", "gib", "eta", "seconds")
 RUN_FIELDS = ("run_id", "saved_at")  # trainer_state.json: who saved it and when, not what
+# files whose bytes differ between two runs of the same code: DCP's pickled .metadata and the RNG
+# states of processes that are not seeded alike (counted by their presence; the .distcp shards hold
+# every tensor and are compared)
+PER_PROCESS = (".metadata", "rank_0.pt", "rank_1.pt")
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _file_hash(path: str) -> str:
+def _file_hash(path: str, work: str) -> str:
     name = os.path.basename(path)
+    if name in PER_PROCESS:
+        return "present"
+    if name == "config.json" and os.path.basename(os.path.dirname(os.path.dirname(path))) == "checkpoints":
+        with open(path) as f:  # the run's settings: its temporary folders named the same in every run
+            return _sha(f.read().replace(os.path.realpath(work), "$WORK").replace(work, "$WORK").encode())
     if name == "trainer_state.json":
         with open(path) as f:
             state = {k: v for k, v in json.load(f).items() if k not in RUN_FIELDS}
@@ -75,7 +86,7 @@ def _tree(folder: str, work: str) -> dict[str, str]:
             if os.path.islink(path):
                 out[rel] = "link:" + _where(path, work)
             elif name in filenames:
-                out[rel] = _file_hash(path)
+                out[rel] = _file_hash(path, work)
         dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
     return out
 

@@ -1,6 +1,6 @@
 """Know before launching: per-rank GPU memory of a training run, from real-size models on the meta
 device, wrapped exactly as the training scripts wrap them, with a fake process group (no GPU, no
-weights, seconds). What each script builds, and in which role, is parallel.models.PIPELINES; each
+weights, seconds). What each script builds, and in which role, is families.pipelines.PIPELINES; each
 sharded model goes through its recipe (parallel/parallelize.py), and the units are read off the
 sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
 
@@ -43,7 +43,7 @@ and its training forward's activations in fp32, whatever the precision mode (--f
 in the mode's compute dtype).
 
 DMD2 with a FLUX.1 Kontext teacher (flux-kontext-dmd; train_dmd.py on a FLUX folder): the FLUX
-pipeline's transformer in the DMD2 roles of the SD entries of parallel.models.PIPELINES (generator and
+pipeline's transformer in the DMD2 roles of the SD entries of families.pipelines.PIPELINES (generator and
 fake score trainable, teacher frozen-sharded), each sharded by the FLUX recipe; the VAE replicated,
 the text encoders offline. The activations are the larger of the generator's and the fake score's
 training forwards over Kontext's text + target + context tokens (the generator's backward runs before
@@ -107,7 +107,8 @@ from core.errors import ConfigError  # noqa: E402
 from components.warnings import quiet_known_warnings  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
-from parallel import models  # noqa: E402  (the one table of per-model facts)
+from families import pipelines  # noqa: E402  (what each pipeline holds, in which role)
+from parallel.model_facts import MODELS  # noqa: E402  (FSDP units and LoRA targets per model class)
 from parallel.parallelize import parallelize  # noqa: E402  (the recipes)
 from precision import dtype_name, get_precision  # noqa: E402
 
@@ -115,7 +116,7 @@ GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
 
 # Which training script a folder is planned for, by its layout: {subfolder: (script, kind)}. The
-# pipeline's entry in parallel.models.PIPELINES says what it builds; kind picks the forward inputs.
+# pipeline's entry in families.pipelines.PIPELINES says what it builds; kind picks the forward inputs.
 # A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
 LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
 # a layout planned for another script (Settings.script): {(subfolder, script): kind}. train_dmd.py
@@ -154,13 +155,13 @@ NF4_LOAD_BYTES_PER_PARAM = 2 + 2 + 5.8
 
 @dataclass(frozen=True)
 class Holding:
-    """How a component of a given role (parallel.models.Component.role) sits in a rank's memory."""
+    """How a component of a given role (families.pipelines.Component.role) sits in a rank's memory."""
     resident: bool  # in GPU memory during training (an offline one is used before, then freed)
     sharded: bool   # FSDP shards per unit, by the model's recipe (else a full replica on every rank)
     trained: bool   # grads and optimizer state; sharded by its recipe (parallel/parallelize.py)
 
 
-# the role vocabulary of parallel.models.Component (but "files": no weights); the table assigns the roles
+# the role vocabulary of families.pipelines.Component (but "files": no weights); the table assigns the roles
 HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
            "frozen-sharded": Holding(resident=True, sharded=True, trained=False),
            "replicated": Holding(resident=True, sharded=False, trained=False),
@@ -169,8 +170,8 @@ HOLDING = {"trainable": Holding(resident=True, sharded=True, trained=True),
 
 @dataclass
 class Part:
-    """One component of a pipeline in parallel.models.PIPELINES, built at real size on the meta device."""
-    spec: models.Component  # name, subfolder, role: from the table
+    """One component of a pipeline in families.pipelines.PIPELINES, built at real size on the meta device."""
+    spec: pipelines.Component  # name, subfolder, role: from the table
     module: nn.Module | None    # None: not built (its sharded counts come from a cache)
     dtype: torch.dtype          # storage dtype (LoRA: of the frozen base)
     lora: lora_lib.Lora = lora_lib.Lora()  # adapters added before sharding (rank 0: none)
@@ -200,7 +201,7 @@ class Settings:
     block_classes: tuple = ()  # the scripts' BLOCK_CLASSES: () = each model's recipe decides
     lora_rank: int = 0         # the scripts' LORA_RANK: 0 = full fine-tuning
     lora_alpha: float = 0.0    # LORA_ALPHA: 0 = the rank
-    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = the model's in parallel.models.MODELS
+    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = the model's in parallel.model_facts.MODELS
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
     fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
@@ -277,12 +278,12 @@ def pipeline_components(kind: str) -> list:
     kind: the SD-1.5 entry's DMD2 roles (generator, fake score, teacher) of its pipeline's trained
     model, then that pipeline's other components."""
     if kind not in DMD_KINDS:
-        return [c for c in models.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
+        return [c for c in pipelines.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
     pipeline, dmd = PIPELINE_OF_KIND[DMD_KINDS[kind]], PIPELINE_OF_KIND["sd15"]
-    trained, dmd_trained = models.trained_component(pipeline), models.trained_component(dmd)
+    trained, dmd_trained = pipelines.trained_component(pipeline), pipelines.trained_component(dmd)
     roles = [dataclasses.replace(c, subfolder=trained.subfolder, class_name=trained.class_name)
-             for c in models.PIPELINES[dmd] if c.subfolder == dmd_trained.subfolder]
-    return roles + [c for c in models.PIPELINES[pipeline] if c != trained and c.role != "files"]
+             for c in pipelines.PIPELINES[dmd] if c.subfolder == dmd_trained.subfolder]
+    return roles + [c for c in pipelines.PIPELINES[pipeline] if c != trained and c.role != "files"]
 
 
 def native_resolution(folder: str, kind: str) -> int:
@@ -318,7 +319,7 @@ def meta_model(folder: str) -> nn.Module:
 
 def build_components(folder: str, precision, build: bool = True, lora: lora_lib.Lora = lora_lib.Lora(),
                      fake_lora: bool = False, script: str = "") -> tuple[str, str, list[Part]]:
-    """(script, kind, components): what parallel.models.PIPELINES says the script for this
+    """(script, kind, components): what families.pipelines.PIPELINES says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
     FP32_COMPONENTS). Optional components the folder lacks are skipped. build=False: the specs and
@@ -772,7 +773,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         key += (s.lora_rank, tuple(s.lora_targets), s.fake_lora)
     if s.context_parallel > 1:  # another mesh (same shards: FSDP spans dp x cp), so sharded again
         key += (s.context_parallel,)
-    key += (repr(models.MODELS), repr(models.PIPELINES))  # the recipes' unit classes and roles decide the shards
+    key += (repr(MODELS), repr(pipelines.PIPELINES))  # the recipes' unit classes and roles decide the shards
     cached = shard_cache is not None and key in shard_cache
     script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora,
                                            script=s.script)
@@ -895,7 +896,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
                           for c in comps if c.lora}
         result["lora_targets"] = tuple(s.lora_targets) or getattr(
-            models.MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
+            MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
     return result
 
 
@@ -1351,7 +1352,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
     ap.add_argument("--lora_target_modules", default="",
                     help="comma-separated module-name suffixes to adapt, as the scripts' LORA_TARGET_MODULES "
-                         "(default: the model's in parallel/models.py)")
+                         "(default: the model's in parallel/model_facts.py)")
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     ap.add_argument("--fake_score_fp32", type=int, default=1,
@@ -1363,7 +1364,7 @@ def main(argv: list[str]) -> int:
                     help="the scripts' OPTIMIZER: adamw (fp32/bf16 states) | adamw8bit | adamw4bit (torchao)")
     ap.add_argument("--ema", type=int, default=0,
                     help="count an EMA of the trained model, as the scripts' EMA_DECAY > 0 (LoRA: of its adapters)")
-    ap.add_argument("--script", default="", choices=["", *models.SCRIPTS],
+    ap.add_argument("--script", default="", choices=["", *pipelines.SCRIPTS],
                     help="the training script to plan for (default: the folder's layout's, or the built-in name's); "
                          "train_dmd.py on a FLUX Kontext folder: DMD2 with three FLUX transformers")
     ap.add_argument("--lowbit_table", action="store_true",

@@ -1,0 +1,18 @@
+"""The model families, one room each: what is true of a family alone (how its models are built and
+sharded, its conditioning, latent layout, training target and samples), apart from the scripts'
+training stories. The scripts pick the room from model_index.json's `_class_name` through FAMILIES.
+
+    sd_unet.py    SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
+    flux.py       FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
+    pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it
+
+A new family (Qwen-Image-Edit next) is one more room here, listed in FAMILIES, with its pipeline's
+components in pipelines.py and, for DMD2, its setup in train_dmd.py's _SETUPS. Rooms import
+parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms, never the
+other way (tests/test_layout.py checks it).
+"""
+from __future__ import annotations
+
+from families import flux, sd_unet
+
+FAMILIES = {pipeline: room for room in (sd_unet, flux) for pipeline in room.PIPELINES}

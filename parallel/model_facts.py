@@ -1,0 +1,37 @@
+"""What the generic sharding and LoRA machinery needs to know of each model class it meets: which
+module classes are its FSDP units, which layers LoRA adapts by default, whether its attention goes
+through diffusers' dispatcher. What a family's pipeline holds, and how the scripts build it, is in
+its room (families/).
+
+    python -m pytest tests/test_parallelize.py -q
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    units: tuple[str, ...]  # module classes that each get their own fully_shard unit
+    lora_targets: tuple[str, ...]  # default LoRA target suffixes (peft's target_modules)
+    attention_dispatcher: bool = False  # its attention goes through diffusers' dispatcher (set_attention_backend)
+
+
+MODELS = {
+    # DMD2's FSDP config wraps SD UNets per BasicTransformerBlock and ResnetBlock2D (accelerate's
+    # TRANSFORMER_BASED_WRAP on those classes); the attention blocks nest inside Transformer2DModel.
+    # LoRA: the attention projections (diffusers' text-to-image LoRA example's targets); the official
+    # DMD2 SDXL LoRA run adapts more (families/sd_unet.DMD2_LORA_TARGETS): the recipes name those
+    "UNet2DConditionModel": ModelFacts(units=("BasicTransformerBlock", "ResnetBlock2D"),
+                                       lora_targets=("to_q", "to_k", "to_v", "to_out.0")),
+    # FLUX: its `_no_split_modules`, the units torchtitan's flux/parallelize.py shards. LoRA:
+    # diffusers' FLUX Kontext LoRA example's default targets (examples/dreambooth/
+    # train_dreambooth_lora_flux_kontext.py:1442-1456): attention and MLP projections of the
+    # double-stream blocks (image and text streams), attention and proj_mlp of the single blocks
+    "FluxTransformer2DModel": ModelFacts(
+        units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+        lora_targets=("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                      "ff_context.net.2", "proj_mlp"),
+        attention_dispatcher=True),
+}
