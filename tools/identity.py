@@ -9,7 +9,7 @@ checkpoints at steps 2 and 4, samples at 2 and 4 (and validation for Kontext): D
 UNet teacher (GAN head on), DMD2 with the shipped Kontext teacher (4-step generator, GAN head on),
 and Kontext fine-tuning. A fingerprint holds, per job: every metrics.jsonl record without its
 timings, a hash of every checkpoint file (trainer_state.json without its run id and save time, the
-config with its temporary folders named alike; DCP's pickled .metadata and the per-process RNG files
+config with its temporary and checkout folders named alike; DCP's pickled .metadata and the per-process RNG files
 only by their presence),
 every export file (links by where they point) and every sample grid's pixels. `--compare` prints
 what differs and exits 1 if anything does.
@@ -53,8 +53,9 @@ def _file_hash(path: str, work: str) -> str:
     if name in PER_PROCESS:
         return "present"
     if name == "config.json" and os.path.basename(os.path.dirname(os.path.dirname(path))) == "checkpoints":
-        with open(path) as f:  # the run's settings: its temporary folders named the same in every run
-            return _sha(f.read().replace(os.path.realpath(work), "$WORK").replace(work, "$WORK").encode())
+        with open(path) as f:  # the run's settings: its folders (temporary, the checkout's) named alike
+            text = f.read().replace(os.path.realpath(work), "$WORK").replace(work, "$WORK")
+            return _sha(text.replace(ROOT, "$ROOT").encode())
     if name == "trainer_state.json":
         with open(path) as f:
             state = {k: v for k, v in json.load(f).items() if k not in RUN_FIELDS}
