@@ -62,7 +62,9 @@ def run_main(main_fn) -> None:
         if rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # give rank 0 time to print it before a launcher stops this rank (a launcher stops the
-            # others as soon as one rank exits); still here afterwards, the error was this rank's own
+            # others as soon as one rank exits: let its SIGTERM end this one, past any stop handler);
+            # still here afterwards, the error was this rank's own
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(CONFIG_ERROR_GRACE_S)
             print(f"[rank {rank()}] error: {e}", file=sys.stderr, flush=True)
         _teardown_quietly()
