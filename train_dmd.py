@@ -10,7 +10,8 @@ straight into its shards. Per step (two time scales, as published):
     (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
-The math lives in algorithms/dmd2.py (FLUX: algorithms/dmd2_flux.py); what both scripts do around
+The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:
+algorithms/dmd2_unet.py; flow-matching FLUX: algorithms/dmd2_flux.py); what both scripts do around
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
@@ -55,6 +56,7 @@ import families
 import fsdp_utils
 from algorithms import dmd2 as dm
 from algorithms import dmd2_flux as flux_dm
+from algorithms import dmd2_unet as unet_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
 from components.config import check_settings, script_constants
@@ -270,15 +272,6 @@ def resolve_defaults() -> dict:
 # models
 
 
-@dataclass(frozen=True)
-class Losses:
-    """The DMD2 objective's settings that the step helpers need (passed, not read as globals)."""
-    real_guidance_scale: float
-    gen_cls_weight: float
-    guidance_cls_weight: float
-    diffusion_gan: bool
-
-
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float, head_features: str = "mid",
                  seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
@@ -379,24 +372,6 @@ def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", 
     return rows, skipped + real_skipped, real
 
 
-def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, num_train_timesteps: int,
-                      step_percent: tuple[float, float], gan_max_t: int | None) -> dict[str, torch.Tensor]:
-    """All randomness of one sample at one iteration, drawn from its own generator (on the run's
-    device) in a fixed order. gan_max_t: the diffusion-GAN noise range when the GAN is on, else None."""
-    T, dev = num_train_timesteps, g.device
-    r = {"noise": torch.randn(shape, generator=g, device=dev),
-         "dm_t": dm.sample_dm_timesteps(1, g, T, *step_percent)[0],
-         "dm_noise": torch.randn(shape, generator=g, device=dev),
-         "fake_t": dm.sample_fake_timesteps(1, g, T)[0],
-         "fake_noise": torch.randn(shape, generator=g, device=dev),
-         "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
-    if gan_max_t is not None:  # three independent head inputs: G's turn on fake, guidance turn on fake and real
-        for name in ("gan_gen", "gan_fake", "gan_real"):
-            r[name + "_t"] = torch.randint(0, gan_max_t, (), generator=g, device=dev)
-            r[name + "_noise"] = torch.randn(shape, generator=g, device=dev)
-    return r
-
-
 def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
               real_size: int | None, real_rows: list[dict] | None = None, caption_dropout: float = 0.0) -> list[dict]:
     """Host side of iteration `it` on this rank (data.prefetch.Prefetcher runs it a step ahead): per
@@ -427,7 +402,7 @@ def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed:
 def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, draw, encode, vae) -> list[dict]:
     """This rank's share of each micro-batch of iteration `it` on the device: prompts' embeddings,
     real latents (GAN) and its samples' randomness, each sample's drawn on the run's device from
-    (seed, it, its position in the global batch) by `draw` (draw_sample_noise), so no rank draws
+    (seed, it, its position in the global batch) by `draw` (dmd2_unet.draw_sample_noise), so no rank draws
     another's and any world size or GRAD_ACCUM layout sees the same numbers."""
     out = []
     for host in loaded:
@@ -440,65 +415,6 @@ def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, 
             mb["real"] = unet.encode_images(vae, host["pixels"], gens)
         out.append(mb)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# the step
-
-
-def generator_images(generator, mb: dict, step_list: list[int], index: int, alphas) -> torch.Tensor:
-    """G's image latents for this micro-batch: 1-step from pure noise, or (few-step mode) from the
-    input of step_list[index] built by backward simulation. Gradients as the caller's mode."""
-    z = mb["noise"]
-    if index > 0:
-        fresh = [mb["sim_noise"][:, i] for i in range(index)]
-        z, _ = dm.backward_simulation(generator, z, step_list, index, mb["text"], alphas, fresh_noise=fresh)
-    return dm.generator_forward(generator, z, step_list[index], mb["text"], alphas)
-
-
-def head_input(x: torch.Tensor, mb: dict, name: str, alphas, diffusion_gan: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input of the GAN head's UNet pass: clean x at t = 0, or (diffusion GAN) x noised to t."""
-    if not diffusion_gan:
-        return x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-    t = mb[name + "_t"]
-    return dm.add_noise(x, mb[name + "_noise"], t, alphas, out_dtype=torch.float32), t
-
-
-def generator_loss(x, mb, uncond, teacher, fake, head, alphas, losses: Losses) -> tuple[torch.Tensor, dict]:
-    """loss_dm (+ gen_cls_weight · loss_gen_cls): the generator's objective on images x."""
-    grad, _ = dm.dm_grad(x, mb["dm_t"], mb["dm_noise"], teacher, fake, mb["text"], uncond,
-                         losses.real_guidance_scale, alphas)
-    loss_dm = dm.dm_loss(x, grad)
-    logs = {"loss_dm": loss_dm.detach()}  # device tensors: read on logging steps only
-    if head is None:
-        return loss_dm, logs
-    z, t = head_input(x, mb, "gan_gen", alphas, losses.diffusion_gan)
-    loss_cls = dm.gen_cls_loss(dm.cls_logits(fake, head, z, t, mb["text"]))
-    logs["loss_gen_cls"] = loss_cls.detach()
-    return loss_dm + losses.gen_cls_weight * loss_cls, logs
-
-
-def guidance_loss(x, mb, fake, head, alphas, losses: Losses) -> tuple[torch.Tensor, dict]:
-    """loss_fake (+ guidance_cls_weight · loss_guidance_cls) on detached generator images."""
-    x = x.detach()
-    loss_fake = dm.fake_score_loss(fake, x, mb["fake_noise"], mb["fake_t"], mb["text"], alphas)
-    logs = {"loss_fake": loss_fake.detach()}
-    if head is None:
-        return loss_fake, logs
-    logits_fake = dm.cls_logits(fake, head, *head_input(x, mb, "gan_fake", alphas, losses.diffusion_gan), mb["text"])
-    # the real images under their own captions (official: real_train_dict["text_embedding"],
-    # sd_unified_model.py prepare_pure_generation_data); the prompt rows' when they are the same rows
-    logits_real = dm.cls_logits(fake, head, *head_input(mb["real"], mb, "gan_real", alphas, losses.diffusion_gan),
-                                mb.get("real_text", mb["text"]))
-    loss_cls = dm.guidance_cls_loss(logits_fake, logits_real)
-    logs["loss_guidance_cls"] = loss_cls.detach()
-    return loss_fake + losses.guidance_cls_weight * loss_cls, logs
-
-
-def add_logs(total: dict, logs: dict, weight: float) -> None:
-    """Micro-batch values into the step's, in float64 as the log window sums them (no host sync)."""
-    for k, v in logs.items():
-        total[k] = total.get(k, 0.0) + v.double() * weight
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,6 +441,12 @@ class StepFns:
     images: Callable  # (generator, mb, step index) -> G's images (latents or tokens)
     generator_loss: Callable  # (x, mb, fake) -> (loss, logs): loss_dm (+ the GAN term)
     guidance_loss: Callable  # (x, mb, fake) -> (loss, logs): loss_fake (+ the GAN term)
+
+
+def add_logs(total: dict, logs: dict, weight: float) -> None:
+    """Micro-batch values into the step's, in float64 as the log window sums them (no host sync)."""
+    for k, v in logs.items():
+        total[k] = total.get(k, 0.0) + v.double() * weight
 
 
 def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, trained: tuple, optimizers: tuple,
@@ -741,16 +663,16 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     def sample(path):
         with final_weights() as model:
             unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
-    losses = Losses(REAL_GUIDANCE_SCALE, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
-    draw = functools.partial(draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
+    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, REAL_GUIDANCE_SCALE)
+    draw = functools.partial(unet_dm.draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
 
     steps = StepFns(
         batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
-        images=lambda model, mb, index: generator_images(model, mb, step_list, index, alphas),
-        generator_loss=lambda x, mb, fake_: generator_loss(x, mb, uncond, teacher, fake_, head, alphas, losses),
-        guidance_loss=lambda x, mb, fake_: guidance_loss(x, mb, fake_, head, alphas, losses))
+        images=lambda model, mb, index: unet_dm.generator_images(model, mb, step_list, index, alphas),
+        generator_loss=lambda x, mb, fake_: unet_dm.generator_loss(x, mb, teacher, fake_, alphas, uncond, losses),
+        guidance_loss=lambda x, mb, fake_: unet_dm.guidance_loss(x, mb, fake_, alphas, losses))
     load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
                              real_size=resolution if USE_GAN else None, real_rows=real_rows,
                              caption_dropout=CAPTION_DROPOUT)
@@ -833,8 +755,6 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
                 sigmas, cache_dir, identity) -> tuple[StepFns, Callable, Callable]:
     """The FLUX family's step: fixed sample inputs (the sample rows' text and context, noise of the
     whole σ list), batches (cached text, packed context and real tokens, per-sample draws) and losses."""
-    ids = flux_dm.image_ids(side, side, kontext, d.device)
-
     def context_tokens(pixels):
         return flux.image_tokens(vae, pixels) if kontext else None
     text = load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
@@ -844,7 +764,7 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
         tiles = [(load_image(r["control"], resolution, resolution),
                   load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
     sample_cond = flux_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
-                                   if kontext else None, ids)
+                                   if kontext else None, (side, side))
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     # drawn on the host (the same on every device), moved once
     noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
@@ -858,13 +778,14 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
     draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
-    gan = flux_dm.Gan(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)
+    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)  # no teacher CFG
 
     def batches(it, loaded):
         out = []
         for host in loaded:
             mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
-            mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None, ids)
+            mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None,
+                                          (side, side))
             if "target" in host:  # the GAN's real images: the pairs' targets, encoded as the contexts are
                 mb["real"] = flux.image_tokens(vae, host["target"])
             out.append(mb)
@@ -872,8 +793,8 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
     steps = StepFns(
         batches=batches,
         images=lambda model, mb, index: flux_dm.generator_images(model, mb, sigmas, index, FLUX_GUIDANCE),
-        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE, gan),
-        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, gan))
+        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE, losses),
+        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, losses))
     load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              kontext=kontext, d=d)
     return steps, load, sample

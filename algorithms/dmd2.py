@@ -1,7 +1,8 @@
 """The pure pieces of a DMD2 training step (Yin et al. 2024, "Improved Distribution Matching
 Distillation for Fast Image Synthesis"), SD-1.5 setting of the official code (tianweiy/DMD2,
 main/sd_guidance.py and main/sd_unified_model.py). No global state, no distributed calls:
-`train_dmd.py` composes these.
+each parametrisation's step composes these (ε-prediction UNets: algorithms/dmd2_unet.py; flow
+matching: algorithms/dmd2_flux.py), and `train_dmd.py` wires the step into its loop.
 
 UNets are diffusers `UNet2DConditionModel`-like callables predicting epsilon:
 `unet(sample, timestep, encoder_hidden_states=..., return_dict=False)[0]`. The text conditioning
@@ -210,6 +211,23 @@ def fake_score_loss(fake_unet, x_detached: torch.Tensor, noise: torch.Tensor, t,
     z_t = add_noise(x_detached.detach(), noise, t, alphas_cumprod, out_dtype=torch.float32)
     eps = predict_eps(fake_unet, z_t, t, text_emb)
     return torch.mean((eps - noise.float()) ** 2)
+
+
+# ---------------------------------------------------------------------------- the objective's settings
+
+@dataclass(frozen=True)
+class Losses:
+    """The DMD2 objective's settings, one kind for every parametrisation's step (algorithms/dmd2_unet.py,
+    algorithms/dmd2_flux.py): passed to the step, not read as globals. head None = no GAN term."""
+    head: nn.Module | None = None  # the GAN classifier head (stage 2)
+    gen_cls_weight: float = 0.0  # loss_gen_cls's weight in G's loss (published stage 2: 1e-3)
+    guidance_cls_weight: float = 0.0  # loss_guidance_cls's weight in the guidance loss (published: 1e-2)
+    diffusion_gan: bool = True  # the head's inputs noised first (diffusion GAN), else clean at t = 0
+    real_guidance_scale: float = 1.0  # the teacher's CFG scale in loss_dm; 1 = no CFG pair (guidance-distilled)
+
+
+# the head's three inputs, each with its own draw (σ or t, and noise): G's turn on fake, guidance turn on fake and real
+GAN_INPUTS = ("gan_gen", "gan_fake", "gan_real")
 
 
 # ---------------------------------------------------------------------------- GAN head

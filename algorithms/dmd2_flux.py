@@ -1,7 +1,9 @@
 """DMD2's step for FLUX transformers (FLUX.1 Kontext, and FLUX.1 text-to-image without a context
-image): the three transformers enter algorithms/dmd2.py's flow-matching math as velocity callables
-that hold the sample's conditioning, built exactly as Kontext fine-tuning builds its input
-(algorithms/flux_kontext.py): [target tokens ; clean context tokens], ids (0, r, c) then (1, r, c),
+image), the flow-matching twin of algorithms/dmd2_unet.py: the same functions with the same shape,
+taking `guidance` where the UNet step takes its ᾱ table and CFG conditioning. The three
+transformers enter algorithms/dmd2.py's flow-matching math as velocity callables that hold the
+sample's conditioning, their input built by the function Kontext fine-tuning builds its input with
+(flux_kontext.token_sequence): [target tokens ; clean context tokens], ids (0, r, c) then (1, r, c),
 T5 embeddings + pooled CLIP vector, timestep = σ, the raw guidance value.
 
 Guidance. FLUX.1 [dev] and Kontext [dev] are guidance-distilled: the guidance value is an input
@@ -30,6 +32,7 @@ import torch.nn as nn
 
 from algorithms import dmd2 as dm
 from algorithms import flux_kontext as km
+from algorithms.dmd2 import Losses
 
 
 def timestep_sigmas(timesteps) -> list[float]:
@@ -43,24 +46,16 @@ class FluxCond:
     text: torch.Tensor  # (B, T, D) T5 token embeddings
     pooled: torch.Tensor  # (B, P) pooled CLIP vector
     context: torch.Tensor | None  # (B, Nc, 4C) packed clean context latents (Kontext), None for text-to-image
-    img_ids: torch.Tensor  # (Nt [+ Nc], 3): target ids (0, r, c) [then context ids (1, r, c)]
-
-
-def image_ids(h: int, w: int, kontext: bool, device) -> torch.Tensor:
-    """Position ids of an h x w latent target [and its same-size context], made on `device`."""
-    ids = [km.latent_image_ids(h, w, 0, device=device)]
-    if kontext:
-        ids.append(km.latent_image_ids(h, w, 1, device=device))
-    return torch.cat(ids)
+    size: tuple[int, int]  # the target latent's (h, w); a context has the same size
 
 
 def velocity(model, cond: FluxCond, guidance: float):
     """v(x_σ, σ) of `model` under `cond`: x_σ are the packed target tokens (B, Nt, 4C); the context
-    tokens are appended and the prediction cut back to the target's (as the pipeline does,
-    pipeline_flux_kontext.py:1038, 1052)."""
+    tokens are appended as fine-tuning appends them (flux_kontext.token_sequence) and the prediction
+    cut back to the target's (as the pipeline does, pipeline_flux_kontext.py:1038, 1052)."""
     def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        hidden = x if cond.context is None else torch.cat([x, cond.context.to(x.dtype)], dim=1)
-        out = km.transformer_forward(model, {"hidden_states": hidden, "img_ids": cond.img_ids}, sigma, guidance,
+        hidden, ids = km.token_sequence(x, cond.size, cond.context, cond.size)
+        out = km.transformer_forward(model, {"hidden_states": hidden, "img_ids": ids}, sigma, guidance,
                                      cond.text, cond.pooled)
         return out[:, :x.shape[1]].float()
     return v
@@ -78,44 +73,37 @@ def generator_images(generator, mb: dict, sigmas: list[float], index: int, guida
     return dm.x0_from_velocity(z, v(z, s), s).float()
 
 
-@dataclass(frozen=True)
-class Gan:
-    """The optional GAN stage's settings (train_dmd.py's USE_GAN group); head None = off."""
-    head: nn.Module | None = None
-    gen_weight: float = 0.0
-    guidance_weight: float = 0.0
-    diffusion_gan: bool = True
-
-
 def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
-                   gan: Gan = Gan()) -> tuple[torch.Tensor, dict]:
+                   losses: Losses = Losses()) -> tuple[torch.Tensor, dict]:
     """loss_dm on G's tokens x: the per-sample normalised (teacher − fake) x̂0 direction at a σ drawn
-    in the DM range, teacher and fake at the same guidance value (+ gen_weight · loss_gen_cls)."""
+    in the DM range, teacher and fake at the same guidance value, no CFG pair (+ gen_cls_weight ·
+    loss_gen_cls)."""
     grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], velocity(teacher, mb["cond"], guidance),
                             velocity(fake, mb["cond"], guidance))
     loss = dm.dm_loss(x, grad)
     logs = {"loss_dm": loss.detach()}
-    if gan.head is None:
+    if losses.head is None:
         return loss, logs
-    loss_cls = dm.gen_cls_loss(cls_logits(fake, gan.head, x, mb, "gan_gen", gan.diffusion_gan, guidance))
+    loss_cls = dm.gen_cls_loss(cls_logits(fake, losses.head, x, mb, "gan_gen", losses.diffusion_gan, guidance))
     logs["loss_gen_cls"] = loss_cls.detach()
-    return loss + gan.gen_weight * loss_cls, logs
+    return loss + losses.gen_cls_weight * loss_cls, logs
 
 
-def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float, gan: Gan = Gan()) -> tuple[torch.Tensor, dict]:
-    """loss_fake: the fake score's flow-matching loss on detached generator tokens (+ guidance_weight
+def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float,
+                  losses: Losses = Losses()) -> tuple[torch.Tensor, dict]:
+    """loss_fake: the fake score's flow-matching loss on detached generator tokens (+ guidance_cls_weight
     · loss_guidance_cls: the head on those tokens against the pairs' own targets, `mb["real"]`, under
     the same conditioning)."""
     x = x.detach()
     loss = dm.fm_fake_score_loss(velocity(fake, mb["cond"], guidance), x, mb["fake_noise"], mb["fake_sigma"])
     logs = {"loss_fake": loss.detach()}
-    if gan.head is None:
+    if losses.head is None:
         return loss, logs
-    logits_fake = cls_logits(fake, gan.head, x, mb, "gan_fake", gan.diffusion_gan, guidance)
-    logits_real = cls_logits(fake, gan.head, mb["real"], mb, "gan_real", gan.diffusion_gan, guidance)
+    logits_fake = cls_logits(fake, losses.head, x, mb, "gan_fake", losses.diffusion_gan, guidance)
+    logits_real = cls_logits(fake, losses.head, mb["real"], mb, "gan_real", losses.diffusion_gan, guidance)
     loss_cls = dm.guidance_cls_loss(logits_fake, logits_real)
     logs["loss_guidance_cls"] = loss_cls.detach()
-    return loss + gan.guidance_weight * loss_cls, logs
+    return loss + losses.guidance_cls_weight * loss_cls, logs
 
 
 def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range: tuple[float, float],
@@ -131,19 +119,16 @@ def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range:
          "fake_noise": torch.randn(shape, generator=g, device=dev),
          "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
     if gan_max_sigma is not None:  # three head inputs: G's turn on fake, guidance turn on fake and real
-        for name in GAN_INPUTS:
+        for name in dm.GAN_INPUTS:
             r[name + "_sigma"] = torch.rand((), generator=g, device=dev) * gan_max_sigma
             r[name + "_noise"] = torch.randn(shape, generator=g, device=dev)
     return r
 
 
-GAN_INPUTS = ("gan_gen", "gan_fake", "gan_real")
-
-
 def pack_draws(r: dict) -> dict:
     """draw_sample_noise's latents of a micro-batch (B, C, h, w) -> packed tokens (B, N, 4C)."""
     out = dict(r)
-    for k in ("noise", "dm_noise", "fake_noise", *(n + "_noise" for n in GAN_INPUTS if n + "_noise" in r)):
+    for k in ("noise", "dm_noise", "fake_noise", *(n + "_noise" for n in dm.GAN_INPUTS if n + "_noise" in r)):
         out[k] = km.pack_latents(r[k])
     out["sim_noise"] = pack_steps(r["sim_noise"])
     return out

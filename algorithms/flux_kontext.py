@@ -30,6 +30,7 @@ __all__ = [
     "unpack_latents",
     "latent_image_ids",
     "build_model_inputs",
+    "token_sequence",
     "sample_sigmas",
     "loss_weighting",
     "flow_matching_loss",
@@ -135,19 +136,32 @@ def build_model_inputs(
         raise ValueError("one sigma per sample expected")
     noisy = (1.0 - s) * x0 + s * n
     packed_target = pack_latents(noisy)
-    packed_context = pack_latents(context_latents.float())
-    h, w = x0.shape[-2:]
-    hc, wc = context_latents.shape[-2:]
-    ids = torch.cat(
-        [latent_image_ids(h, w, 0, device=x0.device), latent_image_ids(hc, wc, 1, device=x0.device)],
-        dim=0,
-    )
+    hidden, ids = token_sequence(packed_target, tuple(x0.shape[-2:]), pack_latents(context_latents.float()),
+                                 tuple(context_latents.shape[-2:]))
     return {
-        "hidden_states": torch.cat([packed_target, packed_context], dim=1),
+        "hidden_states": hidden,
         "img_ids": ids,
         "n_target_tokens": packed_target.shape[1],
         "target": pack_latents(n - x0),
     }
+
+
+def token_sequence(
+    target: torch.Tensor,
+    target_size: tuple[int, int],
+    context: torch.Tensor | None = None,
+    context_size: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's image sequence: packed target tokens (B, Nt, D), then the packed clean
+    context tokens (B, Nc, D) cast to the target's dtype, and their position ids (Nt + Nc, 3):
+    target (0, r, c), context (1, r, c). Sizes are the latents' (h, w). ``context`` None: the
+    target alone (text-to-image FLUX.1). Ids are made on the target's device.
+    """
+    ids = latent_image_ids(*target_size, 0, device=target.device)
+    if context is None:
+        return target, ids
+    context_ids = latent_image_ids(*context_size, 1, device=target.device)
+    return torch.cat([target, context.to(target.dtype)], dim=1), torch.cat([ids, context_ids], dim=0)
 
 
 def sample_sigmas(

@@ -613,3 +613,21 @@ def test_fm_backward_simulation_renoises_each_prediction():
         dm.fm_backward_simulation(gen, noise, sigmas, 4, fresh)
     s = dm.sample_dm_sigmas(1000, torch.Generator().manual_seed(5))
     assert 0.02 <= float(s.min()) and float(s.max()) <= 0.98
+
+
+def test_the_two_steps_are_twins():
+    """The ε-prediction step and the flow-matching step have the same functions with the same shape:
+    generator_images(generator, mb, steps, index, ...), generator_loss(x, mb, teacher, fake, ..., losses),
+    guidance_loss(x, mb, fake, ..., losses), draw_sample_noise(g, shape, n_sim, ...); one Losses for both."""
+    import inspect
+
+    from algorithms import dmd2_flux, dmd2_unet
+    shapes = {"generator_images": ["generator", "mb", None, "index"], "generator_loss": ["x", "mb", "teacher", "fake"],
+              "guidance_loss": ["x", "mb", "fake"], "draw_sample_noise": ["g", "shape", "n_sim"]}
+    for module in (dmd2_unet, dmd2_flux):
+        for name, head in shapes.items():
+            params = inspect.signature(getattr(module, name)).parameters
+            names = list(params)
+            assert [n if h else None for n, h in zip(names, head)] == head, (module.__name__, name, names)
+            if name.endswith("_loss"):
+                assert names[-1] == "losses" and params["losses"].default == dm.Losses(), (module.__name__, name)

@@ -150,6 +150,21 @@ def test_build_model_inputs_order_values_ids():
     assert (ids[:nt, 0] == 0).all() and (ids[nt:, 0] == 1).all()
 
 
+def test_token_sequence_is_fine_tunings_and_target_alone_without_context():
+    """The one builder of [target ; context] and its ids: what build_model_inputs hands the model, and
+    (text-to-image, no context) the target tokens themselves with their (0, r, c) ids."""
+    g = torch.Generator().manual_seed(0)
+    x0, n = torch.randn(2, LATENT_C, 8, 6, generator=g), torch.randn(2, LATENT_C, 8, 6, generator=g)
+    ctx = torch.randn(2, LATENT_C, 4, 10, generator=g)
+    s = torch.tensor([0.25, 0.9])
+    out = km.build_model_inputs(x0, ctx, n, s)
+    target = out["hidden_states"][:, :out["n_target_tokens"]]
+    hidden, ids = km.token_sequence(target, (8, 6), km.pack_latents(ctx), (4, 10))
+    assert torch.equal(hidden, out["hidden_states"]) and torch.equal(ids, out["img_ids"])
+    alone, alone_ids = km.token_sequence(target, (8, 6))
+    assert alone is target and torch.equal(alone_ids, km.latent_image_ids(8, 6, 0))
+
+
 def test_flow_matching_loss_ignores_context_and_matches_hand():
     g = torch.Generator().manual_seed(3)
     nt, nc, d = 6, 4, 8

@@ -210,8 +210,7 @@ def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
     g = torch.Generator().manual_seed(0)
     b, side = 2, 4
     cond = fd.FluxCond(torch.randn(b, 3, 32, generator=g), torch.randn(b, 32, generator=g),
-                       km.pack_latents(torch.randn(b, 1, side, side, generator=g)),
-                       fd.image_ids(side, side, True, "cpu"))
+                       km.pack_latents(torch.randn(b, 1, side, side, generator=g)), (side, side))
     draws = fd.pack_draws({"noise": torch.randn(b, 1, side, side, generator=g),
                            "dm_noise": torch.randn(b, 1, side, side, generator=g),
                            "fake_noise": torch.randn(b, 1, side, side, generator=g),

@@ -676,11 +676,11 @@ def bench_noise() -> str:
     """Per-rank time to draw one DMD2 step's randomness at the stage-1 recipe's global batch, on
     one CPU thread (torchrun's OMP_NUM_THREADS=1): "before" (_noise_before), every rank draws all 2048
     samples; "after" (train_dmd.py's draw), a rank draws its own 2048 / world samples
-    (train_dmd.draw_sample_noise per sample)."""
+    (algorithms/dmd2_unet.draw_sample_noise per sample)."""
     import functools
     import torch
+    from algorithms import dmd2_unet as unet_dm
     from data.randomness import per_sample_draws
-    import train_dmd
     torch.set_num_threads(1)
 
     def timed(fn, repeats=3):
@@ -694,7 +694,7 @@ def bench_noise() -> str:
              "| before: ms per rank | after: ms per rank | after / before |", "|---|---:|---:|---:|---:|---:|"]
     for gan in (False, True):
         before = timed(lambda: _noise_before(10, 5, NOISE_GLOBAL_BATCH, NOISE_LATENT, gan), repeats=2)
-        draw = functools.partial(train_dmd.draw_sample_noise, shape=NOISE_LATENT, n_sim=0, num_train_timesteps=1000,
+        draw = functools.partial(unet_dm.draw_sample_noise, shape=NOISE_LATENT, n_sim=0, num_train_timesteps=1000,
                                  step_percent=(0.02, 0.98), gan_max_t=1000 if gan else None)
         for world in (8, 64):
             mine = range(NOISE_GLOBAL_BATCH // world)  # rank 0's samples
