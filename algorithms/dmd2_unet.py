@@ -13,6 +13,7 @@ import torch
 from algorithms import dmd2 as dm
 from algorithms.dmd2 import Losses
 
+
 def generator_images(generator, mb: dict, step_list: list[int], index: int, alphas) -> torch.Tensor:
     """G's image latents for this micro-batch: 1-step from pure noise, or (few-step mode) from the
     input of step_list[index] built by backward simulation. Gradients as the caller's mode."""
