@@ -14,6 +14,7 @@ import torch
 from tests.conftest import TinyNet, make_data, run_ranks
 
 import fsdp_utils
+from core import launch
 from core.dist import mean_across_ranks
 from core.errors import ConfigError
 from components.optim import adamw
@@ -217,25 +218,25 @@ def test_dp_replicate_must_divide_world():
 
 
 def test_gpu_index_fits_how_the_scheduler_exposes_gpus():
-    assert [fsdp_utils.gpu_index(r, 8, 8) for r in range(8)] == list(range(8))  # torchrun: all GPUs to each rank
-    assert [fsdp_utils.gpu_index(r, 8, 1) for r in range(8)] == [0] * 8  # one visible GPU per rank (SLURM, k8s)
+    assert [launch.gpu_index(r, 8, 8) for r in range(8)] == list(range(8))  # torchrun: all GPUs to each rank
+    assert [launch.gpu_index(r, 8, 1) for r in range(8)] == [0] * 8  # one visible GPU per rank (SLURM, k8s)
     with pytest.raises(ConfigError, match="LOCAL_RANK=3 of LOCAL_WORLD_SIZE=4 ranks on this node, but 2 GPUs"):
-        fsdp_utils.gpu_index(3, 4, 2)  # two ranks would share a GPU
+        launch.gpu_index(3, 4, 2)  # two ranks would share a GPU
     # torchrun's workers all see the same GPUs: 4 ranks on a 1-GPU node is refused up front
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=4 ranks on this node but 1 GPU"):
-        fsdp_utils.gpu_index(1, 4, 1, same_devices=True)
-    assert fsdp_utils.gpu_index(0, 1, 1, same_devices=True) == 0
+        launch.gpu_index(1, 4, 1, same_devices=True)
+    assert launch.gpu_index(0, 1, 1, same_devices=True) == 0
 
 
 def test_ranks_sharing_a_gpu_are_named():
     """Every rank's (host, GPU UUID) in rank order: a UUID on two ranks is one line naming them and
     the host; distinct UUIDs, or CPU ranks (no UUID), pass."""
     a, b = "GPU-1111", "GPU-2222"
-    assert fsdp_utils.shared_gpus([("n1", a), ("n1", b), ("n2", "GPU-3333"), ("n2", "GPU-4444")]) is None
-    assert fsdp_utils.shared_gpus([("n1", ""), ("n1", ""), ("n2", "")]) is None
-    line = fsdp_utils.shared_gpus([("n1", a), ("n2", b), ("n2", "GPU-5"), ("n2", b)])
+    assert launch.shared_gpus([("n1", a), ("n1", b), ("n2", "GPU-3333"), ("n2", "GPU-4444")]) is None
+    assert launch.shared_gpus([("n1", ""), ("n1", ""), ("n2", "")]) is None
+    line = launch.shared_gpus([("n1", a), ("n2", b), ("n2", "GPU-5"), ("n2", b)])
     assert line.startswith(f"ranks 1, 3 share one GPU on n2 ({b})") and "\n" not in line
-    line = fsdp_utils.shared_gpus([("n1", a), ("n1", a), ("n2", b), ("n2", b)])
+    line = launch.shared_gpus([("n1", a), ("n1", a), ("n2", b), ("n2", b)])
     assert "ranks 0, 1 share one GPU on n1" in line and "and 1 more GPU(s) shared" in line
 
 
@@ -246,15 +247,15 @@ def test_cpu_threads_share_the_cpus_this_process_may_use(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's default
-    assert fsdp_utils.cpu_threads(8) == 2 and fsdp_utils.cpu_threads(32) == 1
+    assert launch.cpu_threads(8) == 2 and launch.cpu_threads(32) == 1
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert fsdp_utils.cpu_threads(4) == 4
+    assert launch.cpu_threads(4) == 4
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")  # srun bound this task to its 16 CPUs
-    assert fsdp_utils.cpu_threads(8, per_task=True) == 16 and fsdp_utils.cpu_threads(8) == 2
+    assert launch.cpu_threads(8, per_task=True) == 16 and launch.cpu_threads(8) == 2
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")  # 16 CPUs visible but 2 per task: not bound, shared
-    assert fsdp_utils.cpu_threads(8, per_task=True) == 2
+    assert launch.cpu_threads(8, per_task=True) == 2
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
-    assert fsdp_utils.cpu_threads(8) == 6
+    assert launch.cpu_threads(8) == 6
 
 
 def _accumulation_comms(rank, world, mode):

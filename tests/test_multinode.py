@@ -93,7 +93,7 @@ def runs(tmp_path_factory, kontext_setup):
     """All runs side by side: the two-node Kontext run, the two-node DMD run stopped by SIGTERM,
     the two references; the DMD nodes resumed as soon as they stopped."""
     root = tmp_path_factory.mktemp("multinode")
-    # a CPU rank's threads follow its node's rank count (fsdp_utils.cpu_threads) unless OMP_NUM_THREADS
+    # a CPU rank's threads follow its node's rank count (launch.cpu_threads) unless OMP_NUM_THREADS
     # says more than 1, and the thread count changes the DMD losses' last bits: the same on every rank here
     env = {**launch_env(), "OMP_NUM_THREADS": str(DMD_THREADS)}
     kontext_args = ["--cache_latents=1"]

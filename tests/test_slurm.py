@@ -1,7 +1,7 @@
 """run_fsdp.sh inside a SLURM job: the torchrun command it builds (DRY_RUN=1) from the job's
 variables, without scontrol (the node list is parsed in bash) and with it (a stand-in scontrol
 earlier in PATH); outside SLURM nothing changes (tests/test_recipes.py). srun without torchrun:
-the ranks fsdp_utils.slurm_rank_env derives from a task's SLURM variables, and (slow) two real
+the ranks slurm_rank_env derives from a task's SLURM variables, and (slow) two real
 processes started as srun would, no torchrun.
 
     python -m pytest tests/test_slurm.py -q
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-import fsdp_utils
+from core.launch import slurm_first_host, slurm_rank_env
 from core.errors import ConfigError
 from tests.conftest import ROOT, finish, free_port, launch_env
 
@@ -163,32 +163,32 @@ TASK = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="13", SLURM_NTA
 
 def test_srun_task_gets_torchruns_variables(monkeypatch):
     monkeypatch.setenv("PATH", clean_path())
-    assert fsdp_utils.slurm_rank_env(TASK) == dict(RANK="13", WORLD_SIZE="16", LOCAL_RANK="5", LOCAL_WORLD_SIZE="8",
+    assert slurm_rank_env(TASK) == dict(RANK="13", WORLD_SIZE="16", LOCAL_RANK="5", LOCAL_WORLD_SIZE="8",
                                                    MASTER_ADDR="gpu07", MASTER_PORT="29500")
-    uneven = fsdp_utils.slurm_rank_env({**TASK, "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3",
+    uneven = slurm_rank_env({**TASK, "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3",
                                         "SLURM_NTASKS": "7", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "31000"})
     assert (uneven["LOCAL_WORLD_SIZE"], uneven["MASTER_ADDR"], uneven["MASTER_PORT"]) == ("1", "10.0.0.1", "31000")
     step = {**TASK, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "c[3,5]"}
-    assert fsdp_utils.slurm_rank_env(step) == dict(  # the step's own counts and nodes
+    assert slurm_rank_env(step) == dict(  # the step's own counts and nodes
         RANK="13", WORLD_SIZE="4", LOCAL_RANK="5", LOCAL_WORLD_SIZE="2", MASTER_ADDR="c3", MASTER_PORT="29500")
     per_node = {k: v for k, v in TASK.items() if k != "SLURM_TASKS_PER_NODE"}
-    assert fsdp_utils.slurm_rank_env({**per_node, "SLURM_NTASKS_PER_NODE": "8"})["LOCAL_WORLD_SIZE"] == "8"
-    assert fsdp_utils.slurm_rank_env({**per_node, "SLURM_NNODES": "4"})["LOCAL_WORLD_SIZE"] == "4"
+    assert slurm_rank_env({**per_node, "SLURM_NTASKS_PER_NODE": "8"})["LOCAL_WORLD_SIZE"] == "8"
+    assert slurm_rank_env({**per_node, "SLURM_NNODES": "4"})["LOCAL_WORLD_SIZE"] == "4"
 
 
 def test_other_launches_are_left_alone():
     """torchrun set RANK; a batch script or salloc shell is no srun step; a one-task step running
     `python script.py` stays a world of one."""
-    assert fsdp_utils.slurm_rank_env({**TASK, "RANK": "0"}) == {}
-    assert fsdp_utils.slurm_rank_env({k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}) == {}
-    assert fsdp_utils.slurm_rank_env({**TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == {}
-    assert fsdp_utils.slurm_rank_env({}) == {}
+    assert slurm_rank_env({**TASK, "RANK": "0"}) == {}
+    assert slurm_rank_env({k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}) == {}
+    assert slurm_rank_env({**TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == {}
+    assert slurm_rank_env({}) == {}
 
 
 @pytest.mark.parametrize("nodelist,first", [("node[01-04,07]", "node01"), ("gpu-a1,gpu-a2", "gpu-a1"),
                                             ("node7,node9", "node7"), ("rack[2-3]-gpu[09-12],login1", "rack2-gpu09")])
 def test_first_host_in_python_as_in_bash(nodelist, first):
-    assert fsdp_utils.slurm_first_host(nodelist) == first
+    assert slurm_first_host(nodelist) == first
 
 
 def test_scontrol_is_used_when_present_in_python(tmp_path, monkeypatch):
@@ -196,12 +196,12 @@ def test_scontrol_is_used_when_present_in_python(tmp_path, monkeypatch):
     fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "g-first\\ng-second\\n"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{clean_path()}")
-    assert fsdp_utils.slurm_rank_env(TASK)["MASTER_ADDR"] == "g-first"
+    assert slurm_rank_env(TASK)["MASTER_ADDR"] == "g-first"
 
 
 def test_a_bad_task_count_is_one_line():
     with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE='2\\(x2\\)': no task count for node 5"):
-        fsdp_utils.slurm_rank_env({**TASK, "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "5"})
+        slurm_rank_env({**TASK, "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "5"})
 
 
 PROBE = """

@@ -9,7 +9,7 @@
 #                           the allocation stop in one line (exit 2). NNODES=1 by hand runs this node
 #                           alone (--standalone). Outside SLURM it does nothing.
 
-# node[01-04,07] -> node01, gpu-a1,gpu-a2 -> gpu-a1, node7 -> node7 (fsdp_utils.slurm_first_host in Python)
+# node[01-04,07] -> node01, gpu-a1,gpu-a2 -> gpu-a1, node7 -> node7 (core.launch.slurm_first_host in Python)
 slurm_first_host() {
   local list=$1 first="" bracket='^([^[]*)\[([0-9]+)[^]]*\](.*)$'
   if command -v scontrol >/dev/null 2>&1; then
