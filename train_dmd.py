@@ -70,7 +70,6 @@ from data.images import load_image
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
-from data.text_cache import load_text_embeds, prepare_text_cache, t5_length
 from families import flux
 from families.pipelines import vae_scale_factor
 from families import sd_unet as unet
@@ -559,7 +558,7 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
         mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
         picked = [rows[indices[i]] for i in mine]
         prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
-        mb = {"mine": mine, "text": load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
+        mb = {"mine": mine, "text": flux.load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
         if kontext:
             mb["context"] = torch.stack([load_image(r["control"], size, size) for r in picked])
         if USE_GAN:
@@ -682,7 +681,7 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
 def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
     the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
-    from the text cache train_flux_kontext.py fills (data/text_cache.py), the context image is
+    from the text cache train_flux_kontext.py fills (families/flux.py), the context image is
     encoded and packed as Kontext fine-tuning does (algorithms/flux_kontext.py), and the step is
     algorithms/dmd2_flux.py's, in the same loop as the UNets'."""
     from diffusers.configuration_utils import FrozenDict
@@ -696,14 +695,14 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     rows, skipped, sample_rows = flux_rows(kontext, {"prompt": PROMPT_COLUMN})
     print0(f"data: {len(rows)} {'pairs' if kontext else 'prompts'} from {DATA_PATH}"
            + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
-    text_length = t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
+    text_length = flux.t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
     trainer.check_attention(run, *flux.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
                                                         factor, BATCH_SIZE, 1), prec.compute_dtype)
 
     # the text cache (encoders loaded only where prompts are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
     prompts = [r["prompt"] for r in rows + sample_rows] + ([""] if CAPTION_DROPOUT > 0 else [])
-    identity = prepare_text_cache(prompts, MODEL_PATH, cache_dir, MAX_SEQUENCE_LENGTH,
+    identity = flux.prepare_text_cache(prompts, MODEL_PATH, cache_dir, MAX_SEQUENCE_LENGTH,
                                   prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
@@ -757,7 +756,7 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
     whole σ list), batches (cached text, packed context and real tokens, per-sample draws) and losses."""
     def context_tokens(pixels):
         return flux.image_tokens(vae, pixels) if kontext else None
-    text = load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
+    text = flux.load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
     tiles = []
     if kontext:
         grey = torch.zeros(3, resolution, resolution)

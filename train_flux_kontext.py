@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 import os
 
@@ -71,10 +70,9 @@ from data.images import image_size, load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows
-from data.text_cache import (  # noqa: F401 - the cache's pieces, read by tests as this script's
-    cache_file, encoder_identity, fill_in_rounds, load_text_embeds, prepare_text_cache, save_atomic, t5_length)
-from families.flux import attention_shapes, build_transformer, load_vae
-from families.pipelines import vae_scale_factor
+from data.text_cache import cache_file, fill_in_rounds, save_atomic  # noqa: F401 - cache_file: read by tests
+from families import FAMILIES
+from families.flux import encoder_identity  # noqa: F401 - the FLUX text cache's key, read by tests
 from parallel import ema as ema_lib
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
 from parallel import attention
@@ -224,53 +222,31 @@ def resolve_defaults() -> dict:
     return script_constants(globals())
 
 
-def check_context_parallel_shapes(model_path, context_parallel, text_length, sizes, vae_factor) -> None:
-    """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads
-    C ways, and the sequence is split C ways at the transformer's input, text tokens and image
-    tokens (target + context, 2 x (h/2f) x (w/2f) for an h x w bucket) each on their own, so all
-    three must divide by C. `sizes` = every (h, w) the run will use (training buckets, samples)."""
-    if context_parallel == 1:
-        return
-    with open(os.path.join(model_path, "transformer", "config.json")) as f:
-        heads = json.load(f)["num_attention_heads"]
-    if heads % context_parallel:
-        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {heads} attention heads "
-                          f"(transformer/config.json) do not divide by it (Ulysses splits the heads)")
-    if text_length % context_parallel:
-        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: {text_length} T5 tokens (MAX_SEQUENCE_LENGTH, "
-                          f"capped by the tokenizer) do not divide by it; set MAX_SEQUENCE_LENGTH to a multiple")
-    for h, w in sorted(set(sizes)):
-        tokens = 2 * (h // (2 * vae_factor)) * (w // (2 * vae_factor))
-        if tokens % context_parallel:
-            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the {h}x{w} bucket has {tokens} image tokens "
-                              f"(target + context), not divisible by it; change RESOLUTION or BUCKET_ASPECTS")
-
-
-def step_sizes(buckets, schedule) -> list[tuple[int, int]]:
-    """The first step's bucket and the largest one the run trains on: the shapes to check first."""
-    used = {buckets[b] for b, _ in schedule}
-    return [buckets[schedule[0][0]], max(used, key=lambda s: s[0] * s[1])]
+def step_sizes(shapes, schedule) -> list:
+    """The first step's shape and the largest one the run trains on: the shapes to check first."""
+    used = {shapes[b] for b, _ in schedule}
+    return [shapes[schedule[0][0]], max(used, key=lambda s: sum(h * w for h, w in (s[0], *s[1])))]
 
 
 # ----------------------------------------------------------------------------------------------
 # models
 
 
-def build_models(model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed,
+def build_models(room, model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed,
                  base_dtype="", attention_backend=attention.DEFAULT):
     """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
     EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
     VAE, the sampling scheduler."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     folder = os.path.join(model_path, "transformer")
-    build = functools.partial(build_transformer, folder, mesh, prec, device, sharding=sharding,
+    build = functools.partial(room.build_transformer, folder, mesh, prec, device, sharding=sharding,
                               block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
                               attention_backend=attention_backend)
     transformer = build(load=True)
     transformer.train()
     ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False,
                                                                       sharding=sharding.never_backward()))
-    vae = load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
+    vae = room.load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
     return transformer, ema, vae, scheduler
 
@@ -305,27 +281,29 @@ def image_hash(source, size) -> str:
     return h.hexdigest()
 
 
-def latent_file(cache_dir, identity, row, size) -> str:
-    key = hashlib.sha256(f"{identity}\n{size}\n{image_hash(row['control'], size)}\n"
-                         f"{image_hash(row['target'], size)}".encode()).hexdigest()
+def latent_file(cache_dir, identity, row, shape) -> str:
+    size, sizes = shape
+    controls = "\n".join(image_hash(c, s) for c, s in zip(references(row), sizes))
+    key = hashlib.sha256(f"{identity}\n{size}\n{controls}\n{image_hash(row['target'], size)}".encode()).hexdigest()
     return os.path.join(cache_dir, "latents", key[:2], key + ".pt")
 
 
 @torch.no_grad()
-def fill_latent_cache(train, bucket_of, buckets, vae, cache_dir, identity) -> list[str]:
+def fill_latent_cache(room, train, bucket_of, shapes, vae, cache_dir, identity) -> list[str]:
     """Each rank hashes and, where missing from the cache, encodes its share (rows rank::world),
     one image at a time, so a pair's latents are the same whatever the world size or the batch it
     trains in; in rounds of _LATENT_ROUND pairs with a collective after each (fill_in_rounds), so no
     rank waits in one collective for the slowest rank's whole share. Returns every training row's
     cache file (the same list on every rank)."""
     def work(rows):
-        files = {i: latent_file(cache_dir, identity, train[i], buckets[bucket_of[i]]) for i in rows}
+        files = {i: latent_file(cache_dir, identity, train[i], shapes[bucket_of[i]]) for i in rows}
         missing = [i for i, f in files.items() if not os.path.exists(f)]
         for i in missing:
-            size = buckets[bucket_of[i]]
-            latents = {k: km.encode_latents(vae, load_image(train[i][k], *size)[None])[0].cpu()
-                       for k in ("control", "target")}
-            save_atomic(latents, files[i])
+            size, sizes = shapes[bucket_of[i]]
+            controls = [room.encode_latents(vae, load_image(c, *s)[None])[0].cpu()
+                        for c, s in zip(references(train[i]), sizes)]
+            target = room.encode_latents(vae, load_image(train[i]["target"], *size)[None])[0].cpu()
+            save_atomic({"control": controls[0] if len(controls) == 1 else controls, "target": target}, files[i])
         return files, len(missing)
 
     shares = [share for r in fill_in_rounds(list(range(len(train))), work, _LATENT_ROUND, "pairs") for share in r]
@@ -336,10 +314,13 @@ def fill_latent_cache(train, bucket_of, buckets, vae, cache_dir, identity) -> li
     return files
 
 
-def load_latents(files) -> tuple[torch.Tensor, torch.Tensor]:
-    """(context latents, target latents) (B, C, h, w) of a micro-batch's pairs, from the cache."""
+def load_latents(files) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(reference latents [(B, C, h, w) per reference], target latents (B, C, h, w)) of a
+    micro-batch's samples, from the cache."""
     items = [torch.load(f, weights_only=True) for f in files]
-    return torch.stack([it["control"] for it in items]), torch.stack([it["target"] for it in items])
+    controls = [it["control"] if isinstance(it["control"], list) else [it["control"]] for it in items]
+    return ([torch.stack([c[j] for c in controls]) for j in range(len(controls[0]))],
+            torch.stack([it["target"] for it in items]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +354,25 @@ def assign_buckets(rows, buckets) -> list[int]:
     return [nearest_bucket(h, w, buckets) for h, w in sizes]
 
 
+def references(row) -> list:
+    """A row's reference images (its "control": one image, or a list of them)."""
+    return row["control"] if isinstance(row["control"], list) else [row["control"]]
+
+
+def sample_shapes(room, rows, buckets, settings) -> tuple[list[tuple], list[int]]:
+    """(shapes, shape of each row): a shape is (target size, (each reference's size)), the target's
+    from its bucket, the references' by the room's rule. A room whose references follow the target
+    (FLUX: the context at the target's size) has one shape per bucket, in bucket order."""
+    seeded = [(b, room.reference_sizes(b, None, settings)) for b in buckets]
+    shapes, shape_of = [s for s in seeded if s[1] is not None], []
+    for row, b in zip(rows, assign_buckets(rows, buckets)):
+        shape = (buckets[b], room.reference_sizes(buckets[b], row, settings))
+        if shape not in shapes:
+            shapes.append(shape)
+        shape_of.append(shapes.index(shape))
+    return shapes, shape_of
+
+
 def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Which bucket each step draws its whole global batch from.
 
@@ -402,17 +402,19 @@ def step_indices(step, members, schedule, global_batch, seed) -> list[int]:
     return [members[b][i] for i in local]
 
 
-def load_pairs(rows, size, flips) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context and target batches (B, 3, h, w): both images of a pair get the same resize, crop
-    and (optional) flip."""
-    contexts, targets = [], []
+def load_pairs(rows, shape, flips) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Reference batches [(B, 3, h, w) per reference] and the target batch (B, 3, h, w): every image
+    of a sample gets the same resize-and-crop rule (data.images.load_image) and (optional) flip."""
+    size, sizes = shape
+    refs, targets = [[] for _ in sizes], []
     for row, flip in zip(rows, flips.tolist() if torch.is_tensor(flips) else flips):  # CPU data: no device sync
-        c, t = load_image(row["control"], *size), load_image(row["target"], *size)
+        images = [load_image(c, *s) for c, s in zip(references(row), sizes)] + [load_image(row["target"], *size)]
         if flip:
-            c, t = c.flip(-1), t.flip(-1)
-        contexts.append(c)
-        targets.append(t)
-    return torch.stack(contexts), torch.stack(targets)
+            images = [x.flip(-1) for x in images]
+        for j, x in enumerate(images[:-1]):
+            refs[j].append(x)
+        targets.append(images[-1])
+    return [torch.stack(r) for r in refs], torch.stack(targets)
 
 
 _PAIR = ("control", "target", "prompt")  # a row's fields (data.sources.ALIASES: the names accepted for each)
@@ -474,103 +476,95 @@ def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
             "noise": torch.randn(latent_shape, generator=g, device=g.device)}
 
 
-def load_step(step, train, members, schedule, buckets, global_batch, micro_global, dp_rank, dp_size, grad_accum,
+def load_step(step, room, train, members, schedule, shapes, global_batch, micro_global, dp_rank, dp_size, grad_accum,
               seed, random_flip, cache_dir, identity, caption_dropout=0.0, latent_files=None) -> dict:
-    """Host side of step `step` on this rank (data.prefetch.Prefetcher runs it a step ahead): the bucket
-    size and, per micro-batch, this rank's samples' positions in the global batch, both images of
-    each pair (one resize, crop and flip; with `latent_files`, their cached latents instead) and the
-    cached text embeddings (of "" for a dropped caption), on CPU."""
+    """Host side of step `step` on this rank (data.prefetch.Prefetcher runs it a step ahead): the
+    step's shape and, per micro-batch, this rank's samples' positions in the global batch, every image
+    of each sample (one resize, crop and flip; with `latent_files`, their cached latents instead) and
+    the cached text embeddings (of "" for a dropped caption), on CPU."""
     indices = step_indices(step - 1, members, schedule, global_batch, seed)
-    size = buckets[schedule[step - 1][0]]
+    shape = shapes[schedule[step - 1][0]]
     flips = step_flips(seed, step, global_batch, random_flip)
     batches = []
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
         mine = micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
         prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)
-        text = load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))
+        text = room.load_text(list(zip(prompts, rows)), cache_dir, identity, torch.device("cpu"))
         if latent_files is not None:
-            context, target = load_latents([latent_files[indices[i]] for i in mine])
-            batches.append({"mine": mine, "context_latents": context, "target_latents": target, "text": text})
+            refs, target = load_latents([latent_files[indices[i]] for i in mine])
+            batches.append({"mine": mine, "reference_latents": refs, "target_latents": target, "text": text})
         else:
-            context, target = load_pairs(rows, size, flips[mine])
-            batches.append({"mine": mine, "context": context, "target": target, "text": text})
-    return {"size": size, "batches": batches}
+            refs, target = load_pairs(rows, shape, flips[mine])
+            batches.append({"mine": mine, "references": refs, "target": target, "text": text})
+    return {"shape": shape, "batches": batches}
 
 
-def micro_batch_loss(transformer, vae, mb, sigmas, noise, text, guidance, loss_weighting):
-    """One micro-batch on this rank (tensors on the run's device): encode both images (or take
-    their cached latents), build [noisy target ; clean context] tokens, predict, and return the
-    fp32 flow-matching loss on the target tokens."""
+def micro_batch_loss(room, transformer, vae, mb, sigmas, noise, text, guidance, loss_weighting):
+    """One micro-batch on this rank (tensors on the run's device): encode the images (or take their
+    cached latents), build the room's [noisy target ; clean references] tokens, predict, and return
+    the fp32 flow-matching loss on the target tokens."""
     if "target_latents" in mb:
-        x0, ctx = mb["target_latents"], mb["context_latents"]
+        x0, refs = mb["target_latents"], mb["reference_latents"]
     else:
-        x0, ctx = km.encode_latents(vae, mb["target"]), km.encode_latents(vae, mb["context"])
-    inputs = km.build_model_inputs(x0, ctx, noise, sigmas)
-    pred = km.transformer_forward(transformer, inputs, sigmas, guidance, *text)
+        x0 = room.encode_latents(vae, mb["target"])
+        refs = [room.encode_latents(vae, r) for r in mb["references"]]
+    inputs = room.model_inputs(x0, refs, noise, sigmas)
+    pred = room.forward(transformer, inputs, sigmas, guidance, text)
     weights = km.loss_weighting(sigmas, loss_weighting)
     return km.flow_matching_loss(pred, inputs["target"], inputs["n_target_tokens"], weights)
 
 
-def validation_inputs(sizes, sigmas, latent_channels, vae_factor, seed):
-    """Fixed (size, sigmas, noise) per held-out pair: the same at every validation and in every
+def validation_inputs(shapes, sigmas, latent_channels, vae_factor, seed):
+    """Fixed (shape, sigmas, noise) per held-out pair: the same at every validation and in every
     run with this SEED, so the validation loss is comparable across steps and runs."""
     g = step_generator(seed, 0, stream=VALIDATION_STREAM)
-    return [((h, w), torch.tensor(sigmas),
-             torch.randn(len(sigmas), latent_channels, h // vae_factor, w // vae_factor, generator=g))
-            for h, w in sizes]
+    return [(shape, torch.tensor(sigmas),
+             torch.randn(len(sigmas), latent_channels, shape[0][0] // vae_factor, shape[0][1] // vae_factor,
+                         generator=g))
+            for shape in shapes]
 
 
 @torch.no_grad()
-def validation_loss(transformer, vae, pairs, inputs, text, guidance, loss_weighting, device) -> float:
+def validation_loss(room, transformer, vae, pairs, inputs, text, guidance, loss_weighting, device) -> float:
     """The flow-matching loss of the held-out pairs (never trained on) at fixed sigmas and noise,
     averaged; every rank computes the same (FSDP gathers inside each forward)."""
     losses = []
-    for i, (row, (size, sigmas, noise)) in enumerate(zip(pairs, inputs)):
+    for i, (row, (shape, sigmas, noise)) in enumerate(zip(pairs, inputs)):
         n = len(sigmas)
-        pair_text = (text[0][i:i + 1].expand(n, -1, -1), text[1][i:i + 1].expand(n, -1))
-        context, target = (t.expand(n, -1, -1, -1).to(device) for t in load_pairs([row], size, [False]))
-        mb = {"context": context, "target": target}
-        losses.append(micro_batch_loss(transformer, vae, mb, sigmas.to(device), noise.to(device), pair_text,
-                                       guidance, loss_weighting).item())
+        refs, target = load_pairs([row], shape, [False])
+        mb = {"references": [r.expand(n, -1, -1, -1).to(device) for r in refs],
+              "target": target.expand(n, -1, -1, -1).to(device)}
+        losses.append(micro_batch_loss(room, transformer, vae, mb, sigmas.to(device), noise.to(device),
+                                       room.repeat_text(text, i, n), guidance, loss_weighting).item())
     fsdp_utils.reshard_all(transformer)
     return sum(losses) / len(losses)
 
 
 # ----------------------------------------------------------------------------------------------
-# samples: held-out pairs through diffusers' FluxKontextPipeline with the current weights
+# samples: held-out pairs through the family's own pipeline with the current weights
 
 
-def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance, seed, device):
-    """Rows of context | output | target (N*3, 3, H, W) in [-1, 1], padded to a common size (a
-    SAMPLE_PROMPTS row without a target: a grey tile).
-
-    Every rank runs the same calls (FSDP gathers inside each transformer forward). The context is
-    given to the pipeline as latents and the output is taken as latents and decoded here, so the
-    VAE may keep a dtype other than the transformer's (the pipeline casts images to the prompt
-    embeddings' dtype)."""
-    from diffusers import FluxKontextPipeline
-    pipe = FluxKontextPipeline(scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
-                               tokenizer=None, text_encoder_2=None, tokenizer_2=None)
-    pipe.set_progress_bar_config(disable=True)
-    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, guidance, seed, device):
+    """Rows of references | output | target (N*(R+2), 3, H, W) in [-1, 1], R the most references of
+    a row, padded to a common size (a missing reference or a SAMPLE_PROMPTS row without a target:
+    a grey tile), and R + 2. Every rank runs the same calls (FSDP gathers inside each transformer
+    forward); the room runs its pipeline on latents and decodes here, so the VAE may keep its own dtype."""
+    pipe = room.sample_pipeline(scheduler, vae, transformer)
+    most = max(len(references(r)) for r in pairs)
     tiles = []
-    for i, (row, (h, w)) in enumerate(zip(pairs, sizes)):
-        context = load_image(row["control"], h, w)[None]
-        target = load_image(row["target"], h, w)[None] if "target" in row else torch.zeros_like(context)
-        ctx = km.encode_latents(vae, context.to(device))
-        tokens = pipe(image=ctx, prompt_embeds=text[0][i:i + 1].float(), pooled_prompt_embeds=text[1][i:i + 1].float(),
-                      height=h, width=w, max_area=h * w, num_inference_steps=steps, guidance_scale=guidance,
-                      generator=torch.Generator().manual_seed(seed + i), output_type="latent").images
-        f = vae_scale_factor(vae.config)
-        latents = km.unpack_latents(tokens.float(), h // f, w // f) / scale + shift
-        with torch.no_grad():
-            out = vae.decode(latents.to(next(vae.parameters()).dtype)).sample.float().cpu()
-        tiles += [context[0], out[0].clamp(-1, 1), target[0]]
+    for i, (row, shape) in enumerate(zip(pairs, shapes)):
+        refs = [load_image(c, *s)[None] for c, s in zip(references(row), shape[1])]
+        h, w = shape[0]
+        target = load_image(row["target"], h, w)[None] if "target" in row else torch.zeros(1, 3, h, w)
+        out = room.sample(pipe, vae, [r.to(device) for r in refs], room.text_row(text, i), shape[0], steps,
+                          guidance, torch.Generator().manual_seed(seed + i))
+        blank = [torch.zeros(3, h, w)] * (most - len(refs))
+        tiles += [r[0] for r in refs] + blank + [out.clamp(-1, 1), target[0]]
     fsdp_utils.reshard_all(transformer)
     hmax, wmax = max(t.shape[1] for t in tiles), max(t.shape[2] for t in tiles)
     return torch.stack([torch.nn.functional.pad(t, (0, wmax - t.shape[2], 0, hmax - t.shape[1]))
-                        for t in tiles])
+                        for t in tiles]), most + 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -582,32 +576,36 @@ def sample_grid(transformer, vae, scheduler, pairs, sizes, text, steps, guidance
 def main():
     run, prec = trainer.start(globals(), validate_config, resolve_defaults)
     d = run.d
+    room = FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
+    settings = script_constants(globals())
+    room.check_edit_settings(MODEL_PATH, settings)
 
-    # data, buckets and the text-embedding cache (text encoders live only inside this call)
-    from diffusers import AutoencoderKL
-    vae_factor = vae_scale_factor(AutoencoderKL.load_config(os.path.join(MODEL_PATH, "vae")))
+    # data, shapes (target bucket and reference sizes) and the text-embedding cache (the text encoder
+    # lives only inside this call)
+    vae_factor = room.vae_factor(MODEL_PATH)
     columns = {"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN}
-    train, held_out, buckets, bucket_of = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS,
-                                                    2 * vae_factor, SKIP_BAD_SAMPLES, control_path=CONTROL_PATH,
-                                                    val_path=VAL_DATA_PATH, columns=columns, split=DATASET_SPLIT)
+    train, held_out, buckets, _ = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS, 2 * vae_factor,
+                                            SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
+                                            columns=columns, split=DATASET_SPLIT)
     sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT)
+    shapes, bucket_of = sample_shapes(room, train, buckets, settings)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
-    val_sizes = [buckets[i] for i in assign_buckets(held_out, buckets)]
-    sample_sizes = [buckets[i] for i in assign_buckets(sample_rows, buckets)]
-    check_context_parallel_shapes(MODEL_PATH, CONTEXT_PARALLEL, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
-                                  [buckets[b] for b, _ in schedule] + val_sizes + sample_sizes, vae_factor)
-    prompts = [r["prompt"] for r in train + held_out + sample_rows] + ([""] if CAPTION_DROPOUT > 0 else [])
-    identity = prepare_text_cache(prompts, MODEL_PATH, TEXT_CACHE_DIR, MAX_SEQUENCE_LENGTH,
-                                  prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
+    val_shapes = [s[i] for s, of in [sample_shapes(room, held_out, buckets, settings)] for i in of]
+    sample_row_shapes = [s[i] for s, of in [sample_shapes(room, sample_rows, buckets, settings)] for i in of]
+    room.check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, settings,
+                                [shapes[b] for b, _ in schedule] + val_shapes + sample_row_shapes)
+    texts = [(r["prompt"], r) for r in train + held_out + sample_rows]
+    texts += [("", r) for r in train] if CAPTION_DROPOUT > 0 else []
+    identity = room.prepare_edit_text(texts, MODEL_PATH, TEXT_CACHE_DIR, settings,
+                                      prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
-    trainer.check_attention(run, *attention_shapes(MODEL_PATH, t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH),
-                                                   step_sizes(buckets, schedule),
-                                                   vae_factor, BATCH_SIZE, CONTEXT_PARALLEL), prec.compute_dtype)
+    trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, step_sizes(shapes, schedule),
+                                                             BATCH_SIZE, CONTEXT_PARALLEL), prec.compute_dtype)
 
     # models: the transformer sharded per block (PARALLELISM=ddp: a full replica wrapped in DDP for
     # its training forwards; checkpoints, EMA, samples and export always use `transformer`)
     mesh, cp_mesh, sharding = trainer.mesh_and_sharding(run, CONTEXT_PARALLEL)
-    transformer, ema, vae, scheduler = build_models(MODEL_PATH, prec, mesh, d.device, sharding=sharding,
+    transformer, ema, vae, scheduler = build_models(room, MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
                                                     base_dtype=BASE_DTYPE, attention_backend=ATTENTION_BACKEND)
@@ -641,44 +639,45 @@ def main():
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
                         mode_scale=MODE_SCALE, shift=SHIFT)
     final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
-    val_text = load_text_embeds([r["prompt"] for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    sample_text = load_text_embeds([r["prompt"] for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
-    val_inputs = validation_inputs(val_sizes, VAL_SIGMAS, vae.config.latent_channels, vae_factor, SEED)
+    val_text = room.load_text([(r["prompt"], r) for r in held_out], TEXT_CACHE_DIR, identity, d.device)
+    sample_text = room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
+    channels = room.latent_channels(vae)
+    val_inputs = validation_inputs(val_shapes, VAL_SIGMAS, channels, vae_factor, SEED)
 
     def validate():
         with final_weights() as model:
-            return {"val_loss": validation_loss(model, vae, held_out, val_inputs, val_text, GUIDANCE,
+            return {"val_loss": validation_loss(room, model, vae, held_out, val_inputs, val_text, GUIDANCE,
                                                 LOSS_WEIGHTING, d.device)}
 
     def sample(path):
         with final_weights() as model:
-            grid = sample_grid(model, vae, scheduler, sample_rows, sample_sizes, sample_text, SAMPLE_STEPS,
-                               SAMPLE_GUIDANCE, SEED, d.device)
+            grid, nrow = sample_grid(room, model, vae, scheduler, sample_rows, sample_row_shapes, sample_text,
+                                     SAMPLE_STEPS, SAMPLE_GUIDANCE, SEED, d.device)
         if d.rank == 0:
-            save_image_grid(grid, path, nrow=3)
+            save_image_grid(grid, path, nrow=nrow)
 
     # the loop: step s (1-based, as in both scripts) trains on data batch s-1 of the bucket
     # schedule and draws its randomness from (SEED, s); its images and embeddings are loaded on a
     # background thread while step s-1 runs
-    latent_files = (fill_latent_cache(train, bucket_of, buckets, vae, TEXT_CACHE_DIR,
+    latent_files = (fill_latent_cache(room, train, bucket_of, shapes, vae, TEXT_CACHE_DIR,
                                       vae_identity(MODEL_PATH, vae.dtype)) if CACHE_LATENTS else None)
-    load = functools.partial(load_step, train=train, members=members, schedule=schedule, buckets=buckets,
+    load = functools.partial(load_step, room=room, train=train, members=members, schedule=schedule, shapes=shapes,
                              global_batch=global_batch, micro_global=micro_global, dp_rank=dp_rank, dp_size=dp_size,
                              grad_accum=GRAD_ACCUM, seed=SEED, random_flip=RANDOM_FLIP, cache_dir=TEXT_CACHE_DIR,
                              identity=identity, caption_dropout=CAPTION_DROPOUT, latent_files=latent_files)
     with Prefetcher(load, MAX_STEPS, d.device) as prefetch:
         for step in range(start + 1, MAX_STEPS + 1):
             data, waited = prefetch.get(step)
-            h, w = data["size"]
-            draw = functools.partial(sample_randomness, latent_shape=(vae.config.latent_channels, h // vae_factor,
-                                                                      w // vae_factor), sigma_kwargs=sigma_kwargs)
+            (h, w), sizes = data["shape"]
+            draw = functools.partial(sample_randomness, latent_shape=(channels, h // vae_factor, w // vae_factor),
+                                     sigma_kwargs=sigma_kwargs)
             loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
             logs, lr = {"data_wait_ms": waited * 1000}, lr_sched.get_last_lr()[0]
             with counting_flops(run, f"{h}x{w}", logs), profiling.phase("forward_backward"):  # MFU: per bucket size
                 for m, mb in enumerate(data["batches"]):
                     rand = per_sample_draws(SEED, step, mb["mine"], d.device, draw)  # this rank's only
                     with fsdp_utils.gradient_sync(train_model, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd and bwd
-                        loss = micro_batch_loss(train_model, vae, mb, rand["sigma"], rand["noise"], mb["text"],
+                        loss = micro_batch_loss(room, train_model, vae, mb, rand["sigma"], rand["noise"], mb["text"],
                                                 GUIDANCE, LOSS_WEIGHTING) / GRAD_ACCUM
                         # FSDP reduce-scatters (averages over ranks) after every micro-batch; the ranks of a CP
                         # group each hold a 1/C share of one loss's grads, hence x C (parallel/context_parallel.py)
@@ -688,7 +687,7 @@ def main():
             if trainer.apply_updates(run, [(params, optimizer, "")], logs, step) and ema is not None:
                 ema_lib.ema_update(ema, transformer, EMA_DECAY)
             lr_sched.step()
-            tokens = 2 * (h // vae_factor // 2) * (w // vae_factor // 2)  # a sample's target + context image tokens
+            tokens = sum((a // vae_factor // 2) * (b // vae_factor // 2) for a, b in ((h, w), *sizes))  # image tokens
             trainer.end_step(run, step, logs, {"lr": lr}, {"samples_seen": step * global_batch},
                              validate=validate if held_out and trainer.due(step, VAL_EVERY) else None,
                              sample=sample if sample_rows else None,

@@ -1,6 +1,7 @@
-"""The text-embedding cache of the FLUX scripts: T5 token embeddings + the pooled CLIP vector per
-prompt, one file each, keyed by the encoders' files, the T5 length and the dtype. Each rank embeds
-its share of the missing prompts with the pipeline's own encode_prompt, then the encoders are freed.
+"""The text-embedding cache of the flow-matching families: one file per key (a prompt, or a prompt
+with its reference images), keyed by the encoders' files and the room's settings. The family's room
+says what a key holds, how its encoder loads and encodes (the pipeline's own encode_prompt) and how
+entries batch; here each rank embeds its share of the missing keys, then the encoder is freed.
 Caches are filled in rounds (fill_in_rounds): a collective after every few items, so that no rank
 waits in one collective for the slowest rank's whole share, however large the dataset.
 
@@ -9,13 +10,11 @@ waits in one collective for the slowest rank's whole share, however large the da
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 
 import torch
 
-import precision
 from core.dist import all_gather_objects, print0, rank, world_size
 
 _TEXT_CACHE_VERSION = 1  # part of every text-cache key: bump when the embedding recipe changes
@@ -43,11 +42,11 @@ def fill_in_rounds(items: list, work, round_size: int, what: str = "items") -> l
     return results
 
 
-def encoder_identity(model_path, max_length, dtype) -> str:
-    """What the embeddings depend on besides the prompt: encoder and tokenizer files (config text,
-    weight sizes and mtimes), the T5 length and the dtype."""
-    parts = [f"v{_TEXT_CACHE_VERSION}", str(max_length), precision.dtype_name(dtype)]
-    for sub in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+def folder_identity(model_path, subfolders, *extra) -> str:
+    """What cached embeddings depend on besides their inputs: the files of the encoder and
+    tokenizer subfolders (config text, weight sizes and mtimes) and the room's `extra` settings."""
+    parts = [f"v{_TEXT_CACHE_VERSION}", *map(str, extra)]
+    for sub in subfolders:
         folder = os.path.join(model_path, sub)
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
@@ -59,56 +58,33 @@ def encoder_identity(model_path, max_length, dtype) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def cache_file(cache_dir, identity, prompt) -> str:
-    key = hashlib.sha256(f"{identity}\n{prompt}".encode()).hexdigest()
+def cache_file(cache_dir, identity, key) -> str:
+    key = hashlib.sha256(f"{identity}\n{key}".encode()).hexdigest()
     return os.path.join(cache_dir, key[:2], key + ".pt")
 
 
-def load_text_encoders(model_path, dtype, device):
-    """A FluxKontextPipeline holding only CLIP + T5 and their tokenizers: its encode_prompt is
-    exactly the pipeline's own text path, so cached embeddings equal what it would compute."""
-    from diffusers import FluxKontextPipeline
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-    return FluxKontextPipeline(
-        scheduler=None, vae=None, transformer=None,
-        tokenizer=CLIPTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
-        tokenizer_2=T5TokenizerFast.from_pretrained(os.path.join(model_path, "tokenizer_2")),
-        text_encoder=CLIPTextModel.from_pretrained(os.path.join(model_path, "text_encoder"),
-                                                   dtype=dtype).to(device).eval(),
-        text_encoder_2=T5EncoderModel.from_pretrained(os.path.join(model_path, "text_encoder_2"),
-                                                      dtype=dtype).to(device).eval())
-
-
-def t5_length(model_path, max_length) -> int:
-    """MAX_SEQUENCE_LENGTH capped at the T5 tokenizer's model_max_length (32 for the tiny one)."""
-    with open(os.path.join(model_path, "tokenizer_2", "tokenizer_config.json")) as f:
-        limit = json.load(f).get("model_max_length", max_length)
-    return int(min(max_length, limit))
-
-
-def fill_text_cache(prompts, model_path, cache_dir, identity, max_length, dtype, device, batch=16):
-    """Each rank embeds its share (prompts[rank::world]) of the prompts missing from the cache, in
-    rounds (fill_in_rounds); the encoders are loaded only where something is missing and freed
-    before training. Returns (computed, reused), summed over ranks."""
-    pipe = []  # the encoders, loaded at this rank's first missing prompt
+def fill_text_cache(items, cache_dir, identity, load_encoder, encode, batch=16):
+    """Each rank embeds its share (items[rank::world], by key) of the items missing from the cache,
+    in rounds (fill_in_rounds). `items` maps a key to what the room's encoder reads (a prompt, or a
+    prompt with its images); load_encoder() is called only where something is missing, and the
+    encoder is freed before training; encode(encoder, inputs) returns one dict of CPU tensors per
+    input. Returns (computed, reused), summed over ranks."""
+    encoder = []  # loaded at this rank's first missing item
 
     def work(chunk):
-        missing = [p for p in chunk if not os.path.exists(cache_file(cache_dir, identity, p))]
-        if missing and not pipe:
-            pipe.append(load_text_encoders(model_path, dtype, device))
+        missing = [k for k in chunk if not os.path.exists(cache_file(cache_dir, identity, k))]
+        if missing and not encoder:
+            encoder.append(load_encoder())
         with torch.no_grad():
             for i in range(0, len(missing), batch):
                 part = missing[i:i + batch]
-                embeds, pooled, _ = pipe[0].encode_prompt(part, prompt_2=None, device=device,
-                                                          max_sequence_length=max_length)
-                for p, e, v in zip(part, embeds.cpu(), pooled.cpu()):
-                    save_atomic({"prompt": p, "prompt_embeds": e.clone(), "pooled": v.clone()},
-                                cache_file(cache_dir, identity, p))
+                for k, entry in zip(part, encode(encoder[0], [items[k] for k in part])):
+                    save_atomic(entry, cache_file(cache_dir, identity, k))
         return len(missing), len(chunk) - len(missing)
 
-    rounds = fill_in_rounds(sorted(set(prompts)), work, TEXT_ROUND, "prompts")
-    if pipe:
-        pipe.clear()
+    rounds = fill_in_rounds(sorted(items), work, TEXT_ROUND, "prompts")
+    if encoder:
+        encoder.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     counts = [n for shares in rounds for n in shares]
@@ -122,21 +98,6 @@ def save_atomic(obj, path) -> None:
     os.replace(tmp, path)
 
 
-def load_text_embeds(prompts, cache_dir, identity, device):
-    """(B, T, D) T5 embeddings and (B, D) pooled CLIP vectors for `prompts`, read from the cache."""
-    if not prompts:
-        return None
-    items = [torch.load(cache_file(cache_dir, identity, p), weights_only=True) for p in prompts]
-    embeds = torch.stack([it["prompt_embeds"] for it in items]).to(device)
-    pooled = torch.stack([it["pooled"] for it in items]).to(device)
-    return embeds, pooled
-
-
-def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
-    """Fill the text-embedding cache for `prompts`; returns the encoder identity (cache key part)."""
-    length = t5_length(model_path, max_length)
-    identity = encoder_identity(model_path, length, dtype)
-    computed, reused = fill_text_cache(prompts, model_path, cache_dir, identity, length, dtype, device)
-    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
-           f"({cache_dir}; T5 length {length}, {precision.dtype_name(dtype)})")
-    return identity
+def load_entries(keys, cache_dir, identity) -> list[dict]:
+    """The cached entries (dicts of CPU tensors) of `keys`, in order."""
+    return [torch.load(cache_file(cache_dir, identity, k), weights_only=True) for k in keys]

@@ -4,7 +4,8 @@ train_dmd.py's generator, fake score and teacher), built on meta, adapted, shard
 recipe, loaded slice by slice; the attention calls the start-up kernel check runs; its latent
 layout (VAE factor, 2x2 packing into tokens); its samples; and the scheduler a distilled
 generator's export carries. The packing, ids and forward live in algorithms/flux_kontext.py (the
-training math reads them), the T5 + CLIP text cache in data/text_cache.py.
+training math reads them); its conditioning here: the T5 + CLIP text cache (data/text_cache.py
+holds the generic cache) and the image tokens.
 
     python -m pytest tests/test_train_flux_kontext.py tests/test_train_dmd_kontext.py -q
 """
@@ -18,11 +19,12 @@ import torch
 import fsdp_utils
 from algorithms import dmd2_flux as flux_dm
 from algorithms import flux_kontext as km
-from core.dist import rank
+from core.dist import print0, rank
 from core.errors import ConfigError
 from data.images import save_image_grid
+from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.pipelines import vae_scale_factor
-from precision import Precision
+from precision import Precision, dtype_name
 from parallel import attention, lowbit
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.lora import Lora, add_lora
@@ -109,6 +111,68 @@ def attention_shapes(model_path, text_length, sizes, vae_factor, batch, context_
 
 
 # ----------------------------------------------------------------------------------------------
+# conditioning: T5 token embeddings + the pooled CLIP vector per prompt, cached (data/text_cache.py)
+
+TEXT_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+def t5_length(model_path, max_length) -> int:
+    """MAX_SEQUENCE_LENGTH capped at the T5 tokenizer's model_max_length (32 for the tiny one)."""
+    with open(os.path.join(model_path, "tokenizer_2", "tokenizer_config.json")) as f:
+        limit = json.load(f).get("model_max_length", max_length)
+    return int(min(max_length, limit))
+
+
+def encoder_identity(model_path, max_length, dtype) -> str:
+    """What the embeddings depend on besides the prompt: encoder and tokenizer files, the T5 length
+    and the dtype."""
+    return folder_identity(model_path, TEXT_PARTS, max_length, dtype_name(dtype))
+
+
+def load_text_encoders(model_path, dtype, device):
+    """A FluxKontextPipeline holding only CLIP + T5 and their tokenizers: its encode_prompt is
+    exactly the pipeline's own text path, so cached embeddings equal what it would compute."""
+    from diffusers import FluxKontextPipeline
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    return FluxKontextPipeline(
+        scheduler=None, vae=None, transformer=None,
+        tokenizer=CLIPTokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
+        tokenizer_2=T5TokenizerFast.from_pretrained(os.path.join(model_path, "tokenizer_2")),
+        text_encoder=CLIPTextModel.from_pretrained(os.path.join(model_path, "text_encoder"),
+                                                   dtype=dtype).to(device).eval(),
+        text_encoder_2=T5EncoderModel.from_pretrained(os.path.join(model_path, "text_encoder_2"),
+                                                      dtype=dtype).to(device).eval())
+
+
+def prepare_text_cache(prompts, model_path, cache_dir, max_length, dtype, device) -> str:
+    """Fill the text-embedding cache for `prompts` (each rank its share, the encoders freed after);
+    returns the encoder identity (the cache key's other part)."""
+    length = t5_length(model_path, max_length)
+    identity = encoder_identity(model_path, length, dtype)
+
+    def encode(pipe, part):
+        embeds, pooled, _ = pipe.encode_prompt(part, prompt_2=None, device=device, max_sequence_length=length)
+        return [{"prompt": p, "prompt_embeds": e.clone(), "pooled": v.clone()}
+                for p, e, v in zip(part, embeds.cpu(), pooled.cpu())]
+
+    computed, reused = fill_text_cache({p: p for p in prompts}, cache_dir, identity,
+                                       lambda: load_text_encoders(model_path, dtype, device), encode)
+    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} "
+           f"({cache_dir}; T5 length {length}, {dtype_name(dtype)})")
+    return identity
+
+
+def load_text_embeds(prompts, cache_dir, identity, device):
+    """(B, T, D) T5 embeddings and (B, D) pooled CLIP vectors for `prompts`, read from the cache."""
+    if not prompts:
+        return None
+    items = load_entries(prompts, cache_dir, identity)
+    embeds = torch.stack([it["prompt_embeds"] for it in items]).to(device)
+    pooled = torch.stack([it["pooled"] for it in items]).to(device)
+    return embeds, pooled
+
+
+# ----------------------------------------------------------------------------------------------
 # latents
 
 
@@ -127,6 +191,113 @@ def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
     """Images (B, 3, H, W) in [-1, 1] -> packed clean latent tokens (B, N, 4C), as Kontext's
     context images and the GAN's real targets enter the transformer."""
     return km.pack_latents(km.encode_latents(vae, pixels))
+
+
+# ----------------------------------------------------------------------------------------------
+# editing fine-tuning (train_flux_kontext.py): what the script asks of an editing room. `settings`
+# are the script's resolved constants; a shape is (target (h, w), (each reference's (h, w))); text
+# entries are keyed by (prompt, row) pairs; latents are (B, C, h, w)
+
+
+def check_edit_settings(model_path, settings) -> None:
+    """FLUX.1 Kontext takes every setting of the script."""
+
+
+def vae_factor(model_path) -> int:
+    from diffusers import AutoencoderKL
+    return vae_scale_factor(AutoencoderKL.load_config(os.path.join(model_path, "vae")))
+
+
+def reference_sizes(size, row, settings) -> tuple:
+    """Kontext's one context image enters at the target's size (the bucket's)."""
+    return (size,)
+
+
+def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
+    """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads
+    C ways, and the sequence is split C ways at the transformer's input, text tokens and image
+    tokens (target + context, 2 x (h/2f) x (w/2f) for an h x w bucket) each on their own, so all
+    three must divide by C. `shapes` = every shape the run will use (training buckets, samples)."""
+    if context_parallel == 1:
+        return
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        heads = json.load(f)["num_attention_heads"]
+    if heads % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {heads} attention heads "
+                          f"(transformer/config.json) do not divide by it (Ulysses splits the heads)")
+    text_length = t5_length(model_path, settings["MAX_SEQUENCE_LENGTH"])
+    if text_length % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: {text_length} T5 tokens (MAX_SEQUENCE_LENGTH, "
+                          f"capped by the tokenizer) do not divide by it; set MAX_SEQUENCE_LENGTH to a multiple")
+    factor = vae_factor(model_path)
+    for h, w in sorted({shape[0] for shape in shapes}):
+        tokens = 2 * (h // (2 * factor)) * (w // (2 * factor))
+        if tokens % context_parallel:
+            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the {h}x{w} bucket has {tokens} image tokens "
+                              f"(target + context), not divisible by it; change RESOLUTION or BUCKET_ASPECTS")
+
+
+def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
+    return attention_shapes(model_path, t5_length(model_path, settings["MAX_SEQUENCE_LENGTH"]),
+                            [shape[0] for shape in shapes], vae_factor(model_path), batch, context_parallel)
+
+
+def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> str:
+    """The text cache of the (prompt, row) pairs: FLUX's embeddings depend on the prompt alone."""
+    return prepare_text_cache([p for p, _ in texts], model_path, cache_dir, settings["MAX_SEQUENCE_LENGTH"],
+                              dtype, device)
+
+
+def load_text(texts, cache_dir, identity, device):
+    return load_text_embeds([p for p, _ in texts], cache_dir, identity, device)
+
+
+def repeat_text(text, i, n):
+    """Sample i's text, n times (validation scores one pair at several σ)."""
+    return text[0][i:i + 1].expand(n, -1, -1), text[1][i:i + 1].expand(n, -1)
+
+
+def text_row(text, i):
+    return text[0][i:i + 1], text[1][i:i + 1]
+
+
+encode_latents = km.encode_latents
+
+
+def latent_channels(vae) -> int:
+    return vae.config.latent_channels
+
+
+def model_inputs(x0, references, noise, sigmas) -> dict:
+    """[noisy target ; clean context] tokens and ids (algorithms/flux_kontext.py)."""
+    return km.build_model_inputs(x0, references[0], noise, sigmas)
+
+
+def forward(transformer, inputs, sigmas, guidance, text):
+    return km.transformer_forward(transformer, inputs, sigmas, guidance, *text)
+
+
+def sample_pipeline(scheduler, vae, transformer):
+    """FluxKontextPipeline around the trained transformer, without text encoders (the cache holds the text)."""
+    from diffusers import FluxKontextPipeline
+    pipe = FluxKontextPipeline(scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
+                               tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@torch.no_grad()
+def sample(pipe, vae, references, text, size, steps, guidance, generator) -> torch.Tensor:
+    """One edit (3, h, w) on CPU: the context goes in as latents and the output comes out as latents,
+    decoded here in the VAE's own dtype (the pipeline would cast to the text's)."""
+    h, w = size
+    tokens = pipe(image=encode_latents(vae, references[0]), prompt_embeds=text[0].float(),
+                  pooled_prompt_embeds=text[1].float(), height=h, width=w, max_area=h * w, num_inference_steps=steps,
+                  guidance_scale=guidance, generator=generator, output_type="latent").images
+    f = vae_scale_factor(vae.config)
+    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+    latents = km.unpack_latents(tokens.float(), h // f, w // f) / scale + shift
+    return vae.decode(latents.to(next(vae.parameters()).dtype)).sample.float().cpu()[0]
 
 
 # ----------------------------------------------------------------------------------------------

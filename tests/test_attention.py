@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import train_flux_kontext
 from core.errors import ConfigError, LocalError
-from families import sd_unet
+from families import flux, sd_unet
 from parallel import attention
 from tests.conftest import ROOT, launch, tiny_unet
 
@@ -135,10 +134,10 @@ def test_self_check_fails_a_wrong_kernel_in_one_line():
 
 
 def test_shapes_are_the_runs_own():
-    flux = os.path.join(ROOT, "assets", "kontext_base")
-    trained, vae = train_flux_kontext.attention_shapes(flux, 12, [(32, 32), (32, 64)], 8, 3, 2)
+    folder = os.path.join(ROOT, "assets", "kontext_base")
+    trained, vae = flux.attention_shapes(folder, 12, [(32, 32), (32, 64)], 8, 3, 2)
     import json
-    with open(os.path.join(flux, "transformer", "config.json")) as f:
+    with open(os.path.join(folder, "transformer", "config.json")) as f:
         c = json.load(f)
     heads, dim = c["num_attention_heads"] // 2, c["attention_head_dim"]  # Ulysses: heads split 2 ways
     assert [(s.batch, s.q_len, s.heads, s.head_dim) for s in trained] == [(3, 12 + 2 * 4, heads, dim),

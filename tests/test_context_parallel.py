@@ -32,6 +32,7 @@ from tests.conftest import (
 
 import fsdp_utils
 import train_flux_kontext as tfk
+from families import flux
 from core.errors import ConfigError
 
 COMMON = ["--batch_size=2", "--ema_decay=0.5", "--val_every=1", "--sample_every=3", "--save_every=2"]
@@ -118,16 +119,20 @@ def test_cp_config_errors_before_any_work(kontext_setup, tmp_path):
     expected = "error: CONTEXT_PARALLEL=3 x DP_REPLICATE=1 does not divide the world size 2"
     assert errors == [expected], proc.stdout[-2000:]
     assert "rank 0" not in proc.stdout.split(errors[0])[0]  # nothing started: the line comes first
+
+    def shapes(*sizes):  # (target, (context,)): Kontext's context at the target's size
+        return [(size, (size,)) for size in sizes]
+
     model = kontext_setup["model_path"]  # tiny transformer: 2 heads; T5 length 32; 64x64 -> 2 x 4 x 4 = 32 image tokens
-    tfk.check_context_parallel_shapes(model, 2, 32, [(64, 64), (48, 96)], 8)
+    flux.check_context_parallel(model, 2, {"MAX_SEQUENCE_LENGTH": 32}, shapes((64, 64), (48, 96)))
     with pytest.raises(ConfigError, match="2 attention heads"):
-        tfk.check_context_parallel_shapes(model, 4, 32, [(64, 64)], 8)
+        flux.check_context_parallel(model, 4, {"MAX_SEQUENCE_LENGTH": 32}, shapes((64, 64)))
     with pytest.raises(ConfigError, match="31 T5 tokens"):
-        tfk.check_context_parallel_shapes(model, 2, 31, [(64, 64)], 8)
-    shipped = tfk.default_paths()[0]  # 4 heads: CP=4 passes the heads check
-    tfk.check_context_parallel_shapes(shipped, 4, 32, [(64, 64)], 8)
-    with pytest.raises(ConfigError, match="the 48x80 bucket has 30 image tokens"):  # 2 x 3 x 5
-        tfk.check_context_parallel_shapes(shipped, 4, 32, [(64, 64), (48, 80)], 8)
+        flux.check_context_parallel(model, 2, {"MAX_SEQUENCE_LENGTH": 31}, shapes((64, 64)))
+    shipped = tfk.default_paths()[0]  # 4 heads: CP=4 passes the heads check; its VAE factor is 4
+    flux.check_context_parallel(shipped, 4, {"MAX_SEQUENCE_LENGTH": 32}, shapes((64, 64)))
+    with pytest.raises(ConfigError, match="the 40x56 bucket has 70 image tokens"):  # 2 x 5 x 7
+        flux.check_context_parallel(shipped, 4, {"MAX_SEQUENCE_LENGTH": 32}, shapes((64, 64), (40, 56)))
 
 
 def _mesh_layout(rank, world):

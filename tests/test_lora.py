@@ -26,6 +26,7 @@ from tests.conftest import (assert_kontext_resumed_bit_exact, dmd_run, free_port
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
 import train_flux_kontext as tfk
+from families import flux
 from components.config import script_constants
 from core.errors import ConfigError
 from components.export import LORA_WEIGHTS, export_lora
@@ -143,7 +144,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
     try:
         quiet_known_warnings()
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
-        model = tfk.build_transformer(folder, mesh, prec, torch.device("cpu"), load=True,
+        model = flux.build_transformer(folder, mesh, prec, torch.device("cpu"), load=True,
                                       sharding=fsdp_utils.Sharding(), block_classes=[], seed=0,
                                       lora=lora.Lora(rank=4, alpha=8))
         trainable = [p for p in model.parameters() if p.requires_grad]

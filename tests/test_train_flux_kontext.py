@@ -37,6 +37,7 @@ from core.errors import ConfigError
 from components.warnings import quiet_known_warnings
 from parallel import lora
 import train_flux_kontext as tfk
+from families import flux
 
 
 
@@ -207,7 +208,7 @@ def test_pair_gets_one_resize_crop_and_flip(kontext_setup):
         k: os.path.join(os.path.dirname(kontext_setup["data"]), raw[j])
         for k, j in (("control", "image"), ("target", "target"))
     }
-    context, target = tfk.load_pairs([row, row], (64, 64), [False, True])
+    [context], target = tfk.load_pairs([row, row], ((64, 64), ((64, 64),)), [False, True])
     assert context.shape == target.shape == (2, 3, 64, 64)
     assert torch.equal(context[1], context[0].flip(-1)) and torch.equal(target[1], target[0].flip(-1))
     # the 96x48 rectangle is centred: the same crop keeps it centred in both images
@@ -267,7 +268,7 @@ def test_fsdp_transformer_matches_plain_model(kontext_setup, tmp_path):
         quiet_known_warnings()
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), 1)[0]
         sharding = fsdp_utils.Sharding(reshard_after_forward=True, activation_checkpointing=True, prefetch=1)
-        sharded = tfk.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
+        sharded = flux.build_transformer(folder, mesh, get_precision("fp32"), torch.device("cpu"), load=True,
                                         sharding=sharding, block_classes=[], lora=lora.Lora(), seed=0)
         loss, grads = loss_and_grads(sharded, sharded.named_parameters())
     finally:

@@ -641,7 +641,7 @@ def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype
 
 def check_context_parallel(folder: str, s: Settings) -> dict:
     """The checks train_flux_kontext.py makes before any work (fsdp_utils.check_context_parallel,
-    check_context_parallel_shapes), on the planner's flags: SystemExit with one line if one fails.
+    families/flux.check_context_parallel), on the planner's flags: SystemExit with one line if one fails.
     Returns the sequence CP splits: {"heads", "text", "image"} (image: target + context tokens at
     s.resolution, the model's native one if None); {} without CP (nothing is read)."""
     c = s.context_parallel
