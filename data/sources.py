@@ -67,7 +67,7 @@ def source_kind(path: str, setting: str = "DATA_PATH") -> str:
 
 
 def read_rows(path: str, roles: tuple[str, ...], required: tuple[str, ...], *, skip_bad: bool,
-              setting: str = "DATA_PATH", control_path: str = "", columns: dict | None = None,
+              setting: str = "DATA_PATH", control_path: str | list[str] = "", columns: dict | None = None,
               split: str = "train", size_of: str = "", max_references: int = 1) -> tuple[list[dict], int]:
     """Rows {role: value} of `path` (any kind source_kind knows; a .txt gives prompts only):
     images as absolute paths (JSONL: relative to the file) or DatasetImage, prompts as strings
@@ -448,10 +448,13 @@ def _dataset_entries(path, roles, required, images, columns, split, setting, max
 
 
 def _numbered_columns(names) -> list[str]:
-    """control_0 / control_1 / ... columns (or an alias's: context_1, ...) in number order."""
-    found = sorted((int(m.group(2)), n) for n in names
-                   if (m := re.fullmatch(r"(\w+?)_(\d+)", n)) and m.group(1) in ALIASES["control"])
-    return [n for _, n in found]
+    """control_0 / control_1 / ... columns in number order (or the first alias's that has any:
+    context_1, ...)."""
+    for alias in ALIASES["control"]:
+        found = sorted((int(m.group(1)), n) for n in names if (m := re.fullmatch(re.escape(alias) + r"_(\d+)", n)))
+        if found:
+            return [n for _, n in found]
+    return []
 
 
 def _reference_counts(table, column, numbered) -> list:

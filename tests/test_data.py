@@ -418,11 +418,14 @@ def test_datasets_reference_list_and_numbered_columns(tmp_path):
     target = _img(tmp_path / "src" / "t.png")
     as_image = [{"bytes": open(p, "rb").read(), "path": None} for p in paths]
     feats = {"target": datasets.Image(), "prompt": datasets.Value("string")}
-    table = {"target": [target] * 2, "prompt": ["a", "b"]}
-    datasets.Dataset.from_dict({**table, "control": [as_image[:2], as_image[2:]]}, features=datasets.Features(
+    table = {"target": [target] * 3, "prompt": ["a", "b", "c"]}
+    datasets.Dataset.from_dict({**table, "control": [as_image[:2], as_image[2:], as_image]}, features=datasets.Features(
         {**feats, "control": datasets.List(datasets.Image())})).save_to_disk(str(tmp_path / "list"))
     rows, _ = read_rows(str(tmp_path / "list"), PAIR, PAIR, skip_bad=False, max_references=3)
-    assert [len(r["controls"]) for r in rows] == [2, 1] and rows[0]["control_sizes"] == [(16, 16), (32, 16)]
+    assert [len(r["controls"]) for r in rows] == [2, 1, 3] and rows[0]["control_sizes"] == [(16, 16), (32, 16)]
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "list")) + " row 2: 3 reference images; at most "
+                                          "MAX_REFERENCES=2$"):
+        read_rows(str(tmp_path / "list"), PAIR, PAIR, skip_bad=False, max_references=2)
     assert torch.equal(load_image(rows[0]["controls"][1], 8, 8), load_image(paths[1], 8, 8))
     assert torch.equal(load_image(rows[1]["control"], 8, 8), load_image(paths[2], 8, 8))
     columns = {"control_1": [paths[0], paths[0], None], "control_2": [paths[1], None, paths[1]]}
