@@ -4,6 +4,7 @@
     batches.py     which samples a step uses: the global batch, each rank's and micro-batch's share
     sources.py     .jsonl / .txt / image folders / datasets tables read into rows and checked before any work
     images.py      image checks and sizes (EXIF orientation applied), loading, PNG grids
+    references.py  multi-reference edits: each reference's size (the pipeline's rule), batch keys
     prefetch.py    the next step's data, loaded on a background thread while this step runs
 
 Imports go one way: data/ imports core/ and precision.py only; the scripts and components/ import data/.

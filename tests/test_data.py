@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -293,6 +294,224 @@ def test_exif_orientation_is_applied_when_loading_and_bucketing(tmp_path, ext):
 def test_a_plain_png_is_not_decoded_to_read_its_orientation(tmp_path):
     with Image.open(_img(tmp_path / "a.png")) as im:
         assert exif_orientation(im) == 1 and im._im is None  # header only
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-reference rows (Qwen-Image-Edit-2509/2511): lists in JSONL, musubi-tuner's numbered
+# controls, ai-toolkit's control folder per reference, datasets list / numbered columns
+
+
+def test_jsonl_control_lists(tmp_path):
+    """One reference stays the single-control row of today (a one-element list reads the same);
+    with max_references > 1 every row holds "controls" (in order), their sizes and "control"
+    (the first); an empty list, too many references or a missing one stops at file:line."""
+    a, b, c = (_img(tmp_path / f"{n}.png", size=(16 * (i + 1), 16)) for i, n in enumerate("abc"))
+    one = _jsonl(tmp_path / "one.jsonl", [{"control": "a.png", "target": "b.png", "prompt": "p"},
+                                          {"control": ["a.png"], "target": "b.png", "prompt": "p"}])
+    rows, _ = read_rows(one, PAIR, PAIR, skip_bad=False, size_of="target")
+    assert rows[0] == rows[1] == {"control": a, "target": b, "prompt": "p", "size": (16, 32)}
+    with pytest.raises(ConfigError, match=re.escape(one) + ":1: 2 reference images; this model takes 1$"):
+        read_rows(_jsonl(tmp_path / "one.jsonl", [{"control": ["a.png", "c.png"], "target": "b.png", "prompt": "p"}]),
+                  PAIR, PAIR, skip_bad=False)
+    multi = _jsonl(tmp_path / "multi.jsonl", [{"control": ["c.png", "a.png"], "target": "b.png", "prompt": "p"},
+                                              {"control": "a.png", "target": "b.png", "prompt": "q"}])
+    rows, _ = read_rows(multi, PAIR, PAIR, skip_bad=False, size_of="target", max_references=3)
+    assert rows[0] == {"control": c, "controls": [c, a], "control_sizes": [(16, 48), (16, 16)], "target": b,
+                       "prompt": "p", "size": (16, 32)}
+    assert rows[1]["controls"] == [a] and rows[1]["control_sizes"] == [(16, 16)]
+    good = {"control": ["a.png"], "target": "b.png", "prompt": "p"}
+    for bad, message in [({**good, "control": []}, "an empty 'control' list: give one image or more"),
+                         ({**good, "control": ["a.png", 3]}, r"'control' list \['a.png', 3\]: every entry must be"),
+                         ({**good, "control": ["a.png"] * 4}, "4 reference images; at most MAX_REFERENCES=3$"),
+                         ({**good, "control": ["a.png", "gone.png"]}, "image .*gone.png not found$")]:
+        path = _jsonl(tmp_path / "bad.jsonl", [good, bad])
+        with pytest.raises(ConfigError, match=re.escape(path) + ":2: " + message):
+            read_rows(path, PAIR, PAIR, skip_bad=False, max_references=3)
+        assert read_rows(path, PAIR, PAIR, skip_bad=True, max_references=3)[1] == 1  # skipped and counted
+
+
+def _musubi_folder(root, controls):
+    """Targets 000..00n with captions, and the control folder's files (name -> size)."""
+    for i in range(3):
+        _img(root / f"{i:03d}.png")
+        (root / f"{i:03d}.txt").write_text(f"edit {i}")
+    for name, size in controls.items():
+        _img(root / "control" / name, size=size)
+    return root
+
+
+def test_musubi_numbered_control_folder(tmp_path):
+    """musubi-tuner's control_directory: {stem}_0.*, {stem}_1.*, ... (any zero padding, from 0 or
+    1) in number order, or a plain {stem}.*; a control whose stem is another target's is that
+    target's."""
+    folder = _musubi_folder(tmp_path / "m", {"000_1.png": (16, 32), "000_0.jpg": (32, 16), "001_0001.png": (16, 16),
+                                             "001_0002.webp": (16, 16), "002.png": (48, 16)})
+    _img(folder / "002_0.png")  # a target named like a reference of 002: its control is its own
+    (folder / "002_0.txt").write_text("own")
+    _img(folder / "control" / "002_0.png")
+    rows, _ = read_rows(str(folder), PAIR, PAIR, skip_bad=False, max_references=3)
+    control = str(folder / "control")
+    assert [[os.path.relpath(c, control) for c in r["controls"]] for r in rows] == \
+        [["000_0.jpg", "000_1.png"], ["001_0001.png", "001_0002.webp"], ["002.png"], ["002_0.png"]]
+    assert rows[0]["control_sizes"] == [(16, 32), (32, 16)] and rows[0]["control"] == os.path.join(control, "000_0.jpg")
+    assert [r["prompt"] for r in rows] == ["edit 0", "edit 1", "edit 2", "own"]
+
+
+@pytest.mark.parametrize("controls,message", [
+    ({"000_0.png": (16, 16), "000_2.png": (16, 16)}, "control images 000_0.png, 000_2.png: reference 000_1.* is "
+                                                     "missing"),
+    ({"000.png": (16, 16), "000_0.png": (16, 16)}, "both 000.png and 000_0.png in the control folder: number them"),
+    ({"000_0.png": (16, 16), "000_00.png": (16, 16)}, "control images 000_0.png, 000_00.png are all reference 0"),
+    ({"000_0.png": (16, 16), "000_0.jpg": (16, 16)}, "two control images named 000_0.*: 000_0.jpg, 000_0.png"),
+    ({f"000_{n}.png": (16, 16) for n in range(4)}, "4 reference images; at most MAX_REFERENCES=3$"),
+    ({"001_0.png": (16, 16)}, r"no control image 000.\* or 000_0.\*, 000_1.\*, ... "),
+])
+def test_musubi_numbered_control_folder_bad_rows(tmp_path, controls, message):
+    """A reference missing, ambiguous or too many: one line naming the target, or skipped and counted."""
+    folder = _musubi_folder(tmp_path / "m", {**controls, "001_0.png": (16, 16), "002_0.png": (16, 16)})
+    with pytest.raises(ConfigError, match=re.escape(str(folder / "000.png")) + ": " + message):
+        read_rows(str(folder), PAIR, PAIR, skip_bad=False, max_references=3)
+    rows, skipped = read_rows(str(folder), PAIR, PAIR, skip_bad=True, max_references=3)
+    assert [os.path.basename(r["target"]) for r in rows] == ["001.png", "002.png"] and skipped == 1
+
+
+def test_numbered_controls_are_not_read_for_a_single_reference_model(tmp_path):
+    """FLUX Kontext (one reference) reads the control folder as before: {stem}.* only."""
+    folder = _musubi_folder(tmp_path / "m", {"000_0.png": (16, 16), "001.png": (16, 16), "002.png": (16, 16)})
+    with pytest.raises(ConfigError, match=re.escape(str(folder / "000.png")) + r": no control image 000.\* "):
+        read_rows(str(folder), PAIR, PAIR, skip_bad=False)
+
+
+def test_toolkit_control_folder_per_reference(tmp_path):
+    """ai-toolkit's control_path list: one folder per reference, the target's stem in each; a
+    missing one names the target and the folder; more folders than references: one line before
+    any work."""
+    targets, first = _toolkit_folder(tmp_path)
+    second = tmp_path / "second"
+    for i in range(3):
+        _img(second / f"{i:03d}.webp", size=(16, 48))
+    for control_path in ([str(first), str(second)], f"{first},{second}"):
+        rows, _ = read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=control_path, max_references=3)
+        assert rows[2]["controls"] == [str(first / "002.png"), str(second / "002.webp")]
+        assert rows[2]["control_sizes"] == [(16, 32), (48, 16)] and rows[2]["prompt"] == "make it blue 2"
+    os.remove(second / "001.webp")
+    with pytest.raises(ConfigError, match=re.escape(str(targets / "001.png")) + ": no control image 001.* "
+                       r"\(\.jpg.*\) in " + re.escape(str(second)) + r" \(reference 2 of 2 folders\)$"):
+        read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=[first, second], max_references=3)
+    rows, skipped = read_rows(str(targets), PAIR, PAIR, skip_bad=True, control_path=[first, second], max_references=3)
+    assert len(rows) == 2 and skipped == 1
+    for max_references, limit in ((2, "at most 2"), (1, "at most 1")):
+        with pytest.raises(ConfigError, match=f"CONTROL_PATH names 3 folders, one per reference image; this model "
+                                              f"takes {limit} \\(MAX_REFERENCES\\)$"):
+            read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=[first, second, first],
+                      max_references=max_references)
+    comma = tmp_path / "a,b"  # a folder whose name holds a comma stays one folder
+    shutil.copytree(first, comma)
+    rows, _ = read_rows(str(targets), PAIR, PAIR, skip_bad=False, control_path=str(comma))
+    assert rows[0]["control"] == str(comma / "000.png")
+
+
+def test_datasets_reference_list_and_numbered_columns(tmp_path):
+    """A list-of-images column, or control_1 / control_2 columns (empty ones only at the end)."""
+    datasets = pytest.importorskip("datasets")
+    paths = [_img(tmp_path / "src" / f"r{i}.png", size=(16, 16 * (i + 1)), colour=(i * 60, 0, 0)) for i in range(3)]
+    target = _img(tmp_path / "src" / "t.png")
+    as_image = [{"bytes": open(p, "rb").read(), "path": None} for p in paths]
+    feats = {"target": datasets.Image(), "prompt": datasets.Value("string")}
+    table = {"target": [target] * 3, "prompt": ["a", "b", "c"]}
+    datasets.Dataset.from_dict({**table, "control": [as_image[:2], as_image[2:], as_image]}, features=datasets.Features(
+        {**feats, "control": datasets.List(datasets.Image())})).save_to_disk(str(tmp_path / "list"))
+    rows, _ = read_rows(str(tmp_path / "list"), PAIR, PAIR, skip_bad=False, max_references=3)
+    assert [len(r["controls"]) for r in rows] == [2, 1, 3] and rows[0]["control_sizes"] == [(16, 16), (32, 16)]
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "list")) + " row 2: 3 reference images; at most "
+                                          "MAX_REFERENCES=2$"):
+        read_rows(str(tmp_path / "list"), PAIR, PAIR, skip_bad=False, max_references=2)
+    assert torch.equal(load_image(rows[0]["controls"][1], 8, 8), load_image(paths[1], 8, 8))
+    assert torch.equal(load_image(rows[1]["control"], 8, 8), load_image(paths[2], 8, 8))
+    columns = {"control_1": [paths[0], paths[0], None], "control_2": [paths[1], None, paths[1]]}
+    features = datasets.Features({**feats, "control_1": datasets.Image(), "control_2": datasets.Image()})
+    datasets.Dataset.from_dict({"target": [target] * 3, "prompt": ["a", "b", "c"], **columns},
+                               features=features).save_to_disk(str(tmp_path / "num"))
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "num")) + " row 2: column 'control_1' is empty "
+                                          "but 'control_2' is not: fill the reference columns in order$"):
+        read_rows(str(tmp_path / "num"), PAIR, PAIR, skip_bad=False, max_references=3)
+    rows, skipped = read_rows(str(tmp_path / "num"), PAIR, PAIR, skip_bad=True, max_references=3)
+    assert [len(r["controls"]) for r in rows] == [2, 1] and skipped == 1
+    assert torch.equal(load_image(rows[0]["controls"][1], 8, 8), load_image(paths[1], 8, 8))
+
+
+def test_single_control_rows_are_unchanged_by_max_references_1(tmp_path):
+    """Where a model takes one reference (the default), rows hold "control" alone, whatever the
+    source: no "controls", no "control_sizes"."""
+    targets, controls = _toolkit_folder(tmp_path)
+    jsonl = _jsonl(tmp_path / "d.jsonl", [{"control": "controls/000.png", "target": "targets/000.png", "prompt": "p"}])
+    for path, kwargs in ((jsonl, {}), (str(targets), {"control_path": str(controls)})):
+        rows, _ = read_rows(path, PAIR, PAIR, skip_bad=False, size_of="target", **kwargs)
+        assert set(rows[0]) == {"control", "target", "prompt", "size"}
+        assert rows[0]["control"] == str(controls / "000.png")
+
+
+# ----------------------------------------------------------------------------------------------
+# references: the pipeline's size rule, no shift against the target, batch keys
+
+
+def _calculate_dimensions():
+    """diffusers' calculate_dimensions, read from the installed pipeline's source (importing the
+    pipeline would import transformers' Qwen2.5-VL)."""
+    import ast
+    import importlib.util
+    import math
+    spec = importlib.util.find_spec("diffusers")
+    if spec is None:
+        pytest.skip("diffusers not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "pipelines", "qwenimage", "pipeline_qwenimage_edit_plus.py")
+    tree = ast.parse(open(path).read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "calculate_dimensions")
+    scope = {"math": math}
+    exec(compile(ast.Module([node], []), path, "exec"), scope)
+    return scope["calculate_dimensions"]
+
+
+def test_reference_size_is_the_pipelines_rule():
+    from data.references import PIPELINE_MULTIPLE, VAE_REFERENCE_AREA, VL_REFERENCE_AREA, reference_size
+    calculate = _calculate_dimensions()
+    for h, w in [(1024, 1024), (720, 1280), (1280, 720), (333, 517), (4000, 3000), (100, 1500), (1, 1)]:
+        for area in (VAE_REFERENCE_AREA, VL_REFERENCE_AREA):
+            cw, ch = calculate(area, w / h)
+            assert reference_size(h, w, area, PIPELINE_MULTIPLE) == (ch, cw), (h, w, area)
+    assert reference_size(720, 1280, 1024 * 1024) == (768, 1376)  # by hand: w = sqrt(2^20 * 16/9) = 1365.3 -> 43 x 32
+    assert reference_size(170, 300, 128 * 128, 16) == (96, 176)  # the latents' multiple (VAE factor 8 x 2)
+    assert reference_size(10, 10000, 64 * 64, 16) == (16, 2016)  # h never below one multiple; w = 2023.9 -> 126 x 16
+
+
+def test_a_reference_of_the_targets_size_holds_the_targets_pixels(tmp_path):
+    """A target and a reference of one image (its copy, another file) at one size load to the same
+    tensor, exactly: the reference is resized and centre-cropped as the target, where the pipeline's
+    stretch would move its pixels (crop of 100 -> 96 rows here)."""
+    import numpy as np
+    from data.references import load_reference, reference_size
+    pixels = np.random.default_rng(0).integers(0, 256, (170, 300, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "target.png")
+    Image.fromarray(pixels).save(tmp_path / "reference.png")
+    size = reference_size(170, 300, 128 * 128, 16)
+    target = load_image(str(tmp_path / "target.png"), *size)
+    reference = load_reference(str(tmp_path / "reference.png"), 128 * 128, 16)
+    assert reference.shape == (3, 96, 176) and torch.equal(reference, target)
+    stretched = Image.fromarray(pixels).resize(size[::-1], Image.Resampling.LANCZOS)
+    stretched = torch.from_numpy(np.asarray(stretched).copy()).permute(2, 0, 1).float() / 127.5 - 1
+    assert not torch.equal(stretched, target)
+
+
+def test_batch_keys_keep_a_batch_to_one_shape():
+    """Samples with other reference counts or sizes get other keys; equal keys share a group, the
+    groups numbered in order of first appearance (a bucket index per sample)."""
+    from data.references import batch_key, group_by_key
+    keys = [batch_key(0, [(512, 512)]), batch_key(0, [(512, 512), (512, 512)]), batch_key(0, [(512, 512)]),
+            batch_key(1, [(512, 512)]), batch_key(0, [(512, 768), (512, 512)]), batch_key(0, [(512, 512), (512, 512)])]
+    assert keys[0] == (1, 0, ((512, 512),)) and keys[1][0] == 2
+    groups, order = group_by_key(keys)
+    assert groups == [0, 1, 0, 2, 3, 1] and order == [keys[0], keys[1], keys[3], keys[4]]
+    assert group_by_key([]) == ([], [])
 
 
 def test_caption_dropout_is_a_function_of_seed_step_and_sample():
