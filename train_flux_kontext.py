@@ -71,7 +71,7 @@ from data.prefetch import Prefetcher
 from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows
 from data.text_cache import cache_file, fill_in_rounds, save_atomic  # noqa: F401 - cache_file: read by tests
-from families import FAMILIES
+import families
 from families.flux import encoder_identity  # noqa: F401 - the FLUX text cache's key, read by tests
 from parallel import ema as ema_lib
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
@@ -85,9 +85,12 @@ from parallel import attention
 MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
 DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
 CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
+MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (FLUX.1 Kontext 1, Qwen-Image-Edit 3)
 VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last NUM_SAMPLE_PAIRS of DATA_PATH
 OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
 RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
+REFERENCE_AREA = 0  # Qwen-Image-Edit: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
+CONDITION_AREA = 0  # Qwen-Image-Edit: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
@@ -355,8 +358,8 @@ def assign_buckets(rows, buckets) -> list[int]:
 
 
 def references(row) -> list:
-    """A row's reference images (its "control": one image, or a list of them)."""
-    return row["control"] if isinstance(row["control"], list) else [row["control"]]
+    """A row's reference images (data.sources: "controls" with several, else its one "control")."""
+    return row.get("controls") or [row["control"]]
 
 
 def sample_shapes(room, rows, buckets, settings) -> tuple[list[tuple], list[int]]:
@@ -366,7 +369,7 @@ def sample_shapes(room, rows, buckets, settings) -> tuple[list[tuple], list[int]
     seeded = [(b, room.reference_sizes(b, None, settings)) for b in buckets]
     shapes, shape_of = [s for s in seeded if s[1] is not None], []
     for row, b in zip(rows, assign_buckets(rows, buckets)):
-        shape = (buckets[b], room.reference_sizes(buckets[b], row, settings))
+        shape = (room.target_size(buckets[b], row, settings), room.reference_sizes(buckets[b], row, settings))
         if shape not in shapes:
             shapes.append(shape)
         shape_of.append(shapes.index(shape))
@@ -421,14 +424,14 @@ _PAIR = ("control", "target", "prompt")  # a row's fields (data.sources.ALIASES:
 
 
 def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, *, control_path="", val_path="",
-              columns=None, split="train"):
+              columns=None, split="train", max_references=1):
     """(train rows, held-out rows, buckets, bucket of each train row). Rows {"control", "target",
     "prompt", "size"} from any kind of source (data.sources.read_rows: .jsonl, folder, datasets).
     Held out for samples and validation, never trained on: the first `num_held_out` rows of
     `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows stop the run
     (file:line, or the file / dataset row) or are skipped."""
     read = functools.partial(read_rows, roles=_PAIR, required=_PAIR, skip_bad=skip_bad, columns=columns,
-                             split=split, size_of="target")
+                             split=split, size_of="target", max_references=max_references)
     rows, skipped = read(data_path, control_path=control_path)
     if val_path:
         val_rows, val_skipped = read(val_path, setting="VAL_DATA_PATH")
@@ -447,13 +450,13 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
     return train, held_out, buckets, bucket_of
 
 
-def load_sample_rows(path, held_out, columns, split) -> list[dict]:
+def load_sample_rows(path, held_out, columns, split, max_references=1) -> list[dict]:
     """The sample grids' rows: SAMPLE_PROMPTS' {"control", "prompt"[, "target"]} rows, or the
     held-out pairs when it is unset."""
     if not path:
         return held_out
     rows, _ = read_rows(path, _PAIR, ("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS",
-                        columns=columns, split=split, size_of="target")
+                        columns=columns, split=split, size_of="target", max_references=max_references)
     print0(f"samples: {len(rows)} prompts from SAMPLE_PROMPTS={path}")
     return rows
 
@@ -552,13 +555,15 @@ def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, g
     forward); the room runs its pipeline on latents and decodes here, so the VAE may keep its own dtype."""
     pipe = room.sample_pipeline(scheduler, vae, transformer)
     most = max(len(references(r)) for r in pairs)
+    text, negative_text = text if isinstance(text[0], tuple) else (text, None)  # with the negative prompt's: true CFG
     tiles = []
     for i, (row, shape) in enumerate(zip(pairs, shapes)):
         refs = [load_image(c, *s)[None] for c, s in zip(references(row), shape[1])]
         h, w = shape[0]
         target = load_image(row["target"], h, w)[None] if "target" in row else torch.zeros(1, 3, h, w)
+        negative = {"negative": room.text_row(negative_text, i)} if negative_text is not None else {}
         out = room.sample(pipe, vae, [r.to(device) for r in refs], room.text_row(text, i), shape[0], steps,
-                          guidance, torch.Generator().manual_seed(seed + i))
+                          guidance, torch.Generator().manual_seed(seed + i), **negative)
         blank = [torch.zeros(3, h, w)] * (most - len(refs))
         tiles += [r[0] for r in refs] + blank + [out.clamp(-1, 1), target[0]]
     fsdp_utils.reshard_all(transformer)
@@ -576,7 +581,7 @@ def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, g
 def main():
     run, prec = trainer.start(globals(), validate_config, resolve_defaults)
     d = run.d
-    room = FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
+    room = families.FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
     settings = script_constants(globals())
     room.check_edit_settings(MODEL_PATH, settings)
 
@@ -584,10 +589,13 @@ def main():
     # lives only inside this call)
     vae_factor = room.vae_factor(MODEL_PATH)
     columns = {"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN}
+    if MAX_REFERENCES > room.MAX_REFERENCES:
+        raise ConfigError(f"MAX_REFERENCES={MAX_REFERENCES}: {run.pipeline} takes at most {room.MAX_REFERENCES}")
+    most = MAX_REFERENCES or room.MAX_REFERENCES
     train, held_out, buckets, _ = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS, 2 * vae_factor,
                                             SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
-                                            columns=columns, split=DATASET_SPLIT)
-    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT)
+                                            columns=columns, split=DATASET_SPLIT, max_references=most)
+    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most)
     shapes, bucket_of = sample_shapes(room, train, buckets, settings)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
     val_shapes = [s[i] for s, of in [sample_shapes(room, held_out, buckets, settings)] for i in of]
@@ -596,6 +604,8 @@ def main():
                                 [shapes[b] for b, _ in schedule] + val_shapes + sample_row_shapes)
     texts = [(r["prompt"], r) for r in train + held_out + sample_rows]
     texts += [("", r) for r in train] if CAPTION_DROPOUT > 0 else []
+    negative = getattr(room, "NEGATIVE_PROMPT", None) if SAMPLE_GUIDANCE > 1 else None  # true CFG in samples
+    texts += [(negative, r) for r in sample_rows] if negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, TEXT_CACHE_DIR, settings,
                                       prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
@@ -641,6 +651,9 @@ def main():
     final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
     val_text = room.load_text([(r["prompt"], r) for r in held_out], TEXT_CACHE_DIR, identity, d.device)
     sample_text = room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
+    if negative is not None:
+        sample_text = (sample_text, room.load_text([(negative, r) for r in sample_rows], TEXT_CACHE_DIR, identity,
+                                                   d.device))
     channels = room.latent_channels(vae)
     val_inputs = validation_inputs(val_shapes, VAL_SIGMAS, channels, vae_factor, SEED)
 

@@ -72,6 +72,13 @@ def load_image(source, height: int, width: int) -> torch.Tensor:
     return x.float() / 127.5 - 1.0
 
 
+def load_pil(source):
+    """An image file (or a DatasetImage) as an upright RGB PIL image, as a pipeline is given it."""
+    from PIL import Image, ImageOps
+    with Image.open(_opened(source)) as im:
+        return ImageOps.exif_transpose(im).convert("RGB")
+
+
 def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:
     """(N,3,H,W) in [-1,1] -> one PNG grid with `nrow` images per row."""
     import numpy as np

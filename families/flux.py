@@ -23,14 +23,15 @@ from core.dist import print0, rank
 from core.errors import ConfigError
 from data.images import save_image_grid
 from data.text_cache import fill_text_cache, folder_identity, load_entries
+from families.dit import build_transformer as build_dit
 from families.pipelines import vae_scale_factor
-from precision import Precision, dtype_name
-from parallel import attention, lowbit
-from parallel.loading import build_on_meta, fill_built_model
-from parallel.lora import Lora, add_lora
+from precision import dtype_name
+from parallel import attention
+from parallel.lora import Lora
 from parallel.parallelize import parallelize_flux
 
 PIPELINES = ("FluxKontextPipeline", "FluxPipeline")  # model_index.json's _class_name
+MAX_REFERENCES = 1  # Kontext: one context image
 DEFAULT_SAMPLE_SIZE = 128  # the pipelines' default_sample_size: x the VAE factor 8 = 1024 px
 
 
@@ -60,28 +61,10 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     computed in `frozen_dtype` (its Linear weights in NF4 with base_dtype="nf4"), resharded after
     every forward. `weights`: another transformer folder to load from ("" = `folder`)."""
     from diffusers import FluxTransformer2DModel
-    model = build_on_meta(FluxTransformer2DModel, folder)
-    attention.set_backend(model, attention_backend)  # ATTENTION_BACKEND, checked at start
-    shards = mesh.size() if mesh is not None else 1
-    if not trainable:
-        dtype = frozen_dtype or prec.compute_dtype
-        model.to(dtype).requires_grad_(False).eval()
-        if base_dtype == "nf4":
-            lowbit.quantize_base(model, shards)
-        frozen = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
-        parallelize_flux(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False)
-        return fill_built_model(model, weights or folder, mesh, device, True)
-    storage = prec.compute_dtype if lora else prec.param_dtype
-    if storage != torch.float32:  # storage dtype of the params (on meta: free)
-        model.to(storage)
-    if lora:
-        add_lora(model, lora)
-        if base_dtype == "nf4":
-            lowbit.quantize_base(model, shards)
-    policy = prec.adapter_mp_policy(compute) if lora else prec.mp_policy(compute)
-    parallelize_flux(model, mesh, policy, sharding, block_classes, verbose=load)
-    home = torch.device("cpu") if sharding.cpu_offload else device
-    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
+    return build_dit(FluxTransformer2DModel, parallelize_flux, folder, mesh, prec, device, load=load,
+                       sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
+                       base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights)
 
 
 def load_vae(folder, dtype, device):
@@ -206,6 +189,11 @@ def check_edit_settings(model_path, settings) -> None:
 def vae_factor(model_path) -> int:
     from diffusers import AutoencoderKL
     return vae_scale_factor(AutoencoderKL.load_config(os.path.join(model_path, "vae")))
+
+
+def target_size(size, row, settings) -> tuple[int, int]:
+    """The target at its resolution bucket's size."""
+    return size
 
 
 def reference_sizes(size, row, settings) -> tuple:

@@ -38,11 +38,16 @@ PIPELINES = {  # by model_index.json's _class_name
         Component("scheduler", "scheduler", "files")),
 }
 
+PIPELINES["QwenImageEditPlusPipeline"] = (
+    Component("transformer", "transformer", "trainable", "QwenImageTransformer2DModel"),
+    Component("vae", "vae", "replicated", "AutoencoderKLQwenImage"),
+    Component("text_encoder", "text_encoder", "offline"), Component("tokenizer", "tokenizer", "files"),
+    Component("processor", "processor", "files"), Component("scheduler", "scheduler", "files"))
 PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-image: the same parts (DMD2 only)
 
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)
     "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline"),
-    "train_flux_kontext.py": ("FluxKontextPipeline",),
+    "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline"),
 }
 
 

@@ -1,0 +1,46 @@
+"""What the flow-matching transformer rooms (families/flux.py, families/qwen_image.py) share: a
+transformer built on meta, adapted (LoRA, NF4 base), sharded by its recipe (parallel/parallelize.py)
+and loaded slice by slice, in every role the scripts hold one (trained, EMA copy, frozen teacher).
+"""
+from __future__ import annotations
+
+import torch
+
+import fsdp_utils
+from parallel import attention, lowbit
+from parallel.loading import build_on_meta, fill_built_model
+from parallel.lora import Lora, add_lora
+from precision import Precision
+
+
+def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(),
+                      seed=0, base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
+                      frozen_dtype=None, weights=""):
+    """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> `recipe` (fully_shard
+    per block, then the root) -> each rank loads its slices (load=False: allocate only, e.g. for the
+    EMA copy that is then filled from the model); families/flux.py's build_transformer says what each
+    argument does."""
+    model = build_on_meta(model_class, folder)
+    attention.set_backend(model, attention_backend)  # ATTENTION_BACKEND, checked at start
+    shards = mesh.size() if mesh is not None else 1
+    if not trainable:
+        dtype = frozen_dtype or prec.compute_dtype
+        model.to(dtype).requires_grad_(False).eval()
+        if base_dtype == "nf4":
+            lowbit.quantize_base(model, shards)
+        frozen = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
+        recipe(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False)
+        return fill_built_model(model, weights or folder, mesh, device, True)
+    storage = prec.compute_dtype if lora else prec.param_dtype
+    if storage != torch.float32:  # storage dtype of the params (on meta: free)
+        model.to(storage)
+    if lora:
+        add_lora(model, lora)
+        if base_dtype == "nf4":
+            lowbit.quantize_base(model, shards)
+    policy = prec.adapter_mp_policy(compute) if lora else prec.mp_policy(compute)
+    recipe(model, mesh, policy, sharding, block_classes, verbose=load)
+    home = torch.device("cpu") if sharding.cpu_offload else device
+    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
+
+

@@ -1,0 +1,347 @@
+"""The Qwen-Image-Edit family (QwenImageEditPlusPipeline: Qwen-Image-Edit-2509 / 2511, 1-3 reference
+images): its MMDiT transformer built and sharded through parallel/'s generic recipe (one FSDP unit
+per QwenImageTransformerBlock), its VAE (AutoencoderKLQwenImage, per-channel latent mean / std), its
+conditioning and its samples, for train_flux_kontext.py's editing fine-tuning.
+
+Conditioning is the pipeline's own (diffusers 0.42.1 pipeline_qwenimage_edit_plus.py):
+- the Qwen2.5-VL encoder reads the prompt with every reference image, each resized to the
+  condition area (384^2, calculate_dimensions) by the pipeline's image processor (:696-705), through
+  the pipeline's encode_prompt (:286); the text cache's key holds the images' bytes;
+- each reference is VAE-encoded at its own size (the 1024^2 area, :702; REFERENCE_AREA), normalised
+  by latents_mean / latents_std (:431-441), packed 2x2 like FLUX (:397) and appended after the
+  target's tokens, with its own img_shapes entry (:753-761); the loss reads the target tokens only;
+- the transformer takes timestep = σ (the pipeline passes t / 1000, :818), no guidance embedding,
+  and the text's padding mask.
+
+    python -m pytest tests/test_qwen_image.py -q
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+
+import torch
+
+from algorithms import flux_kontext as km
+from core.dist import print0
+from core.errors import ConfigError
+from data.images import image_size, load_pil
+from data.references import PIPELINE_MULTIPLE, VAE_REFERENCE_AREA, VL_REFERENCE_AREA, reference_size
+from data.text_cache import fill_text_cache, folder_identity, load_entries
+from families.dit import build_transformer as build_dit
+from parallel import attention
+from parallel.lora import Lora
+from parallel.parallelize import parallelize
+from precision import dtype_name
+
+PIPELINES = ("QwenImageEditPlusPipeline",)  # model_index.json's _class_name
+MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's model card: 1-3 images)
+NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
+TEXT_PARTS = ("text_encoder", "tokenizer", "processor")
+
+
+def is_kontext(pipeline: str) -> bool:
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
+                      base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
+                      frozen_dtype=None, weights=""):
+    """QwenImageTransformer2DModel, as families/flux.py builds FLUX's (families/dit.py), sharded one
+    unit per dual-stream block by parallel/parallelize.py's recipe for its class."""
+    from diffusers import QwenImageTransformer2DModel
+    return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
+                       sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
+                       base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights)
+
+
+def load_vae(folder, dtype, device):
+    """The frozen AutoencoderKLQwenImage, replicated on every rank in its own dtype."""
+    import fsdp_utils
+    from diffusers import AutoencoderKLQwenImage
+    vae = AutoencoderKLQwenImage.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)
+    return fsdp_utils.prepare_frozen(vae, dtype, device)
+
+
+def vae_factor(model_path) -> int:
+    """2 ** (temporal downsamplings), as the pipeline computes it (:206): 8 for the real VAE."""
+    with open(os.path.join(model_path, "vae", "config.json")) as f:
+        return 2 ** len(json.load(f)["temperal_downsample"])
+
+
+def latent_channels(vae) -> int:
+    return vae.config.z_dim
+
+
+def _mean_std(vae, device):
+    c = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(1, c, 1, 1)
+    std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(1, c, 1, 1)
+    return mean, std
+
+
+def encode_latents(vae, images: torch.Tensor) -> torch.Tensor:
+    """Images (B, 3, H, W) in [-1, 1] -> normalised latents (B, C, H/f, W/f) in fp32: the posterior's
+    mode ("argmax", :145-155) of the one-frame video, (z - latents_mean) / latents_std (:431-441)."""
+    param = next(vae.parameters())
+    with torch.no_grad():
+        x = images.to(device=param.device, dtype=param.dtype)[:, :, None]
+        z = vae.encode(x).latent_dist.mode()[:, :, 0].float()
+    mean, std = _mean_std(vae, z.device)
+    return (z - mean) / std
+
+
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents (B, C, h, w) -> images (B, 3, H, W) in [-1, 1], fp32 on CPU (:876-888)."""
+    mean, std = _mean_std(vae, latents.device)
+    z = (latents.float() * std + mean)[:, :, None]
+    with torch.no_grad():
+        return vae.decode(z.to(next(vae.parameters()).dtype), return_dict=False)[0][:, :, 0].float().cpu()
+
+
+def attention_shapes(model_path, text_length, shapes, vae_factor, batch):
+    """The run's attention calls for the start-up kernel check: the joint attention over text +
+    target + reference tokens per shape (the text's length estimated: `text_length`), and the VAE
+    mid-block's single head at the target's latent grid (forward only)."""
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        t = json.load(f)
+    with open(os.path.join(model_path, "vae", "config.json")) as f:
+        v = json.load(f)
+    vae_channels = v["base_dim"] * v["dim_mult"][-1]
+    trained, vae = [], []
+    for (h, w), sizes in dict.fromkeys(shapes):
+        tokens = text_length + sum((a // (2 * vae_factor)) * (b // (2 * vae_factor)) for a, b in ((h, w), *sizes))
+        trained.append(attention.Shape(f"transformer at {h}x{w} + {len(sizes)} references", batch, tokens, tokens,
+                                       t["num_attention_heads"], t["attention_head_dim"]))
+        grid = (h // vae_factor) * (w // vae_factor)
+        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
+    return trained, vae
+
+
+# ----------------------------------------------------------------------------------------------
+# conditioning: the Qwen2.5-VL embeddings of the prompt with its reference images, cached
+
+
+def controls(row) -> list:
+    """A row's reference images (data.sources: "controls" with several, else "control")."""
+    if row.get("controls"):
+        return row["controls"]
+    return row["control"] if isinstance(row["control"], list) else [row["control"]]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _image_hash(source) -> str:
+    if isinstance(source, str):
+        return _file_hash(source)
+    import numpy as np
+    return hashlib.sha256(np.asarray(load_pil(source)).tobytes()).hexdigest()
+
+
+def text_key(prompt, row) -> str:
+    """The cache key of a prompt read with its row's reference images: their bytes are part of it."""
+    return "\n".join([prompt, *(_image_hash(c) for c in controls(row))])
+
+
+def load_text_encoder(model_path, dtype, device):
+    """A QwenImageEditPlusPipeline holding only Qwen2.5-VL, its tokenizer and processor: its
+    encode_prompt and image processor are the pipeline's own text path."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(model_path, "text_encoder"),
+                                                                 dtype=dtype)
+    return QwenImageEditPlusPipeline(
+        scheduler=None, vae=None, transformer=None, text_encoder=encoder.to(device).eval(),
+        tokenizer=Qwen2Tokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
+        processor=AutoProcessor.from_pretrained(os.path.join(model_path, "processor")))
+
+
+def condition_images(pipe, sources, area):
+    """The reference images as the pipeline hands them to the text encoder: each resized (its image
+    processor's resize) to calculate_dimensions(area, its ratio) (:696-705)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+    out = []
+    for source in sources:
+        image = load_pil(source)
+        w, h = calculate_dimensions(area, image.width / image.height)
+        out.append(pipe.image_processor.resize(image, h, w))
+    return out
+
+
+def condition_area(settings) -> int:
+    return settings.get("CONDITION_AREA") or VL_REFERENCE_AREA
+
+
+def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> str:
+    """Fill the text cache for the (prompt, row) pairs: one entry per prompt and image set (each rank
+    its share, the encoder freed after); returns the encoder identity."""
+    area = condition_area(settings)
+    identity = folder_identity(model_path, TEXT_PARTS, area, dtype_name(dtype))
+
+    def encode(pipe, part):
+        out = []
+        for prompt, sources in part:  # one at a time, as the pipeline does (its batch is 1)
+            embeds, _ = pipe.encode_prompt(prompt=[prompt], image=condition_images(pipe, sources, area),
+                                           device=device)
+            out.append({"prompt": prompt, "prompt_embeds": embeds[0].cpu().clone()})
+        return out
+
+    items = {text_key(p, row): (p, controls(row)) for p, row in texts}
+    computed, reused = fill_text_cache(items, cache_dir, identity, lambda: load_text_encoder(model_path, dtype, device),
+                                       encode)
+    print0(f"text cache: {computed + reused} prompts with their reference images, computed {computed}, reused "
+           f"{reused} ({cache_dir}; condition area {area}, {dtype_name(dtype)})")
+    return identity
+
+
+def load_text(texts, cache_dir, identity, device):
+    """(embeddings (B, T, D) padded with zeros to the longest, mask (B, T) bool or None where
+    nothing is padded, as the pipeline's encode_prompt returns them)."""
+    if not texts:
+        return None
+    items = [e["prompt_embeds"] for e in load_entries([text_key(p, row) for p, row in texts], cache_dir, identity)]
+    longest = max(e.shape[0] for e in items)
+    embeds = torch.zeros(len(items), longest, items[0].shape[1], dtype=items[0].dtype)
+    mask = torch.zeros(len(items), longest, dtype=torch.bool)
+    for i, e in enumerate(items):
+        embeds[i, :e.shape[0]], mask[i, :e.shape[0]] = e, True
+    return embeds.to(device), (None if bool(mask.all()) else mask.to(device))
+
+
+def repeat_text(text, i, n):
+    embeds, mask = text_row(text, i)
+    return embeds.expand(n, -1, -1), None
+
+
+def text_row(text, i):
+    """Sample i's embeddings alone, without padding (mask None), as the pipeline's batch of 1 has them."""
+    embeds, mask = text
+    length = int(mask[i].sum()) if mask is not None else embeds.shape[1]
+    return embeds[i:i + 1, :length], None
+
+
+# ----------------------------------------------------------------------------------------------
+# editing fine-tuning (train_flux_kontext.py; families/flux.py lists what the script asks of a room)
+
+
+def check_edit_settings(model_path, settings) -> None:
+    if settings["CONTEXT_PARALLEL"] > 1:
+        raise ConfigError(f"CONTEXT_PARALLEL={settings['CONTEXT_PARALLEL']}: not for Qwen-Image-Edit here (its text "
+                          "is a padded, masked sequence of varying length per sample); use CONTEXT_PARALLEL=1")
+    if settings["GUIDANCE"] != 1.0:
+        raise ConfigError(f"GUIDANCE={settings['GUIDANCE']}: Qwen-Image-Edit has no guidance embedding (its guidance "
+                          "is true CFG: SAMPLE_GUIDANCE for samples); leave GUIDANCE at 1")
+
+
+def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
+    """check_edit_settings refuses CONTEXT_PARALLEL > 1 for this family."""
+
+
+def reference_area(settings) -> int:
+    return settings.get("REFERENCE_AREA") or VAE_REFERENCE_AREA
+
+
+def target_size(size, row, settings) -> tuple[int, int]:
+    """The target at RESOLUTION^2 pixels by the pipeline's rule for its output (calculate_dimensions
+    of the last reference's ratio at inference; here the target's own ratio), so a target and a
+    reference of one size and area hold the same pixels."""
+    h, w = row.get("size") or image_size(controls(row)[-1])
+    return reference_size(h, w, settings["RESOLUTION"] ** 2, PIPELINE_MULTIPLE)
+
+
+def reference_sizes(size, row, settings) -> tuple | None:
+    """Each reference at its own size: calculate_dimensions(REFERENCE_AREA, its ratio) (:702)."""
+    if row is None:
+        return None
+    sizes = row.get("control_sizes") or [image_size(c) for c in controls(row)]
+    return tuple(reference_size(h, w, reference_area(settings), PIPELINE_MULTIPLE) for h, w in sizes)
+
+
+def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
+    # the prompt template, ~188 tokens per 384^2 reference (27 x 27 patches of 14 merged 2 x 2), the prompt
+    area = condition_area(settings)
+    text = 64 + max(len(s[1]) for s in shapes) * (area // (28 * 28) + 8) + 256
+    return attention_shapes(model_path, text, shapes, vae_factor(model_path), batch)
+
+
+def model_inputs(x0, references, noise, sigmas) -> dict:
+    """[noisy target ; each clean reference] tokens (packed 2x2 as the pipeline packs, :397) with
+    their img_shapes, and the flow-matching target n - x0 on the target tokens."""
+    if x0.shape != noise.shape:
+        raise ValueError("noise must have the shape of the target latents")
+    x0, n = x0.float(), noise.float()
+    s = sigmas.float().reshape(-1, 1, 1, 1).to(x0.device)
+    target = km.pack_latents((1.0 - s) * x0 + s * n)
+    refs = [km.pack_latents(r.float()) for r in references]
+    shapes = [(1, x0.shape[-2] // 2, x0.shape[-1] // 2), *[(1, r.shape[-2] // 2, r.shape[-1] // 2) for r in references]]
+    return {"hidden_states": torch.cat([target, *refs], dim=1), "img_shapes": [shapes] * x0.shape[0],
+            "n_target_tokens": target.shape[1], "target": km.pack_latents(n - x0)}
+
+
+def forward(transformer, inputs, sigmas, guidance, text):
+    """The transformer on model_inputs' tokens: timestep σ (B,), the text and its mask."""
+    hidden = inputs["hidden_states"]
+    timestep = torch.as_tensor(sigmas, device=hidden.device).reshape(-1).expand(hidden.shape[0])
+    embeds, mask = text
+    return transformer(hidden_states=hidden, timestep=timestep, guidance=None, encoder_hidden_states=embeds,
+                       encoder_hidden_states_mask=mask, img_shapes=inputs["img_shapes"], return_dict=False)[0]
+
+
+def sample_pipeline(scheduler, vae, transformer):
+    return scheduler, transformer
+
+
+@torch.no_grad()
+def sample(pipe, vae, references, text, size, steps, guidance, generator, negative=None) -> torch.Tensor:
+    """One edit (3, h, w) on CPU by the pipeline's denoising loop (:740-870) on latents: noise drawn as
+    it draws it, σ = linspace(1, 1/steps) shifted by calculate_shift of the target's token count,
+    the references' clean tokens after the noisy target's, true CFG with its norm rescale when
+    `guidance` > 1 and a `negative` text is given."""
+    import numpy as np
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_shift, retrieve_timesteps
+    from diffusers.utils.torch_utils import randn_tensor
+    scheduler, transformer = pipe
+    embeds, mask = text
+    device, dtype = embeds.device, embeds.float().dtype
+    f = 2 ** len(vae.temperal_downsample)
+    h, w = 2 * (size[0] // (f * 2)), 2 * (size[1] // (f * 2))
+    c = vae.config.z_dim
+    latents = km.pack_latents(randn_tensor((1, 1, c, h, w), generator=generator, device=device,
+                                           dtype=dtype)[:, 0])
+    refs = [km.pack_latents(encode_latents(vae, r)).to(dtype) for r in references]
+    img_shapes = [[(1, h // 2, w // 2), *[(1, x.shape[-2] // f // 2, x.shape[-1] // f // 2) for x in references]]]
+    cfg = scheduler.config
+    mu = calculate_shift(latents.shape[1], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    scheduler.set_begin_index(0)
+    cfg_on = guidance > 1 and negative is not None
+    for t in timesteps:
+        model_input = torch.cat([latents, *refs], dim=1)
+        timestep = t.expand(1).to(latents.dtype) / 1000
+
+        def velocity(e, m):
+            return transformer(hidden_states=model_input, timestep=timestep, guidance=None, encoder_hidden_states=e,
+                               encoder_hidden_states_mask=m, img_shapes=img_shapes,
+                               return_dict=False)[0][:, :latents.shape[1]]
+        pred = velocity(embeds.float(), mask)
+        if cfg_on:
+            neg = velocity(negative[0].float(), negative[1])
+            comb = neg + guidance * (pred - neg)
+            pred = comb * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    return decode_latents(vae, km.unpack_latents(latents.float(), h, w))[0]
