@@ -32,6 +32,19 @@ def flux_folder(tmp_path_factory):
     return tiny_models.make_tiny_flux_kontext(tmp_path_factory.mktemp("flux") / "model", seed=0)
 
 
+@pytest.fixture(scope="module")
+def qwen_pipe(tmp_path_factory):
+    """The tiny Qwen-Image-Edit-2509 folder, loaded (its processor through load_qwen_processor: the
+    plain Qwen2VLProcessor needs torchvision for its video processor in transformers 5)."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    folder = tiny_models.make_tiny_qwen_image_edit(tmp_path_factory.mktemp("qwen") / "model", seed=0)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(
+        folder, processor=tiny_models.load_qwen_processor(folder / "processor"))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 # ----------------------------------------------------------------------------------------------
 # tokenizers
 
@@ -64,6 +77,32 @@ def test_t5_tokenizer_reloads_and_encodes(tmp_path):
     assert tok.decode(tok("Zebra 42, go!").input_ids, skip_special_tokens=True) == "Zebra 42, go!"
     padded = tok(PROMPT, padding="max_length", max_length=16, truncation=True).input_ids
     assert len(padded) == 16 and padded[-1] == tok.pad_token_id
+
+
+def test_qwen_tokenizer_special_tokens_and_template(qwen_pipe):
+    tok, config = qwen_pipe.tokenizer, qwen_pipe.text_encoder.config
+    added = [token for token, _ in tiny_models.QWEN_ADDED_TOKENS]
+    first = len(tok) - len(added)
+    for i, token in enumerate(added):  # one id each, in Qwen2.5-VL's order, after the BPE vocabulary
+        assert tok(token).input_ids == [first + i] and tok.decode([first + i]) == token
+    ids = tok.convert_tokens_to_ids
+    assert (config.image_token_id, config.video_token_id, config.vision_start_token_id,
+            config.vision_end_token_id) == tuple(ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>"]))
+    assert config.text_config.eos_token_id == tok.eos_token_id == ids("<|im_end|>")
+    assert config.text_config.bos_token_id == tok.pad_token_id == ids("<|endoftext|>")
+    assert tok.bos_token is None and tok.unk_token is None and config.text_config.vocab_size >= len(tok)
+    assert qwen_pipe.processor.tokenizer.get_vocab() == tok.get_vocab()
+    # The pipeline drops the first prompt_template_encode_start_idx (64) tokens: exactly the system
+    # turn and "<|im_start|>user\n", as with the real tokenizer; the image and prompt tokens stay.
+    template, drop = qwen_pipe.prompt_template_encode, qwen_pipe.prompt_template_encode_start_idx
+    user = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>make the circle the colour of picture 2"
+    encoded = tok(template.format(user)).input_ids
+    assert tok.decode(encoded[:drop]) == template.split("{}")[0]
+    assert tok.decode(encoded[drop:]) == user + "<|im_end|>\n<|im_start|>assistant\n"
+    assert len(tok(" make the circle the colour of picture 2").input_ids) == 9  # whole words
+    text = "Zebra 42, ünïcode & tabs\t!"  # anything else still encodes, byte by byte
+    assert tok.decode(tok(text).input_ids) == text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +160,50 @@ def test_flux_kontext_folder_loads_and_generates(flux_folder):
     assert images.shape == (1, 64, 64, 3) and np.isfinite(images).all()
 
 
+def test_qwen_image_edit_folder_loads_and_generates(qwen_pipe, monkeypatch):
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
+
+    pipe = qwen_pipe
+    assert pipe.transformer.config.in_channels == 4 * pipe.vae.config.z_dim == 64
+    assert pipe.transformer.config.joint_attention_dim == pipe.text_encoder.config.text_config.hidden_size
+    assert pipe.vae_scale_factor == 8 and len(pipe.vae.config.latents_mean) == pipe.vae.config.z_dim
+    cfg = pipe.scheduler.config
+    assert cfg.use_dynamic_shifting and cfg.shift_terminal == 0.02 and cfg.time_shift_type == "exponential"
+    # Every reference is resized to a 1024^2 area for the VAE and 384^2 for the VL encoder: over 10 s
+    # a call on 2 CPU cores. Smaller areas keep this test fast; the code path is the same.
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 96 * 96)
+    monkeypatch.setattr(edit_plus, "CONDITION_IMAGE_SIZE", 96 * 96)
+    calls = []
+    pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append({k: kwargs[k] for k in (
+            "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "img_shapes")}),
+        with_kwargs=True)
+    refs = [Image.new("RGB", (32, 48), (220, 40, 40)), Image.new("RGB", (40, 40), (40, 70, 220))]
+    prompt = "make the circle the colour of picture 2"
+
+    def run(output_type, **kwargs):
+        calls.clear()
+        return pipe(image=refs, prompt=prompt, height=32, width=32, num_inference_steps=2,
+                    output_type=output_type, generator=torch.Generator().manual_seed(0), **kwargs).images
+
+    latents = run("latent", true_cfg_scale=1.0)
+    assert latents.shape == (1, 4, 64)  # 32 px / 8 / 2: 2x2 tokens of 16 channels x 2x2
+    # VAE sizes: 32x48 -> 64x128 px (8x4 tokens), 40x40 -> 96x96 px (6x6); target tokens first
+    assert len(calls) == 2 and calls[0]["img_shapes"] == [[(1, 2, 2), (1, 8, 4), (1, 6, 6)]]
+    assert calls[0]["hidden_states"].shape == (1, 4 + 32 + 36, 64)
+    # VL sizes: 64x128 -> 56x140 px (4x10 patches of 28: 10 image tokens), 96x96 -> 84x84 (9)
+    pads = ["<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" for n in (10, 9)]
+    text = pipe.prompt_template_encode.format(f"Picture 1: {pads[0]}Picture 2: {pads[1]}{prompt}")
+    length = len(pipe.tokenizer(text).input_ids) - pipe.prompt_template_encode_start_idx
+    assert calls[0]["encoder_hidden_states"].shape == (1, length, 32)
+    assert calls[0]["encoder_hidden_states_mask"] is None  # one prompt: no padding, no mask
+    image = run("pil", true_cfg_scale=1.0)[0]
+    assert image.size == (32, 32) and image.mode == "RGB"
+    images = run("np", true_cfg_scale=4.0, negative_prompt="a photo")
+    assert len(calls) == 4 and images.shape == (1, 32, 32, 3) and np.isfinite(images).all()
+    assert calls[1]["encoder_hidden_states"].shape[1] < length  # the negative prompt, shorter
+
+
 def test_weights_are_deterministic_from_seed(flux_folder, tmp_path):
     from safetensors.torch import load_file
 
@@ -164,6 +247,19 @@ def test_edit_dataset(tmp_path):
         changed = (context != target).any(-1)
         assert 0 < changed.mean() < 0.5  # only the shape was recoloured; background kept
         assert row["prompt"].startswith("make the ")
+
+
+def test_two_reference_edit_dataset(tmp_path):
+    rows = _rows(tiny_models.make_two_reference_edit_dataset(tmp_path, 5, size=64))
+    assert len(rows) == 5 and all(set(r) == {"control", "target", "prompt"} for r in rows)
+    for row in rows:
+        context, swatch = (np.asarray(Image.open(tmp_path / path)) for path in row["control"])
+        target = np.asarray(Image.open(tmp_path / row["target"]))
+        assert context.shape == target.shape == (64, 64, 3) and swatch.shape == (32, 32, 3)
+        changed = (context != target).any(-1)
+        assert 0 < changed.mean() < 0.5  # only the shape was recoloured, background kept
+        assert (target[changed] == swatch[0, 0]).all()  # in the swatch's colour
+        assert row["prompt"].startswith("make the ") and row["prompt"].endswith(" the colour of picture 2")
 
 
 # ----------------------------------------------------------------------------------------------

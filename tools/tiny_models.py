@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from tools.build_once import READY, build_once  # noqa: F401 - READY: the marker of a finished folder
 from tools.shapes import COLOURS, SHAPES, describe, draw_shape, random_scene
@@ -121,6 +122,56 @@ def write_t5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
     tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
     tokenizer.save_pretrained(folder)
     return T5TokenizerFast.from_pretrained(folder)
+
+
+# The system prompt of QwenImageEditPlusPipeline's prompt template (diffusers 0.42.1
+# pipeline_qwenimage_edit_plus.py), without its special tokens: the Qwen tokenizer learns its words whole.
+QWEN_EDIT_SYSTEM_PROMPT = (
+    "Describe the key features of the input image (color, shape, size, texture, objects, background), then "
+    "explain how the user's text instruction should alter or modify the image. Generate a new image that meets "
+    "the user's requirements while maintaining consistency with the original input where appropriate.")
+QWEN_EDIT_WORDS = ("colour", "picture")  # of the two-reference edit prompts (make_two_reference_edit_dataset)
+# Qwen2.5-VL's added tokens in id order, as (token, special): ids 151643..151664 there, right after the
+# BPE vocabulary; here right after the tiny one. The text encoder config points at these ids.
+QWEN_ADDED_TOKENS = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False))
+
+
+def write_qwen_tokenizer(folder):
+    """Write a tiny Qwen2 byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) into `folder`.
+
+    Qwen2's normalizer, pre-tokenizer and decoder; merges trained here (the `tokenizers` library) on
+    the pipeline's chat template, "Picture N: " and WORDS, so those words are one token each and the
+    template's system part is 64 tokens as with the real tokenizer (the pipeline drops that many);
+    any other text still encodes, byte by byte. Then QWEN_ADDED_TOKENS; eos <|im_end|>, pad
+    <|endoftext|>, no bos / unk, as Qwen2.5-VL-Instruct's tokenizer_config.json. Returns the reloaded
+    Qwen2Tokenizer.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AddedToken, Qwen2Tokenizer
+
+    qwen2 = Qwen2Tokenizer(unk_token=None, eos_token=None, pad_token=None).backend_tokenizer
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer, bpe.pre_tokenizer = qwen2.normalizer, qwen2.pre_tokenizer
+    words = WORDS + QWEN_EDIT_WORDS
+    corpus = [f"system\n{QWEN_EDIT_SYSTEM_PROMPT}\nuser\nassistant\n",
+              " ".join(f"Picture {i}:" for i in range(1, 4)), " ".join(words), "\n".join(words)]
+    # every byte in the alphabet; a vocabulary larger than the corpus needs: each corpus word ends whole
+    trainer = trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(corpus, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], unk_token=None,
+                               eos_token=None, pad_token=None, model_max_length=131072, errors="replace")
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in QWEN_ADDED_TOKENS])
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    tokenizer.save_pretrained(folder)
+    return Qwen2Tokenizer.from_pretrained(folder)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,6 +325,132 @@ def make_tiny_flux_kontext(folder, seed=0):
     return folder
 
 
+# processor/preprocessor_config.json of Qwen2.5-VL (and so of Qwen-Image-Edit): 14 px patches, 2 frames,
+# 2x2 merge, 3136 .. 12845056 pixels, CLIP mean and std; the video file repeats it for the video processor.
+QWEN_VL_PREPROCESSOR = {
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
+def _write_qwen_processor(folder, tokenizer):
+    """Write processor/ as the real folder has it: the tokenizer's files, preprocessor_config.json
+    (Qwen2VLImageProcessor) and video_preprocessor_config.json (Qwen2VLVideoProcessor). Written
+    directly: transformers 5 cannot build a Qwen2VLProcessor to save without torchvision."""
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    for name, kind in (("preprocessor_config.json", "image"), ("video_preprocessor_config.json", "video")):
+        config = {**QWEN_VL_PREPROCESSOR, f"{kind}_processor_type": f"Qwen2VL{kind.title()}Processor",
+                  "processor_class": "Qwen2VLProcessor"}
+        (folder / name).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_qwen_processor(folder):
+    """The Qwen2VLProcessor of `folder` (a processor/ subfolder). Its video processor needs torchvision
+    in transformers 5; without torchvision: the same processor with no video processor (a subclass, so
+    pipelines accept it), which is all the Qwen-Image-Edit pipelines use (text and images)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return Qwen2VLProcessor.from_pretrained(folder)
+
+    class ImageTextQwen2VLProcessor(Qwen2VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    # the torchvision image processor's PIL twin (transformers falls back to it, with a warning)
+    with _quiet_logs():
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+    return ImageTextQwen2VLProcessor(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(folder))
+
+
+@contextlib.contextmanager
+def _quiet_logs():
+    """transformers' and diffusers' warnings off (expected ones: the PIL image processor fallback, the
+    processor slot left for `_write_qwen_processor`)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    levels = [(lib, lib.get_verbosity()) for lib in (transformers_logging, diffusers_logging)]
+    for lib, _ in levels:
+        lib.set_verbosity_error()
+    try:
+        yield
+    finally:
+        for lib, level in levels:
+            lib.set_verbosity(level)
+
+
+def _qwen_vl_text_encoder(tokenizer, seed, hidden=32):
+    """A 2-layer Qwen2_5_VLForConditionalGeneration, text hidden `hidden`, with a 2-block vision tower
+    of the real geometry whose merger outputs `hidden`; token ids from `tokenizer`."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    head_dim = hidden // 2
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=-(-len(tokenizer) // 64) * 64,  # padded past the tokenizer, as the real 152064
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, rms_norm_eps=1e-6, max_position_embeddings=128000, max_window_layers=2,
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+            # multimodal RoPE: (t, h, w) sections of the head_dim/2 frequencies, the real 16:24:24
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]}),
+        vision_config=dict(
+            depth=2, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=2, out_hidden_size=hidden,
+            patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+            fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu"),  # the last block attends fully
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    with seeded(seed):
+        return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def make_tiny_qwen_image_edit(folder, seed=0):
+    """Write a Qwen-Image-Edit-2509-layout diffusers folder (QwenImageEditPlusPipeline: transformer,
+    vae, text_encoder, tokenizer, processor, scheduler).
+
+    VAE 8x down to 16 latent channels, packed 2x2 into 64-channel tokens (64 px -> 16 tokens);
+    transformer hidden 32 (2 blocks); Qwen2.5-VL text hidden 32 with a vision tower of the real
+    geometry (patch 14, temporal patch 2, 2x2 merge, 112 px windows). Returns the folder.
+    """
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline,
+                           QwenImageTransformer2DModel)
+
+    folder = Path(folder)
+    tokenizer = write_qwen_tokenizer(folder / "tokenizer")
+    text_encoder = _qwen_vl_text_encoder(tokenizer, seed)
+    z_dim = 16  # the Qwen-Image VAE's latent channels
+    with seeded(seed + 1):
+        # Qwen-Image-Edit-2509's transformer config but for the sizes: no zero_cond_t (2511 has it)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=text_encoder.config.text_config.hidden_size,
+            guidance_embeds=False, axes_dims_rope=(4, 6, 6))  # (frame, h, w), must sum to the head dim
+    with seeded(seed + 2):
+        # 3 downsamples (8x), the first spatial only, as the real one (base_dim 96, dim_mult (1, 2, 4, 4),
+        # 2 res blocks); latents_mean / latents_std: the class defaults, the real VAE's 16 per-channel values
+        vae = AutoencoderKLQwenImage(
+            base_dim=4, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+    # scheduler/scheduler_config.json of Qwen/Qwen-Image (and the Edit models): exponential
+    # resolution-dependent shift, stretched so the last sigma is 0.02
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    pipe = QwenImageEditPlusPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=None,
+        transformer=transformer)
+    with _quiet_logs():  # "processor=None cannot be saved": written below
+        pipe.save_pretrained(folder, safe_serialization=True)
+    _write_qwen_processor(folder / "processor", tokenizer)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
 # ----------------------------------------------------------------------------------------------
 # synthetic data
 
@@ -335,6 +512,31 @@ def make_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
     return folder / "data.jsonl"
 
 
+def make_two_reference_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
+    """Write `n` edits with two reference images (Qwen-Image-Edit-2509's multi-image input):
+    folder/control/i.png (a shape on a plain background, size px), folder/swatch/i.png (a plain
+    size/2 px square of a new colour), folder/target/i.png (the first with the shape in the swatch's
+    colour), and folder/data.jsonl with rows {"control": [control path, swatch path], "target":
+    target path, "prompt": "make the circle the colour of picture 2"} (paths relative to folder).
+    Returns the data.jsonl path."""
+    folder = Path(folder)
+    for sub in ("control", "swatch", "target"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        shape, colour, background, box = random_scene(rng, size)
+        new_colour = str(rng.choice([c for c in COLOURS if c not in (colour, background)]))
+        draw_shape(size, shape, COLOURS[colour], COLOURS[background], box).save(folder / "control" / f"{i:05d}.png")
+        Image.new("RGB", (size // 2, size // 2), COLOURS[new_colour]).save(folder / "swatch" / f"{i:05d}.png")
+        draw_shape(size, shape, COLOURS[new_colour], COLOURS[background], box).save(
+            folder / "target" / f"{i:05d}.png")
+        rows.append({"control": [f"control/{i:05d}.png", f"swatch/{i:05d}.png"], "target": f"target/{i:05d}.png",
+                     "prompt": f"make the {shape} the colour of picture 2"})
+    _write_jsonl(folder / "data.jsonl", rows)
+    return folder / "data.jsonl"
+
+
 # ----------------------------------------------------------------------------------------------
 # cached defaults
 
@@ -355,7 +557,13 @@ def _build_flux_kontext(root):
     make_edit_dataset(root / "data", 32)
 
 
-BUILDERS = {"sd15": _build_sd15, "sdxl": _build_sdxl, "flux_kontext": _build_flux_kontext}
+def _build_qwen_image_edit(root):
+    make_tiny_qwen_image_edit(root / "model")
+    make_two_reference_edit_dataset(root / "data", 32)
+
+
+BUILDERS = {"sd15": _build_sd15, "sdxl": _build_sdxl, "flux_kontext": _build_flux_kontext,
+            "qwen_image_edit": _build_qwen_image_edit}
 
 
 def default_cache_dir():
@@ -364,8 +572,8 @@ def default_cache_dir():
 
 
 def ensure_default(kind, cache_dir=None, timeout=600.0):
-    """Build the tiny default for `kind` ("sd15", "sdxl" or "flux_kontext") once; return
-    (model_path, data_path) as strings: <cache_dir>/tiny_<kind>_v<N>/{model,data}.
+    """Build the tiny default for `kind` ("sd15", "sdxl", "flux_kontext" or "qwen_image_edit") once;
+    return (model_path, data_path) as strings: <cache_dir>/tiny_<kind>_v<N>/{model,data}.
 
     Safe for many ranks at once (`tools.build_once.build_once`): one of them builds in a temp folder,
     under a lock file beside the folder, and publishes it with an atomic rename (READY marker
