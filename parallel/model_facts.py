@@ -34,4 +34,13 @@ MODELS = {
                       "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                       "ff_context.net.2", "proj_mlp"),
         attention_dispatcher=True),
+    # Qwen-Image (-Edit, -Edit-2509/2511): its `_no_split_modules`, the 60 dual-stream blocks (image and text
+    # streams, joint attention). LoRA: diffusers' Qwen-Image LoRA example's default targets
+    # (examples/dreambooth/train_dreambooth_lora_qwen_image.py, `target_modules` when --lora_layers is
+    # unset): the image stream's attention projections only; the text stream's (add_q_proj, add_k_proj,
+    # add_v_proj, to_add_out) and the MLPs (img_mlp / txt_mlp .net.0.proj, .net.2) are named targets.
+    # Attention: QwenDoubleStreamAttnProcessor2_0 calls dispatch_attention_fn
+    "QwenImageTransformer2DModel": ModelFacts(units=("QwenImageTransformerBlock",),
+                                              lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
+                                              attention_dispatcher=True),
 }

@@ -54,7 +54,23 @@ def parallelize_flux(model: nn.Module, mesh: DeviceMesh | None, mp_policy: Mixed
     return _apply(model, units, mesh, mp_policy, sharding)
 
 
-RECIPES = {"UNet2DConditionModel": parallelize_unet, "FluxTransformer2DModel": parallelize_flux}
+def parallelize_qwen_image(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,
+                           sharding: Sharding = Sharding(), block_classes: list[str] | None = None,
+                           verbose: bool = True) -> list[nn.Module]:
+    """QwenImageTransformer2DModel: each dual-stream block as a unit (the last not resharded after
+    forward); the input projections (img_in, txt_norm, txt_in), the time embedding, norm_out and
+    proj_out in the root unit."""
+    if block_classes:  # checked to exist, as for FLUX
+        units = units_in_order(model, find_block_classes(model, list(block_classes))[0])
+    else:
+        units = list(model.transformer_blocks)
+    if verbose and mesh is not None:
+        print0(f"fsdp: {type(model).__name__}: {len(units)} units (dual-stream blocks)")
+    return _apply(model, units, mesh, mp_policy, sharding)
+
+
+RECIPES = {"UNet2DConditionModel": parallelize_unet, "FluxTransformer2DModel": parallelize_flux,
+           "QwenImageTransformer2DModel": parallelize_qwen_image}
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,

@@ -18,7 +18,7 @@ import fsdp_utils
 from families.pipelines import PIPELINES, SCRIPTS, folder_layout
 from parallel.execution_order import units_in_order
 from parallel.model_facts import MODELS
-from parallel.parallelize import parallelize, parallelize_flux, parallelize_unet
+from parallel.parallelize import RECIPES, parallelize, parallelize_flux, parallelize_qwen_image, parallelize_unet
 from precision import get_precision
 from tests.conftest import finish, run_ranks, start, tiny_flux, tiny_unet
 
@@ -61,6 +61,24 @@ def test_flux_units_are_the_double_then_the_single_blocks():
     facts = MODELS["FluxTransformer2DModel"].units
     assert units_in_order(model, facts) == [*model.transformer_blocks, *model.single_transformer_blocks]
     assert parallelize_flux(model, None, get_precision("fp32").mp_policy()) == units_in_order(model, facts)
+
+
+def test_qwen_image_units_are_its_dual_stream_blocks():
+    """QwenImageTransformer2DModel (tiny: 2 blocks, 32 wide): a unit per QwenImageTransformerBlock (its
+    _no_split_modules), in order; the generic path would pick the same, the recipe names them; LoRA's
+    defaults are diffusers' Qwen-Image example's, each naming layers of the model."""
+    from diffusers import QwenImageTransformer2DModel
+    from parallel import lora
+    model = QwenImageTransformer2DModel(num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                                        joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
+    facts = MODELS["QwenImageTransformer2DModel"]
+    assert list(facts.units) == model._no_split_modules and facts.attention_dispatcher
+    assert units_in_order(model, facts.units) == list(model.transformer_blocks)
+    assert RECIPES["QwenImageTransformer2DModel"] is parallelize_qwen_image
+    assert parallelize(model, None, get_precision("fp32").mp_policy(), verbose=False) == list(model.transformer_blocks)
+    names = {n for n, _ in model.named_modules()}
+    for target in lora.lora_targets(model, lora.Lora(4)):
+        assert any(n.endswith("." + target) for n in names), target
 
 
 def test_the_table_names_each_scripts_pipelines():

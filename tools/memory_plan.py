@@ -119,23 +119,41 @@ RUNTIME_BYTES = 1 * GIB
 # pipeline's entry in families.pipelines.PIPELINES says what it builds; kind picks the forward inputs.
 # A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
 LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
-# a layout planned for another script (Settings.script): {(subfolder, script): kind}. train_dmd.py
-# distils a FLUX Kontext folder with DMD2: its trained model in DMD2's three roles (pipeline_components)
-OTHER_SCRIPTS = {("transformer", "train_dmd.py"): "flux_kontext_dmd"}
+# a transformer/ folder whose model is not FLUX's: {transformer class: kind} (train_flux_kontext.py's too)
+TRANSFORMER_KINDS = {"QwenImageTransformer2DModel": "qwen_image_edit"}
+# a layout planned for another script (Settings.script): {(kind, script): kind}. train_dmd.py distils a
+# FLUX Kontext or Qwen-Image-Edit folder with DMD2: its trained model in DMD2's three roles (pipeline_components)
+OTHER_SCRIPTS = {("flux_kontext", "train_dmd.py"): "flux_kontext_dmd",
+                 ("qwen_image_edit", "train_dmd.py"): "qwen_image_edit_dmd"}
 # built-in names that plan a built-in configuration for another script: {name: (configuration, script)}
-BUILTIN_SCRIPTS = {"flux-kontext-dmd": ("flux-kontext-dev", "train_dmd.py")}
+BUILTIN_SCRIPTS = {"flux-kontext-dmd": ("flux-kontext-dev", "train_dmd.py"),
+                   "qwen-image-edit-dmd": ("qwen-image-edit", "train_dmd.py")}
 # DMD2 on a pipeline whose table entry trains one model: {kind: the kind whose pipeline and forward it has}
-DMD_KINDS = {"flux_kontext_dmd": "flux_kontext"}
+DMD_KINDS = {"flux_kontext_dmd": "flux_kontext", "qwen_image_edit_dmd": "qwen_image_edit"}
 # kinds whose frozen teacher BASE_DTYPE=nf4 (with LoRA) stores in NF4 like the LoRA bases: train_dmd.py's
-# FLUX teacher (its UNet teacher stays in TEACHER_DTYPE)
-NF4_TEACHER_KINDS = ("flux_kontext_dmd",)
+# transformer teachers (its UNet teacher stays in TEACHER_DTYPE)
+NF4_TEACHER_KINDS = ("flux_kontext_dmd", "qwen_image_edit_dmd")
 
 # components a kind holds in fp32 whatever the precision: train_dmd.py keeps SDXL's VAE in fp32 by
 # default (it overflows in fp16/bf16; the official DMD2 SDXL code does the same)
 FP32_COMPONENTS = {"sdxl": ("vae",)}
 
-# the resolution when none is given, for kinds without a UNet sample_size to take it from
+# the resolution when none is given, for kinds without a UNet sample_size to take it from; Qwen-Image-Edit's
+# pipeline works at a 1024^2 area (pipeline_qwenimage_edit_plus.py's VAE_IMAGE_SIZE)
 DEFAULT_RESOLUTION = 512
+NATIVE_RESOLUTION = {"qwen_image_edit": 1024}
+
+# Qwen-Image-Edit-2509's sequence, per sample: the target's tokens, then each reference image's at the training
+# resolution (the pipeline encodes references at its 1024^2 VAE_IMAGE_SIZE: the same tokens at 1024 px), all
+# 2x2-packed 16-channel latents (64-channel tokens) at the VAE's factor 8; the text stream is the Qwen2.5-VL
+# prompt's hidden states less the 64 system-prompt tokens the pipeline drops (prompt_template_encode_start_idx).
+# The prompt holds per reference "Picture i: <|vision_start|>", its image tokens and "<|vision_end|>" (~7
+# template tokens): the image, resized to the 384^2 CONDITION_IMAGE_SIZE, then by the Qwen2-VL processor to
+# multiples of 28 (14 px patches, 2x2 merged: 392^2), gives (392 / 28)^2 = 196 tokens; then the instruction
+# (planned at 64 tokens) and "<|im_end|>\n<|im_start|>assistant\n" (5).
+QWEN_REFERENCES = 2
+QWEN_CONDITION_TOKENS = (round(384 / 28) * 28 // 28) ** 2
+QWEN_TEXT_TOKENS = QWEN_REFERENCES * (QWEN_CONDITION_TOKENS + 7) + 64 + 5
 
 # LoRA adapters' storage dtype (hence their grads' and AdamW states'): parallel.lora.add_lora keeps them
 # in fp32 whatever the precision mode; Precision.adapter_mp_policy reduce-scatters their grads in fp32
@@ -250,16 +268,21 @@ def is_sdxl(folder: str) -> bool:
 
 
 def layout(folder: str, script: str = "") -> tuple[str, str]:
-    """(training script, kind) for a pipeline folder, by which trained model's subfolder it has;
-    `script`: plan it for that one (OTHER_SCRIPTS) instead of the layout's."""
+    """(training script, kind) for a pipeline folder, by which trained model's subfolder it has (and
+    for transformer/, which model: TRANSFORMER_KINDS); `script`: plan it for that one (OTHER_SCRIPTS)
+    instead of the layout's."""
     for sub, (default, kind) in LAYOUTS.items():
         if not os.path.isdir(os.path.join(folder, sub)):
             continue
+        if kind == "sd15" and is_sdxl(folder):
+            kind = "sdxl"
+        if sub == "transformer":
+            kind = TRANSFORMER_KINDS.get(_config(folder, sub).get("_class_name", ""), kind)
         if script and script != default:
-            if (sub, script) not in OTHER_SCRIPTS:
+            if (kind, script) not in OTHER_SCRIPTS:
                 raise SystemExit(f"plan: --script={script}: a {sub}/ folder is planned for {default} only")
-            return script, OTHER_SCRIPTS[sub, script]
-        return default, ("sdxl" if kind == "sd15" and is_sdxl(folder) else kind)
+            return script, OTHER_SCRIPTS[kind, script]
+        return default, kind
     raise SystemExit(f"plan: {folder}: neither an SD-1.5/SDXL layout (unet/) nor a FLUX layout (transformer/)")
 
 
@@ -269,7 +292,22 @@ def with_script(name: str, s: Settings) -> Settings:
 
 
 PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
-                    "flux_kontext": "FluxKontextPipeline"}
+                    "flux_kontext": "FluxKontextPipeline", "qwen_image_edit": "QwenImageEditPlusPipeline"}
+
+# a pipeline's parts where families.pipelines.PIPELINES has no entry for it yet (its entry wins): Qwen-Image-Edit's
+# transformer trained, its VAE replicated, its Qwen2.5-VL text encoder cached then freed before the transformer is
+# built (not resident at the training peak)
+_PLANNED_PIPELINES = {"QwenImageEditPlusPipeline": (
+    pipelines.Component("transformer", "transformer", "trainable", "QwenImageTransformer2DModel"),
+    pipelines.Component("vae", "vae", "replicated", "AutoencoderKLQwenImage"),
+    pipelines.Component("text_encoder", "text_encoder", "offline", "Qwen2_5_VLForConditionalGeneration"),
+    pipelines.Component("tokenizer", "tokenizer", "files"), pipelines.Component("processor", "processor", "files"),
+    pipelines.Component("scheduler", "scheduler", "files"))}
+
+
+def _pipeline(name: str) -> tuple:
+    """The table's components of a pipeline (families.pipelines.PIPELINES, else _PLANNED_PIPELINES)."""
+    return pipelines.PIPELINES.get(name) or _PLANNED_PIPELINES[name]
 
 
 def pipeline_components(kind: str) -> list:
@@ -278,20 +316,21 @@ def pipeline_components(kind: str) -> list:
     kind: the SD-1.5 entry's DMD2 roles (generator, fake score, teacher) of its pipeline's trained
     model, then that pipeline's other components."""
     if kind not in DMD_KINDS:
-        return [c for c in pipelines.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
-    pipeline, dmd = PIPELINE_OF_KIND[DMD_KINDS[kind]], PIPELINE_OF_KIND["sd15"]
-    trained, dmd_trained = pipelines.trained_component(pipeline), pipelines.trained_component(dmd)
+        return [c for c in _pipeline(PIPELINE_OF_KIND[kind]) if c.role != "files"]
+    pipeline, dmd = _pipeline(PIPELINE_OF_KIND[DMD_KINDS[kind]]), _pipeline(PIPELINE_OF_KIND["sd15"])
+    trained, dmd_trained = (next(c for c in p if c.role == "trainable") for p in (pipeline, dmd))
     roles = [dataclasses.replace(c, subfolder=trained.subfolder, class_name=trained.class_name)
-             for c in pipelines.PIPELINES[dmd] if c.subfolder == dmd_trained.subfolder]
-    return roles + [c for c in pipelines.PIPELINES[pipeline] if c != trained and c.role != "files"]
+             for c in dmd if c.subfolder == dmd_trained.subfolder]
+    return roles + [c for c in pipeline if c != trained and c.role != "files"]
 
 
 def native_resolution(folder: str, kind: str) -> int:
     """The side the script trains at by default: UNet sample_size x VAE factor (train_dmd.py's
-    RESOLUTION=0: 512 for SD-1.5, 1024 for SDXL); DEFAULT_RESOLUTION for FLUX."""
+    RESOLUTION=0: 512 for SD-1.5, 1024 for SDXL); NATIVE_RESOLUTION's for Qwen-Image-Edit (1024),
+    DEFAULT_RESOLUTION for FLUX."""
     size = _config(folder, "unet").get("sample_size") if kind in ("sd15", "sdxl") else None
     if not isinstance(size, int):
-        return DEFAULT_RESOLUTION
+        return NATIVE_RESOLUTION.get(DMD_KINDS.get(kind, kind), DEFAULT_RESOLUTION)
     return size * _folder_shapes(folder, kind)[0]
 
 
@@ -586,10 +625,15 @@ def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], chec
 
 def _folder_shapes(folder: str, kind: str) -> tuple[int, int]:
     """(pixels per latent, text tokens) as the scripts see them: the VAE's downsampling factor
-    (8 for the real models) and the tokenizer length (CLIP 77 / T5 512, capped at the tokenizer's
-    model_max_length when the folder has tokenizers, e.g. 32 for the tiny defaults)."""
+    (8 for the real models; AutoencoderKLQwenImage's is 2 ** its temporal downsamplings, as its
+    pipelines compute it) and the tokenizer length (CLIP 77 / T5 512, capped at the tokenizer's
+    model_max_length when the folder has tokenizers, e.g. 32 for the tiny defaults; Qwen-Image-Edit:
+    QWEN_TEXT_TOKENS, the prompt with its reference images, not padded to a length)."""
     with open(os.path.join(folder, "vae", "config.json")) as f:
-        factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+        vae = json.load(f)
+    if kind.startswith("qwen_image_edit"):
+        return 2 ** len(vae["temperal_downsample"]), QWEN_TEXT_TOKENS
+    factor = 2 ** (len(vae["block_out_channels"]) - 1)
     clip = kind in ("sd15", "sdxl")
     text = 77 if clip else 512
     tok = os.path.join(folder, "tokenizer" if clip else "tokenizer_2", "tokenizer_config.json")
@@ -612,7 +656,9 @@ def _pooled_dim(folder: str, unet_config) -> int:
 def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype: torch.dtype,
                  factor: int = 8, text: int | None = None, pooled: int | None = None) -> dict:
     """The trainable model's forward inputs on meta. SDXL: encoder_hidden_states (B, 77, 2048) and
-    added_cond_kwargs text_embeds (B, pooled) + time_ids (B, 6), as train_dmd.py passes them."""
+    added_cond_kwargs text_embeds (B, pooled) + time_ids (B, 6), as train_dmd.py passes them.
+    Qwen-Image-Edit: the target's and QWEN_REFERENCES references' tokens and their img_shapes, the
+    prompt's hidden states without a mask (the pipeline drops an all-ones one)."""
     cfg = model.config
     text = text or (77 if kind in ("sd15", "sdxl") else 512)
     with torch.device("meta"):
@@ -628,6 +674,13 @@ def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype
                 inputs["added_cond_kwargs"] = {"text_embeds": torch.empty(batch, pooled, dtype=dtype),
                                                "time_ids": torch.empty(batch, n_time, dtype=dtype)}
             return inputs
+        if kind == "qwen_image_edit":  # target + QWEN_REFERENCES references, each its own (frame, h, w) for RoPE
+            side = resolution // (2 * factor)
+            shapes = [(1, side, side)] * (1 + QWEN_REFERENCES)
+            return dict(hidden_states=torch.empty(batch, len(shapes) * side * side, cfg.in_channels, dtype=dtype,
+                                                  requires_grad=True),
+                        encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
+                        timestep=torch.empty(batch, dtype=dtype), img_shapes=[shapes] * batch, return_dict=False)
         tokens = _image_tokens(resolution, factor)  # target + context: VAE factor, 2x2 packing
         return dict(hidden_states=torch.empty(batch, tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
                     encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
