@@ -15,12 +15,14 @@ from precision import Precision
 
 def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(),
                       seed=0, base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights=""):
+                      frozen_dtype=None, weights="", prepare=None):
     """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> `recipe` (fully_shard
     per block, then the root) -> each rank loads its slices (load=False: allocate only, e.g. for the
     EMA copy that is then filled from the model); families/flux.py's build_transformer says what each
-    argument does."""
+    argument does; `prepare(model)` runs on the meta skeleton (what a meta build leaves unset)."""
     model = build_on_meta(model_class, folder)
+    if prepare is not None:
+        prepare(model)
     attention.set_backend(model, attention_backend)  # ATTENTION_BACKEND, checked at start
     shards = mesh.size() if mesh is not None else 1
     if not trainable:

@@ -59,7 +59,17 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
-                       compute=compute, frozen_dtype=frozen_dtype, weights=weights)
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, prepare=rope_on_host)
+
+
+def rope_on_host(model) -> None:
+    """QwenEmbedRope keeps its frequency tables as plain attributes made in __init__ (not buffers),
+    which a meta build leaves on meta: remake them on the host (they follow the inputs' device at
+    each call, transformer_qwenimage.py:239)."""
+    rope = model.pos_embed
+    with torch.device("cpu"):
+        fresh = type(rope)(theta=rope.theta, axes_dim=rope.axes_dim, scale_rope=rope.scale_rope)
+    rope.pos_freqs, rope.neg_freqs = fresh.pos_freqs, fresh.neg_freqs
 
 
 def load_vae(folder, dtype, device):
@@ -99,11 +109,14 @@ def encode_latents(vae, images: torch.Tensor) -> torch.Tensor:
 
 
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Normalised latents (B, C, h, w) -> images (B, 3, H, W) in [-1, 1], fp32 on CPU (:876-888)."""
-    mean, std = _mean_std(vae, latents.device)
-    z = (latents.float() * std + mean)[:, :, None]
+    """Normalised latents (B, C, h, w) -> images (B, 3, H, W) in [-1, 1], fp32 on CPU, by the
+    pipeline's own arithmetic (:876-888: cast to the VAE's dtype, / (1 / std) + mean)."""
+    dtype, c = next(vae.parameters()).dtype, vae.config.z_dim
+    z = latents[:, :, None].to(dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(z.device, z.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(z.device, z.dtype)
     with torch.no_grad():
-        return vae.decode(z.to(next(vae.parameters()).dtype), return_dict=False)[0][:, :, 0].float().cpu()
+        return vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0].float().cpu()
 
 
 def attention_shapes(model_path, text_length, shapes, vae_factor, batch):
@@ -157,17 +170,41 @@ def text_key(prompt, row) -> str:
     return "\n".join([prompt, *(_image_hash(c) for c in controls(row))])
 
 
+def load_processor(folder):
+    """The Qwen2VLProcessor of a processor/ folder. Its video processor needs torchvision (transformers
+    5); without torchvision: the same processor without the video processor (a subclass, so the
+    pipeline accepts it), which is all the Qwen-Image-Edit pipelines use (text and images)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers.utils import is_torchvision_available, logging
+
+    if is_torchvision_available():
+        return Qwen2VLProcessor.from_pretrained(folder)
+
+    class ImageTextQwen2VLProcessor(Qwen2VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # the fall back to the image processor's PIL twin warns
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+    finally:
+        logging.set_verbosity(level)
+    return ImageTextQwen2VLProcessor(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(folder))
+
+
 def load_text_encoder(model_path, dtype, device):
     """A QwenImageEditPlusPipeline holding only Qwen2.5-VL, its tokenizer and processor: its
     encode_prompt and image processor are the pipeline's own text path."""
     from diffusers import QwenImageEditPlusPipeline
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
     encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(model_path, "text_encoder"),
                                                                  dtype=dtype)
     return QwenImageEditPlusPipeline(
         scheduler=None, vae=None, transformer=None, text_encoder=encoder.to(device).eval(),
         tokenizer=Qwen2Tokenizer.from_pretrained(os.path.join(model_path, "tokenizer")),
-        processor=AutoProcessor.from_pretrained(os.path.join(model_path, "processor")))
+        processor=load_processor(os.path.join(model_path, "processor")))
 
 
 def condition_images(pipe, sources, area):
@@ -344,4 +381,4 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
             comb = neg + guidance * (pred - neg)
             pred = comb * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-    return decode_latents(vae, km.unpack_latents(latents.float(), h, w))[0]
+    return decode_latents(vae, km.unpack_latents(latents, h, w))[0]

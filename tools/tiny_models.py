@@ -345,24 +345,9 @@ def _write_qwen_processor(folder, tokenizer):
 
 
 def load_qwen_processor(folder):
-    """The Qwen2VLProcessor of `folder` (a processor/ subfolder). Its video processor needs torchvision
-    in transformers 5; without torchvision: the same processor with no video processor (a subclass, so
-    pipelines accept it), which is all the Qwen-Image-Edit pipelines use (text and images)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        return Qwen2VLProcessor.from_pretrained(folder)
-
-    class ImageTextQwen2VLProcessor(Qwen2VLProcessor):
-        @classmethod
-        def get_attributes(cls):
-            return ["image_processor", "tokenizer"]
-
-    # the torchvision image processor's PIL twin (transformers falls back to it, with a warning)
-    with _quiet_logs():
-        image_processor = AutoImageProcessor.from_pretrained(folder)
-    return ImageTextQwen2VLProcessor(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(folder))
+    """The family room's processor loader (families/qwen_image.load_processor)."""
+    from families.qwen_image import load_processor
+    return load_processor(folder)
 
 
 @contextlib.contextmanager

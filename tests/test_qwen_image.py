@@ -1,0 +1,244 @@
+"""The Qwen-Image-Edit room (families/qwen_image.py) and train_flux_kontext.py on it.
+
+Conditioning equals QwenImageEditPlusPipeline's own tensors (text with its reference images, the
+references' packed latents, img_shapes), the room's sampling loop equals the pipeline's output, and
+the script trains with several references per sample: 2 ranks equal 1, resume is bit-exact, samples
+with different numbers of references share a run, both exports load and sample with the pipeline,
+and the family's refusals stop in one line.
+
+The pipeline sizes references to module constants (1024^2 for the VAE, 384^2 for the text encoder);
+the tests set both to 64^2, and the script's REFERENCE_AREA / CONDITION_AREA to the same, so the
+tiny model runs in seconds. Reference images are made at exactly their calculate_dimensions size,
+where the pipeline's stretch and the script's resize-and-crop give the same pixels.
+
+    python -m pytest tests/test_qwen_image.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from families import qwen_image as qi
+from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics
+
+AREA = 64 * 64
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """The tiny Qwen-Image-Edit-2509 folder, a dataset mixing one and two references of two sizes."""
+    from tools import tiny_models
+    root = tmp_path_factory.mktemp("qwen")
+    cache = root / "cache"
+    model_path, data_dir = tiny_models.ensure_default("qwen_image_edit", cache)
+    rows = [json.loads(line) for line in open(os.path.join(data_dir, "data.jsonl"))]
+    for row in rows:  # paths absolute: the mixed dataset lives elsewhere
+        row["control"] = [os.path.join(data_dir, c) for c in row["control"]]
+        row["target"] = os.path.join(data_dir, row["target"])
+    wide = root / "wide"
+    wide.mkdir()
+    for i, row in enumerate(rows[:8]):
+        if i % 2:  # one reference: the shape alone (the prompt still names picture 2: the run does not care)
+            row["control"] = row["control"][:1]
+        elif i % 4 == 0:  # the swatch as a 32 x 128 strip: a reference of its own size
+            strip = Image.open(row["control"][1]).convert("RGB").resize((128, 32))
+            strip.save(wide / f"{i}.png")
+            row["control"][1] = str(wide / f"{i}.png")
+    data = root / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
+    common = [f"--model_path={model_path}", f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}",
+              "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
+              f"--reference_area={AREA}", f"--condition_area={AREA}", "--lr=1e-3", "--warmup_steps=0",
+              "--export_dtype=fp32", "--sample_steps=2", "--batch_size=1", "--seed=1"]
+    return {"root": root, "model": model_path, "rows": rows, "env": env, "common": common}
+
+
+@pytest.fixture()
+def small_areas(monkeypatch):
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", AREA)
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", AREA)
+
+
+def pipeline(folder):
+    from diffusers import QwenImageEditPlusPipeline
+    pipe = QwenImageEditPlusPipeline.from_pretrained(folder, processor=qi.load_processor(os.path.join(folder,
+                                                                                                      "processor")))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def capture_first_call(module):
+    """The keyword arguments of `module`'s first forward."""
+    seen = []
+    module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs) if not seen else None,
+                                     with_kwargs=True)
+    return seen
+
+
+def references(tmp_path):
+    """Two references at their own calculate_dimensions sizes for a 64^2 area: 64 x 64 and 32 x 128."""
+    g = np.random.default_rng(0)
+    paths = []
+    for name, (h, w) in (("a", (64, 64)), ("b", (32, 128))):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{name}.png")
+        paths.append(str(tmp_path / f"{name}.png"))
+    return paths
+
+
+def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas):
+    """Text embeddings (prompt + both images through Qwen2.5-VL), the references' packed latents and
+    img_shapes as the room builds them equal what the pipeline hands its transformer."""
+    from data.images import load_image
+    pipe = pipeline(qwen["model"])
+    paths = references(tmp_path)
+    row = {"controls": paths, "control": paths[0]}
+    settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
+    seen = capture_first_call(pipe.transformer)
+    pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64, num_inference_steps=1,
+         true_cfg_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    call = seen[0]
+
+    identity = qi.prepare_edit_text([("make it blue", row)], qwen["model"], str(tmp_path / "tc"), settings,
+                                    torch.float32, torch.device("cpu"))
+    embeds, mask = qi.load_text([("make it blue", row)], str(tmp_path / "tc"), identity, torch.device("cpu"))
+    assert mask is None and call["encoder_hidden_states_mask"] is None  # one prompt: nothing padded
+    assert torch.equal(embeds, call["encoder_hidden_states"])
+
+    sizes = qi.reference_sizes(None, row, settings)
+    assert sizes == ((64, 64), (32, 128))
+    refs = [qi.encode_latents(pipe.vae, load_image(p, *s)[None]) for p, s in zip(paths, sizes)]
+    target = torch.zeros(1, 16, 8, 8)
+    inputs = qi.model_inputs(target, refs, torch.zeros_like(target), torch.ones(1))
+    n = inputs["n_target_tokens"]
+    assert torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
+    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 2, 8)]]
+
+
+@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
+def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg):
+    """The room's sample (the grids' edits) equals the pipeline's output image for the same seed,
+    with and without true CFG against the negative prompt."""
+    from data.images import load_image
+    pipe = pipeline(qwen["model"])
+    paths = references(tmp_path)
+    row = {"controls": paths, "control": paths[0]}
+    negative = {"negative_prompt": qi.NEGATIVE_PROMPT} if true_cfg > 1 else {}
+    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+                  num_inference_steps=2, true_cfg_scale=true_cfg, generator=torch.Generator().manual_seed(3),
+                  output_type="pt", **negative).images[0]
+    settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
+    texts = [("make it blue", row), (qi.NEGATIVE_PROMPT, row)]
+    identity = qi.prepare_edit_text(texts, qwen["model"], str(tmp_path / "tc"), settings, torch.float32,
+                                    torch.device("cpu"))
+    text = qi.load_text(texts[:1], str(tmp_path / "tc"), identity, torch.device("cpu"))
+    neg = qi.load_text(texts[1:], str(tmp_path / "tc"), identity, torch.device("cpu"))
+    refs = [load_image(p, *s)[None] for p, s in zip(paths, qi.reference_sizes(None, row, settings))]
+    ours = qi.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, qi.text_row(text, 0), (64, 64), 2, true_cfg,
+                     torch.Generator().manual_seed(3), negative=qi.text_row(neg, 0))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
+def test_text_batches_pad_with_a_mask(qwen, tmp_path):
+    """Prompts of different lengths in one micro-batch: zeros after each one's end, and a mask that
+    says so; a row alone comes back unpadded, as the pipeline's batch of one."""
+    settings = {"CONDITION_AREA": AREA}
+    row = {"controls": references(tmp_path)[:1], "control": None}
+    texts = [("blue", row), ("make the large square in the middle a deep saturated blue", row)]
+    identity = qi.prepare_edit_text(texts, qwen["model"], str(tmp_path / "tc"), settings, torch.float32,
+                                    torch.device("cpu"))
+    embeds, mask = qi.load_text(texts, str(tmp_path / "tc"), identity, torch.device("cpu"))
+    short, long_ = int(mask[0].sum()), int(mask[1].sum())
+    assert short < long_ == embeds.shape[1] and not embeds[0, short:].any()
+    alone = qi.load_text(texts[:1], str(tmp_path / "tc"), identity, torch.device("cpu"))
+    assert torch.equal(qi.text_row((embeds, mask), 0)[0], alone[0])
+
+
+def test_text_cache_key_holds_the_images(tmp_path):
+    paths = references(tmp_path)
+    a, b = qi.text_key("p", {"controls": paths}), qi.text_key("p", {"controls": paths[::-1]})
+    assert a != b and a != qi.text_key("p", {"controls": paths[:1]}) and a == qi.text_key("p", {"controls": paths})
+
+
+@pytest.fixture(scope="module")
+def runs(qwen):
+    """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed, a LoRA run."""
+    root = qwen["root"]
+    common = qwen["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2"]
+    out = {k: root / k for k in ("two", "one", "stopped", "lora")}
+    jobs = {
+        "two": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['two']}"], ranks=2,
+                    env=qwen["env"]),
+        "one": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['one']}", "--grad_accum=2"],
+                    ranks=1, env=qwen["env"]),
+        "stopped": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}",
+                                                                        "--max_steps=2"], ranks=2, env=qwen["env"]),
+        "lora": dict(script="train_flux_kontext.py", args=qwen["common"] + [
+            f"--output_dir={out['lora']}", "--lora_rank=4", "--sample_every=0", "--val_every=0", "--save_every=0"],
+            ranks=2, env=qwen["env"]),
+    }
+    done = launch_all(jobs)
+    resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
+                     env=qwen["env"])
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_and_references_mix(runs):
+    """Samples with one and two references (and two reference sizes) train in one run, one shape
+    per global batch; 2 ranks give the numbers of 1 rank with GRAD_ACCUM=2."""
+    two, one = read_metrics(runs["out"]["two"], timing=False), read_metrics(runs["out"]["one"], timing=False)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5, abs=0)
+    a, b = read_checkpoint(runs["out"]["two"], STEPS), read_checkpoint(runs["out"]["one"], STEPS)
+    for k, v in a["model.transformer"].items():
+        torch.testing.assert_close(v, b["model.transformer"][k], rtol=1e-4, atol=1e-6)
+    assert os.path.exists(runs["out"]["two"] / "samples" / f"step_{STEPS:06d}.png")
+    assert any("val_loss" in r for r in two)
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(runs):
+    a, b = read_checkpoint(runs["out"]["two"], STEPS), read_checkpoint(runs["out"]["stopped"], STEPS)
+    for name in ("model.transformer", "model.ema"):
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert read_metrics(runs["out"]["two"])[-1]["loss"] == read_metrics(runs["out"]["stopped"])[-1]["loss"]
+
+
+@pytest.mark.slow
+def test_exports_load_and_sample_with_the_pipeline(qwen, runs, tmp_path, small_areas):
+    """The full export loads with from_pretrained and holds the trained (EMA) weights; the LoRA
+    export loads on the base with load_lora_weights and changes its edits."""
+    paths = references(tmp_path)
+    call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+                num_inference_steps=2, true_cfg_scale=1.0, output_type="np")
+    full = pipeline(str(runs["out"]["two"] / "export"))
+    ema = read_checkpoint(runs["out"]["two"], STEPS)["model.ema"]
+    exported = full.transformer.state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in ema.items() if k in exported)
+    assert np.isfinite(full(**call, generator=torch.Generator().manual_seed(0)).images).all()
+    base = pipeline(qwen["model"])
+    before = base(**call, generator=torch.Generator().manual_seed(0)).images
+    base.load_lora_weights(str(runs["out"]["lora"] / "export"))
+    after = base(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+
+
+@pytest.mark.slow
+def test_family_refusals_are_one_line(qwen, tmp_path):
+    jobs = {name: dict(script="train_flux_kontext.py", args=qwen["common"] + [f"--output_dir={tmp_path / name}",
+                                                                              flag], ranks=1, env=qwen["env"])
+            for name, flag in (("refs", "--max_references=4"), ("guidance", "--guidance=3.5"))}
+    done = launch_all(jobs, check=False)
+    expect = {"refs": "error: MAX_REFERENCES=4: QwenImageEditPlusPipeline takes at most 3",
+              "guidance": "error: GUIDANCE=3.5: Qwen-Image-Edit has no guidance embedding"}
+    for name, proc in done.items():
+        assert proc.returncode != 0
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(expect[name]), proc.stdout[-1500:]
