@@ -303,6 +303,16 @@ def test_ensure_default_concurrent_callers_build_once(tmp_path, monkeypatch):
     assert results[0][0].endswith(f"tiny_sd15_v{tiny_models.DEFAULTS_VERSION}/model")
 
 
+def test_ensure_default_qwen_image_edit(tmp_path):
+    model, data = tiny_models.ensure_default("qwen_image_edit", tmp_path)
+    index = json.loads(Path(model, "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline"
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    assert {"preprocessor_config.json", "tokenizer.json"} <= {p.name for p in Path(model, "processor").iterdir()}
+    rows = _rows(Path(data, "data.jsonl"))
+    assert len(rows) == 32 and all(Path(data, path).is_file() for row in rows for path in row["control"])
+
+
 def test_ensure_default_cache_dir_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_DIFFUSION_CACHE", str(tmp_path / "cache"))
     assert tiny_models.default_cache_dir() == tmp_path / "cache"

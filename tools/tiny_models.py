@@ -1,12 +1,13 @@
 """Tiny but real diffusers model folders with random weights, for tests and tools.
 
-They have the exact folder layout of SD-1.5 and FLUX.1 Kontext [dev], are written with
-`save_pretrained` (safetensors) and read back through the same `from_pretrained` path as real
-weights, so tests exercise the real loading code. Everything is built offline (no hub). The
-scripts' embedded defaults are not these: they are the trained tiny models shipped in `assets/`.
+They have the exact folder layout of SD-1.5, SDXL, FLUX.1 Kontext [dev] and Qwen-Image-Edit-2509,
+are written with `save_pretrained` (safetensors) and read back through the same `from_pretrained`
+path as real weights, so tests exercise the real loading code. Everything is built offline (no
+hub). The scripts' embedded defaults are not these: they are the trained tiny models shipped in
+`assets/`.
 
     python -m tools.tiny_models sd15        # build (or reuse) the default folders, print the paths
-    python -m tools.tiny_models flux_kontext
+    python -m tools.tiny_models flux_kontext qwen_image_edit
 
 The shapes, colours and captions of the synthetic datasets come from `tools/shapes.py` (the
 world the demos use too).
@@ -16,15 +17,24 @@ Cache convention: `ensure_default(kind)` builds once (`tools.build_once.build_on
 `model/` (the diffusers folder) and `data/` (the default dataset, always holding a `data.jsonl`).
 Bump `DEFAULTS_VERSION` whenever a tiny config changes, so stale caches are never reused.
 
-Tiny configs (both fp32, deterministic from `seed`):
+Tiny configs (all fp32, deterministic from `seed`):
 - sd15: 64x64 px images; VAE 4x down (3 blocks) -> 4x16x16 latents; UNet (32, 64) channels, so
   its mid block is 64x8x8 - the size SD-1.5's GAN head expects (conv s2 then conv s4 -> 1x1);
   CLIP text hidden 32, 32 tokens.
+- sdxl: sd15's sizes with SDXL's parts: two CLIP encoders (the second projected, 16), their hidden
+  states concatenated (64) for the UNet, which takes SDXL's text_time added conditions.
 - flux_kontext: 64x64 px images; VAE 8x down (4 blocks) -> 4x8x8 latents, packed 2x2 -> 16 tokens
   of 16 channels; transformer hidden 32 (2 double + 2 single blocks); CLIP hidden 32 (pooled),
   T5 d_model 32. Use `max_sequence_length=32` for T5 (the pipeline default pads to 512).
+- qwen_image_edit: VAE 8x down -> 16 latent channels (the real z_dim and latents_mean/std), packed
+  2x2 -> 64-channel tokens (64 px -> 16); transformer hidden 32 (2 blocks, 2 heads of 16); Qwen2.5-VL
+  text hidden 32 (2 layers), vision tower hidden 32 with the real patch 14, 2 frames, 2x2 merge;
+  a Qwen2 byte-level BPE trained here, Qwen's 22 added tokens after it. Its dataset has two
+  references per edit (64 px scene, 32 px colour swatch). The pipeline resizes every reference to
+  a 1024^2 area for the VAE (384^2 for the VL encoder): about 10 s a reference on 2 CPU cores.
+  Load the processor with `load_qwen_processor` where torchvision is missing.
 Scripts should derive sizes from the configs: vae_scale_factor = 2 ** (len(vae block_out_channels)
-- 1), default resolution = unet sample_size * vae_scale_factor.
+- 1) (Qwen: 2 ** len(vae temperal_downsample)), default resolution = unet sample_size * vae_scale_factor.
 """
 import contextlib
 import json
