@@ -59,7 +59,24 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
-                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, prepare=rope_on_host)
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, prepare=prepare)
+
+
+def prepare(model) -> None:
+    """What the meta skeleton needs before it is adapted and sharded: the RoPE tables on the host,
+    and the last block's text-stream output frozen."""
+    rope_on_host(model)
+    freeze_unused(model)
+
+
+def freeze_unused(model) -> None:
+    """The last block's text stream after attention (to_add_out, txt_mlp) feeds nothing: the model
+    returns the image stream only (transformer_qwenimage.py:979-983). They never get a grad, so they
+    are frozen: no optimizer state that exists in one run and not in its resume, no unused
+    parameter for DDP."""
+    last = model.transformer_blocks[-1]
+    last.attn.to_add_out.requires_grad_(False)
+    last.txt_mlp.requires_grad_(False)
 
 
 def rope_on_host(model) -> None:
