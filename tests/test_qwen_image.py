@@ -169,7 +169,8 @@ def test_text_cache_key_holds_the_images(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(qwen):
-    """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed, a LoRA run."""
+    """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed, a LoRA run on an NF4
+    base with activation checkpointing, cached latents (references of two sizes) and 8-bit AdamW."""
     root = qwen["root"]
     common = qwen["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2"]
     out = {k: root / k for k in ("two", "one", "stopped", "lora")}
@@ -181,7 +182,8 @@ def runs(qwen):
         "stopped": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}",
                                                                         "--max_steps=2"], ranks=2, env=qwen["env"]),
         "lora": dict(script="train_flux_kontext.py", args=qwen["common"] + [
-            f"--output_dir={out['lora']}", "--lora_rank=4", "--sample_every=0", "--val_every=0", "--save_every=0"],
+            f"--output_dir={out['lora']}", "--lora_rank=4", "--sample_every=0", "--val_every=0", "--save_every=0",
+            "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1", "--optimizer=adamw8bit"],
             ranks=2, env=qwen["env"]),
     }
     done = launch_all(jobs)
@@ -214,7 +216,7 @@ def test_resume_is_bit_exact(runs):
 @pytest.mark.slow
 def test_exports_load_and_sample_with_the_pipeline(qwen, runs, tmp_path, small_areas):
     """The full export loads with from_pretrained and holds the trained (EMA) weights; the LoRA
-    export loads on the base with load_lora_weights and changes its edits."""
+    export (trained on the NF4 base) loads on the base with load_lora_weights and changes its edits."""
     paths = references(tmp_path)
     call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
                 num_inference_steps=2, true_cfg_scale=1.0, output_type="np")
