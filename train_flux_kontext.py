@@ -1,11 +1,13 @@
-"""Full fine-tuning of FLUX.1 Kontext (image editing) with FSDP2, on pairs (context image, edited
-target image, instruction).
+"""LoRA or full fine-tuning of an image-editing model with FSDP2, on samples (reference image(s),
+edited target image, instruction): FLUX.1 Kontext (one context image) or Qwen-Image-Edit-2509 / 2511
+(one to three references), chosen by model_index.json through families.FAMILIES; the family's room
+(families/flux.py, families/qwen_image.py) holds its models, conditioning, latents and samples.
 
-The transformer (12 B for the real model) is the only trained part: it is built on the meta device,
-sharded per FluxTransformerBlock / FluxSingleTransformerBlock by the FLUX recipe
-(parallel/parallelize.py), and each rank loads only its slices of the weights. The VAE is frozen
-and replicated; the two text encoders (CLIP for the pooled vector, T5 for the token embeddings) run
-once before training to fill an on-disk embedding cache and are freed.
+The transformer (12 B for FLUX.1 Kontext, 20 B for Qwen-Image-Edit) is the only trained part: it is
+built on the meta device, sharded per block by its recipe (parallel/parallelize.py), and each rank
+loads only its slices of the weights. The VAE is frozen and replicated; the text encoders (FLUX: CLIP
+and T5; Qwen: Qwen2.5-VL, which also sees the reference images) run once before training to fill an
+on-disk embedding cache and are freed.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default: the shipped tiny Kontext base
     # (assets/kontext_base) fine-tuned on the shipped "make it blue" pairs (assets/kontext_blue)
