@@ -53,8 +53,10 @@ def velocity(model, cond: FluxCond, guidance: float):
     """v(x_σ, σ) of `model` under `cond`: x_σ are the packed target tokens (B, Nt, 4C); the context
     tokens are appended as fine-tuning appends them (flux_kontext.token_sequence) and the prediction
     cut back to the target's (as the pipeline does, pipeline_flux_kontext.py:1038, 1052)."""
+    ids = km.sequence_ids(cond.size, cond.size if cond.context is not None else None, cond.text.device)  # once
+
     def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        hidden, ids = km.token_sequence(x, cond.size, cond.context, cond.size)
+        hidden, _ = km.token_sequence(x, cond.size, cond.context, cond.size, ids=ids)
         out = km.transformer_forward(model, {"hidden_states": hidden, "img_ids": ids}, sigma, guidance,
                                      cond.text, cond.pooled)
         return out[:, :x.shape[1]].float()

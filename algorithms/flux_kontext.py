@@ -31,6 +31,7 @@ __all__ = [
     "latent_image_ids",
     "build_model_inputs",
     "token_sequence",
+    "sequence_ids",
     "sample_sigmas",
     "loss_weighting",
     "flow_matching_loss",
@@ -151,17 +152,27 @@ def token_sequence(
     target_size: tuple[int, int],
     context: torch.Tensor | None = None,
     context_size: tuple[int, int] | None = None,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The transformer's image sequence: packed target tokens (B, Nt, D), then the packed clean
     context tokens (B, Nc, D) cast to the target's dtype, and their position ids (Nt + Nc, 3):
     target (0, r, c), context (1, r, c). Sizes are the latents' (h, w). ``context`` None: the
-    target alone (text-to-image FLUX.1). Ids are made on the target's device.
+    target alone (text-to-image FLUX.1). ``ids``: sequence_ids made once by a caller that calls this
+    every step (made here on the target's device otherwise).
     """
-    ids = latent_image_ids(*target_size, 0, device=target.device)
+    if ids is None:
+        ids = sequence_ids(target_size, context_size if context is not None else None, target.device)
     if context is None:
         return target, ids
-    context_ids = latent_image_ids(*context_size, 1, device=target.device)
-    return torch.cat([target, context.to(target.dtype)], dim=1), torch.cat([ids, context_ids], dim=0)
+    return torch.cat([target, context.to(target.dtype)], dim=1), ids
+
+
+def sequence_ids(target_size: tuple[int, int], context_size: tuple[int, int] | None, device=None) -> torch.Tensor:
+    """token_sequence's position ids: the target's (0, r, c), then the context's (1, r, c) if any."""
+    ids = latent_image_ids(*target_size, 0, device=device)
+    if context_size is None:
+        return ids
+    return torch.cat([ids, latent_image_ids(*context_size, 1, device=device)], dim=0)
 
 
 def sample_sigmas(
