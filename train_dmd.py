@@ -72,6 +72,7 @@ from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws
 from data.sources import read_rows, source_kind
 from families import flux
 from families.pipelines import vae_scale_factor
+from families import qwen_image as qwen
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
@@ -110,8 +111,9 @@ WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (offi
 MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled and exported
 MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
+CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
-REAL_GUIDANCE_SCALE = 0.0  # teacher CFG scale in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1 (none)
+REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen 4
 FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
@@ -209,6 +211,8 @@ def validate_config() -> list[int]:
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
     if pipeline in flux.PIPELINES:
         check_flux_settings(pipeline)
+    if pipeline in qwen.PIPELINES:
+        check_qwen_settings(pipeline)
     try:
         steps = [int(t) for t in DENOISING_STEPS]
     except ValueError:
@@ -261,9 +265,9 @@ def resolve_defaults() -> dict:
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
-    if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG)
-        is_flux = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") in flux.PIPELINES
-        REAL_GUIDANCE_SCALE = 1.0 if is_flux else 1.75
+    if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG);
+        pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py")  # Qwen-Image-Edit's pipeline default
+        REAL_GUIDANCE_SCALE = 1.0 if pipeline in flux.PIPELINES else 4.0 if pipeline in qwen.PIPELINES else 1.75
     return script_constants(globals())
 
 
@@ -812,7 +816,183 @@ def export_note(run: trainer.Run, sigmas: list[float]) -> str:
     return f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})"
 
 
-_SETUPS = {unet: unet_setup, flux: flux_setup}  # by room (families.FAMILIES: model_index.json's _class_name)
+# ----------------------------------------------------------------------------------------------
+# Qwen-Image-Edit teachers: the flow-matching step on three Qwen-Image transformers, every reference
+# image read as fine-tuning reads it (families/qwen_image.py), the teacher's real score with true CFG
+
+
+def check_qwen_settings(pipeline: str) -> None:
+    """What a Qwen-Image-Edit teacher does not take, refused in one line before any work."""
+    refused = [
+        ("USE_GAN=1", USE_GAN, "the GAN head reads FLUX's double-stream features; not built for Qwen-Image yet"),
+        ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three Qwen-Image transformers are sharded (PARALLELISM=fsdp)"),
+        ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a generator from a checkpoint with INIT_FROM"),
+        ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN is off for Qwen-Image-Edit"),
+    ]
+    for name, bad, why in refused:
+        if bad:
+            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
+    if source_kind(DATA_PATH) == "txt":
+        raise ConfigError(f"DATA_PATH={DATA_PATH} holds prompts only; a {pipeline} teacher edits images: give rows "
+                          "with \"control\" image(s) and a \"prompt\" (.jsonl, folders or datasets)")
+
+
+def qwen_rows() -> tuple[list[dict], int, list[dict]]:
+    """(training rows, bad rows skipped, sample rows) with 1-3 references each; every row holds the
+    same number of references, as one micro-batch stacks them (fine-tuning groups them instead)."""
+    read = functools.partial(read_rows, roles=("control", "target", "prompt"), columns={"prompt": PROMPT_COLUMN},
+                             split=DATASET_SPLIT, max_references=qwen.MAX_REFERENCES)
+    rows, skipped = read(DATA_PATH, required=("control", "prompt"), skip_bad=SKIP_BAD_SAMPLES)
+    samples = (read(SAMPLE_PROMPTS, required=("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS")[0]
+               if SAMPLE_PROMPTS else rows)
+    counts = {len(qwen.controls(r)) for r in rows + samples}
+    if len(counts) > 1:
+        raise ConfigError(f"DATA_PATH={DATA_PATH}: rows hold {sorted(counts)} reference images; DMD2 stacks a "
+                          "micro-batch's references, so every row (and SAMPLE_PROMPTS row) needs the same number")
+    distinct = {(str(qwen.controls(r)), r["prompt"]): r for r in reversed(samples)}
+    return rows, skipped, list(reversed(distinct.values()))[:SAMPLE_COUNT]
+
+
+def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
+    """DMD2 with a Qwen-Image-Edit teacher: generator, fake score and teacher are Qwen-Image
+    transformers built by its room (families/qwen_image.py, as train_flux_kontext.py builds its one);
+    the text cache holds each prompt read with its reference images (and the negative prompt's, for
+    the teacher's true CFG at REAL_GUIDANCE_SCALE); every reference enters at the target's size
+    (RESOLUTION², square, so any micro-batch stacks) after the target's tokens; generator and fake
+    score at CFG 1. The step is algorithms/dmd2_flux.py's flow-matching step, in the same loop."""
+    d, room = run.d, qwen
+    sigmas = flux_dm.timestep_sigmas(timesteps)
+    factor = room.vae_factor(MODEL_PATH)
+    resolution = RESOLUTION or 1024
+    if resolution % (2 * factor):
+        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of {2 * factor} (VAE factor x 2x2 packing)")
+    side = resolution // factor
+    with open(os.path.join(MODEL_PATH, "vae", "config.json")) as f:
+        latent_shape = (json.load(f)["z_dim"], side, side)
+    rows, skipped, sample_rows = qwen_rows()
+    n_refs = len(room.controls(rows[0]))
+    print0(f"data: {len(rows)} rows with {n_refs} reference image(s) from {DATA_PATH}"
+           + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
+    shape = ((resolution, resolution), ((resolution, resolution),) * n_refs)
+    settings = {"CONDITION_AREA": CONDITION_AREA}
+    trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, [shape], BATCH_SIZE, 1),
+                            prec.compute_dtype)
+
+    # the text cache (the encoder loaded only where entries are missing, then freed), before the models
+    cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
+    cfg = REAL_GUIDANCE_SCALE > 1
+    texts = [(r["prompt"], r) for r in rows + sample_rows] + [("", r) for r in rows if CAPTION_DROPOUT > 0]
+    texts += [(room.NEGATIVE_PROMPT, r) for r in rows] if cfg else []
+    identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
+                                      d.device)
+
+    # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
+    mesh, _, sharding = trainer.mesh_and_sharding(run)
+    nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
+    fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
+    teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
+    build = functools.partial(room.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
+                              d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
+                              attention_backend=ATTENTION_BACKEND)
+    generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
+    fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
+    fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
+                 base_dtype=BASE_DTYPE if fake_lora else "")
+    teacher = build(load=True, trainable=False, frozen_dtype=teacher_dtype, base_dtype="nf4" if nf4 else "")
+    generator.train()
+    fake.train()
+    ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
+                                                                    base_dtype=BASE_DTYPE if run.lora else "",
+                                                                    sharding=sharding.never_backward()))
+    models = {"generator": generator, "fake": fake, **({"ema": ema} if ema is not None else {})}
+    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
+    vae = room.load_vae(os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
+    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
+    audit = [component_row(n, m, fake_compute if n == "fake" else prec.compute_dtype) for n, m in models.items()]
+    audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
+    tokens = side * side // 4
+    caption = (f"{resolution} px, {tokens} target + {n_refs} x {tokens} reference tokens, σ {sigmas}, "
+               f"teacher true CFG {REAL_GUIDANCE_SCALE:g}")
+    inputs = functools.partial(qwen_inputs, d=d, vae=vae, teacher=teacher, rows=rows, sample_rows=sample_rows,
+                               resolution=resolution, side=side, latent_shape=latent_shape, sigmas=sigmas,
+                               cache_dir=cache_dir, identity=identity, cfg=cfg)
+    note = (f"sampling the export: {run.pipeline}.from_pretrained(export)" if not run.lora else
+            f"sampling the export: {run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its "
+            "scheduler FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')")
+    note += f"; pipe(image=[...], prompt=..., num_inference_steps={len(sigmas)}, true_cfg_scale=1)"
+    return Setup(models, teacher, (generator, fake), fake, audit, caption, len(sigmas), skipped, inputs,
+                 room.distilled_scheduler(MODEL_PATH), note)
+
+
+def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identity: str, cfg: bool,
+                   d: fsdp_utils.Dist) -> list[dict]:
+    """Host side of iteration `it` on this rank: per micro-batch, this rank's positions, the cached
+    text of its prompts ("" where CAPTION_DROPOUT drops one; the negative prompt's for the teacher's
+    CFG) and its reference images at the target's size, on CPU."""
+    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
+    indices = global_batch_indices(it, global_batch, len(rows), SEED)
+    out = []
+    for m in range(GRAD_ACCUM):
+        mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
+        picked = [rows[indices[i]] for i in mine]
+        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
+        cpu = torch.device("cpu")
+        refs = [torch.stack([load_image(qwen.controls(r)[j], size, size) for r in picked])
+                for j in range(len(qwen.controls(picked[0])))]
+        out.append({"mine": mine, "text": qwen.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
+                    "negative": (qwen.load_text([(qwen.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity, cpu)
+                                 if cfg else None), "references": refs})
+    return out
+
+
+def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution, side, latent_shape, sigmas,
+                cache_dir, identity, cfg) -> tuple[StepFns, Callable, Callable]:
+    """The Qwen-Image-Edit family's step: fixed sample inputs (the sample rows' text and references,
+    noise of the whole σ list), batches (cached text, packed references, per-sample draws) and losses."""
+    text = qwen.load_text([(r["prompt"], r) for r in sample_rows], cache_dir, identity, d.device)
+    n_refs = len(qwen.controls(sample_rows[0]))
+    grey = torch.zeros(3, resolution, resolution)
+    tiles = [([load_image(c, resolution, resolution) for c in qwen.controls(r)],
+              load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
+    refs = [torch.stack([t[0][j] for t in tiles]).to(d.device) for j in range(n_refs)]
+    sample_cond = qwen.dmd_cond(text, None, vae, refs, (side, side))
+    g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
+    noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
+    sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
+    sample_sim = flux_dm.pack_steps(sim).to(d.device)
+
+    def sample(path):
+        with final_weights() as model:
+            qwen.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, tiles, side, path)
+
+    draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
+                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT))
+    losses = dm.Losses()
+
+    def to(text):  # (embeddings, mask or None) or None, onto the device
+        return None if text is None else (text[0].to(d.device), None if text[1] is None else text[1].to(d.device))
+
+    def batches(it, loaded):
+        out = []
+        for host in loaded:
+            mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
+            mb["cond"] = qwen.dmd_cond(to(host["text"]), to(host["negative"]), vae,
+                                       [r.to(d.device) for r in host["references"]], (side, side))
+            out.append(mb)
+        return out
+    steps = StepFns(
+        batches=batches,
+        images=lambda model, mb, index: flux_dm.generator_images(model, mb, sigmas, index, 1.0),
+        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, 1.0, losses,
+                                                                   teacher_guidance=REAL_GUIDANCE_SCALE),
+        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, 1.0, losses))
+    load = functools.partial(load_qwen_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
+                             cfg=cfg, d=d)
+    return steps, load, sample
+
+
+# by room (families.FAMILIES: model_index.json's _class_name)
+_SETUPS = {unet: unet_setup, flux: flux_setup, qwen: qwen_setup}
 
 
 # ----------------------------------------------------------------------------------------------

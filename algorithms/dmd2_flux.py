@@ -1,10 +1,11 @@
-"""DMD2's step for FLUX transformers (FLUX.1 Kontext, and FLUX.1 text-to-image without a context
-image), the flow-matching twin of algorithms/dmd2_unet.py: the same functions with the same shape,
-taking `guidance` where the UNet step takes its ᾱ table and CFG conditioning. The three
-transformers enter algorithms/dmd2.py's flow-matching math as velocity callables that hold the
-sample's conditioning, their input built by the function Kontext fine-tuning builds its input with
-(flux_kontext.token_sequence): [target tokens ; clean context tokens], ids (0, r, c) then (1, r, c),
-T5 embeddings + pooled CLIP vector, timestep = σ, the raw guidance value.
+"""DMD2's flow-matching step (FLUX.1 Kontext, FLUX.1 text-to-image, Qwen-Image-Edit), the twin of
+algorithms/dmd2_unet.py: the same functions with the same shape, taking `guidance` where the UNet
+step takes its ᾱ table and CFG conditioning. The three transformers enter algorithms/dmd2.py's
+flow-matching math as velocity callables that hold the sample's conditioning: each micro-batch's
+`cond` (FluxCond here, the Qwen room's QwenCond) says how its family's transformer reads x_σ, by the
+function its fine-tuning builds its input with. FLUX: flux_kontext.token_sequence, [target tokens ;
+clean context tokens], ids (0, r, c) then (1, r, c), T5 embeddings + pooled CLIP vector, timestep = σ,
+the raw guidance value.
 
 Guidance. FLUX.1 [dev] and Kontext [dev] are guidance-distilled: the guidance value is an input
 embedding, not a CFG pair of forwards. All three transformers get the same value (FLUX_GUIDANCE), as
@@ -48,6 +49,9 @@ class FluxCond:
     context: torch.Tensor | None  # (B, Nc, 4C) packed clean context latents (Kontext), None for text-to-image
     size: tuple[int, int]  # the target latent's (h, w); a context has the same size
 
+    def velocity(self, model, guidance: float):
+        return velocity(model, self, guidance)
+
 
 def velocity(model, cond: FluxCond, guidance: float):
     """v(x_σ, σ) of `model` under `cond`: x_σ are the packed target tokens (B, Nt, 4C); the context
@@ -67,7 +71,7 @@ def generator_images(generator, mb: dict, sigmas: list[float], index: int, guida
     """G's clean tokens x̂0 for this micro-batch: from pure noise at sigmas[0], or (few-step) from the
     input at sigmas[index] built by backward simulation without gradients (fresh noise per step, as
     inference with the exported stochastic scheduler does). Gradients as the caller's mode."""
-    v = velocity(generator, mb["cond"], guidance)
+    v = mb["cond"].velocity(generator, guidance)
     z = mb["noise"]
     if index > 0:
         z, _ = dm.fm_backward_simulation(v, z, sigmas, index, [mb["sim_noise"][:, i] for i in range(index)])
@@ -76,12 +80,15 @@ def generator_images(generator, mb: dict, sigmas: list[float], index: int, guida
 
 
 def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
-                   losses: Losses = Losses()) -> tuple[torch.Tensor, dict]:
+                   losses: Losses = Losses(), teacher_guidance: float | None = None) -> tuple[torch.Tensor, dict]:
     """loss_dm on G's tokens x: the per-sample normalised (teacher − fake) x̂0 direction at a σ drawn
-    in the DM range, teacher and fake at the same guidance value, no CFG pair (+ gen_cls_weight ·
-    loss_gen_cls)."""
-    grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], velocity(teacher, mb["cond"], guidance),
-                            velocity(fake, mb["cond"], guidance))
+    in the DM range (+ gen_cls_weight · loss_gen_cls). FLUX: teacher and fake at the same guidance
+    value, no CFG pair; a family whose teacher takes true CFG (Qwen-Image-Edit) passes its scale as
+    `teacher_guidance`, the fake staying at `guidance`."""
+    cond = mb["cond"]
+    grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"],
+                            cond.velocity(teacher, guidance if teacher_guidance is None else teacher_guidance),
+                            cond.velocity(fake, guidance))
     loss = dm.dm_loss(x, grad)
     logs = {"loss_dm": loss.detach()}
     if losses.head is None:
@@ -97,7 +104,7 @@ def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float,
     · loss_guidance_cls: the head on those tokens against the pairs' own targets, `mb["real"]`, under
     the same conditioning)."""
     x = x.detach()
-    loss = dm.fm_fake_score_loss(velocity(fake, mb["cond"], guidance), x, mb["fake_noise"], mb["fake_sigma"])
+    loss = dm.fm_fake_score_loss(mb["cond"].velocity(fake, guidance), x, mb["fake_noise"], mb["fake_sigma"])
     logs = {"loss_fake": loss.detach()}
     if losses.head is None:
         return loss, logs
@@ -142,7 +149,7 @@ def pack_steps(sim: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_tokens(generator, cond: FluxCond, noise: torch.Tensor, sim_noise: torch.Tensor, sigmas: list[float],
+def sample_tokens(generator, cond, noise: torch.Tensor, sim_noise: torch.Tensor, sigmas: list[float],
                   guidance: float) -> torch.Tensor:
     """Inference over the whole σ list (the exported stochastic scheduler's steps): packed noise
     (B, N, 4C) -> x̂0 tokens after the last step."""

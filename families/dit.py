@@ -1,8 +1,12 @@
 """What the flow-matching transformer rooms (families/flux.py, families/qwen_image.py) share: a
 transformer built on meta, adapted (LoRA, NF4 base), sharded by its recipe (parallel/parallelize.py)
-and loaded slice by slice, in every role the scripts hold one (trained, EMA copy, frozen teacher).
+and loaded slice by slice, in every role the scripts hold one (trained, EMA copy, frozen teacher);
+and the FlowMatchEulerDiscreteScheduler a distilled generator's export carries.
 """
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -46,3 +50,27 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
     return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
 
 
+# FlowMatchEulerDiscreteScheduler's settings that move its σ list away from the one passed (diffusers 0.42
+# set_timesteps: shift or resolution-dependent shift, stretch to a terminal σ, Karras / exponential / beta
+# respacing, 1 − σ), each at its neutral value; base_shift, max_shift, *_image_seq_len and time_shift_type
+# act only through use_dynamic_shifting
+NEUTRAL_SIGMAS = {"use_dynamic_shifting": False, "shift": 1.0, "shift_terminal": None, "use_karras_sigmas": False,
+                  "use_exponential_sigmas": False, "use_beta_sigmas": False, "invert_sigmas": False}
+
+
+def distilled_scheduler_config(config: dict) -> dict:
+    """The teacher's FlowMatchEulerDiscreteScheduler config made to sample the distilled generator:
+    every σ-bending setting neutral (NEUTRAL_SIGMAS: the σ list trained is the one the pipeline
+    passes, at any resolution), and stochastic sampling (x̂0 = x − σ·v, then re-noised to the next σ
+    with fresh noise: diffusers scheduling_flow_match_euler_discrete.py:515-518), the generator's
+    few-step inference."""
+    out = {k: v for k, v in config.items() if not k.startswith("_") or k == "_class_name"}
+    out.update(NEUTRAL_SIGMAS, stochastic_sampling=True)
+    return out
+
+
+def distilled_scheduler(model_path: str) -> dict:
+    """The scheduler config every export of the distilled generator carries (export/, export_merged/):
+    the teacher's made to sample the trained σ list (distilled_scheduler_config)."""
+    with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
+        return distilled_scheduler_config(json.load(f))

@@ -46,7 +46,8 @@ PIPELINES["QwenImageEditPlusPipeline"] = (
 PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-image: the same parts (DMD2 only)
 
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)
-    "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline"),
+    "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline",
+                     "QwenImageEditPlusPipeline"),
     "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline"),
 }
 

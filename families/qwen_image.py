@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +32,7 @@ from data.images import image_size, load_pil
 from data.references import PIPELINE_MULTIPLE, VAE_REFERENCE_AREA, VL_REFERENCE_AREA, reference_size
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
+from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
 from parallel import attention
 from parallel.lora import Lora
 from parallel.parallelize import parallelize
@@ -399,3 +401,81 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
             pred = comb * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
     return decode_latents(vae, km.unpack_latents(latents, h, w))[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 (train_dmd.py's qwen_setup): the conditioning algorithms/dmd2_flux.py's flow-matching step reads
+
+
+@dataclass
+class QwenCond:
+    """One micro-batch's conditioning, shared by generator, teacher and fake score: its text (and
+    the negative prompt's, read with the same images), the references' clean tokens and img_shapes,
+    as fine-tuning builds them (model_inputs, forward)."""
+    text: tuple  # (embeddings (B, T, D), mask or None)
+    negative: tuple | None  # the negative prompt's, for the teacher's true CFG; None: no CFG
+    references: list  # [(B, Nr, 64) packed clean reference latents]
+    size: tuple[int, int]  # the target latent's (h, w)
+    reference_sizes: list = field(default_factory=list)  # each reference latent's (h, w)
+
+    def velocity(self, model, guidance: float):
+        """v(x_σ, σ) of `model`: x_σ the packed target tokens (B, Nt, 64), the references appended
+        after them, the prediction cut back to the target's. guidance > 1 (the teacher): true CFG,
+        v_neg + s (v − v_neg), the pair in one batch of 2B. The pipeline's norm rescale of the
+        combination (:840-845) is an inference device, left out of the score, as DMD2's real score is
+        the plain CFG combination (tianweiy/DMD2 main/sd_guidance.py, compute_distribution_matching_loss)."""
+        h, w = self.size
+        shapes = [(1, h // 2, w // 2), *[(1, rh // 2, rw // 2) for rh, rw in self.reference_sizes]]
+
+        def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            hidden = torch.cat([x, *(r.to(x.dtype) for r in self.references)], dim=1)
+            b = x.shape[0]
+            sigma = torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b)
+            if guidance > 1 and self.negative is not None:
+                text = _pair(self.text, self.negative)
+                out = forward(model, {"hidden_states": torch.cat([hidden, hidden]), "img_shapes": [shapes] * 2 * b},
+                              torch.cat([sigma, sigma]), None, text)[:, :x.shape[1]].float()
+                cond, neg = out[:b], out[b:]
+                return neg + guidance * (cond - neg)
+            out = forward(model, {"hidden_states": hidden, "img_shapes": [shapes] * b}, sigma, None, self.text)
+            return out[:, :x.shape[1]].float()
+        return v
+
+
+def _pair(text, negative):
+    """[text ; negative] as one batch: padded to the longer, masked where padded."""
+    (a, ma), (b, mb) = text, negative
+    longest = max(a.shape[1], b.shape[1])
+
+    def padded(e, m):
+        mask = m if m is not None else torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
+        extra = longest - e.shape[1]
+        return (torch.nn.functional.pad(e, (0, 0, 0, extra)),
+                torch.nn.functional.pad(mask, (0, extra), value=False))
+    (ea, ma), (eb, mb) = padded(a, ma), padded(b, mb)
+    mask = torch.cat([ma, mb])
+    return torch.cat([ea, eb]), (None if bool(mask.all()) else mask)
+
+
+def dmd_cond(text, negative, vae, references: list, size) -> QwenCond:
+    """QwenCond of a micro-batch: references (B, 3, H, W) pixels per position, encoded and packed."""
+    tokens = [km.pack_latents(encode_latents(vae, r)) for r in references]
+    f = 2 ** len(vae.temperal_downsample)
+    return QwenCond(text, negative, tokens, size, [(r.shape[-2] // f, r.shape[-1] // f) for r in references])
+
+
+@torch.no_grad()
+def write_samples(model, vae, cond, noise, sim_noise, sigmas, tiles: list, side: int, path: str) -> None:
+    """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
+    grid: references | output | target per row (grey where a row has no target)."""
+    import fsdp_utils
+    from algorithms import dmd2_flux as flow_dm
+    from core.dist import rank
+    from data.images import save_image_grid
+    tokens = flow_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, 1.0)
+    fsdp_utils.reshard_all(model)
+    if rank() != 0:
+        return
+    out = decode_latents(vae, km.unpack_latents(tokens.float(), side, side)).clamp(-1, 1)
+    grid = [t for (refs, target), o in zip(tiles, out) for t in (*refs, o, target)]
+    save_image_grid(torch.stack(grid), path, nrow=len(tiles[0][0]) + 2)

@@ -15,6 +15,7 @@ where the pipeline's stretch and the script's resize-and-crop give the same pixe
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -244,3 +245,87 @@ def test_family_refusals_are_one_line(qwen, tmp_path):
         assert proc.returncode != 0
         errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and errors[0].startswith(expect[name]), proc.stdout[-1500:]
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 with a Qwen-Image-Edit teacher (train_dmd.py's qwen_setup)
+
+
+class _TextMean(torch.nn.Module):
+    """A stand-in transformer whose velocity is the text's masked mean times σ, broadcast over the
+    tokens: what the CFG pairing must keep apart per sample and per half."""
+    def forward(self, hidden_states, timestep, guidance, encoder_hidden_states, encoder_hidden_states_mask,
+                img_shapes, return_dict):
+        e = encoder_hidden_states
+        m = (torch.ones(e.shape[:2], dtype=torch.bool) if encoder_hidden_states_mask is None
+             else encoder_hidden_states_mask).float()
+        mean = (e * m[..., None]).sum(1) / m.sum(1, keepdim=True)
+        out = (mean[:, None, :1] * timestep[:, None, None]).expand(-1, hidden_states.shape[1], hidden_states.shape[2])
+        return (out.contiguous(),)
+
+
+def test_teacher_cfg_pairs_text_and_negative_per_sample():
+    """guidance > 1: v_neg + s (v - v_neg) per sample, the negative of another length padded and
+    masked away; guidance 1: the text alone."""
+    text = (torch.tensor([[[2.0], [4.0]], [[6.0], [0.0]]]), torch.tensor([[True, True], [True, False]]))
+    negative = (torch.tensor([[[1.0], [1.0], [1.0]], [[3.0], [3.0], [3.0]]]), None)
+    cond = qi.QwenCond(text, negative, [torch.zeros(2, 1, 4)], (2, 2), [(2, 2)])
+    x, sigma = torch.zeros(2, 1, 4), torch.tensor([1.0, 0.5])
+    v = cond.velocity(_TextMean(), 4.0)(x, sigma)
+    mean, neg = torch.tensor([3.0, 6.0]) * sigma, torch.tensor([1.0, 3.0]) * sigma
+    assert torch.equal(v[:, 0, 0], neg + 4.0 * (mean - neg))
+    assert torch.equal(cond.velocity(_TextMean(), 1.0)(x, sigma)[:, 0, 0], mean)
+
+
+@pytest.fixture(scope="module")
+def dmd_runs(qwen):
+    """DMD2 of the tiny Qwen-Image-Edit teacher, 4-step generator, two references per row: full (and
+    the same stopped at step 2 and resumed), and a LoRA generator and fake score on an NF4 teacher."""
+    root = qwen["root"]
+    data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
+    common = [f"--model_path={qwen['model']}", f"--data_path={data}", f"--text_cache_dir={root / 'dmd_text_cache'}",
+              "--precision=fp32", "--resolution=64", f"--condition_area={AREA}", "--max_steps=4", "--log_every=1",
+              "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
+              "--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--export_dtype=fp32"]
+    out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora")}
+    job = functools.partial(dict, script="train_dmd.py", ranks=2, env=qwen["env"])
+    done = launch_all({
+        "full": job(args=common + [f"--output_dir={out['full']}"]),
+        "stopped": job(args=common + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
+        "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
+                                   "--base_dtype=nf4", "--save_every=0"])})
+    launch("train_dmd.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_dmd_runs_resume_bit_exact_and_log_the_teacher_cfg(dmd_runs):
+    a, b = read_checkpoint(dmd_runs["out"]["full"], 4), read_checkpoint(dmd_runs["out"]["stopped"], 4)
+    for name in ("model.generator", "model.fake", "model.ema"):
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert read_metrics(dmd_runs["out"]["full"], timing=False)[-1] == read_metrics(dmd_runs["out"]["stopped"],
+                                                                                 timing=False)[-1]
+    assert "teacher true CFG 4" in dmd_runs["logs"]["full"]
+    assert os.path.exists(dmd_runs["out"]["full"] / "samples" / "step_000004.png")
+
+
+@pytest.mark.slow
+def test_dmd_exports_sample_the_trained_sigmas(qwen, dmd_runs, tmp_path, small_areas):
+    """Both exports (the full pipeline folder; the LoRA on the base with the scheduler beside it)
+    sample in 4 steps at the trained σ list [1, .75, .5, .25] whatever the image size."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    paths = references(tmp_path)
+    call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+                num_inference_steps=4, true_cfg_scale=1.0, output_type="np")
+    full = pipeline(str(dmd_runs["out"]["full"] / "export"))
+    lora = pipeline(qwen["model"])
+    lora.load_lora_weights(str(dmd_runs["out"]["lora"] / "export"))
+    lora.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(dmd_runs["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    for pipe in (full, lora):
+        seen = []
+        pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                                   with_kwargs=True)
+        images = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+        assert np.isfinite(images).all()
+        assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25], abs=1e-6)
