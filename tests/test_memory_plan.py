@@ -1022,3 +1022,55 @@ def test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu(tmp_path):
     assert copies - stats[0] // 2 <= planned - got["saved"] <= copies + stats[0] // 2
     print(f"\nQwen width, 2 blocks, LoRA r16, 2 ranks: saved {got['saved']} bytes, planned {planned}, "
           f"measured / planned {got['saved'] / planned:.4f}")
+
+
+QWEN_1024 = dict(resolution=1024, reshard_after_forward=None)  # the scripts' auto resharding
+QWEN_FINE_TUNE_ROWS = [  # (label, settings, GPU memory in GB): docs/planner.md's Qwen-Image-Edit fine-tuning table
+    ("LoRA r16, NF4 base", dict(world_size=1, lora_rank=16, base_dtype="nf4"), 24),
+    ("LoRA r64, NF4 base", dict(world_size=1, lora_rank=64, base_dtype="nf4"), 24),
+    ("LoRA r16, bf16 base", dict(world_size=1, lora_rank=16), 80),
+    ("LoRA r64, bf16 base", dict(world_size=1, lora_rank=64), 80),
+    ("full fine-tune", dict(world_size=8), 80),
+]
+QWEN_DMD = dict(world_size=8, resolution=1024, activation_checkpointing=True, fake_score_fp32=False)
+QWEN_DMD_LORA = dict(QWEN_DMD, lora_rank=64, lora_alpha=8, fake_lora=True, base_dtype="nf4")
+QWEN_DMD_ROWS = [  # as DMD_DOC_ROWS, for qwen-image-edit-dmd
+    ("(a) full generator + full fake score (bf16-mixed), bf16 teacher, AC", QWEN_DMD, 80),
+    ("(a) with bf16 states (`--precision=bf16`)", dict(QWEN_DMD, precision="bf16"), 80),
+    ("(a) + CPU offload", dict(QWEN_DMD, cpu_offload=True), 24),
+    ("(b) LoRA r64 generator + fake score, NF4 bases and teacher, AC", QWEN_DMD_LORA, 24),
+    ("(b) with bf16 bases and teacher (`--base_dtype=`)", dict(QWEN_DMD_LORA, base_dtype=""), 24),
+]
+
+
+def _qwen_fine_tune_row(label: str, over: dict, gb: int, planner) -> str:
+    """A row of docs/planner.md's Qwen-Image-Edit fine-tuning table: the transformer's weights (LoRA: the
+    frozen base; full: the fp32 master shard), what training adds (grads and AdamW; LoRA: with the adapters),
+    units in flight, activations without (with) AC, the total as is, and the cheapest settings that fit."""
+    s = Settings(**QWEN_1024, **over)
+    p = planner("qwen-image-edit", s)
+    ac = planner("qwen-image-edit", dataclasses.replace(s, activation_checkpointing=True))
+    rows = p["rows"]
+    trained = sum(r[k] for n, r in rows.items() if n.startswith("transformer") for k in ("grads", "optim")) + \
+        rows.get("transformer.lora", {}).get("params", 0)
+    fit = memory_plan.cheapest_fit("qwen-image-edit", s, gb * GIB, planner)
+    cheapest = "does not fit" if fit is None else \
+        f"{memory_plan._setting_name(fit[0], s.precision)} ({fit[1]['gpu_total'] / GIB:.2f})"
+    cells = [rows["transformer"]["params"], trained, p["gathered"]]
+    return (f"| {label} | {s.world_size} x {gb} GB | " + " | ".join(f"{c / GIB:.2f}" for c in cells)
+            + f" | {p['activations'] / GIB:.2f} ({ac['activations'] / GIB:.2f}) | {p['gpu_total'] / GIB:.2f} | "
+            + f"{cheapest} |")
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: 20 B meta models at 1024 px with 2 references, LoRA and full, DMD2
+def test_docs_carry_the_qwen_image_edit_rows():
+    docs = open(f"{ROOT}/docs/planner.md").read()
+    planner = memory_plan.memo_planner()
+    for label, over, gb in QWEN_FINE_TUNE_ROWS:
+        row = _qwen_fine_tune_row(label, over, gb, planner)
+        assert row in docs, row
+    for label, over, gb in QWEN_DMD_ROWS:
+        p = planner("qwen-image-edit-dmd", Settings(**over))
+        assert (p["kind"], p["settings"].resolution) == ("qwen_image_edit_dmd", 1024)
+        row = _doc_row(label, p, gb)
+        assert row in docs, row
