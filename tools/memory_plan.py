@@ -16,7 +16,7 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
     python tools/memory_plan.py --cp_table --model=flux-kontext-dev   # which CP fits 1024 / 2048 px on 24 / 80 GB
     python tools/memory_plan.py --model=flux-kontext-dmd --world_size=8 --resolution=1024 \\
         --activation_checkpointing=1 --fake_score_fp32=0 --gpu_memory_gb=80   # DMD2 with a FLUX Kontext teacher
-    python tools/memory_plan.py --model=qwen-image-edit --world_size=1 --lora_rank=16 --base_dtype=nf4 \
+    python tools/memory_plan.py --model=qwen-image-edit --world_size=1 --lora_rank=16 --base_dtype=nf4 \\
         --gpu_memory_gb=24   # Qwen-Image-Edit-2509 LoRA on an NF4 base, 1024 px, target + 2 references
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
@@ -159,7 +159,7 @@ NATIVE_RESOLUTION = {"qwen_image_edit": 1024}
 # multiples of 28 (14 px patches, 2x2 merged: 392^2), gives (392 / 28)^2 = 196 tokens; then the instruction
 # (planned at 64 tokens) and "<|im_end|>\n<|im_start|>assistant\n" (5).
 QWEN_REFERENCES = 2
-QWEN_CONDITION_TOKENS = (round(384 / 28) * 28 // 28) ** 2
+QWEN_CONDITION_TOKENS = round(384 / 28) ** 2  # 14 x 14 merged 28 px cells
 QWEN_TEXT_TOKENS = QWEN_REFERENCES * (QWEN_CONDITION_TOKENS + 7) + 64 + 5
 
 # LoRA adapters' storage dtype (hence their grads' and AdamW states'): parallel.lora.add_lora keeps them
