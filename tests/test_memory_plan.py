@@ -870,3 +870,214 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
     with pytest.raises(SystemExit, match=r"^plan: --script=train_flux_kontext.py: a unet/ folder is planned for "
                                          r"train_dmd.py only$"):
         memory_plan.plan("sd15-dmd", Settings(**SMALL, script="train_flux_kontext.py"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): train_flux_kontext.py's and train_dmd.py's third family
+
+QWEN_PARAMS = 20_430_401_088  # REFERENCE: Qwen/Qwen-Image-Edit-2509 transformer (60 dual-stream blocks, 3072 wide)
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: a 20 B and an 8 B meta model, then three 20 B ones for DMD2
+def test_qwen_image_edit_plans_the_2509_transformer():
+    p = memory_plan.plan("qwen-image-edit", Settings(world_size=8, resolution=256))
+    assert (p["script"], p["kind"]) == ("train_flux_kontext.py", "qwen_image_edit")
+    assert list(p["rows"]) == ["transformer", "vae", "text_encoder"]
+    row = p["rows"]["transformer"]
+    assert row["count"] == QWEN_PARAMS and abs(row["local_count"] / (QWEN_PARAMS / 8) - 1) < 1e-3  # dim-0 padding
+    units = p["units"]["transformer"]
+    assert [n for n, _ in units] == [f"transformer_blocks.{i}" for i in range(60)] + ["<root>"]
+    assert p["rows"]["text_encoder"]["params"] == 0  # Qwen2.5-VL: its embeddings cached, then freed
+    assert p["rows"]["vae"]["note"] == "replicated"
+    # the native resolution is the pipeline's 1024^2 area; the DMD2 name plans the same transformer in 3 roles
+    assert memory_plan.native_resolution(memory_plan.model_folder("qwen-image-edit"), "qwen_image_edit") == 1024
+    dmd = memory_plan.plan("qwen-image-edit-dmd", Settings(world_size=8, resolution=256, fake_score_fp32=False))
+    assert (dmd["script"], dmd["kind"]) == ("train_dmd.py", "qwen_image_edit_dmd")
+    assert list(dmd["rows"]) == ["generator", "fake_score", "teacher", "vae", "text_encoder"]
+    assert dmd["units"]["teacher"] == units and dmd["activations"] == p["activations"]
+
+
+def test_qwen_sequence_is_the_target_two_references_and_the_vl_prompt():
+    """At 1024 px: 3 x (1024 / 16)^2 = 12 288 image tokens (target + 2 references, 2x2-packed 16-channel
+    latents, 64 channels), each image its own RoPE frame; the text stream: 2 x (196 image + 7 template)
+    tokens of the references at 384^2 (392^2 in 28 px cells) + 64 instruction + 5 closing tokens."""
+    folder = memory_plan.model_folder("qwen-image-edit")
+    assert memory_plan._folder_shapes(folder, "qwen_image_edit") == (8, 2 * (196 + 7) + 64 + 5)
+    model = memory_plan.meta_model(f"{folder}/transformer")
+    x = memory_plan._meta_inputs("qwen_image_edit", model, 1, 1024, torch.bfloat16, 8, 475)
+    assert tuple(x["hidden_states"].shape) == (1, 3 * 64 * 64, 64)
+    assert tuple(x["encoder_hidden_states"].shape) == (1, 475, 3584)
+    assert x["img_shapes"] == [[(1, 64, 64)] * 3]
+    # context parallelism is planned for FLUX Kontext only: one line, before any model is built
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is planned for FLUX "
+                                         r"Kontext only; qwen-image-edit is qwen_image_edit$"):
+        memory_plan.check_context_parallel(folder, Settings(world_size=2, context_parallel=2))
+
+
+QWEN_WIDTH_BLOCKS, QWEN_WIDTH_RES, QWEN_WIDTH_TEXT = 2, 64, 16  # 3 x (64 / 16)^2 = 48 image + 16 text tokens
+
+
+def _qwen_width_folder(tmp_path) -> str:
+    """The built-in qwen-image-edit configs with QWEN_WIDTH_BLOCKS blocks: real width (3072, 24 heads,
+    3584-wide text), ~0.7 B parameters."""
+    import json
+    import shutil
+    folder = tmp_path / "qwen_width"
+    shutil.copytree(memory_plan.model_folder("qwen-image-edit"), folder)
+    cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, "num_layers": QWEN_WIDTH_BLOCKS}))
+    return str(folder)
+
+
+def _qwen_width_rank(rank, world, folder, out):
+    """One rank of a LoRA r16 fine-tune step at Qwen width as the scripts build it: meta model in bf16,
+    adapters, the Qwen recipe (fully_shard per block, then the root) on the 2-rank gloo mesh, weights
+    materialised on CPU (random, tiled from one draw: the values do not matter here), a forward whose
+    saved tensors are counted once per storage (the gathered parameters excluded), backward, an AdamW
+    step over the adapters. Rank 0 writes its bytes."""
+    import json
+
+    import fsdp_utils
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+    from parallel.parallelize import parallelize
+    from precision import get_precision
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    with torch.device("meta"):
+        lora.add_lora(model, lora.Lora(16))
+        x = memory_plan._meta_inputs("qwen_image_edit", model, 1, QWEN_WIDTH_RES, torch.bfloat16, 8, QWEN_WIDTH_TEXT)
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    # kept gathered from forward to backward: neither the shards nor the saves depend on it, and it spares
+    # backward's re-gather over gloo (~4 s per 0.68 GB block on 2 CPU ranks)
+    parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
+                fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
+    model.to_empty(device="cpu")
+    pool = torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)) * 0.02
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.to_local().view(-1)
+            for i in range(0, flat.numel(), pool.numel()):
+                flat[i:i + pool.numel()].copy_(pool[:flat.numel() - i])
+    # QwenEmbedRope keeps its frequencies in plain attributes, not buffers: a meta build leaves them on meta
+    model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
+    x = {k: torch.randn(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in x.items()}
+
+    def storage(t):
+        return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+    saved = {}
+
+    def pack(t):  # FSDP2 registers a unit's gathered parameters while it runs: those are weights, not saves
+        ptr = storage(t)
+        if ptr not in saved and ptr not in {storage(p) for p in model.parameters()}:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(**x)[0]
+    y.square().mean().backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4)
+    opt.step()
+
+    def local_bytes(ts):
+        return sum(t.to_local().numel() * t.to_local().element_size() for t in ts)
+    got = dict(base=local_bytes(p for p in model.parameters() if not p.requires_grad), adapters=local_bytes(trained),
+               grads=local_bytes(p.grad for p in trained),
+               optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
+               saved=sum(saved.values()))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+@pytest.mark.slow  # launches 2 ranks, each with a 0.7 B model materialised on CPU
+def test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu(tmp_path):
+    """The planner on Qwen-Image-Edit at real width (2 blocks, LoRA r16 on the default targets, bf16-mixed,
+    world size 2) against a rank of the same run on 2 CPU ranks with gloo: the base's and the adapters'
+    shards, the adapter grads and AdamW's two moments exactly; the activations as autograd saves them
+    within the planner's known terms: meta keeps the norms' statistics in fp32 (CUDA's dtype; CPU's is
+    bf16) and copies the joint attention output (tokens x 3072 per block) where the kernels' layout
+    gives a view, so it never counts less, and more by at most those."""
+    import json
+
+    from tests.conftest import run_ranks
+    folder = _qwen_width_folder(tmp_path)
+    p = memory_plan.plan(folder, Settings(world_size=2, resolution=QWEN_WIDTH_RES, lora_rank=16))
+    rows = p["rows"]
+    names = tuple(n for n, _ in p["units"]["transformer"][:-1])
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    with torch.device("meta"):
+        lora.add_lora(model, lora.Lora(16))
+    model.to(torch.bfloat16)
+    with torch.device("meta"):
+        x = memory_plan._meta_inputs("qwen_image_edit", model, 1, QWEN_WIDTH_RES, torch.bfloat16, 8, QWEN_WIDTH_TEXT)
+    x["hidden_states"].requires_grad_(False)
+    planned = memory_plan._activations(folder, "transformer", "qwen_image_edit", names, torch.bfloat16, 1,
+                                       QWEN_WIDTH_RES, lora.Lora(16), QWEN_WIDTH_TEXT).total(False)
+    stats = [0]
+
+    def count_stats(t):  # the (..., 1) norm statistics meta saves in fp32
+        if t.dim() > 1 and t.shape[-1] == 1:
+            stats[0] += t.numel() * t.element_size()
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
+        model(**x)
+    run_ranks(_qwen_width_rank, 2, folder, str(tmp_path / "got.json"))
+    got = json.loads((tmp_path / "got.json").read_text())
+    assert got["base"] == rows["transformer"]["params"]
+    assert (got["adapters"], got["grads"], got["optim"]) == tuple(rows["transformer.lora"][k] for k in
+                                                                  ("params", "grads", "optim"))
+    copies = QWEN_WIDTH_BLOCKS * (3 * (QWEN_WIDTH_RES // 16) ** 2 + QWEN_WIDTH_TEXT) * 3072 * 2
+    assert copies - stats[0] // 2 <= planned - got["saved"] <= copies + stats[0] // 2
+    print(f"\nQwen width, 2 blocks, LoRA r16, 2 ranks: saved {got['saved']} bytes, planned {planned}, "
+          f"measured / planned {got['saved'] / planned:.4f}")
+
+
+QWEN_1024 = dict(resolution=1024, reshard_after_forward=None)  # the scripts' auto resharding
+QWEN_FINE_TUNE_ROWS = [  # (label, settings, GPU memory in GB): docs/planner.md's Qwen-Image-Edit fine-tuning table
+    ("LoRA r16, NF4 base", dict(world_size=1, lora_rank=16, base_dtype="nf4"), 24),
+    ("LoRA r64, NF4 base", dict(world_size=1, lora_rank=64, base_dtype="nf4"), 24),
+    ("LoRA r16, bf16 base", dict(world_size=1, lora_rank=16), 80),
+    ("LoRA r64, bf16 base", dict(world_size=1, lora_rank=64), 80),
+    ("full fine-tune", dict(world_size=8), 80),
+]
+QWEN_DMD = dict(world_size=8, resolution=1024, activation_checkpointing=True, fake_score_fp32=False)
+QWEN_DMD_LORA = dict(QWEN_DMD, lora_rank=64, lora_alpha=8, fake_lora=True, base_dtype="nf4")
+QWEN_DMD_ROWS = [  # as DMD_DOC_ROWS, for qwen-image-edit-dmd
+    ("(a) full generator + full fake score (bf16-mixed), bf16 teacher, AC", QWEN_DMD, 80),
+    ("(a) with bf16 states (`--precision=bf16`)", dict(QWEN_DMD, precision="bf16"), 80),
+    ("(a) + CPU offload", dict(QWEN_DMD, cpu_offload=True), 24),
+    ("(b) LoRA r64 generator + fake score, NF4 bases and teacher, AC", QWEN_DMD_LORA, 24),
+    ("(b) with bf16 bases and teacher (`--base_dtype=`)", dict(QWEN_DMD_LORA, base_dtype=""), 24),
+]
+
+
+def _qwen_fine_tune_row(label: str, over: dict, gb: int, planner) -> str:
+    """A row of docs/planner.md's Qwen-Image-Edit fine-tuning table: the transformer's weights (LoRA: the
+    frozen base; full: the fp32 master shard), what training adds (grads and AdamW; LoRA: with the adapters),
+    units in flight, activations without (with) AC, the total as is, and the cheapest settings that fit."""
+    s = Settings(**QWEN_1024, **over)
+    p = planner("qwen-image-edit", s)
+    ac = planner("qwen-image-edit", dataclasses.replace(s, activation_checkpointing=True))
+    rows = p["rows"]
+    trained = sum(r[k] for n, r in rows.items() if n.startswith("transformer") for k in ("grads", "optim")) + \
+        rows.get("transformer.lora", {}).get("params", 0)
+    fit = memory_plan.cheapest_fit("qwen-image-edit", s, gb * GIB, planner)
+    cheapest = "does not fit" if fit is None else \
+        f"{memory_plan._setting_name(fit[0], s.precision)} ({fit[1]['gpu_total'] / GIB:.2f})"
+    cells = [rows["transformer"]["params"], trained, p["gathered"]]
+    return (f"| {label} | {s.world_size} x {gb} GB | " + " | ".join(f"{c / GIB:.2f}" for c in cells)
+            + f" | {p['activations'] / GIB:.2f} ({ac['activations'] / GIB:.2f}) | {p['gpu_total'] / GIB:.2f} | "
+            + f"{cheapest} |")
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: 20 B meta models at 1024 px with 2 references, LoRA and full, DMD2
+def test_docs_carry_the_qwen_image_edit_rows():
+    docs = open(f"{ROOT}/docs/planner.md").read()
+    planner = memory_plan.memo_planner()
+    for label, over, gb in QWEN_FINE_TUNE_ROWS:
+        row = _qwen_fine_tune_row(label, over, gb, planner)
+        assert row in docs, row
+    for label, over, gb in QWEN_DMD_ROWS:
+        p = planner("qwen-image-edit-dmd", Settings(**over))
+        assert (p["kind"], p["settings"].resolution) == ("qwen_image_edit_dmd", 1024)
+        row = _doc_row(label, p, gb)
+        assert row in docs, row

@@ -16,13 +16,20 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
     python tools/memory_plan.py --cp_table --model=flux-kontext-dev   # which CP fits 1024 / 2048 px on 24 / 80 GB
     python tools/memory_plan.py --model=flux-kontext-dmd --world_size=8 --resolution=1024 \\
         --activation_checkpointing=1 --fake_score_fp32=0 --gpu_memory_gb=80   # DMD2 with a FLUX Kontext teacher
+    python tools/memory_plan.py --model=qwen-image-edit --world_size=1 --lora_rank=16 --base_dtype=nf4 \\
+        --gpu_memory_gb=24   # Qwen-Image-Edit-2509 LoRA on an NF4 base, 1024 px, target + 2 references
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
 transformer/ -> train_flux_kontext.py's, or with --script=train_dmd.py DMD2's; the built-in
-flux-kontext-dmd is flux-kontext-dev so planned). Optional components of the table (SDXL's
-text_encoder_2) are counted when the folder has them. Without --resolution: the model's native resolution (UNet
-sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL; 512 for FLUX). What is counted, per rank:
+flux-kontext-dmd is flux-kontext-dev so planned; a transformer/ holding a QwenImageTransformer2DModel is
+Qwen-Image-Edit's, planned the same two ways, qwen-image-edit-dmd the built-in qwen-image-edit for DMD2).
+Optional components of the table (SDXL's text_encoder_2) are counted when the folder has them. Without
+--resolution: the model's native resolution (UNet sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL;
+512 for FLUX; 1024 for Qwen-Image-Edit, its pipeline's 1024^2 area). Qwen-Image-Edit's sequence: the target's
+tokens and QWEN_REFERENCES (2) references' at the same resolution, and the Qwen2.5-VL prompt's QWEN_TEXT_TOKENS
+(475: its reference images at 384^2 and the template); its text encoder is cached, then freed before the
+transformer is built. What is counted, per rank:
   params / grads / optimizer  the local shards (AdamW: 2 states), in the precision mode's dtypes;
                               frozen parts in their own dtype (SDXL's VAE: fp32, as train_dmd.py holds
                               it); with CPU offload these live on the host
@@ -152,7 +159,7 @@ NATIVE_RESOLUTION = {"qwen_image_edit": 1024}
 # multiples of 28 (14 px patches, 2x2 merged: 392^2), gives (392 / 28)^2 = 196 tokens; then the instruction
 # (planned at 64 tokens) and "<|im_end|>\n<|im_start|>assistant\n" (5).
 QWEN_REFERENCES = 2
-QWEN_CONDITION_TOKENS = (round(384 / 28) * 28 // 28) ** 2
+QWEN_CONDITION_TOKENS = round(384 / 28) ** 2  # 14 x 14 merged 28 px cells
 QWEN_TEXT_TOKENS = QWEN_REFERENCES * (QWEN_CONDITION_TOKENS + 7) + 64 + 5
 
 # LoRA adapters' storage dtype (hence their grads' and AdamW states'): parallel.lora.add_lora keeps them
@@ -704,9 +711,7 @@ def check_context_parallel(folder: str, s: Settings) -> dict:
         return {}
     script, kind = layout(folder, s.script)
     if kind != "flux_kontext":
-        raise SystemExit(f"plan: --context_parallel={c}: context parallelism is train_flux_kontext.py's (FLUX "
-                         f"layout); {os.path.basename(os.path.normpath(folder))} is planned for {script}, "
-                         f"which has none")
+        raise SystemExit(_no_cp(f"--context_parallel={c}", os.path.basename(os.path.normpath(folder)), script, kind))
     if s.world_size % (c * s.dp_replicate):
         raise SystemExit(f"plan: --context_parallel={c} x --dp_replicate={s.dp_replicate} does not divide "
                          f"--world_size={s.world_size}")
@@ -723,6 +728,14 @@ def check_context_parallel(folder: str, s: Settings) -> dict:
         raise SystemExit(f"plan: --context_parallel={c}: {resolution} px has {image} image tokens (target + context, "
                          f"2 x ({resolution}/{2 * factor})^2), not divisible by it; change --resolution")
     return dict(heads=heads, text=text, image=image)
+
+
+def _no_cp(flag: str, name: str, script: str, kind: str) -> str:
+    """The one line refusing context parallelism for a layout other than FLUX Kontext's fine-tune."""
+    if script == "train_flux_kontext.py":  # another family of the script: its CP is not planned
+        return f"plan: {flag}: context parallelism is planned for FLUX Kontext only; {name} is {kind}"
+    return (f"plan: {flag}: context parallelism is train_flux_kontext.py's (FLUX layout); {name} is planned for "
+            f"{script}, which has none")
 
 
 def _cp_activations(folder: str, trainable: Part, kind: str, unit_names: tuple, dtype: torch.dtype, s: Settings,
@@ -1232,8 +1245,7 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
     folder = model_folder(name)
     script, kind = layout(folder, with_script(name, Settings(1, **lora)).script)
     if kind != "flux_kontext":
-        raise SystemExit(f"plan: --cp_table: context parallelism is train_flux_kontext.py's (FLUX layout); "
-                         f"{name} is planned for {script}, which has none")
+        raise SystemExit(_no_cp("--cp_table", name, script, kind))
     for c in context_parallels:  # the other checks are per cell: a CP size they rule out is skipped there
         if c < 1:
             raise SystemExit(f"plan: --context_parallels: {c}: must be >= 1 (1 = off)")
