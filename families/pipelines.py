@@ -41,8 +41,9 @@ PIPELINES = {  # by model_index.json's _class_name
 PIPELINES["QwenImageEditPlusPipeline"] = (
     Component("transformer", "transformer", "trainable", "QwenImageTransformer2DModel"),
     Component("vae", "vae", "replicated", "AutoencoderKLQwenImage"),
-    Component("text_encoder", "text_encoder", "offline"), Component("tokenizer", "tokenizer", "files"),
-    Component("processor", "processor", "files"), Component("scheduler", "scheduler", "files"))
+    Component("text_encoder", "text_encoder", "offline", "Qwen2_5_VLForConditionalGeneration"),
+    Component("tokenizer", "tokenizer", "files"), Component("processor", "processor", "files"),
+    Component("scheduler", "scheduler", "files"))
 PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-image: the same parts (DMD2 only)
 
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)

@@ -15,6 +15,7 @@ from PIL import Image
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_utils
+from families import FAMILIES
 from families.pipelines import PIPELINES, SCRIPTS, folder_layout
 from parallel.execution_order import units_in_order
 from parallel.model_facts import MODELS
@@ -83,8 +84,9 @@ def test_qwen_image_units_are_its_dual_stream_blocks():
 
 def test_the_table_names_each_scripts_pipelines():
     assert SCRIPTS == {"train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline",
-                                        "FluxPipeline"),
-                       "train_flux_kontext.py": ("FluxKontextPipeline",)}
+                                        "FluxPipeline", "QwenImageEditPlusPipeline"),
+                       "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline")}
+    assert set(SCRIPTS["train_dmd.py"]) | set(SCRIPTS["train_flux_kontext.py"]) == set(FAMILIES)  # every room trains
     assert folder_layout("StableDiffusionXLPipeline")["text_encoder_2"] == "CLIPTextModelWithProjection"
     for pipeline, components in PIPELINES.items():
         trained = [c for c in components if c.role == "trainable"]

@@ -301,30 +301,15 @@ def with_script(name: str, s: Settings) -> Settings:
 PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
                     "flux_kontext": "FluxKontextPipeline", "qwen_image_edit": "QwenImageEditPlusPipeline"}
 
-# a pipeline's parts where families.pipelines.PIPELINES has no entry for it yet (its entry wins): Qwen-Image-Edit's
-# transformer trained, its VAE replicated, its Qwen2.5-VL text encoder cached then freed before the transformer is
-# built (not resident at the training peak)
-_PLANNED_PIPELINES = {"QwenImageEditPlusPipeline": (
-    pipelines.Component("transformer", "transformer", "trainable", "QwenImageTransformer2DModel"),
-    pipelines.Component("vae", "vae", "replicated", "AutoencoderKLQwenImage"),
-    pipelines.Component("text_encoder", "text_encoder", "offline", "Qwen2_5_VLForConditionalGeneration"),
-    pipelines.Component("tokenizer", "tokenizer", "files"), pipelines.Component("processor", "processor", "files"),
-    pipelines.Component("scheduler", "scheduler", "files"))}
-
-
-def _pipeline(name: str) -> tuple:
-    """The table's components of a pipeline (families.pipelines.PIPELINES, else _PLANNED_PIPELINES)."""
-    return pipelines.PIPELINES.get(name) or _PLANNED_PIPELINES[name]
-
-
 def pipeline_components(kind: str) -> list:
     """The components with weights that the script builds for a pipeline kind (the table's, in its
     order; tokenizers and schedulers, role "files", hold no memory the planner counts). A DMD_KINDS
     kind: the SD-1.5 entry's DMD2 roles (generator, fake score, teacher) of its pipeline's trained
     model, then that pipeline's other components."""
     if kind not in DMD_KINDS:
-        return [c for c in _pipeline(PIPELINE_OF_KIND[kind]) if c.role != "files"]
-    pipeline, dmd = _pipeline(PIPELINE_OF_KIND[DMD_KINDS[kind]]), _pipeline(PIPELINE_OF_KIND["sd15"])
+        return [c for c in pipelines.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
+    pipeline = pipelines.PIPELINES[PIPELINE_OF_KIND[DMD_KINDS[kind]]]
+    dmd = pipelines.PIPELINES[PIPELINE_OF_KIND["sd15"]]
     trained, dmd_trained = (next(c for c in p if c.role == "trainable") for p in (pipeline, dmd))
     roles = [dataclasses.replace(c, subfolder=trained.subfolder, class_name=trained.class_name)
              for c in dmd if c.subfolder == dmd_trained.subfolder]
