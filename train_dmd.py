@@ -11,7 +11,7 @@ straight into its shards. Per step (two time scales, as published):
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:
-algorithms/dmd2_unet.py; flow-matching FLUX: algorithms/dmd2_flux.py); what both scripts do around
+algorithms/dmd2_unet.py; flow-matching FLUX: algorithms/dmd2_flow.py); what both scripts do around
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
@@ -55,7 +55,7 @@ import checkpoint
 import families
 import fsdp_utils
 from algorithms import dmd2 as dm
-from algorithms import dmd2_flux as flux_dm
+from algorithms import dmd2_flow as flow_dm
 from algorithms import dmd2_unet as unet_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
@@ -687,11 +687,11 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
     from the text cache train_flux_kontext.py fills (families/flux.py), the context image is
     encoded and packed as Kontext fine-tuning does (algorithms/flux_kontext.py), and the step is
-    algorithms/dmd2_flux.py's, in the same loop as the UNets'."""
+    algorithms/dmd2_flow.py's, in the same loop as the UNets'."""
     from diffusers.configuration_utils import FrozenDict
 
     d, kontext = run.d, flux.is_kontext(run.pipeline)
-    sigmas = flux_dm.timestep_sigmas(timesteps)
+    sigmas = flow_dm.timestep_sigmas(timesteps)
     with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
         vae_config = FrozenDict(json.load(f))
     factor = vae_scale_factor(vae_config)
@@ -729,11 +729,11 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
                                                                     sharding=sharding.never_backward()))
     models = {"generator": generator, "fake": fake}
     head = None
-    if USE_GAN:  # the head reads the fake's double-stream output (algorithms/dmd2_flux.py), in fp32
+    if USE_GAN:  # the head reads the fake's double-stream output (algorithms/dmd2_flow.py), in fp32
         width = generator.config.num_attention_heads * generator.config.attention_head_dim
-        grid = flux_dm.head_grid(side)
+        grid = flow_dm.head_grid(side)
         head = build_gan_head(width, grid, mesh, prec, d.device, SEED, CPU_OFFLOAD,
-                              make=functools.partial(flux_dm.FluxHead, width, grid))
+                              make=functools.partial(flow_dm.FluxHead, width, grid))
         models["head"] = head
     if ema is not None:
         models["ema"] = ema
@@ -766,19 +766,19 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
         grey = torch.zeros(3, resolution, resolution)
         tiles = [(load_image(r["control"], resolution, resolution),
                   load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
-    sample_cond = flux_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
+    sample_cond = flow_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
                                    if kontext else None, (side, side))
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     # drawn on the host (the same on every device), moved once
     noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
     sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
-    sample_sim = flux_dm.pack_steps(sim).to(d.device)
+    sample_sim = flow_dm.pack_steps(sim).to(d.device)
 
     def sample(path):
         with final_weights() as model:
             flux.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, FLUX_GUIDANCE, tiles, side, path)
 
-    draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
+    draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN)  # no teacher CFG
@@ -786,8 +786,8 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
     def batches(it, loaded):
         out = []
         for host in loaded:
-            mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
-            mb["cond"] = flux_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None,
+            mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
+            mb["cond"] = flow_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None,
                                           (side, side))
             if "target" in host:  # the GAN's real images: the pairs' targets, encoded as the contexts are
                 mb["real"] = flux.image_tokens(vae, host["target"])
@@ -795,9 +795,9 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
         return out
     steps = StepFns(
         batches=batches,
-        images=lambda model, mb, index: flux_dm.generator_images(model, mb, sigmas, index, FLUX_GUIDANCE),
-        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE, losses),
-        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, losses))
+        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, FLUX_GUIDANCE),
+        generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE, losses),
+        guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, losses))
     load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              kontext=kontext, d=d)
     return steps, load, sample
@@ -859,9 +859,9 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     the text cache holds each prompt read with its reference images (and the negative prompt's, for
     the teacher's true CFG at REAL_GUIDANCE_SCALE); every reference enters at the target's size
     (RESOLUTION², square, so any micro-batch stacks) after the target's tokens; generator and fake
-    score at CFG 1. The step is algorithms/dmd2_flux.py's flow-matching step, in the same loop."""
+    score at CFG 1. The step is algorithms/dmd2_flow.py's flow-matching step, in the same loop."""
     d, room = run.d, qwen
-    sigmas = flux_dm.timestep_sigmas(timesteps)
+    sigmas = flow_dm.timestep_sigmas(timesteps)
     factor = room.vae_factor(MODEL_PATH)
     resolution = RESOLUTION or 1024
     if resolution % (2 * factor):
@@ -959,15 +959,15 @@ def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
     sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
-    sample_sim = flux_dm.pack_steps(sim).to(d.device)
+    sample_sim = flow_dm.pack_steps(sim).to(d.device)
 
     def sample(path):
         with final_weights() as model:
             qwen.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, tiles, side, path)
 
-    draw = functools.partial(flux_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
+    draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT))
-    losses = dm.Losses()
+    losses = dm.Losses(real_guidance_scale=REAL_GUIDANCE_SCALE)  # the teacher's true CFG; no GAN
 
     def to(text):  # (embeddings, mask or None) or None, onto the device
         return None if text is None else (text[0].to(d.device), None if text[1] is None else text[1].to(d.device))
@@ -975,17 +975,16 @@ def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution
     def batches(it, loaded):
         out = []
         for host in loaded:
-            mb = flux_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
+            mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
             mb["cond"] = qwen.dmd_cond(to(host["text"]), to(host["negative"]), vae,
                                        [r.to(d.device) for r in host["references"]], (side, side))
             out.append(mb)
         return out
     steps = StepFns(
         batches=batches,
-        images=lambda model, mb, index: flux_dm.generator_images(model, mb, sigmas, index, 1.0),
-        generator_loss=lambda x, mb, fake_: flux_dm.generator_loss(x, mb, teacher, fake_, 1.0, losses,
-                                                                   teacher_guidance=REAL_GUIDANCE_SCALE),
-        guidance_loss=lambda x, mb, fake_: flux_dm.guidance_loss(x, mb, fake_, 1.0, losses))
+        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, 1.0),
+        generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, 1.0, losses),
+        guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, 1.0, losses))
     load = functools.partial(load_qwen_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              cfg=cfg, d=d)
     return steps, load, sample

@@ -92,7 +92,6 @@ VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last N
 OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
 RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
 REFERENCE_AREA = 0  # Qwen-Image-Edit: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
-CONDITION_AREA = 0  # Qwen-Image-Edit: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
@@ -119,6 +118,7 @@ MAX_GRAD_NORM = 1.0  # clip each model's total grad norm (0 = no clipping); a no
 EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it
 # flow matching (the diffusers Kontext example's settings)
 MAX_SEQUENCE_LENGTH = 512  # T5 tokens (FLUX uses 512; capped at the tokenizer's model_max_length)
+CONDITION_AREA = 0  # Qwen-Image-Edit: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 GUIDANCE = 1.0  # guidance-embedding value during training (Kontext [dev] is guidance-distilled)
 WEIGHTING_SCHEME = "uniform"  # sigma density: uniform | logit_normal | mode (SD3 paper, sec. 3.1)
 LOGIT_MEAN = 0.0  # logit_normal mean

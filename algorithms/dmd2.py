@@ -2,7 +2,7 @@
 Distillation for Fast Image Synthesis"), SD-1.5 setting of the official code (tianweiy/DMD2,
 main/sd_guidance.py and main/sd_unified_model.py). No global state, no distributed calls:
 each parametrisation's step composes these (ε-prediction UNets: algorithms/dmd2_unet.py; flow
-matching: algorithms/dmd2_flux.py), and `train_dmd.py` wires the step into its loop.
+matching: algorithms/dmd2_flow.py), and `train_dmd.py` wires the step into its loop.
 
 UNets are diffusers `UNet2DConditionModel`-like callables predicting epsilon:
 `unet(sample, timestep, encoder_hidden_states=..., return_dict=False)[0]`. The text conditioning
@@ -218,7 +218,7 @@ def fake_score_loss(fake_unet, x_detached: torch.Tensor, noise: torch.Tensor, t,
 @dataclass(frozen=True)
 class Losses:
     """The DMD2 objective's settings, one kind for every parametrisation's step (algorithms/dmd2_unet.py,
-    algorithms/dmd2_flux.py): passed to the step, not read as globals. head None = no GAN term."""
+    algorithms/dmd2_flow.py): passed to the step, not read as globals. head None = no GAN term."""
     head: nn.Module | None = None  # the GAN classifier head (stage 2)
     gen_cls_weight: float = 0.0  # loss_gen_cls's weight in G's loss (published stage 2: 1e-3)
     guidance_cls_weight: float = 0.0  # loss_guidance_cls's weight in the guidance loss (published: 1e-2)

@@ -1,4 +1,4 @@
-"""DMD2's step for ε-prediction UNets (SD-1.5, SDXL): the twin of algorithms/dmd2_flux.py, the same
+"""DMD2's step for ε-prediction UNets (SD-1.5, SDXL): the twin of algorithms/dmd2_flow.py, the same
 functions with the same shape, on algorithms/dmd2.py's epsilon math. A micro-batch `mb` holds the
 prompts' conditioning ("text"; "real_text" for REAL_DATA_PATH's own captions), the GAN's real latents
 ("real") and the per-sample draws of `draw_sample_noise`. Models are UNets called as dmd2.py says;

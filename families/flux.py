@@ -17,7 +17,7 @@ import os
 import torch
 
 import fsdp_utils
-from algorithms import dmd2_flux as flux_dm
+from algorithms import dmd2_flow as flux_dm
 from algorithms import flux_kontext as km
 from core.dist import print0, rank
 from core.errors import ConfigError

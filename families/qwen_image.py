@@ -404,7 +404,7 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
 
 
 # ----------------------------------------------------------------------------------------------
-# DMD2 (train_dmd.py's qwen_setup): the conditioning algorithms/dmd2_flux.py's flow-matching step reads
+# DMD2 (train_dmd.py's qwen_setup): the conditioning algorithms/dmd2_flow.py's flow-matching step reads
 
 
 @dataclass
@@ -469,7 +469,7 @@ def write_samples(model, vae, cond, noise, sim_noise, sigmas, tiles: list, side:
     """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
     grid: references | output | target per row (grey where a row has no target)."""
     import fsdp_utils
-    from algorithms import dmd2_flux as flow_dm
+    from algorithms import dmd2_flow as flow_dm
     from core.dist import rank
     from data.images import save_image_grid
     tokens = flow_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, 1.0)

@@ -15,7 +15,7 @@
 #   GPUs at 1 sample per GPU), no GAN;
 #   guidance 2.5 for teacher, fake score and generator (FLUX_GUIDANCE): Kontext [dev] is
 #   guidance-distilled, the value goes into its guidance embedding (no CFG pair), and the export is
-#   sampled at it (algorithms/dmd2_flux.py says why all three get the same value);
+#   sampled at it (algorithms/dmd2_flow.py says why all three get the same value);
 #   1024 px, bf16-mixed, activation checkpointing (without it: 126 GiB per GPU), the fake score in
 #   bf16 (FAKE_SCORE_FP32=0: fp32 costs 5.3 GiB more per GPU, and its matmuls in TF32);
 #   T5 embeddings of 512 tokens, computed once into TEXT_CACHE_DIR before training (the text

@@ -621,10 +621,10 @@ def test_the_two_steps_are_twins():
     guidance_loss(x, mb, fake, ..., losses), draw_sample_noise(g, shape, n_sim, ...); one Losses for both."""
     import inspect
 
-    from algorithms import dmd2_flux, dmd2_unet
+    from algorithms import dmd2_flow, dmd2_unet
     shapes = {"generator_images": ["generator", "mb", None, "index"], "generator_loss": ["x", "mb", "teacher", "fake"],
               "guidance_loss": ["x", "mb", "fake"], "draw_sample_noise": ["g", "shape", "n_sim"]}
-    for module in (dmd2_unet, dmd2_flux):
+    for module in (dmd2_unet, dmd2_flow):
         for name, head in shapes.items():
             params = inspect.signature(getattr(module, name)).parameters
             names = list(params)

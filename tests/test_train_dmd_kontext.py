@@ -1,4 +1,4 @@
-"""DMD2 with a FLUX.1 Kontext teacher (train_dmd.py's FLUX path, algorithms/dmd2_flux.py), run as
+"""DMD2 with a FLUX.1 Kontext teacher (train_dmd.py's FLUX path, algorithms/dmd2_flow.py), run as
 users run it on the shipped tiny Kontext base (assets/kontext_base) and "make it blue" pairs.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_train_dmd_kontext.py -q
@@ -203,7 +203,7 @@ def test_lora_merged_export_and_adapters_sample_the_trained_sigmas(run_merged, p
 def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
     """The property the UNet path's bar checks: with G = teacher = fake at guidance 1, loss_dm and its
     gradient are exactly 0; a fake score that differs gives a non-zero gradient."""
-    from algorithms import dmd2_flux as fd
+    from algorithms import dmd2_flow as fd
     from algorithms import flux_kontext as km
 
     model = tiny_flux(guidance_embeds=True).eval()
@@ -231,7 +231,7 @@ def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
 
 
 def test_sigma_list_is_the_pipelines_for_the_step_count():
-    from algorithms import dmd2_flux as fd
+    from algorithms import dmd2_flow as fd
     from families import flux
     assert fd.timestep_sigmas([999, 749, 499, 249]) == SIGMAS
     assert fd.timestep_sigmas([999]) == [1.0]

@@ -80,15 +80,14 @@ def generator_images(generator, mb: dict, sigmas: list[float], index: int, guida
 
 
 def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
-                   losses: Losses = Losses(), teacher_guidance: float | None = None) -> tuple[torch.Tensor, dict]:
+                   losses: Losses = Losses()) -> tuple[torch.Tensor, dict]:
     """loss_dm on G's tokens x: the per-sample normalised (teacher − fake) x̂0 direction at a σ drawn
     in the DM range (+ gen_cls_weight · loss_gen_cls). FLUX: teacher and fake at the same guidance
-    value, no CFG pair; a family whose teacher takes true CFG (Qwen-Image-Edit) passes its scale as
-    `teacher_guidance`, the fake staying at `guidance`."""
-    cond = mb["cond"]
-    grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"],
-                            cond.velocity(teacher, guidance if teacher_guidance is None else teacher_guidance),
-                            cond.velocity(fake, guidance))
+    value, no CFG pair (losses.real_guidance_scale 1); a family whose teacher takes true CFG
+    (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at `guidance`."""
+    cond, scale = mb["cond"], losses.real_guidance_scale
+    teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale)
+    grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], teacher_v, cond.velocity(fake, guidance))
     loss = dm.dm_loss(x, grad)
     logs = {"loss_dm": loss.detach()}
     if losses.head is None:
