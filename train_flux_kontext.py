@@ -175,6 +175,7 @@ VAL_SIGMAS = [0.25, 0.5, 0.75]  # noise levels each held-out pair is scored at
 _LATENT_CACHE_VERSION = 1  # part of every latent-cache key: bump when the encoding recipe changes
 _LATENT_ROUND = 16  # pairs per rank between two collectives of the latent-cache fill
 _DEFAULT_RESOLUTION = 32  # the embedded default's image side (assets/kontext_base was trained at 32 px)
+_DEFAULTS = script_constants(globals())  # before any override: what a family told a setting it ignores checks
 
 # ----------------------------------------------------------------------------------------------
 # setup: the script's own settings checked before any work (components/trainer.py checks the shared ones),
@@ -585,7 +586,7 @@ def main():
     d = run.d
     room = families.FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
     settings = script_constants(globals())
-    room.check_edit_settings(MODEL_PATH, settings)
+    room.check_edit_settings(MODEL_PATH, settings, {k for k, v in _DEFAULTS.items() if settings[k] != v})
 
     # data, shapes (target bucket and reference sizes) and the text-embedding cache (the text encoder
     # lives only inside this call)

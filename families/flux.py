@@ -183,8 +183,12 @@ def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
 # entries are keyed by (prompt, row) pairs; latents are (B, C, h, w)
 
 
-def check_edit_settings(model_path, settings) -> None:
-    """FLUX.1 Kontext takes every setting of the script."""
+def check_edit_settings(model_path, settings, changed: set) -> None:
+    """FLUX.1 Kontext takes every setting of the script but the Qwen-Image-Edit ones (`changed`: the
+    settings given a value other than the script's default)."""
+    for name in sorted(changed & {"REFERENCE_AREA", "CONDITION_AREA"}):
+        raise ConfigError(f"{name}={settings[name]}: a Qwen-Image-Edit setting; FLUX.1 Kontext's context image "
+                          "enters at the target's size (RESOLUTION, BUCKET_ASPECTS)")
 
 
 def vae_factor(model_path) -> int:

@@ -294,7 +294,13 @@ def text_row(text, i):
 # editing fine-tuning (train_flux_kontext.py; families/flux.py lists what the script asks of a room)
 
 
-def check_edit_settings(model_path, settings) -> None:
+def check_edit_settings(model_path, settings, changed: set) -> None:
+    """What this family refuses, in one line before any work (`changed`: the settings given a value
+    other than the script's default)."""
+    for name, why in (("BUCKET_ASPECTS", "target and references are sized by their own ratios"),
+                      ("MAX_SEQUENCE_LENGTH", "the text is as long as the prompt and its image tokens")):
+        if name in changed:
+            raise ConfigError(f"{name}={settings[name]}: not used by Qwen-Image-Edit: {why}")
     if settings["CONTEXT_PARALLEL"] > 1:
         raise ConfigError(f"CONTEXT_PARALLEL={settings['CONTEXT_PARALLEL']}: not for Qwen-Image-Edit here (its text "
                           "is a padded, masked sequence of varying length per sample); use CONTEXT_PARALLEL=1")

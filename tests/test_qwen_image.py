@@ -237,10 +237,12 @@ def test_exports_load_and_sample_with_the_pipeline(qwen, runs, tmp_path, small_a
 def test_family_refusals_are_one_line(qwen, tmp_path):
     jobs = {name: dict(script="train_flux_kontext.py", args=qwen["common"] + [f"--output_dir={tmp_path / name}",
                                                                               flag], ranks=1, env=qwen["env"])
-            for name, flag in (("refs", "--max_references=4"), ("guidance", "--guidance=3.5"))}
+            for name, flag in (("refs", "--max_references=4"), ("guidance", "--guidance=3.5"),
+                               ("buckets", "--bucket_aspects=[1.0]"))}
     done = launch_all(jobs, check=False)
     expect = {"refs": "error: MAX_REFERENCES=4: QwenImageEditPlusPipeline takes at most 3",
-              "guidance": "error: GUIDANCE=3.5: Qwen-Image-Edit has no guidance embedding"}
+              "guidance": "error: GUIDANCE=3.5: Qwen-Image-Edit has no guidance embedding",
+              "buckets": "error: BUCKET_ASPECTS=[1.0]: not used by Qwen-Image-Edit"}
     for name, proc in done.items():
         assert proc.returncode != 0
         errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
