@@ -1,5 +1,5 @@
-"""DMD2 distillation of an SD-1.5 / SDXL UNet or a FLUX.1 (Kontext or text-to-image) transformer into
-a 1-step (or few-step) generator, on FSDP2.
+"""DMD2 distillation of an SD-1.5 / SDXL UNet, a FLUX.1 (Kontext or text-to-image) transformer or a
+Qwen-Image-Edit-2509 / 2511 transformer into a 1-step (or few-step) generator, on FSDP2.
 
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
 Three copies of the teacher start from the same weights: the generator G (trained), the frozen
