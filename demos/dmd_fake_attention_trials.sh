@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fake score's attention dtype on the shapes demo (docs/dmd2.md, "The fake score's precision"):
+# The fake score's attention dtype on the shapes demo (docs/dmd2.md, "The fake score's attention"):
 # demo_dmd.sh's schedule under PRECISION=bf16-mixed (the published mode; the demo itself runs fp32,
 # where the setting changes nothing), the fp32 fake score with its attention in fp32 (published) and
 # in bf16 (FAKE_SCORE_ATTENTION_DTYPE's default), each with SEEDS, then each student scored with

@@ -174,3 +174,19 @@ def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
     assert "skipped: needs CUDA" in row and "tiny FLUX" in row
     result = json.loads((out / "gpu_check.json").read_text())["rows"][0]
     assert result["ok"] and result["disk_need_gb"] > 0
+
+
+@pytest.mark.slow
+def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(tmp_path):
+    """The speed suite's CHANNELS_LAST DMD2 row on the tiny SD-1.5 on CPU: the plain reference with
+    its channels_last row, the run's warm-up apart, and the DMD2 bound from the plain rows."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
+                        "--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last", f"--out={out}"], cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (out / "gpu_check.md").read_text()
+    assert "| tiny SD-1.5, 32 px, batch 2, channels_last |" in report
+    row = json.loads((out / "gpu_check.json").read_text())["rows"][0]
+    assert row["ok"] and row["timed_steps"] == list(range(3, 13)) and row["warmup_s"] > 0
+    assert "| dmd_sd15_32px_b32_ac_channels_last | 2 + 8 |" in report
