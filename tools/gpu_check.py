@@ -25,10 +25,12 @@ step under torch.profiler, its table in profile_*.txt). A row starts only when i
 one still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
 deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
 
-Every row shows its model, its step time (the mean of the steps after the first two) as "x plain", its
-MFU (model FLOPs: the trained networks' forward + backward, no VAE, no recomputation, against the peak
-of the dtype used), its peak CUDA memory against the planner's, its disk need against the free space,
-and its seconds against the expected. Exit 0 when every row passed (or was skipped for want of CUDA)
+Every row shows its model, its step time (the mean of the steps after the first two, whose warm-up
+seconds and, under COMPILE=1, compile seconds are shown apart) as "x plain", its MFU (model FLOPs: the
+trained networks' forward + backward, no VAE, no recomputation, against the peak of the dtype used),
+its peak CUDA memory against the planner's, its disk need against the free space, and its seconds
+against the expected; each DMD2 UNet row is also set against the plain-eager time of its network
+calls (dmd_network_ms) with the goal DMD_GOAL. Exit 0 when every row passed (or was skipped for want of CUDA)
 and tests/test_gpu.py passed. Output (at most 8 files): gpu_check.md (the table), gpu_check.json,
 runs.log (every run's output, tracebacks included), test_gpu.log, build.log, and with --suite=speed
 profile_dmd_sd15_*.txt.
