@@ -364,6 +364,13 @@ def test_fake_score_attention_dtype_checked_before_any_work(monkeypatch):
     monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "bf61")
     with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE: unknown dtype 'bf61'"):
         train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "fp32")  # the UNets' settings, not FLUX's
+    with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE=fp32 with a FluxPipeline teacher"):
+        train_dmd.check_flux_settings("FluxPipeline")
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "")
+    monkeypatch.setattr(train_dmd, "CHANNELS_LAST", True)
+    with pytest.raises(ConfigError, match="CHANNELS_LAST=1 with a FluxPipeline teacher: .* no convolutions"):
+        train_dmd.check_flux_settings("FluxPipeline")
 
 
 def test_channels_last_unet_matches_nchw_to_fp32_rounding():
