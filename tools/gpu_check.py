@@ -497,8 +497,8 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
     warm, later = timed_window(records, row["warmup"], finished=rc == 0)
     result["warmup_s"] = sum(r["step_ms"] for r in warm) / 1000
     result["timed_steps"] = [int(r["step"]) for r in later]
-    result["compile_s"] = compile_seconds(open(log).read().rsplit("=====", 1)[-1]) if s["extra"].get("compile") \
-        else float("nan")
+    if s["extra"].get("compile"):  # this launch's output: after its "===== <command>" line (a cut adds "===== killed")
+        result["compile_s"] = compile_seconds(open(log).read().rsplit("\n===== --", 1)[-1])
     if later:  # the mean over whole DMD2 cycles (steps 3-12 at ratio 5: 2 generator + 8 fake-score steps)
         result["step_ms"] = statistics.mean(r["step_ms"] for r in later)
         for k_out, k_in in (("mfu", "mfu"), ("hfu", "hfu"), ("model_tflop", "model_tflop"),
