@@ -61,7 +61,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     (PARALLELISM=ddp): the recipe's AC and compile only, every rank loads the whole model (the
     caller wraps a trainable one in DDP). `attention_dtype`: its attention products (SDPA) run in
     this dtype, whatever its compute dtype (parallel/attention.CastSdpaProcessor); `channels_last`:
-    its conv weights, and so its convolutions' activations, in NHWC (to_channels_last)."""
+    its convolutions read and hand on NHWC activations (to_channels_last)."""
     from diffusers import UNet2DConditionModel
 
     model = build_on_meta(UNet2DConditionModel, folder).to(dtype)
