@@ -36,3 +36,20 @@ for seed in $SEEDS; do
     echo "$mode seed $seed: $(( $(date +%s) - start )) s"
   done
 done
+# the table: every run's score, and per mode the mean and the spread between seeds
+python - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+runs = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_seed*", "eval.json"))):
+    mode, seed = os.path.basename(os.path.dirname(path)).rsplit("_seed", 1)
+    runs.setdefault(mode, []).append((int(seed), json.load(open(path))))
+print("| fake score's attention | seed | colour % | shape % | all 3 % | Fréchet dist | diversity |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+for mode, scores in runs.items():
+    for seed, m in scores:
+        print(f"| {mode} | {seed} | {m['colour_acc']:.1f} | {m['shape_acc']:.1f} | {m['all_acc']:.1f} "
+              f"| {m['fd']:.2f} | {m['diversity']:.2f} |")
+    a, d = [m["all_acc"] for _, m in scores], [m["fd"] for _, m in scores]
+    print(f"| {mode}: mean (spread between seeds) | | | | {statistics.mean(a):.1f} ({max(a) - min(a):.1f}) "
+          f"| {statistics.mean(d):.2f} ({max(d) - min(d):.2f}) | |")
+PY
