@@ -145,8 +145,11 @@ def _storage_name(p: torch.Tensor) -> str:
 
 
 def component_row(name: str, module: torch.nn.Module, compute_dtype: torch.dtype) -> dict:
-    """One audit row, read off the module itself (not off what we intended)."""
+    """One audit row, read off the module itself (not off what we intended); "fp32, attention bf16"
+    where its attention processors run SDPA in another dtype (parallel/attention.CastSdpaProcessor)."""
     params = list(module.parameters())
+    attention = sorted({dtype_name(m.processor.sdpa_dtype) for m in module.modules()
+                        if hasattr(getattr(m, "processor", None), "sdpa_dtype")})
     storage = sorted({_storage_name(p) for p in params}) or ["-"]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     sharded = any(hasattr(p, "placements") for p in params)
@@ -155,7 +158,7 @@ def component_row(name: str, module: torch.nn.Module, compute_dtype: torch.dtype
         "params": sum(_global_numel(p) for p in params),
         "local_params": sum(_local_numel(p) for p in params),
         "storage": "/".join(storage),
-        "compute": dtype_name(compute_dtype),
+        "compute": dtype_name(compute_dtype) + (f", attention {'/'.join(attention)}" if attention else ""),
         "trainable": "yes" if trainable else "no",
         "sharded": "yes" if sharded else "no",
     }

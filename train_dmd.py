@@ -138,6 +138,7 @@ LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
 FAKE_SCORE_FP32 = True  # the fake score computes in fp32, as published; False = the compute dtype
+FAKE_SCORE_ATTENTION_DTYPE = ""  # UNets: the fp32 fake score's attention (SDPA); "" = compute dtype, fp32 = published
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
 TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype; "" = PRECISION's compute dtype
 VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype (SDXL: fp32)
@@ -153,6 +154,7 @@ CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host me
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
 PREFETCH = 0  # units to all-gather ahead in forward / backward (0 = FSDP2's implicit order)
 COMPILE = False  # torch.compile each FSDP unit's forward (block), AC -> compile -> fully_shard
+CHANNELS_LAST = False  # UNets: every convolution in NHWC (generator, fake score, teacher, EMA): cuDNN's native layout
 ATTENTION_BACKEND = "native"  # native (torch SDPA, cuDNN off) | _native_cudnn | _native_flash | ...; checked at start
 # fault tolerance
 MAX_BAD_STEPS = 10  # non-finite loss/grad steps are skipped (on all ranks); this many in a row: save and stop
@@ -194,11 +196,12 @@ def validate_config() -> list[int]:
     if PARALLELISM == "ddp" and USE_GAN:
         raise ConfigError("PARALLELISM=ddp with USE_GAN=1: the GAN head runs the fake UNet several times per "
                           "backward, which DistributedDataParallel does not support; use fsdp")
-    if TEACHER_DTYPE:
+    for name, value in (("TEACHER_DTYPE", TEACHER_DTYPE), ("FAKE_SCORE_ATTENTION_DTYPE", FAKE_SCORE_ATTENTION_DTYPE)):
         try:
-            parse_dtype(TEACHER_DTYPE)
+            if value:
+                parse_dtype(value)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(f"{name}: {e}") from None
     if VAE_PATH and not os.path.isfile(os.path.join(VAE_PATH, "config.json")):
         raise ConfigError(f"VAE_PATH={VAE_PATH}: no config.json, not a diffusers AutoencoderKL folder")
     if INIT_FROM and not checkpoint.is_complete(INIT_FROM):
@@ -278,8 +281,8 @@ def resolve_defaults() -> dict:
 def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
                  block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float, head_features: str = "mid",
                  seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
-                 fake_compute: torch.dtype | None = None, generator_init: str = "",
-                 base_dtype: str = "") -> dict[str, nn.Module]:
+                 fake_compute: torch.dtype | None = None, fake_attention: torch.dtype | None = None,
+                 channels_last: bool = False, generator_init: str = "", base_dtype: str = "") -> dict[str, nn.Module]:
     """The trained models, all from the same teacher folder (the generator's weights from
     `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice
     by slice; with `lora` the generator, and with `fake_lora` the fake score too, train LoRA
@@ -290,8 +293,10 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
     `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
     (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
     where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
-    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `base_dtype`: the
-    LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
+    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `fake_attention`:
+    the fake score's attention products in this dtype where it differs from its compute dtype
+    (FAKE_SCORE_ATTENTION_DTYPE); `channels_last`: every UNet's convolutions in NHWC (CHANNELS_LAST).
+    `base_dtype`: the LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
     def make(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
              shard: fsdp_utils.Sharding = sharding, **kw):
         storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
@@ -300,9 +305,11 @@ def build_models(unet_dir: str, mesh, precision, device: torch.device, *, shardi
         policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
         return unet.build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
                                block_classes=block_classes, lora=adapters, seed=seed + salt,
-                               base_dtype=base_dtype if adapters else "", **kw)
+                               base_dtype=base_dtype if adapters else "", channels_last=channels_last, **kw)
+    attention = fake_attention if fake_attention != (fake_compute or precision.compute_dtype) else None
     models = {"generator": make(lora, weights=generator_init),
-              "fake": make(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute)}
+              "fake": make(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute,
+                           attention_dtype=attention)}
     if use_gan:
         channels = models["fake"].config.block_out_channels[0 if head_features == "up" else -1]
         models["head"] = build_gan_head(channels, head_size, mesh, precision, device, seed, sharding.cpu_offload,
@@ -520,6 +527,9 @@ def check_flux_settings(pipeline: str) -> None:
         ("REAL_DATA_PATH", REAL_DATA_PATH,
          "the GAN's real images are the pairs' own targets, under their own instruction"),
         ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three FLUX transformers are sharded (PARALLELISM=fsdp)"),
+        (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
+         "the fake transformer's attention runs in its compute dtype (FAKE_SCORE_FP32 decides)"),
+        ("CHANNELS_LAST=1", CHANNELS_LAST, "the FLUX transformer has no convolutions to lay out"),
         ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"),
         (f"REAL_GUIDANCE_SCALE={REAL_GUIDANCE_SCALE:g}", REAL_GUIDANCE_SCALE not in (0, 1),
          "FLUX.1 is guidance-distilled, its guidance is the embedded value FLUX_GUIDANCE, not a CFG pair; "
@@ -617,17 +627,19 @@ def unet_setup(run: trainer.Run, step_list: list[int], precision: Precision) -> 
     mesh, _, sharding = trainer.mesh_and_sharding(run)
     unet_dir = os.path.join(MODEL_PATH, "unet")
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
+    fake_attention = parse_dtype(FAKE_SCORE_ATTENTION_DTYPE) if FAKE_SCORE_ATTENTION_DTYPE else precision.compute_dtype
     models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                           use_gan=USE_GAN, head_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
                           head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
-                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, generator_init=GENERATOR_INIT,
-                          base_dtype=BASE_DTYPE)
+                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, fake_attention=fake_attention,
+                          channels_last=CHANNELS_LAST, generator_init=GENERATOR_INIT, base_dtype=BASE_DTYPE)
     generator, fake, head = (models.get(k) for k in ("generator", "fake", "head"))
     if GENERATOR_INIT and not run.resume_path:
         print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
     teacher_dtype = precision.frozen_dtype(TEACHER_DTYPE)
     teacher = unet.build_unet(unet_dir, mesh, teacher_dtype, d.device, policy=Precision.frozen_mp_policy(teacher_dtype),
-                              trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES)
+                              trainable=False, sharding=sharding, block_classes=BLOCK_CLASSES,
+                              channels_last=CHANNELS_LAST)
     guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     train_gen, train_fake = generator, fake
     if mesh is None:  # DDP wrappers for the training forwards only

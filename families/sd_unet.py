@@ -48,7 +48,8 @@ def is_sdxl(pipeline: str) -> bool:
 def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, policy, trainable: bool,
                sharding: fsdp_utils.Sharding, block_classes: list[str], load: bool = True,
                lora: lora_lib.Lora = lora_lib.Lora(), seed: int = 0, weights: str = "",
-               base_dtype: str = "") -> nn.Module:
+               base_dtype: str = "", attention_dtype: torch.dtype | None = None,
+               channels_last: bool = False) -> nn.Module:
     """A UNet2DConditionModel built on the meta device from `folder`'s config, stored in `dtype`,
     sharded by the UNet recipe, then each rank reads only its slices from `weights` (a UNet folder or
     one .safetensors file; "" = `folder`) (load=False: allocated, unfilled and without grads, for
@@ -58,10 +59,16 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     its Linear weights in 4-bit NF4, parallel/lowbit.py). Frozen: no grads
     ever, stored in its compute dtype (the frozen policy), resharded after every forward. mesh=None
     (PARALLELISM=ddp): the recipe's AC and compile only, every rank loads the whole model (the
-    caller wraps a trainable one in DDP)."""
+    caller wraps a trainable one in DDP). `attention_dtype`: its attention products (SDPA) run in
+    this dtype, whatever its compute dtype (parallel/attention.CastSdpaProcessor); `channels_last`:
+    its convolutions read and hand on NHWC activations (to_channels_last)."""
     from diffusers import UNet2DConditionModel
 
     model = build_on_meta(UNet2DConditionModel, folder).to(dtype)
+    if attention_dtype is not None:
+        model.set_attn_processor(attention.CastSdpaProcessor(attention_dtype))
+    if channels_last:
+        to_channels_last(model)
     if trainable and lora:
         lora_lib.add_lora(model, lora)
         if base_dtype == "nf4":
@@ -74,6 +81,22 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     parallelize_unet(model, mesh, policy, sharding, block_classes)
     home = torch.device("cpu") if sharding.cpu_offload else device
     return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
+
+
+def _nhwc_input(conv: nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
+
+
+def to_channels_last(model: nn.Module) -> nn.Module:
+    """CHANNELS_LAST: every Conv2d of `model` reads its input in NHWC (a no-op where it already is),
+    so cuDNN runs its NHWC kernels instead of converting layouts on every call (nchwToNhwcKernel)
+    and hands its output on in NHWC. A forward pre-hook rather than `model.to(memory_format=...)`:
+    FSDP2 all-gathers a weight contiguous in NCHW whatever its shard's layout, and a conv takes
+    NHWC when its input or its weight is (torch's cudnn_conv_suggest_memory_format). Returns `model`."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_pre_hook(_nhwc_input)
+    return model
 
 
 def load_frozen_parts(model_path: str, sdxl: bool, te_dtype: torch.dtype, vae_dtype: torch.dtype,

@@ -22,6 +22,10 @@ illegal memory access a few kernels later. So:
 - `self_check` runs one forward+backward at the run's own attention shapes in the chosen kernel
   against the math kernel in fp32, so a broken kernel stops the run in its first seconds with
   one line naming the kernel and an alternative.
+- `CastSdpaProcessor` runs a UNet's attention products in another dtype than its weights and
+  projections (FAKE_SCORE_ATTENTION_DTYPE: DMD2's fp32 fake score with bf16 attention): flash has
+  no fp32 kernel, and SDPA's fp32 path (the memory-efficient kernel; TF32 does not reach it) was
+  ~half the GPU time of an SD-1.5 DMD2 step with the fp32 fake score (docs/dmd2.md).
 
     python -m pytest tests/test_attention.py -q
 """
@@ -123,6 +127,64 @@ def model_backends(model: torch.nn.Module) -> set:
             b = processor._attention_backend
             found.add(getattr(b, "value", b))
     return found
+
+
+# ----------------------------------------------------------------------------------------------
+# attention products in another dtype than the model
+
+
+class CastSdpaProcessor:
+    """diffusers' AttnProcessor2_0 (the UNet's and VAE's default) with q, k, v cast to `sdpa_dtype`
+    for F.scaled_dot_product_attention and its output cast back: projections, norms and weights stay
+    in the model's dtype, the backward casts the gradients the same way. Set on a model with
+    `model.set_attn_processor(CastSdpaProcessor(torch.bfloat16))`."""
+
+    def __init__(self, sdpa_dtype: torch.dtype):
+        self.sdpa_dtype = sdpa_dtype
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None, *args, **kwargs):
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        image = hidden_states.ndim == 4
+        if image:
+            b, c, h, w = hidden_states.shape
+            hidden_states = hidden_states.view(b, c, h * w).transpose(1, 2)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        batch, length = context.shape[:2]
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, length, batch)
+            attention_mask = attention_mask.view(batch, attn.heads, -1, attention_mask.shape[-1]).to(self.sdpa_dtype)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            context = hidden_states
+        elif attn.norm_cross:
+            context = attn.norm_encoder_hidden_states(context)
+        key, value = attn.to_k(context), attn.to_v(context)
+        head_dim = key.shape[-1] // attn.heads
+        q, k, v = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        out = F.scaled_dot_product_attention(q.to(self.sdpa_dtype), k.to(self.sdpa_dtype), v.to(self.sdpa_dtype),
+                                             attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))  # projection, dropout
+        if image:
+            out = out.transpose(-1, -2).reshape(b, c, h, w)
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+def sdpa_dtypes(model: torch.nn.Module) -> set:
+    """The dtypes a model's CastSdpaProcessor attentions compute in (empty: none cast)."""
+    return {m.processor.sdpa_dtype for m in model.modules()
+            if isinstance(getattr(m, "processor", None), CastSdpaProcessor)}
 
 
 # ----------------------------------------------------------------------------------------------

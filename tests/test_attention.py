@@ -94,6 +94,62 @@ def test_the_backend_reaches_flux_attention(monkeypatch):
     assert len(calls) == c.num_layers + c.num_single_layers  # every block's attention went through it
 
 
+class SdpaDtypes(torch.overrides.TorchFunctionMode):
+    """The dtypes of (q, k, v) at every F.scaled_dot_product_attention call under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.seen.append(tuple(t.dtype for t in args[:3]))
+        return func(*args, **(kwargs or {}))
+
+
+def _unet_fwd_bwd(unet):
+    """Output and parameter grads of one forward + backward of a tiny UNet (fixed inputs)."""
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 6, 32, generator=g)
+    out = unet(x, torch.tensor([10, 500]), text).sample
+    out.square().mean().backward()
+    return [out.detach()] + [p.grad for p in unet.parameters()]
+
+
+def test_cast_processor_in_the_models_dtype_is_diffusers_own_bit_for_bit():
+    """CastSdpaProcessor re-states AttnProcessor2_0: with no cast, the same values and grads."""
+    import copy
+    ref = tiny_unet()
+    cast = copy.deepcopy(ref)
+    cast.set_attn_processor(attention.CastSdpaProcessor(torch.float32))
+    assert type(next(iter(ref.attn_processors.values()))).__name__ == "AttnProcessor2_0"
+    assert all(torch.equal(a, b) for a, b in zip(_unet_fwd_bwd(ref), _unet_fwd_bwd(cast)))
+
+
+def test_cast_processor_runs_sdpa_in_its_dtype_and_hands_back_the_models():
+    """An fp32 UNet with bf16 attention: SDPA sees bf16 q, k, v at every call (each self- and
+    cross-attention once), the output and the grads stay fp32, and the values stay within bf16's
+    rounding of the fp32 model's."""
+    import copy
+    from precision import component_row
+    ref = tiny_unet()
+    fast = copy.deepcopy(ref)
+    fast.set_attn_processor(attention.CastSdpaProcessor(torch.bfloat16))
+    assert attention.sdpa_dtypes(fast) == {torch.bfloat16} and attention.sdpa_dtypes(ref) == set()
+    with SdpaDtypes() as mode:
+        got = _unet_fwd_bwd(fast)
+    assert len(mode.seen) == len(fast.attn_processors) and set(mode.seen) == {(torch.bfloat16,) * 3}
+    with SdpaDtypes() as mode:
+        want = _unet_fwd_bwd(ref)
+    assert set(mode.seen) == {(torch.float32,) * 3}
+    assert all(t.dtype == torch.float32 for t in got)
+    # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per cast): q, k, v and the softmax round at
+    # that size, so the output moves by a few 2^-9 of its norm, not more
+    assert float((got[0] - want[0]).norm() / want[0].norm()) < 8 * 2**-9
+    assert component_row("fake", fast, torch.float32)["compute"] == "fp32, attention bf16"
+    assert component_row("generator", ref, torch.bfloat16)["compute"] == "bf16"
+
+
 SHAPES = [attention.Shape("self", 2, 24, 24, 3, 16), attention.Shape("cross", 1, 20, 7, 2, 8),
           attention.Shape("frozen", 1, 16, 16, 1, 64, backward=False)]
 

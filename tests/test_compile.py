@@ -284,3 +284,33 @@ def test_missing_cxx_compiler_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++",))
     with pytest.raises(ConfigError, match="COMPILE=1 on CPU needs a C\\+\\+ compiler"):
         compiling.check_compile(True)
+
+
+@pytest.mark.slow
+def test_fake_score_attention_cast_and_channels_last_compile_without_breaks():
+    """The default fake score (bf16 attention through CastSdpaProcessor) and CHANNELS_LAST's conv
+    pre-hooks trace whole: a tiny UNet compiled (aot_eager: dynamo and AOTAutograd, no code
+    generation) has no graph break and gives eager's output and grads bit for bit (the same aten ops
+    on CPU)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from families.sd_unet import to_channels_last
+    from parallel.attention import CastSdpaProcessor
+    from tests.conftest import tiny_unet
+    torch._dynamo.reset()
+    counters.clear()
+    eager = to_channels_last(tiny_unet())
+    eager.set_attn_processor(CastSdpaProcessor(torch.bfloat16))
+    compiled = copy.deepcopy(eager)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    outs = []
+    for model in (eager, compiled):
+        g = torch.Generator().manual_seed(0)
+        x, text = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 6, 32, generator=g)
+        out = model(x, torch.tensor([10, 500]), text).sample
+        out.square().mean().backward()
+        outs.append([out.detach()] + [p.grad for p in model.parameters()])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

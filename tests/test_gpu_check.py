@@ -1,6 +1,7 @@
 """tools/gpu_check.py without a GPU: the rows sized to the disk with the scripts' own checkpoint
-arithmetic, the deadline's arithmetic against one device call, and the plumbing check on CPU with
-the rows that need CUDA skipped.
+arithmetic, the deadline's arithmetic against one device call, the timed window (warm-up and compile
+apart), the DMD2 step's bound from the plain rows, and the plumbing check on CPU with the rows that
+need CUDA skipped.
 
     python -m pytest tests/test_gpu_check.py -q
 """
@@ -104,6 +105,61 @@ def test_the_acceptance_rows_fit_one_device_call():
     assert [r["run"] for r in rows if r["gpu_only"]] == ["kontext_1024px_lora16_cudnn_attention_probe"]
 
 
+def test_warm_up_steps_are_not_timed_and_compile_time_is_read_apart():
+    records = [{"step": s, "step_ms": 100.0} for s in range(1, 13)]
+    warm, timed = gpu_check.timed_window(records, 2, finished=True)
+    assert [r["step"] for r in warm] == [1, 2] and [r["step"] for r in timed] == list(range(3, 13))
+    assert gpu_check.timed_window(records[:2], 2, finished=False) == (records[:2], [])  # cut in its warm-up
+    assert gpu_check.timed_window(records[:2], 2, finished=True) == ([], records[:2])  # a 2-step probe
+    log = ("compile: 27 graphs, 0 graph breaks (181.5 s compiling)\nstep 00002/7 | 900 ms\n"
+           "compile, whole run: 30 graphs, 0 graph breaks (190.25 s compiling)\n")
+    assert gpu_check.compile_seconds(log) == 190.25
+    assert gpu_check.compile_seconds("step 00002/7") != gpu_check.compile_seconds("step 00002/7")  # NaN
+
+
+def test_compile_rows_time_one_cycle_after_their_warm_up_within_one_call():
+    """A COMPILE=1 DMD2 row: 2 warm-up steps (a generator and a fake-score step: every graph compiled),
+    then one whole cycle at ratio 5 (steps 3-7, the generator at step 6), and alone in a call (its
+    plain reference and the start-up included) within the deadline."""
+    rows = {r["run"]: r for r in gpu_check.plan_runs(tiny=False, suite="speed")}
+    row = rows["dmd_sd15_512px_b32_ac_compile"]
+    assert row["warmup"] == 2 and row["steps"] == 7 and row["settings"]["extra"]["compile"] == 1
+    assert gpu_check.dmd_network_ms({"fwd_ms": 1, "fwd_bwd_ms": 3}, list(range(3, 8)), 5, False)[1] == 1
+    alone = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S + row["expect_s"]
+    assert alone <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+    assert rows["dmd_sd15_512px_b32_ac"]["steps"] == 12 and "fake_score_attention_dtype" not in \
+        rows["dmd_sd15_512px_b32_ac"]["settings"]["extra"]  # the default row runs the defaults
+
+
+def test_runs_are_picked_by_exact_name_or_by_part():
+    rows = gpu_check.plan_runs(tiny=False, suite="speed")
+    assert [r["run"] for r in gpu_check.select_runs(rows, "dmd_sd15_512px_b32_ac")] == ["dmd_sd15_512px_b32_ac"]
+    picked = [r["run"] for r in gpu_check.select_runs(rows, "b32_ac_compile,dmd_sd15_512px_b32_ac_bf16_fake")]
+    assert picked == ["dmd_sd15_512px_b32_ac_bf16_fake", "dmd_sd15_512px_b32_ac_compile",
+                      "dmd_sd15_512px_b32_ac_compile_channels_last"]
+    assert gpu_check.select_runs(rows, "") == rows
+
+
+def test_dmd_bound_counts_the_network_calls_of_the_timed_steps():
+    """F = 100 ms (forward, no grad), P = 300 ms (forward + backward). Steps 3-12 at ratio 5: the
+    generator steps at 6 and 11 (iterations 5 and 10). Fake-score step F + P = 400 (1.33 P); generator
+    step 2 P + 3 F = 900; mean (2 x 900 + 8 x 400) / 10 = 500. With AC, P + F = 400 for each
+    forward + backward: (2 x 1100 + 8 x 500) / 10 = 620."""
+    plain, steps = {"fwd_ms": 100.0, "fwd_bwd_ms": 300.0}, list(range(3, 13))
+    assert gpu_check.dmd_network_ms(plain, steps, 5, ac=False) == (500.0, 2)
+    assert gpu_check.dmd_network_ms(plain, steps, 5, ac=True) == (620.0, 2)
+    ref = {"fwd_bwd_ms": 300.0, "fwd_ms": 100.0, "cl_fwd_bwd_ms": 250.0, "cl_mfu": 0.3, "model_tflop": 1.0,
+           "mfu": 0.25, "adamw_ms": 5.0, "vae_ms": 7.0}
+    row = {**gpu_check.blank_result({"run": "dmd_sd15_512px_b32_ac", "world": 1, "expect_s": 70}, "pass", True),
+           "model": "SD-1.5", "step_ms": 682.0, "timed_steps": steps, "ref": "SD-1.5, 512 px, batch 32",
+           "ratio": 5, "ac": True}
+    report = gpu_check.table([row], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
+    assert "| SD-1.5, 512 px, batch 32, channels_last | 250.0 | - | 1.00 | 30.0 % | - | - |" in report
+    assert "| dmd_sd15_512px_b32_ac | 2 + 8 | 620 | 682 | 1.10 | met |" in report
+    slow = gpu_check.table([{**row, "step_ms": 800.0}], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
+    assert "| 620 | 800 | 1.29 | not met |" in slow
+
+
 @pytest.mark.slow
 def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
     out = tmp_path / "out"
@@ -118,3 +174,19 @@ def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
     assert "skipped: needs CUDA" in row and "tiny FLUX" in row
     result = json.loads((out / "gpu_check.json").read_text())["rows"][0]
     assert result["ok"] and result["disk_need_gb"] > 0
+
+
+@pytest.mark.slow
+def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(tmp_path):
+    """The speed suite's CHANNELS_LAST DMD2 row on the tiny SD-1.5 on CPU: the plain reference with
+    its channels_last row, the run's warm-up apart, and the DMD2 bound from the plain rows."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
+                        "--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last", f"--out={out}"], cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (out / "gpu_check.md").read_text()
+    assert "| tiny SD-1.5, 32 px, batch 2, channels_last |" in report
+    row = json.loads((out / "gpu_check.json").read_text())["rows"][0]
+    assert row["ok"] and row["timed_steps"] == list(range(3, 13)) and row["warmup_s"] > 0
+    assert "| dmd_sd15_32px_b32_ac_channels_last | 2 + 8 |" in report

@@ -291,18 +291,21 @@ def test_contradictory_settings_rejected_before_any_work(monkeypatch):
         check_shared_settings(script_constants(vars(train_dmd)))
 
 
-def _fake_score_compute_dtypes(rank, world, fake_fp32):
+def _fake_score_compute_dtypes(rank, world, fake_fp32, attention):
     """Under bf16-mixed, the weights a fake-score block computes with (read inside its forward,
-    where FSDP2 has all-gathered them in the policy's dtype) vs the generator's."""
+    where FSDP2 has all-gathered them in the policy's dtype) vs the generator's, and the dtype of
+    q, k, v at each of their SDPA calls (`attention`: FAKE_SCORE_ATTENTION_DTYPE, "" = bf16)."""
     import fsdp_utils
     import precision as prec
+    from tests.test_attention import SdpaDtypes
     folder = os.path.join(train_dmd.default_paths()[0], "unet")
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     p = prec.get_precision("bf16-mixed")
     models = train_dmd.build_models(folder, mesh, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
                                     block_classes=[], use_gan=False, head_size=8, ema_decay=0.0, seed=0,
-                                    fake_compute=torch.float32 if fake_fp32 else None)
-    seen = {}
+                                    fake_compute=torch.float32 if fake_fp32 else None,
+                                    fake_attention=prec.parse_dtype(attention) if attention else p.compute_dtype)
+    seen, sdpa = {}, {}
     for name in ("generator", "fake"):
         block = next(m for m in models[name].modules() if type(m).__name__.endswith("ResnetBlock2D"))
         def look(m, args, n=name):
@@ -310,21 +313,96 @@ def _fake_score_compute_dtypes(rank, world, fake_fp32):
         block.register_forward_pre_hook(look)
         cfg = models[name].config
         x = torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size)
-        with torch.no_grad():
+        with torch.no_grad(), SdpaDtypes() as mode:
             models[name](x, torch.tensor([500]), torch.randn(1, 4, cfg.cross_attention_dim))
+        sdpa[name] = set(mode.seen)
         fsdp_utils.reshard_all(models[name])  # the root unit keeps its gathered params after forward
         assert all(p.dtype == torch.float32 for p in models[name].parameters())  # storage: fp32 master weights
     want = torch.float32 if fake_fp32 else torch.bfloat16
     assert seen == {"generator": (torch.bfloat16, torch.bfloat16), "fake": (want, want)}, seen
+    fake_sdpa = torch.float32 if fake_fp32 and attention == "fp32" else torch.bfloat16
+    assert sdpa == {"generator": {(torch.bfloat16,) * 3}, "fake": {(fake_sdpa,) * 3}}, sdpa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fake_fp32", [True, False])
-def test_fake_score_computes_in_fp32_as_published(fake_fp32):
+@pytest.mark.parametrize("fake_fp32,attention", [(True, "fp32"), (True, ""), (False, "")])
+def test_fake_score_computes_in_fp32_as_published(fake_fp32, attention):
     """FAKE_SCORE_FP32 (default on): the fake score's units gather and compute in fp32 under
-    bf16-mixed, as the official DM loss runs it; off: in the mode's bf16, like the generator."""
+    bf16-mixed, as the official DM loss runs it, its attention in FAKE_SCORE_ATTENTION_DTYPE
+    (default: the compute dtype, bf16; fp32: as published); off: all in the mode's bf16, like the
+    generator."""
     from tests.conftest import run_ranks
-    run_ranks(_fake_score_compute_dtypes, 2, fake_fp32)
+    run_ranks(_fake_score_compute_dtypes, 2, fake_fp32, attention)
+
+
+def test_fake_score_attention_dtype_reaches_sdpa_and_the_audit():
+    """FAKE_SCORE_ATTENTION_DTYPE under bf16-mixed with the fp32 fake score (whole replicas, as
+    PARALLELISM=ddp builds them): by default ("" = the compute dtype) the fake score's SDPA sees bf16
+    q, k, v while its weights and output are fp32, and the dtype table says so; "fp32" is the
+    published all-fp32 pass; the generator has no cast processor."""
+    import precision as prec
+    from tests.test_attention import SdpaDtypes
+    folder = os.path.join(train_dmd.default_paths()[0], "unet")
+    p = prec.get_precision("bf16-mixed")
+    for attention, want in ((p.compute_dtype, torch.bfloat16), (torch.float32, torch.float32)):
+        models = train_dmd.build_models(folder, None, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
+                                        block_classes=[], use_gan=False, head_size=8, ema_decay=0.0, seed=0,
+                                        fake_compute=torch.float32, fake_attention=attention)
+        fake, cfg = models["fake"], models["fake"].config
+        with SdpaDtypes() as mode, torch.no_grad():
+            out = fake(torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size), torch.tensor([500]),
+                       torch.randn(1, 4, cfg.cross_attention_dim)).sample
+        assert mode.seen and set(mode.seen) == {(want,) * 3}, mode.seen
+        assert out.dtype == torch.float32 and all(q.dtype == torch.float32 for q in fake.parameters())
+        compute = prec.component_row("fake", fake, torch.float32)["compute"]
+        assert compute == ("fp32, attention bf16" if want == torch.bfloat16 else "fp32"), compute
+        assert not any(hasattr(m, "processor") and hasattr(m.processor, "sdpa_dtype")
+                       for m in models["generator"].modules())
+
+
+def test_fake_score_attention_dtype_checked_before_any_work(monkeypatch):
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "bf61")
+    with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE: unknown dtype 'bf61'"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "fp32")  # the UNets' settings, not FLUX's
+    with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE=fp32 with a FluxPipeline teacher"):
+        train_dmd.check_flux_settings("FluxPipeline")
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "")
+    monkeypatch.setattr(train_dmd, "CHANNELS_LAST", True)
+    with pytest.raises(ConfigError, match="CHANNELS_LAST=1 with a FluxPipeline teacher: .* no convolutions"):
+        train_dmd.check_flux_settings("FluxPipeline")
+
+
+def test_channels_last_unet_matches_nchw_to_fp32_rounding():
+    """CHANNELS_LAST (sd_unet.to_channels_last) on a tiny UNet, fp32 forward + backward on CPU: every
+    convolution reads NHWC and the output comes back NHWC. Not bit-identical to NCHW here: oneDNN
+    runs another kernel for NHWC, which sums in another order (measured: 3.5e-6 relative on the
+    output and grads, mkldnn on or off). So both layouts are held to the fp64 result: channels_last
+    is as accurate as NCHW, within a factor 4 of NCHW's own fp32 rounding (measured: at most 1.8)."""
+    import copy
+    from tests.conftest import tiny_unet
+
+    def fwd_bwd(unet, dtype=torch.float32):
+        unet = unet.to(dtype)
+        g = torch.Generator().manual_seed(0)
+        x, text = torch.randn(2, 4, 8, 8, generator=g).to(dtype), torch.randn(2, 6, 32, generator=g).to(dtype)
+        out = unet(x, torch.tensor([10, 500]), text).sample
+        out.square().mean().backward()
+        return [out.detach()] + [p.grad for p in unet.parameters()]
+
+    base = tiny_unet()
+    nhwc = sd_unet.to_channels_last(copy.deepcopy(base))
+    layouts = []  # what each conv reads, seen after to_channels_last's hook (hooks run in order)
+    for m in nhwc.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_pre_hook(lambda m, a: layouts.append(a[0].is_contiguous(
+                memory_format=torch.channels_last)))
+    got, want, exact = fwd_bwd(nhwc), fwd_bwd(copy.deepcopy(base)), fwd_bwd(copy.deepcopy(base), torch.float64)
+    assert layouts and all(layouts) and got[0].is_contiguous(memory_format=torch.channels_last)
+
+    def rel(a, b):
+        return max(float((x.double() - y).norm() / y.norm()) for x, y in zip(a, b))
+    assert rel(got, exact) <= 4 * rel(want, exact), (rel(got, exact), rel(want, exact))
 
 
 # ----------------------------------------------------------------------------------------------

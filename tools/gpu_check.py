@@ -25,10 +25,12 @@ step under torch.profiler, its table in profile_*.txt). A row starts only when i
 one still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
 deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
 
-Every row shows its model, its step time (the mean of the steps after the first two) as "x plain", its
-MFU (model FLOPs: the trained networks' forward + backward, no VAE, no recomputation, against the peak
-of the dtype used), its peak CUDA memory against the planner's, its disk need against the free space,
-and its seconds against the expected. Exit 0 when every row passed (or was skipped for want of CUDA)
+Every row shows its model, its step time (the mean of the steps after the first two, whose warm-up
+seconds and, under COMPILE=1, compile seconds are shown apart) as "x plain", its MFU (model FLOPs: the
+trained networks' forward + backward, no VAE, no recomputation, against the peak of the dtype used),
+its peak CUDA memory against the planner's, its disk need against the free space, and its seconds
+against the expected; each DMD2 UNet row is also set against the plain-eager time of its network
+calls (dmd_network_ms) with the goal DMD_GOAL. Exit 0 when every row passed (or was skipped for want of CUDA)
 and tests/test_gpu.py passed. Output (at most 8 files): gpu_check.md (the table), gpu_check.json,
 runs.log (every run's output, tracebacks included), test_gpu.log, build.log, and with --suite=speed
 profile_dmd_sd15_*.txt.
@@ -59,6 +61,7 @@ END_RESERVE_S = 15  # kept back from the deadline: the table, stopping the tests
 # before the first row on an H100: wheels, imports, the build (~17 s), sizing, the planner's start
 STARTUP_EXPECT_S = 45
 REF_EXPECT_S = 15  # one plain reference on an H100: load, 7 timed forward + backward, AdamW, VAE encode
+COMPILE_DMD_EXPECT_S = 300  # DMD2 SD-1.5 under COMPILE=1: ~27 graphs (docs/gpu.md) with AC, then 5 timed steps
 TEST_WORKERS = 3  # tests/test_gpu.py's launches side by side (pytest-xdist): ~100 s instead of ~280 s
 
 
@@ -372,12 +375,23 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
         out.float().square().mean().backward()
         model.zero_grad(set_to_none=False)
 
-    out = {"fwd_bwd_ms": _timed(fwd_bwd, device)}
+    def fwd():
+        with torch.no_grad():
+            model(**args, return_dict=False)
+
+    out = {"fwd_bwd_ms": _timed(fwd_bwd, device), "fwd_ms": _timed(fwd, device)}
     flops = {k: 3 * n for k, n in _model_flops(lambda: model(**args, return_dict=False)).items()}
     peaks = peak_tflops(device)
     out["model_tflop"] = sum(flops.values()) / 1e12
-    out["mfu"] = (sum(n / (peaks[k] * 1e12) for k, n in flops.items()) / (out["fwd_bwd_ms"] / 1000)
-                  if peaks else float("nan"))
+
+    def mfu(ms):
+        return sum(n / (peaks[k] * 1e12) for k, n in flops.items()) / (ms / 1000) if peaks else float("nan")
+    out["mfu"] = mfu(out["fwd_bwd_ms"])
+    if kind != "flux":  # the UNet as CHANNELS_LAST runs it (sd_unet.to_channels_last): NHWC conv inputs
+        from families.sd_unet import to_channels_last
+        to_channels_last(model)
+        out["cl_fwd_bwd_ms"] = _timed(fwd_bwd, device)
+        out["cl_mfu"] = mfu(out["cl_fwd_bwd_ms"])
     master = [p.detach().float().requires_grad_() for p in model.parameters()]
     model = args = None  # free the bf16 model before the fp32 AdamW state
     for p in master:
@@ -464,7 +478,8 @@ def blank_result(row: dict, status: str, ok: bool) -> dict:
     """A row's result before (or without) running it; `ok`: whether it counts as passed."""
     return {"run": row["run"], "model": model_label(row.get("size")), "world": row["world"], "status": status,
             "ok": ok, "resume_export": "-", "wall_s": float("nan"), "expect_s": row["expect_s"],
-            "disk_need_gb": float("nan"), "disk_free_gb": float("nan"), **{k: float("nan") for k in METRICS}}
+            "disk_need_gb": float("nan"), "disk_free_gb": float("nan"), "warmup_s": float("nan"),
+            "compile_s": float("nan"), "timed_steps": [], **{k: float("nan") for k in METRICS}}
 
 
 def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Deadline) -> dict:
@@ -479,7 +494,11 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         records = [json.loads(line) for line in open(path) if '"step_ms"' in line]
-    later = records[2:] or records
+    warm, later = timed_window(records, row["warmup"], finished=rc == 0)
+    result["warmup_s"] = sum(r["step_ms"] for r in warm) / 1000
+    result["timed_steps"] = [int(r["step"]) for r in later]
+    if s["extra"].get("compile"):  # this launch's output: after its "===== <command>" line (a cut adds "===== killed")
+        result["compile_s"] = compile_seconds(open(log).read().rsplit("\n===== --", 1)[-1])
     if later:  # the mean over whole DMD2 cycles (steps 3-12 at ratio 5: 2 generator + 8 fake-score steps)
         result["step_ms"] = statistics.mean(r["step_ms"] for r in later)
         for k_out, k_in in (("mfu", "mfu"), ("hfu", "hfu"), ("model_tflop", "model_tflop"),
@@ -511,6 +530,40 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
     return result
 
 
+def timed_window(records: list[dict], warmup: int, finished: bool) -> tuple[list[dict], list[dict]]:
+    """(warm-up records, timed records) of a run's per-step records: the first `warmup` steps (the
+    first steps' allocations, cuDNN's autotuning and, under COMPILE, every graph's compilation) are
+    not timed. A finished run with no step past them (a 2-step probe) is timed over all its steps;
+    one cut before its timed window has none."""
+    if len(records) > warmup or not finished:
+        return records[:warmup], records[warmup:]
+    return [], records
+
+
+def compile_seconds(log: str) -> float:
+    """The seconds torch.compile spent in a run, from its last compile report in `log`
+    (parallel/compile.compile_report: "... (12.3 s compiling)"); NaN when there is none."""
+    import re
+    found = re.findall(r"\(([0-9.]+) s compiling\)", log)
+    return float(found[-1]) if found else float("nan")
+
+
+def dmd_network_ms(plain: dict, steps: list[int], ratio: int, ac: bool) -> tuple[float, int]:
+    """(ms per step, generator steps) of the network calls of DMD2 `steps` at plain-eager speed, from
+    the plain reference's forward without grad F and forward + backward P at the row's batch (plain
+    eager, no FSDP, no optimizer, no text encoder). A fake-score step runs the generator without
+    grad and the fake score forward + backward: F + P (1.33 P at F = P / 3). A generator step (steps
+    where dm.should_update_generator(step - 1, ratio), as train_dmd.py's loop decides) adds the
+    generator's own forward + backward, the teacher's CFG pair and the fake score's DM-loss forward,
+    and needs no generator forward without grad: 2 P + 3 F. With activation checkpointing every
+    forward + backward recomputes its forward: P + F in place of P. The mean over `steps`."""
+    from algorithms.dmd2 import should_update_generator
+    f, p = plain["fwd_ms"], plain["fwd_bwd_ms"] + (plain["fwd_ms"] if ac else 0.0)
+    gen = sum(should_update_generator(step - 1, ratio) for step in steps)
+    total = gen * (2 * p + 3 * f) + (len(steps) - gen) * (f + p)
+    return total / max(len(steps), 1), gen
+
+
 def export_loads(run_dir: str, kind: str, s: dict) -> bool:
     import diffusers
     export = os.path.join(run_dir, "export")
@@ -537,17 +590,18 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     sd, lo, hi = (32, 32, 64) if tiny else (512, 512, 1024)
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
-    def row(name, script, kind, res, expect_s, **s):
+    def row(name, script, kind, res, expect_s, warmup=2, **s):
         extra, steps = s.pop("extra", {}), 6
-        if script == "train_dmd.py":
-            extra, steps = {"dfake_gen_update_ratio": 5, **extra}, 12
+        if script == "train_dmd.py":  # two whole cycles timed after the warm-up (COMPILE: one)
+            extra, steps = {"dfake_gen_update_ratio": 5, **extra}, warmup + (5 if extra.get("compile") else 10)
         profile = s.pop("profile", None)  # (first, last): PROFILE_STEPS, the run ends with the window
         if profile:
             extra, steps = {**extra, "profile_steps": f"[{profile[0]},{profile[1]}]"}, profile[1]
         probe = s.pop("probe", False)
         export_dtype = s.pop("export_dtype", "bf16" if script == "train_flux_kontext.py" else "fp32")
         return {"run": name, "script": script, "kind": kind, "world": 1, "resume": s.pop("resume", False),
-                "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "expect_s": expect_s,
+                "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "warmup": warmup,
+                "expect_s": expect_s,
                 # the x-plain columns: the Kontext rows (their plain model is the trained transformer)
                 "ref": script == "train_flux_kontext.py" or suite == "speed",
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
@@ -564,12 +618,24 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"kontext_{hi}px_full_compile", kontext, "flux", hi, 80, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_ac_compile", kontext, "flux", hi, 80, ac=True, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_cache_latents", kontext, "flux", hi, 50, extra={"cache_latents": 1}),
+                   # the default: the fp32 fake score with its attention in bf16 (FAKE_SCORE_ATTENTION_DTYPE)
                    row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 70, batch_size=b32, ac=True),
+                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_attention", dmd, "sd15", sd, 90, batch_size=b32, ac=True,
+                       extra={"fake_score_attention_dtype": "fp32"}),  # the published all-fp32 fake score
+                   row(f"dmd_sd15_{sd}px_b32_ac_bf16_fake", dmd, "sd15", sd, 60, batch_size=b32, ac=True,
+                       extra={"fake_score_fp32": 0}),
+                   row(f"dmd_sd15_{sd}px_b32_ac_channels_last", dmd, "sd15", sd, 70, batch_size=b32, ac=True,
+                       extra={"channels_last": 1}),
                    # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt
                    row(f"dmd_sd15_{sd}px_b32_ac_profiled", dmd, "sd15", sd, 70, batch_size=b32, ac=True,
                        profile=(6, 7)),
-                   row(f"dmd_sd15_{sd}px_b32_ac_compile", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
-                       extra={"compile": 1}),
+                   # COMPILE: the first 2 steps (a generator and a fake-score step) compile every graph and are
+                   # not timed; their seconds and the compile report's are columns apart. One call each:
+                   # --runs=dmd_sd15_512px_b32_ac_compile (the expectation is a guess until a GPU has run it)
+                   row(f"dmd_sd15_{sd}px_b32_ac_compile", dmd, "sd15", sd, COMPILE_DMD_EXPECT_S, batch_size=b32,
+                       ac=True, extra={"compile": 1}),
+                   row(f"dmd_sd15_{sd}px_b32_ac_compile_channels_last", dmd, "sd15", sd, COMPILE_DMD_EXPECT_S,
+                       batch_size=b32, ac=True, extra={"compile": 1, "channels_last": 1}),
                    row(f"dmd_sd15_{sd}px_b4_ddp_bf16", dmd, "sd15", sd, 60, batch_size=4, precision="bf16",
                        extra={"parallelism": "ddp"}),
                    row(f"dmd_kontext_{hi}px_4step_ac", dmd, "flux", hi, 70, ac=True, export_dtype="bf16",
@@ -590,6 +656,15 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     ]
 
 
+def select_runs(rows: list[dict], spec: str) -> list[dict]:
+    """--runs: each comma-separated key keeps the row of that exact name, or where no row has it,
+    every row whose name contains it ("" = all), e.g. dmd_sd15_512px_b32_ac is that one row while
+    b32_ac keeps every DMD2 batch-32 row."""
+    names = {r["run"] for r in rows}
+    keys = [k for k in spec.split(",") if k]
+    return [r for r in rows if not keys or any(k == r["run"] or (k not in names and k in r["run"]) for k in keys)]
+
+
 # ----------------------------------------------------------------------------------------------
 # the table
 
@@ -598,21 +673,27 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None or v != v else format(v, spec)
 
 
+DMD_GOAL = 1.2  # the default DMD2 step against the plain-eager time of its network calls (dmd_network_ms)
+
+
 def table(rows: list[dict], refs: dict, header: list[str]) -> str:
     lines = header + ["", "plain reference (bf16 weights, forward + backward, no FSDP, no optimizer; AdamW and VAE "
-                          "apart):", "",
-                      "| model | fwd+bwd ms | model TFLOP | MFU | fused AdamW ms | VAE encode ms |",
-                      "|---|---:|---:|---:|---:|---:|"]
+                          "apart; the UNet's channels_last row: NHWC conv inputs, as CHANNELS_LAST runs it):", "",
+                      "| model | fwd+bwd ms | fwd ms (no grad) | model TFLOP | MFU | fused AdamW ms | VAE encode ms |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
     for key, r in refs.items():
         if "error" in r:
-            lines.append(f"| {key} | {r['error']} | | | | |")
+            lines.append(f"| {key} | {r['error']} | | | | | |")
             continue
-        lines.append(f"| {key} | {r['fwd_bwd_ms']:.1f} | {r['model_tflop']:.2f} | {_fmt(100 * r['mfu'], '.1f')} % | "
-                     f"{r['adamw_ms']:.1f} | {r['vae_ms']:.1f} |")
+        lines.append(f"| {key} | {r['fwd_bwd_ms']:.1f} | {r['fwd_ms']:.1f} | {r['model_tflop']:.2f} | "
+                     f"{_fmt(100 * r['mfu'], '.1f')} % | {r['adamw_ms']:.1f} | {r['vae_ms']:.1f} |")
+        if "cl_fwd_bwd_ms" in r:
+            lines.append(f"| {key}, channels_last | {r['cl_fwd_bwd_ms']:.1f} | - | {r['model_tflop']:.2f} | "
+                         f"{_fmt(100 * r['cl_mfu'], '.1f')} % | - | - |")
     lines += ["", "| run | model | step ms | x plain fwd+bwd | x plain fwd+bwd+AdamW+VAE | MFU | HFU | "
                   "model TFLOP/step | peak alloc GiB | peak reserved GiB | planned GiB | error % | "
-                  "disk GB need / free | s / expected | train | resume/export |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+                  "disk GB need / free | s / expected | warm-up s (not timed) | compile s | train | resume/export |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ref = refs.get(r.get("ref", ""), {})
         plain = ref.get("fwd_bwd_ms")
@@ -624,8 +705,32 @@ def table(rows: list[dict], refs: dict, header: list[str]) -> str:
                      f"{_fmt(r['model_tflop'], '.2f')} | {_fmt(r['allocated_gib'], '.2f')} | "
                      f"{_fmt(r['reserved_gib'], '.2f')} | {_fmt(r['planned_gib'], '.2f')} | {_fmt(err, '+.1f')} | "
                      f"{_fmt(r['disk_need_gb'], '.3g')} / {_fmt(r['disk_free_gb'], '.1f')} | "
-                     f"{_fmt(r['wall_s'], '.0f')} / {r['expect_s']:.0f} | {r['status']} | {r['resume_export']} |")
-    return "\n".join(lines)
+                     f"{_fmt(r['wall_s'], '.0f')} / {r['expect_s']:.0f} | {_fmt(r.get('warmup_s'), '.1f')} | "
+                     f"{_fmt(r.get('compile_s'), '.1f')} | {r['status']} | {r['resume_export']} |")
+    return "\n".join(lines + dmd_bound_lines(rows, refs))
+
+
+def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
+    """The DMD2 UNet rows against the plain-eager time of the same network calls (dmd_network_ms, from
+    the plain rows at the row's batch), the ratio and the goal: the default step <= DMD_GOAL x."""
+    lines = []
+    for r in rows:
+        ref = refs.get(r.get("ref", ""), {})
+        if not r.get("ratio") or "fwd_ms" not in ref or "flux" in r["model"].lower() or not r.get("timed_steps"):
+            continue
+        ms, gen = dmd_network_ms(ref, r["timed_steps"], int(r["ratio"]), r.get("ac", False))
+        n, ratio = len(r["timed_steps"]), r["step_ms"] / ms
+        lines.append(f"| {r['run']} | {gen} + {n - gen} | {ms:.0f} | {_fmt(r['step_ms'], '.0f')} | {ratio:.2f} | "
+                     f"{'met' if ratio <= DMD_GOAL else 'not met'} |")
+    if not lines:
+        return []
+    return ["", f"DMD2 against its network calls at plain-eager speed (goal: the default step <= {DMD_GOAL} x): "
+                "a fake-score step = F + P (the generator without grad, the fake score forward + backward), a "
+                "generator step = 2 P + 3 F (generator and fake score forward + backward, the teacher's CFG pair, "
+                "the DM loss's fake forward); P = plain fwd+bwd (+ F with AC's recomputation), F = plain fwd "
+                "without grad, at the row's batch; the timed steps' own mix of generator and fake-score steps", "",
+            "| run | generator + fake-score steps timed | network calls ms/step | step ms | ratio | goal |",
+            "|---|---:|---:|---:|---:|---|", *lines]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,7 +842,7 @@ def main() -> None:
                     help=f"seconds for everything from the start; rows that do not fit are not started, runs "
                          f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
-    ap.add_argument("--runs", default="", help="comma-separated parts of run names to keep ('' = all)")
+    ap.add_argument("--runs", default="", help="comma-separated run names, or parts of names, to keep ('' = all)")
     ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed"),
                     help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile)")
     a = ap.parse_args()
@@ -763,7 +868,7 @@ def main() -> None:
                 + f", diffusers {diffusers.__version__}")
     tests = None if a.skip_tests else start_tests(a.out)
     t = time.monotonic()
-    runs = [r for r in plan_runs(a.tiny, a.suite) if not a.runs or any(k in r["run"] for k in a.runs.split(","))]
+    runs = select_runs(plan_runs(a.tiny, a.suite), a.runs)
     folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks)
     data = {}
     for r in runs:
@@ -832,7 +937,8 @@ def main() -> None:
                     deadline.record(r["expect_s"], result["wall_s"])
             result["disk_free_gb"] = free / GB
         result["disk_need_gb"] = peaks[r["run"]] / GB
-        rows.append({**result, "ref": r["ref"], "full": r["full"]})
+        rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
+                     "ratio": r["settings"]["extra"].get("dfake_gen_update_ratio")})
         print(f"{r['run']}: {result}", flush=True)
 
     tests_ok, tests_line = finish_tests(tests, a.out, deadline.left())
