@@ -840,6 +840,9 @@ def check_qwen_settings(pipeline: str) -> None:
         ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three Qwen-Image transformers are sharded (PARALLELISM=fsdp)"),
         ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a generator from a checkpoint with INIT_FROM"),
         ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN is off for Qwen-Image-Edit"),
+        (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
+         "the UNets' setting; the Qwen-Image fake score's dtype is FAKE_SCORE_FP32's"),
+        ("CHANNELS_LAST=1", CHANNELS_LAST, "the Qwen-Image transformer has no convolutions to lay out"),
     ]
     for name, bad, why in refused:
         if bad:
