@@ -27,6 +27,14 @@ def test_smaller_blocks_halve_to_one_of_each():
     assert sizes == [(19, 38), (9, 19), (4, 9), (2, 4), (1, 2), (1, 1)]
 
 
+def test_smaller_qwen_blocks_halve_to_one():
+    sizes, size = [], 4
+    while size:
+        sizes.append(size)
+        size = gpu_check.smaller_qwen_blocks(size)
+    assert sizes == [4, 2, 1]
+
+
 def _rows(*specs):
     return [{"run": name, "size": size, "resume": False} for name, size in specs]
 
@@ -56,7 +64,7 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     as the scripts' preflight counts it) and its export on disk, 23.4 GB are free, too little for the
     second checkpoint its resume writes. Sized before the rows (that row's output not yet written,
     nor the 2+4 transformer folder), the check gives that row 1+2 blocks and keeps every other row."""
-    rows = gpu_check.plan_runs(tiny=False)
+    rows = [r for r in gpu_check.plan_runs(tiny=False) if r["kind"] != "qwen"]  # the Qwen rows: a call of their own
     folders = {"sd15": os.path.join(gpu_check.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
     for r in rows:
         r["size"] = "sd15" if r["kind"] == "sd15" else (2, 4)
@@ -84,6 +92,35 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     assert choice == {r["run"]: (1, 2) if r is dmd else r["size"] for r in rows}
 
 
+def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp_path):
+    """Qwen-Image-Edit at 4 blocks of real width (1.4 B parameters): the 512 px full fine-tune's
+    checkpoint (fp32 weights and AdamW's two moments) is 16.8 GB and its resume needs two of them
+    beside the 2.8 GB export; the 1024 px LoRA row's adapters are megabytes. With 40 GB to spare and
+    no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4."""
+    rows = [r for r in gpu_check.plan_runs(tiny=False) if r["kind"] == "qwen"]
+    assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full"]
+    lora, full = rows
+    for r in rows:
+        r["size"] = 4
+    assert lora["settings"]["extra"]["reference_area"] == 1024 ** 2  # the pipeline's VAE_IMAGE_SIZE
+    assert full["resume"] and full["settings"]["extra"]["condition_area"] == 384 ** 2  # its CONDITION_IMAGE_SIZE
+    one, export = gpu_check.row_bytes(full, gpu_check.qwen_skeleton(str(tmp_path), 4, None))
+    assert (_gb(one), _gb(export)) == ("16.8 GB", "2.8 GB")
+    assert gpu_check.row_bytes(lora, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0] < 0.1 * gpu_check.GB
+
+    def need(r, blocks):
+        return gpu_check.peak_disk(*gpu_check.row_bytes(r, gpu_check.qwen_skeleton(str(tmp_path), blocks, None)),
+                                   r["resume"])
+
+    def folder_cost(blocks):
+        return gpu_check.folder_bytes(gpu_check.qwen_skeleton(str(tmp_path), blocks, None))
+
+    choice = gpu_check.fit_to_disk(rows, 40 * gpu_check.GB + gpu_check.HEADROOM, need, folder_cost,
+                                   lambda r, z: gpu_check.smaller_qwen_blocks(z))
+    assert choice == {lora["run"]: 4, full["run"]: 2}
+    assert gpu_check.model_label(2) == "Qwen-Image-Edit 2 blocks"
+
+
 def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
     deadline = gpu_check.Deadline(100 + gpu_check.END_RESERVE_S, time.monotonic())
     assert deadline.fits(90) and not deadline.fits(110)
@@ -93,28 +130,44 @@ def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
     assert deadline.scale() == 0.5
 
 
-def test_the_acceptance_rows_fit_one_device_call():
-    """Their expected seconds on an H100, the start-up and the plain references fit the deadline
-    with the end's reserve kept, and the deadline plus that reserve fit the 9.5 minutes of one call."""
+def test_the_acceptance_rows_fit_two_device_calls():
+    """The rows of each call (--runs=kontext,dmd; --runs=qwen_edit, together every row once): their
+    expected seconds on an H100, the start-up and the plain references fit the deadline with the
+    end's reserve kept, and the deadline plus that reserve fit the 9.5 minutes of one call."""
     rows = gpu_check.plan_runs(tiny=False)
-    refs = {(r["settings"]["resolution"], r["settings"]["batch_size"]) for r in rows if r["ref"]}
-    expected = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S * len(refs) + sum(r["expect_s"] for r in rows)
-    assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+    calls = [[r for r in rows if any(k in r["run"] for k in runs.split(","))]
+             for runs in ("kontext,dmd", gpu_check.QWEN_CALL)]
+    assert sorted(r["run"] for call in calls for r in call) == sorted(r["run"] for r in rows)
+    for call in calls:
+        refs = {(r["kind"], r["settings"]["resolution"], r["settings"]["batch_size"]) for r in call if r["ref"]}
+        expected = (gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S * len(refs)
+                    + sum(r["expect_s"] for r in call))
+        assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
     assert gpu_check.CALL_S + gpu_check.END_RESERVE_S <= 9.5 * 60
     assert [r["run"] for r in rows if r["gpu_only"]] == ["kontext_1024px_lora16_cudnn_attention_probe"]
 
 
 @pytest.mark.slow
 def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
+    """The probe (skipped on CPU) and the tiny Qwen-Image-Edit rows: LoRA with two references, the
+    full fine-tune saved, resumed, exported and loaded with QwenImageEditPlusPipeline, each beside
+    its plain reference."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--runs=cudnn_attention_probe", f"--out={out}"], cwd=ROOT, env=launch_env(),
-                       capture_output=True, text=True, timeout=600)
+                        f"--runs=cudnn_attention_probe,{gpu_check.QWEN_CALL}", f"--out={out}"], cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = (out / "gpu_check.md").read_text()
     assert report.startswith("GPU check on CPU: torch ")
     assert f"disk: {out}" in report and "GB free of" in report
     row = next(line for line in report.splitlines() if "cudnn_attention_probe" in line)
     assert "skipped: needs CUDA" in row and "tiny FLUX" in row
-    result = json.loads((out / "gpu_check.json").read_text())["rows"][0]
-    assert result["ok"] and result["disk_need_gb"] > 0
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["rows"][0]["ok"] and result["rows"][0]["disk_need_gb"] > 0
+    qwen = {row["run"]: row for row in result["rows"][1:]}
+    assert list(qwen) == ["qwen_edit_64px_lora16_2refs", "qwen_edit_32px_full"]
+    assert all(row["ok"] and row["status"] == "pass" and row["model"] == "tiny Qwen-Image-Edit"
+               and row["step_ms"] > 0 for row in qwen.values())
+    assert qwen["qwen_edit_32px_full"]["resume_export"] == "pass"
+    refs = result["refs"]
+    assert {row["ref"] for row in qwen.values()} == set(refs) and all(ref["fwd_bwd_ms"] > 0 for ref in refs.values())
