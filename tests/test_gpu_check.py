@@ -121,6 +121,25 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
     assert gpu_check.model_label(2) == "Qwen-Image-Edit 2 blocks"
 
 
+def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
+    """The plain reference's prompt length is the length of what the pipeline's encode_prompt returns
+    for the dataset's first prompt with its two references at the pipeline's 384^2 (what the run's
+    text cache holds): 2 x 196 image tokens besides the template and the prompt."""
+    import torch
+
+    from families import qwen_image as qi
+    from tools import tiny_models
+    model, data = tiny_models.ensure_default("qwen_image_edit")
+    data = os.path.join(data, "data.jsonl")
+    with open(data) as f:
+        row = json.loads(f.readline())
+    pipe = qi.load_text_encoder(str(model), torch.float32, torch.device("cpu"))
+    area = 384 * 384
+    images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)], area)
+    embeds, _ = pipe.encode_prompt(prompt=[row["prompt"]], image=images, device=torch.device("cpu"))
+    assert gpu_check.qwen_text_tokens(str(model), data, area) == embeds.shape[1]
+
+
 def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
     deadline = gpu_check.Deadline(100 + gpu_check.END_RESERVE_S, time.monotonic())
     assert deadline.fits(90) and not deadline.fits(110)

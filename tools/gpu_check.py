@@ -8,21 +8,25 @@ What it does, in order, under one deadline (--deadline_s; gpu_check.sh counts it
 tests/test_gpu.py starts in the background (three at a time where pytest-xdist is installed) while the
 models are built (random weights: SD-1.5's UNet, VAE and CLIP at their real configs; FLUX.1 Kontext's
 transformer at real width with --flux_blocks double + single blocks, its real VAE, CLIP-L and a
-one-layer T5 of the real width). Then every row is sized to the disk: one checkpoint of its trained
-models and optimizers (checkpoint.checkpoint_bytes, the models built on meta as tools/memory_plan.py
-builds them) and its export (components.export.export_bytes), two checkpoints and the export for a
-row that resumes, against the free space of --out less the model folders still to be written and
-HEADROOM. A FLUX row that does not fit gets a transformer with half the blocks (again, until it
-fits); any other row is not run and says why. The planner's GPU totals are computed meanwhile in a
-background process. Then the plain-PyTorch reference of the Kontext rows' transformer (bf16 weights,
-forward + backward, no FSDP, no optimizer; apart, the fused AdamW step over its fp32 parameters and
-the VAE encode of a step's images). Then the rows in order of value (plan_runs): Kontext 1024 px full
-fine-tune (save -> resume -> export -> load), DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a
-cuDNN-attention probe, Kontext NF4 LoRA + adamw8bit, DMD2 with a Kontext teacher (resume), Kontext
-LoRA under COMPILE=1 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score
-step under torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds
-(each row's expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left;
-one still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
+one-layer T5 of the real width; Qwen-Image-Edit-2509's transformer at real width with --qwen_blocks
+blocks, its real VAE and a one-layer Qwen2.5-VL of the real width). Then every row is sized to the
+disk: one checkpoint of its trained models and optimizers (checkpoint.checkpoint_bytes, the models
+built on meta as tools/memory_plan.py builds them) and its export (components.export.export_bytes),
+two checkpoints and the export for a row that resumes, against the free space of --out less the
+model folders still to be written and HEADROOM. A FLUX or Qwen-Image-Edit row that does not fit
+gets half the blocks (again, until it fits); any other row is not run and says why. The planner's
+GPU totals are computed meanwhile in a background process. Then the plain-PyTorch reference of the
+Kontext and Qwen-Image-Edit rows' transformer (bf16 weights, forward + backward, no FSDP, no optimizer;
+apart, the fused AdamW step over its fp32 parameters and the VAE encode of a step's images). Then the
+rows in order of value (plan_runs): Kontext 1024 px full fine-tune (save -> resume -> export -> load),
+DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a cuDNN-attention probe, Kontext NF4 LoRA +
+adamw8bit, DMD2 with a Kontext teacher (resume), Kontext LoRA under COMPILE=1, Qwen-Image-Edit LoRA at
+1024 px with two references, its 512 px full fine-tune (resume, export loaded as the pipeline); the
+Qwen-Image-Edit rows are a second call (--runs=qwen_edit; the first: --runs=kontext,dmd)
+(--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score step under
+torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds (each row's
+expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left; one
+still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
 deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
 
 Every row shows its model, its step time (the mean of the steps after the first two) as "x plain", its
@@ -256,10 +260,27 @@ def qwen_pairs(root: str, size: int) -> str:
     return os.path.join(folder, "data.jsonl")
 
 
-def qwen_text_tokens(condition_area: int, references: int = 2) -> int:
-    """The Qwen2.5-VL prompt's length as tools/memory_plan.py plans it (QWEN_TEXT_TOKENS), at
-    `condition_area`: per reference its merged 28 px cells and 7 template tokens, 64 + 5 besides."""
-    return references * (round(condition_area ** 0.5 / 28) ** 2 + 7) + 64 + 5
+def qwen_text_tokens(folder: str, data: str, condition_area: int) -> int:
+    """The length of the prompt embeddings the run trains on: the first sample's prompt with its
+    references (each at `condition_area`) through the pipeline's template and processor, less the
+    system prompt's tokens it drops (encode_prompt without the encoder; the samples' prompts differ
+    by a word at most)."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2Tokenizer
+
+    from families import qwen_image as qi
+    with open(data) as f:
+        row = json.loads(f.readline())
+    pipe = QwenImageEditPlusPipeline(scheduler=None, vae=None, transformer=None, text_encoder=None,
+                                     tokenizer=Qwen2Tokenizer.from_pretrained(os.path.join(folder, "tokenizer")),
+                                     processor=qi.load_processor(os.path.join(folder, "processor")))
+    images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)],
+                                 condition_area)
+    # the pipeline's _get_qwen_prompt_embeds: "Picture i: " and the image's tokens before the prompt
+    pictures = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(len(images)))
+    ids = pipe.processor(text=[pipe.prompt_template_encode.format(pictures + row["prompt"])], images=images,
+                         return_tensors="pt")["input_ids"]
+    return ids.shape[1] - pipe.prompt_template_encode_start_idx
 
 
 def datasets(root: str, size: int) -> tuple[str, str]:
@@ -984,7 +1005,7 @@ def main() -> None:
         text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
         references = ()
         if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
-            text_len = qwen_text_tokens(s["extra"]["condition_area"])
+            text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
             references = (round(s["extra"]["reference_area"] ** 0.5),) * 2
         try:
             refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device,
