@@ -28,6 +28,14 @@ def test_smaller_blocks_halve_to_one_of_each():
     assert sizes == [(19, 38), (9, 19), (4, 9), (2, 4), (1, 2), (1, 1)]
 
 
+def test_smaller_qwen_blocks_halve_to_one():
+    sizes, size = [], 4
+    while size:
+        sizes.append(size)
+        size = gpu_check.smaller_qwen_blocks(size)
+    assert sizes == [4, 2, 1]
+
+
 def _rows(*specs):
     return [{"run": name, "size": size, "resume": False} for name, size in specs]
 
@@ -85,6 +93,54 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     assert choice == {r["run"]: (1, 2) if r is dmd else r["size"] for r in rows}
 
 
+def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp_path):
+    """Qwen-Image-Edit at 4 blocks of real width (1.4 B parameters): the 512 px full fine-tune's
+    checkpoint (fp32 weights and AdamW's two moments) is 16.8 GB and its resume needs two of them
+    beside the 2.8 GB export; the 1024 px LoRA row's adapters are megabytes. With 40 GB to spare and
+    no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4."""
+    rows = gpu_check.plan_runs(tiny=False, suite="qwen")
+    assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full"]
+    lora, full = rows
+    for r in rows:
+        r["size"] = 4
+    assert lora["settings"]["extra"]["reference_area"] == 1024 ** 2  # the pipeline's VAE_IMAGE_SIZE
+    assert full["resume"] and full["settings"]["extra"]["condition_area"] == 384 ** 2  # its CONDITION_IMAGE_SIZE
+    one, export = gpu_check.row_bytes(full, gpu_check.qwen_skeleton(str(tmp_path), 4, None))
+    assert (_gb(one), _gb(export)) == ("16.8 GB", "2.8 GB")
+    assert gpu_check.row_bytes(lora, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0] < 0.1 * gpu_check.GB
+
+    def need(r, blocks):
+        return gpu_check.peak_disk(*gpu_check.row_bytes(r, gpu_check.qwen_skeleton(str(tmp_path), blocks, None)),
+                                   r["resume"])
+
+    def folder_cost(blocks):
+        return gpu_check.folder_bytes(gpu_check.qwen_skeleton(str(tmp_path), blocks, None))
+
+    choice = gpu_check.fit_to_disk(rows, 40 * gpu_check.GB + gpu_check.HEADROOM, need, folder_cost,
+                                   lambda r, z: gpu_check.smaller_qwen_blocks(z))
+    assert choice == {lora["run"]: 4, full["run"]: 2}
+    assert gpu_check.model_label(2) == "Qwen-Image-Edit 2 blocks"
+
+
+def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
+    """The plain reference's prompt length is the length of what the pipeline's encode_prompt returns
+    for the dataset's first prompt with its two references at the pipeline's 384^2 (what the run's
+    text cache holds): 2 x 196 image tokens besides the template and the prompt."""
+    import torch
+
+    from families import qwen_image as qi
+    from tools import tiny_models
+    model, data = tiny_models.ensure_default("qwen_image_edit")
+    data = os.path.join(data, "data.jsonl")
+    with open(data) as f:
+        row = json.loads(f.readline())
+    pipe = qi.load_text_encoder(str(model), torch.float32, torch.device("cpu"))
+    area = 384 * 384
+    images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)], area)
+    embeds, _ = pipe.encode_prompt(prompt=[row["prompt"]], image=images, device=torch.device("cpu"))
+    assert gpu_check.qwen_text_tokens(str(model), data, area) == embeds.shape[1]
+
+
 def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
     deadline = gpu_check.Deadline(100 + gpu_check.END_RESERVE_S, time.monotonic())
     assert deadline.fits(90) and not deadline.fits(110)
@@ -94,13 +150,16 @@ def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
     assert deadline.scale() == 0.5
 
 
-def test_the_acceptance_rows_fit_one_device_call():
-    """Their expected seconds on an H100, the start-up and the plain references fit the deadline
-    with the end's reserve kept, and the deadline plus that reserve fit the 9.5 minutes of one call."""
+def test_the_acceptance_rows_and_the_qwen_rows_each_fit_one_device_call():
+    """The rows of each call (the acceptance suite; --suite=qwen): their expected seconds on an H100, the
+    start-up and the plain references fit the deadline with the end's reserve kept, and the deadline
+    plus that reserve fit the 9.5 minutes of one call."""
     rows = gpu_check.plan_runs(tiny=False)
-    refs = {(r["settings"]["resolution"], r["settings"]["batch_size"]) for r in rows if r["ref"]}
-    expected = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S * len(refs) + sum(r["expect_s"] for r in rows)
-    assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+    for call in (rows, gpu_check.plan_runs(tiny=False, suite="qwen")):
+        refs = {(r["kind"], r["settings"]["resolution"], r["settings"]["batch_size"]) for r in call if r["ref"]}
+        expected = (gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S * len(refs)
+                    + sum(r["expect_s"] for r in call))
+        assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
     assert gpu_check.CALL_S + gpu_check.END_RESERVE_S <= 9.5 * 60
     assert [r["run"] for r in rows if r["gpu_only"]] == ["kontext_1024px_lora16_cudnn_attention_probe"]
 
@@ -190,3 +249,22 @@ def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(t
     row = json.loads((out / "gpu_check.json").read_text())["rows"][0]
     assert row["ok"] and row["timed_steps"] == list(range(3, 13)) and row["warmup_s"] > 0
     assert "| dmd_sd15_32px_b32_ac_channels_last | 2 + 8 |" in report
+
+
+@pytest.mark.slow
+def test_qwen_rows_on_cpu_train_resume_export_and_load(tmp_path):
+    """The tiny Qwen-Image-Edit rows (--suite=qwen): LoRA with two references, the full fine-tune
+    saved, resumed, exported and loaded with QwenImageEditPlusPipeline, each beside its plain reference."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
+                        "--suite=qwen", f"--out={out}"], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    qwen = {row["run"]: row for row in result["rows"]}
+    assert list(qwen) == ["qwen_edit_64px_lora16_2refs", "qwen_edit_32px_full"]
+    assert all(row["ok"] and row["status"] == "pass" and row["model"] == "tiny Qwen-Image-Edit"
+               and row["step_ms"] > 0 for row in qwen.values())
+    assert qwen["qwen_edit_32px_full"]["resume_export"] == "pass"
+    refs = result["refs"]
+    assert {row["ref"] for row in qwen.values()} == set(refs) and all(ref["fwd_bwd_ms"] > 0 for ref in refs.values())

@@ -8,21 +8,25 @@ What it does, in order, under one deadline (--deadline_s; gpu_check.sh counts it
 tests/test_gpu.py starts in the background (three at a time where pytest-xdist is installed) while the
 models are built (random weights: SD-1.5's UNet, VAE and CLIP at their real configs; FLUX.1 Kontext's
 transformer at real width with --flux_blocks double + single blocks, its real VAE, CLIP-L and a
-one-layer T5 of the real width). Then every row is sized to the disk: one checkpoint of its trained
-models and optimizers (checkpoint.checkpoint_bytes, the models built on meta as tools/memory_plan.py
-builds them) and its export (components.export.export_bytes), two checkpoints and the export for a
-row that resumes, against the free space of --out less the model folders still to be written and
-HEADROOM. A FLUX row that does not fit gets a transformer with half the blocks (again, until it
-fits); any other row is not run and says why. The planner's GPU totals are computed meanwhile in a
-background process. Then the plain-PyTorch reference of the Kontext rows' transformer (bf16 weights,
-forward + backward, no FSDP, no optimizer; apart, the fused AdamW step over its fp32 parameters and
-the VAE encode of a step's images). Then the rows in order of value (plan_runs): Kontext 1024 px full
-fine-tune (save -> resume -> export -> load), DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a
-cuDNN-attention probe, Kontext NF4 LoRA + adamw8bit, DMD2 with a Kontext teacher (resume), Kontext
-LoRA under COMPILE=1 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score
-step under torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds
-(each row's expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left;
-one still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
+one-layer T5 of the real width; Qwen-Image-Edit-2509's transformer at real width with --qwen_blocks
+blocks, its real VAE and a one-layer Qwen2.5-VL of the real width). Then every row is sized to the
+disk: one checkpoint of its trained models and optimizers (checkpoint.checkpoint_bytes, the models
+built on meta as tools/memory_plan.py builds them) and its export (components.export.export_bytes),
+two checkpoints and the export for a row that resumes, against the free space of --out less the
+model folders still to be written and HEADROOM. A FLUX or Qwen-Image-Edit row that does not fit
+gets half the blocks (again, until it fits); any other row is not run and says why. The planner's
+GPU totals are computed meanwhile in a background process. Then the plain-PyTorch reference of the
+Kontext and Qwen-Image-Edit rows' transformer (bf16 weights, forward + backward, no FSDP, no optimizer;
+apart, the fused AdamW step over its fp32 parameters and the VAE encode of a step's images). Then the
+rows in order of value (plan_runs): Kontext 1024 px full fine-tune (save -> resume -> export -> load),
+DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a cuDNN-attention probe, Kontext NF4 LoRA +
+adamw8bit, DMD2 with a Kontext teacher (resume), Kontext LoRA under COMPILE=1, Qwen-Image-Edit LoRA at
+1024 px with two references, its 512 px full fine-tune (resume, export loaded as the pipeline); the
+Qwen-Image-Edit rows are a second call (--runs=qwen_edit; the first: --runs=kontext,dmd)
+(--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score step under
+torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds (each row's
+expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left; one
+still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
 deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
 
 Every row shows its model, its step time (the mean of the steps after the first two, whose warm-up
@@ -167,6 +171,121 @@ def flux_weights(folder: str) -> None:
         FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(sub)).save_pretrained(sub)
 
 
+QWEN = os.path.join(REAL, "qwen-image-edit")
+
+
+def tiny_qwen_folder(root: str) -> str:
+    from tools import tiny_models
+    base = os.path.join(root, "qwen_tiny")
+    if not os.path.isdir(base):
+        tiny_models.make_tiny_qwen_image_edit(base)
+    return base
+
+
+def qwen_text_encoder_config(tiny: dict) -> dict:
+    """The tiny folder's Qwen2.5-VL config (its vocabulary and special token ids: the tiny tokenizer's)
+    at the real text and vision widths, one layer of each: the text cache gets embeddings of the
+    real width, computed at the real per-layer cost."""
+    with open(os.path.join(QWEN, "text_encoder", "config.json")) as f:
+        real = json.load(f)
+    text = {k: real[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                 "rms_norm_eps", "hidden_act", "max_position_embeddings")}
+    section = real["rope_scaling"]["mrope_section"]
+    text.update(num_hidden_layers=1, max_window_layers=1, layer_types=["full_attention"],
+                rope_parameters={**tiny["text_config"]["rope_parameters"], "mrope_section": section})
+    vision = {k: v for k, v in real["vision_config"].items() if k in tiny["vision_config"] and k != "model_type"}
+    # one block, attending fully (the real tower's last of each 8 does); its merger to the text width
+    vision.update(depth=1, fullatt_block_indexes=[0], out_hidden_size=real["hidden_size"])
+    return {**tiny, "text_config": {**tiny["text_config"], **text},
+            "vision_config": {**tiny["vision_config"], **vision}}
+
+
+def qwen_parts(root: str) -> str:
+    """Everything of a Qwen-Image-Edit-2509 folder but its transformer: the real AutoencoderKLQwenImage
+    and a one-layer Qwen2.5-VL of the real width with a one-block vision tower (random weights), the
+    tiny tokenizer and processor, the scheduler."""
+    out = os.path.join(root, "qwen_parts")
+    if os.path.isdir(out):
+        return out
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    partial = out + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    tiny = tiny_qwen_folder(root)
+    _copy_small_parts(tiny, partial, ("tokenizer", "processor", "scheduler"))
+    with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
+        config = Qwen2_5_VLConfig.from_dict(qwen_text_encoder_config(json.load(f)))
+    with _init_device():
+        AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(os.path.join(QWEN, "vae"))
+                                           ).save_pretrained(os.path.join(partial, "vae"))
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(os.path.join(partial, "text_encoder"))
+    os.replace(partial, out)
+    return out
+
+
+def qwen_skeleton(root: str, blocks: int, parts: str | None) -> str:
+    """work/qwen_real_N: the Qwen-Image-Edit transformer's real config with N dual-stream blocks, no
+    weights yet (qwen_weights writes them), beside links to `parts`' components (None: config only)."""
+    out = os.path.join(root, f"qwen_real_{blocks}")
+    os.makedirs(os.path.join(out, "transformer"), exist_ok=True)
+    with open(os.path.join(QWEN, "transformer", "config.json")) as f:
+        config = {**json.load(f), "num_layers": blocks}
+    with open(os.path.join(out, "transformer", "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    for name in os.listdir(parts) if parts else ():
+        dst, src = os.path.join(out, name), os.path.join(parts, name)
+        if not os.path.lexists(dst):  # as flux_skeleton: folders linked, files copied
+            os.symlink(src, dst) if os.path.isdir(src) else shutil.copy(src, dst)
+    return out
+
+
+def qwen_weights(folder: str) -> None:
+    """The skeleton's transformer with random weights (written once)."""
+    sub = os.path.join(folder, "transformer")
+    if any(name.endswith(".safetensors") for name in os.listdir(sub)):
+        return
+    from diffusers import QwenImageTransformer2DModel
+    with _init_device():
+        QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(sub)).save_pretrained(sub)
+
+
+def smaller_qwen_blocks(blocks: int) -> int | None:
+    """Half the Qwen-Image-Edit blocks (4 -> 2 -> 1); None past 1."""
+    return blocks // 2 or None
+
+
+def qwen_pairs(root: str, size: int) -> str:
+    """Edits with two references (a shape, a colour swatch) at `size` px: data.jsonl's path."""
+    from tools import tiny_models
+    folder = os.path.join(root, f"two_ref_pairs_{size}")
+    if not os.path.isdir(folder):
+        tiny_models.make_two_reference_edit_dataset(folder, 24, size=size)
+    return os.path.join(folder, "data.jsonl")
+
+
+def qwen_text_tokens(folder: str, data: str, condition_area: int) -> int:
+    """The length of the prompt embeddings the run trains on: the first sample's prompt with its
+    references (each at `condition_area`) through the pipeline's template and processor, less the
+    system prompt's tokens it drops (encode_prompt without the encoder; the samples' prompts differ
+    by a word at most)."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2Tokenizer
+
+    from families import qwen_image as qi
+    with open(data) as f:
+        row = json.loads(f.readline())
+    pipe = QwenImageEditPlusPipeline(scheduler=None, vae=None, transformer=None, text_encoder=None,
+                                     tokenizer=Qwen2Tokenizer.from_pretrained(os.path.join(folder, "tokenizer")),
+                                     processor=qi.load_processor(os.path.join(folder, "processor")))
+    images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)],
+                                 condition_area)
+    # the pipeline's _get_qwen_prompt_embeds: "Picture i: " and the image's tokens before the prompt
+    pictures = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(len(images)))
+    ids = pipe.processor(text=[pipe.prompt_template_encode.format(pictures + row["prompt"])], images=images,
+                         return_tensors="pt")["input_ids"]
+    return ids.shape[1] - pipe.prompt_template_encode_start_idx
+
+
 def datasets(root: str, size: int) -> tuple[str, str]:
     """(DMD2 prompts .txt, Kontext pairs .jsonl at `size` px)."""
     from tools import tiny_models
@@ -180,10 +299,13 @@ def datasets(root: str, size: int) -> tuple[str, str]:
 
 
 def model_label(size) -> str:
-    """A row's model for the table: "FLUX 2+4 blocks", "SD-1.5", "tiny FLUX", ..."""
+    """A row's model for the table: "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "SD-1.5", "tiny FLUX", ..."""
     if isinstance(size, tuple):
         return f"FLUX {size[0]}+{size[1]} blocks"
-    return {"sd15": "SD-1.5", "tiny_sd15": "tiny SD-1.5", "tiny_flux": "tiny FLUX"}.get(size, "-")
+    if isinstance(size, int):
+        return f"Qwen-Image-Edit {size} blocks"
+    return {"sd15": "SD-1.5", "tiny_sd15": "tiny SD-1.5", "tiny_flux": "tiny FLUX",
+            "tiny_qwen": "tiny Qwen-Image-Edit"}.get(size, "-")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,9 +455,11 @@ def _model_flops(fn) -> dict:
     return dict(counter.by_kind)
 
 
-def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_len: int, device) -> dict:
+def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_len: int, device,
+                    references: tuple[int, ...] = ()) -> dict:
     """Forward + backward of the bare model (ms, MFU), and apart the fused AdamW step over fp32
-    copies of its parameters and the VAE encode of one step's images (Kontext: target + context)."""
+    copies of its parameters and the VAE encode of one step's images (Kontext: target + context;
+    Qwen-Image-Edit: target + `references`, square images of those sides)."""
     import torch
     from diffusers import AutoencoderKL
 
@@ -359,6 +483,9 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
                     timestep=torch.full((batch,), 0.5, device=device), guidance=torch.ones(batch, device=device),
                     txt_ids=torch.zeros(text_len, 3, device=device), img_ids=ids)
         images = 2 * batch
+    elif kind == "qwen":
+        model, args = qwen_reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g)
+        images = (1 + len(references)) * batch
     else:
         from diffusers import UNet2DConditionModel
         model = UNet2DConditionModel.from_pretrained(os.path.join(folder, "unet"), torch_dtype=dtype)
@@ -399,14 +526,39 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
     opt = torch.optim.AdamW(master, lr=1e-5, fused=device.type == "cuda")
     out["adamw_ms"] = _timed(opt.step, device, warmup=1, repeat=3)
     master = opt = None
-    vae = AutoencoderKL.from_pretrained(os.path.join(folder, "vae"), torch_dtype=dtype).to(device)
+    from diffusers import AutoencoderKLQwenImage
+    vae_class = AutoencoderKLQwenImage if kind == "qwen" else AutoencoderKL
+    vae = vae_class.from_pretrained(os.path.join(folder, "vae"), torch_dtype=dtype).to(device)
     pixels = torch.randn(images, 3, resolution, resolution, device=device, dtype=dtype, generator=g)
+    if kind == "qwen":  # one-frame videos: the target and each reference (one size in these rows)
+        pixels = pixels[:, :, None]
     with torch.no_grad():
         out["vae_ms"] = _timed(lambda: vae.encode(pixels).latent_dist.mode(), device, warmup=1, repeat=3)
     vae = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def qwen_reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
+    """(QwenImageTransformer2DModel, its forward's inputs) as families/qwen_image.forward calls it: the
+    target's and each reference's 2x2-packed tokens with their img_shapes, timestep σ, the prompt's
+    hidden states without a mask (no padding in a batch of equal prompts)."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    from parallel import attention
+    model = QwenImageTransformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
+    attention.set_backend(model, attention.DEFAULT)
+    c = model.config
+    shapes = [(1, side // 16, side // 16) for side in (resolution, *references)]
+    tokens = sum(h * w for _, h, w in shapes)
+    args = dict(hidden_states=torch.randn(batch, tokens, c.in_channels, device=device, dtype=dtype, generator=g),
+                encoder_hidden_states=torch.randn(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype,
+                                                  generator=g),
+                encoder_hidden_states_mask=None, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
+                img_shapes=[shapes] * batch, guidance=None)
+    return model, args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,8 +721,22 @@ def export_loads(run_dir: str, kind: str, s: dict) -> bool:
     export = os.path.join(run_dir, "export")
     if s.get("lora_rank"):
         return os.path.exists(os.path.join(export, "pytorch_lora_weights.safetensors"))
+    if kind == "qwen":
+        return qwen_export_loads(export)
     sub = "transformer" if kind == "flux" else "unet"
     return diffusers.AutoModel.from_pretrained(os.path.join(export, sub)) is not None
+
+
+def qwen_export_loads(export: str) -> bool:
+    """The full export as a user loads it: the whole QwenImageEditPlusPipeline (its processor through
+    families.qwen_image.load_processor, which needs no torchvision)."""
+    import torch
+    from diffusers import QwenImageEditPlusPipeline
+
+    from families.qwen_image import load_processor
+    processor = load_processor(os.path.join(export, "processor"))
+    pipe = QwenImageEditPlusPipeline.from_pretrained(export, processor=processor, torch_dtype=torch.bfloat16)
+    return pipe.transformer is not None and pipe.text_encoder is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,6 +773,10 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
+    if suite == "qwen":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
+        return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 45, lora_rank=16,
+                    extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
+                row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 95, resume=True, extra=qwen_areas(tiny, lo))]
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
@@ -663,6 +833,20 @@ def select_runs(rows: list[dict], spec: str) -> list[dict]:
     names = {r["run"] for r in rows}
     keys = [k for k in spec.split(",") if k]
     return [r for r in rows if not keys or any(k == r["run"] or (k not in names and k in r["run"]) for k in keys)]
+
+
+TINY_AREA = 64 * 64  # the tiny rows' reference and condition areas (tests/test_qwen_image.py's)
+
+
+def qwen_areas(tiny: bool, resolution: int, pipeline: bool = False) -> dict:
+    """A Qwen-Image-Edit row's REFERENCE_AREA and CONDITION_AREA: the pipeline's module constants
+    (`pipeline`: VAE_IMAGE_SIZE too, 1024^2), else references at the target's RESOLUTION^2 as
+    tools/memory_plan.py plans them; tiny: TINY_AREA for the text encoder, RESOLUTION^2 for the VAE."""
+    if tiny:
+        return {"reference_area": resolution ** 2, "condition_area": TINY_AREA}
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    return {"reference_area": plus.VAE_IMAGE_SIZE if pipeline else resolution ** 2,
+            "condition_area": plus.CONDITION_IMAGE_SIZE}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -759,8 +943,10 @@ def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tu
     return tests.returncode == 0, f"{last[0].strip('= ')} (rc {tests.returncode})"
 
 
-def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, int]) -> tuple[dict, dict, dict]:
-    """Model folders for the rows, each row sized to the disk (row["size"]; None: not run). Returns
+def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, int],
+          qwen_blocks: int = 4) -> tuple[dict, dict, dict]:
+    """Model folders for the rows, each row sized to the disk (row["size"]: FLUX blocks as a tuple,
+    Qwen-Image-Edit blocks as an int, else a name; None: not run). Returns
     ({size: folder}, {run: peak disk bytes at its size; not run: at its smallest}, the disk as measured)."""
     folders = {}
     if any(r["kind"] == "sd15" for r in runs):
@@ -771,12 +957,20 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
             folders["tiny_flux"] = tiny_flux_folder(work)
         else:
             parts = flux_parts(work)
+    qparts = None
+    if any(r["kind"] == "qwen" for r in runs):
+        if tiny:
+            folders["tiny_qwen"] = tiny_qwen_folder(work)
+        else:
+            qparts = qwen_parts(work)
     for r in runs:
-        r["size"] = "tiny_" + r["kind"] if tiny else "sd15" if r["kind"] == "sd15" else blocks
+        r["size"] = ("tiny_" + r["kind"] if tiny else "sd15" if r["kind"] == "sd15"
+                     else qwen_blocks if r["kind"] == "qwen" else blocks)
 
     def folder(size):
         if size not in folders:
-            folders[size] = flux_skeleton(work, size, parts)
+            folders[size] = (qwen_skeleton(work, size, qparts) if isinstance(size, int)
+                             else flux_skeleton(work, size, parts))
         return folders[size]
 
     needs = {}
@@ -791,7 +985,7 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
     unwritten = {}  # a transformer still to write costs its fp32 bytes where the runs write too
 
     def folder_cost(size):
-        if not isinstance(size, tuple) or not same_disk:
+        if not isinstance(size, (tuple, int)) or not same_disk:
             return 0
         if size not in unwritten:
             written = any(n.endswith(".safetensors") for n in os.listdir(os.path.join(folder(size), "transformer")))
@@ -799,6 +993,8 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
         return unwritten[size]
 
     def smaller(row, size):
+        if isinstance(size, int):
+            return smaller_qwen_blocks(size)
         return smaller_blocks(size) if isinstance(size, tuple) else None
 
     def smallest(row, size):
@@ -813,9 +1009,9 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
     for r in runs:
         r["size"] = choice[r["run"]]
     for size, f in list(folders.items()):
-        if isinstance(size, tuple):
+        if isinstance(size, (tuple, int)):
             if size in choice.values():
-                flux_weights(f)
+                (flux_weights if isinstance(size, tuple) else qwen_weights)(f)
             else:  # a size tried and not taken: its config and links only
                 shutil.rmtree(f)
                 del folders[size]
@@ -838,17 +1034,22 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="allow a machine without CUDA (rows that need CUDA: skipped)")
     ap.add_argument("--flux_blocks", default="2,4", help="double,single FLUX blocks at real width (all: 19,38); "
                                                          "rows that do not fit the disk get fewer")
+    ap.add_argument("--qwen_blocks", type=int, default=4, help="Qwen-Image-Edit dual-stream blocks at real width "
+                                                              "(all: 60); rows that do not fit the disk get fewer")
     ap.add_argument("--deadline_s", type=float, default=0,
                     help=f"seconds for everything from the start; rows that do not fit are not started, runs "
                          f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--runs", default="", help="comma-separated run names, or parts of names, to keep ('' = all)")
-    ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed"),
-                    help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile)")
+    ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed", "qwen"),
+                    help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile); "
+                         "qwen: the Qwen-Image-Edit rows (a call of their own)")
     a = ap.parse_args()
     blocks = tuple(int(x) for x in a.flux_blocks.split(",") if x.strip().isdigit())
     if len(blocks) != 2 or min(blocks) < 1:
         sys.exit(f"gpu_check: --flux_blocks={a.flux_blocks}: give double,single block counts, each >= 1 (e.g. 2,4)")
+    if a.qwen_blocks < 1:
+        sys.exit(f"gpu_check: --qwen_blocks={a.qwen_blocks}: give a block count >= 1 (e.g. 4)")
     import torch
 
     from components.warnings import quiet_known_warnings
@@ -869,11 +1070,12 @@ def main() -> None:
     tests = None if a.skip_tests else start_tests(a.out)
     t = time.monotonic()
     runs = select_runs(plan_runs(a.tiny, a.suite), a.runs)
-    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks)
+    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks, a.qwen_blocks)
     data = {}
     for r in runs:
         prompts, pairs = datasets(work, r["settings"]["resolution"])
-        data[r["run"]] = prompts if r["kind"] == "sd15" else pairs
+        data[r["run"]] = (prompts if r["kind"] == "sd15" else
+                          qwen_pairs(work, r["settings"]["resolution"]) if r["kind"] == "qwen" else pairs)
     with open(os.path.join(a.out, "build.log"), "w") as log:
         log.write(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}\n")
     print(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}", flush=True)
@@ -895,7 +1097,7 @@ def main() -> None:
     for r in runs:
         s = r["settings"]
         r["ref"] = (f"{model_label(r['size'])}, {s['resolution']} px, batch {s['batch_size']}"
-                    if r["ref"] and r in runnable else "")
+                    + (", target + 2 references" if r["kind"] == "qwen" else "") if r["ref"] and r in runnable else "")
         r["full"] = not s.get("lora_rank") and r["script"] == "train_flux_kontext.py"
     for r in runnable:
         s, folder = r["settings"], folders[r["size"]]
@@ -906,8 +1108,13 @@ def main() -> None:
             continue
         tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
         text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
+        references = ()
+        if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
+            text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
+            references = (round(s["extra"]["reference_area"] ** 0.5),) * 2
         try:
-            refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device)
+            refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device,
+                                             references)
         except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
             refs[r["ref"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(f"plain {r['ref']}: {refs[r['ref']]}", flush=True)
