@@ -147,6 +147,18 @@ def _wandb_history(run_folder) -> list[dict]:
     return rows
 
 
+def _logged_rows(folder, expected: int, wait_s: float = 30.0) -> list[dict]:
+    """The run's history rows with a loss, read again for up to `wait_s` until `expected` are there:
+    W&B's service process may still be writing the offline run file when finish() has returned on a
+    loaded machine (the CI fast loop once read an empty history there)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows = [r for r in _wandb_history(folder) if "loss" in r]
+        if len(rows) >= expected or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.5)
+
+
 def test_wandb_offline_run_keeps_its_id_across_resume(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for name, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_CONFIG_DIR", "wandb_config"),
@@ -178,7 +190,7 @@ def test_wandb_offline_run_keeps_its_id_across_resume(tmp_path, monkeypatch):
     first, second = sorted(glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}")))
     records = read_jsonl(out)
     for folder, steps in ((first, [1, 2, 3]), (second, [4, 5, 6])):
-        rows = [r for r in _wandb_history(folder) if "loss" in r]
+        rows = _logged_rows(folder, len(steps))
         assert [r["_step"] for r in rows] == steps
         for row in rows:
             jsonl = next(r for r in records if r["step"] == row["_step"])
