@@ -191,7 +191,7 @@ def main(argv=None):
     p.add_argument("--reference", default="", help="the model whose entropy is 100 %% variety (default: the first)")
     p.add_argument("--grid", default="", help="PNG grid path ('' = none)")
     p.add_argument("--json", default="")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (2 crawls on shared cores)")
     args = p.parse_args(argv)
     if args.make_data:
         for split, path in ensure_task_data(args.make_data).items():
