@@ -188,6 +188,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N")
     p.add_argument("--guidance", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="first noise seed (seed s of a context: SEED + 1000 s)")
     p.add_argument("--reference", default="", help="the model whose entropy is 100 %% variety (default: the first)")
     p.add_argument("--grid", default="", help="PNG grid path ('' = none)")
     p.add_argument("--json", default="")
@@ -219,7 +220,7 @@ def main(argv=None):
     results, outputs = {}, {}
     for name, folder in models.items():
         t0 = time.time()
-        results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds)
+        results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed)
         print(f"{name}: {folder} ({steps[name]} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table(results, steps, reference))
     if args.grid:
@@ -228,7 +229,7 @@ def main(argv=None):
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"models": models, "steps": steps, "guidance": args.guidance,
-                                               "seeds": args.seeds, "reference": reference,
+                                               "seeds": args.seeds, "seed": args.seed, "reference": reference,
                                                "results": results}, indent=1))
     return 0
 
