@@ -1,0 +1,238 @@
+"""The "paint it" editing task (many valid edits) and its evaluation through FluxKontextPipeline.
+
+Task: a shape of tools/shapes.py's world, in a colour outside the palette, on a plain background
+outside the palette; the instruction "paint it" never names a colour, and any of PALETTE is right.
+Each training pair's target is one palette colour drawn at random, so the right answer is a
+distribution over four edits per context: a few-step sampler that averages them paints a muddy
+mix, which is no palette colour. Splits, drawn deterministically from a seed (scenes of heldout
+never repeat a train scene):
+
+    train    512 pairs, seed 11  (what the teacher is fine-tuned on, and the students' prompts)
+    heldout   32 contexts, seed 12  (each edited with SEEDS noise seeds per model)
+
+Each split is written as demos/kontext_eval.py writes its own (context/*.png, target/*.png,
+data.jsonl rows {"image", "target", "prompt", scene fields}).
+
+Scores, from pixels, per output (demos/kontext_eval.py's foreground mask, IoU and background
+reading; `score_paint`):
+  palette     the median foreground colour is nearest (of all named colours) to a palette colour
+  saturated   ... and within SATURATED_DIST (RGB) of it: a mix of two palette colours is not
+  one colour  at least ONE_COLOUR_FRAC of the foreground pixels are within ONE_COLOUR_DIST of it
+  valid       all three, the background kept, and IoU >= 0.7 with the context's shape
+  entropy     per context, the entropy (bits; 2 = all four colours equally) of the palette colours
+              of its valid outputs over the seeds; averaged over contexts. The uniform target
+              distribution would give 2 bits at infinite seeds, about 1.7 at 8 seeds.
+
+    python -m demos.palette_eval --compare t28=T t4=T s4=S --steps 28 --steps_for t4=4 s4=4
+    python -m demos.palette_eval --make_data=out/palette_task   # write the splits, print the paths
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from demos import kontext_eval as ke
+from tools import shapes
+from tools.build_once import build_once
+from tools.shapes import COLOURS, nearest_colour
+
+PALETTE = ("red", "green", "blue", "yellow")
+PROMPT = "paint it"  # 8 T5 tokens with </s>: the tiny tokenizer's whole length, never a colour name
+SPLITS = {"train": (512, 11), "heldout": (32, 12)}  # name: (pairs, seed)
+SEEDS = 8  # noise seeds per held-out context
+SATURATED_DIST = 60.0  # RGB distance of the median foreground colour from its palette colour
+ONE_COLOUR_DIST = 80.0
+ONE_COLOUR_FRAC = 0.6
+NON_PALETTE = tuple(c for c in COLOURS if c not in PALETTE)
+
+
+def task_scenes(split):
+    """Deterministic scenes of a split (dicts as kontext_eval.task_scenes makes them): shape and
+    background colours outside PALETTE, target colour a random palette colour."""
+    n, seed = SPLITS[split]
+    avoid = set()
+    if split != "train":
+        avoid = {(d["shape"], d["colour"], d["background"], tuple(d["box"])) for d in task_scenes("train")}
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        scene = ke.random_scene(rng, exclude=PALETTE)
+        if (scene[0], scene[1], scene[2], tuple(scene[3])) in avoid:
+            continue
+        new = PALETTE[int(rng.integers(len(PALETTE)))]
+        out.append({"shape": scene[0], "colour": scene[1], "background": scene[2], "box": list(scene[3]),
+                    "target_colour": new, "prompt": PROMPT})
+    return out
+
+
+def ensure_task_data(root) -> dict:
+    """Write every split once under `root`; {split: data.jsonl path as str}."""
+    root = Path(root)
+
+    def write_splits(tmp):
+        for split in SPLITS:
+            ke.write_pairs(tmp / split, task_scenes(split))
+
+    build_once(root, write_splits, 600.0, ready_text="palette task v1\n")
+    return {s: str(root / s / "data.jsonl") for s in SPLITS}
+
+
+def score_paint(output, context, background) -> dict:
+    """Scores of one output (HxWx3 uint8) for the context it edited (see the module docstring)."""
+    out_mask = ke.foreground_mask(output, background)
+    ctx_mask = ke.foreground_mask(context, background)
+    colour, dist, frac = None, math.inf, 0.0
+    if out_mask.sum() >= ke.MIN_FG_PIXELS:
+        fg = output[out_mask].astype(np.float64)
+        colour = nearest_colour(np.median(fg, axis=0))
+        rgb = np.asarray(COLOURS[colour], dtype=np.float64)
+        dist = float(np.sqrt(((np.median(fg, axis=0) - rgb) ** 2).sum()))
+        frac = float((np.sqrt(((fg - rgb) ** 2).sum(axis=-1)) < ONE_COLOUR_DIST).mean())
+    outside = ~ke.dilate(ctx_mask, 2)
+    bg_colour = nearest_colour(np.median(output[outside].astype(np.float64), axis=0)) if outside.any() else None
+    r = {"colour": colour, "palette": colour in PALETTE, "dist": dist, "one_colour_frac": frac,
+         "iou": ke.iou(out_mask, ctx_mask), "bg_ok": bg_colour == background}
+    r["saturated"] = r["palette"] and dist <= SATURATED_DIST
+    r["one_colour"] = r["saturated"] and frac >= ONE_COLOUR_FRAC
+    r["valid"] = r["one_colour"] and r["bg_ok"] and r["iou"] >= ke.IOU_OK
+    return r
+
+
+def entropy_bits(colours) -> float:
+    """Entropy (bits) of the empirical distribution of `colours` (0 for none)."""
+    if not colours:
+        return 0.0
+    _, counts = np.unique(np.asarray(colours), return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def summarize(scores) -> dict:
+    """scores[c][s]: score_paint of context c, seed s. Rates in %, entropy in bits."""
+    flat = [s for per in scores for s in per]
+    n = len(flat)
+    counts = {c: sum(s["valid"] and s["colour"] == c for s in flat) for c in PALETTE}
+    return {"n": n, "contexts": len(scores),
+            "palette": 100.0 * sum(s["palette"] for s in flat) / n,
+            "saturated": 100.0 * sum(s["saturated"] for s in flat) / n,
+            "one_colour": 100.0 * sum(s["one_colour"] for s in flat) / n,
+            "bg_kept": 100.0 * sum(s["bg_ok"] for s in flat) / n,
+            "iou": sum(s["iou"] for s in flat) / n,
+            "valid": 100.0 * sum(s["valid"] for s in flat) / n,
+            "entropy": sum(entropy_bits([s["colour"] for s in per if s["valid"]]) for per in scores) / len(scores),
+            "colour_share": {c: 100.0 * k / n for c, k in counts.items()}}
+
+
+def evaluate(folder, rows, steps, guidance, seeds, seed0=0):
+    """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds."""
+    pipe = ke.load_pipeline(folder)
+    t0 = time.perf_counter()
+    outputs = [ke.generate(pipe, rows, steps=steps, guidance=guidance, seed=seed0 + 1000 * s) for s in range(seeds)]
+    elapsed = time.perf_counter() - t0
+    contexts = [ke.load_rgb(r["image"]) for r in rows]
+    scores = [[score_paint(outputs[s][c], contexts[c], rows[c]["background"]) for s in range(seeds)]
+              for c in range(len(rows))]
+    return {**summarize(scores), "s_per_image": elapsed / (seeds * len(rows))}, outputs
+
+
+def markdown_table(results, steps, reference) -> str:
+    """results: {name: summarize() dict}; variety = entropy in % of `reference`'s."""
+    ref = results[reference]["entropy"] if reference in results else 0.0
+    header = ["model", "steps", "valid", "palette", "saturated", "one colour", "bg kept", "IoU",
+              "entropy", "variety", "red / green / blue / yellow", "s / image"]
+    rows = []
+    for name, m in results.items():
+        share = " / ".join(f"{m['colour_share'][c]:.0f}" for c in PALETTE)
+        variety = f"{100.0 * m['entropy'] / ref:.0f} %" if ref else "-"
+        rows.append([name, str(steps[name]), f"{m['valid']:.1f} %", f"{m['palette']:.1f} %", f"{m['saturated']:.1f} %",
+                     f"{m['one_colour']:.1f} %", f"{m['bg_kept']:.1f} %", f"{m['iou']:.3f}",
+                     f"{m['entropy']:.2f} bits", variety, share, f"{m['s_per_image']:.4f}"])
+    return shapes.md_table(header, rows, align=["---"] + ["---:"] * (len(header) - 1))
+
+
+def save_grid(contexts, outputs, path, n_contexts=6, n_seeds=4, scale=3):
+    """One row per context: the context, then per model (a labelled block) its first n_seeds outputs."""
+    h, w = contexts[0].shape[0] * scale, contexts[0].shape[1] * scale
+    gap, block_gap, top = 2, 10, 14
+    x, tiles, labels = 0, [], [(0, 1, "context")]
+    for r in range(n_contexts):
+        tiles.append((0, top + r * (h + gap), contexts[r]))
+    x = w + block_gap
+    for name, per_seed in outputs.items():
+        labels.append((x, 1, name))
+        for s in range(n_seeds):
+            for r in range(n_contexts):
+                tiles.append((x + s * (w + gap), top + r * (h + gap), per_seed[s][r]))
+        x += n_seeds * (w + gap) - gap + block_gap
+    height = top + n_contexts * (h + gap) - gap
+    canvas = shapes.tile_canvas(x - block_gap, height, (255, 255, 255), tiles, scale, labels)
+    return shapes.save_png(canvas, path)
+
+
+def main(argv=None):
+    from components.warnings import quiet_known_warnings
+    quiet_known_warnings()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", nargs="+", default=[], metavar="NAME=PATH", help="FluxKontextPipeline folders")
+    p.add_argument("--task_dir", default="out/palette_task", help="where the splits are written")
+    p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
+    p.add_argument("--n", type=int, default=0, help="use the first N held-out contexts (0 = all)")
+    p.add_argument("--seeds", type=int, default=SEEDS, help="noise seeds per context")
+    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N")
+    p.add_argument("--guidance", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="first noise seed (seed s of a context: SEED + 1000 s)")
+    p.add_argument("--reference", default="", help="the model whose entropy is 100 %% variety (default: the first)")
+    p.add_argument("--grid", default="", help="PNG grid path ('' = none)")
+    p.add_argument("--json", default="")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (2 crawls on shared cores)")
+    args = p.parse_args(argv)
+    if args.make_data:
+        for split, path in ensure_task_data(args.make_data).items():
+            print(split, path)
+        return 0
+    models = {}
+    for item in args.compare:
+        name, _, path = item.partition("=")
+        if not path:
+            p.error(f"--compare wants NAME=PATH, got {item!r}")
+        models[name] = path
+    if not models:
+        p.error("give --compare NAME=PATH ...")
+    steps = {name: args.steps for name in models}
+    for item in args.steps_for:
+        name, _, value = item.partition("=")
+        if name not in models or not value.isdigit():
+            p.error(f"--steps_for wants NAME=N with NAME one of {sorted(models)}, got {item!r}")
+        steps[name] = int(value)
+    reference = args.reference or next(iter(models))
+    import torch
+    torch.set_num_threads(args.threads)
+    rows = ke.load_rows(ensure_task_data(args.task_dir)["heldout"])
+    rows = rows[:args.n] if args.n else rows
+    results, outputs = {}, {}
+    for name, folder in models.items():
+        t0 = time.time()
+        results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed)
+        print(f"{name}: {folder} ({steps[name]} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
+    print(markdown_table(results, steps, reference))
+    if args.grid:
+        save_grid([ke.load_rgb(r["image"]) for r in rows], outputs, args.grid, min(6, len(rows)), min(4, args.seeds))
+        print(f"\ngrid: {args.grid} (per row: context | {' | '.join(outputs)}, 4 seeds each)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"models": models, "steps": steps, "guidance": args.guidance,
+                                               "seeds": args.seeds, "seed": args.seed, "reference": reference,
+                                               "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
