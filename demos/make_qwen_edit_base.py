@@ -59,7 +59,7 @@ VAE_CONFIG = dict(base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
 TRANSFORMER_CONFIG = dict(
     patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=3, attention_head_dim=32,
     num_attention_heads=4, guidance_embeds=False, axes_dims_rope=(8, 12, 12))  # rope axes sum to the head dim
-VAE_STEPS, VAE_BATCH, VAE_LR, VAE_KL = 800, 24, 3e-3, 1e-4
+VAE_STEPS, VAE_BATCH, VAE_LR, VAE_KL = 1600, 24, 3e-3, 1e-4
 PRETRAIN_PAIRS = 3000
 PRETRAIN_MIX = {"keep": 0.1, "recolour": 0.4, "reshape": 0.2, "background": 0.3}
 PRETRAIN_ARGS = dict(  # train_flux_kontext.py overrides for the pre-training run
