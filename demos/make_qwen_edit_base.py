@@ -24,7 +24,7 @@ its output exists (--force=1 redoes them):
   5. package   copy the export (links resolved) into assets/qwen_edit_base and evaluate it.
 
     nice -n 10 python -m demos.make_qwen_edit_base        # all stages
-    python -m demos.make_qwen_edit_base --stages=pretrain,package --pretrain_steps=2000
+    python -m demos.make_qwen_edit_base --stages=pretrain,package --pretrain_steps=4000
 
 Everything but the final folder goes to --work_dir (default out/qwen_edit_base_build).
 """
@@ -67,7 +67,7 @@ PRETRAIN_ARGS = dict(  # train_flux_kontext.py overrides for the pre-training ru
     max_references=2, cache_latents=True, batch_size=8, grad_accum=1, lr=1e-3, warmup_steps=100,
     weight_decay=0.0, max_grad_norm=1.0, ema_decay=0.999, export_dtype="bf16", num_sample_pairs=4,
     sample_steps=20, sample_guidance=1.0, save_every=500, log_every=50, val_every=0)
-PRETRAIN_STEPS = 2000
+PRETRAIN_STEPS = 4000
 
 
 def log(msg):

@@ -212,7 +212,7 @@ def main(argv=None):
     p.add_argument("--grid_rows", type=int, default=12)
     p.add_argument("--grid_scale", type=int, default=3, help="tile enlargement (nearest neighbour)")
     p.add_argument("--json", default="", help="write the metrics (and per-edit scores) here")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args(argv)
 
     if args.make_data:
