@@ -23,9 +23,9 @@ start=$(date +%s)
 python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \
     --model_path=assets/qwen_edit_base --data_path="$TRAIN" --output_dir="$OUT" \
     --precision=fp32 --resolution=32 --reference_area=1024 --condition_area=1024 --max_references=2 \
-    --cache_latents=True --batch_size=8 --lr=3e-4 --warmup_steps=20 --weight_decay=0 --max_grad_norm=1.0 \
+    --cache_latents=True --batch_size=8 --lr=5e-4 --warmup_steps=20 --weight_decay=0 --max_grad_norm=1.0 \
     --ema_decay=0.99 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=20 --sample_guidance=1.0 \
-    --save_every=0 --log_every=50 --val_every=0 --sample_every=300 --max_steps=600 "$@"
+    --save_every=0 --log_every=50 --val_every=0 --sample_every=500 --max_steps=1500 "$@"
 trained=$(date +%s)
 python -m demos.qwen_edit_eval --compare base=assets/qwen_edit_base tuned="$OUT/export" --one_reference tuned \
     --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json"

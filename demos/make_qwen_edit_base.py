@@ -23,7 +23,7 @@ its output exists (--force=1 redoes them):
                both reference areas at 32^2 (REFERENCE_AREA, CONDITION_AREA); its export/ is the base.
   5. package   copy the export (links resolved) into assets/qwen_edit_base and evaluate it.
 
-    nice -n 10 python -m demos.make_qwen_edit_base        # all stages
+    nice -n 10 python -m demos.make_qwen_edit_base        # all stages; about 22 CPU minutes on 2 cores
     python -m demos.make_qwen_edit_base --stages=pretrain,package --pretrain_steps=4000
 
 Everything but the final folder goes to --work_dir (default out/qwen_edit_base_build).
