@@ -221,7 +221,7 @@ def package(export, dest=ASSET_DIR):
     """Copy the export (symlinked frozen parts resolved) into `dest`, atomically, with no path of
     this machine in any JSON (the frozen parts' configs still name the build folders they were
     saved from)."""
-    from checkpoint import portable_json
+    from components.export import portable_json
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -85,7 +85,8 @@ def test_component_configs_name_real_library_classes():
     assert checked >= 6
 
 
-@pytest.mark.parametrize("component", ["assets/kontext_base/transformer", "assets/shapes_teacher/unet"])
+@pytest.mark.parametrize("component", ["assets/kontext_base/transformer", "assets/shapes_teacher/unet",
+                                       "assets/qwen_edit_base/transformer"])
 def test_shipped_models_load_with_automodel(component):
     import diffusers
     from safetensors.torch import load_file
