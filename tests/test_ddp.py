@@ -145,4 +145,5 @@ def test_bf16_replicas_run_samples_ema_and_validation(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "kontext_lora" / "metrics.jsonl")]
     assert [r["step"] for r in records if "val_loss" in r] == [1, 2]
     fake = next(line.split() for line in logs["dmd_bf16"].splitlines() if line.startswith("fake "))
-    assert fake[3:5] == ["fp32", "fp32"], fake  # storage, compute
+    # storage, compute: the published fp32 fake score, its attention in the run's bf16 (FAKE_SCORE_ATTENTION_DTYPE)
+    assert fake[3:7] == ["fp32", "fp32,", "attention", "bf16"], fake
