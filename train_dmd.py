@@ -694,6 +694,32 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     return steps, load, sample
 
 
+def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
+    """(mesh, generator, fake score, teacher, EMA or None, the fake's compute dtype, the teacher's dtype):
+    the three transformers of a flow-matching teacher built by its room, in this order: generator and
+    fake score trainable (LoRA or full), the teacher frozen (NF4 with an NF4 LoRA base), the EMA sharded
+    as the generator."""
+    d = run.d
+    mesh, _, sharding = trainer.mesh_and_sharding(run)
+    nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
+    fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
+    teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
+    build = functools.partial(room.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
+                              d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
+                              attention_backend=ATTENTION_BACKEND)
+    generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
+    fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
+    fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
+                 base_dtype=BASE_DTYPE if fake_lora else "")
+    teacher = build(load=True, trainable=False, frozen_dtype=teacher_dtype, base_dtype="nf4" if nf4 else "")
+    generator.train()
+    fake.train()
+    ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
+                                                                    base_dtype=BASE_DTYPE if run.lora else "",
+                                                                    sharding=sharding.never_backward()))
+    return mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype
+
+
 def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
     the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
@@ -719,26 +745,10 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
     prompts = [r["prompt"] for r in rows + sample_rows] + ([""] if CAPTION_DROPOUT > 0 else [])
     identity = flux.prepare_text_cache(prompts, MODEL_PATH, cache_dir, MAX_SEQUENCE_LENGTH,
-                                  prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
+                                       prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
-    mesh, _, sharding = trainer.mesh_and_sharding(run)
-    nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
-    fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
-    teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
-    build = functools.partial(flux.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
-                              d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                              attention_backend=ATTENTION_BACKEND)
-    generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
-    fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
-    fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
-                 base_dtype=BASE_DTYPE if fake_lora else "")
-    teacher = build(load=True, trainable=False, frozen_dtype=teacher_dtype, base_dtype="nf4" if nf4 else "")
-    generator.train()
-    fake.train()
-    ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
-                                                                    base_dtype=BASE_DTYPE if run.lora else "",
-                                                                    sharding=sharding.never_backward()))
+    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, flux, prec)
     models = {"generator": generator, "fake": fake}
     head = None
     if USE_GAN:  # the head reads the fake's double-stream output (algorithms/dmd2_flow.py), in fp32
@@ -902,23 +912,7 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
                                       d.device)
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
-    mesh, _, sharding = trainer.mesh_and_sharding(run)
-    nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
-    fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
-    teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
-    build = functools.partial(room.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
-                              d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                              attention_backend=ATTENTION_BACKEND)
-    generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
-    fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
-    fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
-                 base_dtype=BASE_DTYPE if fake_lora else "")
-    teacher = build(load=True, trainable=False, frozen_dtype=teacher_dtype, base_dtype="nf4" if nf4 else "")
-    generator.train()
-    fake.train()
-    ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
-                                                                    base_dtype=BASE_DTYPE if run.lora else "",
-                                                                    sharding=sharding.never_backward()))
+    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec)
     models = {"generator": generator, "fake": fake, **({"ema": ema} if ema is not None else {})}
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
     vae = room.load_vae(os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
