@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# DMD2 on FLUX.1 Kontext where the teacher needs its steps, on CPU: "paint it" (demos/palette_eval.py),
-# an edit with four right answers (any of red, green, blue, yellow; the prompt names none).
-#   1. the teacher: assets/kontext_base fine-tuned on 512 "paint it" pairs, each with a random palette
-#      colour as its target (train_flux_kontext.py; skipped when TEACHER is given)
+# DMD2 where the teacher needs its steps, on CPU: "paint it" (demos/palette_eval.py), an edit with four
+# right answers (any of red, green, blue, yellow; the prompt names none), for either flow-matching
+# editing family (FAMILY=kontext, the default: FLUX.1 Kontext; FAMILY=qwen: Qwen-Image-Edit-2509, the
+# context as its one reference, true CFG off everywhere).
+#   1. the teacher: the family's shipped base (assets/kontext_base or assets/qwen_edit_base) fine-tuned
+#      on 512 "paint it" pairs, each with a random palette colour as its target (train_flux_kontext.py;
+#      skipped when TEACHER is given)
 #   2. a 4-step and a 1-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
 #      settings)
 #   3. five rows scored over SEEDS noise seeds per held-out context: the teacher at 28, 4 and 1 step (its
@@ -11,12 +14,24 @@
 #      in % of the 28-step teacher's)
 #
 #   bash demos/demo_dmd_palette.sh              # 2 ranks; extra arguments go to both train_dmd.py runs
+#   FAMILY=qwen bash demos/demo_dmd_palette.sh  # the same with Qwen-Image-Edit (out/palette_dmd_qwen)
 #   TEACHER=out/my_palette_teacher/export bash demos/demo_dmd_palette.sh
 #
 # Ends with each run's training wall time; the table's s / image column is the evaluation's.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
-OUT=${OUT:-out/palette_dmd_demo}
+FAMILY=${FAMILY:-kontext}
+case "$FAMILY" in
+    # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
+    # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
+    kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo
+             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0) ;;
+    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen
+             TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
+             DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0) ;;
+    *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
+esac
+OUT=${OUT:-$DEFAULT_OUT}
 TEACHER=${TEACHER:-$OUT/teacher/export}
 NPROC=${NPROC:-2}
 SEEDS=${SEEDS:-8}
@@ -26,23 +41,23 @@ TRAIN=$(python -m demos.palette_eval --make_data="$OUT/task" | awk '$1 == "train
 times=()
 if [ ! -f "$TEACHER/model_index.json" ]; then
     if [ "$TEACHER" != "$OUT/teacher/export" ]; then
-        echo "TEACHER=$TEACHER: no model_index.json, not a FluxKontextPipeline folder" >&2
+        echo "TEACHER=$TEACHER: no model_index.json, not a pipeline folder" >&2
         exit 1
     fi
     # demos/demo_kontext.sh's fine-tune, longer (a distribution of four edits takes longer to learn than
     # one): batch 8 per rank, LR 5e-4, EMA 0.995, 2000 steps
     start=$(date +%s)
     python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \
-        --model_path=assets/kontext_base --data_path="$TRAIN" --output_dir="$OUT/teacher" \
+        --model_path="$BASE" --data_path="$TRAIN" --output_dir="$OUT/teacher" "${TUNE_ARGS[@]}" \
         --precision=fp32 --resolution=32 --batch_size=8 --lr=5e-4 --warmup_steps=50 --weight_decay=0 \
         --max_grad_norm=1.0 --ema_decay=0.995 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=28 \
         --sample_guidance=1.0 --save_every=1000 --log_every=100 --sample_every=1000 --max_steps=2000
     times+=("teacher $(( $(date +%s) - start )) s")
 fi
 # demos/demo_dmd_kontext.sh's students: from the teacher's weights, batch 8 per rank, generator and
-# fake-score LR 1e-4, the generator every 5th step, 300 steps, no EMA, guidance 1.0 (the teacher's)
+# fake-score LR 1e-4, the generator every 5th step, 300 steps, no EMA
 COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text_cache"
-        --resolution=32 --precision=fp32 --fake_score_fp32=1 --flux_guidance=1.0
+        --resolution=32 --precision=fp32 --fake_score_fp32=1 "${DMD_ARGS[@]}"
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
 for run in 4step 1step; do

@@ -1,4 +1,5 @@
-"""The "paint it" editing task (many valid edits) and its evaluation through FluxKontextPipeline.
+"""The "paint it" editing task (many valid edits) and its evaluation through FluxKontextPipeline or
+QwenImageEditPlusPipeline.
 
 Task: a shape of tools/shapes.py's world, in a colour outside the palette, on a plain background
 outside the palette; the instruction "paint it" never names a colour, and any of PALETTE is right.
@@ -129,11 +130,28 @@ def summarize(scores) -> dict:
             "colour_share": {c: 100.0 * k / n for c, k in counts.items()}}
 
 
+def is_qwen(folder) -> bool:
+    """Whether `folder` is a Qwen-Image-Edit pipeline (else FLUX.1 Kontext), by its model_index.json."""
+    return "QwenImageEdit" in json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
+
+
 def evaluate(folder, rows, steps, guidance, seeds, seed0=0):
-    """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds."""
-    pipe = ke.load_pipeline(folder)
+    """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds, through
+    FluxKontextPipeline (at `guidance`) or QwenImageEditPlusPipeline (the context as its one
+    reference, true CFG off), as model_index.json says."""
+    if is_qwen(folder):
+        from demos import qwen_edit_eval as qe
+        pipe, refs = qe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
+
+        def generate(seed):
+            return qe.generate(pipe, refs, steps=steps, seed=seed)
+    else:
+        pipe = ke.load_pipeline(folder)
+
+        def generate(seed):
+            return ke.generate(pipe, rows, steps=steps, guidance=guidance, seed=seed)
     t0 = time.perf_counter()
-    outputs = [ke.generate(pipe, rows, steps=steps, guidance=guidance, seed=seed0 + 1000 * s) for s in range(seeds)]
+    outputs = [generate(seed0 + 1000 * s) for s in range(seeds)]
     elapsed = time.perf_counter() - t0
     contexts = [ke.load_rgb(r["image"]) for r in rows]
     scores = [[score_paint(outputs[s][c], contexts[c], rows[c]["background"]) for s in range(seeds)]
@@ -180,14 +198,14 @@ def main(argv=None):
     quiet_known_warnings()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compare", nargs="+", default=[], metavar="NAME=PATH", help="FluxKontextPipeline folders")
+    p.add_argument("--compare", nargs="+", default=[], metavar="NAME=PATH", help="pipeline folders (Kontext or Qwen-Image-Edit)")
     p.add_argument("--task_dir", default="out/palette_task", help="where the splits are written")
     p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
     p.add_argument("--n", type=int, default=0, help="use the first N held-out contexts (0 = all)")
     p.add_argument("--seeds", type=int, default=SEEDS, help="noise seeds per context")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N")
-    p.add_argument("--guidance", type=float, default=1.0)
+    p.add_argument("--guidance", type=float, default=1.0, help="FLUX guidance (Kontext models)")
     p.add_argument("--seed", type=int, default=0, help="first noise seed (seed s of a context: SEED + 1000 s)")
     p.add_argument("--reference", default="", help="the model whose entropy is 100 %% variety (default: the first)")
     p.add_argument("--grid", default="", help="PNG grid path ('' = none)")

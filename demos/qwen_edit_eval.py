@@ -171,13 +171,15 @@ def load_pipeline(folder, lora=None):
 
 def generate(pipe, rows, steps=20, seed=0) -> list[np.ndarray]:
     """Edited images (HxWx3 uint8) for `rows`, one pipeline call per row (its references are one
-    prompt's images): at the target's size, true CFG off, generator seeded with seed + index."""
+    prompt's images): at the target's size, true CFG off, generator seeded with seed + index (the
+    global RNG too: the pipeline gives a stochastic scheduler, as a distilled export has, no generator)."""
     import torch
     from PIL import Image
     outputs = []
     with pipeline_areas(), torch.no_grad():
         for i, row in enumerate(rows):
             images = [Image.open(c).convert("RGB") for c in row["control"]]
+            torch.manual_seed(seed + i)
             out = pipe(image=images, prompt=row["prompt"], height=IMAGE_SIZE, width=IMAGE_SIZE,
                        num_inference_steps=steps, true_cfg_scale=1.0, generator=torch.Generator().manual_seed(seed + i),
                        output_type="np").images[0]

@@ -97,10 +97,12 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
     """Qwen-Image-Edit at 4 blocks of real width (1.4 B parameters): the 512 px full fine-tune's
     checkpoint (fp32 weights and AdamW's two moments) is 16.8 GB and its resume needs two of them
     beside the 2.8 GB export; the 1024 px LoRA row's adapters are megabytes. With 40 GB to spare and
-    no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4."""
+    no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4. The DMD2 row
+    (LoRA r64 generator, full fake score: 16.9 GB at 4 blocks, resumed) gets 2 blocks too."""
     rows = gpu_check.plan_runs(tiny=False, suite="qwen")
-    assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full"]
-    lora, full = rows
+    assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full",
+                                        "dmd_qwen_edit_512px_4step_lora64_ac"]
+    lora, full, dmd = rows
     for r in rows:
         r["size"] = 4
     assert lora["settings"]["extra"]["reference_area"] == 1024 ** 2  # the pipeline's VAE_IMAGE_SIZE
@@ -118,7 +120,9 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
 
     choice = gpu_check.fit_to_disk(rows, 40 * gpu_check.GB + gpu_check.HEADROOM, need, folder_cost,
                                    lambda r, z: gpu_check.smaller_qwen_blocks(z))
-    assert choice == {lora["run"]: 4, full["run"]: 2}
+    assert choice == {lora["run"]: 4, full["run"]: 2, dmd["run"]: 2}
+    assert dmd["resume"] and dmd["settings"]["lora_rank"] == 64 and dmd["settings"]["extra"]["lora_alpha"] == 8
+    assert _gb(gpu_check.row_bytes(dmd, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0]) == "16.9 GB"
     assert gpu_check.model_label(2) == "Qwen-Image-Edit 2 blocks"
 
 
@@ -262,9 +266,10 @@ def test_qwen_rows_on_cpu_train_resume_export_and_load(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
     qwen = {row["run"]: row for row in result["rows"]}
-    assert list(qwen) == ["qwen_edit_64px_lora16_2refs", "qwen_edit_32px_full"]
+    assert list(qwen) == ["qwen_edit_64px_lora16_2refs", "qwen_edit_32px_full", "dmd_qwen_edit_32px_4step_lora64_ac"]
     assert all(row["ok"] and row["status"] == "pass" and row["model"] == "tiny Qwen-Image-Edit"
                and row["step_ms"] > 0 for row in qwen.values())
-    assert qwen["qwen_edit_32px_full"]["resume_export"] == "pass"
+    assert qwen["qwen_edit_32px_full"]["resume_export"] == qwen["dmd_qwen_edit_32px_4step_lora64_ac"]["resume_export"] \
+        == "pass"
     refs = result["refs"]
     assert {row["ref"] for row in qwen.values()} == set(refs) and all(ref["fwd_bwd_ms"] > 0 for ref in refs.values())

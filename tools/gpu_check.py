@@ -745,6 +745,8 @@ def qwen_export_loads(export: str) -> bool:
 
 # DMD2 with a Kontext teacher as recipes/dmd_kontext_4step.sh runs it (three transformers of the FLUX folder)
 KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0}
+# DMD2 with a Qwen-Image-Edit teacher as recipes/dmd_qwen_edit_4step_lora.sh runs it
+QWEN_DMD = {**KONTEXT_DMD, "lora_alpha": 8, "generator_lr": 5e-5, "guidance_lr": 4e-7}
 
 
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
@@ -776,7 +778,11 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     if suite == "qwen":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
         return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 45, lora_rank=16,
                     extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
-                row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 95, resume=True, extra=qwen_areas(tiny, lo))]
+                row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 95, resume=True, extra=qwen_areas(tiny, lo)),
+                # recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings: LoRA r64 alpha 8 generator, full
+                # fake score, AC; references at the target's size (train_dmd.py's), teacher true CFG 4
+                row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 90, ac=True, lora_rank=64,
+                    resume=True, extra={**QWEN_DMD, "condition_area": qwen_areas(tiny, lo)["condition_area"]})]
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
