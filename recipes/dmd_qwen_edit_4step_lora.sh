@@ -6,7 +6,7 @@
 # pipeline's default) against the negative prompt. bf16 teacher and bases, AC, bf16 fake score.
 # `python tools/memory_plan.py --model=qwen-image-edit-dmd --world_size=8 --resolution=1024
 # --activation_checkpointing=1 --fake_score_fp32=0 --lora_rank=64 --lora_alpha=8 --gpu_memory_gb=80`
-# plans 58.3 GiB per GPU on 8 x 80 GB. NF4=1: the 8 x 24 GB row instead, a LoRA fake score too and every
+# plans 58.1 GiB per GPU on 8 x 80 GB. NF4=1: the 8 x 24 GB row instead, a LoRA fake score too and every
 # base and the teacher in NF4 (plans 11.6 GiB). Every row needs the same number of reference images.
 #
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl bash recipes/dmd_qwen_edit_4step_lora.sh

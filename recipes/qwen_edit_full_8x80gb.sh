@@ -2,7 +2,7 @@
 # Qwen-Image-Edit-2509 / 2511 full fine-tune at 1024^2 with up to three reference images per sample on
 # 8 x 80 GB: the 20 B transformer sharded per block over 8 GPUs, fp32 master weights and AdamW states,
 # bf16 compute, AC. `python tools/memory_plan.py --model=qwen-image-edit --world_size=8 --resolution=1024
-# --activation_checkpointing=1 --gpu_memory_gb=80` plans 48.6 GiB per GPU (docs/planner.md); without
+# --activation_checkpointing=1 --gpu_memory_gb=80` plans 48.4 GiB per GPU (docs/planner.md); without
 # AC it does not fit.
 #
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl bash recipes/qwen_edit_full_8x80gb.sh

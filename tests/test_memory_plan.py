@@ -1031,6 +1031,99 @@ def test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu(tmp_path):
           f"measured / planned {got['saved'] / planned:.4f}")
 
 
+NF4_SPLIT = 1e-3  # the planner's NF4 shard over the measured one, relative, at most
+QWEN_DMD_WIDTH = {  # name: (train_dmd.py's settings, the planner's)
+    "lightning": (dict(BASE_DTYPE="", FAKE_LORA=False), dict(lora_rank=64, lora_alpha=8)),
+    "nf4": (dict(BASE_DTYPE="nf4", FAKE_LORA=True), dict(lora_rank=64, lora_alpha=8, fake_lora=True, base_dtype="nf4")),
+}
+
+
+def _qwen_dmd_width_rank(rank, world, folder, out):
+    """One rank of train_dmd.py's three Qwen-Image transformers at real width, built by the script's own
+    build_flow_transformers (meta -> LoRA / NF4 -> the Qwen recipe -> each rank's slices allocated) for
+    each QWEN_DMD_WIDTH setting, then an AdamW step over what each model trains. Rank 0 writes each
+    role's bytes on this rank."""
+    import json
+    from types import SimpleNamespace
+
+    import train_dmd
+    from families import qwen_image
+    from parallel import loading, lowbit
+    from precision import get_precision
+    # every build step but reading the weights: each rank allocates its slices (the values do not matter here)
+    loading.materialize_and_load = lambda model, _folder, home: model.to_empty(device=home)
+    train_dmd.MODEL_PATH = folder
+    config = {k: getattr(train_dmd, k) for k in ("DP_REPLICATE", "PARALLELISM", "RESHARD_AFTER_FORWARD",
+                                                 "CPU_OFFLOAD", "PREFETCH", "COMPILE")}
+    config["ACTIVATION_CHECKPOINTING"] = True
+
+    def local_bytes(ts):  # NF4: its inner tensors (codes, scales)
+        return sum(lowbit.state_bytes(t.to_local()) for t in ts)
+    got = {}
+    for name, (script, planner) in QWEN_DMD_WIDTH.items():
+        for k, v in script.items():
+            setattr(train_dmd, k, v)
+        run = SimpleNamespace(d=SimpleNamespace(device=torch.device("cpu")), config=config,
+                              lora=lora.Lora(planner["lora_rank"], planner["lora_alpha"]))
+        _, generator, fake, teacher, ema, _, _ = train_dmd.build_flow_transformers(run, qwen_image,
+                                                                                   get_precision("bf16-mixed"))
+        assert ema is None
+        got[name] = {"teacher": local_bytes(teacher.parameters())}
+        for role, model in (("generator", generator), ("fake_score", fake)):
+            trained = [p for p in model.parameters() if p.requires_grad]
+            for p in trained:
+                p.grad = torch.zeros_like(p)
+            opt = torch.optim.AdamW(trained, lr=1e-4)
+            opt.step()
+            got[name][role] = dict(frozen=local_bytes(p for p in model.parameters() if not p.requires_grad),
+                                   trained=local_bytes(trained), grads=local_bytes(p.grad for p in trained),
+                                   optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")))
+        del generator, fake, teacher
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+@pytest.mark.slow  # 2 ranks build three 0.38 B transformers twice
+def test_qwen_dmd_plan_matches_train_dmds_real_width_build_on_2_ranks(tmp_path):
+    """The planner's qwen-image-edit DMD2 rows against train_dmd.py's own build on 2 CPU ranks with gloo,
+    the transformer at real width (1 dual-stream block, 3072 wide, 0.38 B parameters): the Lightning recipe (LoRA r64 alpha 8 generator, full fake
+    score in bf16-mixed: fp32 master, bf16 teacher) and the 24 GB one (LoRA generator and fake score on
+    NF4 bases, NF4 teacher). Each role's shard on rank 0, the adapters, their grads and AdamW's moments
+    equal the planner's rows to the byte; NF4 shards up to NF4_SPLIT more (the planner gives each rank an
+    even share of the quantised weights, the shards split them at their blocks; measured: 0.023 %). (The activations are one training forward's, the fine-tune's:
+    test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu holds those.)"""
+    import json
+    import shutil
+
+    from tests.conftest import run_ranks
+    folder = tmp_path / "qwen_width_1"
+    shutil.copytree(memory_plan.model_folder("qwen-image-edit"), folder)
+    cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, "num_layers": 1}))
+    run_ranks(_qwen_dmd_width_rank, 2, str(folder), str(tmp_path / "got.json"))
+    got = json.loads((tmp_path / "got.json").read_text())
+    for name, (_, over) in QWEN_DMD_WIDTH.items():
+        rows = memory_plan.plan(str(folder), Settings(world_size=2, resolution=64, fake_score_fp32=False,
+                                                      activation_checkpointing=True, script="train_dmd.py",
+                                                      **over))["rows"]
+        g, nf4 = got[name], over.get("base_dtype") == "nf4"
+
+        def frozen_ok(measured, planned):  # NF4: the planner splits the quantised weights evenly over the ranks
+            return 0 <= planned - measured <= NF4_SPLIT * planned if nf4 else measured == planned
+        assert frozen_ok(g["teacher"], rows["teacher"]["params"]), (name, g["teacher"], rows["teacher"]["params"])
+        for role in ("generator", "fake_score"):
+            if f"{role}.lora" in rows:  # the frozen base, then the adapters with their grads and moments
+                assert frozen_ok(g[role]["frozen"], rows[role]["params"]), (name, role)
+                trained = rows[f"{role}.lora"]
+                assert g[role]["trained"] == trained["params"], (name, role)
+            else:  # all weights, the last block's unused text outputs frozen (qwen_image.freeze_unused)
+                trained = rows[role]
+                assert 0 < g[role]["frozen"] and g[role]["frozen"] + g[role]["trained"] == trained["params"]
+            assert (g[role]["grads"], g[role]["optim"]) == (trained["grads"], trained["optim"]), (name, role)
+        print(f"\nQwen width, 1 block, DMD2 {name}, 2 ranks: rank 0 holds {g}")
+
+
 QWEN_1024 = dict(resolution=1024, reshard_after_forward=None)  # the scripts' auto resharding
 QWEN_FINE_TUNE_ROWS = [  # (label, settings, GPU memory in GB): docs/planner.md's Qwen-Image-Edit fine-tuning table
     ("LoRA r16, NF4 base", dict(world_size=1, lora_rank=16, base_dtype="nf4"), 24),

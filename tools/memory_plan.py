@@ -411,6 +411,9 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), s.dp_replicate, s.context_parallel)[0]
         for c in parts:
             c.module.to(c.dtype)
+            if c.holding.trained and type(c.module).__name__ == "QwenImageTransformer2DModel":
+                from families import qwen_image
+                qwen_image.freeze_unused(c.module)  # as its room builds it: no grads, no optimizer state there
             if c.lora:
                 try:
                     _add_lora_on_meta(c.module, c.lora)
@@ -439,7 +442,7 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                            and not m.weight.requires_grad and lowbit.nf4_blocks(m.weight.shape) is not None]
                 out[c.name].update(nf4_global=sum(w.numel() for w in weights),
                                    nf4_largest=max((w.numel() for w in weights), default=0))
-            if c.lora:
+            if c.lora or c.holding.trained:
                 trainable = [p for p in c.module.parameters() if p.requires_grad]
                 out[c.name].update(
                     trainable_local=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -900,8 +903,9 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             rows[c.name] = dict(params=base_bytes, grads=0, optim=0, note=f"{note} (nf4)", count=info["global"],
                                 local_count=local, sharded=True)
             continue
-        rows[c.name] = dict(params=local * _size(c.dtype), grads=local * p_size if h.trained else 0,
-                            optim=int(local * _state_bytes(s.optimizer, p_size)) if h.trained else 0,
+        trained = (info["trainable_local"] if h.sharded else info["trainable_global"]) if h.trained else 0
+        rows[c.name] = dict(params=local * _size(c.dtype), grads=trained * p_size,
+                            optim=int(trained * _state_bytes(s.optimizer, p_size)),
                             note=note + (_optimizer_note(s.optimizer) if h.trained else ""),
                             count=info["global"], local_count=local, sharded=h.sharded)
         if h.sharded:
