@@ -25,10 +25,12 @@ case "$FAMILY" in
     # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
     kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo
-             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0) ;;
+             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=() ;;
+    # the 1-step teacher row samples x - v at σ 1 with the scheduler's shift off: Qwen-Image's terminal
+    # stretch (shift_terminal 0.02) divides by zero at 1 step, so its own 1-step σ list is NaN
     qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen
              TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
-             DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0) ;;
+             DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0); EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
     *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
 esac
 OUT=${OUT:-$DEFAULT_OUT}
@@ -72,5 +74,5 @@ trained=$(date +%s)
 python -m demos.palette_eval --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json" --seeds="$SEEDS" \
     --compare teacher_28="$TEACHER" teacher_4="$TEACHER" teacher_1="$TEACHER" \
     student_4="$OUT/4step/export" student_1="$OUT/1step/export" \
-    --steps=28 --steps_for teacher_4=4 teacher_1=1 student_4=4 student_1=1
+    --steps=28 --steps_for teacher_4=4 teacher_1=1 student_4=4 student_1=1 "${EVAL_ARGS[@]}"
 echo "demo: training ${times[*]}; evaluation $(( $(date +%s) - trained )) s; grid $GRID"

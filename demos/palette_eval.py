@@ -135,10 +135,11 @@ def is_qwen(folder) -> bool:
     return "QwenImageEdit" in json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
 
 
-def evaluate(folder, rows, steps, guidance, seeds, seed0=0):
+def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False):
     """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds, through
     FluxKontextPipeline (at `guidance`) or QwenImageEditPlusPipeline (the context as its one
-    reference, true CFG off), as model_index.json says."""
+    reference, true CFG off), as model_index.json says. `neutral`: its scheduler's σ-bending settings
+    neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
     if is_qwen(folder):
         from demos import qwen_edit_eval as qe
         pipe, refs = qe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
@@ -150,6 +151,9 @@ def evaluate(folder, rows, steps, guidance, seeds, seed0=0):
 
         def generate(seed):
             return ke.generate(pipe, rows, steps=steps, guidance=guidance, seed=seed)
+    if neutral:
+        from families.dit import NEUTRAL_SIGMAS
+        pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **NEUTRAL_SIGMAS})
     t0 = time.perf_counter()
     outputs = [generate(seed0 + 1000 * s) for s in range(seeds)]
     elapsed = time.perf_counter() - t0
@@ -206,6 +210,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N")
     p.add_argument("--guidance", type=float, default=1.0, help="FLUX guidance (Kontext models)")
+    p.add_argument("--neutral_sigmas", nargs="+", default=[], metavar="NAME",
+                   help="models sampled with their scheduler's shift and terminal stretch off: Qwen-Image's "
+                        "(shift_terminal 0.02) divides by zero at 1 step (its σ list is NaN)")
     p.add_argument("--seed", type=int, default=0, help="first noise seed (seed s of a context: SEED + 1000 s)")
     p.add_argument("--reference", default="", help="the model whose entropy is 100 %% variety (default: the first)")
     p.add_argument("--grid", default="", help="PNG grid path ('' = none)")
@@ -231,6 +238,9 @@ def main(argv=None):
             p.error(f"--steps_for wants NAME=N with NAME one of {sorted(models)}, got {item!r}")
         steps[name] = int(value)
     reference = args.reference or next(iter(models))
+    for name in args.neutral_sigmas:
+        if name not in models:
+            p.error(f"--neutral_sigmas: {name!r} is not one of {sorted(models)}")
     import torch
     torch.set_num_threads(args.threads)
     rows = ke.load_rows(ensure_task_data(args.task_dir)["heldout"])
@@ -238,7 +248,8 @@ def main(argv=None):
     results, outputs = {}, {}
     for name, folder in models.items():
         t0 = time.time()
-        results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed)
+        results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed,
+                                                neutral=name in args.neutral_sigmas)
         print(f"{name}: {folder} ({steps[name]} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table(results, steps, reference))
     if args.grid:
