@@ -202,7 +202,8 @@ def main(argv=None):
     quiet_known_warnings()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compare", nargs="+", default=[], metavar="NAME=PATH", help="pipeline folders (Kontext or Qwen-Image-Edit)")
+    p.add_argument("--compare", nargs="+", default=[], metavar="NAME=PATH",
+                   help="pipeline folders (Kontext or Qwen-Image-Edit)")
     p.add_argument("--task_dir", default="out/palette_task", help="where the splits are written")
     p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
     p.add_argument("--n", type=int, default=0, help="use the first N held-out contexts (0 = all)")

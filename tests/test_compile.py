@@ -94,18 +94,24 @@ def flux_runs(tmp_path_factory):
     return runs
 
 
-@pytest.mark.slow
-def test_flux_compiled_matches_eager(flux_runs):
-    (eager, _), (compiled, _) = flux_runs["eager"], flux_runs["compiled"]
+def assert_trains_as_eager(eager: str, compiled: str) -> None:
+    """The same losses and grad norms per step (1e-5 relative) and exported weights (LR / 20) as eager;
+    the same export keys, none with torch.compile's `_orig_mod.`."""
     a, b = read_metrics(eager), read_metrics(compiled)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):
         for k in ("loss", "grad_norm"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5), (ra["step"], k, ra[k], rb[k])
     wa, wb = export(eager), export(compiled)
-    assert wa.keys() == wb.keys()
+    assert wa.keys() == wb.keys() and not any("_orig_mod" in k for k in wb)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=LR / 20, msg=k)
+
+
+@pytest.mark.slow
+def test_flux_compiled_matches_eager(flux_runs):
+    (eager, _), (compiled, _) = flux_runs["eager"], flux_runs["compiled"]
+    assert_trains_as_eager(eager, compiled)
     # module tree untouched: the same checkpoint keys, none with torch.compile's `_orig_mod.`
     keys = checkpoint_keys(compiled, STEPS)
     assert keys == checkpoint_keys(eager, STEPS) and not any("_orig_mod" in k for k in keys)
@@ -211,15 +217,7 @@ def test_qwen_image_edit_compiled_matches_eager(qwen_runs):
     frozen, so its parameters' requires_grad differ and dynamo guards on it), 0 breaks; the same
     losses, grad norms and trained weights as eager."""
     (eager, _), (compiled, log) = qwen_runs["eager"], qwen_runs["compiled"]
-    a, b = read_metrics(eager), read_metrics(compiled)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
-    for ra, rb in zip(a, b):
-        for k in ("loss", "grad_norm"):
-            assert rb[k] == pytest.approx(ra[k], rel=1e-5), (ra["step"], k, ra[k], rb[k])
-    wa, wb = export(eager), export(compiled)
-    assert wa.keys() == wb.keys() and not any("_orig_mod" in k for k in wb)
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=LR / 20, msg=k)
+    assert_trains_as_eager(eager, compiled)
     line = next(line for line in log.splitlines() if line.startswith("compile: "))
     assert re.match(r"compile: 2 graphs, 0 graph breaks \(", line), line
     assert "recompile_limit" not in log

@@ -1077,7 +1077,8 @@ def _qwen_dmd_width_rank(rank, world, folder, out):
             opt.step()
             got[name][role] = dict(frozen=local_bytes(p for p in model.parameters() if not p.requires_grad),
                                    trained=local_bytes(trained), grads=local_bytes(p.grad for p in trained),
-                                   optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")))
+                                   optim=local_bytes(st[k] for st in opt.state.values()
+                                                     for k in ("exp_avg", "exp_avg_sq")))
         del generator, fake, teacher
     if rank == 0:
         with open(out, "w") as f:
@@ -1087,12 +1088,13 @@ def _qwen_dmd_width_rank(rank, world, folder, out):
 @pytest.mark.slow  # 2 ranks build three 0.38 B transformers twice
 def test_qwen_dmd_plan_matches_train_dmds_real_width_build_on_2_ranks(tmp_path):
     """The planner's qwen-image-edit DMD2 rows against train_dmd.py's own build on 2 CPU ranks with gloo,
-    the transformer at real width (1 dual-stream block, 3072 wide, 0.38 B parameters): the Lightning recipe (LoRA r64 alpha 8 generator, full fake
-    score in bf16-mixed: fp32 master, bf16 teacher) and the 24 GB one (LoRA generator and fake score on
-    NF4 bases, NF4 teacher). Each role's shard on rank 0, the adapters, their grads and AdamW's moments
-    equal the planner's rows to the byte; NF4 shards up to NF4_SPLIT more (the planner gives each rank an
-    even share of the quantised weights, the shards split them at their blocks; measured: 0.023 %). (The activations are one training forward's, the fine-tune's:
-    test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu holds those.)"""
+    the transformer at real width (1 dual-stream block, 3072 wide, 0.38 B parameters): the Lightning
+    recipe (LoRA r64 alpha 8 generator, full fake score in bf16-mixed: fp32 master, bf16 teacher) and the
+    24 GB one (LoRA generator and fake score on NF4 bases, NF4 teacher). Each role's shard on rank 0, the
+    adapters, their grads and AdamW's moments equal the planner's rows to the byte; NF4 shards up to
+    NF4_SPLIT less (the planner gives each rank an even share of the quantised weights, the shards split
+    them at their blocks; measured: 0.023 %). The activations are one training forward's, the
+    fine-tune's: test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu holds those."""
     import json
     import shutil
 
