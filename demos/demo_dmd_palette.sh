@@ -24,11 +24,12 @@ FAMILY=${FAMILY:-kontext}
 case "$FAMILY" in
     # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
-    kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo
+    kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo; TEACHER_STEPS=2000
              TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=() ;;
     # the 1-step teacher row samples x - v at σ 1 with the scheduler's shift off: Qwen-Image's terminal
     # stretch (shift_terminal 0.02) divides by zero at 1 step, so its own 1-step σ list is NaN
-    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen
+    # the Qwen base learns edits slower (demos/demo_qwen_edit.sh): its teacher trains 3x longer
+    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen; TEACHER_STEPS=6000
              TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
              DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0); EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
     *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
@@ -47,13 +48,13 @@ if [ ! -f "$TEACHER/model_index.json" ]; then
         exit 1
     fi
     # demos/demo_kontext.sh's fine-tune, longer (a distribution of four edits takes longer to learn than
-    # one): batch 8 per rank, LR 5e-4, EMA 0.995, 2000 steps
+    # one): batch 8 per rank, LR 5e-4, EMA 0.995, TEACHER_STEPS steps
     start=$(date +%s)
     python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \
         --model_path="$BASE" --data_path="$TRAIN" --output_dir="$OUT/teacher" "${TUNE_ARGS[@]}" \
         --precision=fp32 --resolution=32 --batch_size=8 --lr=5e-4 --warmup_steps=50 --weight_decay=0 \
         --max_grad_norm=1.0 --ema_decay=0.995 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=28 \
-        --sample_guidance=1.0 --save_every=1000 --log_every=100 --sample_every=1000 --max_steps=2000
+        --sample_guidance=1.0 --save_every=1000 --log_every=100 --sample_every=1000 --max_steps="$TEACHER_STEPS"
     times+=("teacher $(( $(date +%s) - start )) s")
 fi
 # demos/demo_dmd_kontext.sh's students: from the teacher's weights, batch 8 per rank, generator and
