@@ -10,6 +10,9 @@ never repeat a train scene):
 
     train    512 pairs, seed 11  (what the teacher is fine-tuned on, and the students' prompts)
     heldout   32 contexts, seed 12  (each edited with SEEDS noise seeds per model)
+    train_all_colours  the 512 train contexts, each once per palette colour (2048 pairs): every
+                       right edit of a context in the data, for a teacher that would otherwise learn
+                       one colour per context
 
 Each split is written as demos/kontext_eval.py writes its own (context/*.png, target/*.png,
 data.jsonl rows {"image", "target", "prompt", scene fields}).
@@ -46,6 +49,8 @@ from tools.shapes import COLOURS, nearest_colour
 PALETTE = ("red", "green", "blue", "yellow")
 PROMPT = "paint it"  # 8 T5 tokens with </s>: the tiny tokenizer's whole length, never a colour name
 SPLITS = {"train": (512, 11), "heldout": (32, 12)}  # name: (pairs, seed)
+# the train scenes, each written once per palette colour: the four right edits of a context side by side
+ALL_COLOURS = "train_all_colours"
 SEEDS = 8  # noise seeds per held-out context
 SATURATED_DIST = 60.0  # RGB distance of the median foreground colour from its palette colour
 ONE_COLOUR_DIST = 80.0
@@ -73,15 +78,16 @@ def task_scenes(split):
 
 
 def ensure_task_data(root) -> dict:
-    """Write every split once under `root`; {split: data.jsonl path as str}."""
+    """Write every split (and ALL_COLOURS) once under `root`; {split: data.jsonl path as str}."""
     root = Path(root)
 
     def write_splits(tmp):
         for split in SPLITS:
             ke.write_pairs(tmp / split, task_scenes(split))
+        ke.write_pairs(tmp / ALL_COLOURS, [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE])
 
-    build_once(root, write_splits, 600.0, ready_text="palette task v1\n")
-    return {s: str(root / s / "data.jsonl") for s in SPLITS}
+    build_once(root, write_splits, 600.0, ready_text="palette task v2\n")
+    return {s: str(root / s / "data.jsonl") for s in (*SPLITS, ALL_COLOURS)}
 
 
 def score_paint(output, context, background) -> dict:
