@@ -143,15 +143,10 @@ def flux_parts(root: str) -> str:
     return out
 
 
-def flux_skeleton(root: str, blocks: tuple[int, int], parts: str | None) -> str:
-    """work/flux_real_D_S: the FLUX transformer's real config with D double + S single blocks, no
-    weights yet (flux_weights writes them), beside links to `parts`' components (None: config only,
-    enough to size a run)."""
-    from diffusers import FluxTransformer2DModel
-    out = os.path.join(root, f"flux_real_{blocks[0]}_{blocks[1]}")
+def _skeleton(out: str, config: dict, parts: str | None) -> str:
+    """`out`/transformer/config.json holding `config`, no weights yet (transformer_weights writes them),
+    beside links to `parts`' components (None: config only, enough to size a run)."""
     os.makedirs(os.path.join(out, "transformer"), exist_ok=True)
-    config = dict(FluxTransformer2DModel.load_config(os.path.join(REAL, "flux-kontext-dev", "transformer")))
-    config.update(num_layers=blocks[0], num_single_layers=blocks[1])
     with open(os.path.join(out, "transformer", "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     for name in os.listdir(parts) if parts else ():
@@ -161,14 +156,28 @@ def flux_skeleton(root: str, blocks: tuple[int, int], parts: str | None) -> str:
     return out
 
 
-def flux_weights(folder: str) -> None:
-    """The skeleton's transformer with random weights (written once)."""
+def transformer_weights(folder: str) -> None:
+    """The skeleton's transformer with random weights, of the class its config names (written once)."""
+    import diffusers
     sub = os.path.join(folder, "transformer")
     if any(name.endswith(".safetensors") for name in os.listdir(sub)):
         return
-    from diffusers import FluxTransformer2DModel
+    cls = getattr(diffusers, _config_class(sub))
     with _init_device():
-        FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(sub)).save_pretrained(sub)
+        cls.from_config(cls.load_config(sub)).save_pretrained(sub)
+
+
+def _config_class(sub: str) -> str:
+    with open(os.path.join(sub, "config.json")) as f:
+        return json.load(f)["_class_name"]
+
+
+def flux_skeleton(root: str, blocks: tuple[int, int], parts: str | None) -> str:
+    """work/flux_real_D_S: the FLUX transformer's real config with D double + S single blocks (_skeleton)."""
+    from diffusers import FluxTransformer2DModel
+    config = dict(FluxTransformer2DModel.load_config(os.path.join(REAL, "flux-kontext-dev", "transformer")))
+    config.update(num_layers=blocks[0], num_single_layers=blocks[1])
+    return _skeleton(os.path.join(root, f"flux_real_{blocks[0]}_{blocks[1]}"), config, parts)
 
 
 QWEN = os.path.join(REAL, "qwen-image-edit")
@@ -224,29 +233,10 @@ def qwen_parts(root: str) -> str:
 
 
 def qwen_skeleton(root: str, blocks: int, parts: str | None) -> str:
-    """work/qwen_real_N: the Qwen-Image-Edit transformer's real config with N dual-stream blocks, no
-    weights yet (qwen_weights writes them), beside links to `parts`' components (None: config only)."""
-    out = os.path.join(root, f"qwen_real_{blocks}")
-    os.makedirs(os.path.join(out, "transformer"), exist_ok=True)
+    """work/qwen_real_N: the Qwen-Image-Edit transformer's real config with N dual-stream blocks (_skeleton)."""
     with open(os.path.join(QWEN, "transformer", "config.json")) as f:
         config = {**json.load(f), "num_layers": blocks}
-    with open(os.path.join(out, "transformer", "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    for name in os.listdir(parts) if parts else ():
-        dst, src = os.path.join(out, name), os.path.join(parts, name)
-        if not os.path.lexists(dst):  # as flux_skeleton: folders linked, files copied
-            os.symlink(src, dst) if os.path.isdir(src) else shutil.copy(src, dst)
-    return out
-
-
-def qwen_weights(folder: str) -> None:
-    """The skeleton's transformer with random weights (written once)."""
-    sub = os.path.join(folder, "transformer")
-    if any(name.endswith(".safetensors") for name in os.listdir(sub)):
-        return
-    from diffusers import QwenImageTransformer2DModel
-    with _init_device():
-        QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(sub)).save_pretrained(sub)
+    return _skeleton(os.path.join(root, f"qwen_real_{blocks}"), config, parts)
 
 
 def smaller_qwen_blocks(blocks: int) -> int | None:
@@ -1017,7 +1007,7 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
     for size, f in list(folders.items()):
         if isinstance(size, (tuple, int)):
             if size in choice.values():
-                (flux_weights if isinstance(size, tuple) else qwen_weights)(f)
+                transformer_weights(f)
             else:  # a size tried and not taken: its config and links only
                 shutil.rmtree(f)
                 del folders[size]
