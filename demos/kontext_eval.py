@@ -341,6 +341,17 @@ def markdown_table(results) -> str:
     return shapes.md_table(header, rows, align=["---"] * 2 + ["---:"] * 6)
 
 
+def named_paths(parser, items) -> dict:
+    """--compare's NAME=PATH items as {name: path}; a malformed one is the parser's error."""
+    out = {}
+    for item in items:
+        name, _, path = item.partition("=")
+        if not path:
+            parser.error(f"--compare wants NAME=PATH, got {item!r}")
+        out[name] = path
+    return out
+
+
 def main(argv=None):
     from components.warnings import quiet_known_warnings
     quiet_known_warnings()  # before diffusers is imported: the import noise the training scripts silence too
@@ -383,11 +394,7 @@ def main(argv=None):
     models = {}
     if args.model:
         models[Path(args.model).name or "model"] = args.model
-    for item in args.compare or []:
-        name, _, path = item.partition("=")
-        if not path:
-            p.error(f"--compare wants NAME=PATH, got {item!r}")
-        models[name] = path
+    models.update(named_paths(p, args.compare or []))
     if not models:
         p.error("give --model=PATH or --compare NAME=PATH ...")
     loras = {}

@@ -230,12 +230,7 @@ def main(argv=None):
         for split, path in ensure_task_data(args.make_data).items():
             print(split, path)
         return 0
-    models = {}
-    for item in args.compare:
-        name, _, path = item.partition("=")
-        if not path:
-            p.error(f"--compare wants NAME=PATH, got {item!r}")
-        models[name] = path
+    models = ke.named_paths(p, args.compare)
     if not models:
         p.error("give --compare NAME=PATH ...")
     steps = {name: args.steps for name in models}
