@@ -114,7 +114,7 @@ from core.errors import ConfigError  # noqa: E402
 from components.warnings import quiet_known_warnings  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
-from families import pipelines  # noqa: E402  (what each pipeline holds, in which role)
+from families import FAMILIES, pipelines  # noqa: E402  (the rooms; what each pipeline holds, in which role)
 from parallel.model_facts import MODELS  # noqa: E402  (FSDP units and LoRA targets per model class)
 from parallel.parallelize import parallelize  # noqa: E402  (the recipes)
 from precision import dtype_name, get_precision  # noqa: E402
@@ -358,9 +358,16 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     with `fake_lora`, the other trainable ones get adapters (Part.lora, added when sharded) and
     their base is stored in the compute dtype, as the scripts store it. `script`: as layout's."""
     script, kind = layout(folder, script)
+    # what the family's room does to its transformer's meta skeleton in every role before the cast, the
+    # adapters and the recipe (families/dit.py's `prepare`; Qwen-Image: freezing outputs that feed nothing)
+    pipeline = PIPELINE_OF_KIND[DMD_KINDS.get(kind, kind)]
+    prepare = getattr(FAMILIES[pipeline], "prepare", None)
+    trained_sub = next(c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable")
     parts = []
     for spec in pipeline_components(kind):
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
+        if build and prepare is not None and spec.subfolder == trained_sub:
+            prepare(part.module)
         if part.holding.trained and lora and (fake_lora or not any(q.holding.trained for q in parts)):
             part.lora = lora  # the base keeps the compute dtype
         elif part.holding.trained:
@@ -411,9 +418,6 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), s.dp_replicate, s.context_parallel)[0]
         for c in parts:
             c.module.to(c.dtype)
-            if c.holding.trained and type(c.module).__name__ == "QwenImageTransformer2DModel":
-                from families import qwen_image
-                qwen_image.freeze_unused(c.module)  # as its room builds it: no grads, no optimizer state there
             if c.lora:
                 try:
                     _add_lora_on_meta(c.module, c.lora)
