@@ -65,7 +65,7 @@ from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data import randomness
-from data.batches import global_batch_indices, micro_batch_positions
+from data.batches import rank_micro_batches
 from data.images import load_image
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
@@ -389,22 +389,20 @@ def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed:
     CAPTION_DROPOUT drops one) and (GAN, real_size given) the real images as pixels, on CPU: the
     prompt rows' own, or with `real_rows` (REAL_DATA_PATH) images drawn in their own seeded order
     with their own captions, as the official code draws real images apart from the prompts."""
-    global_batch = batch_size * d.world_size * grad_accum
-    indices = global_batch_indices(it, global_batch, len(rows), seed)
-    real_indices = indices
-    if real_rows is not None:
-        real_indices = global_batch_indices(it, global_batch, len(real_rows), seed + _REAL_ORDER_SALT)
+    shares = rank_micro_batches(it, len(rows), batch_size, grad_accum, d.rank, d.world_size, seed)
+    real_shares = shares
+    if real_rows is not None:  # the same positions, drawn from the real rows' own order
+        real_shares = rank_micro_batches(it, len(real_rows), batch_size, grad_accum, d.rank, d.world_size,
+                                         seed + _REAL_ORDER_SALT)
     out = []
-    for m in range(grad_accum):
-        mine = micro_batch_positions(m, batch_size * d.world_size, d.rank, d.world_size)
-        prompts = drop_captions([rows[indices[i]]["prompt"] for i in mine], seed, it, mine, caption_dropout)
+    for (mine, picked), (_, real_picked) in zip(shares, real_shares):
+        prompts = drop_captions([rows[i]["prompt"] for i in picked], seed, it, mine, caption_dropout)
         mb = {"mine": mine, "prompts": prompts}
         if real_size is not None:
             source = rows if real_rows is None else real_rows
-            mb["pixels"] = torch.stack([load_image(source[real_indices[i]]["image"], real_size, real_size)
-                                        for i in mine])
+            mb["pixels"] = torch.stack([load_image(source[i]["image"], real_size, real_size) for i in real_picked])
             if real_rows is not None:
-                mb["real_prompts"] = [real_rows[real_indices[i]].get("prompt", "") for i in mine]
+                mb["real_prompts"] = [real_rows[i].get("prompt", "") for i in real_picked]
         out.append(mb)
     return out
 
@@ -565,12 +563,9 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     micro-batch, this rank's positions in the global batch, the cached text embeddings of its
     prompts ("" where CAPTION_DROPOUT drops one) and (Kontext) its context images (with USE_GAN
     also their targets), on CPU."""
-    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
-    indices = global_batch_indices(it, global_batch, len(rows), SEED)
     out = []
-    for m in range(GRAD_ACCUM):
-        mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
-        picked = [rows[indices[i]] for i in mine]
+    for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
+        picked = [rows[i] for i in idx]
         prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
         mb = {"mine": mine, "text": flux.load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
         if kontext:
@@ -938,12 +933,9 @@ def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     """Host side of iteration `it` on this rank: per micro-batch, this rank's positions, the cached
     text of its prompts ("" where CAPTION_DROPOUT drops one; the negative prompt's for the teacher's
     CFG) and its reference images at the target's size, on CPU."""
-    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
-    indices = global_batch_indices(it, global_batch, len(rows), SEED)
     out = []
-    for m in range(GRAD_ACCUM):
-        mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
-        picked = [rows[indices[i]] for i in mine]
+    for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
+        picked = [rows[i] for i in idx]
         prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
         cpu = torch.device("cpu")
         refs = [torch.stack([load_image(qwen.controls(r)[j], size, size) for r in picked])

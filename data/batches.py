@@ -28,6 +28,15 @@ def micro_batch_positions(m: int, micro_global: int, rank_: int, world: int) -> 
     return list(rank_slice(range(m * micro_global, (m + 1) * micro_global), rank_, world))
 
 
+def rank_micro_batches(step: int, n: int, batch_size: int, grad_accum: int, rank_: int, world: int,
+                       seed: int) -> list[tuple[list[int], list[int]]]:
+    """This rank's share of every micro-batch of `step` over a dataset of `n` rows: per micro-batch,
+    (positions in the global batch, their dataset indices). Positions key the per-sample randomness."""
+    indices = global_batch_indices(step, batch_size * world * grad_accum, n, seed)
+    return [(mine, [indices[i] for i in mine])
+            for mine in (micro_batch_positions(m, batch_size * world, rank_, world) for m in range(grad_accum))]
+
+
 def rank_slice(items, rank_: int, world: int):
     """This rank's contiguous share of a global batch (list or tensor along dim 0)."""
     per = len(items) // world

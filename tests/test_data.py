@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from core.errors import ConfigError
-from data.batches import global_batch_indices, rank_slice
+from data.batches import global_batch_indices, rank_micro_batches, rank_slice
 from data.images import check_image, exif_orientation, image_size, load_image
 from data.prefetch import Prefetcher
 from data.randomness import drop_captions, per_sample_draws
@@ -32,6 +32,16 @@ def test_global_batch_indices_cover_epochs():
 def test_rank_slices_partition_the_batch():
     batch = list(range(8))
     assert [x for r in range(4) for x in rank_slice(batch, r, 4)] == batch
+
+
+def test_rank_micro_batches_lay_the_global_batch_out_by_micro_batch_then_rank():
+    """Micro-batch m of every rank, ranks in order, then m + 1: the global batch of the step, each
+    position paired with its dataset index."""
+    step, n, batch, accum, world = 3, 10, 2, 3, 2
+    whole = global_batch_indices(step, batch * world * accum, n, seed=5)
+    shares = [rank_micro_batches(step, n, batch, accum, r, world, seed=5) for r in range(world)]
+    laid = [(p, i) for m in range(accum) for r in range(world) for p, i in zip(*shares[r][m])]
+    assert laid == list(enumerate(whole))
 
 
 def test_per_sample_draws_do_not_depend_on_who_draws_them():
