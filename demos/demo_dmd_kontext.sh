@@ -35,14 +35,8 @@ COMMON=(--model_path="$TEACHER" --data_path=assets/kontext_blue/train.jsonl --te
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
 times=()
-for run in 4step 1step; do
-    steps=--denoising_steps=999,749,499,249  # σ 1, .75, .5, .25: the export's 4 inference steps
-    [ "$run" = 1step ] && steps=--denoising_steps=  # pure noise in at σ 1, x0 out
-    start=$(date +%s)
-    python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py "${COMMON[@]}" "$steps" \
-        --output_dir="$OUT/$run" "$@"
-    times+=("$run $(( $(date +%s) - start )) s")
-done
+source demos/dmd_students.sh
+train_students "$OUT" "$NPROC" "${COMMON[@]}" "$@"
 trained=$(date +%s)
 python -m demos.kontext_eval --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json" \
     --compare teacher_28=$TEACHER teacher_4=$TEACHER teacher_1=$TEACHER \
