@@ -37,7 +37,9 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -206,9 +208,10 @@ def pretrain_scenes(n=PRETRAIN_PAIRS, seed=10):
 # 4. pre-training through train_flux_kontext.py
 
 
-def pretrain_command(init, data, out, steps, nproc, overrides) -> list[str]:
-    args = {**PRETRAIN_ARGS, **overrides, "max_steps": steps, "sample_every": steps,
-            "model_path": str(init), "data_path": str(data), "output_dir": str(out)}
+def pretrain_command(init, data, out, steps, nproc, overrides, pretrain_args=None) -> list[str]:
+    """The torchrun command of train_flux_kontext.py that pre-trains the init folder on `data`."""
+    args = {**(PRETRAIN_ARGS if pretrain_args is None else pretrain_args), **overrides, "max_steps": steps,
+            "sample_every": steps, "model_path": str(init), "data_path": str(data), "output_dir": str(out)}
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
              str(ROOT / "train_flux_kontext.py")] + [f"--{k}={v}" for k, v in args.items()])
 
@@ -247,14 +250,35 @@ def folder_mib(folder) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@dataclass(frozen=True)
+class Family:
+    """What a tiny editing base needs of its family for the five stages (run_stages)."""
+    name: str  # for the work folder: out/<name>_build
+    doc: str  # the builder module's docstring: its first paragraph is --help's description
+    dest: Path  # the shipped folder
+    vae_steps: int
+    pretrain_steps: int
+    pretrain_args: dict  # train_flux_kontext.py overrides of the pre-training run
+    train_vae: Callable  # (steps) -> (vae, report)
+    load_vae: Callable  # (folder) -> the trained VAE, fp32
+    make_init_folder: Callable  # (folder, vae)
+    write_data: Callable  # (folder) -> writes the pre-training data.jsonl there
+    retention_eval: Callable  # (packaged folder) -> metrics of its named-colour recolours
+    log: Callable
+
+
+def run_stages(family: Family, argv=None) -> int:
+    """The five stages (vae, init, data, pretrain, package) of a tiny editing base: each skipped when
+    its output exists (--force=1 redoes it), all but the package under --work_dir; BUILD.json records
+    the report (VAE scores, pre-training command and time, size, retention)."""
+    log = family.log
+    p = argparse.ArgumentParser(description=family.doc.split("\n\n")[0])
     p.add_argument("--stages", default="vae,init,data,pretrain,package")
-    p.add_argument("--work_dir", default=str(ROOT / "out" / "kontext_base_build"))
-    p.add_argument("--dest", default=str(ASSET_DIR))
+    p.add_argument("--work_dir", default=str(ROOT / "out" / f"{family.name}_build"))
+    p.add_argument("--dest", default=str(family.dest))
     p.add_argument("--force", type=int, default=0, help="redo stages whose output exists")
-    p.add_argument("--vae_steps", type=int, default=VAE_STEPS)
-    p.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS)
+    p.add_argument("--vae_steps", type=int, default=family.vae_steps)
+    p.add_argument("--pretrain_steps", type=int, default=family.pretrain_steps)
     p.add_argument("--nproc", type=int, default=2, help="ranks of the pre-training run")
     p.add_argument("--threads", type=int, default=1, help="torch threads (VAE) / OMP threads per rank")
     p.add_argument("--train_arg", action="append", default=[], metavar="NAME=VALUE",
@@ -272,42 +296,60 @@ def main(argv=None):
 
     vae_file = work / "vae"
     if "vae" in stages and (args.force or not (vae_file / "config.json").exists()):
-        vae, rep = train_vae(steps=args.vae_steps)
+        vae, rep = family.train_vae(steps=args.vae_steps)
         vae.save_pretrained(vae_file, safe_serialization=True)
         report.update(rep)
         save_report()
         log(f"vae: {rep}")
     init = work / "init"
     if "init" in stages and (args.force or not (init / "model_index.json").exists()):
-        from diffusers import AutoencoderKL
-        make_init_folder(init, AutoencoderKL.from_pretrained(vae_file, torch_dtype=torch.float32))
+        family.make_init_folder(init, family.load_vae(vae_file))
         log(f"init folder: {init} ({folder_mib(init):.2f} MiB)")
     data = work / "pretrain_data" / "data.jsonl"
     if "data" in stages and (args.force or not data.exists()):
         shutil.rmtree(data.parent, ignore_errors=True)
-        ke.write_pairs(data.parent, pretrain_scenes())
+        family.write_data(data.parent)
         log(f"pre-training data: {data}")
     out = work / "pretrain"
     if "pretrain" in stages and (args.force or not (out / "export" / "model_index.json").exists()):
         overrides = dict(a.split("=", 1) for a in args.train_arg)
-        cmd = pretrain_command(init, data, out, args.pretrain_steps, args.nproc, overrides)
+        cmd = pretrain_command(init, data, out, args.pretrain_steps, args.nproc, overrides, family.pretrain_args)
         log("pre-training: " + " ".join(cmd))
-        t0 = time.time()
+        t0, cpu0 = time.time(), os.times()
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-        report.update(pretrain_seconds=round(time.time() - t0, 1), pretrain_command=relative_command(cmd[2:]))
+        cpu1 = os.times()
+        report.update(pretrain_steps=args.pretrain_steps, pretrain_seconds=round(time.time() - t0, 1),
+                      pretrain_cpu_seconds=round(cpu1.children_user + cpu1.children_system
+                                                 - cpu0.children_user - cpu0.children_system, 1),
+                      pretrain_command=relative_command(cmd[2:]))
         save_report()
     if "package" in stages:
         dest = package(out / "export", args.dest)
         report["size_mib"] = round(folder_mib(dest), 2)
         log(f"packaged {dest} ({report['size_mib']} MiB); evaluating")
-        rows = ke.load_rows(ke.ensure_task_data()["retention"])
-        metrics, _ = ke.evaluate(str(dest), rows)
+        metrics = family.retention_eval(str(dest))
         report["retention_eval"] = {k: v for k, v in metrics.items() if k != "pairs"}
         save_report()
         (Path(dest) / "BUILD.json").write_text(json.dumps(report, indent=1))
         log(json.dumps(report, indent=1))
     return 0
+
+
+def load_vae(folder):
+    from diffusers import AutoencoderKL
+    return AutoencoderKL.from_pretrained(folder, torch_dtype=torch.float32)
+
+
+FAMILY = Family(
+    name="kontext_base", doc=__doc__, dest=ASSET_DIR, vae_steps=VAE_STEPS, pretrain_steps=PRETRAIN_STEPS,
+    pretrain_args=PRETRAIN_ARGS, train_vae=train_vae, load_vae=load_vae, make_init_folder=make_init_folder,
+    write_data=lambda folder: ke.write_pairs(folder, pretrain_scenes()),
+    retention_eval=lambda dest: ke.evaluate(dest, ke.load_rows(ke.ensure_task_data()["retention"]))[0], log=log)
+
+
+def main(argv=None):
+    return run_stages(FAMILY, argv)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,10 @@ Everything but the final folder goes to --work_dir (default out/qwen_edit_base_b
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -191,74 +189,20 @@ def pretrain_scenes(n=PRETRAIN_PAIRS, seed=10):
 # ----------------------------------------------------------------------------------------------
 
 
+def load_vae(folder):
+    from diffusers import AutoencoderKLQwenImage
+    return AutoencoderKLQwenImage.from_pretrained(folder, torch_dtype=torch.float32)
+
+
+FAMILY = mkb.Family(
+    name="qwen_edit_base", doc=__doc__, dest=ASSET_DIR, vae_steps=VAE_STEPS, pretrain_steps=PRETRAIN_STEPS,
+    pretrain_args=PRETRAIN_ARGS, train_vae=train_vae, load_vae=load_vae, make_init_folder=make_init_folder,
+    write_data=lambda folder: qe.write_edits(folder, pretrain_scenes()),
+    retention_eval=lambda dest: qe.evaluate(dest, qe.load_rows(qe.ensure_task_data()["retention"]))[0], log=log)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", default="vae,init,data,pretrain,package")
-    p.add_argument("--work_dir", default=str(ROOT / "out" / "qwen_edit_base_build"))
-    p.add_argument("--dest", default=str(ASSET_DIR))
-    p.add_argument("--force", type=int, default=0, help="redo stages whose output exists")
-    p.add_argument("--vae_steps", type=int, default=VAE_STEPS)
-    p.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS)
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the pre-training run")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (VAE) / OMP threads per rank")
-    p.add_argument("--train_arg", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra train_flux_kontext.py override for the pre-training run (repeatable)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    stages = args.stages.split(",")
-    report_path = work / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {}
-
-    def save_report():
-        report_path.write_text(json.dumps(report, indent=1))
-
-    vae_file = work / "vae"
-    if "vae" in stages and (args.force or not (vae_file / "config.json").exists()):
-        vae, rep = train_vae(steps=args.vae_steps)
-        vae.save_pretrained(vae_file, safe_serialization=True)
-        report.update(rep)
-        save_report()
-        log(f"vae: {rep}")
-    init = work / "init"
-    if "init" in stages and (args.force or not (init / "model_index.json").exists()):
-        from diffusers import AutoencoderKLQwenImage
-        make_init_folder(init, AutoencoderKLQwenImage.from_pretrained(vae_file, torch_dtype=torch.float32))
-        log(f"init folder: {init} ({mkb.folder_mib(init):.2f} MiB)")
-    data = work / "pretrain_data" / "data.jsonl"
-    if "data" in stages and (args.force or not data.exists()):
-        shutil.rmtree(data.parent, ignore_errors=True)
-        qe.write_edits(data.parent, pretrain_scenes())
-        log(f"pre-training data: {data}")
-    out = work / "pretrain"
-    if "pretrain" in stages and (args.force or not (out / "export" / "model_index.json").exists()):
-        train_args = {**PRETRAIN_ARGS, **dict(a.split("=", 1) for a in args.train_arg),
-                      "max_steps": args.pretrain_steps, "sample_every": args.pretrain_steps,
-                      "model_path": str(init), "data_path": str(data), "output_dir": str(out)}
-        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                str(ROOT / "train_flux_kontext.py")] + [f"--{k}={v}" for k, v in train_args.items()])
-        log("pre-training: " + " ".join(cmd))
-        t0, cpu0 = time.time(), os.times()
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-        cpu1 = os.times()
-        report.update(pretrain_steps=args.pretrain_steps, pretrain_seconds=round(time.time() - t0, 1),
-                      pretrain_cpu_seconds=round(cpu1.children_user + cpu1.children_system
-                                                 - cpu0.children_user - cpu0.children_system, 1),
-                      pretrain_command=mkb.relative_command(cmd[2:]))
-        save_report()
-    if "package" in stages:
-        dest = mkb.package(out / "export", args.dest)
-        report["size_mib"] = round(mkb.folder_mib(dest), 2)
-        log(f"packaged {dest} ({report['size_mib']} MiB); evaluating")
-        paths = qe.ensure_task_data()
-        metrics = qe.evaluate(str(dest), qe.load_rows(paths["retention"]))[0]
-        report["retention_eval"] = {k: v for k, v in metrics.items() if k != "pairs"}
-        save_report()
-        (Path(dest) / "BUILD.json").write_text(json.dumps(report, indent=1))
-        log(json.dumps(report, indent=1))
-    return 0
+    return mkb.run_stages(FAMILY, argv)
 
 
 if __name__ == "__main__":
