@@ -7,7 +7,7 @@ colour and keeps its shape, position, size and the background. Prompt: "make the
 colour of picture 2": the colour is in picture 2 alone, so one reference cannot solve it (the
 "picture 2 removed" row). Splits are drawn deterministically from a seed:
 
-    train      512 edits, seed 1  (what the demo fine-tunes on)
+    train     4096 edits, seed 1  (what the demo fine-tunes on)
     heldout     64 edits, seed 2  (scenes and swatches not in train; the evaluation set)
     retention   64 edits, seed 3  (one reference, "make it <colour>": an edit the base model was
                                    pre-trained on; does the fine-tune forget it?)
@@ -49,8 +49,8 @@ from tools import tiny_models
 
 IMAGE_SIZE = 32  # pixels per side of picture 1, picture 2 and the target
 AREA = IMAGE_SIZE * IMAGE_SIZE  # the pipeline's reference areas for the demo (VAE and text encoder)
-TASK_VERSION = 1  # part of the cache folder name; bump when a split's recipe changes
-SPLITS = {"train": (512, 1), "heldout": (64, 2), "retention": (64, 3)}  # name: (edits, seed)
+TASK_VERSION = 2  # part of the cache folder name; bump when a split's recipe changes
+SPLITS = {"train": (4096, 1), "heldout": (64, 2), "retention": (64, 3)}  # name: (edits, seed)
 ONE_REFERENCE = "heldout, picture 2 removed"  # the split name of the one-reference rows
 
 
@@ -112,7 +112,7 @@ def default_task_dir():
 
 
 def ensure_task_data(root=None) -> dict:
-    """Write every split once under `root` (default: <tiny_models cache>/qwen_edit_task_v1) and
+    """Write every split once under `root` (default: <tiny_models cache>/qwen_edit_task_v<TASK_VERSION>) and
     return {split: data.jsonl path as str} (tools.build_once: safe for many processes)."""
     root = Path(root) if root is not None else default_task_dir()
 
