@@ -2,7 +2,7 @@
 # Qwen-Image-Edit-2509 in miniature, on CPU: fine-tune the shipped base model (assets/qwen_edit_base,
 # rebuilt by `python -m demos.make_qwen_edit_base`; it never saw the task) on "make the <shape> the
 # colour of picture 2" edits with two references (picture 1 the scene, picture 2 a colour swatch;
-# the train split of demos/qwen_edit_eval.py) with train_flux_kontext.py, then evaluate base and
+# the 4096-edit train split of demos/qwen_edit_eval.py) with train_flux_kontext.py, then evaluate base and
 # fine-tuned model through diffusers' QwenImageEditPlusPipeline on held-out edits
 # (demos/qwen_edit_eval.py): colour, shape and position kept (IoU), background kept, PSNR; the
 # fine-tuned model again with picture 2 removed (one reference cannot know the colour); and the
