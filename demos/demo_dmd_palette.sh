@@ -4,8 +4,8 @@
 # editing family (FAMILY=kontext, the default: FLUX.1 Kontext; FAMILY=qwen: Qwen-Image-Edit-2509, the
 # context as its one reference, true CFG off everywhere).
 #   1. the teacher: the family's shipped base (assets/kontext_base or assets/qwen_edit_base) fine-tuned
-#      on 512 "paint it" pairs, each with a random palette colour as its target (Qwen: the same contexts,
-#      each with all four; train_flux_kontext.py; skipped when TEACHER is given)
+#      on the 512 training contexts, each with all four palette colours as targets (2048 pairs;
+#      train_flux_kontext.py; skipped when TEACHER is given)
 #   2. a 4-step and a 1-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
 #      settings)
 #   3. five rows scored over SEEDS noise seeds per held-out context: the teacher at 28, 4 and 1 step (its
@@ -24,15 +24,12 @@ FAMILY=${FAMILY:-kontext}
 case "$FAMILY" in
     # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
-    kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo; TEACHER_STEPS=2000; TEACHER_SPLIT=train
+    kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo; TEACHER_STEPS=2000
              TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=() ;;
     # the 1-step teacher row samples x - v at σ 1 with the scheduler's shift off: Qwen-Image's terminal
     # stretch (shift_terminal 0.02) divides by zero at 1 step, so its own 1-step σ list is NaN
-    # the Qwen base learns edits slower (demos/demo_qwen_edit.sh): its teacher trains 3x longer, on every
-    # right edit of each context (trained on one random colour per context, it learns that colour: the
-    # text encoder sees the context image, a per-context key, and the teacher keeps no variety)
+    # the Qwen base learns edits slower (demos/demo_qwen_edit.sh): its teacher trains 3x longer
     qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen; TEACHER_STEPS=6000
-             TEACHER_SPLIT=train_all_colours
              TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
              DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0); EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
     *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
@@ -45,7 +42,9 @@ GRID=${GRID:-$OUT/grid.png}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task")
 TRAIN=$(awk '$1 == "train" {print $2}' <<< "$SPLITS")
-TEACHER_TRAIN=$(awk -v s="$TEACHER_SPLIT" '$1 == s {print $2}' <<< "$SPLITS")
+# the teacher sees every right edit of each context: trained on one random colour per context it learns
+# that colour (a per-context key: Qwen's text encoder sees the context image) and keeps less variety
+TEACHER_TRAIN=$(awk '$1 == "train_all_colours" {print $2}' <<< "$SPLITS")
 times=()
 if [ ! -f "$TEACHER/model_index.json" ]; then
     if [ "$TEACHER" != "$OUT/teacher/export" ]; then
