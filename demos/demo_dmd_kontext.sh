@@ -36,7 +36,7 @@ COMMON=(--model_path="$TEACHER" --data_path=assets/kontext_blue/train.jsonl --te
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
 times=()
 source demos/dmd_students.sh
-train_students "$OUT" "$NPROC" "${COMMON[@]}" "$@"
+train_students "$OUT" "$NPROC" "$@"
 trained=$(date +%s)
 python -m demos.kontext_eval --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json" \
     --compare teacher_28=$TEACHER teacher_4=$TEACHER teacher_1=$TEACHER \

@@ -67,8 +67,11 @@ COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text
         --resolution=32 --precision=fp32 --fake_score_fp32=1 "${DMD_ARGS[@]}"
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
+# the 1-step student gets twice the fake-score updates per generator update (ratio 10, the published
+# SD-1.5 value) and 240 generator updates; the 4-step one the Kontext demo's 60 at ratio 5
+ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps=2400 --sample_every=1200 --log_every=100)
 source demos/dmd_students.sh
-train_students "$OUT" "$NPROC" "${COMMON[@]}" "$@"
+train_students "$OUT" "$NPROC" "$@"
 trained=$(date +%s)
 python -m demos.palette_eval --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json" --seeds="$SEEDS" \
     --compare teacher_28="$TEACHER" teacher_4="$TEACHER" teacher_1="$TEACHER" \
