@@ -7,7 +7,7 @@
 #      on the 512 training contexts, each with all four palette colours as targets (2048 pairs;
 #      train_flux_kontext.py; skipped when TEACHER is given)
 #   2. a 4-step and a 1-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
-#      settings)
+#      settings; the 1-step one with twice the fake-score updates, 2400 steps)
 #   3. five rows scored over SEEDS noise seeds per held-out context: the teacher at 28, 4 and 1 step (its
 #      own scheduler), the 4-step and the 1-step student (their exports' distilled scheduler): validity
 #      (one saturated palette colour, shape and background kept) and variety (colour entropy over seeds,
