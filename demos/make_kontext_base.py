@@ -208,10 +208,11 @@ def pretrain_scenes(n=PRETRAIN_PAIRS, seed=10):
 # 4. pre-training through train_flux_kontext.py
 
 
-def pretrain_command(init, data, out, steps, nproc, overrides, pretrain_args=None) -> list[str]:
-    """The torchrun command of train_flux_kontext.py that pre-trains the init folder on `data`."""
-    args = {**(PRETRAIN_ARGS if pretrain_args is None else pretrain_args), **overrides, "max_steps": steps,
-            "sample_every": steps, "model_path": str(init), "data_path": str(data), "output_dir": str(out)}
+def pretrain_command(init, data, out, steps, nproc, pretrain_args, overrides) -> list[str]:
+    """The torchrun command of train_flux_kontext.py that pre-trains the init folder on `data`: the
+    family's `pretrain_args`, then the user's `overrides`."""
+    args = {**pretrain_args, **overrides, "max_steps": steps, "sample_every": steps,
+            "model_path": str(init), "data_path": str(data), "output_dir": str(out)}
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
              str(ROOT / "train_flux_kontext.py")] + [f"--{k}={v}" for k, v in args.items()])
 
@@ -313,7 +314,7 @@ def run_stages(family: Family, argv=None) -> int:
     out = work / "pretrain"
     if "pretrain" in stages and (args.force or not (out / "export" / "model_index.json").exists()):
         overrides = dict(a.split("=", 1) for a in args.train_arg)
-        cmd = pretrain_command(init, data, out, args.pretrain_steps, args.nproc, overrides, family.pretrain_args)
+        cmd = pretrain_command(init, data, out, args.pretrain_steps, args.nproc, family.pretrain_args, overrides)
         log("pre-training: " + " ".join(cmd))
         t0, cpu0 = time.time(), os.times()
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
