@@ -224,6 +224,7 @@ class Losses:
     guidance_cls_weight: float = 0.0  # loss_guidance_cls's weight in the guidance loss (published: 1e-2)
     diffusion_gan: bool = True  # the head's inputs noised first (diffusion GAN), else clean at t = 0
     real_guidance_scale: float = 1.0  # the teacher's CFG scale in loss_dm; 1 = no CFG pair (guidance-distilled)
+    fake_target: str = "flow"  # flow-matching fake scores: their loss, on the velocity (flow) or on x̂0 (x0)
 
 
 # the head's three inputs, each with its own draw (σ or t, and noise): G's turn on fake, guidance turn on fake and real
@@ -445,13 +446,26 @@ def fm_dm_grad(x: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, real_v
                   "x_sigma": x_sigma, "x0_real": x0_real.float(), "x0_fake": x0_fake.float()}
 
 
+FAKE_TARGETS = ("flow", "x0")
+
+
 def fm_fake_score_loss(fake_velocity, x_detached: torch.Tensor, noise: torch.Tensor,
-                       sigma: torch.Tensor) -> torch.Tensor:
-    """The fake score's flow-matching loss on generator images: mean((v̂(x_σ, σ) − (n − x))²) in
-    fp32, the input detached so this loss never reaches the generator."""
+                       sigma: torch.Tensor, target: str = "flow") -> torch.Tensor:
+    """The fake score's loss on generator images, in fp32, the input detached so this loss never
+    reaches the generator. flow: mean((v̂(x_σ, σ) − (n − x))²); x0: mean((x_σ − σ·v̂ − x)²), the same
+    error weighted by σ², so the high-σ inputs where a sample's layout and colours are decided weigh
+    more (NVlabs/FastGen trains its flow fake scores so: fake_score_pred_type "x0" in
+    fastgen/configs/experiments/Flux/config_dmd2.py:30 and QwenImage/config_dmd2.py:31, the loss
+    fastgen/methods/common_loss.py:41-43)."""
+    if target not in FAKE_TARGETS:
+        raise ValueError(f"fake-score target {target!r}: one of {FAKE_TARGETS}")
     x = x_detached.detach()
-    v = fake_velocity(fm_noise(x, noise, sigma), sigma)
-    return torch.mean((v.float() - (noise.float() - x.float())) ** 2)
+    x_sigma = fm_noise(x, noise, sigma)
+    v = fake_velocity(x_sigma, sigma).float()
+    if target == "x0":
+        s = sigma.float().reshape(-1, *([1] * (x.ndim - 1)))
+        return torch.mean((x_sigma - s * v - x.float()) ** 2)
+    return torch.mean((v - (noise.float() - x.float())) ** 2)
 
 
 @torch.no_grad()

@@ -103,7 +103,8 @@ def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float,
     · loss_guidance_cls: the head on those tokens against the pairs' own targets, `mb["real"]`, under
     the same conditioning)."""
     x = x.detach()
-    loss = dm.fm_fake_score_loss(mb["cond"].velocity(fake, guidance), x, mb["fake_noise"], mb["fake_sigma"])
+    loss = dm.fm_fake_score_loss(mb["cond"].velocity(fake, guidance), x, mb["fake_noise"], mb["fake_sigma"],
+                                 losses.fake_target)
     logs = {"loss_fake": loss.detach()}
     if losses.head is None:
         return loss, logs

@@ -589,6 +589,24 @@ def test_fm_fake_score_loss_is_zero_at_the_true_velocity_and_never_reaches_the_g
     assert w.grad is not None and x.grad is None
 
 
+def test_fm_fake_score_loss_on_x0_is_the_velocity_error_weighted_by_sigma_squared():
+    """x_σ − σ·v̂ − x = σ·((n − x) − v̂): the x0 target is the flow loss with each sample's terms × σ²."""
+    g = torch.Generator().manual_seed(5)
+    x, n = torch.randn(3, 4, 4, 4, generator=g), torch.randn(3, 4, 4, 4, generator=g)
+    sigma = torch.tensor([0.05, 0.5, 0.95])
+    fake = lambda x_sigma, sig: 0.5 * x_sigma + 0.1  # noqa: E731 - any wrong velocity
+    got = dm.fm_fake_score_loss(fake, x, n, sigma, target="x0")
+    s = sigma.double().view(-1, 1, 1, 1)
+    v = fake(dm.fm_noise(x, n, sigma), sigma).double()
+    r = s * (n.double() - x.double() - v)  # the x0 residual in float64
+    # fp32: x_σ (two products, a sum), σ·v̂ and the two differences round by at most u·(|x| + |n| + |σ·v̂|)
+    # each, 6 roundings; the square adds 2|r|·δ + δ², the mean averages the bound
+    delta = 2 * 6 * U32 * (x.double().abs() + n.double().abs() + (s * v).abs())
+    assert abs(float(got) - float((r ** 2).mean())) <= float((2 * r.abs() * delta + delta ** 2).mean())
+    with pytest.raises(ValueError, match="fake-score target"):
+        dm.fm_fake_score_loss(fake, x, n, sigma, target="eps")
+
+
 def test_fm_backward_simulation_renoises_each_prediction():
     """With a generator that always predicts the clean sample c (v = (x − c)/σ), each step's input
     is (1 − σ_{i+1})·c + σ_{i+1}·fresh noise; index 0 is the pure noise itself."""

@@ -286,6 +286,13 @@ def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     with pytest.raises(ConfigError, match="strictly decreasing"):
         train_dmd.validate_config()
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [])
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_TARGET", "eps")
+    with pytest.raises(ConfigError, match=r"FAKE_SCORE_TARGET in \(flow, x0\)"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_TARGET", "x0")  # the default teacher is a UNet
+    with pytest.raises(ConfigError, match="FAKE_SCORE_TARGET=x0 with a UNet teacher"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_TARGET", "flow")
     monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)  # a shared setting: components.trainer checks it for both
     with pytest.raises(ConfigError, match="DP_REPLICATE"):
         check_shared_settings(script_constants(vars(train_dmd)))

@@ -228,6 +228,11 @@ def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
     loss, _ = fd.generator_loss(x, mb, model, other, guidance=1.0)
     loss.backward()
     assert loss.item() > 0 and any(p.grad is not None and p.grad.any() for p in model.parameters())
+    # the fake score's loss space reaches the loss (its math: tests/test_dmd2.py)
+    from algorithms.dmd2 import Losses
+    flow, _ = fd.guidance_loss(x, mb, other, 1.0)
+    x0, _ = fd.guidance_loss(x, mb, other, 1.0, Losses(fake_target="x0"))
+    assert float(flow) > 0 and float(x0) > 0 and float(x0) != float(flow)
 
 
 def test_sigma_list_is_the_pipelines_for_the_step_count():
