@@ -121,6 +121,8 @@ DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; []
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
 FAKE_SCORE_TARGET = "flow"  # flow-matching teachers: the fake score's loss, flow (v-MSE) | x0 (x̂0-MSE = σ²·v-MSE)
+REGRESSION_WEIGHT = 0.0  # > 0 (flow teachers, 1-step): + this × MSE(G(z), the teacher's ODE from z), DMD's loss
+REGRESSION_STEPS = 28  # the teacher ODE's Euler steps for that target (every generator step: that many forwards)
 USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images from "image" (Kontext: "target")
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
@@ -192,7 +194,11 @@ def validate_config() -> list[int]:
         "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1, "PROMPT_CACHE >= 0": PROMPT_CACHE >= 0,
         f"GAN_HEAD_FEATURES in ({', '.join(dm.HEAD_FEATURES)})": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
+        "REGRESSION_WEIGHT >= 0": REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": REGRESSION_STEPS >= 1,
     })
+    if REGRESSION_WEIGHT > 0 and DENOISING_STEPS:
+        raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with DENOISING_STEPS={DENOISING_STEPS}: the "
+                          "regression target is the teacher's ODE from the generator's noise: a 1-step generator")
     if REAL_DATA_PATH and not USE_GAN:
         raise ConfigError(f"REAL_DATA_PATH={REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")
     if PARALLELISM == "ddp" and USE_GAN:
@@ -218,9 +224,13 @@ def validate_config() -> list[int]:
         check_flux_settings(pipeline)
     if pipeline in qwen.PIPELINES:
         check_qwen_settings(pipeline)
-    if FAKE_SCORE_TARGET != "flow" and pipeline not in (*flux.PIPELINES, *qwen.PIPELINES):
-        raise ConfigError(f"FAKE_SCORE_TARGET={FAKE_SCORE_TARGET} with a UNet teacher: its fake score trains on "
-                          "the noise, as published; the setting is for flow-matching teachers")
+    if pipeline not in (*flux.PIPELINES, *qwen.PIPELINES):
+        if FAKE_SCORE_TARGET != "flow":
+            raise ConfigError(f"FAKE_SCORE_TARGET={FAKE_SCORE_TARGET} with a UNet teacher: its fake score trains on "
+                              "the noise, as published; the setting is for flow-matching teachers")
+        if REGRESSION_WEIGHT > 0:
+            raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with a UNet teacher: the regression loss is "
+                              "built for flow-matching teachers (FLUX, Qwen-Image-Edit) only")
     try:
         steps = [int(t) for t in DENOISING_STEPS]
     except ValueError:
@@ -804,7 +814,8 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,  # no teacher CFG
-                       fake_target=FAKE_SCORE_TARGET)
+                       fake_target=FAKE_SCORE_TARGET, regression_weight=REGRESSION_WEIGHT,
+                       regression_steps=REGRESSION_STEPS)
 
     def batches(it, loaded):
         out = []
@@ -974,7 +985,8 @@ def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution
 
     draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT))
-    losses = dm.Losses(real_guidance_scale=REAL_GUIDANCE_SCALE, fake_target=FAKE_SCORE_TARGET)  # true CFG; no GAN
+    losses = dm.Losses(real_guidance_scale=REAL_GUIDANCE_SCALE, fake_target=FAKE_SCORE_TARGET,  # true CFG; no GAN
+                       regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
 
     def to(text):  # (embeddings, mask or None) or None, onto the device
         return None if text is None else (text[0].to(d.device), None if text[1] is None else text[1].to(d.device))

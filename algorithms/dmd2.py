@@ -225,6 +225,8 @@ class Losses:
     diffusion_gan: bool = True  # the head's inputs noised first (diffusion GAN), else clean at t = 0
     real_guidance_scale: float = 1.0  # the teacher's CFG scale in loss_dm; 1 = no CFG pair (guidance-distilled)
     fake_target: str = "flow"  # flow-matching fake scores: their loss, on the velocity (flow) or on x̂0 (x0)
+    regression_weight: float = 0.0  # > 0: DMD's regression loss on the teacher's ODE output from G's noise (1-step)
+    regression_steps: int = 28  # the teacher ODE's Euler steps for that target
 
 
 # the head's three inputs, each with its own draw (σ or t, and noise): G's turn on fake, guidance turn on fake and real
@@ -466,6 +468,27 @@ def fm_fake_score_loss(fake_velocity, x_detached: torch.Tensor, noise: torch.Ten
         s = sigma.float().reshape(-1, *([1] * (x.ndim - 1)))
         return torch.mean((x_sigma - s * v - x.float()) ** 2)
     return torch.mean((v - (noise.float() - x.float())) ** 2)
+
+
+@torch.no_grad()
+def fm_teacher_ode(teacher_velocity, noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """The teacher's deterministic sample from `noise` (σ = 1): Euler over `steps` uniform σ steps to σ = 0,
+    in fp32. The target of DMD's regression loss (Yin et al., "One-step Diffusion with Distribution
+    Matching Distillation", CVPR 2024: the teacher's ODE output for the same noise, which pins the
+    generator's noise-to-mode map to the teacher's), computed here for each generator step's own noise
+    instead of from a precomputed set of pairs."""
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+    x = noise.float()
+    for hi, lo in zip(sigmas[:-1], sigmas[1:]):
+        s = torch.full((x.shape[0],), hi, device=x.device)
+        x = x + (lo - hi) * teacher_velocity(x, s).float()
+    return x
+
+
+def regression_loss(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mean((x − target)²) in fp32 on latents; DMD used LPIPS on decoded images, which needs a
+    pretrained VGG this suite does not ship, so the latent MSE stands in for it."""
+    return F.mse_loss(x.float(), target.float().detach(), reduction="mean")
 
 
 @torch.no_grad()

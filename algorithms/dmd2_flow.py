@@ -82,14 +82,19 @@ def generator_images(generator, mb: dict, sigmas: list[float], index: int, guida
 def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
                    losses: Losses = Losses()) -> tuple[torch.Tensor, dict]:
     """loss_dm on G's tokens x: the per-sample normalised (teacher − fake) x̂0 direction at a σ drawn
-    in the DM range (+ gen_cls_weight · loss_gen_cls). FLUX: teacher and fake at the same guidance
-    value, no CFG pair (losses.real_guidance_scale 1); a family whose teacher takes true CFG
-    (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at `guidance`."""
+    in the DM range (+ regression_weight · loss_reg, + gen_cls_weight · loss_gen_cls). FLUX: teacher and
+    fake at the same guidance value, no CFG pair (losses.real_guidance_scale 1); a family whose teacher
+    takes true CFG (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at
+    `guidance`. loss_reg's target is the teacher's ODE from the same noise, under the same guidance."""
     cond, scale = mb["cond"], losses.real_guidance_scale
     teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale)
     grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], teacher_v, cond.velocity(fake, guidance))
     loss = dm.dm_loss(x, grad)
     logs = {"loss_dm": loss.detach()}
+    if losses.regression_weight > 0:  # a 1-step generator: x = G(mb["noise"]), the ODE's start
+        loss_reg = dm.regression_loss(x, dm.fm_teacher_ode(teacher_v, mb["noise"], losses.regression_steps))
+        logs["loss_reg"] = loss_reg.detach()
+        loss = loss + losses.regression_weight * loss_reg
     if losses.head is None:
         return loss, logs
     loss_cls = dm.gen_cls_loss(cls_logits(fake, losses.head, x, mb, "gan_gen", losses.diffusion_gan, guidance))

@@ -607,6 +607,26 @@ def test_fm_fake_score_loss_on_x0_is_the_velocity_error_weighted_by_sigma_square
         dm.fm_fake_score_loss(fake, x, n, sigma, target="eps")
 
 
+def test_fm_teacher_ode_of_a_teacher_that_knows_the_sample_lands_on_it():
+    """A teacher that always predicts the clean sample c (v = (x − c)/σ) has the straight path
+    x_σ = c + σ·(n − c) as its ODE; Euler follows it exactly, so the regression target is c."""
+    g = torch.Generator().manual_seed(6)
+    c, n = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
+    teacher = lambda x, sigma: (x - c) / sigma.view(-1, 1, 1, 1)  # noqa: E731
+    for steps in (1, 4, 28):
+        # each step: a quotient, a product and two sums in fp32 on values within |n| + |c|, 4 roundings
+        # relative to that; over the steps the error's component along (x − c) shrinks with σ, the last
+        # step lands on x − (x − c); 2x for second-order terms
+        bound = 2 * 4 * (steps + 1) * U32 * (n.abs() + c.abs())
+        assert_within(dm.fm_teacher_ode(teacher, n, steps), c, bound, f"ODE, {steps} steps")
+    x = torch.randn(2, 4, 4, 4, generator=g, requires_grad=True)
+    loss = dm.regression_loss(x, c)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(((x.detach() - c) ** 2).mean()), rel=4 * x.numel() * U32)
+    assert_within(x.grad, 2 * (x.detach() - c) / x.numel(), 8 * U32 * (x.detach().abs() + c.abs()) / x.numel(),
+                  "regression gradient")
+
+
 def test_fm_backward_simulation_renoises_each_prediction():
     """With a generator that always predicts the clean sample c (v = (x − c)/σ), each step's input
     is (1 − σ_{i+1})·c + σ_{i+1}·fresh noise; index 0 is the pure noise itself."""

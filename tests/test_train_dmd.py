@@ -293,6 +293,14 @@ def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     with pytest.raises(ConfigError, match="FAKE_SCORE_TARGET=x0 with a UNet teacher"):
         train_dmd.validate_config()
     monkeypatch.setattr(train_dmd, "FAKE_SCORE_TARGET", "flow")
+    monkeypatch.setattr(train_dmd, "REGRESSION_WEIGHT", 0.25)
+    with pytest.raises(ConfigError, match="REGRESSION_WEIGHT=0.25 with a UNet teacher"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [999, 500])
+    with pytest.raises(ConfigError, match="REGRESSION_WEIGHT=0.25 with DENOISING_STEPS"):
+        train_dmd.validate_config()
+    monkeypatch.setattr(train_dmd, "REGRESSION_WEIGHT", 0.0)
+    monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [])
     monkeypatch.setattr(train_dmd, "DP_REPLICATE", 3)  # a shared setting: components.trainer checks it for both
     with pytest.raises(ConfigError, match="DP_REPLICATE"):
         check_shared_settings(script_constants(vars(train_dmd)))

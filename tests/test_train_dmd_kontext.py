@@ -233,6 +233,15 @@ def test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree():
     flow, _ = fd.guidance_loss(x, mb, other, 1.0)
     x0, _ = fd.guidance_loss(x, mb, other, 1.0, Losses(fake_target="x0"))
     assert float(flow) > 0 and float(x0) > 0 and float(x0) != float(flow)
+    # DMD's regression loss: G = teacher = fake leaves loss_dm at 0, but the 1-step teacher's x̂0 is not its
+    # ODE's output, so loss_reg pulls G towards it
+    model.zero_grad(set_to_none=True)
+    x = fd.generator_images(model, mb, [1.0], 0, guidance=1.0)
+    loss, logs = fd.generator_loss(x, mb, model, model, 1.0, Losses(regression_weight=2.0, regression_steps=4))
+    loss.backward()
+    assert float(logs["loss_dm"]) == 0 and float(logs["loss_reg"]) > 0
+    assert float(loss.detach()) == 2 * float(logs["loss_reg"])
+    assert any(p.grad is not None and p.grad.any() for p in model.parameters())
 
 
 def test_sigma_list_is_the_pipelines_for_the_step_count():
