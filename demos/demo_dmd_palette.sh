@@ -7,7 +7,8 @@
 #      on the 512 training contexts, each with all four palette colours as targets (2048 pairs;
 #      train_flux_kontext.py; skipped when TEACHER is given)
 #   2. a 4-step and a 1-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
-#      settings; the 1-step one with twice the fake-score updates, 2400 steps)
+#      settings; the 1-step one with twice the fake-score updates, 2400 steps; on Kontext after a first
+#      2400-step stage with DMD's regression loss on the teacher's ODE, weight 0.25)
 #   3. five rows scored over SEEDS noise seeds per held-out context: the teacher at 28, 4 and 1 step (its
 #      own scheduler), the 4-step and the 1-step student (their exports' distilled scheduler): validity
 #      (one saturated palette colour, shape and background kept) and variety (colour entropy over seeds,
@@ -24,8 +25,10 @@ FAMILY=${FAMILY:-kontext}
 case "$FAMILY" in
     # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
+    # Kontext's 1-step student first trains with DMD's regression loss (docs/demos.md: its variety)
     kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo; TEACHER_STEPS=2000
-             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=() ;;
+             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=()
+             ONE_STEP_STAGE1_ARGS=(--regression_weight=0.25) ;;
     # the 1-step teacher row samples x - v at σ 1 with the scheduler's shift off: Qwen-Image's terminal
     # stretch (shift_terminal 0.02) divides by zero at 1 step, so its own 1-step σ list is NaN
     # the Qwen base learns edits slower (demos/demo_qwen_edit.sh): its teacher trains 3x longer
@@ -68,7 +71,7 @@ COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
 # the 1-step student gets twice the fake-score updates per generator update (ratio 10, the published
-# SD-1.5 value) and 240 generator updates; the 4-step one the Kontext demo's 60 at ratio 5
+# SD-1.5 value) and 240 generator updates (per stage); the 4-step one the Kontext demo's 60 at ratio 5
 ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps=2400 --sample_every=1200 --log_every=100)
 source demos/dmd_students.sh
 train_students "$OUT" "$NPROC" "$@"

@@ -2,20 +2,31 @@
 # distils the 4-step (σ 1, .75, .5, .25: the export's 4 inference steps) and the 1-step student (pure
 # noise in at σ 1, x0 out) with train_dmd.py on NPROC ranks into OUT/4step and OUT/1step. Each run's
 # arguments: the caller's COMMON array, then its FOUR_STEP_ARGS or ONE_STEP_ARGS array (if set), then
-# ARGS (the later override the earlier). Appends each run's wall time to the caller's `times` array.
+# ARGS (the later override the earlier). With a ONE_STEP_STAGE1_ARGS array, the 1-step student trains in
+# two stages: OUT/1step_stage1 with those arguments added (before ARGS), then OUT/1step from its final
+# checkpoint (INIT_FROM) without them. Appends each run's wall time to the caller's `times` array.
 train_students() {
     local out=$1 nproc=$2 run start
-    local -a own
+    local -a own init
     shift 2
     for run in 4step 1step; do
+        init=()
         if [ "$run" = 4step ]; then
             own=(--denoising_steps=999,749,499,249 ${FOUR_STEP_ARGS[@]+"${FOUR_STEP_ARGS[@]}"})
         else
             own=(--denoising_steps= ${ONE_STEP_ARGS[@]+"${ONE_STEP_ARGS[@]}"})
+            if [ -n "${ONE_STEP_STAGE1_ARGS[*]+set}" ]; then
+                start=$(date +%s)
+                python -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_dmd.py "${COMMON[@]}" \
+                    "${own[@]}" "${ONE_STEP_STAGE1_ARGS[@]}" --output_dir="$out/1step_stage1" "$@"
+                times+=("1step_stage1 $(( $(date +%s) - start )) s")
+                # its newest checkpoint: the one written at its last step
+                init=(--init_from="$(ls -d "$out/1step_stage1/checkpoints/step_"* | sort | tail -n 1)")
+            fi
         fi
         start=$(date +%s)
         python -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_dmd.py "${COMMON[@]}" \
-            "${own[@]}" --output_dir="$out/$run" "$@"
+            "${own[@]}" "${init[@]+"${init[@]}"}" --output_dir="$out/$run" "$@"
         times+=("$run $(( $(date +%s) - start )) s")
     done
 }
