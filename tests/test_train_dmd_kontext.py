@@ -58,16 +58,21 @@ def pairs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_runs(env, pairs, tmp_path_factory):
-    """run_a, run_b, run_lora and run_merged, side by side."""
-    a, b, lora, merged = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora", "merged"))
+    """run_a, run_b, run_lora and run_merged, side by side (and a 1-step step with the regression loss)."""
+    a, b, lora, merged, reg = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora", "merged", "reg"))
     data = [f"--data_path={pairs}"]
     done = launch_all({
         "a": dmd_run(COMMON + data, env, a), "b": dmd_run(COMMON + data + ["--grad_accum=2"], env, b, ranks=1),
         "lora": dmd_run(COMMON + data + ["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
                                          "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1),
         "merged": dmd_run(COMMON + data + ["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0",
-                                           "--lora_rank=4", "--lora_export_merged=1"], env, merged, ranks=1)})
+                                           "--lora_rank=4", "--lora_export_merged=1"], env, merged, ranks=1),
+        "reg": dmd_run(COMMON + data + ["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0",
+                                        "--denoising_steps=", "--regression_weight=0.5", "--regression_steps=2"],
+                       env, reg, ranks=1)})
     assert "FluxKontextPipeline" in done["a"].stdout and "num_inference_steps=4, guidance_scale=2.5" in done["a"].stdout
+    # the regression loss reaches the generator's step (its math: tests/test_dmd2.py, test_dm_gradient_is_zero...)
+    assert read_metrics(reg)[0]["loss_reg"] > 0, done["reg"].stdout[-2000:]
     return a, b, (lora, done["lora"].stdout), (merged, done["merged"].stdout)
 
 
