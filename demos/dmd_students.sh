@@ -6,7 +6,7 @@
 # two stages: OUT/1step_stage1 with those arguments added (before ARGS), then OUT/1step from its final
 # checkpoint (INIT_FROM) without them. Appends each run's wall time to the caller's `times` array.
 train_students() {
-    local out=$1 nproc=$2 run start
+    local out=$1 nproc=$2 run
     local -a own init
     shift 2
     for run in 4step 1step; do
@@ -16,17 +16,22 @@ train_students() {
         else
             own=(--denoising_steps= ${ONE_STEP_ARGS[@]+"${ONE_STEP_ARGS[@]}"})
             if [ -n "${ONE_STEP_STAGE1_ARGS[*]+set}" ]; then
-                start=$(date +%s)
-                python -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_dmd.py "${COMMON[@]}" \
-                    "${own[@]}" "${ONE_STEP_STAGE1_ARGS[@]}" --output_dir="$out/1step_stage1" "$@"
-                times+=("1step_stage1 $(( $(date +%s) - start )) s")
+                student_run "$out" "$nproc" 1step_stage1 "${own[@]}" "${ONE_STEP_STAGE1_ARGS[@]}" "$@"
                 # its newest checkpoint: the one written at its last step
                 init=(--init_from="$(ls -d "$out/1step_stage1/checkpoints/step_"* | sort | tail -n 1)")
             fi
         fi
-        start=$(date +%s)
-        python -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_dmd.py "${COMMON[@]}" \
-            "${own[@]}" "${init[@]+"${init[@]}"}" --output_dir="$out/$run" "$@"
-        times+=("$run $(( $(date +%s) - start )) s")
+        student_run "$out" "$nproc" "$run" "${own[@]}" "${init[@]+"${init[@]}"}" "$@"
     done
+}
+
+# student_run OUT NPROC NAME ARGS...: one train_dmd.py run into OUT/NAME, COMMON then ARGS; its wall time
+# appended to `times`
+student_run() {
+    local out=$1 nproc=$2 name=$3 start
+    shift 3
+    start=$(date +%s)
+    python -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_dmd.py "${COMMON[@]}" \
+        --output_dir="$out/$name" "$@"
+    times+=("$name $(( $(date +%s) - start )) s")
 }
