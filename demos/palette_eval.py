@@ -26,6 +26,10 @@ reading; `score_paint`):
   entropy     per context, the entropy (bits; 2 = all four colours equally) of the palette colours
               of its valid outputs over the seeds; averaged over contexts. The uniform target
               distribution would give 2 bits at infinite seeds, about 1.7 at 8 seeds.
+  variety at equal counts  per context, the model's and the reference's valid outputs rarefied to
+              the smaller count, then entropy against entropy (`variety_at_counts`): the plain
+              variety ratio also falls with validity, since fewer valid outputs per context show
+              fewer colours; this one separates the two
 
     python -m demos.palette_eval --compare t28=T t4=T s4=S --steps 28 --steps_for t4=4 s4=4
     python -m demos.palette_eval --make_data=out/palette_task   # write the splits, print the paths
@@ -120,6 +124,53 @@ def entropy_bits(colours) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
+def rarefied_entropy(colours, k: int) -> float:
+    """The mean entropy_bits of a random k of `colours` (drawn without replacement): rarefaction, the
+    ecologists' way to compare diversity at equal sample sizes. Exact, over every count vector of
+    the k drawn (a multivariate hypergeometric; a few seeds' outputs: small)."""
+    if k <= 1 or not colours:
+        return 0.0
+    _, counts = np.unique(np.asarray(colours), return_counts=True)
+    counts, m = [int(c) for c in counts], len(colours)
+    if k > m:
+        raise ValueError(f"cannot draw {k} of {m} colours without replacement")
+    total = 0.0
+
+    def walk(i, left, log_ways, drawn):
+        nonlocal total
+        if i == len(counts) - 1:
+            if left > counts[i]:
+                return
+            ks = drawn + [left]
+            ways = log_ways + _log_choose(counts[i], left) - _log_choose(m, k)
+            q = np.asarray([c for c in ks if c]) / k
+            total += math.exp(ways) * float(-(q * np.log2(q)).sum())
+            return
+        for c in range(min(left, counts[i]) + 1):
+            walk(i + 1, left - c, log_ways + _log_choose(counts[i], c), drawn + [c])
+
+    walk(0, k, 0.0, [])
+    return total
+
+
+def _log_choose(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def variety_at_counts(colours, reference) -> float:
+    """A model's variety at equal counts: in each context both the model's and the reference's valid
+    outputs rarefied to the smaller of their counts (rarefied_entropy), then the model's summed
+    entropy in % of the reference's. colours[c] / reference[c]: the valid outputs' colours of
+    context c over the same seeds. The plain ratio of entropies also falls with validity (fewer
+    valid outputs show fewer colours); this one does not. The reference against itself: 100 %."""
+    mine = ref = 0.0
+    for own, theirs in zip(colours, reference, strict=True):
+        k = min(len(own), len(theirs))
+        mine += rarefied_entropy(own, k)
+        ref += rarefied_entropy(theirs, k)
+    return 100.0 * mine / ref if ref else float("nan")
+
+
 def summarize(scores) -> dict:
     """scores[c][s]: score_paint of context c, seed s. Rates in %, entropy in bits."""
     flat = [s for per in scores for s in per]
@@ -133,7 +184,8 @@ def summarize(scores) -> dict:
             "iou": sum(s["iou"] for s in flat) / n,
             "valid": 100.0 * sum(s["valid"] for s in flat) / n,
             "entropy": sum(entropy_bits([s["colour"] for s in per if s["valid"]]) for per in scores) / len(scores),
-            "colour_share": {c: 100.0 * k / n for c, k in counts.items()}}
+            "colour_share": {c: 100.0 * k / n for c, k in counts.items()},
+            "valid_colours": [[s["colour"] for s in per if s["valid"]] for per in scores]}
 
 
 def is_qwen(folder) -> bool:
@@ -254,6 +306,11 @@ def main(argv=None):
                                                 neutral=name in args.neutral_sigmas)
         print(f"{name}: {folder} ({steps[name]} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table(results, steps, reference))
+    for name in results:
+        if name != reference:
+            at_counts = variety_at_counts(results[name]["valid_colours"], results[reference]["valid_colours"])
+            print(f"{name}: variety at equal counts {at_counts:.0f} % of {reference}'s (both rarefied to the "
+                  "smaller count of valid outputs in each context)")
     if args.grid:
         save_grid([ke.load_rgb(r["image"]) for r in rows], outputs, args.grid, min(6, len(rows)), min(4, args.seeds))
         print(f"\ngrid: {args.grid} (per row: context | {' | '.join(outputs)}, 4 seeds each)")

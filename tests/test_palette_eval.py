@@ -6,6 +6,7 @@ known images (no model).
 import math
 
 import numpy as np
+import pytest
 
 from demos import kontext_eval as ke
 from demos import palette_eval as pe
@@ -74,3 +75,40 @@ def test_entropy_and_summary():
     m = pe.summarize(scores)
     assert m["n"] == 4 and m["valid"] == 75.0 and m["entropy"] == 0.5
     assert m["colour_share"] == {"red": 50.0, "green": 0.0, "blue": 25.0, "yellow": 0.0}
+    assert m["valid_colours"] == [["red", "blue"], ["red"]]
+
+
+def test_rarefied_entropy_is_exact():
+    assert pe.rarefied_entropy(["red", "blue"], 1) == 0.0 and pe.rarefied_entropy([], 0) == 0.0
+    assert math.isclose(pe.rarefied_entropy(["red", "blue", "red"], 3), pe.entropy_bits(["red", "blue", "red"]))
+    # 2 of (red, red, blue, blue): 4 of the 6 pairs differ (1 bit), 2 match (0 bits)
+    assert math.isclose(pe.rarefied_entropy(["red", "red", "blue", "blue"], 2), 4 / 6)
+    assert pe.rarefied_entropy(["red"] * 5, 3) == 0.0
+    # 3 of (r r r b g): C(5,3) = 10 subsets; r r r (1): 0 bits; r r b, r r g (3 each): H(1/3); r b g (3): log2 3
+    h = -(1 / 3) * math.log2(1 / 3) - (2 / 3) * math.log2(2 / 3)
+    assert math.isclose(pe.rarefied_entropy(["red"] * 3 + ["blue", "green"], 3), (6 * h + 3 * math.log2(3)) / 10)
+    with pytest.raises(ValueError, match="cannot draw 3 of 2"):
+        pe.rarefied_entropy(["red", "blue"], 3)
+    # against the mean over many random subsets (standard error < 0.004 bits)
+    rng = np.random.default_rng(0)
+    pool = list(pe.PALETTE) * 3 + ["red"] * 4
+    mc = np.mean([pe.entropy_bits(list(rng.permutation(pool)[:5])) for _ in range(20_000)])
+    assert abs(pe.rarefied_entropy(pool, 5) - mc) < 0.02
+
+
+def test_variety_at_counts_separates_variety_from_validity():
+    rng = np.random.default_rng(1)
+    p = [np.full(4, 0.25), np.array([0.5, 0.0, 0.5, 0.0]), np.array([0.7, 0.1, 0.1, 0.1])]
+    reference = [list(rng.choice(pe.PALETTE, size=12, p=q)) for q in p]
+    assert pe.variety_at_counts(reference, reference) == 100.0
+    # a model that samples the reference's distributions but is valid a quarter as often, over many draws of
+    # both: the plain ratio falls, this one stays at 100 % (a random subset of i.i.d. draws is i.i.d.)
+    refs = [list(rng.choice(pe.PALETTE, size=12, p=q)) for _ in range(1000) for q in p]
+    fewer = [list(rng.choice(pe.PALETTE, size=3, p=q)) for _ in range(1000) for q in p]
+    plain = sum(map(pe.entropy_bits, fewer)) / sum(map(pe.entropy_bits, refs))
+    at_counts = pe.variety_at_counts(fewer, refs)
+    assert plain < 0.75 and abs(at_counts - 100.0) < 3.0, (plain, at_counts)
+    # one colour per context has no variety at any count
+    assert pe.variety_at_counts([["red"] * 3, ["blue"] * 12, ["red"]], reference) == 0.0
+    # a context without a valid reference output counts for nothing on either side
+    assert pe.variety_at_counts([["red", "blue"], []], [[], ["red", "blue"]]) != pe.variety_at_counts([[]], [[]])
