@@ -123,7 +123,7 @@ MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise i
 FAKE_SCORE_TARGET = "flow"  # flow-matching teachers: the fake score's loss, flow (v-MSE) | x0 (x̂0-MSE = σ²·v-MSE)
 REGRESSION_WEIGHT = 0.0  # > 0 (flow teachers, 1-step): + this × MSE(G(z), the teacher's ODE from z), DMD's loss
 REGRESSION_STEPS = 28  # the teacher ODE's Euler steps for that target (every generator step: that many forwards)
-USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images from "image" (Kontext: "target")
+USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images: "image" (editors: "target")
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
 DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_GAN_MAX_TIMESTEP first
@@ -543,6 +543,8 @@ def check_flux_settings(pipeline: str) -> None:
         (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
          "the fake transformer's attention runs in its compute dtype (FAKE_SCORE_FP32 decides)"),
         ("CHANNELS_LAST=1", CHANNELS_LAST, "the FLUX transformer has no convolutions to lay out"),
+        (f"GAN_HEAD_FEATURES={GAN_HEAD_FEATURES}", GAN_HEAD_FEATURES != "mid",
+         "the UNets' setting; the head reads the image stream after the double-stream blocks"),
         ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"),
         (f"REAL_GUIDANCE_SCALE={REAL_GUIDANCE_SCALE:g}", REAL_GUIDANCE_SCALE not in (0, 1),
          "FLUX.1 is guidance-distilled, its guidance is the embedded value FLUX_GUIDANCE, not a CFG pair; "
@@ -765,7 +767,7 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
         width = generator.config.num_attention_heads * generator.config.attention_head_dim
         grid = flow_dm.head_grid(side)
         head = build_gan_head(width, grid, mesh, prec, d.device, SEED, CPU_OFFLOAD,
-                              make=functools.partial(flow_dm.FluxHead, width, grid))
+                              make=functools.partial(flow_dm.TransformerHead, width, grid))
         models["head"] = head
     if ema is not None:
         models["ema"] = ema
@@ -858,13 +860,15 @@ def export_note(run: trainer.Run, sigmas: list[float]) -> str:
 def check_qwen_settings(pipeline: str) -> None:
     """What a Qwen-Image-Edit teacher does not take, refused in one line before any work."""
     refused = [
-        ("USE_GAN=1", USE_GAN, "the GAN head reads FLUX's double-stream features; not built for Qwen-Image yet"),
         ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three Qwen-Image transformers are sharded (PARALLELISM=fsdp)"),
         ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a generator from a checkpoint with INIT_FROM"),
-        ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN is off for Qwen-Image-Edit"),
+        ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN's real images are the rows' own targets, under their own "
+         "instruction and references"),
         (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
          "the UNets' setting; the Qwen-Image fake score's dtype is FAKE_SCORE_FP32's"),
         ("CHANNELS_LAST=1", CHANNELS_LAST, "the Qwen-Image transformer has no convolutions to lay out"),
+        (f"GAN_HEAD_FEATURES={GAN_HEAD_FEATURES}", GAN_HEAD_FEATURES != "mid",
+         "the UNets' setting; the head reads the image stream after the last block"),
     ]
     for name, bad, why in refused:
         if bad:
@@ -879,8 +883,9 @@ def qwen_rows() -> tuple[list[dict], int, list[dict]]:
     same number of references, as one micro-batch stacks them (fine-tuning groups them instead)."""
     read = functools.partial(read_rows, roles=("control", "target", "prompt"), columns={"prompt": PROMPT_COLUMN},
                              split=DATASET_SPLIT, max_references=qwen.MAX_REFERENCES)
-    rows, skipped = read(DATA_PATH, required=("control", "prompt"), skip_bad=SKIP_BAD_SAMPLES)
-    samples = (read(SAMPLE_PROMPTS, required=("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS")[0]
+    required = ("control", "prompt")
+    rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES)
+    samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0]
                if SAMPLE_PROMPTS else rows)
     counts = {len(qwen.controls(r)) for r in rows + samples}
     if len(counts) > 1:
@@ -925,23 +930,35 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
     mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec)
-    models = {"generator": generator, "fake": fake, **({"ema": ema} if ema is not None else {})}
+    models = {"generator": generator, "fake": fake}
+    head = None
+    if USE_GAN:  # the head reads the fake's image stream after its last block (algorithms/dmd2_flow.py), in fp32
+        width = generator.config.num_attention_heads * generator.config.attention_head_dim
+        grid = flow_dm.head_grid(side)
+        head = build_gan_head(width, grid, mesh, prec, d.device, SEED, CPU_OFFLOAD,
+                              make=functools.partial(flow_dm.TransformerHead, width, grid))
+        models["head"] = head
+    if ema is not None:
+        models["ema"] = ema
+    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
     vae = room.load_vae(os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
-    audit = [component_row(n, m, fake_compute if n == "fake" else prec.compute_dtype) for n, m in models.items()]
+    computes = {"fake": fake_compute, "head": torch.float32}
+    audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
     tokens = side * side // 4
     caption = (f"{resolution} px, {tokens} target + {n_refs} x {tokens} reference tokens, σ {sigmas}, "
                f"teacher true CFG {REAL_GUIDANCE_SCALE:g}")
-    inputs = functools.partial(qwen_inputs, d=d, vae=vae, teacher=teacher, rows=rows, sample_rows=sample_rows,
+    inputs = functools.partial(qwen_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
+                               sample_rows=sample_rows,
                                resolution=resolution, side=side, latent_shape=latent_shape, sigmas=sigmas,
                                cache_dir=cache_dir, identity=identity, cfg=cfg)
     note = (f"sampling the export: {run.pipeline}.from_pretrained(export)" if not run.lora else
             f"sampling the export: {run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its "
             "scheduler FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')")
     note += f"; pipe(image=[...], prompt=..., num_inference_steps={len(sigmas)}, true_cfg_scale=1)"
-    return Setup(models, teacher, (generator, fake), fake, audit, caption, len(sigmas), skipped, inputs,
+    return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), skipped, inputs,
                  room.distilled_scheduler(MODEL_PATH), note)
 
 
@@ -949,7 +966,7 @@ def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
                    d: fsdp_utils.Dist) -> list[dict]:
     """Host side of iteration `it` on this rank: per micro-batch, this rank's positions, the cached
     text of its prompts ("" where CAPTION_DROPOUT drops one; the negative prompt's for the teacher's
-    CFG) and its reference images at the target's size, on CPU."""
+    CFG) and its reference images (with USE_GAN also its target) at the target's size, on CPU."""
     out = []
     for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
         picked = [rows[i] for i in idx]
@@ -960,13 +977,16 @@ def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
         out.append({"mine": mine, "text": qwen.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
                     "negative": (qwen.load_text([(qwen.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity, cpu)
                                  if cfg else None), "references": refs})
+        if USE_GAN:
+            out[-1]["target"] = torch.stack([load_image(r["target"], size, size) for r in picked])
     return out
 
 
-def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution, side, latent_shape, sigmas,
+def qwen_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, resolution, side, latent_shape, sigmas,
                 cache_dir, identity, cfg) -> tuple[StepFns, Callable, Callable]:
     """The Qwen-Image-Edit family's step: fixed sample inputs (the sample rows' text and references,
-    noise of the whole σ list), batches (cached text, packed references, per-sample draws) and losses."""
+    noise of the whole σ list), batches (cached text, packed references and real tokens, per-sample
+    draws) and losses."""
     text = qwen.load_text([(r["prompt"], r) for r in sample_rows], cache_dir, identity, d.device)
     n_refs = len(qwen.controls(sample_rows[0]))
     grey = torch.zeros(3, resolution, resolution)
@@ -984,8 +1004,10 @@ def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution
             qwen.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, tiles, side, path)
 
     draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
-                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT))
-    losses = dm.Losses(real_guidance_scale=REAL_GUIDANCE_SCALE, fake_target=FAKE_SCORE_TARGET,  # true CFG; no GAN
+                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
+                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
+    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
+                       real_guidance_scale=REAL_GUIDANCE_SCALE, fake_target=FAKE_SCORE_TARGET,  # the teacher's true CFG
                        regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
 
     def to(text):  # (embeddings, mask or None) or None, onto the device
@@ -997,6 +1019,8 @@ def qwen_inputs(final_weights, *, d, vae, teacher, rows, sample_rows, resolution
             mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
             mb["cond"] = qwen.dmd_cond(to(host["text"]), to(host["negative"]), vae,
                                        [r.to(d.device) for r in host["references"]], (side, side))
+            if "target" in host:  # the GAN's real images: the rows' targets, encoded as the references are
+                mb["real"] = km.pack_latents(qwen.encode_latents(vae, host["target"].to(d.device)))
             out.append(mb)
         return out
     steps = StepFns(

@@ -165,10 +165,12 @@ def sample_tokens(generator, cond, noise: torch.Tensor, sim_noise: torch.Tensor,
 
 # ---------------------------------------------------------------------------- GAN head (optional)
 # What it reads: the fake transformer's image stream after its last double-stream block (the joint
-# text-image blocks; the single-stream blocks and output layers are skipped), target tokens only, as a
-# (B, D, h/2, w/2) grid: the FLUX counterpart of the UNet bottleneck the published head reads
-# (tianweiy/DMD2 main/sd_guidance.py:107-133). D = 3072 for FLUX, so a 1x1 convolution first
-# brings it to HEAD_CHANNELS, then the published head's stride-2 stages (algorithms/dmd2.ClassifierHead).
+# text-image blocks: FLUX's 19, before its single-stream blocks; every block of Qwen-Image, which has
+# only these), target tokens only (the context / reference tokens after them are cut as the velocity
+# cuts them), as a (B, D, h/2, w/2) grid: the flow transformers' counterpart of the UNet bottleneck the
+# published head reads (tianweiy/DMD2 main/sd_guidance.py:107-133). D = 3072 for both at full size, so a
+# 1x1 convolution first brings it to HEAD_CHANNELS, then the published head's stride-2 stages
+# (algorithms/dmd2.ClassifierHead).
 
 HEAD_CHANNELS = 256
 
@@ -178,27 +180,31 @@ class _Passthrough(nn.Module):
         return x
 
 
+# what the features skip, with the stand-ins that skip it (a module the model lacks is left out)
+_AFTER_DOUBLE_STREAM = {"single_transformer_blocks": nn.ModuleList, "norm_out": _Passthrough, "proj_out": nn.Identity}
+
+
 def head_grid(side: int) -> int:
     """The head's native grid: the token grid (latent side / 2), pooled to at most 8, a power of two >= 4."""
     return max(4, min(8, 1 << ((side // 2).bit_length() - 1)))
 
 
-class FluxHead(nn.Sequential):
+class TransformerHead(nn.Sequential):
     def __init__(self, width: int, grid: int):
         super().__init__(nn.Conv2d(width, HEAD_CHANNELS, kernel_size=1), dm.ClassifierHead(HEAD_CHANNELS, grid))
 
 
-def double_stream_features(model, x: torch.Tensor, sigma: torch.Tensor, cond: FluxCond,
-                           guidance: float) -> torch.Tensor:
-    """The model's forward with its single-stream blocks and output layers swapped out for its
-    duration (the forward itself runs, so FSDP2 gathers, frees and registers backward as in any
-    forward; the removed units never run). Returns (B, D, h/2, w/2) fp32, keeping the graph."""
-    removed = {"single_transformer_blocks": nn.ModuleList(), "norm_out": _Passthrough(), "proj_out": nn.Identity()}
+def double_stream_features(model, x: torch.Tensor, sigma: torch.Tensor, cond, guidance: float) -> torch.Tensor:
+    """The model's forward under `cond` (FluxCond, or families/qwen_image.QwenCond at guidance 1) with
+    the units after its double-stream blocks swapped out for its duration (the forward itself runs,
+    so FSDP2 gathers, frees and registers backward as in any forward; the removed units never run).
+    Returns (B, D, h/2, w/2) fp32, keeping the graph."""
+    removed = {name: make() for name, make in _AFTER_DOUBLE_STREAM.items() if hasattr(model, name)}
     saved = {name: getattr(model, name) for name in removed}
     for name, stand_in in removed.items():
         setattr(model, name, stand_in)
     try:
-        tokens = velocity(model, cond, guidance)(x, sigma)  # (B, Nt, D): the target tokens' hidden states
+        tokens = cond.velocity(model, guidance)(x, sigma)  # (B, Nt, D): the target tokens' hidden states
     finally:
         for name, module in saved.items():
             setattr(model, name, module)

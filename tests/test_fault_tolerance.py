@@ -408,6 +408,8 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
               "holds prompts only; a FluxKontextPipeline teacher edits images"),
              ([f"--model_path={kontext}", f"--data_path={prompts}", "--use_gan=1", f"--real_data_path={prompts}"],
               "REAL_DATA_PATH with a FluxKontextPipeline teacher"),
+             ([f"--model_path={kontext}", f"--data_path={prompts}", "--use_gan=1", "--gan_head_features=up"],
+              "GAN_HEAD_FEATURES=up with a FluxKontextPipeline teacher"),
              ([f"--model_path={partial_model}", f"--data_path={prompts}"], "missing vae/, text_encoder/, tokenizer/"),
              ([f"--model_path={tmp_path / 'nope'}", f"--data_path={prompts}"], "no such folder")]
     for argv, message in cases:

@@ -279,34 +279,91 @@ def test_teacher_cfg_pairs_text_and_negative_per_sample():
     assert torch.equal(cond.velocity(_TextMean(), 1.0)(x, sigma)[:, 0, 0], mean)
 
 
+def test_gan_head_reads_the_last_blocks_image_stream(qwen):
+    """The GAN head's features: the image stream the last (double-stream) block hands on, target tokens
+    only, as a (B, D, h/2, w/2) grid; norm_out and proj_out skipped for that pass and back after it."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from algorithms import dmd2_flow as flow_dm
+    model = QwenImageTransformer2DModel.from_pretrained(os.path.join(qwen["model"], "transformer")).eval()
+    c, g = model.config, torch.Generator().manual_seed(0)
+    text = (torch.randn(2, 5, c.joint_attention_dim, generator=g), None)
+    cond = qi.QwenCond(text, None, [torch.randn(2, 4, c.in_channels, generator=g)], (8, 8), [(4, 4)])
+    x, sigma = torch.randn(2, 16, c.in_channels, generator=g), torch.tensor([0.3, 0.9])
+    seen = []
+    model.transformer_blocks[-1].register_forward_hook(lambda m, a, out: seen.append(out[1]))
+    before = cond.velocity(model, 1.0)(x, sigma)
+    with torch.no_grad():
+        feats = flow_dm.double_stream_features(model, x, sigma, cond, 1.0)
+    width = c.num_attention_heads * c.attention_head_dim
+    assert feats.shape == (2, width, 4, 4)
+    assert torch.equal(feats.flatten(2).transpose(1, 2), seen[-1][:, :16].float())
+    assert torch.equal(cond.velocity(model, 1.0)(x, sigma), before)  # the model whole again
+
+
+def test_dmd_refusals_are_one_line_before_any_work(qwen, monkeypatch, tmp_path):
+    """What a Qwen-Image-Edit teacher does not take: prompt-only data, the GAN without targets, and
+    the settings of other paths, each named in one line before any model is built."""
+    import train_dmd
+    from tests.test_fault_tolerance import main_error
+    rows = tmp_path / "no_targets.jsonl"
+    rows.write_text("".join(json.dumps({"control": r["control"], "prompt": r["prompt"]}) + "\n"
+                            for r in qwen["rows"][:2]))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    base = [f"--model_path={qwen['model']}", f"--output_dir={tmp_path / 'out'}", "--precision=fp32"]
+    cases = [([f"--data_path={prompts}"], f"DATA_PATH={prompts} holds prompts only; a QwenImageEditPlusPipeline "
+                                          "teacher edits images"),
+             ([f"--data_path={rows}", "--parallelism=ddp"], "PARALLELISM=ddp with a QwenImageEditPlusPipeline"),
+             ([f"--data_path={rows}", "--use_gan=1", "--gan_head_features=up"],
+              "GAN_HEAD_FEATURES=up with a QwenImageEditPlusPipeline teacher"),
+             ([f"--data_path={rows}", "--use_gan=1", f"--real_data_path={prompts}"],
+              "REAL_DATA_PATH with a QwenImageEditPlusPipeline teacher: the GAN's real images are the rows' own")]
+    for argv, message in cases:
+        assert message in main_error(monkeypatch, train_dmd, base + argv), argv
+        assert not torch.distributed.is_initialized()  # refused before the process group, let alone a model
+    # the rows are read with the group up (run_main tears it down; main() alone leaves it to the caller)
+    try:
+        message = main_error(monkeypatch, train_dmd, base + [f"--data_path={rows}", "--use_gan=1"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert message.startswith(f"{rows}:1: missing or empty 'target'"), message
+
+
 @pytest.fixture(scope="module")
 def dmd_runs(qwen):
-    """DMD2 of the tiny Qwen-Image-Edit teacher, 4-step generator, two references per row: full (and
-    the same stopped at step 2 and resumed), and a LoRA generator and fake score on an NF4 teacher."""
+    """DMD2 of the tiny Qwen-Image-Edit teacher, 4-step generator, two references per row: full with
+    the GAN head (and the same stopped at step 2 and resumed), and a LoRA generator and fake score on
+    an NF4 teacher."""
     root = qwen["root"]
     data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
     common = [f"--model_path={qwen['model']}", f"--data_path={data}", f"--text_cache_dir={root / 'dmd_text_cache'}",
               "--precision=fp32", "--resolution=64", f"--condition_area={AREA}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--export_dtype=fp32"]
+    gan = ["--use_gan=1", "--gen_cls_loss_weight=0.1", "--guidance_cls_loss_weight=0.1"]  # weights that show
     out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora")}
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=qwen["env"])
     done = launch_all({
-        "full": job(args=common + [f"--output_dir={out['full']}"]),
-        "stopped": job(args=common + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
+        "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
+        "stopped": job(args=common + gan + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
                                    "--base_dtype=nf4", "--save_every=0"])})
-    launch("train_dmd.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
+    launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
 
 @pytest.mark.slow
 def test_dmd_runs_resume_bit_exact_and_log_the_teacher_cfg(dmd_runs):
     a, b = read_checkpoint(dmd_runs["out"]["full"], 4), read_checkpoint(dmd_runs["out"]["stopped"], 4)
-    for name in ("model.generator", "model.fake", "model.ema"):
+    for name in ("model.generator", "model.fake", "model.ema", "model.head"):
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
-    assert read_metrics(dmd_runs["out"]["full"], timing=False)[-1] == read_metrics(dmd_runs["out"]["stopped"],
-                                                                                 timing=False)[-1]
+    rows = read_metrics(dmd_runs["out"]["full"], timing=False)
+    assert rows[-1] == read_metrics(dmd_runs["out"]["stopped"], timing=False)[-1]
+    # the head steps every step (discriminator loss near 2 ln 2 at the start); G's GAN term on its steps
+    assert all(0 < r["loss_guidance_cls"] < 3 for r in rows)
+    assert sum("loss_gen_cls" in r for r in rows) == 2
     assert "teacher true CFG 4" in dmd_runs["logs"]["full"]
     assert os.path.exists(dmd_runs["out"]["full"] / "samples" / "step_000004.png")
 
