@@ -322,13 +322,21 @@ def test_dmd_refusals_are_one_line_before_any_work(qwen, monkeypatch, tmp_path):
     for argv, message in cases:
         assert message in main_error(monkeypatch, train_dmd, base + argv), argv
         assert not torch.distributed.is_initialized()  # refused before the process group, let alone a model
-    # the rows are read with the group up (run_main tears it down; main() alone leaves it to the caller)
-    try:
-        message = main_error(monkeypatch, train_dmd, base + [f"--data_path={rows}", "--use_gan=1"])
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert message.startswith(f"{rows}:1: missing or empty 'target'"), message
+
+
+@pytest.mark.slow
+def test_dmd_gan_without_targets_is_one_line(qwen, tmp_path):
+    """USE_GAN with rows that hold no target (read once the process group is up): one line naming the
+    file and row, a non-zero exit."""
+    rows = tmp_path / "no_targets.jsonl"
+    rows.write_text("".join(json.dumps({"control": r["control"], "prompt": r["prompt"]}) + "\n"
+                            for r in qwen["rows"][:2]))
+    r = launch("train_dmd.py", [f"--model_path={qwen['model']}", f"--data_path={rows}", "--use_gan=1",
+                                f"--output_dir={tmp_path / 'out'}", "--precision=fp32"], ranks=1, env=qwen["env"],
+               check=False)
+    errors = [line for line in r.stdout.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1, r.stdout[-2000:]
+    assert errors[0].startswith(f"error: {rows}:1: missing or empty 'target'"), errors
 
 
 @pytest.fixture(scope="module")
