@@ -732,6 +732,23 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
     return mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype
 
 
+def flow_models(generator, fake, ema, mesh, side: int, prec: Precision, device: torch.device) -> tuple:
+    """(what checkpoints hold: generator, fake[, head][, ema]; the GAN head or None; what the guidance
+    optimizer steps: the fake score [+ head]) of a flow-matching run. With USE_GAN the head reads the
+    fake's image stream after its double-stream blocks (algorithms/dmd2_flow.py), in fp32."""
+    models = {"generator": generator, "fake": fake}
+    head = None
+    if USE_GAN:
+        width = generator.config.num_attention_heads * generator.config.attention_head_dim
+        grid = flow_dm.head_grid(side)
+        head = build_gan_head(width, grid, mesh, prec, device, SEED, CPU_OFFLOAD,
+                              make=functools.partial(flow_dm.TransformerHead, width, grid))
+        models["head"] = head
+    if ema is not None:
+        models["ema"] = ema
+    return models, head, fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
+
+
 def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
     """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
     the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
@@ -761,17 +778,7 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
     mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, flux, prec)
-    models = {"generator": generator, "fake": fake}
-    head = None
-    if USE_GAN:  # the head reads the fake's double-stream output (algorithms/dmd2_flow.py), in fp32
-        width = generator.config.num_attention_heads * generator.config.attention_head_dim
-        grid = flow_dm.head_grid(side)
-        head = build_gan_head(width, grid, mesh, prec, d.device, SEED, CPU_OFFLOAD,
-                              make=functools.partial(flow_dm.TransformerHead, width, grid))
-        models["head"] = head
-    if ema is not None:
-        models["ema"] = ema
-    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
+    models, head, guidance = flow_models(generator, fake, ema, mesh, side, prec, d.device)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
     vae = flux.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
@@ -930,17 +937,7 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
     mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec)
-    models = {"generator": generator, "fake": fake}
-    head = None
-    if USE_GAN:  # the head reads the fake's image stream after its last block (algorithms/dmd2_flow.py), in fp32
-        width = generator.config.num_attention_heads * generator.config.attention_head_dim
-        grid = flow_dm.head_grid(side)
-        head = build_gan_head(width, grid, mesh, prec, d.device, SEED, CPU_OFFLOAD,
-                              make=functools.partial(flow_dm.TransformerHead, width, grid))
-        models["head"] = head
-    if ema is not None:
-        models["ema"] = ema
-    guidance = fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
+    models, head, guidance = flow_models(generator, fake, ema, mesh, side, prec, d.device)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
     vae = room.load_vae(os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
