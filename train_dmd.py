@@ -948,9 +948,8 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     caption = (f"{resolution} px, {tokens} target + {n_refs} x {tokens} reference tokens, σ {sigmas}, "
                f"teacher true CFG {REAL_GUIDANCE_SCALE:g}")
     inputs = functools.partial(qwen_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
-                               sample_rows=sample_rows,
-                               resolution=resolution, side=side, latent_shape=latent_shape, sigmas=sigmas,
-                               cache_dir=cache_dir, identity=identity, cfg=cfg)
+                               sample_rows=sample_rows, resolution=resolution, side=side, latent_shape=latent_shape,
+                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, cfg=cfg)
     note = (f"sampling the export: {run.pipeline}.from_pretrained(export)" if not run.lora else
             f"sampling the export: {run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its "
             "scheduler FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')")
@@ -971,11 +970,12 @@ def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
         cpu = torch.device("cpu")
         refs = [torch.stack([load_image(qwen.controls(r)[j], size, size) for r in picked])
                 for j in range(len(qwen.controls(picked[0])))]
-        out.append({"mine": mine, "text": qwen.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
-                    "negative": (qwen.load_text([(qwen.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity, cpu)
-                                 if cfg else None), "references": refs})
+        mb = {"mine": mine, "text": qwen.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
+              "negative": (qwen.load_text([(qwen.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity, cpu)
+                           if cfg else None), "references": refs}
         if USE_GAN:
-            out[-1]["target"] = torch.stack([load_image(r["target"], size, size) for r in picked])
+            mb["target"] = torch.stack([load_image(r["target"], size, size) for r in picked])
+        out.append(mb)
     return out
 
 
@@ -1017,7 +1017,7 @@ def qwen_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, reso
             mb["cond"] = qwen.dmd_cond(to(host["text"]), to(host["negative"]), vae,
                                        [r.to(d.device) for r in host["references"]], (side, side))
             if "target" in host:  # the GAN's real images: the rows' targets, encoded as the references are
-                mb["real"] = km.pack_latents(qwen.encode_latents(vae, host["target"].to(d.device)))
+                mb["real"] = qwen.image_tokens(vae, host["target"].to(d.device))
             out.append(mb)
         return out
     steps = StepFns(

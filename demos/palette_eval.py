@@ -119,8 +119,13 @@ def entropy_bits(colours) -> float:
     """Entropy (bits) of the empirical distribution of `colours` (0 for none)."""
     if not colours:
         return 0.0
-    _, counts = np.unique(np.asarray(colours), return_counts=True)
-    p = counts / counts.sum()
+    return _count_bits(np.unique(np.asarray(colours), return_counts=True)[1])
+
+
+def _count_bits(counts) -> float:
+    """Entropy (bits) of the distribution with these counts (zeros allowed)."""
+    p = np.asarray([c for c in counts if c], dtype=np.float64)
+    p /= p.sum()
     return float(-(p * np.log2(p)).sum())
 
 
@@ -141,10 +146,8 @@ def rarefied_entropy(colours, k: int) -> float:
         if i == len(counts) - 1:
             if left > counts[i]:
                 return
-            ks = drawn + [left]
             ways = log_ways + _log_choose(counts[i], left) - _log_choose(m, k)
-            q = np.asarray([c for c in ks if c]) / k
-            total += math.exp(ways) * float(-(q * np.log2(q)).sum())
+            total += math.exp(ways) * _count_bits(drawn + [left])
             return
         for c in range(min(left, counts[i]) + 1):
             walk(i + 1, left - c, log_ways + _log_choose(counts[i], c), drawn + [c])

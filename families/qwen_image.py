@@ -127,6 +127,12 @@ def encode_latents(vae, images: torch.Tensor) -> torch.Tensor:
     return (z - mean) / std
 
 
+def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Images (B, 3, H, W) in [-1, 1] -> packed clean latent tokens (B, N, 4C) in fp32: how a reference
+    image and the GAN's real target enter the transformer."""
+    return km.pack_latents(encode_latents(vae, pixels))
+
+
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents (B, C, h, w) -> images (B, 3, H, W) in [-1, 1], fp32 on CPU, by the
     pipeline's own arithmetic (:876-888: cast to the VAE's dtype, / (1 / std) + mean)."""
@@ -384,7 +390,7 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
     c = vae.config.z_dim
     latents = km.pack_latents(randn_tensor((1, 1, c, h, w), generator=generator, device=device,
                                            dtype=dtype)[:, 0])
-    refs = [km.pack_latents(encode_latents(vae, r)).to(dtype) for r in references]
+    refs = [image_tokens(vae, r).to(dtype) for r in references]
     img_shapes = [[(1, h // 2, w // 2), *[(1, x.shape[-2] // f // 2, x.shape[-1] // f // 2) for x in references]]]
     cfg = scheduler.config
     mu = calculate_shift(latents.shape[1], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
@@ -465,7 +471,7 @@ def _pair(text, negative):
 
 def dmd_cond(text, negative, vae, references: list, size) -> QwenCond:
     """QwenCond of a micro-batch: references (B, 3, H, W) pixels per position, encoded and packed."""
-    tokens = [km.pack_latents(encode_latents(vae, r)) for r in references]
+    tokens = [image_tokens(vae, r) for r in references]
     f = 2 ** len(vae.temperal_downsample)
     return QwenCond(text, negative, tokens, size, [(r.shape[-2] // f, r.shape[-1] // f) for r in references])
 
