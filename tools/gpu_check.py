@@ -37,7 +37,7 @@ against the expected; each DMD2 UNet row is also set against the plain-eager tim
 calls (dmd_network_ms) with the goal DMD_GOAL. Exit 0 when every row passed (or was skipped for want of CUDA)
 and tests/test_gpu.py passed. Output (at most 8 files): gpu_check.md (the table), gpu_check.json,
 runs.log (every run's output, tracebacks included), test_gpu.log, build.log, and with --suite=speed
-profile_dmd_sd15_*.txt.
+profile_dmd_sd15_*.txt (and profile_dmd_qwen_*.txt).
 """
 from __future__ import annotations
 
@@ -765,14 +765,15 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
+    qwen_dmd = {**QWEN_DMD, "condition_area": qwen_areas(tiny, lo)["condition_area"]}
     if suite == "qwen":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
-        return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 45, lora_rank=16,
+        return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 40, lora_rank=16,
                     extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
-                row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 95, resume=True, extra=qwen_areas(tiny, lo)),
+                row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 190, resume=True, extra=qwen_areas(tiny, lo)),
                 # recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings: LoRA r64 alpha 8 generator, full
                 # fake score, AC; references at the target's size (train_dmd.py's), teacher true CFG 4
-                row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 90, ac=True, lora_rank=64,
-                    resume=True, extra={**QWEN_DMD, "condition_area": qwen_areas(tiny, lo)["condition_area"]})]
+                row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 160, ac=True, lora_rank=64,
+                    resume=True, extra=qwen_dmd)]
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
@@ -785,12 +786,12 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"kontext_{hi}px_full_ac_compile", kontext, "flux", hi, 80, ac=True, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_cache_latents", kontext, "flux", hi, 50, extra={"cache_latents": 1}),
                    # the default: the fp32 fake score with its attention in bf16 (FAKE_SCORE_ATTENTION_DTYPE)
-                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 70, batch_size=b32, ac=True),
-                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_attention", dmd, "sd15", sd, 90, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 110, batch_size=b32, ac=True),
+                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_attention", dmd, "sd15", sd, 120, batch_size=b32, ac=True,
                        extra={"fake_score_attention_dtype": "fp32"}),  # the published all-fp32 fake score
-                   row(f"dmd_sd15_{sd}px_b32_ac_bf16_fake", dmd, "sd15", sd, 60, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac_bf16_fake", dmd, "sd15", sd, 105, batch_size=b32, ac=True,
                        extra={"fake_score_fp32": 0}),
-                   row(f"dmd_sd15_{sd}px_b32_ac_channels_last", dmd, "sd15", sd, 70, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac_channels_last", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
                        extra={"channels_last": 1}),
                    # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt
                    row(f"dmd_sd15_{sd}px_b32_ac_profiled", dmd, "sd15", sd, 70, batch_size=b32, ac=True,
@@ -805,7 +806,10 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"dmd_sd15_{sd}px_b4_ddp_bf16", dmd, "sd15", sd, 60, batch_size=4, precision="bf16",
                        extra={"parallelism": "ddp"}),
                    row(f"dmd_kontext_{hi}px_4step_ac", dmd, "flux", hi, 70, ac=True, export_dtype="bf16",
-                       extra=KONTEXT_DMD)])
+                       extra=KONTEXT_DMD),
+                   # the Qwen-Image-Edit DMD2 row's generator step and the fake-score step after it, profiled
+                   row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac_profiled", dmd, "qwen", lo, 70, ac=True,
+                       lora_rank=64, profile=(6, 7), extra=qwen_dmd)])
     return [
         row(f"kontext_{hi}px_full", kontext, "flux", hi, 85, resume=True),
         row(f"dmd_sd15_{sd}px_b4", dmd, "sd15", sd, 65, batch_size=4),
@@ -896,7 +900,8 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
     lines = []
     for r in rows:
         ref = refs.get(r.get("ref", ""), {})
-        if not r.get("ratio") or "fwd_ms" not in ref or "flux" in r["model"].lower() or not r.get("timed_steps"):
+        if not r.get("ratio") or "fwd_ms" not in ref or not r.get("timed_steps") \
+                or any(k in r["model"].lower() for k in ("flux", "qwen")):  # UNet rows: no backward simulation to count
             continue
         ms, gen = dmd_network_ms(ref, r["timed_steps"], int(r["ratio"]), r.get("ac", False))
         n, ratio = len(r["timed_steps"]), r["step_ms"] / ms
@@ -1107,7 +1112,8 @@ def main() -> None:
         references = ()
         if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
             text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
-            references = (round(s["extra"]["reference_area"] ** 0.5),) * 2
+            # train_dmd.py reads its references at the target's size
+            references = (round(s["extra"].get("reference_area", s["resolution"] ** 2) ** 0.5),) * 2
         try:
             refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device,
                                              references)
