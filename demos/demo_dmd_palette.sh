@@ -6,9 +6,10 @@
 #   1. the teacher: the family's shipped base (assets/kontext_base or assets/qwen_edit_base) fine-tuned
 #      on the 512 training contexts, each with all four palette colours as targets (2048 pairs;
 #      train_flux_kontext.py; skipped when TEACHER is given)
-#   2. a 4-step and a 1-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
-#      settings; the 1-step one with twice the fake-score updates, 2400 steps; on Kontext after a first
-#      2400-step stage with DMD's regression loss on the teacher's ODE, weight 0.25)
+#   2. a 1-step and a 4-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
+#      settings): the 1-step one first, with twice the fake-score updates (on Kontext 2400 steps after a
+#      first 2400-step stage with DMD's regression loss on the teacher's ODE, weight 0.25; on Qwen 4800
+#      steps), then the 4-step one from its final checkpoint (300 steps; on Qwen 600)
 #   3. five rows scored over SEEDS noise seeds per held-out context: the teacher at 28, 4 and 1 step (its
 #      own scheduler), the 4-step and the 1-step student (their exports' distilled scheduler): validity
 #      (one saturated palette colour, shape and background kept) and variety (colour entropy over seeds,
@@ -27,12 +28,14 @@ case "$FAMILY" in
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
     # Kontext's 1-step student first trains with DMD's regression loss (docs/demos.md: its variety)
     kontext) BASE=assets/kontext_base; DEFAULT_OUT=out/palette_dmd_demo; TEACHER_STEPS=2000
-             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=()
+             TUNE_ARGS=(); DMD_ARGS=(--flux_guidance=1.0); EVAL_ARGS=(); ONE_STEP_STEPS=2400
              ONE_STEP_STAGE1_ARGS=(--regression_weight=0.25) ;;
     # the 1-step teacher row samples x - v at σ 1 with the scheduler's shift off: Qwen-Image's terminal
     # stretch (shift_terminal 0.02) divides by zero at 1 step, so its own 1-step σ list is NaN
-    # the Qwen base learns edits slower (demos/demo_qwen_edit.sh): its teacher trains 3x longer
-    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen; TEACHER_STEPS=6000
+    # the Qwen base learns edits slower (demos/demo_qwen_edit.sh): its teacher trains 3x longer, and its
+    # 1-step student one stage of 4800 steps (DMD's regression loss costs it validity: docs/demos.md)
+    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen; TEACHER_STEPS=6000; ONE_STEP_STEPS=4800
+             FOUR_STEP_ARGS=(--max_steps=600)
              TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
              DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0); EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
     *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
@@ -40,7 +43,7 @@ esac
 OUT=${OUT:-$DEFAULT_OUT}
 TEACHER=${TEACHER:-$OUT/teacher/export}
 NPROC=${NPROC:-2}
-SEEDS=${SEEDS:-8}
+SEEDS=${SEEDS:-32}
 GRID=${GRID:-$OUT/grid.png}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task")
@@ -71,8 +74,11 @@ COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
 # the 1-step student gets twice the fake-score updates per generator update (ratio 10, the published
-# SD-1.5 value) and 240 generator updates (per stage); the 4-step one the Kontext demo's 60 at ratio 5
-ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps=2400 --sample_every=1200 --log_every=100)
+# SD-1.5 value) and 240 or 480 generator updates (per stage); the 4-step one the Kontext demo's 60 at ratio 5
+# (Qwen: 120), starting from the 1-step student: it keeps more of the teacher's colours than one started
+# from the teacher (docs/demos.md)
+ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps="$ONE_STEP_STEPS" --sample_every=1200 --log_every=100)
+FOUR_STEP_FROM_ONE_STEP=1
 source demos/dmd_students.sh
 train_students "$OUT" "$NPROC" "$@"
 trained=$(date +%s)
