@@ -171,7 +171,8 @@ def test_cfg_numerator_closed_form(unets, data, alphas):
                           torch.cat([u.expand(B, -1, -1), c])).double().chunk(2)
     eps_fake = eps_of(teacher, z, t, c).double()
     k = ((1 - a) / a).sqrt()
-    # p_real − p_fake = x̂0_fake − x̂0_real = k·(ε_real − ε_fake) = k·((s − 1)·(ε_c − ε_u) + (ε_c − ε_fake))
+    # p_real − p_fake = x̂0_fake − x̂0_real = k·(ε_real − ε_fake)
+    #                = k·((s − 1)·(ε_c − ε_u) + (ε_c − ε_fake))
     numerator = k * ((s - 1) * (eps_c - eps_u) + (eps_c - eps_fake))
     x0_real = (z.double() - (1 - a).sqrt() * (eps_u + s * (eps_c - eps_u))) / a.sqrt()
     norm = (x.double() - x0_real).abs().mean(dim=(1, 2, 3), keepdim=True)
@@ -590,7 +591,8 @@ def test_fm_fake_score_loss_is_zero_at_the_true_velocity_and_never_reaches_the_g
 
 
 def test_fm_fake_score_loss_on_x0_is_the_velocity_error_weighted_by_sigma_squared():
-    """x_σ − σ·v̂ − x = σ·((n − x) − v̂): the x0 target is the flow loss with each sample's terms × σ²."""
+    """x_σ − σ·v̂ − x = σ·((n − x) − v̂): the x0 target is the flow loss with each sample's terms
+    × σ²."""
     g = torch.Generator().manual_seed(5)
     x, n = torch.randn(3, 4, 4, 4, generator=g), torch.randn(3, 4, 4, 4, generator=g)
     sigma = torch.tensor([0.05, 0.5, 0.95])

@@ -765,7 +765,9 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
-    qwen_dmd = {**QWEN_DMD, "condition_area": qwen_areas(tiny, lo)["condition_area"]}
+    def qwen_dmd():  # the Qwen DMD2 rows' settings (qwen_areas reads the pipeline's constants: only when asked)
+        return {**QWEN_DMD, "condition_area": qwen_areas(tiny, lo)["condition_area"]}
+
     if suite == "qwen":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
         return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 40, lora_rank=16,
                     extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
@@ -773,7 +775,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 # recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings: LoRA r64 alpha 8 generator, full
                 # fake score, AC; references at the target's size (train_dmd.py's), teacher true CFG 4
                 row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 160, ac=True, lora_rank=64,
-                    resume=True, extra=qwen_dmd)]
+                    resume=True, extra=qwen_dmd())]
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
@@ -809,7 +811,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                        extra=KONTEXT_DMD),
                    # the Qwen-Image-Edit DMD2 row's generator step and the fake-score step after it, profiled
                    row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac_profiled", dmd, "qwen", lo, 70, ac=True,
-                       lora_rank=64, profile=(6, 7), extra=qwen_dmd)])
+                       lora_rank=64, profile=(6, 7), extra=qwen_dmd())])
     return [
         row(f"kontext_{hi}px_full", kontext, "flux", hi, 85, resume=True),
         row(f"dmd_sd15_{sd}px_b4", dmd, "sd15", sd, 65, batch_size=4),
@@ -900,8 +902,9 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
     lines = []
     for r in rows:
         ref = refs.get(r.get("ref", ""), {})
-        if not r.get("ratio") or "fwd_ms" not in ref or not r.get("timed_steps") \
-                or any(k in r["model"].lower() for k in ("flux", "qwen")):  # UNet rows: no backward simulation to count
+        # UNet rows only: a flow row's backward simulation adds generator calls the bound does not count
+        flow = any(k in r["model"].lower() for k in ("flux", "qwen"))
+        if not r.get("ratio") or "fwd_ms" not in ref or not r.get("timed_steps") or flow:
             continue
         ms, gen = dmd_network_ms(ref, r["timed_steps"], int(r["ratio"]), r.get("ac", False))
         n, ratio = len(r["timed_steps"]), r["step_ms"] / ms
