@@ -32,3 +32,14 @@ def test_a_changed_number_or_file_is_a_difference(tmp_path):
     (tmp_path / "out" / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 0.51}) + "\n")
     diff = identity.differences(before, identity.fingerprint(str(tmp_path / "out"), str(tmp_path)))
     assert len(diff) == 2 and diff[0].startswith("/checkpoints/step_000002/__0_0.distcp") and "0.51" in diff[1]
+
+
+def test_a_checkpoints_config_differs_by_setting_name(tmp_path):
+    ckpt = tmp_path / "out" / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps({"LR": 1e-4, "OUTPUT_DIR": str(tmp_path / "out")}))
+    before = identity.fingerprint(str(tmp_path / "out"), str(tmp_path))
+    assert before["checkpoints"]["step_000002/config.json"] == {"LR": 1e-4, "OUTPUT_DIR": "$WORK/out"}
+    (ckpt / "config.json").write_text(json.dumps({"LR": 1e-4, "OUTPUT_DIR": str(tmp_path / "out"), "SHIFT": "1"}))
+    diff = identity.differences(before, identity.fingerprint(str(tmp_path / "out"), str(tmp_path)))
+    assert diff == ["/checkpoints/step_000002/config.json/SHIFT: None != '1'"]

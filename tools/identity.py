@@ -4,13 +4,15 @@
     python tools/identity.py --out=out/identity/after.json       # after it
     python tools/identity.py --compare out/identity/before.json out/identity/after.json
 
-Three jobs on their embedded defaults, 2 CPU ranks (torchrun), one thread each, 4 steps with EMA,
-checkpoints at steps 2 and 4, samples at 2 and 4 (and validation for Kontext): DMD2 with the shipped
-UNet teacher (GAN head on), DMD2 with the shipped Kontext teacher (4-step generator, GAN head on),
-and Kontext fine-tuning. A fingerprint holds, per job: every metrics.jsonl record without its
-timings, a hash of every checkpoint file (trainer_state.json without its run id and save time, the
-config with its temporary and checkout folders named alike; DCP's pickled .metadata and the per-process RNG files
-only by their presence),
+Four jobs, 2 CPU ranks (torchrun), one thread each, 4 steps with EMA, checkpoints at steps 2 and 4,
+samples at 2 and 4 (and validation for Kontext): DMD2 with the shipped UNet teacher (GAN head on),
+DMD2 with the shipped Kontext teacher (4-step generator, GAN head on), Kontext fine-tuning on its
+embedded default, and DMD2 with the tiny Qwen-Image-Edit-2509 teacher (tools/tiny_models.py: two
+references per row, 4-step generator, the teacher's true CFG, GAN head on). A fingerprint holds, per
+job: every metrics.jsonl record without its timings, a hash of every checkpoint file (trainer_state.json
+without its run id and save time; DCP's pickled .metadata and the per-process RNG files only by their
+presence) and the checkpoints' config setting by setting (its temporary and checkout folders named
+alike, so a new setting shows by name),
 every export file (links by where they point) and every sample grid's pixels. `--compare` prints
 what differs and exits 1 if anything does.
 """
@@ -34,6 +36,11 @@ JOBS = {
                                              "--resolution=32", "--dfake_gen_update_ratio=2", "--batch_size=1",
                                              "--denoising_steps=999,749,499,249", "--sample_count=2", "--use_gan=1"]),
     "kontext_ft": ("train_flux_kontext.py", STEPS + ["--val_every=2", "--sample_steps=2"]),
+    # the tiny Qwen teacher's folder and rows are built into the work folder ({qwen}: tools/tiny_models.py)
+    "dmd_qwen": ("train_dmd.py", STEPS + ["--model_path={qwen}/model", "--data_path={qwen}/data/data.jsonl",
+                                          "--precision=fp32", "--resolution=64", "--condition_area=4096",
+                                          "--dfake_gen_update_ratio=2", "--batch_size=1", "--sample_count=2",
+                                          "--denoising_steps=999,749,499,249", "--use_gan=1"]),
 }
 # metrics.jsonl fields that measure the machine, not the computation
 TIMING_WORDS = ("_ms", "time", "mfu", "hfu", "tflop", "throughput", "per_s", "mem", "rss", "gib", "eta", "seconds")
@@ -48,14 +55,14 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _file_hash(path: str, work: str) -> str:
+def _file_hash(path: str, work: str) -> str | dict:
     name = os.path.basename(path)
     if name in PER_PROCESS:
         return "present"
     if name == "config.json" and os.path.basename(os.path.dirname(os.path.dirname(path))) == "checkpoints":
         with open(path) as f:  # the run's settings: its folders (temporary, the checkout's) named alike
             text = f.read().replace(os.path.realpath(work), "$WORK").replace(work, "$WORK")
-            return _sha(text.replace(ROOT, "$ROOT").encode())
+            return json.loads(text.replace(ROOT, "$ROOT"))
     if name == "trainer_state.json":
         with open(path) as f:
             state = {k: v for k, v in json.load(f).items() if k not in RUN_FIELDS}
@@ -106,12 +113,18 @@ def fingerprint(out_dir: str, work: str) -> dict:
     return found
 
 
-def run_job(name: str, work: str) -> dict:
+def run_job(name: str, work: str, extra: list[str] = ()) -> dict:
     script, args = JOBS[name]
+    if any("{qwen}" in a for a in args):
+        sys.path.insert(0, ROOT)
+        from tools import tiny_models
+        model, _ = tiny_models.ensure_default("qwen_image_edit", os.path.join(work, "tiny"))
+        args = [a.format(qwen=os.path.dirname(model)) for a in args]
     out_dir = os.path.join(work, name)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, script), *args, f"--output_dir={out_dir}", f"--text_cache_dir={work}/text_cache_{name}"]
+           os.path.join(ROOT, script), *args, f"--output_dir={out_dir}", f"--text_cache_dir={work}/text_cache_{name}",
+           *extra]
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"{name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -131,6 +144,9 @@ def main() -> None:
     p.add_argument("--out", help="write the fingerprints here (JSON)")
     p.add_argument("--jobs", default=",".join(JOBS), help="comma-separated subset of " + ", ".join(JOBS))
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--extra", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="settings added to every job as --NAME=VALUE (a default that changed, set back to the old "
+                        "value, so the jobs compute what they computed before)")
     a = p.parse_args()
     if a.compare:
         before, after = (json.load(open(f)) for f in a.compare)
@@ -146,7 +162,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         found = {}
         for name in jobs:
-            found[name] = run_job(name, work)
+            found[name] = run_job(name, work, ["--" + e for e in a.extra])
             print(f"{name}: {len(found[name]['metrics'])} records, "
                   f"{sum(len(v) for k, v in found[name].items() if k != 'metrics')} files", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
