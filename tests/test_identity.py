@@ -37,6 +37,7 @@ def test_a_changed_number_or_file_is_a_difference(tmp_path):
 def test_a_checkpoints_config_differs_by_setting_name(tmp_path):
     ckpt = tmp_path / "out" / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
+    (tmp_path / "out" / "metrics.jsonl").write_text("")
     (ckpt / "config.json").write_text(json.dumps({"LR": 1e-4, "OUTPUT_DIR": str(tmp_path / "out")}))
     before = identity.fingerprint(str(tmp_path / "out"), str(tmp_path))
     assert before["checkpoints"]["step_000002/config.json"] == {"LR": 1e-4, "OUTPUT_DIR": "$WORK/out"}
