@@ -114,6 +114,7 @@ MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's
 CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen 4
+REAL_GUIDANCE_NORM = ""  # its combination's rescale: none | token (the pipeline's per token) | scalar; "" = per teacher
 FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
@@ -188,6 +189,7 @@ def validate_config() -> list[int]:
     check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
         "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0,
+        f"REAL_GUIDANCE_NORM in ({', '.join(dm.CFG_NORMS)}) or \"\"": REAL_GUIDANCE_NORM in ("", *dm.CFG_NORMS),
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
         "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
@@ -220,6 +222,10 @@ def validate_config() -> list[int]:
         raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
+    if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or pipeline in flux.PIPELINES):
+        raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
+                          + ("(a FLUX teacher's guidance is FLUX_GUIDANCE)" if pipeline in flux.PIPELINES else
+                             "at REAL_GUIDANCE_SCALE=1"))
     if pipeline in flux.PIPELINES:
         check_flux_settings(pipeline)
     if pipeline in qwen.PIPELINES:
@@ -279,13 +285,16 @@ def default_paths(use_gan: bool = False) -> tuple[str, str]:
 def resolve_defaults() -> dict:
     """Fill the "" settings (the embedded default) and return the resolved config, which is what
     the run prints and every checkpoint records."""
-    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE
+    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
+    pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py")
     if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG);
-        pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py")  # Qwen-Image-Edit's pipeline default
+        # Qwen-Image-Edit's pipeline default
         REAL_GUIDANCE_SCALE = 1.0 if pipeline in flux.PIPELINES else 4.0 if pipeline in qwen.PIPELINES else 1.75
+    if not REAL_GUIDANCE_NORM:  # UNets: the published plain combination; Qwen-Image-Edit: docs/demos.md's measurement
+        REAL_GUIDANCE_NORM = qwen.CFG_NORM if pipeline in qwen.PIPELINES else "none"
     return script_constants(globals())
 
 
@@ -690,7 +699,8 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     def sample(path):
         with final_weights() as model:
             unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
-    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, REAL_GUIDANCE_SCALE)
+    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, REAL_GUIDANCE_SCALE,
+                       REAL_GUIDANCE_NORM)
     draw = functools.partial(unet_dm.draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
@@ -946,7 +956,7 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
     tokens = side * side // 4
     caption = (f"{resolution} px, {tokens} target + {n_refs} x {tokens} reference tokens, σ {sigmas}, "
-               f"teacher true CFG {REAL_GUIDANCE_SCALE:g}")
+               f"teacher true CFG {REAL_GUIDANCE_SCALE:g}" + (f" ({REAL_GUIDANCE_NORM} rescale)" if cfg else ""))
     inputs = functools.partial(qwen_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
                                sample_rows=sample_rows, resolution=resolution, side=side, latent_shape=latent_shape,
                                sigmas=sigmas, cache_dir=cache_dir, identity=identity, cfg=cfg)
@@ -1004,7 +1014,8 @@ def qwen_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, reso
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
-                       real_guidance_scale=REAL_GUIDANCE_SCALE, fake_target=FAKE_SCORE_TARGET,  # the teacher's true CFG
+                       real_guidance_scale=REAL_GUIDANCE_SCALE, real_guidance_norm=REAL_GUIDANCE_NORM,  # true CFG
+                       fake_target=FAKE_SCORE_TARGET,
                        regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
 
     def to(text):  # (embeddings, mask or None) or None, onto the device

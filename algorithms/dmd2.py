@@ -145,17 +145,46 @@ def sample_fake_timesteps(batch: int, generator: torch.Generator | None = None,
     return torch.randint(0, num_train_timesteps, (batch,), generator=generator, device=device)
 
 
+# ---------------------------------------------------------------------------- the teacher's CFG
+
+CFG_NORMS = ("none", "token", "scalar")  # REAL_GUIDANCE_NORM: how the teacher's CFG combination is rescaled
+
+
+def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float, norm: str = "none",
+                dim: int = -1) -> torch.Tensor:
+    """The teacher's real score under CFG, u + s·(c − u), in fp32, then rescaled by `norm`:
+      none    as published (tianweiy/DMD2 main/sd_guidance.py, compute_distribution_matching_loss)
+      token   each token's vector (along `dim`: the channels) to the conditional prediction's norm,
+              c_norm / comb_norm per token: QwenImageEditPlusPipeline's sampling (diffusers 0.42.1
+              pipeline_qwenimage_edit_plus.py:841-845; LightX2V's cfg_norm "layer_norm")
+      scalar  each sample by min(1, ‖c‖ / ‖comb‖) over all its elements (LightX2V's "scalar" takes one
+              ratio over the whole batch tensor; here one per sample, so a rank's share of the batch, and
+              so the world size, does not change a sample's score)"""
+    cond, uncond = cond.float(), uncond.float()
+    comb = uncond + scale * (cond - uncond)
+    if norm == "none":
+        return comb
+    if norm == "token":
+        return comb * (torch.norm(cond, dim=dim, keepdim=True) / torch.norm(comb, dim=dim, keepdim=True))
+    if norm == "scalar":
+        dims = tuple(range(1, comb.ndim))
+        ratio = cond.square().sum(dims, keepdim=True).sqrt() / comb.square().sum(dims, keepdim=True).sqrt()
+        return comb * ratio.clamp(max=1.0)
+    raise ValueError(f"CFG norm {norm!r}: one of {', '.join(CFG_NORMS)}")
+
+
 # ---------------------------------------------------------------------------- DM loss
 
 @torch.no_grad()
 def dm_grad(x: torch.Tensor, t, noise: torch.Tensor, real_unet, fake_unet,
             text_emb: torch.Tensor, uncond_emb: torch.Tensor | None, guidance_scale: float,
-            alphas_cumprod: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            alphas_cumprod: torch.Tensor, cfg_norm: str = "none") -> tuple[torch.Tensor, dict]:
     """Distribution-matching direction (official `compute_distribution_matching_loss`):
 
         z_t    = √ᾱ_t·x + √(1−ᾱ_t)·n
         ε_fake = fake(z_t, t, c)                              (conditional only)
-        ε_real = ε_u + s·(ε_c − ε_u)  from the teacher          (one batched call [uncond; cond])
+        ε_real = ε_u + s·(ε_c − ε_u)  from the teacher          (one batched call [uncond; cond];
+                                                               cfg_norm: cfg_combine's rescale, per pixel)
         p_real = x − x̂0_real,   p_fake = x − x̂0_fake            (x̂0 in float64)
         grad   = (p_real − p_fake) / mean_{C,H,W}|p_real|,  non-finite -> 0
 
@@ -177,7 +206,7 @@ def dm_grad(x: torch.Tensor, t, noise: torch.Tensor, real_unet, fake_unet,
         uncond_emb = expand_cond(uncond_emb, batch)
         eps_u, eps_c = predict_eps(real_unet, torch.cat([z_t, z_t]), torch.cat([t, t]),
                                    cat_cond(uncond_emb, text_emb)).chunk(2)
-        eps_real = eps_u + guidance_scale * (eps_c - eps_u)
+        eps_real = cfg_combine(eps_c, eps_u, guidance_scale, cfg_norm, dim=1)  # (B, C, h, w): a pixel's channels
 
     x0_real = x0_from_eps(z_t, eps_real, t, alphas_cumprod, out_dtype=torch.float64)
     x0_fake = x0_from_eps(z_t, eps_fake, t, alphas_cumprod, out_dtype=torch.float64)
@@ -224,6 +253,7 @@ class Losses:
     guidance_cls_weight: float = 0.0  # loss_guidance_cls's weight in the guidance loss (published: 1e-2)
     diffusion_gan: bool = True  # the head's inputs noised first (diffusion GAN), else clean at t = 0
     real_guidance_scale: float = 1.0  # the teacher's CFG scale in loss_dm; 1 = no CFG pair (guidance-distilled)
+    real_guidance_norm: str = "none"  # its combination's rescale (cfg_combine): none | token | scalar
     fake_target: str = "flow"  # flow-matching fake scores: their loss, on the velocity (flow) or on x̂0 (x0)
     regression_weight: float = 0.0  # > 0: DMD's regression loss on the teacher's ODE output from G's noise (1-step)
     regression_steps: int = 28  # the teacher ODE's Euler steps for that target

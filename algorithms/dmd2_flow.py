@@ -49,8 +49,8 @@ class FluxCond:
     context: torch.Tensor | None  # (B, Nc, 4C) packed clean context latents (Kontext), None for text-to-image
     size: tuple[int, int]  # the target latent's (h, w); a context has the same size
 
-    def velocity(self, model, guidance: float):
-        return velocity(model, self, guidance)
+    def velocity(self, model, guidance: float, norm: str = "none"):
+        return velocity(model, self, guidance)  # guidance-distilled: no CFG pair, nothing to rescale
 
 
 def velocity(model, cond: FluxCond, guidance: float):
@@ -85,9 +85,10 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     in the DM range (+ regression_weight · loss_reg, + gen_cls_weight · loss_gen_cls). FLUX: teacher and
     fake at the same guidance value, no CFG pair (losses.real_guidance_scale 1); a family whose teacher
     takes true CFG (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at
-    `guidance`. loss_reg's target is the teacher's ODE from the same noise, under the same guidance."""
+    `guidance`, its pair combined by losses.real_guidance_norm. loss_reg's target is the teacher's ODE from
+    the same noise, under the same guidance."""
     cond, scale = mb["cond"], losses.real_guidance_scale
-    teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale)
+    teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale, losses.real_guidance_norm)
     grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], teacher_v, cond.velocity(fake, guidance))
     loss = dm.dm_loss(x, grad)
     logs = {"loss_dm": loss.detach()}

@@ -29,7 +29,7 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, alphas, uncond,
     """loss_dm (+ gen_cls_weight · loss_gen_cls): the generator's objective on images x, the teacher
     under CFG at real_guidance_scale with `uncond`."""
     grad, _ = dm.dm_grad(x, mb["dm_t"], mb["dm_noise"], teacher, fake, mb["text"], uncond,
-                         losses.real_guidance_scale, alphas)
+                         losses.real_guidance_scale, alphas, losses.real_guidance_norm)
     loss_dm = dm.dm_loss(x, grad)
     logs = {"loss_dm": loss_dm.detach()}  # device tensors: read on logging steps only
     if losses.head is None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from algorithms import flux_kontext as km
+from algorithms.dmd2 import cfg_combine
 from core.dist import print0
 from core.errors import ConfigError
 from data.images import image_size, load_pil
@@ -41,6 +42,7 @@ from precision import dtype_name
 PIPELINES = ("QwenImageEditPlusPipeline",)  # model_index.json's _class_name
 MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's model card: 1-3 images)
 NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
+CFG_NORM = "none"  # DMD2's real score: the teacher's CFG pair combined as (algorithms/dmd2.cfg_combine)
 TEXT_PARTS = ("text_encoder", "tokenizer", "processor")
 
 
@@ -408,9 +410,7 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
                                return_dict=False)[0][:, :latents.shape[1]]
         pred = velocity(embeds.float(), mask)
         if cfg_on:
-            neg = velocity(negative[0].float(), negative[1])
-            comb = neg + guidance * (pred - neg)
-            pred = comb * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+            pred = cfg_combine(pred, velocity(negative[0].float(), negative[1]), guidance, "token")
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
     return decode_latents(vae, km.unpack_latents(latents, h, w))[0]
 
@@ -430,12 +430,11 @@ class QwenCond:
     size: tuple[int, int]  # the target latent's (h, w)
     reference_sizes: list = field(default_factory=list)  # each reference latent's (h, w)
 
-    def velocity(self, model, guidance: float):
+    def velocity(self, model, guidance: float, norm: str = "none"):
         """v(x_σ, σ) of `model`: x_σ the packed target tokens (B, Nt, 64), the references appended
         after them, the prediction cut back to the target's. guidance > 1 (the teacher): true CFG,
-        v_neg + s (v − v_neg), the pair in one batch of 2B. The pipeline's norm rescale of the
-        combination (:840-845) is an inference device, left out of the score, as DMD2's real score is
-        the plain CFG combination (tianweiy/DMD2 main/sd_guidance.py, compute_distribution_matching_loss)."""
+        v_neg + s (v − v_neg), the pair in one batch of 2B, rescaled by `norm`
+        (algorithms/dmd2.cfg_combine: "token" is the pipeline's own per-token rescale, :841-845)."""
         h, w = self.size
         shapes = [(1, h // 2, w // 2), *[(1, rh // 2, rw // 2) for rh, rw in self.reference_sizes]]
 
@@ -447,8 +446,7 @@ class QwenCond:
                 text = _pair(self.text, self.negative)
                 out = forward(model, {"hidden_states": torch.cat([hidden, hidden]), "img_shapes": [shapes] * 2 * b},
                               torch.cat([sigma, sigma]), None, text)[:, :x.shape[1]].float()
-                cond, neg = out[:b], out[b:]
-                return neg + guidance * (cond - neg)
+                return cfg_combine(out[:b], out[b:], guidance, norm)
             out = forward(model, {"hidden_states": hidden, "img_shapes": [shapes] * b}, sigma, None, self.text)
             return out[:, :x.shape[1]].float()
         return v

@@ -190,6 +190,57 @@ def test_cfg_numerator_closed_form(unets, data, alphas):
     assert_within(grad, closed, 2 * (num_err / norm + closed.abs() * norm_err / norm + U32 * closed.abs()), "grad")
 
 
+def test_cfg_combine_none_and_token_are_the_plain_and_the_pipelines_combination():
+    """none: u + s·(c − u) as published; token: that combination rescaled per token (its vector along
+    `dim`) to the conditional prediction's norm, the pipeline's arithmetic, against a float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    s, d = 4.0, 64
+    c, u = torch.randn(3, 5, d, generator=g), torch.randn(3, 5, d, generator=g)
+    assert torch.equal(dm.cfg_combine(c, u, s), u + s * (c - u))
+    comb64 = u.double() + s * (c.double() - u.double())
+    ratio = c.double().norm(dim=-1, keepdim=True) / comb64.norm(dim=-1, keepdim=True)
+    ref = comb64 * ratio
+    # comb in fp32: three roundings of values up to |u| + s|c − u|; each norm: a sum of d squares (gamma(d)
+    # relative, the squares' rounding in it), then a square root and the division: a few u more
+    comb_err = 3 * U32 * (u.abs() + s * (c - u).abs()).double()
+    ratio_rel = gamma(d + 4) + (comb_err.square().sum(-1, keepdim=True).sqrt() / comb64.norm(dim=-1, keepdim=True))
+    out = dm.cfg_combine(c, u, s, "token")
+    assert_within(out, ref, ratio * comb_err + ref.abs() * (ratio_rel + U32), "token")
+    assert_within(out.double().norm(dim=-1), c.double().norm(dim=-1),
+                  c.double().norm(dim=-1) * 2 * (ratio_rel.squeeze(-1) + gamma(d)), "each token keeps |c|")
+    # the UNet layout (B, C, h, w): a pixel's channels
+    cu, uu = c.transpose(1, 2), u.transpose(1, 2)
+    assert_within(dm.cfg_combine(cu, uu, s, "token", dim=1), ref.transpose(1, 2),
+                  (ratio * comb_err + ref.abs() * (ratio_rel + U32)).transpose(1, 2), "token, dim 1")
+
+
+def test_cfg_combine_scalar_is_one_ratio_per_sample_capped_at_one():
+    """scalar: each sample times min(1, |c| / |comb|) over all its elements: a sample whose combination
+    is 7c comes back as c, one whose combination is c / 4 stays as it is, whatever the batch holds."""
+    g = torch.Generator().manual_seed(1)
+    c = torch.randn(2, 6, 8, generator=g)
+    u = torch.stack([-c[0], 1.25 * c[1]])  # s = 4: comb = 7 c (ratio 1/7) and 0.25 c (ratio 4, capped)
+    out = dm.cfg_combine(c, u, 4.0, "scalar")
+    comb = u + 4.0 * (c - u)
+    assert torch.equal(out[1], comb[1])  # the cap: times exactly 1
+    # out[0] = comb·(|c| / |comb|): the norms each gamma(48) relative, the products a few u more
+    assert_within(out[0], c[0], c[0].abs().double() * (2 * gamma(48 + 4) + 16 * U32), "ratio 1/7")
+    alone = dm.cfg_combine(c[:1], u[:1], 4.0, "scalar")  # a rank holding only this sample
+    assert_within(alone[0], out[0], out[0].abs().double() * 2 * gamma(48 + 4), "per sample")
+    with pytest.raises(ValueError, match="one of none, token, scalar"):
+        dm.cfg_combine(c, u, 4.0, "layer")
+
+
+def test_dm_grad_combines_the_teachers_pair_by_its_norm(unets, data, alphas, monkeypatch):
+    """dm_grad hands the teacher's (ε_c, ε_u) to cfg_combine with the scale, the norm and the channel dim."""
+    seen = []
+    plain = dm.cfg_combine
+    monkeypatch.setattr(dm, "cfg_combine", lambda c, u, s, norm, dim: seen.append((s, norm, dim)) or plain(c, u, s))
+    dm.dm_grad(data["x"], data["t"], data["noise"], unets[0], unets[1], data["cond"], data["uncond"], 1.75, alphas,
+               "token")
+    assert seen == [(1.75, "token", 1)]
+
+
 def test_dm_grad_nonfinite_set_to_zero(data, alphas):
     def nan_unet(z, t, encoder_hidden_states=None, return_dict=False):
         return (torch.full_like(z, float("nan")),)

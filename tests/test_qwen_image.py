@@ -24,7 +24,9 @@ import pytest
 import torch
 from PIL import Image
 
+from algorithms import dmd2 as dm
 from families import qwen_image as qi
+from tests.numerics import gamma
 from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics
 
 AREA = 64 * 64
@@ -277,6 +279,12 @@ def test_teacher_cfg_pairs_text_and_negative_per_sample():
     mean, neg = torch.tensor([3.0, 6.0]) * sigma, torch.tensor([1.0, 3.0]) * sigma
     assert torch.equal(v[:, 0, 0], neg + 4.0 * (mean - neg))
     assert torch.equal(cond.velocity(_TextMean(), 1.0)(x, sigma)[:, 0, 0], mean)
+    # the pair rescaled as asked: per token to the conditional prediction's norm, here each token's |mean|
+    rescaled = cond.velocity(_TextMean(), 4.0, "token")(x, sigma)
+    assert torch.equal(rescaled, dm.cfg_combine(mean[:, None, None].expand_as(v), neg[:, None, None].expand_as(v),
+                                                4.0, "token"))
+    # 4 equal channels: norm 2|mean|; the combination, two norms and the ratio: gamma(8) relative at most
+    assert torch.allclose(rescaled.norm(dim=-1), (mean[:, None] * 2).expand(2, 1), rtol=gamma(8), atol=0)
 
 
 def test_gan_head_reads_the_last_blocks_image_stream(qwen):
