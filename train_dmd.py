@@ -592,7 +592,8 @@ def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     out = []
     for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
         picked = [rows[i] for i in idx]
-        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
+        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
+                                flux.UNCONDITIONAL_PROMPT)
         mb = {"mine": mine, "text": flux.load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
         if kontext:
             mb["context"] = torch.stack([load_image(r["control"], size, size) for r in picked])
@@ -782,7 +783,7 @@ def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
 
     # the text cache (encoders loaded only where prompts are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
-    prompts = [r["prompt"] for r in rows + sample_rows] + ([""] if CAPTION_DROPOUT > 0 else [])
+    prompts = [r["prompt"] for r in rows + sample_rows] + ([flux.UNCONDITIONAL_PROMPT] if CAPTION_DROPOUT > 0 else [])
     identity = flux.prepare_text_cache(prompts, MODEL_PATH, cache_dir, MAX_SEQUENCE_LENGTH,
                                        prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
@@ -940,7 +941,8 @@ def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup
     # the text cache (the encoder loaded only where entries are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
     cfg = REAL_GUIDANCE_SCALE > 1
-    texts = [(r["prompt"], r) for r in rows + sample_rows] + [("", r) for r in rows if CAPTION_DROPOUT > 0]
+    texts = [(r["prompt"], r) for r in rows + sample_rows]
+    texts += [(room.UNCONDITIONAL_PROMPT, r) for r in rows] if CAPTION_DROPOUT > 0 else []
     texts += [(room.NEGATIVE_PROMPT, r) for r in rows] if cfg else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
                                       d.device)
@@ -976,7 +978,8 @@ def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identit
     out = []
     for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
         picked = [rows[i] for i in idx]
-        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT)
+        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
+                                qwen.UNCONDITIONAL_PROMPT)
         cpu = torch.device("cpu")
         refs = [torch.stack([load_image(qwen.controls(r)[j], size, size) for r in picked])
                 for j in range(len(qwen.controls(picked[0])))]

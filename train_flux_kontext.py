@@ -495,7 +495,8 @@ def load_step(step, room, train, members, schedule, shapes, global_batch, micro_
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
         mine = micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
-        prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout)
+        prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout,
+                                room.UNCONDITIONAL_PROMPT)
         text = room.load_text(list(zip(prompts, rows)), cache_dir, identity, torch.device("cpu"))
         if latent_files is not None:
             refs, target = load_latents([latent_files[indices[i]] for i in mine])
@@ -606,7 +607,7 @@ def main():
     room.check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, settings,
                                 [shapes[b] for b, _ in schedule] + val_shapes + sample_row_shapes)
     texts = [(r["prompt"], r) for r in train + held_out + sample_rows]
-    texts += [("", r) for r in train] if CAPTION_DROPOUT > 0 else []
+    texts += [(room.UNCONDITIONAL_PROMPT, r) for r in train] if CAPTION_DROPOUT > 0 else []
     negative = getattr(room, "NEGATIVE_PROMPT", None) if SAMPLE_GUIDANCE > 1 else None  # true CFG in samples
     texts += [(negative, r) for r in sample_rows] if negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, TEXT_CACHE_DIR, settings,

@@ -39,14 +39,16 @@ POSTERIOR_STREAM = 1  # DMD2's real images' VAE posterior samples
 CAPTION_DROPOUT_STREAM = 2  # caption dropout
 
 
-def drop_captions(prompts: list[str], seed: int, step: int, indices, probability: float) -> list[str]:
-    """`prompts` of the samples at global-batch positions `indices`, each replaced by "" with
-    `probability` (CAPTION_DROPOUT), drawn on CPU from (seed, step, position): the same on any world
-    size and after a resume. probability 0 draws nothing (the prompts are returned as they are)."""
+def drop_captions(prompts: list[str], seed: int, step: int, indices, probability: float,
+                  empty: str = "") -> list[str]:
+    """`prompts` of the samples at global-batch positions `indices`, each replaced by `empty` (the
+    family's unconditional text: the prompt its pipeline's CFG pairs with) with `probability`
+    (CAPTION_DROPOUT), drawn on CPU from (seed, step, position): the same on any world size and after
+    a resume. probability 0 draws nothing (the prompts are returned as they are)."""
     if probability <= 0:
         return list(prompts)
-    return ["" if torch.rand((), generator=sample_generator(seed, step, i, "cpu", CAPTION_DROPOUT_STREAM)) < probability
-            else p for p, i in zip(prompts, indices)]
+    return [empty if torch.rand((), generator=sample_generator(seed, step, i, "cpu", CAPTION_DROPOUT_STREAM))
+            < probability else p for p, i in zip(prompts, indices)]
 
 
 def per_sample_draws(seed: int, step: int, indices, device, draw, stream: int = 0) -> dict[str, torch.Tensor]:

@@ -42,6 +42,7 @@ from precision import dtype_name
 PIPELINES = ("QwenImageEditPlusPipeline",)  # model_index.json's _class_name
 MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's model card: 1-3 images)
 NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
+UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's true CFG pairs with
 CFG_NORM = "none"  # DMD2's real score: the teacher's CFG pair combined as (algorithms/dmd2.cfg_combine)
 TEXT_PARTS = ("text_encoder", "tokenizer", "processor")
 

@@ -533,6 +533,26 @@ def test_caption_dropout_is_a_function_of_seed_step_and_sample():
     assert halves == dropped  # any split over ranks or micro-batches draws the same
     assert drop_captions(prompts, 3, 8, range(400), 0.25) != dropped  # other steps differ
     assert drop_captions(prompts, 3, 7, range(400), 0.0) == prompts  # off: nothing drawn
+    spaced = drop_captions(prompts, 3, 7, range(400), 0.25, " ")  # a family's own unconditional text
+    assert spaced == [" " if d == "" else d for d in dropped]
+
+
+def test_fine_tuning_drops_captions_to_the_familys_unconditional_text(tmp_path):
+    """train_flux_kontext.py's step trains the room's UNCONDITIONAL_PROMPT where it drops a caption (Qwen-Image-Edit:
+    " ", the negative its pipeline's true CFG feeds; FLUX.1 Kontext: ""), and asks the cache for that text."""
+    import train_flux_kontext as ft
+    from families import flux, qwen_image
+    assert (qwen_image.UNCONDITIONAL_PROMPT, flux.UNCONDITIONAL_PROMPT) == (" ", "")
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    rows = [{"control": str(tmp_path / "a.png"), "target": str(tmp_path / "a.png"), "prompt": "make it blue"}] * 4
+    seen = []
+
+    class Room:
+        UNCONDITIONAL_PROMPT = " "
+        load_text = staticmethod(lambda texts, *a: seen.extend(p for p, _ in texts))
+    ft.load_step(1, Room, rows, [[0, 1, 2, 3]], [(0, 0)], [((8, 8), ((8, 8),))], 4, 4, 0, 1, 1, 0, False, "", "",
+                 caption_dropout=0.999999)
+    assert seen == [" "] * 4
 
 
 def _checks_on_two_ranks(rank, world, folder):
