@@ -70,7 +70,7 @@ from data.images import load_image
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
-from families import flux
+from families import dit, flux
 from families.pipelines import vae_scale_factor
 from families import qwen_image as qwen
 from families import sd_unet as unet
@@ -119,6 +119,7 @@ FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance 
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
+SHIFT = "1"  # flow teachers: DM-loss and fake-score σ shifted s·σ/(1+(s-1)·σ); auto = the pipeline's own at the size
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
 FAKE_SCORE_TARGET = "flow"  # flow-matching teachers: the fake score's loss, flow (v-MSE) | x0 (x̂0-MSE = σ²·v-MSE)
@@ -197,6 +198,7 @@ def validate_config() -> list[int]:
         f"GAN_HEAD_FEATURES in ({', '.join(dm.HEAD_FEATURES)})": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": REGRESSION_STEPS >= 1,
+        "SHIFT > 0 or auto": km.valid_shift(SHIFT),
     })
     if REGRESSION_WEIGHT > 0 and DENOISING_STEPS:
         raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with DENOISING_STEPS={DENOISING_STEPS}: the "
@@ -237,6 +239,9 @@ def validate_config() -> list[int]:
         if REGRESSION_WEIGHT > 0:
             raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with a UNet teacher: the regression loss is "
                               "built for flow-matching teachers (FLUX, Qwen-Image-Edit) only")
+        if SHIFT != "1":
+            raise ConfigError(f"SHIFT={SHIFT} with a UNet teacher: its timesteps are drawn uniformly over the DDPM "
+                              "range, as published; the σ shift is for flow-matching teachers")
     try:
         steps = [int(t) for t in DENOISING_STEPS]
     except ValueError:
@@ -832,7 +837,8 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
 
     draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
-                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
+                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
+                             shift=flow_shift(side * side // 4))
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,  # no teacher CFG
                        fake_target=FAKE_SCORE_TARGET, regression_weight=REGRESSION_WEIGHT,
                        regression_steps=REGRESSION_STEPS)
@@ -855,6 +861,14 @@ def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kont
     load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
                              kontext=kontext, d=d)
     return steps, load, sample
+
+
+def flow_shift(tokens: int) -> float:
+    """SHIFT's value for a target of `tokens` packed tokens (SHIFT=auto: the teacher pipeline's own)."""
+    shift = km.sigma_shift(SHIFT, dit.scheduler_config(MODEL_PATH), tokens)
+    if SHIFT != "1":
+        print0(f"σ shift of the DM loss and the fake score: {shift:.3f} ({tokens} target tokens, SHIFT={SHIFT})")
+    return shift
 
 
 def export_note(run: trainer.Run, sigmas: list[float]) -> str:
@@ -1015,7 +1029,8 @@ def qwen_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, reso
 
     draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
                              sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
-                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None)
+                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
+                             shift=flow_shift(side * side // 4))
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
                        real_guidance_scale=REAL_GUIDANCE_SCALE, real_guidance_norm=REAL_GUIDANCE_NORM,  # true CFG
                        fake_target=FAKE_SCORE_TARGET,

@@ -124,7 +124,7 @@ WEIGHTING_SCHEME = "uniform"  # sigma density: uniform | logit_normal | mode (SD
 LOGIT_MEAN = 0.0  # logit_normal mean
 LOGIT_STD = 1.0  # logit_normal std
 MODE_SCALE = 1.29  # "mode" density scale (SD3 paper's value)
-SHIFT = 1.0  # sigma shift s*sigma/(1+(s-1)*sigma); >1 favours noisier timesteps
+SHIFT = "1"  # σ shift s·σ/(1+(s-1)·σ), > 1 favours noisier σ; auto = the pipeline's own at each step's size
 LOSS_WEIGHTING = "none"  # none | sigma_sqrt | cosmap (diffusers' compute_loss_weighting_for_sd3)
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
@@ -197,7 +197,7 @@ def validate_config() -> precision.Precision:
         "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
         f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
         f"LOSS_WEIGHTING in {km.WEIGHTING_SCHEMES}": LOSS_WEIGHTING in km.WEIGHTING_SCHEMES,
-        "SHIFT > 0": SHIFT > 0, "LOGIT_STD > 0": LOGIT_STD > 0,
+        "SHIFT > 0 or auto": km.valid_shift(SHIFT), "LOGIT_STD > 0": LOGIT_STD > 0,
         "BUCKET_ASPECTS non-empty and > 0": bool(BUCKET_ASPECTS) and all(a > 0 for a in BUCKET_ASPECTS),
         "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
         "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
@@ -226,6 +226,18 @@ def resolve_defaults() -> dict:
     RESOLUTION = RESOLUTION or 512
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
     return script_constants(globals())
+
+
+def step_shifts(shapes, schedule, scheduler_config, vae_factor) -> dict:
+    """{target (h, w): SHIFT's value} for every size the run trains at (SHIFT=auto: the pipeline's own,
+    from the target's packed token count), printed once."""
+    sizes = sorted({shapes[b][0] for b, _ in schedule})
+    shifts = {s: km.sigma_shift(SHIFT, scheduler_config, (s[0] // vae_factor // 2) * (s[1] // vae_factor // 2))
+              for s in sizes}
+    if SHIFT == "auto":
+        print0("σ shift (SHIFT=auto, the pipeline's at each target size): "
+               + ", ".join(f"{h}x{w} {v:.3f}" for (h, w), v in shifts.items()))
+    return shifts
 
 
 def step_sizes(shapes, schedule) -> list:
@@ -650,8 +662,8 @@ def main():
     start = trainer.restore(run, models, {"transformer": (transformer, optimizer)}, {"transformer": lr_sched})
 
     global_batch, micro_global = BATCH_SIZE * dp_size * GRAD_ACCUM, BATCH_SIZE * dp_size
-    sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD,
-                        mode_scale=MODE_SCALE, shift=SHIFT)
+    sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD, mode_scale=MODE_SCALE)
+    shifts = step_shifts(shapes, schedule, scheduler.config, vae_factor)
     final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
     val_text = room.load_text([(r["prompt"], r) for r in held_out], TEXT_CACHE_DIR, identity, d.device)
     sample_text = room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
@@ -687,7 +699,7 @@ def main():
             data, waited = prefetch.get(step)
             (h, w), sizes = data["shape"]
             draw = functools.partial(sample_randomness, latent_shape=(channels, h // vae_factor, w // vae_factor),
-                                     sigma_kwargs=sigma_kwargs)
+                                     sigma_kwargs={**sigma_kwargs, "shift": shifts[(h, w)]})
             loss_sum = 0.0  # a float64 device tensor after the first micro-batch: read on logging steps only
             logs, lr = {"data_wait_ms": waited * 1000}, lr_sched.get_last_lr()[0]
             with counting_flops(run, f"{h}x{w}", logs), profiling.phase("forward_backward"):  # MFU: per bucket size

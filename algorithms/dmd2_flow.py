@@ -122,15 +122,17 @@ def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float,
 
 
 def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range: tuple[float, float],
-                      gan_max_sigma: float | None = None) -> dict:
+                      gan_max_sigma: float | None = None, shift: float = 1.0) -> dict:
     """All randomness of one sample at one iteration, from its own generator on the run's device, in
     a fixed order; latents unpacked (C, h, w), as the pipeline draws them before packing.
-    gan_max_sigma: the diffusion GAN's σ range [0, gan_max_sigma) when the GAN is on, else None."""
+    gan_max_sigma: the diffusion GAN's σ range [0, gan_max_sigma) when the GAN is on, else None.
+    shift: the DM loss's and the fake score's σ, drawn uniformly, are then shifted (flux_kontext.shift_sigmas:
+    SHIFT); the generator's σ list and the GAN's draws are not."""
     dev = g.device
     r = {"noise": torch.randn(shape, generator=g, device=dev),
-         "dm_sigma": dm.sample_dm_sigmas(1, g, *sigma_range)[0],
+         "dm_sigma": km.shift_sigmas(dm.sample_dm_sigmas(1, g, *sigma_range), shift)[0],
          "dm_noise": torch.randn(shape, generator=g, device=dev),
-         "fake_sigma": km.sample_sigmas(1, "uniform", g)[0],
+         "fake_sigma": km.sample_sigmas(1, "uniform", g, shift=shift)[0],
          "fake_noise": torch.randn(shape, generator=g, device=dev),
          "sim_noise": torch.randn((n_sim, *shape), generator=g, device=dev)}
     if gan_max_sigma is not None:  # three head inputs: G's turn on fake, guidance turn on fake and real

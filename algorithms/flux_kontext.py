@@ -206,10 +206,46 @@ def sample_sigmas(
         u = 1.0 - r - mode_scale * (torch.cos(math.pi * r / 2) ** 2 - 1.0 + r)
     else:
         raise ValueError(f"unknown sigma scheme {scheme!r}; expected one of {SIGMA_SCHEMES}")
-    sigmas = u.float()
-    if shift != 1.0:
-        sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
-    return sigmas.clamp(min=min_sigma, max=1.0)
+    return shift_sigmas(u.float(), shift).clamp(min=min_sigma, max=1.0)
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """s·σ / (1 + (s − 1)·σ): the flow-matching schedulers' shift (diffusers FlowMatchEulerDiscreteScheduler,
+    static shift; its exponential time_shift at mu is this with s = e^mu). s = 1 returns σ untouched."""
+    if shift == 1.0:
+        return sigmas
+    return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+
+
+def valid_shift(setting: str) -> bool:
+    """SHIFT: "auto" or a number > 0."""
+    try:
+        return setting == "auto" or float(setting) > 0
+    except ValueError:
+        return False
+
+
+def sigma_shift(setting: str, config, image_seq_len: int) -> float:
+    """SHIFT's value for a target of `image_seq_len` packed tokens: the number given, or with "auto"
+    the pipeline's own (pipeline_shift of its scheduler `config`)."""
+    return pipeline_shift(config, image_seq_len) if setting == "auto" else float(setting)
+
+
+def pipeline_shift(config, image_seq_len: int) -> float:
+    """The shift s (shift_sigmas) a FLUX.1 or Qwen-Image pipeline samples with for a target of
+    `image_seq_len` packed tokens, from its scheduler's config: with use_dynamic_shifting, mu =
+    calculate_shift(image_seq_len, ...) (linear between base_shift at base_image_seq_len and max_shift
+    at max_image_seq_len, the pipelines' own defaults where a key is missing: pipeline_flux_kontext.py
+    :103-112 and :967, pipeline_qwenimage_edit_plus.py:71-80 and :766), then e^mu (time_shift_type
+    exponential) or mu (linear); without it, the static `shift`. The terminal stretch (shift_terminal)
+    and other respacings are sampling devices, not part of the density."""
+    if not config.get("use_dynamic_shifting", False):
+        return float(config.get("shift", 1.0))
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    mu = image_seq_len * m + (base_shift - m * base_len)
+    return math.exp(mu) if config.get("time_shift_type", "exponential") == "exponential" else mu
 
 
 def loss_weighting(sigmas: torch.Tensor, scheme: str = "none") -> torch.Tensor:

@@ -13,6 +13,10 @@ never repeat a train scene):
     train_all_colours  the 512 train contexts, each once per palette colour (2048 pairs): every
                        right edit of a context in the data, for a teacher that would otherwise learn
                        one colour per context
+    train_cfg  train_all_colours plus a second instruction, "make it white", on the train contexts
+               that are not white already (nor on white): for a teacher fine-tuned with
+               CAPTION_DROPOUT, whose unconditional edit then mixes palette colours and white, so
+               that its true CFG ("paint it" against " ") changes what it paints (demos/demo_dmd_cfg.sh)
 
 Each split is written as demos/kontext_eval.py writes its own (context/*.png, target/*.png,
 data.jsonl rows {"image", "target", "prompt", scene fields}).
@@ -23,6 +27,9 @@ reading; `score_paint`):
   saturated   ... and within SATURATED_DIST (RGB) of it: a mix of two palette colours is not
   one colour  at least ONE_COLOUR_FRAC of the foreground pixels are within ONE_COLOUR_DIST of it
   valid       all three, the background kept, and IoU >= 0.7 with the context's shape
+  saturation  the HSV saturation (max - min) / max of the median foreground colour, in %, averaged
+              over the outputs with a foreground; CFG's extrapolation moves it, and the error of a
+              model is its distance from the 28-step teacher's
   entropy     per context, the entropy (bits; 2 = all four colours equally) of the palette colours
               of its valid outputs over the seeds; averaged over contexts. The uniform target
               distribution would give 2 bits at infinite seeds, about 1.9 at 32 seeds.
@@ -55,6 +62,8 @@ PROMPT = "paint it"  # 8 T5 tokens with </s>: the tiny tokenizer's whole length,
 SPLITS = {"train": (512, 11), "heldout": (32, 12)}  # name: (pairs, seed)
 # the train scenes, each written once per palette colour: the four right edits of a context side by side
 ALL_COLOURS = "train_all_colours"
+CFG_SPLIT = "train_cfg"  # ALL_COLOURS + "make it white": an unconditional edit for true CFG to steer away from
+CFG_PROMPT, CFG_COLOUR = "make it white", "white"
 # noise seeds per held-out context: a context has ~15 valid outputs at 32 (~4 at 8, where the entropy
 # of so few colours reads low and swings by 10 points of variety from one seed set to the next)
 SEEDS = 32
@@ -93,7 +102,16 @@ def ensure_task_data(root) -> dict:
         ke.write_pairs(tmp / ALL_COLOURS, [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE])
 
     build_once(root, write_splits, 600.0, ready_text="palette task v2\n")
-    return {s: str(root / s / "data.jsonl") for s in (*SPLITS, ALL_COLOURS)}
+    paths = {s: str(root / s / "data.jsonl") for s in (*SPLITS, ALL_COLOURS)}
+
+    def write_cfg(tmp):
+        scenes = [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE]
+        scenes += [{**d, "target_colour": CFG_COLOUR, "prompt": CFG_PROMPT} for d in task_scenes("train")
+                   if CFG_COLOUR not in (d["colour"], d["background"])]
+        ke.write_pairs(tmp, scenes)
+
+    build_once(root / CFG_SPLIT, write_cfg, 600.0, ready_text="palette cfg split v1\n")
+    return {**paths, CFG_SPLIT: str(root / CFG_SPLIT / "data.jsonl")}
 
 
 def score_paint(output, context, background) -> dict:
@@ -110,11 +128,20 @@ def score_paint(output, context, background) -> dict:
     outside = ~ke.dilate(ctx_mask, 2)
     bg_colour = nearest_colour(np.median(output[outside].astype(np.float64), axis=0)) if outside.any() else None
     r = {"colour": colour, "palette": colour in PALETTE, "dist": dist, "one_colour_frac": frac,
-         "iou": ke.iou(out_mask, ctx_mask), "bg_ok": bg_colour == background}
+         "iou": ke.iou(out_mask, ctx_mask), "bg_ok": bg_colour == background, "sat": saturation(output[out_mask])}
     r["saturated"] = r["palette"] and dist <= SATURATED_DIST
     r["one_colour"] = r["saturated"] and frac >= ONE_COLOUR_FRAC
     r["valid"] = r["one_colour"] and r["bg_ok"] and r["iou"] >= ke.IOU_OK
     return r
+
+
+def saturation(fg) -> float | None:
+    """HSV saturation (max - min) / max of the median colour of foreground pixels (N, 3) uint8; None
+    without enough of them."""
+    if len(fg) < ke.MIN_FG_PIXELS:
+        return None
+    rgb = np.median(fg.astype(np.float64), axis=0)
+    return float((rgb.max() - rgb.min()) / rgb.max()) if rgb.max() > 0 else 0.0
 
 
 def entropy_bits(colours) -> float:
@@ -181,12 +208,14 @@ def summarize(scores) -> dict:
     flat = [s for per in scores for s in per]
     n = len(flat)
     counts = {c: sum(s["valid"] and s["colour"] == c for s in flat) for c in PALETTE}
+    sats = [s["sat"] for s in flat if s.get("sat") is not None]
     return {"n": n, "contexts": len(scores),
             "palette": 100.0 * sum(s["palette"] for s in flat) / n,
             "saturated": 100.0 * sum(s["saturated"] for s in flat) / n,
             "one_colour": 100.0 * sum(s["one_colour"] for s in flat) / n,
             "bg_kept": 100.0 * sum(s["bg_ok"] for s in flat) / n,
             "iou": sum(s["iou"] for s in flat) / n,
+            "saturation": 100.0 * sum(sats) / len(sats) if sats else float("nan"),
             "valid": 100.0 * sum(s["valid"] for s in flat) / n,
             "entropy": sum(entropy_bits([s["colour"] for s in per if s["valid"]]) for per in scores) / len(scores),
             "colour_share": {c: 100.0 * k / n for c, k in counts.items()},
@@ -198,17 +227,19 @@ def is_qwen(folder) -> bool:
     return "QwenImageEdit" in json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
 
 
-def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False):
+def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False, true_cfg=1.0):
     """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds, through
     FluxKontextPipeline (at `guidance`) or QwenImageEditPlusPipeline (the context as its one
-    reference, true CFG off), as model_index.json says. `neutral`: its scheduler's σ-bending settings
-    neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
+    reference, true CFG at `true_cfg`: off at 1), as model_index.json says. `neutral`: its scheduler's
+    σ-bending settings neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
     if is_qwen(folder):
         from demos import qwen_edit_eval as qe
         pipe, refs = qe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
 
         def generate(seed):
-            return qe.generate(pipe, refs, steps=steps, seed=seed)
+            return qe.generate(pipe, refs, steps=steps, seed=seed, true_cfg=true_cfg)
+    elif true_cfg > 1:
+        raise ValueError(f"{folder}: true CFG is for Qwen-Image-Edit models (FLUX.1 Kontext takes --guidance)")
     else:
         pipe = ke.load_pipeline(folder)
 
@@ -229,7 +260,7 @@ def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False):
 def markdown_table(results, steps, reference) -> str:
     """results: {name: summarize() dict}; variety = entropy in % of `reference`'s."""
     ref = results[reference]["entropy"] if reference in results else 0.0
-    header = ["model", "steps", "valid", "palette", "saturated", "one colour", "bg kept", "IoU",
+    header = ["model", "steps", "valid", "palette", "saturated", "one colour", "bg kept", "IoU", "saturation",
               "entropy", "variety", "red / green / blue / yellow", "s / image"]
     rows = []
     for name, m in results.items():
@@ -237,6 +268,7 @@ def markdown_table(results, steps, reference) -> str:
         variety = f"{100.0 * m['entropy'] / ref:.0f} %" if ref else "-"
         rows.append([name, str(steps[name]), f"{m['valid']:.1f} %", f"{m['palette']:.1f} %", f"{m['saturated']:.1f} %",
                      f"{m['one_colour']:.1f} %", f"{m['bg_kept']:.1f} %", f"{m['iou']:.3f}",
+                     f"{m.get('saturation', float('nan')):.1f} %",
                      f"{m['entropy']:.2f} bits", variety, share, f"{m['s_per_image']:.4f}"])
     return shapes.md_table(header, rows, align=["---"] + ["---:"] * (len(header) - 1))
 
@@ -274,6 +306,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N")
     p.add_argument("--guidance", type=float, default=1.0, help="FLUX guidance (Kontext models)")
+    p.add_argument("--true_cfg", nargs="+", default=[], metavar="NAME=S",
+                   help="Qwen-Image-Edit models sampled with true CFG S against \" \" (the pipeline's rescale)")
     p.add_argument("--neutral_sigmas", nargs="+", default=[], metavar="NAME",
                    help="models sampled with their scheduler's shift and terminal stretch off: Qwen-Image's "
                         "(shift_terminal 0.02) divides by zero at 1 step (its σ list is NaN)")
@@ -297,6 +331,15 @@ def main(argv=None):
             p.error(f"--steps_for wants NAME=N with NAME one of {sorted(models)}, got {item!r}")
         steps[name] = int(value)
     reference = args.reference or next(iter(models))
+    true_cfg = {}
+    for item in args.true_cfg:
+        name, _, value = item.partition("=")
+        try:
+            true_cfg[name] = float(value)
+        except ValueError:
+            p.error(f"--true_cfg wants NAME=S, got {item!r}")
+        if name not in models:
+            p.error(f"--true_cfg: {name!r} is not one of {sorted(models)}")
     for name in args.neutral_sigmas:
         if name not in models:
             p.error(f"--neutral_sigmas: {name!r} is not one of {sorted(models)}")
@@ -308,20 +351,22 @@ def main(argv=None):
     for name, folder in models.items():
         t0 = time.time()
         results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed,
-                                                neutral=name in args.neutral_sigmas)
+                                                neutral=name in args.neutral_sigmas, true_cfg=true_cfg.get(name, 1.0))
         print(f"{name}: {folder} ({steps[name]} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table(results, steps, reference))
     for name in results:
         if name != reference:
             at_counts = variety_at_counts(results[name]["valid_colours"], results[reference]["valid_colours"])
             print(f"{name}: variety at equal counts {at_counts:.0f} % of {reference}'s (both rarefied to the "
-                  "smaller count of valid outputs in each context)")
+                  "smaller count of valid outputs in each context); saturation error "
+                  f"{abs(results[name]['saturation'] - results[reference]['saturation']):.1f} points")
     if args.grid:
         save_grid([ke.load_rgb(r["image"]) for r in rows], outputs, args.grid, min(6, len(rows)), min(4, args.seeds))
         print(f"\ngrid: {args.grid} (per row: context | {' | '.join(outputs)}, 4 seeds each)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"models": models, "steps": steps, "guidance": args.guidance,
+                                               "true_cfg": true_cfg,
                                                "seeds": args.seeds, "seed": args.seed, "reference": reference,
                                                "results": results}, indent=1))
     return 0

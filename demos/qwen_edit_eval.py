@@ -169,10 +169,14 @@ def load_pipeline(folder, lora=None):
     return pipe
 
 
-def generate(pipe, rows, steps=20, seed=0) -> list[np.ndarray]:
+def generate(pipe, rows, steps=20, seed=0, true_cfg=1.0) -> list[np.ndarray]:
     """Edited images (HxWx3 uint8) for `rows`, one pipeline call per row (its references are one
-    prompt's images): at the target's size, true CFG off, generator seeded with seed + index (the
-    global RNG too: the pipeline gives a stochastic scheduler, as a distilled export has, no generator)."""
+    prompt's images): at the target's size, true CFG off (or at `true_cfg` > 1 against the negative
+    prompt " ", the model card's, with the pipeline's own per-token rescale), generator seeded with
+    seed + index (the global RNG too: the pipeline gives a stochastic scheduler, as a distilled export
+    has, no generator)."""
+    from families.qwen_image import NEGATIVE_PROMPT
+    cfg = {"true_cfg_scale": true_cfg, "negative_prompt": NEGATIVE_PROMPT} if true_cfg > 1 else {"true_cfg_scale": 1.0}
     import torch
     from PIL import Image
     outputs = []
@@ -181,8 +185,8 @@ def generate(pipe, rows, steps=20, seed=0) -> list[np.ndarray]:
             images = [Image.open(c).convert("RGB") for c in row["control"]]
             torch.manual_seed(seed + i)
             out = pipe(image=images, prompt=row["prompt"], height=IMAGE_SIZE, width=IMAGE_SIZE,
-                       num_inference_steps=steps, true_cfg_scale=1.0, generator=torch.Generator().manual_seed(seed + i),
-                       output_type="np").images[0]
+                       num_inference_steps=steps, generator=torch.Generator().manual_seed(seed + i),
+                       output_type="np", **cfg).images[0]
             outputs.append(np.clip(np.round(out * 255.0), 0, 255).astype(np.uint8))
     return outputs
 

@@ -69,8 +69,13 @@ def distilled_scheduler_config(config: dict) -> dict:
     return out
 
 
+def scheduler_config(model_path: str) -> dict:
+    """The pipeline folder's scheduler_config.json."""
+    with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
+        return json.load(f)
+
+
 def distilled_scheduler(model_path: str) -> dict:
     """The scheduler config every export of the distilled generator carries (export/, export_merged/):
     the teacher's made to sample the trained σ list (distilled_scheduler_config)."""
-    with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
-        return distilled_scheduler_config(json.load(f))
+    return distilled_scheduler_config(scheduler_config(model_path))

@@ -232,6 +232,31 @@ def test_sample_sigmas_match_diffusers_density_and_shift():
         km.sample_sigmas(2, "bogus", None)
 
 
+@pytest.mark.parametrize("family", ["kontext_base", "qwen_edit_base"])
+def test_auto_shift_is_the_pipelines_own_at_each_size(family):
+    """SHIFT=auto: σ shifted as the family's pipeline shifts its σ list for a target of that many tokens (its
+    own calculate_shift of the scheduler config, then the scheduler's time_shift), at several sizes; the
+    terminal stretch (Qwen-Image: shift_terminal 0.02) is left out, as a sampling device."""
+    import numpy as np
+    from diffusers.pipelines.flux import pipeline_flux_kontext
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = FlowMatchEulerDiscreteScheduler.load_config(os.path.join(root, "assets", family), subfolder="scheduler")
+    pipe = pipeline_flux_kontext if family == "kontext_base" else pipeline_qwenimage_edit_plus
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config({**config, "shift_terminal": None})
+    grid = np.linspace(1.0, 1 / 28, 28)
+    for tokens in (4, 1024, 4096, 8192):
+        mu = pipe.calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                                  config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        scheduler.set_timesteps(sigmas=grid, mu=mu)
+        ours = km.shift_sigmas(torch.tensor(grid, dtype=torch.float32), km.sigma_shift("auto", config, tokens))
+        # both shift fp32 σ by a few roundings (e^mu once in float64 here, in float32 there): gamma(8) relative
+        torch.testing.assert_close(ours, scheduler.sigmas[:-1], rtol=gamma(8), atol=0)
+    assert km.sigma_shift("3", config, 4096) == 3.0 and km.shift_sigmas(torch.ones(2), 1.0).equal(torch.ones(2))
+    assert km.valid_shift("auto") and km.valid_shift("2.5") and not km.valid_shift("0") and not km.valid_shift("x")
+
+
 def test_loss_weighting():
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 

@@ -172,10 +172,11 @@ def test_text_cache_key_holds_the_images(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(qwen):
-    """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed, a LoRA run on an NF4
-    base with activation checkpointing, cached latents (references of two sizes) and 8-bit AdamW."""
+    """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed (these three with the
+    pipeline's σ shift), a LoRA run on an NF4 base with activation checkpointing, cached latents
+    (references of two sizes) and 8-bit AdamW."""
     root = qwen["root"]
-    common = qwen["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2"]
+    common = qwen["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2", "--shift=auto"]
     out = {k: root / k for k in ("two", "one", "stopped", "lora")}
     jobs = {
         "two": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['two']}"], ranks=2,
@@ -192,7 +193,8 @@ def runs(qwen):
     done = launch_all(jobs)
     resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
                      env=qwen["env"])
-    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout,
+            "model": qwen["model"]}
 
 
 @pytest.mark.slow
@@ -206,6 +208,9 @@ def test_two_ranks_equal_one_and_references_mix(runs):
         torch.testing.assert_close(v, b["model.transformer"][k], rtol=1e-4, atol=1e-6)
     assert os.path.exists(runs["out"]["two"] / "samples" / f"step_{STEPS:06d}.png")
     assert any("val_loss" in r for r in two)
+    from algorithms import flux_kontext as km  # SHIFT=auto: the pipeline's shift at 64 x 64 (16 target tokens)
+    config = json.load(open(os.path.join(runs["model"], "scheduler", "scheduler_config.json")))
+    assert f"64x64 {km.pipeline_shift(config, 16):.3f}" in runs["logs"]["two"]
 
 
 @pytest.mark.slow
@@ -365,7 +370,7 @@ def dmd_runs(qwen):
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
         "stopped": job(args=common + gan + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
-                                   "--base_dtype=nf4", "--save_every=0"])})
+                                   "--base_dtype=nf4", "--save_every=0", "--shift=auto"])})
     launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -381,6 +386,7 @@ def test_dmd_runs_resume_bit_exact_and_log_the_teacher_cfg(dmd_runs):
     assert all(0 < r["loss_guidance_cls"] < 3 for r in rows)
     assert sum("loss_gen_cls" in r for r in rows) == 2
     assert "teacher true CFG 4" in dmd_runs["logs"]["full"]
+    assert "σ shift of the DM loss and the fake score: " in dmd_runs["logs"]["lora"]  # SHIFT=auto
     assert os.path.exists(dmd_runs["out"]["full"] / "samples" / "step_000004.png")
 
 

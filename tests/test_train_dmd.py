@@ -550,7 +550,11 @@ def test_dmd_data_inputs_checked_before_any_work(tmp_path, monkeypatch):
     saved = script_constants(vars(train_dmd))
     try:
         for argv, message in (([f"--real_data_path={folder}"], "without USE_GAN"),
-                              (["--caption_dropout=1"], "0 <= CAPTION_DROPOUT < 1")):
+                              (["--caption_dropout=1"], "0 <= CAPTION_DROPOUT < 1"),
+                              (["--shift=auto"], "SHIFT=auto with a UNet teacher: its timesteps are drawn uniformly"),
+                              (["--real_guidance_norm=layer"], "REAL_GUIDANCE_NORM in \\(none, token, scalar\\)"),
+                              (["--real_guidance_norm=token", "--real_guidance_scale=1"],
+                               "REAL_GUIDANCE_NORM=token: the teacher runs no CFG pair to combine at REAL_GUIDANCE")):
             monkeypatch.setattr(sys, "argv", ["train_dmd.py", *argv])
             with pytest.raises(ConfigError, match=message):
                 train_dmd.main()
