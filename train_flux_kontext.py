@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import os
 
 import torch
@@ -67,10 +66,12 @@ from core.dist import print0
 from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
-from data.batches import global_batch_indices, micro_batch_positions
-from data.images import image_size, load_image, save_image_grid
+from data.batches import micro_batch_positions
+from data.buckets import (assign_buckets, bucket_schedule, load_pairs, make_buckets, references, row_shapes,  # noqa: F401
+                          step_flips, step_indices)
+from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
-from data.randomness import BUCKET_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
+from data.randomness import VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows
 from data.text_cache import cache_file, fill_in_rounds, save_atomic  # noqa: F401 - cache_file: read by tests
 import families
@@ -295,7 +296,7 @@ def image_hash(source, size) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     else:
-        h.update(load_image(source, *size).numpy().tobytes())
+        h.update(load_image(source, *size, stretch=True).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -318,9 +319,9 @@ def fill_latent_cache(room, train, bucket_of, shapes, vae, cache_dir, identity) 
         missing = [i for i, f in files.items() if not os.path.exists(f)]
         for i in missing:
             size, sizes = shapes[bucket_of[i]]
-            controls = [room.encode_latents(vae, load_image(c, *s)[None])[0].cpu()
+            controls = [room.encode_latents(vae, load_image(c, *s, stretch=True)[None])[0].cpu()
                         for c, s in zip(references(train[i]), sizes)]
-            target = room.encode_latents(vae, load_image(train[i]["target"], *size)[None])[0].cpu()
+            target = room.encode_latents(vae, load_image(train[i]["target"], *size, stretch=True)[None])[0].cpu()
             save_atomic({"control": controls[0] if len(controls) == 1 else controls, "target": target}, files[i])
         return files, len(missing)
 
@@ -343,96 +344,6 @@ def load_latents(files) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------
 # data: pairs, resolution buckets, one bucket per global batch
-
-
-def make_buckets(resolution, aspects, multiple) -> list[tuple[int, int]]:
-    """(h, w) sizes of about resolution^2 pixels for each width/height ratio, both sides multiples
-    of `multiple` (VAE factor x 2, so the latents pack 2x2); duplicates dropped, in ratio order."""
-    buckets = []
-    for a in sorted(aspects):
-        w = max(multiple, round(math.sqrt(resolution**2 * a) / multiple) * multiple)
-        h = max(multiple, round(math.sqrt(resolution**2 / a) / multiple) * multiple)
-        if (h, w) not in buckets:
-            buckets.append((h, w))
-    return buckets
-
-
-def nearest_bucket(height, width, buckets) -> int:
-    """Index of the bucket whose aspect ratio is closest (in log space) to height x width."""
-    return min(range(len(buckets)),
-               key=lambda i: abs(math.log(width / height) - math.log(buckets[i][1] / buckets[i][0])))
-
-
-def assign_buckets(rows, buckets) -> list[int]:
-    """Bucket of each pair, from its target image's size as shown (EXIF orientation applied): the
-    "size" read_rows measured while checking the image, else the file header (a sample row without
-    a target: its control image)."""
-    sizes = [row.get("size") or image_size(row["target"] if "target" in row else row["control"])
-             for row in rows]
-    return [nearest_bucket(h, w, buckets) for h, w in sizes]
-
-
-def references(row) -> list:
-    """A row's reference images (data.sources: "controls" with several, else its one "control")."""
-    return row.get("controls") or [row["control"]]
-
-
-def sample_shapes(room, rows, buckets, settings) -> tuple[list[tuple], list[int]]:
-    """(shapes, shape of each row): a shape is (target size, (each reference's size)), the target's
-    from its bucket, the references' by the room's rule. A room whose references follow the target
-    (FLUX: the context at the target's size) has one shape per bucket, in bucket order."""
-    seeded = [(b, room.reference_sizes(b, None, settings)) for b in buckets]
-    shapes, shape_of = [s for s in seeded if s[1] is not None], []
-    for row, b in zip(rows, assign_buckets(rows, buckets)):
-        shape = (room.target_size(buckets[b], row, settings), room.reference_sizes(buckets[b], row, settings))
-        if shape not in shapes:
-            shapes.append(shape)
-        shape_of.append(shapes.index(shape))
-    return shapes, shape_of
-
-
-def bucket_schedule(bucket_of, steps, seed) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """Which bucket each step draws its whole global batch from.
-
-    Returns (members, schedule): members[b] = dataset indices in bucket b; schedule[step] =
-    (b, k) with k = how many earlier steps used b. Step s picks b with probability proportional to
-    the bucket's size, drawn from step_generator(seed, s): a pure function of (seed, step), so it is
-    the same on every rank, at any world size, and after a resume."""
-    n_buckets = max(bucket_of) + 1
-    members = [[i for i, b in enumerate(bucket_of) if b == k] for k in range(n_buckets)]
-    weights = torch.tensor([len(m) for m in members], dtype=torch.float64)
-    used, schedule = [0] * n_buckets, []
-    for step in range(steps):
-        if (weights > 0).sum() == 1:
-            b = int(weights.argmax())
-        else:
-            b = int(torch.multinomial(weights, 1, generator=step_generator(seed, step, BUCKET_STREAM)))
-        schedule.append((b, used[b]))
-        used[b] += 1
-    return members, schedule
-
-
-def step_indices(step, members, schedule, global_batch, seed) -> list[int]:
-    """Dataset indices of the global batch of `step`: the k-th batch of its bucket, from that
-    bucket's own seeded epochs (data.batches.global_batch_indices)."""
-    b, k = schedule[step]
-    local = global_batch_indices(k, global_batch, len(members[b]), seed + 1000 * b)
-    return [members[b][i] for i in local]
-
-
-def load_pairs(rows, shape, flips) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Reference batches [(B, 3, h, w) per reference] and the target batch (B, 3, h, w): every image
-    of a sample gets the same resize-and-crop rule (data.images.load_image) and (optional) flip."""
-    size, sizes = shape
-    refs, targets = [[] for _ in sizes], []
-    for row, flip in zip(rows, flips.tolist() if torch.is_tensor(flips) else flips):  # CPU data: no device sync
-        images = [load_image(c, *s) for c, s in zip(references(row), sizes)] + [load_image(row["target"], *size)]
-        if flip:
-            images = [x.flip(-1) for x in images]
-        for j, x in enumerate(images[:-1]):
-            refs[j].append(x)
-        targets.append(images[-1])
-    return [torch.stack(r) for r in refs], torch.stack(targets)
 
 
 _PAIR = ("control", "target", "prompt")  # a row's fields (data.sources.ALIASES: the names accepted for each)
@@ -480,13 +391,6 @@ def load_sample_rows(path, held_out, columns, split, max_references=1) -> list[d
 # the step (and the validation loss of the held-out pairs)
 
 
-def step_flips(seed, step, global_batch, random_flip) -> torch.Tensor:
-    """The step's horizontal flips (G,) for the whole global batch, on CPU (the images are loaded
-    there), from step_generator(seed, step): a function of (SEED, step) only."""
-    g = step_generator(seed, step, 0)
-    return (torch.rand(global_batch, generator=g) < 0.5) & random_flip
-
-
 def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
     """One sample's noise level and noise, from its own generator on the run's device (drawn by
     the rank that holds the sample only; data.randomness.per_sample_draws)."""
@@ -507,9 +411,10 @@ def load_step(step, room, train, members, schedule, shapes, global_batch, micro_
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
         mine = micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
+        text_rows = [{**r, "mirror": True} if f else r for r, f in zip(rows, flips[mine].tolist())]  # cache keys
         prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout,
                                 room.UNCONDITIONAL_PROMPT)
-        text = room.load_text(list(zip(prompts, rows)), cache_dir, identity, torch.device("cpu"))
+        text = room.load_text(list(zip(prompts, text_rows)), cache_dir, identity, torch.device("cpu"))
         if latent_files is not None:
             refs, target = load_latents([latent_files[indices[i]] for i in mine])
             batches.append({"mine": mine, "reference_latents": refs, "target_latents": target, "text": text})
@@ -574,9 +479,9 @@ def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, g
     text, negative_text = text if isinstance(text[0], tuple) else (text, None)  # with the negative prompt's: true CFG
     tiles = []
     for i, (row, shape) in enumerate(zip(pairs, shapes)):
-        refs = [load_image(c, *s)[None] for c, s in zip(references(row), shape[1])]
+        refs = [load_image(c, *s, stretch=True)[None] for c, s in zip(references(row), shape[1])]
         h, w = shape[0]
-        target = load_image(row["target"], h, w)[None] if "target" in row else torch.zeros(1, 3, h, w)
+        target = load_image(row["target"], h, w, stretch=True)[None] if "target" in row else torch.zeros(1, 3, h, w)
         negative = {"negative": room.text_row(negative_text, i)} if negative_text is not None else {}
         out = room.sample(pipe, vae, [r.to(device) for r in refs], room.text_row(text, i), shape[0], steps,
                           guidance, torch.Generator().manual_seed(seed + i), **negative)
@@ -612,14 +517,18 @@ def main():
                                             SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
                                             columns=columns, split=DATASET_SPLIT, max_references=most)
     sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most)
-    shapes, bucket_of = sample_shapes(room, train, buckets, settings)
+    shapes, bucket_of = row_shapes(room, train, buckets, settings)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
-    val_shapes = [s[i] for s, of in [sample_shapes(room, held_out, buckets, settings)] for i in of]
-    sample_row_shapes = [s[i] for s, of in [sample_shapes(room, sample_rows, buckets, settings)] for i in of]
+    val_shapes = [s[i] for s, of in [row_shapes(room, held_out, buckets, settings)] for i in of]
+    sample_row_shapes = [s[i] for s, of in [row_shapes(room, sample_rows, buckets, settings)] for i in of]
     room.check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, settings,
                                 [shapes[b] for b, _ in schedule] + val_shapes + sample_row_shapes)
-    texts = [(r["prompt"], r) for r in train + held_out + sample_rows]
-    texts += [(room.UNCONDITIONAL_PROMPT, r) for r in train] if CAPTION_DROPOUT > 0 else []
+    trained = [(r["prompt"], r) for r in train] + [(room.UNCONDITIONAL_PROMPT, r) for r in train if CAPTION_DROPOUT]
+    texts = trained + [(r["prompt"], r) for r in held_out + sample_rows]
+    if RANDOM_FLIP and room.TEXT_READS_IMAGES:  # a flipped step's text reads the mirrored references
+        print0(f"RANDOM_FLIP: {run.pipeline}'s text encoder reads the reference images, so the text cache also "
+               f"holds the {len(trained)} training entries with their references mirrored")
+        texts += [(p, {**r, "mirror": True}) for p, r in trained]
     negative = getattr(room, "NEGATIVE_PROMPT", None) if SAMPLE_GUIDANCE > 1 else None  # true CFG in samples
     texts += [(negative, r) for r in sample_rows] if negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, TEXT_CACHE_DIR, settings,

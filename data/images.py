@@ -54,29 +54,38 @@ def _shown_size(im) -> tuple[int, int]:
     return (im.width, im.height) if exif_orientation(im) in (5, 6, 7, 8) else (im.height, im.width)
 
 
-def load_image(source, height: int, width: int) -> torch.Tensor:
+def load_image(source, height: int, width: int, *, stretch: bool = False, mirror: bool = False) -> torch.Tensor:
     """(3, height, width) in [-1, 1] of an image file (or a DatasetImage), turned upright by its
-    EXIF orientation (phone photos; as diffusers' scripts do), resized (Lanczos) to cover the size,
-    then centre-cropped. An image already of that size is returned unchanged (PIL's resize to the
-    same size copies; without an orientation tag exif_transpose copies too)."""
+    EXIF orientation (phone photos; as diffusers' scripts do), mirrored left-right with `mirror`,
+    then resized (Lanczos) to cover the size and centre-cropped, or with `stretch` resized to
+    exactly that size, as the editing pipelines' image processors do (diffusers VaeImageProcessor
+    .resize of a PIL image: Lanczos, no crop). An image already of that size is returned unchanged
+    (PIL's resize to the same size copies; without an orientation tag exif_transpose copies too)."""
     import numpy as np
     from PIL import Image, ImageOps
     with Image.open(_opened(source)) as im:
         im = ImageOps.exif_transpose(im).convert("RGB")
-        scale = max(height / im.height, width / im.width)
-        rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
-        im = im.resize((rw, rh), Image.Resampling.LANCZOS)
-        left, top = (rw - width) // 2, (rh - height) // 2
-        im = im.crop((left, top, left + width, top + height))
+        if mirror:
+            im = ImageOps.mirror(im)
+        if stretch:
+            im = im.resize((width, height), Image.Resampling.LANCZOS)
+        else:
+            scale = max(height / im.height, width / im.width)
+            rw, rh = max(width, math.ceil(im.width * scale)), max(height, math.ceil(im.height * scale))
+            im = im.resize((rw, rh), Image.Resampling.LANCZOS)
+            left, top = (rw - width) // 2, (rh - height) // 2
+            im = im.crop((left, top, left + width, top + height))
         x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
     return x.float() / 127.5 - 1.0
 
 
-def load_pil(source):
-    """An image file (or a DatasetImage) as an upright RGB PIL image, as a pipeline is given it."""
+def load_pil(source, mirror: bool = False):
+    """An image file (or a DatasetImage) as an upright RGB PIL image, as a pipeline is given it
+    (mirrored left-right with `mirror`)."""
     from PIL import Image, ImageOps
     with Image.open(_opened(source)) as im:
-        return ImageOps.exif_transpose(im).convert("RGB")
+        im = ImageOps.exif_transpose(im).convert("RGB")
+        return ImageOps.mirror(im) if mirror else im
 
 
 def save_image_grid(images: torch.Tensor, path: str, nrow: int) -> None:

@@ -34,6 +34,7 @@ from parallel.parallelize import parallelize_flux
 PIPELINES = ("FluxKontextPipeline", "FluxPipeline")  # model_index.json's _class_name
 MAX_REFERENCES = 1  # Kontext: one context image
 UNCONDITIONAL_PROMPT = ""  # what CAPTION_DROPOUT trains: the empty prompt (diffusers' --proportion_empty_prompts)
+TEXT_READS_IMAGES = False  # T5 + CLIP read the prompt alone
 DEFAULT_SAMPLE_SIZE = 128  # the pipelines' default_sample_size: x the VAE factor 8 = 1024 px
 
 

@@ -43,6 +43,7 @@ PIPELINES = ("QwenImageEditPlusPipeline",)  # model_index.json's _class_name
 MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's model card: 1-3 images)
 NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's true CFG pairs with
+TEXT_READS_IMAGES = True  # Qwen2.5-VL reads the prompt with the reference images (a flipped row: its own entry)
 CFG_NORM = "none"  # DMD2's real score: the teacher's CFG pair combined as (algorithms/dmd2.cfg_combine)
 TEXT_PARTS = ("text_encoder", "tokenizer", "processor")
 
@@ -194,8 +195,9 @@ def _image_hash(source) -> str:
 
 
 def text_key(prompt, row) -> str:
-    """The cache key of a prompt read with its row's reference images: their bytes are part of it."""
-    return "\n".join([prompt, *(_image_hash(c) for c in controls(row))])
+    """The cache key of a prompt read with its row's reference images: their bytes are part of it, and
+    whether they are read mirrored (a RANDOM_FLIP step's row has "mirror")."""
+    return "\n".join([prompt, *(_image_hash(c) for c in controls(row))] + (["mirrored"] if row.get("mirror") else []))
 
 
 def load_processor(folder):
@@ -235,13 +237,14 @@ def load_text_encoder(model_path, dtype, device):
         processor=load_processor(os.path.join(model_path, "processor")))
 
 
-def condition_images(pipe, sources, area):
+def condition_images(pipe, sources, area, mirror=False):
     """The reference images as the pipeline hands them to the text encoder: each resized (its image
-    processor's resize) to calculate_dimensions(area, its ratio) (:696-705)."""
+    processor's resize) to calculate_dimensions(area, its ratio) (:696-705); with `mirror`, the
+    mirror images, as the pipeline would be given them."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
     out = []
     for source in sources:
-        image = load_pil(source)
+        image = load_pil(source, mirror)
         w, h = calculate_dimensions(area, image.width / image.height)
         out.append(pipe.image_processor.resize(image, h, w))
     return out
@@ -259,13 +262,13 @@ def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> 
 
     def encode(pipe, part):
         out = []
-        for prompt, sources in part:  # one at a time, as the pipeline does (its batch is 1)
-            embeds, _ = pipe.encode_prompt(prompt=[prompt], image=condition_images(pipe, sources, area),
+        for prompt, sources, mirror in part:  # one at a time, as the pipeline does (its batch is 1)
+            embeds, _ = pipe.encode_prompt(prompt=[prompt], image=condition_images(pipe, sources, area, mirror),
                                            device=device)
             out.append({"prompt": prompt, "prompt_embeds": embeds[0].cpu().clone()})
         return out
 
-    items = {text_key(p, row): (p, controls(row)) for p, row in texts}
+    items = {text_key(p, row): (p, controls(row), bool(row.get("mirror"))) for p, row in texts}
     computed, reused = fill_text_cache(items, cache_dir, identity, lambda: load_text_encoder(model_path, dtype, device),
                                        encode)
     print0(f"text cache: {computed + reused} prompts with their reference images, computed {computed}, reused "

@@ -295,9 +295,9 @@ def test_exif_orientation_is_applied_when_loading_and_bucketing(tmp_path, ext):
     upright = Image.open(stored).convert("RGB").transpose(Image.Transpose.ROTATE_270)
     expected = torch.from_numpy(__import__("numpy").asarray(upright).copy()).permute(2, 0, 1).float() / 127.5 - 1
     torch.testing.assert_close(load_image(rotated, 32, 16), expected)
-    import train_flux_kontext as tfk
-    buckets = tfk.make_buckets(32, [0.5, 1.0, 2.0], 16)
-    assert [buckets[b] for b in tfk.assign_buckets([{"target": rotated}, {"target": stored}], buckets)] == \
+    from data import buckets as db
+    buckets = db.make_buckets(32, [0.5, 1.0, 2.0], 16)
+    assert [buckets[b] for b in db.assign_buckets([{"target": rotated}, {"target": stored}], buckets)] == \
         [(48, 16), (16, 48)]  # tall vs wide
 
 
@@ -494,34 +494,28 @@ def test_reference_size_is_the_pipelines_rule():
     assert reference_size(10, 10000, 64 * 64, 16) == (16, 2016)  # h never below one multiple; w = 2023.9 -> 126 x 16
 
 
-def test_a_reference_of_the_targets_size_holds_the_targets_pixels(tmp_path):
-    """A target and a reference of one image (its copy, another file) at one size load to the same
-    tensor, exactly: the reference is resized and centre-cropped as the target, where the pipeline's
-    stretch would move its pixels (crop of 100 -> 96 rows here)."""
+def pixels(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] images back to their uint8 values (either scaling: x / 127.5 - 1 or 2 (x / 255) - 1)."""
+    return ((x + 1) * 127.5).round().to(torch.uint8)
+
+
+def test_images_load_as_the_editing_pipelines_read_them(tmp_path):
+    """stretch: resized to exactly the size, as FluxKontextPipeline and QwenImageEditPlusPipeline read an
+    image for the VAE (diffusers' VaeImageProcessor.preprocess of the PIL image): the same pixels, for a 2:1
+    and a 1:2 image; mirrored first, the pixels of the mirror image."""
     import numpy as np
-    from data.references import load_reference, reference_size
-    pixels = np.random.default_rng(0).integers(0, 256, (170, 300, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(tmp_path / "target.png")
-    Image.fromarray(pixels).save(tmp_path / "reference.png")
-    size = reference_size(170, 300, 128 * 128, 16)
-    target = load_image(str(tmp_path / "target.png"), *size)
-    reference = load_reference(str(tmp_path / "reference.png"), 128 * 128, 16)
-    assert reference.shape == (3, 96, 176) and torch.equal(reference, target)
-    stretched = Image.fromarray(pixels).resize(size[::-1], Image.Resampling.LANCZOS)
-    stretched = torch.from_numpy(np.asarray(stretched).copy()).permute(2, 0, 1).float() / 127.5 - 1
-    assert not torch.equal(stretched, target)
-
-
-def test_batch_keys_keep_a_batch_to_one_shape():
-    """Samples with other reference counts or sizes get other keys; equal keys share a group, the
-    groups numbered in order of first appearance (a bucket index per sample)."""
-    from data.references import batch_key, group_by_key
-    keys = [batch_key(0, [(512, 512)]), batch_key(0, [(512, 512), (512, 512)]), batch_key(0, [(512, 512)]),
-            batch_key(1, [(512, 512)]), batch_key(0, [(512, 768), (512, 512)]), batch_key(0, [(512, 512), (512, 512)])]
-    assert keys[0] == (1, 0, ((512, 512),)) and keys[1][0] == 2
-    groups, order = group_by_key(keys)
-    assert groups == [0, 1, 0, 2, 3, 1] and order == [keys[0], keys[1], keys[3], keys[4]]
-    assert group_by_key([]) == ([], [])
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import ImageOps
+    g = np.random.default_rng(0)
+    processor = VaeImageProcessor(vae_scale_factor=16)
+    for (h, w), (th, tw) in (((170, 300), (96, 176)), ((300, 150), (176, 96))):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+        shown = Image.open(tmp_path / "a.png").convert("RGB")
+        ours = load_image(str(tmp_path / "a.png"), th, tw, stretch=True)
+        assert torch.equal(pixels(ours), pixels(processor.preprocess(shown, th, tw)[0]))
+        mirrored = load_image(str(tmp_path / "a.png"), th, tw, stretch=True, mirror=True)
+        assert torch.equal(pixels(mirrored), pixels(processor.preprocess(ImageOps.mirror(shown), th, tw)[0]))
+        assert not torch.equal(pixels(load_image(str(tmp_path / "a.png"), th, tw)), pixels(ours))  # not the crop
 
 
 def test_caption_dropout_is_a_function_of_seed_step_and_sample():
@@ -553,6 +547,29 @@ def test_fine_tuning_drops_captions_to_the_familys_unconditional_text(tmp_path):
     ft.load_step(1, Room, rows, [[0, 1, 2, 3]], [(0, 0)], [((8, 8), ((8, 8),))], 4, 4, 0, 1, 1, 0, False, "", "",
                  caption_dropout=0.999999)
     assert seen == [" "] * 4
+
+
+def test_a_flipped_step_reads_its_mirrored_text_entry(tmp_path):
+    """RANDOM_FLIP: the rows train_flux_kontext.py's step asks the text cache for carry "mirror" exactly
+    where the step's flips mirror the sample's images (a family whose text encoder reads them keys them so)."""
+    import numpy as np
+
+    import train_flux_kontext as ft
+    from data.buckets import step_flips
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    rows = [{"control": str(tmp_path / "a.png"), "target": str(tmp_path / "a.png"), "prompt": "p"}] * 8
+    seen = []
+
+    class Room:
+        UNCONDITIONAL_PROMPT = ""
+        load_text = staticmethod(lambda texts, *a: seen.extend(bool(r.get("mirror")) for _, r in texts))
+    data = ft.load_step(3, Room, rows, [list(range(8))], [(0, 0)] * 3, [((8, 8), ((8, 8),))], 8, 8, 0, 1, 1, 0,
+                        True, "", "")
+    flips = step_flips(0, 3, 8, True).tolist()
+    assert seen == flips and 0 < sum(flips) < 8
+    refs = data["batches"][0]["references"][0]
+    plain = load_image(str(tmp_path / "a.png"), 8, 8, stretch=True)
+    assert all(torch.equal(r, plain.flip(-1) if f else plain) for r, f in zip(refs, flips))
 
 
 def _checks_on_two_ranks(rank, world, folder):

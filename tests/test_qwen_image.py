@@ -96,17 +96,33 @@ def references(tmp_path):
     return paths
 
 
-def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas):
+def odd_references(tmp_path):
+    """A 1:2 and a 2:1 reference whose sizes are not calculate_dimensions': the pipeline stretches them."""
+    g = np.random.default_rng(1)
+    paths = []
+    for name, (h, w) in (("tall", (100, 50)), ("wide", (45, 90))):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{name}.png")
+        paths.append(str(tmp_path / f"{name}.png"))
+    return paths
+
+
+@pytest.mark.parametrize("mirror", [False, True])
+def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     """Text embeddings (prompt + both images through Qwen2.5-VL), the references' packed latents and
-    img_shapes as the room builds them equal what the pipeline hands its transformer."""
-    from data.images import load_image
+    img_shapes as the room builds them equal what the pipeline hands its transformer, for a 1:2 and a
+    2:1 reference at sizes the pipeline stretches, and (RANDOM_FLIP's flipped rows) for the mirror
+    images: the text cache's mirrored entry and data.buckets.load_pairs' flipped views."""
+    from PIL import ImageOps
+
+    from data import buckets
     pipe = pipeline(qwen["model"])
-    paths = references(tmp_path)
-    row = {"controls": paths, "control": paths[0]}
+    paths = odd_references(tmp_path)
+    row = {"controls": paths, "control": paths[0], **({"mirror": True} if mirror else {})}
     settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
     seen = capture_first_call(pipe.transformer)
-    pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64, num_inference_steps=1,
-         true_cfg_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    images = [ImageOps.mirror(Image.open(p).convert("RGB")) if mirror else Image.open(p) for p in paths]
+    pipe(image=images, prompt="make it blue", height=64, width=64, num_inference_steps=1, true_cfg_scale=1.0,
+         generator=torch.Generator().manual_seed(0), output_type="latent")
     call = seen[0]
 
     identity = qi.prepare_edit_text([("make it blue", row)], qwen["model"], str(tmp_path / "tc"), settings,
@@ -116,13 +132,14 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas):
     assert torch.equal(embeds, call["encoder_hidden_states"])
 
     sizes = qi.reference_sizes(None, row, settings)
-    assert sizes == ((64, 64), (32, 128))
-    refs = [qi.encode_latents(pipe.vae, load_image(p, *s)[None]) for p, s in zip(paths, sizes)]
+    assert sizes == ((96, 32), (32, 96))
+    pixels, _ = buckets.load_pairs([row], ((64, 64), sizes), [mirror], target=False)
+    refs = [qi.encode_latents(pipe.vae, p) for p in pixels]
     target = torch.zeros(1, 16, 8, 8)
     inputs = qi.model_inputs(target, refs, torch.zeros_like(target), torch.ones(1))
     n = inputs["n_target_tokens"]
     assert torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
-    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 2, 8)]]
+    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 4), (1, 6, 2), (1, 2, 6)]]
 
 
 @pytest.mark.parametrize("true_cfg", [1.0, 4.0])
@@ -173,10 +190,11 @@ def test_text_cache_key_holds_the_images(tmp_path):
 @pytest.fixture(scope="module")
 def runs(qwen):
     """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed (these three with the
-    pipeline's σ shift), a LoRA run on an NF4 base with activation checkpointing, cached latents
+    pipeline's σ shift and RANDOM_FLIP), a LoRA run on an NF4 base with activation checkpointing, cached latents
     (references of two sizes) and 8-bit AdamW."""
     root = qwen["root"]
-    common = qwen["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2", "--shift=auto"]
+    common = qwen["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2", "--shift=auto",
+                               "--random_flip=1"]
     out = {k: root / k for k in ("two", "one", "stopped", "lora")}
     jobs = {
         "two": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['two']}"], ranks=2,

@@ -37,6 +37,7 @@ from core.errors import ConfigError
 from components.warnings import quiet_known_warnings
 from parallel import lora
 import train_flux_kontext as tfk
+from data import buckets as db
 from families import flux
 
 
@@ -79,7 +80,7 @@ def runs(kontext_setup):
 @pytest.mark.slow
 def test_two_ranks_match_one_process_with_memory_options(runs, kontext_setup):
     train, _, buckets, bucket_of = tfk.load_data(kontext_setup["data"], 2, 64, tfk.BUCKET_ASPECTS, 16, False)
-    sizes = {buckets[b] for b, _ in tfk.bucket_schedule(bucket_of, KONTEXT_STEPS, seed=0)[1]}
+    sizes = {buckets[b] for b, _ in db.bucket_schedule(bucket_of, KONTEXT_STEPS, seed=0)[1]}
     assert sizes == {(64, 64), (48, 96)}  # the compared steps switch between the two buckets
     ref = read_metrics(runs["ref"][0])
     assert [r["step"] for r in ref] == list(range(1, KONTEXT_STEPS + 1))
@@ -185,33 +186,33 @@ def test_missing_target_image_is_named_or_skipped(kontext_setup, tmp_path):
 
 
 def test_buckets_keep_each_global_batch_on_one_size():
-    buckets = tfk.make_buckets(64, [0.5, 0.75, 1.0, 1.333, 2.0], 16)
+    buckets = db.make_buckets(64, [0.5, 0.75, 1.0, 1.333, 2.0], 16)
     assert buckets[2] == (64, 64) and (48, 96) in buckets and all(h % 16 == 0 == w % 16 for h, w in buckets)
-    assert buckets[tfk.nearest_bucket(48, 96, buckets)] == (48, 96)
-    assert buckets[tfk.nearest_bucket(480, 640, buckets)] == (48, 80)
+    assert buckets[db.nearest_bucket(48, 96, buckets)] == (48, 96)
+    assert buckets[db.nearest_bucket(480, 640, buckets)] == (48, 80)
     bucket_of = [0, 1, 1, 0, 2, 1, 0, 0, 1, 2, 2, 1, 0]
-    members, schedule = tfk.bucket_schedule(bucket_of, 60, seed=3)
+    members, schedule = db.bucket_schedule(bucket_of, 60, seed=3)
     seen = set()
     for step in range(60):
-        idx = tfk.step_indices(step, members, schedule, 4, seed=3)
+        idx = db.step_indices(step, members, schedule, 4, seed=3)
         assert len(idx) == 4 and len({bucket_of[i] for i in idx}) == 1
         seen |= set(idx)
     assert seen == set(range(len(bucket_of)))  # every pair gets trained on
     # a pure function of (seed, step): a shorter schedule is a prefix (resume), another seed differs
-    assert tfk.bucket_schedule(bucket_of, 20, seed=3)[1] == schedule[:20]
-    assert tfk.bucket_schedule(bucket_of, 60, seed=4)[1] != schedule
+    assert db.bucket_schedule(bucket_of, 20, seed=3)[1] == schedule[:20]
+    assert db.bucket_schedule(bucket_of, 60, seed=4)[1] != schedule
 
 
-def test_pair_gets_one_resize_crop_and_flip(kontext_setup):
+def test_pair_gets_one_resize_and_flip(kontext_setup):
     raw = kontext_setup["rows"][5]  # this project's older naming: "image" is the input (control)
     row = {
         k: os.path.join(os.path.dirname(kontext_setup["data"]), raw[j])
         for k, j in (("control", "image"), ("target", "target"))
     }
-    [context], target = tfk.load_pairs([row, row], ((64, 64), ((64, 64),)), [False, True])
+    [context], target = db.load_pairs([row, row], ((64, 64), ((64, 64),)), [False, True])
     assert context.shape == target.shape == (2, 3, 64, 64)
     assert torch.equal(context[1], context[0].flip(-1)) and torch.equal(target[1], target[0].flip(-1))
-    # the 96x48 rectangle is centred: the same crop keeps it centred in both images
+    # the 96x48 rectangle is centred: the same resize keeps it centred in both images
     assert torch.equal((context[0] != context[0, :, :1, :1]).any(0), (target[0] != target[0, :, :1, :1]).any(0))
 
 
