@@ -43,7 +43,6 @@ VAE, batches and losses, and one story (main) runs them through the same loop.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -61,18 +60,18 @@ from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
 from components.config import check_settings, script_constants
 from core.dist import print0
+from core.dist import rank as d_rank
 from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data import randomness
-from data.batches import rank_micro_batches
-from data.images import load_image
+from data.batches import micro_batch_positions, rank_micro_batches
+from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices
+from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
 from data.sources import read_rows, source_kind
-from families import dit, flux
-from families.pipelines import vae_scale_factor
-from families import qwen_image as qwen
+from families import dit
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
@@ -85,19 +84,25 @@ from precision import Precision, component_row, get_precision, parse_dtype
 # settings are in the same order in train_flux_kontext.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # SD-1.5, SDXL or FLUX.1 Kontext folder (model_index.json says which); "" = the shapes teacher
+MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1 or Qwen-Image-Edit folder (model_index.json says which); "" = shapes
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
-# (a Kontext teacher: pairs as train_flux_kontext.py reads them, "control" + "prompt"; targets are not used)
+# (an editing teacher: rows as train_flux_kontext.py reads them, "control"(s) + "prompt"; "target" for the GAN)
+CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' folder(s); "" = DATA_PATH/control
+MAX_REFERENCES = 0  # editing teachers: reference images per row at most; 0 = the family's (Kontext 1, Qwen 3)
 REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
-RESOLUTION = 0  # image side in px; 0 = unet sample_size × VAE factor (SD-1.5 512, shapes teacher 32; FLUX 1024)
+RESOLUTION = 0  # target area RESOLUTION^2 px (UNets: the side); 0 = the family's: SD-1.5 512, FLUX and Qwen 1024
+BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # FLUX.1 Kontext: width/height ratios of the resolution buckets
+REFERENCE_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
+CONTROL_COLUMN = ""  # datasets sources, editing teachers: the input image column; "" = control, context or source
+TARGET_COLUMN = ""  # datasets sources, editing teachers: the edited image column (GAN); "" = target or edited
 IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
-CAPTION_DROPOUT = 0.0  # probability that a sample's prompt is replaced by "" (exact on resume)
+CAPTION_DROPOUT = 0.0  # probability that a sample's prompt becomes the family's unconditional one (exact on resume)
 PROMPT_CACHE = 0  # UNets: keep up to this many distinct prompts' embeddings on the device (small prompt sets); 0 = off
-TEXT_CACHE_DIR = ""  # FLUX teachers: the text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
+TEXT_CACHE_DIR = ""  # flow teachers: the text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)
@@ -180,6 +185,8 @@ SAMPLE_EVERY = 25  # steps between sample grids, and one at MAX_STEPS; 0 = no sa
 SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "control"); "" = from the data
 SAMPLE_COUNT = 8  # fixed prompts (the first distinct ones of SAMPLE_PROMPTS or the data) and seeds in every grid
 
+_DEFAULTS = script_constants(globals())  # before any override: what changed_settings compares with
+
 # ----------------------------------------------------------------------------------------------
 # setup: the script's own settings checked before any work (components/trainer.py checks the shared ones),
 # the embedded default
@@ -224,24 +231,15 @@ def validate_config() -> list[int]:
         raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
-    if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or pipeline in flux.PIPELINES):
+    room = families.FAMILIES.get(pipeline, unet)
+    if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or not getattr(room, "TRUE_CFG", True)):
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
-                          + ("(a FLUX teacher's guidance is FLUX_GUIDANCE)" if pipeline in flux.PIPELINES else
-                             "at REAL_GUIDANCE_SCALE=1"))
-    if pipeline in flux.PIPELINES:
-        check_flux_settings(pipeline)
-    if pipeline in qwen.PIPELINES:
-        check_qwen_settings(pipeline)
-    if pipeline not in (*flux.PIPELINES, *qwen.PIPELINES):
-        if FAKE_SCORE_TARGET != "flow":
-            raise ConfigError(f"FAKE_SCORE_TARGET={FAKE_SCORE_TARGET} with a UNet teacher: its fake score trains on "
-                              "the noise, as published; the setting is for flow-matching teachers")
-        if REGRESSION_WEIGHT > 0:
-            raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with a UNet teacher: the regression loss is "
-                              "built for flow-matching teachers (FLUX, Qwen-Image-Edit) only")
-        if SHIFT != "1":
-            raise ConfigError(f"SHIFT={SHIFT} with a UNet teacher: its timesteps are drawn uniformly over the DDPM "
-                              "range, as published; the σ shift is for flow-matching teachers")
+                          + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
+                             f"(a {pipeline} teacher's guidance is FLUX_GUIDANCE)"))
+    if room is unet:
+        check_unet_settings()
+    else:
+        check_flow_settings(room, pipeline)
     try:
         steps = [int(t) for t in DENOISING_STEPS]
     except ValueError:
@@ -254,6 +252,54 @@ def validate_config() -> list[int]:
         raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
                           "the first step must be the conditioning timestep (pure noise in)")
     return steps
+
+
+def changed_settings() -> set[str]:
+    """The settings given a value other than the script's default."""
+    return {k for k, v in script_constants(globals()).items() if v != _DEFAULTS[k]}
+
+
+# the flow-matching editing teachers' settings: what a UNet teacher refuses when given
+_EDIT_SETTINGS = ("CONTROL_PATH", "MAX_REFERENCES", "BUCKET_ASPECTS", "REFERENCE_AREA", "CONDITION_AREA",
+                  "CONTROL_COLUMN", "TARGET_COLUMN")
+
+
+def check_unet_settings() -> None:
+    """What a UNet teacher does not take, refused in one line before any work."""
+    refused = [
+        (f"FAKE_SCORE_TARGET={FAKE_SCORE_TARGET}", FAKE_SCORE_TARGET != "flow",
+         "its fake score trains on the noise, as published; the setting is for flow-matching teachers"),
+        (f"REGRESSION_WEIGHT={REGRESSION_WEIGHT}", REGRESSION_WEIGHT > 0,
+         "the regression loss is built for flow-matching teachers (FLUX, Qwen-Image-Edit) only"),
+        (f"SHIFT={SHIFT}", SHIFT != "1", "its timesteps are drawn uniformly over the DDPM range, as published; the σ "
+         "shift is for flow-matching teachers"),
+        *[(name, name in changed_settings(), "a setting of the editing teachers' rows") for name in _EDIT_SETTINGS],
+    ]
+    for name, bad, why in refused:
+        if bad:
+            raise ConfigError(f"{name} with a UNet teacher: {why}")
+
+
+def check_flow_settings(room, pipeline: str) -> None:
+    """What a flow-matching teacher does not take, refused in one line before any work: what no
+    flow room takes, then what its own room refuses (room.check_dmd_settings)."""
+    refused = [
+        ("PARALLELISM=ddp", PARALLELISM == "ddp", "its three transformers are sharded (PARALLELISM=fsdp)"),
+        ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a generator from a checkpoint with INIT_FROM"),
+        ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN's real images are the rows' own targets, under their own "
+         "instruction and references"),
+        (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
+         "the fake transformer's attention runs in its compute dtype (FAKE_SCORE_FP32 decides)"),
+        ("CHANNELS_LAST=1", CHANNELS_LAST, "a transformer has no convolutions to lay out"),
+        (f"GAN_HEAD_FEATURES={GAN_HEAD_FEATURES}", GAN_HEAD_FEATURES != "mid",
+         "the UNets' setting; the head reads the image stream after the double-stream blocks"),
+        (f"MAX_REFERENCES={MAX_REFERENCES}", MAX_REFERENCES > room.MAX_REFERENCES,
+         f"it takes at most {room.MAX_REFERENCES} reference image(s)"),
+    ]
+    for name, bad, why in refused:
+        if bad:
+            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
+    room.check_dmd_settings(pipeline, script_constants(globals()), changed_settings(), source_kind(DATA_PATH))
 
 
 def check_generator_init(path: str, teacher_unet: str) -> None:
@@ -294,12 +340,12 @@ def resolve_defaults() -> dict:
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
-    pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py")
-    if not REAL_GUIDANCE_SCALE:  # the published SD-1.5 value; FLUX teachers' guidance is FLUX_GUIDANCE (no CFG);
-        # Qwen-Image-Edit's pipeline default
-        REAL_GUIDANCE_SCALE = 1.0 if pipeline in flux.PIPELINES else 4.0 if pipeline in qwen.PIPELINES else 1.75
-    if not REAL_GUIDANCE_NORM:  # UNets: the published plain combination; Qwen-Image-Edit: docs/demos.md's measurement
-        REAL_GUIDANCE_NORM = qwen.CFG_NORM if pipeline in qwen.PIPELINES else "none"
+    room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_dmd.py")]
+    true_cfg = room is not unet and room.TRUE_CFG  # else guidance-distilled (FLUX: FLUX_GUIDANCE) or a UNet
+    if not REAL_GUIDANCE_SCALE:  # UNets: the published SD-1.5 value; true-CFG teachers: their pipeline's default
+        REAL_GUIDANCE_SCALE = room.TRUE_CFG_SCALE if true_cfg else 1.75 if room is unet else 1.0
+    if not REAL_GUIDANCE_NORM:  # UNets: the published plain combination; true-CFG teachers: docs/demos.md's measurement
+        REAL_GUIDANCE_NORM = room.CFG_NORM if true_cfg else "none"
     return script_constants(globals())
 
 
@@ -542,73 +588,6 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 
 
 # ----------------------------------------------------------------------------------------------
-# FLUX teachers (FLUX.1 Kontext; FLUX.1 text-to-image): the same loop on three FLUX transformers
-
-
-def check_flux_settings(pipeline: str) -> None:
-    """What a FLUX teacher does not take, refused in one line before any work. REAL_GUIDANCE_SCALE
-    is 0 (resolved to 1: no teacher CFG) unless set: an explicit value other than 1 is refused."""
-    refused = [
-        ("USE_GAN=1", USE_GAN and pipeline != "FluxKontextPipeline",
-         "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none"),
-        ("REAL_DATA_PATH", REAL_DATA_PATH,
-         "the GAN's real images are the pairs' own targets, under their own instruction"),
-        ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three FLUX transformers are sharded (PARALLELISM=fsdp)"),
-        (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
-         "the fake transformer's attention runs in its compute dtype (FAKE_SCORE_FP32 decides)"),
-        ("CHANNELS_LAST=1", CHANNELS_LAST, "the FLUX transformer has no convolutions to lay out"),
-        (f"GAN_HEAD_FEATURES={GAN_HEAD_FEATURES}", GAN_HEAD_FEATURES != "mid",
-         "the UNets' setting; the head reads the image stream after the double-stream blocks"),
-        ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a FLUX generator from a checkpoint with INIT_FROM"),
-        (f"REAL_GUIDANCE_SCALE={REAL_GUIDANCE_SCALE:g}", REAL_GUIDANCE_SCALE not in (0, 1),
-         "FLUX.1 is guidance-distilled, its guidance is the embedded value FLUX_GUIDANCE, not a CFG pair; "
-         "set FLUX_GUIDANCE and leave REAL_GUIDANCE_SCALE at 0 (docs/dmd2_kontext.md)"),
-    ]
-    for name, bad, why in refused:
-        if bad:
-            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
-    if pipeline == "FluxKontextPipeline" and source_kind(DATA_PATH) == "txt":
-        raise ConfigError(f"DATA_PATH={DATA_PATH} holds prompts only; a {pipeline} teacher edits images: give pairs "
-                          "with a \"control\" image and a \"prompt\" (.jsonl, folder or datasets, as "
-                          "train_flux_kontext.py reads them)")
-
-
-def flux_rows(kontext: bool, columns: dict) -> tuple[list[dict], int, list[dict]]:
-    """(training rows, bad rows skipped, sample rows): Kontext rows {"control", "prompt"[, "target"]}
-    (the target is the GAN's real image, required with USE_GAN, and shown beside the samples),
-    text-to-image rows {"prompt"}; the sample rows are the first SAMPLE_COUNT distinct ones of
-    SAMPLE_PROMPTS or the data."""
-    roles = ("control", "target", "prompt") if kontext else ("prompt",)
-    required = ("control", "prompt") if kontext else ("prompt",)
-    read = functools.partial(read_rows, roles=roles, columns=columns, split=DATASET_SPLIT)
-    rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES)
-    samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS
-               else rows)
-    distinct = {(str(r.get("control", "")), r["prompt"]): r for r in reversed(samples)}  # the first of each
-    return rows, skipped, list(reversed(distinct.values()))[:SAMPLE_COUNT]
-
-
-def load_flux_step(it: int, rows: list[dict], size: int, cache_dir: str, identity: str, kontext: bool,
-                   d: fsdp_utils.Dist) -> list[dict]:
-    """Host side of iteration `it` on this rank (the Prefetcher runs it a step ahead): per
-    micro-batch, this rank's positions in the global batch, the cached text embeddings of its
-    prompts ("" where CAPTION_DROPOUT drops one) and (Kontext) its context images (with USE_GAN
-    also their targets), on CPU."""
-    out = []
-    for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
-        picked = [rows[i] for i in idx]
-        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
-                                flux.UNCONDITIONAL_PROMPT)
-        mb = {"mine": mine, "text": flux.load_text_embeds(prompts, cache_dir, identity, torch.device("cpu"))}
-        if kontext:
-            mb["context"] = torch.stack([load_image(r["control"], size, size) for r in picked])
-        if USE_GAN:
-            mb["target"] = torch.stack([load_image(r["target"], size, size) for r in picked])
-        out.append(mb)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # the families' DMD2 setups: each builds its models, trained views, VAE, batches, losses and samples
 # from its room (families/), for the one story in main
 
@@ -629,7 +608,7 @@ class Setup:
     export_note: str = ""  # how to sample the export, printed before it is written
 
 
-def unet_setup(run: trainer.Run, step_list: list[int], precision: Precision) -> Setup:
+def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precision) -> Setup:
     """DMD2 with an SD-1.5 or SDXL teacher: generator, fake score and teacher are UNets built by the
     UNet recipe (families/sd_unet.py), each sharded per block (PARALLELISM=ddp: full replicas, the
     trainable ones wrapped in DDP for their training forwards; checkpoints, EMA, samples and export
@@ -765,115 +744,212 @@ def flow_models(generator, fake, ema, mesh, side: int, prec: Precision, device: 
     return models, head, fake if head is None else nn.ModuleDict({"fake": fake, "head": head})
 
 
-def flux_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
-    """DMD2 with a FLUX teacher: generator, fake score and teacher are FLUX transformers built by
-    the FLUX recipe (families/flux.py, as train_flux_kontext.py builds its one), the prompts come
-    from the text cache train_flux_kontext.py fills (families/flux.py), the context image is
-    encoded and packed as Kontext fine-tuning does (algorithms/flux_kontext.py), and the step is
-    algorithms/dmd2_flow.py's, in the same loop as the UNets'."""
-    from diffusers.configuration_utils import FrozenDict
+# ----------------------------------------------------------------------------------------------
+# flow-matching teachers (FLUX.1 Kontext and text-to-image, Qwen-Image-Edit): one story, the room says
+# what differs. Rows are read, bucketed and loaded as train_flux_kontext.py reads them (data/buckets.py):
+# each row's target at RESOLUTION^2 pixels by its bucket, its references at the family's sizes, one
+# shape per global batch; text from the cache its fine-tuning fills
 
-    d, kontext = run.d, flux.is_kontext(run.pipeline)
+
+@dataclass(frozen=True)
+class FlowData:
+    """The rows of a flow teacher's run and their shapes (target (h, w), (each reference's (h, w)))."""
+    rows: list  # training rows
+    skipped: int  # bad rows skipped
+    shapes: list  # the training shapes, numbered by first appearance
+    members: list  # rows of each shape
+    schedule: list  # (shape, k) of each iteration: one shape per global batch (data/buckets.bucket_schedule)
+    sample_rows: list  # the sample grids' rows
+    sample_shapes: list  # each sample row's shape
+
+
+def flow_data(room, settings: dict) -> FlowData:
+    """Rows {"control"(s), "prompt"[, "target"]} (an editing teacher; the target is the GAN's real image,
+    required with USE_GAN, and shown beside the samples) or {"prompt"} (text-to-image), the sample rows
+    (the first SAMPLE_COUNT distinct ones of SAMPLE_PROMPTS or the data), their shapes and schedule."""
+    edits = room.edits(settings["PIPELINE"])
+    roles, required = (("control", "target", "prompt"), ("control", "prompt")) if edits else (("prompt",),) * 2
+    read = functools.partial(read_rows, roles=roles, split=DATASET_SPLIT, size_of="target" if edits else "",
+                             columns={"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN},
+                             max_references=MAX_REFERENCES or room.MAX_REFERENCES)
+    rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES,
+                         control_path=CONTROL_PATH)
+    samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS
+               else rows)
+    distinct = {(str(references(r)), r["prompt"]): r for r in reversed(samples)}  # the first of each
+    sample_rows = list(reversed(distinct.values()))[:SAMPLE_COUNT]
+    buckets = make_buckets(settings["RESOLUTION"], BUCKET_ASPECTS, 2 * room.vae_factor(MODEL_PATH))
+    shapes, shape_of = row_shapes(room, rows, buckets, settings, seeded=False)
+    members, schedule = bucket_schedule(shape_of, MAX_STEPS, SEED)
+    sample_shapes = [s[i] for s, of in [row_shapes(room, sample_rows, buckets, settings, seeded=False)] for i in of]
+    print0(f"data: {len(rows)} {'rows' if edits else 'prompts'} from {DATA_PATH}"
+           + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows; shapes "
+           + ", ".join(f"{h}x{w}" + "".join(f" + {a}x{b}" for a, b in refs) + f": {len(m)}"
+                       for ((h, w), refs), m in zip(shapes, members)))
+    return FlowData(rows, skipped, shapes, members, schedule, sample_rows, sample_shapes)
+
+
+def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) -> Setup:
+    """DMD2 with a flow-matching teacher: generator, fake score and teacher are the family's transformers
+    built by its room (as train_flux_kontext.py builds its one), the text comes from the cache fine-tuning
+    fills (with the negative prompt's, for a teacher that samples with true CFG), every reference is read
+    as fine-tuning reads it, and the step is algorithms/dmd2_flow.py's, in the same loop as the UNets'."""
+    d = run.d
     sigmas = flow_dm.timestep_sigmas(timesteps)
-    with open(os.path.join(VAE_PATH or os.path.join(MODEL_PATH, "vae"), "config.json")) as f:
-        vae_config = FrozenDict(json.load(f))
-    factor = vae_scale_factor(vae_config)
-    resolution, side, latent_shape = flux.latent_layout(RESOLUTION, vae_config)
-    rows, skipped, sample_rows = flux_rows(kontext, {"prompt": PROMPT_COLUMN})
-    print0(f"data: {len(rows)} {'pairs' if kontext else 'prompts'} from {DATA_PATH}"
-           + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
-    text_length = flux.t5_length(MODEL_PATH, MAX_SEQUENCE_LENGTH)
-    trainer.check_attention(run, *flux.attention_shapes(MODEL_PATH, text_length, [(resolution, resolution)],
-                                                        factor, BATCH_SIZE, 1), prec.compute_dtype)
+    settings = {**script_constants(globals()), "RESOLUTION": RESOLUTION or room.DEFAULT_RESOLUTION,
+                "PIPELINE": run.pipeline}
+    data = flow_data(room, settings)
+    trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, data.shapes, BATCH_SIZE, 1),
+                            prec.compute_dtype)
 
-    # the text cache (encoders loaded only where prompts are missing, then freed), before the models
+    # the text cache (the encoders loaded only where entries are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
-    prompts = [r["prompt"] for r in rows + sample_rows] + ([flux.UNCONDITIONAL_PROMPT] if CAPTION_DROPOUT > 0 else [])
-    identity = flux.prepare_text_cache(prompts, MODEL_PATH, cache_dir, MAX_SEQUENCE_LENGTH,
-                                       prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
+    cfg = room.TRUE_CFG and REAL_GUIDANCE_SCALE > 1
+    texts = [(r["prompt"], r) for r in data.rows + data.sample_rows]
+    texts += [(room.UNCONDITIONAL_PROMPT, r) for r in data.rows] if CAPTION_DROPOUT > 0 else []
+    texts += [(room.NEGATIVE_PROMPT, r) for r in data.rows] if cfg else []
+    identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
+                                      d.device)
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
-    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, flux, prec)
-    models, head, guidance = flow_models(generator, fake, ema, mesh, side, prec, d.device)
+    factor = room.vae_factor(MODEL_PATH)
+    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec)
+    models, head, guidance = flow_models(generator, fake, ema, mesh, min(data.shapes[0][0]) // factor, prec,
+                                         d.device)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
-    vae = flux.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
+    vae = room.load_vae(VAE_PATH or os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
     watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
     computes = {"fake": fake_compute, "head": torch.float32}
     audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
-    tokens = side * side // 4
-    caption = (f"{resolution} px, {tokens} target" + (f" + {tokens} context" if kontext else "")
-               + f" tokens, σ {sigmas}, guidance {FLUX_GUIDANCE}")
-    inputs = functools.partial(flux_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
-                               sample_rows=sample_rows, kontext=kontext, resolution=resolution, side=side,
-                               latent_shape=latent_shape, sigmas=sigmas, cache_dir=cache_dir, identity=identity)
-    return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), skipped, inputs,
-                 flux.distilled_scheduler(MODEL_PATH), export_note(run, sigmas))
+    (h, w), refs = data.shapes[0]
+    tokens = [(a // factor // 2) * (b // factor // 2) for a, b in ((h, w), *refs)]
+    caption = (f"{h}x{w} px ({len(data.shapes)} shape(s)), {tokens[0]} target"
+               + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, "
+               + (f"teacher true CFG {REAL_GUIDANCE_SCALE:g} ({REAL_GUIDANCE_NORM} rescale)" if cfg else
+                  "teacher without CFG" if room.TRUE_CFG else f"guidance {FLUX_GUIDANCE}"))
+    inputs = functools.partial(flow_inputs, room=room, d=d, vae=vae, teacher=teacher, head=head, data=data,
+                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, cfg=cfg, factor=factor,
+                               channels=room.latent_channels(vae), edits=room.edits(run.pipeline))
+    return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
+                 room.distilled_scheduler(MODEL_PATH), export_note(run, room, sigmas))
 
 
-def flux_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, kontext, resolution, side, latent_shape,
-                sigmas, cache_dir, identity) -> tuple[StepFns, Callable, Callable]:
-    """The FLUX family's step: fixed sample inputs (the sample rows' text and context, noise of the
-    whole σ list), batches (cached text, packed context and real tokens, per-sample draws) and losses."""
-    def context_tokens(pixels):
-        return flux.image_tokens(vae, pixels) if kontext else None
-    text = flux.load_text_embeds([r["prompt"] for r in sample_rows], cache_dir, identity, d.device)
-    tiles = []
-    if kontext:
-        grey = torch.zeros(3, resolution, resolution)
-        tiles = [(load_image(r["control"], resolution, resolution),
-                  load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
-    sample_cond = flow_dm.FluxCond(*text, context_tokens(torch.stack([c for c, _ in tiles]).to(d.device))
-                                   if kontext else None, (side, side))
+def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, cfg: bool,
+                   d: fsdp_utils.Dist) -> dict:
+    """Host side of iteration `it` on this rank (the Prefetcher runs it a step ahead): the step's shape
+    and, per micro-batch, this rank's positions in the global batch, the cached text of its prompts
+    (the family's unconditional one where CAPTION_DROPOUT drops one; the negative prompt's for the
+    teacher's CFG), its reference images and, with USE_GAN, its targets, on CPU."""
+    shape = data.shapes[data.schedule[it][0]]
+    indices = step_indices(it, data.members, data.schedule, BATCH_SIZE * d.world_size * GRAD_ACCUM, SEED)
+    cpu, batches = torch.device("cpu"), []
+    for m in range(GRAD_ACCUM):
+        mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
+        picked = [data.rows[indices[i]] for i in mine]
+        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
+                                room.UNCONDITIONAL_PROMPT)
+        references_, target = load_pairs(picked, shape, [False] * len(picked), target=USE_GAN)
+        batches.append({"mine": mine, "text": room.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
+                        "negative": (room.load_text([(room.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity,
+                                                    cpu) if cfg else None),
+                        "references": references_, "target": target})
+    return {"shape": shape, "batches": batches}
+
+
+def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity, cfg,
+                factor, channels, edits) -> tuple[StepFns, Callable, Callable]:
+    """A flow teacher's step: fixed sample inputs (per sample shape, in order of first appearance: its
+    rows' text and references, noise of the whole σ list), batches (cached text, packed references
+    and real tokens, per-sample draws at the step's shape) and losses."""
+    guidance = 1.0 if room.TRUE_CFG else FLUX_GUIDANCE  # generator and fake score; the teacher's in Losses
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
-    # drawn on the host (the same on every device), moved once
-    noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
-    sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
-    sample_sim = flow_dm.pack_steps(sim).to(d.device)
+    groups = []
+    for shape in dict.fromkeys(data.sample_shapes):
+        rows = [r for r, s in zip(data.sample_rows, data.sample_shapes) if s == shape]
+        (h, w), latent = shape[0], (channels, shape[0][0] // factor, shape[0][1] // factor)
+        refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False)
+        targets = [load_image(r["target"], h, w, stretch=True) if "target" in r else torch.zeros(3, h, w) for r in rows]
+        cond = room.dmd_cond(room.load_text([(r["prompt"], r) for r in rows], cache_dir, identity, d.device), None,
+                             vae, [x.to(d.device) for x in refs], latent[1:])
+        # drawn on the host (the same on every device), moved once
+        noise = km.pack_latents(torch.randn((len(rows), *latent), generator=g)).to(d.device)
+        sim = flow_dm.pack_steps(torch.randn((len(rows), len(sigmas) - 1, *latent), generator=g)).to(d.device)
+        groups.append((cond, noise, sim, [([x[i] for x in refs], targets[i]) for i in range(len(rows))]))
 
     def sample(path):
         with final_weights() as model:
-            flux.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, FLUX_GUIDANCE, tiles, side, path)
+            write_flow_samples(room, model, vae, groups, sigmas, guidance, edits, path)
 
-    draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
-                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
-                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
-                             shift=flow_shift(side * side // 4))
-    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,  # no teacher CFG
-                       fake_target=FAKE_SCORE_TARGET, regression_weight=REGRESSION_WEIGHT,
-                       regression_steps=REGRESSION_STEPS)
+    shifts = {s[0]: flow_shift(s[0], factor) for s in data.shapes}
+    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
+                       real_guidance_scale=REAL_GUIDANCE_SCALE if room.TRUE_CFG else 1.0,
+                       real_guidance_norm=REAL_GUIDANCE_NORM, fake_target=FAKE_SCORE_TARGET,
+                       regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
 
     def batches(it, loaded):
+        (h, w), _ = loaded["shape"]
+        size = (h // factor, w // factor)
+        draw = functools.partial(flow_dm.draw_sample_noise, shape=(channels, *size), n_sim=len(sigmas) - 1,
+                                 sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
+                                 gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
+                                 shift=shifts[(h, w)])
         out = []
-        for host in loaded:
+        for host in loaded["batches"]:
             mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
-            mb["cond"] = flow_dm.FluxCond(*host["text"], context_tokens(host["context"]) if kontext else None,
-                                          (side, side))
-            if "target" in host:  # the GAN's real images: the pairs' targets, encoded as the contexts are
-                mb["real"] = flux.image_tokens(vae, host["target"])
+            mb["cond"] = room.dmd_cond(host["text"], host["negative"], vae, host["references"], size)
+            if host["target"] is not None:  # the GAN's real images: the rows' targets, encoded as the references are
+                mb["real"] = room.image_tokens(vae, host["target"])
             out.append(mb)
         return out
     steps = StepFns(
         batches=batches,
-        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, FLUX_GUIDANCE),
-        generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, FLUX_GUIDANCE, losses),
-        guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, FLUX_GUIDANCE, losses))
-    load = functools.partial(load_flux_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
-                             kontext=kontext, d=d)
+        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, guidance),
+        generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, guidance, losses),
+        guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, guidance, losses))
+    load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity, cfg=cfg,
+                             d=d)
     return steps, load, sample
 
 
-def flow_shift(tokens: int) -> float:
-    """SHIFT's value for a target of `tokens` packed tokens (SHIFT=auto: the teacher pipeline's own)."""
+@torch.no_grad()
+def write_flow_samples(room, model, vae, groups, sigmas, guidance, edits: bool, path: str) -> None:
+    """Every rank runs the sharded generator over the whole σ list, one sample shape at a time; rank 0
+    decodes and writes the grid: per editing row its references | output | target (grey where a row
+    has no target; blank where it has fewer references), all padded to the largest tile; outputs alone
+    for text-to-image."""
+    outputs = []
+    for cond, noise, sim, _ in groups:
+        tokens = flow_dm.sample_tokens(model, cond, noise, sim, sigmas, guidance)
+        outputs.append(room.decode_tokens(vae, tokens, cond.size) if d_rank() == 0 else None)
+    fsdp_utils.reshard_all(model)
+    if d_rank() != 0:
+        return
+    if not edits:
+        return save_image_grid(torch.cat(outputs).clamp(-1, 1), path, nrow=4)
+    most = max(len(refs) for group in groups for refs, _ in group[3])
+    tiles = []
+    for (_, _, _, rows), out in zip(groups, outputs):
+        for (refs, target), o in zip(rows, out.clamp(-1, 1)):
+            tiles += [*refs, *[torch.zeros_like(o)] * (most - len(refs)), o, target]
+    hmax, wmax = max(t.shape[1] for t in tiles), max(t.shape[2] for t in tiles)
+    grid = [torch.nn.functional.pad(t, (0, wmax - t.shape[2], 0, hmax - t.shape[1])) for t in tiles]
+    save_image_grid(torch.stack(grid), path, nrow=most + 2)
+
+
+def flow_shift(size: tuple[int, int], factor: int) -> float:
+    """SHIFT's value for a target of `size` px (SHIFT=auto: the teacher pipeline's own at its token count)."""
+    tokens = (size[0] // factor // 2) * (size[1] // factor // 2)
     shift = km.sigma_shift(SHIFT, dit.scheduler_config(MODEL_PATH), tokens)
     if SHIFT != "1":
-        print0(f"σ shift of the DM loss and the fake score: {shift:.3f} ({tokens} target tokens, SHIFT={SHIFT})")
+        print0(f"σ shift of the DM loss and the fake score at {size[0]}x{size[1]}: {shift:.3f} ({tokens} target "
+               f"tokens, SHIFT={SHIFT})")
     return shift
 
 
-def export_note(run: trainer.Run, sigmas: list[float]) -> str:
-    """How to sample a FLUX export: every export carrying the generator samples in len(sigmas) steps
-    with the scheduler made for it."""
+def export_note(run: trainer.Run, room, sigmas: list[float]) -> str:
+    """How to sample the export: every export carrying the generator samples in len(sigmas) steps with
+    the scheduler made for it, without the teacher's guidance pair."""
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
@@ -881,186 +957,10 @@ def export_note(run: trainer.Run, sigmas: list[float]) -> str:
            f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
-    return f"sampling the export: {how}; pipe(..., {call}, guidance_scale={FLUX_GUIDANCE})"
+    guidance = "true_cfg_scale=1" if room.TRUE_CFG else f"guidance_scale={FLUX_GUIDANCE}"
+    return f"sampling the export: {how}; pipe(..., {call}, {guidance})"
 
 
-# ----------------------------------------------------------------------------------------------
-# Qwen-Image-Edit teachers: the flow-matching step on three Qwen-Image transformers, every reference
-# image read as fine-tuning reads it (families/qwen_image.py), the teacher's real score with true CFG
-
-
-def check_qwen_settings(pipeline: str) -> None:
-    """What a Qwen-Image-Edit teacher does not take, refused in one line before any work."""
-    refused = [
-        ("PARALLELISM=ddp", PARALLELISM == "ddp", "the three Qwen-Image transformers are sharded (PARALLELISM=fsdp)"),
-        ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a generator from a checkpoint with INIT_FROM"),
-        ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN's real images are the rows' own targets, under their own "
-         "instruction and references"),
-        (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
-         "the UNets' setting; the Qwen-Image fake score's dtype is FAKE_SCORE_FP32's"),
-        ("CHANNELS_LAST=1", CHANNELS_LAST, "the Qwen-Image transformer has no convolutions to lay out"),
-        (f"GAN_HEAD_FEATURES={GAN_HEAD_FEATURES}", GAN_HEAD_FEATURES != "mid",
-         "the UNets' setting; the head reads the image stream after the last block"),
-    ]
-    for name, bad, why in refused:
-        if bad:
-            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
-    if source_kind(DATA_PATH) == "txt":
-        raise ConfigError(f"DATA_PATH={DATA_PATH} holds prompts only; a {pipeline} teacher edits images: give rows "
-                          "with \"control\" image(s) and a \"prompt\" (.jsonl, folders or datasets)")
-
-
-def qwen_rows() -> tuple[list[dict], int, list[dict]]:
-    """(training rows, bad rows skipped, sample rows) with 1-3 references each; every row holds the
-    same number of references, as one micro-batch stacks them (fine-tuning groups them instead)."""
-    read = functools.partial(read_rows, roles=("control", "target", "prompt"), columns={"prompt": PROMPT_COLUMN},
-                             split=DATASET_SPLIT, max_references=qwen.MAX_REFERENCES)
-    required = ("control", "prompt")
-    rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES)
-    samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0]
-               if SAMPLE_PROMPTS else rows)
-    counts = {len(qwen.controls(r)) for r in rows + samples}
-    if len(counts) > 1:
-        raise ConfigError(f"DATA_PATH={DATA_PATH}: rows hold {sorted(counts)} reference images; DMD2 stacks a "
-                          "micro-batch's references, so every row (and SAMPLE_PROMPTS row) needs the same number")
-    distinct = {(str(qwen.controls(r)), r["prompt"]): r for r in reversed(samples)}
-    return rows, skipped, list(reversed(distinct.values()))[:SAMPLE_COUNT]
-
-
-def qwen_setup(run: trainer.Run, timesteps: list[int], prec: Precision) -> Setup:
-    """DMD2 with a Qwen-Image-Edit teacher: generator, fake score and teacher are Qwen-Image
-    transformers built by its room (families/qwen_image.py, as train_flux_kontext.py builds its one);
-    the text cache holds each prompt read with its reference images (and the negative prompt's, for
-    the teacher's true CFG at REAL_GUIDANCE_SCALE); every reference enters at the target's size
-    (RESOLUTION², square, so any micro-batch stacks) after the target's tokens; generator and fake
-    score at CFG 1. The step is algorithms/dmd2_flow.py's flow-matching step, in the same loop."""
-    d, room = run.d, qwen
-    sigmas = flow_dm.timestep_sigmas(timesteps)
-    factor = room.vae_factor(MODEL_PATH)
-    resolution = RESOLUTION or 1024
-    if resolution % (2 * factor):
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of {2 * factor} (VAE factor x 2x2 packing)")
-    side = resolution // factor
-    with open(os.path.join(MODEL_PATH, "vae", "config.json")) as f:
-        latent_shape = (json.load(f)["z_dim"], side, side)
-    rows, skipped, sample_rows = qwen_rows()
-    n_refs = len(room.controls(rows[0]))
-    print0(f"data: {len(rows)} rows with {n_refs} reference image(s) from {DATA_PATH}"
-           + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows")
-    shape = ((resolution, resolution), ((resolution, resolution),) * n_refs)
-    settings = {"CONDITION_AREA": CONDITION_AREA}
-    trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, [shape], BATCH_SIZE, 1),
-                            prec.compute_dtype)
-
-    # the text cache (the encoder loaded only where entries are missing, then freed), before the models
-    cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
-    cfg = REAL_GUIDANCE_SCALE > 1
-    texts = [(r["prompt"], r) for r in rows + sample_rows]
-    texts += [(room.UNCONDITIONAL_PROMPT, r) for r in rows] if CAPTION_DROPOUT > 0 else []
-    texts += [(room.NEGATIVE_PROMPT, r) for r in rows] if cfg else []
-    identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
-                                      d.device)
-
-    # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
-    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec)
-    models, head, guidance = flow_models(generator, fake, ema, mesh, side, prec, d.device)
-    vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
-    vae = room.load_vae(os.path.join(MODEL_PATH, "vae"), vae_dtype, d.device)
-    watch_model_flops(run, [generator, fake, teacher], vae)  # MFU: the transformers' FLOPs; the VAE's apart
-    computes = {"fake": fake_compute, "head": torch.float32}
-    audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
-    audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
-    tokens = side * side // 4
-    caption = (f"{resolution} px, {tokens} target + {n_refs} x {tokens} reference tokens, σ {sigmas}, "
-               f"teacher true CFG {REAL_GUIDANCE_SCALE:g}" + (f" ({REAL_GUIDANCE_NORM} rescale)" if cfg else ""))
-    inputs = functools.partial(qwen_inputs, d=d, vae=vae, teacher=teacher, head=head, rows=rows,
-                               sample_rows=sample_rows, resolution=resolution, side=side, latent_shape=latent_shape,
-                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, cfg=cfg)
-    note = (f"sampling the export: {run.pipeline}.from_pretrained(export)" if not run.lora else
-            f"sampling the export: {run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its "
-            "scheduler FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')")
-    note += f"; pipe(image=[...], prompt=..., num_inference_steps={len(sigmas)}, true_cfg_scale=1)"
-    return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), skipped, inputs,
-                 room.distilled_scheduler(MODEL_PATH), note)
-
-
-def load_qwen_step(it: int, rows: list[dict], size: int, cache_dir: str, identity: str, cfg: bool,
-                   d: fsdp_utils.Dist) -> list[dict]:
-    """Host side of iteration `it` on this rank: per micro-batch, this rank's positions, the cached
-    text of its prompts ("" where CAPTION_DROPOUT drops one; the negative prompt's for the teacher's
-    CFG) and its reference images (with USE_GAN also its target) at the target's size, on CPU."""
-    out = []
-    for mine, idx in rank_micro_batches(it, len(rows), BATCH_SIZE, GRAD_ACCUM, d.rank, d.world_size, SEED):
-        picked = [rows[i] for i in idx]
-        prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
-                                qwen.UNCONDITIONAL_PROMPT)
-        cpu = torch.device("cpu")
-        refs = [torch.stack([load_image(qwen.controls(r)[j], size, size) for r in picked])
-                for j in range(len(qwen.controls(picked[0])))]
-        mb = {"mine": mine, "text": qwen.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
-              "negative": (qwen.load_text([(qwen.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity, cpu)
-                           if cfg else None), "references": refs}
-        if USE_GAN:
-            mb["target"] = torch.stack([load_image(r["target"], size, size) for r in picked])
-        out.append(mb)
-    return out
-
-
-def qwen_inputs(final_weights, *, d, vae, teacher, head, rows, sample_rows, resolution, side, latent_shape, sigmas,
-                cache_dir, identity, cfg) -> tuple[StepFns, Callable, Callable]:
-    """The Qwen-Image-Edit family's step: fixed sample inputs (the sample rows' text and references,
-    noise of the whole σ list), batches (cached text, packed references and real tokens, per-sample
-    draws) and losses."""
-    text = qwen.load_text([(r["prompt"], r) for r in sample_rows], cache_dir, identity, d.device)
-    n_refs = len(qwen.controls(sample_rows[0]))
-    grey = torch.zeros(3, resolution, resolution)
-    tiles = [([load_image(c, resolution, resolution) for c in qwen.controls(r)],
-              load_image(r["target"], resolution, resolution) if "target" in r else grey) for r in sample_rows]
-    refs = [torch.stack([t[0][j] for t in tiles]).to(d.device) for j in range(n_refs)]
-    sample_cond = qwen.dmd_cond(text, None, vae, refs, (side, side))
-    g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
-    noise = km.pack_latents(torch.randn((len(sample_rows), *latent_shape), generator=g)).to(d.device)
-    sim = torch.randn((len(sample_rows), len(sigmas) - 1, *latent_shape), generator=g)
-    sample_sim = flow_dm.pack_steps(sim).to(d.device)
-
-    def sample(path):
-        with final_weights() as model:
-            qwen.write_samples(model, vae, sample_cond, noise, sample_sim, sigmas, tiles, side, path)
-
-    draw = functools.partial(flow_dm.draw_sample_noise, shape=latent_shape, n_sim=len(sigmas) - 1,
-                             sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
-                             gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
-                             shift=flow_shift(side * side // 4))
-    losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
-                       real_guidance_scale=REAL_GUIDANCE_SCALE, real_guidance_norm=REAL_GUIDANCE_NORM,  # true CFG
-                       fake_target=FAKE_SCORE_TARGET,
-                       regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
-
-    def to(text):  # (embeddings, mask or None) or None, onto the device
-        return None if text is None else (text[0].to(d.device), None if text[1] is None else text[1].to(d.device))
-
-    def batches(it, loaded):
-        out = []
-        for host in loaded:
-            mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
-            mb["cond"] = qwen.dmd_cond(to(host["text"]), to(host["negative"]), vae,
-                                       [r.to(d.device) for r in host["references"]], (side, side))
-            if "target" in host:  # the GAN's real images: the rows' targets, encoded as the references are
-                mb["real"] = qwen.image_tokens(vae, host["target"].to(d.device))
-            out.append(mb)
-        return out
-    steps = StepFns(
-        batches=batches,
-        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, 1.0),
-        generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, 1.0, losses),
-        guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, 1.0, losses))
-    load = functools.partial(load_qwen_step, rows=rows, size=resolution, cache_dir=cache_dir, identity=identity,
-                             cfg=cfg, d=d)
-    return steps, load, sample
-
-
-# by room (families.FAMILIES: model_index.json's _class_name)
-_SETUPS = {unet: unet_setup, flux: flux_setup, qwen: qwen_setup}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1071,7 +971,8 @@ _SETUPS = {unet: unet_setup, flux: flux_setup, qwen: qwen_setup}
 
 def main() -> None:
     run, step_list = trainer.start(globals(), validate_config, resolve_defaults)
-    family = _SETUPS[families.FAMILIES[run.pipeline]](run, step_list, get_precision(PRECISION))
+    room = families.FAMILIES[run.pipeline]  # the model family: every flow-matching room shares one setup
+    family = (unet_setup if room is unet else flow_setup)(run, room, step_list, get_precision(PRECISION))
     generator, fake, ema = (family.models.get(k) for k in ("generator", "fake", "ema"))
 
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)

@@ -25,7 +25,6 @@ diffusers pipeline_flux_kontext.py:965) when its scheduler does not shift.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -211,8 +210,8 @@ def double_stream_features(model, x: torch.Tensor, sigma: torch.Tensor, cond, gu
     finally:
         for name, module in saved.items():
             setattr(model, name, module)
-    side = math.isqrt(tokens.shape[1])
-    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], side, side)
+    h, w = cond.size  # the target latent's: its tokens are its 2x2 patches, row by row
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h // 2, w // 2)
 
 
 def cls_logits(fake, head, x: torch.Tensor, mb: dict, name: str, diffusion_gan: bool, guidance: float) -> torch.Tensor:

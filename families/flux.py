@@ -19,9 +19,9 @@ import torch
 import fsdp_utils
 from algorithms import dmd2_flow as flux_dm
 from algorithms import flux_kontext as km
-from core.dist import print0, rank
+from core.dist import print0
 from core.errors import ConfigError
-from data.images import save_image_grid
+from data.buckets import references
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import NEUTRAL_SIGMAS, distilled_scheduler, distilled_scheduler_config  # noqa: F401 - FLUX's too
@@ -35,11 +35,12 @@ PIPELINES = ("FluxKontextPipeline", "FluxPipeline")  # model_index.json's _class
 MAX_REFERENCES = 1  # Kontext: one context image
 UNCONDITIONAL_PROMPT = ""  # what CAPTION_DROPOUT trains: the empty prompt (diffusers' --proportion_empty_prompts)
 TEXT_READS_IMAGES = False  # T5 + CLIP read the prompt alone
-DEFAULT_SAMPLE_SIZE = 128  # the pipelines' default_sample_size: x the VAE factor 8 = 1024 px
+DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipelines' area (default_sample_size 128 x the VAE factor 8)
+TRUE_CFG = False  # guidance-distilled: the guidance value is an embedded input (DMD2: FLUX_GUIDANCE), not a CFG pair
 
 
-def is_kontext(pipeline: str) -> bool:
-    """Kontext edits an image: a context image's tokens join the target's."""
+def edits(pipeline: str) -> bool:
+    """Kontext edits an image: a context image's tokens join the target's (FluxPipeline: text to image)."""
     return pipeline == "FluxKontextPipeline"
 
 
@@ -162,17 +163,6 @@ def load_text_embeds(prompts, cache_dir, identity, device):
 # latents
 
 
-def latent_layout(resolution: int, vae_config) -> tuple[int, int, tuple[int, int, int]]:
-    """(image side, latent side, latent shape (C, side, side)): RESOLUTION, or 0 = the pipelines'
-    default size; a multiple of the VAE factor x 2, as the 2x2 packing into tokens needs."""
-    factor = vae_scale_factor(vae_config)
-    resolution = resolution or DEFAULT_SAMPLE_SIZE * factor
-    if resolution % (2 * factor):
-        raise ConfigError(f"RESOLUTION={resolution}: must be a multiple of {2 * factor} (VAE factor x 2x2 packing)")
-    side = resolution // factor
-    return resolution, side, (vae_config["latent_channels"], side, side)
-
-
 def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
     """Images (B, 3, H, W) in [-1, 1] -> packed clean latent tokens (B, N, 4C), as Kontext's
     context images and the GAN's real targets enter the transformer."""
@@ -204,8 +194,9 @@ def target_size(size, row, settings) -> tuple[int, int]:
 
 
 def reference_sizes(size, row, settings) -> tuple:
-    """Kontext's one context image enters at the target's size (the bucket's)."""
-    return (size,)
+    """Kontext's one context image enters at the target's size (the bucket's); a prompt alone
+    (text to image) has none."""
+    return (size,) if row is None or references(row) else ()
 
 
 def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
@@ -296,23 +287,42 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator) -> tor
 
 
 # ----------------------------------------------------------------------------------------------
-# samples and the distilled export's scheduler
+# DMD2 (train_dmd.py's flow setup): what it asks of a flow room besides fine-tuning's
+
+
+def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
+    """What a FLUX.1 teacher refuses, in one line before any work. REAL_GUIDANCE_SCALE is 0 (resolved to 1:
+    no teacher CFG) unless set: an explicit value other than 1 is refused."""
+    kontext = edits(pipeline)
+    refused = [
+        ("USE_GAN=1", settings["USE_GAN"] and not kontext,
+         "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none"),
+        (f"REAL_GUIDANCE_SCALE={settings['REAL_GUIDANCE_SCALE']:g}", settings["REAL_GUIDANCE_SCALE"] not in (0, 1),
+         "FLUX.1 is guidance-distilled, its guidance is the embedded value FLUX_GUIDANCE, not a CFG pair; "
+         "set FLUX_GUIDANCE and leave REAL_GUIDANCE_SCALE at 0 (docs/dmd2_kontext.md)"),
+        *[(name, name in changed, "a Qwen-Image-Edit setting; FLUX.1 Kontext's context image enters at the "
+           "target's size (RESOLUTION, BUCKET_ASPECTS)") for name in ("REFERENCE_AREA", "CONDITION_AREA")],
+        *[(name, name in changed and not kontext, "a setting of editing rows; a text-to-image teacher reads prompts")
+          for name in ("CONTROL_PATH", "MAX_REFERENCES", "CONTROL_COLUMN", "TARGET_COLUMN", "BUCKET_ASPECTS")],
+    ]
+    for name, bad, why in refused:
+        if bad:
+            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
+    if kontext and data_kind == "txt":
+        raise ConfigError(f"DATA_PATH={settings['DATA_PATH']} holds prompts only; a {pipeline} teacher edits images: "
+                          "give pairs with a \"control\" image and a \"prompt\" (.jsonl, folder or datasets, as "
+                          "train_flux_kontext.py reads them)")
+
+
+def dmd_cond(text, negative, vae, references: list, size) -> flux_dm.FluxCond:
+    """FluxCond of a micro-batch: the cached (T5, pooled CLIP) text, Kontext's context pixels (B, 3, H, W)
+    encoded and packed (none for text to image), the target latent's (h, w). No negative: no CFG pair."""
+    return flux_dm.FluxCond(text[0], text[1], image_tokens(vae, references[0]) if references else None, size)
 
 
 @torch.no_grad()
-def write_samples(model, vae, cond, noise, sim_noise, sigmas, guidance, tiles: list, side: int,
-                  path: str) -> None:
-    """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
-    grid: context | output | target per Kontext row (grey where a row has no target), outputs alone
-    for text-to-image."""
-    tokens = flux_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, guidance)
-    fsdp_utils.reshard_all(model)
-    if rank() != 0:
-        return
+def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
+    """Packed latent tokens of a (h, w) latent -> images (B, 3, H, W) in [-1, 1]-ish, fp32 on CPU."""
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
-    latents = km.unpack_latents(tokens.float(), side, side) / scale + shift
-    out = vae.decode(latents.to(vae.dtype)).sample.float().cpu().clamp(-1, 1)
-    if not tiles:
-        return save_image_grid(out, path, nrow=4)
-    grid = [t for (context, target), o in zip(tiles, out) for t in (context, o, target)]
-    save_image_grid(torch.stack(grid), path, nrow=3)
+    latents = km.unpack_latents(tokens.float(), *size) / scale + shift
+    return vae.decode(latents.to(vae.dtype)).sample.float().cpu()

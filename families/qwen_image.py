@@ -44,12 +44,16 @@ MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's mode
 NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's true CFG pairs with
 TEXT_READS_IMAGES = True  # Qwen2.5-VL reads the prompt with the reference images (a flipped row: its own entry)
+DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipeline's area (the output at 1024^2 pixels)
+TRUE_CFG = True  # the teacher samples with true CFG against NEGATIVE_PROMPT (DMD2: REAL_GUIDANCE_SCALE)
+TRUE_CFG_SCALE = 4.0  # the pipeline's default true_cfg_scale
 CFG_NORM = "none"  # DMD2's real score: the teacher's CFG pair combined as (algorithms/dmd2.cfg_combine)
 TEXT_PARTS = ("text_encoder", "tokenizer", "processor")
 
 
-def is_kontext(pipeline: str) -> bool:
-    return False
+def edits(pipeline: str) -> bool:
+    """Every Qwen-Image-Edit row edits its reference images."""
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,7 +424,8 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
 
 
 # ----------------------------------------------------------------------------------------------
-# DMD2 (train_dmd.py's qwen_setup): the conditioning algorithms/dmd2_flow.py's flow-matching step reads
+# DMD2 (train_dmd.py's flow setup): the conditioning algorithms/dmd2_flow.py's flow-matching step reads, the
+# samples' decoding, the refusals
 
 
 @dataclass
@@ -479,17 +484,22 @@ def dmd_cond(text, negative, vae, references: list, size) -> QwenCond:
 
 
 @torch.no_grad()
-def write_samples(model, vae, cond, noise, sim_noise, sigmas, tiles: list, side: int, path: str) -> None:
-    """Every rank runs the sharded generator over the whole σ list; rank 0 decodes and writes the
-    grid: references | output | target per row (grey where a row has no target)."""
-    import fsdp_utils
-    from algorithms import dmd2_flow as flow_dm
-    from core.dist import rank
-    from data.images import save_image_grid
-    tokens = flow_dm.sample_tokens(model, cond, noise, sim_noise, sigmas, 1.0)
-    fsdp_utils.reshard_all(model)
-    if rank() != 0:
-        return
-    out = decode_latents(vae, km.unpack_latents(tokens.float(), side, side)).clamp(-1, 1)
-    grid = [t for (refs, target), o in zip(tiles, out) for t in (*refs, o, target)]
-    save_image_grid(torch.stack(grid), path, nrow=len(tiles[0][0]) + 2)
+def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
+    """Packed latent tokens of a (h, w) latent -> images (B, 3, H, W), fp32 on CPU (decode_latents)."""
+    return decode_latents(vae, km.unpack_latents(tokens.float(), *size))
+
+
+def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
+    """What a Qwen-Image-Edit teacher refuses, in one line before any work."""
+    refused = [
+        ("BUCKET_ASPECTS", "target and references are sized by their own ratios, as the pipeline sizes them"),
+        ("MAX_SEQUENCE_LENGTH", "the text is as long as the prompt and its image tokens"),
+        ("FLUX_GUIDANCE", "Qwen-Image-Edit has no guidance embedding; its teacher's guidance is true CFG "
+         "(REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM)"),
+    ]
+    for name, why in refused:
+        if name in changed:
+            raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")
+    if data_kind == "txt":
+        raise ConfigError(f"DATA_PATH={settings['DATA_PATH']} holds prompts only; a {pipeline} teacher edits images: "
+                          "give rows with \"control\" image(s) and a \"prompt\" (.jsonl, folders or datasets)")

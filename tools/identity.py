@@ -144,9 +144,9 @@ def main() -> None:
     p.add_argument("--out", help="write the fingerprints here (JSON)")
     p.add_argument("--jobs", default=",".join(JOBS), help="comma-separated subset of " + ", ".join(JOBS))
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
-    p.add_argument("--extra", nargs="*", default=[], metavar="NAME=VALUE",
-                   help="settings added to every job as --NAME=VALUE (a default that changed, set back to the old "
-                        "value, so the jobs compute what they computed before)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="[JOB:]NAME=VALUE",
+                   help="settings added as --NAME=VALUE to every job, or to JOB's only (a default that changed, set "
+                        "back to the old value, so the jobs compute what they computed before)")
     a = p.parse_args()
     if a.compare:
         before, after = (json.load(open(f)) for f in a.compare)
@@ -162,7 +162,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         found = {}
         for name in jobs:
-            found[name] = run_job(name, work, ["--" + e for e in a.extra])
+            extra = [e.split(":", 1)[-1] for e in a.extra if ":" not in e.split("=", 1)[0] or e.startswith(name + ":")]
+            found[name] = run_job(name, work, ["--" + e for e in extra])
             print(f"{name}: {len(found[name]['metrics'])} records, "
                   f"{sum(len(v) for k, v in found[name].items() if k != 'metrics')} files", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
