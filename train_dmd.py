@@ -92,7 +92,6 @@ MAX_REFERENCES = 0  # editing teachers: reference images per row at most; 0 = th
 REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
 RESOLUTION = 0  # target area RESOLUTION^2 px (UNets: the side); 0 = the family's: SD-1.5 512, FLUX and Qwen 1024
-BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # FLUX.1 Kontext: width/height ratios of the resolution buckets
 REFERENCE_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
@@ -103,6 +102,7 @@ IMAGE_COLUMN = ""  # datasets sources: the real image column (GAN); "" = image
 CAPTION_DROPOUT = 0.0  # probability that a sample's prompt becomes the family's unconditional one (exact on resume)
 PROMPT_CACHE = 0  # UNets: keep up to this many distinct prompts' embeddings on the device (small prompt sets); 0 = off
 TEXT_CACHE_DIR = ""  # flow teachers: the text-embedding cache; "" = OUTPUT_DIR/text_cache (share it between runs)
+BUCKET_ASPECTS = [0.5, 0.75, 1.0, 1.333, 2.0]  # FLUX.1 Kontext: width/height ratios of the resolution buckets
 # schedule (published: 39k steps, batch 32×64 GPUs; recipes/ hold the published runs, demos/demo_dmd.sh the demo's)
 MAX_STEPS = 100  # training steps (a fake-score update each, a generator update every DFAKE_GEN_UPDATE_RATIO)
 BATCH_SIZE = 2  # samples per rank per micro-batch (published SD-1.5: 32)

@@ -91,7 +91,7 @@ CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem
 MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (FLUX.1 Kontext 1, Qwen-Image-Edit 3)
 VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last NUM_SAMPLE_PAIRS of DATA_PATH
 OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
-RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = 512, or the embedded default's 32
+RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = the family's pipeline's (1024), or the embedded default's 32
 REFERENCE_AREA = 0  # Qwen-Image-Edit: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
@@ -224,7 +224,8 @@ def resolve_defaults() -> dict:
         MODEL_PATH, default_data = default_paths()
         DATA_PATH = DATA_PATH or default_data
         RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
-    RESOLUTION = RESOLUTION or 512
+    room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_flux_kontext.py")]
+    RESOLUTION = RESOLUTION or room.DEFAULT_RESOLUTION
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
     return script_constants(globals())
 
