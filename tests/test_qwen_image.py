@@ -60,7 +60,7 @@ def qwen(tmp_path_factory):
               "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
               f"--reference_area={AREA}", f"--condition_area={AREA}", "--lr=1e-3", "--warmup_steps=0",
               "--export_dtype=fp32", "--sample_steps=2", "--batch_size=1", "--seed=1"]
-    return {"root": root, "model": model_path, "rows": rows, "env": env, "common": common}
+    return {"root": root, "model": model_path, "rows": rows, "env": env, "common": common, "mixed": data}
 
 
 @pytest.fixture()
@@ -372,23 +372,26 @@ def test_dmd_gan_without_targets_is_one_line(qwen, tmp_path):
 
 @pytest.fixture(scope="module")
 def dmd_runs(qwen):
-    """DMD2 of the tiny Qwen-Image-Edit teacher, 4-step generator, two references per row: full with
-    the GAN head (and the same stopped at step 2 and resumed), and a LoRA generator and fake score on
-    an NF4 teacher."""
+    """DMD2 of the tiny Qwen-Image-Edit teacher, 4-step generator: on the mixed rows (one or two references,
+    two reference sizes: three shapes) full with the GAN head on 2 ranks, the same on 1 rank with GRAD_ACCUM=2
+    and on 2 ranks stopped at step 2 and resumed; on two references per row a LoRA generator and fake score
+    on an NF4 teacher."""
     root = qwen["root"]
     data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
-    common = [f"--model_path={qwen['model']}", f"--data_path={data}", f"--text_cache_dir={root / 'dmd_text_cache'}",
-              "--precision=fp32", "--resolution=64", f"--condition_area={AREA}", "--max_steps=4", "--log_every=1",
+    common = [f"--model_path={qwen['model']}", f"--data_path={qwen['mixed']}",
+              f"--text_cache_dir={root / 'dmd_text_cache'}", "--precision=fp32", "--resolution=64",
+              f"--condition_area={AREA}", f"--reference_area={AREA}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--export_dtype=fp32"]
     gan = ["--use_gan=1", "--gen_cls_loss_weight=0.1", "--guidance_cls_loss_weight=0.1"]  # weights that show
-    out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora")}
+    out = {k: root / ("dmd_" + k) for k in ("full", "one", "stopped", "lora")}
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=qwen["env"])
     done = launch_all({
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
+        "one": job(args=common + gan + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1),
         "stopped": job(args=common + gan + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
-        "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
-                                   "--base_dtype=nf4", "--save_every=0", "--shift=auto"])})
+        "lora": job(args=common + [f"--output_dir={out['lora']}", f"--data_path={data}", "--lora_rank=4",
+                                   "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--shift=auto"])})
     launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -404,8 +407,20 @@ def test_dmd_runs_resume_bit_exact_and_log_the_teacher_cfg(dmd_runs):
     assert all(0 < r["loss_guidance_cls"] < 3 for r in rows)
     assert sum("loss_gen_cls" in r for r in rows) == 2
     assert "teacher true CFG 4" in dmd_runs["logs"]["full"]
-    assert "σ shift of the DM loss and the fake score: " in dmd_runs["logs"]["lora"]  # SHIFT=auto
+    assert "σ shift of the DM loss and the fake score at 64x64: " in dmd_runs["logs"]["lora"]  # SHIFT=auto
     assert os.path.exists(dmd_runs["out"]["full"] / "samples" / "step_000004.png")
+
+
+@pytest.mark.slow
+def test_dmd_mixed_shapes_two_ranks_equal_one(dmd_runs):
+    """Rows of three shapes (one or two references, two reference sizes) train one shape per global batch,
+    each rank its exact share: 2 ranks give the numbers of 1 rank with GRAD_ACCUM=2."""
+    data = next(line for line in dmd_runs["logs"]["full"].splitlines() if line.startswith("data: "))
+    assert data.endswith("shapes 64x64 + 64x64 + 32x128: 2, 64x64 + 64x64: 4, 64x64 + 64x64 + 64x64: 26"), data
+    two, one = read_metrics(dmd_runs["out"]["full"], timing=False), read_metrics(dmd_runs["out"]["one"], timing=False)
+    for key in ("loss_fake", "loss_dm", "loss_guidance_cls"):
+        assert [r.get(key) is None for r in two] == [r.get(key) is None for r in one], key
+        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
 
 
 @pytest.mark.slow

@@ -590,3 +590,60 @@ def test_prompt_cache_encodes_each_distinct_prompt_once_and_alone():
     calls.clear()
     again = cached(["c", "a"])
     assert calls == [["c"]] and torch.equal(again.text, torch.cat([alone[3:], alone[:1]]))
+
+
+@pytest.mark.parametrize("family", ["kontext", "qwen"])
+def test_flow_teachers_read_rows_as_their_pipelines(family, tmp_path, monkeypatch):
+    """DMD2 reads an editing row as its pipeline reads it, to the pixel, for a 2:1 and a 1:2 row at
+    RESOLUTION 1024: FLUX.1 Kontext's context at its bucket, the size FluxKontextPipeline picks from its
+    preferred resolutions, resized (no crop) as its image processor does; Qwen-Image-Edit's reference
+    whole, at calculate_dimensions(1024^2) as the pipeline's VAE view (the Qwen2.5-VL view is the whole
+    image too), its target at the pipeline's output size; one shape per step, the target beside it."""
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import VAE_IMAGE_SIZE, calculate_dimensions
+    from PIL import Image
+
+    from families import qwen_image
+    from tests.test_data import pixels
+    g = np.random.default_rng(0)
+    rows = []
+    for i, (h, w) in enumerate(((300, 600), (600, 300))):  # 2:1 wide, 1:2 tall
+        for name in ("control", "target"):
+            Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{name}{i}.png")
+        rows.append({"control": f"control{i}.png", "target": f"target{i}.png", "prompt": "p"})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module = flux if family == "kontext" else qwen_image
+    room = type("Room", (), {k: staticmethod(v) if callable(v) else v for k, v in vars(module).items()
+                             if not k.startswith("__")})
+    room.vae_factor = staticmethod(lambda path: 8)
+    room.load_text = staticmethod(lambda *a: None)
+    for name, value in (("DATA_PATH", str(tmp_path / "rows.jsonl")), ("MAX_STEPS", 8), ("BATCH_SIZE", 1),
+                        ("GRAD_ACCUM", 1), ("USE_GAN", True)):
+        monkeypatch.setattr(train_dmd, name, value)
+    pipeline = "FluxKontextPipeline" if family == "kontext" else "QwenImageEditPlusPipeline"
+    settings = {**script_constants(vars(train_dmd)), "RESOLUTION": 1024, "PIPELINE": pipeline}
+    data = train_dmd.flow_data(room, settings)
+    d = fsdp_utils.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    processor = VaeImageProcessor(vae_scale_factor=16)
+    seen = set()
+    for it in range(8):
+        step = train_dmd.load_flow_step(it, room=room, data=data, cache_dir="", identity="", cfg=False, d=d)
+        (h, w), refs = step["shape"]
+        mb = step["batches"][0]
+        i = train_dmd.step_indices(it, data.members, data.schedule, 1, 0)[0]  # rows in the file's order
+        control = Image.open(tmp_path / f"control{i}.png")
+        if family == "kontext":  # the pipeline's preferred resolution nearest the image's ratio
+            _, pw, ph = min((abs(control.width / control.height - a / b), a, b)
+                            for a, b in PREFERRED_KONTEXT_RESOLUTIONS)
+            assert (h, w) == (ph, pw) and refs == ((h, w),)
+        else:  # calculate_dimensions at the pipeline's VAE area; the target at its output's
+            pw, ph = calculate_dimensions(VAE_IMAGE_SIZE, control.width / control.height)
+            assert refs == ((ph, pw),) and (h, w) == (ph, pw)
+        view = processor.preprocess(processor.resize(control.convert("RGB"), refs[0][0], refs[0][1]), *refs[0])[0]
+        assert torch.equal(pixels(mb["references"][0][0]), pixels(view))
+        target = Image.open(tmp_path / f"target{i}.png").convert("RGB")
+        assert torch.equal(pixels(mb["target"][0]), pixels(processor.preprocess(target, h, w)[0]))
+        seen.add(i)
+    assert seen == {0, 1}  # both shapes trained
