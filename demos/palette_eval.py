@@ -14,9 +14,11 @@ never repeat a train scene):
                        right edit of a context in the data, for a teacher that would otherwise learn
                        one colour per context
     train_cfg  train_all_colours plus a second instruction, "make it white", on the train contexts
-               that are not white already (nor on white): for a teacher fine-tuned with
-               CAPTION_DROPOUT, whose unconditional edit then mixes palette colours and white, so
-               that its true CFG ("paint it" against " ") changes what it paints (demos/demo_dmd_cfg.sh)
+               that are not white already (nor on white), each written 4 times: as many white edits as
+               palette ones, so that a teacher fine-tuned with CAPTION_DROPOUT learns an unconditional
+               edit half white, which its true CFG ("paint it" against " ") steers away from
+               (demos/demo_dmd_cfg.sh). With one white edit per context (12 % of the rows) its
+               unconditional edit paints as "paint it" does, and CFG 4 scores within 3.5 points of CFG 1
 
 Each split is written as demos/kontext_eval.py writes its own (context/*.png, target/*.png,
 data.jsonl rows {"image", "target", "prompt", scene fields}).
@@ -107,10 +109,10 @@ def ensure_task_data(root) -> dict:
     def write_cfg(tmp):
         scenes = [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE]
         scenes += [{**d, "target_colour": CFG_COLOUR, "prompt": CFG_PROMPT} for d in task_scenes("train")
-                   if CFG_COLOUR not in (d["colour"], d["background"])]
+                   if CFG_COLOUR not in (d["colour"], d["background"]) for _ in PALETTE]
         ke.write_pairs(tmp, scenes)
 
-    build_once(root / CFG_SPLIT, write_cfg, 600.0, ready_text="palette cfg split v1\n")
+    build_once(root / CFG_SPLIT, write_cfg, 600.0, ready_text="palette cfg split v2\n")
     return {**paths, CFG_SPLIT: str(root / CFG_SPLIT / "data.jsonl")}
 
 
