@@ -36,6 +36,7 @@ from families.dit import build_transformer as build_dit
 from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
 from parallel import attention
 from parallel.lora import Lora
+from parallel.model_facts import MODELS
 from parallel.parallelize import parallelize
 from precision import dtype_name
 
@@ -80,13 +81,11 @@ def prepare(model) -> None:
 
 
 def freeze_unused(model) -> None:
-    """The last block's text stream after attention (to_add_out, txt_mlp) feeds nothing: the model
-    returns the image stream only (transformer_qwenimage.py:979-983). They never get a grad, so they
-    are frozen: no optimizer state that exists in one run and not in its resume, no unused
-    parameter for DDP."""
-    last = model.transformer_blocks[-1]
-    last.attn.to_add_out.requires_grad_(False)
-    last.txt_mlp.requires_grad_(False)
+    """The modules nothing reads (parallel/model_facts.py: the last block's text stream after attention)
+    never get a grad, so they are frozen: no optimizer state that exists in one run and not in its
+    resume, no unused parameter for DDP. LoRA refuses to adapt them (parallel/lora.lora_targets)."""
+    for name in MODELS[type(model).__name__].unused(model):
+        model.get_submodule(name).requires_grad_(False)
 
 
 def rope_on_host(model) -> None:

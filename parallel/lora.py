@@ -70,10 +70,18 @@ def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
     if not targets:
         raise ConfigError(f"LORA_TARGET_MODULES is empty and {type(model).__name__} has no default targets")
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    facts = MODELS.get(type(model).__name__)
+    unused = facts.unused(model) if facts is not None and facts.unused is not None else []
     for t in targets:
-        if not any(n == t or n.endswith("." + t) for n in names):
+        hits = [n for n in names if n == t or n.endswith("." + t)]
+        if not hits:
             raise ConfigError(f"LORA_TARGET_MODULES: {t!r} matches no Linear or Conv2d module of "
                               f"{type(model).__name__} (e.g. {sorted({n.split('.')[-1] for n in names})[:8]})")
+        dead = [n for n in hits if any(n == u or n.startswith(u + ".") for u in unused)]
+        if dead:
+            raise ConfigError(f"LORA_TARGET_MODULES: {t!r} adapts {dead[0]}, whose output nothing reads in "
+                              f"{type(model).__name__}, so it would get no gradient; name the modules to adapt "
+                              f"by longer suffixes that leave out {', '.join(unused)}")
     return targets
 
 

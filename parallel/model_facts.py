@@ -8,6 +8,14 @@ its room (families/).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+
+def _qwen_unused(model) -> list[str]:
+    """The last block's text stream after attention (to_add_out, txt_mlp): the model returns the image
+    stream only (diffusers transformer_qwenimage.py:979-983), so nothing reads them."""
+    last = len(model.transformer_blocks) - 1
+    return [f"transformer_blocks.{last}.attn.to_add_out", f"transformer_blocks.{last}.txt_mlp"]
 
 
 @dataclass(frozen=True)
@@ -15,6 +23,7 @@ class ModelFacts:
     units: tuple[str, ...]  # module classes that each get their own fully_shard unit
     lora_targets: tuple[str, ...]  # default LoRA target suffixes (peft's target_modules)
     attention_dispatcher: bool = False  # its attention goes through diffusers' dispatcher (set_attention_backend)
+    unused: Callable | None = None  # (model) -> names of the modules whose output nothing reads: no gradient
 
 
 MODELS = {
@@ -42,5 +51,5 @@ MODELS = {
     # Attention: QwenDoubleStreamAttnProcessor2_0 calls dispatch_attention_fn
     "QwenImageTransformer2DModel": ModelFacts(units=("QwenImageTransformerBlock",),
                                               lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
-                                              attention_dispatcher=True),
+                                              attention_dispatcher=True, unused=_qwen_unused),
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -274,8 +275,32 @@ def test_family_refusals_are_one_line(qwen, tmp_path):
         assert len(errors) == 1 and errors[0].startswith(expect[name]), proc.stdout[-1500:]
 
 
+def test_a_lora_target_without_a_gradient_is_refused_naming_it(qwen):
+    """The last block's text stream after attention feeds nothing: a target that reaches it (to_add_out,
+    txt_mlp's layers) stops before any work in one line naming the module; the same layers of the other
+    blocks, named by longer suffixes, are taken; the modules nothing reads are frozen in every build."""
+    from core.errors import ConfigError
+    from parallel import lora as lora_lib
+    folder = os.path.join(qwen["model"], "transformer")
+    last = json.load(open(os.path.join(folder, "config.json")))["num_layers"] - 1
+    for target in ("to_add_out", "txt_mlp.net.2", "net.0.proj"):
+        with pytest.raises(ConfigError, match=rf"LORA_TARGET_MODULES: '{re.escape(target)}' adapts "
+                                              rf"transformer_blocks\.{last}\.(attn\.to_add_out|txt_mlp)"):
+            lora_lib.check_lora_targets("QwenImageTransformer2DModel", folder, lora_lib.Lora(rank=4, targets=(target,)))
+    ok = ("transformer_blocks.0.attn.to_add_out", "img_mlp.net.2", "to_q")
+    assert lora_lib.check_lora_targets("QwenImageTransformer2DModel", folder, lora_lib.Lora(rank=4, targets=ok)) == \
+        list(ok)
+    from diffusers import QwenImageTransformer2DModel
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(folder))
+    qi.freeze_unused(model)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith((f"transformer_blocks.{last}.attn.to_add_out",
+                                        f"transformer_blocks.{last}.txt_mlp")) for n in frozen)
+
+
 # ----------------------------------------------------------------------------------------------
-# DMD2 with a Qwen-Image-Edit teacher (train_dmd.py's qwen_setup)
+# DMD2 with a Qwen-Image-Edit teacher (train_dmd.py's flow setup)
 
 
 class _TextMean(torch.nn.Module):
