@@ -64,6 +64,57 @@ def qwen(tmp_path_factory):
     return {"root": root, "model": model_path, "rows": rows, "env": env, "common": common, "mixed": data}
 
 
+def edit_2511(model_path, folder):
+    """The tiny folder as Qwen-Image-Edit-2511's: the same weights, its transformer config with zero_cond_t
+    (the references modulated at t = 0; no parameter of its own). Returns the folder as str."""
+    import shutil
+    shutil.copytree(model_path, folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "zero_cond_t": True}, indent=2))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen_2511(qwen):
+    """The 2511 folder, fine-tuned (full, 2 ranks) and distilled (4-step LoRA generator, full fake score, 2
+    ranks) for 2 steps each."""
+    root = qwen["root"]
+    model = edit_2511(qwen["model"], root / "edit_2511")
+    data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
+    tuned = [f"--model_path={model}", f"--text_cache_dir={root / 'tc_2511'}", "--max_steps=2", "--save_every=0",
+             "--sample_every=0"]
+    out = {k: root / f"out_2511_{k}" for k in ("tuned", "dmd")}
+    launch_all({
+        "tuned": dict(script="train_flux_kontext.py", args=qwen["common"] + tuned + [f"--output_dir={out['tuned']}",
+                                                                                     "--val_every=0"],
+                      ranks=2, env=qwen["env"]),
+        "dmd": dict(script="train_dmd.py", args=tuned + [
+            f"--data_path={data}", "--precision=fp32", "--resolution=64", f"--condition_area={AREA}",
+            f"--reference_area={AREA}", "--batch_size=1", "--denoising_steps=999,749,499,249", "--lora_rank=4",
+            "--dfake_gen_update_ratio=1", "--export_dtype=fp32", f"--output_dir={out['dmd']}"],
+                    ranks=2, env=qwen["env"])})
+    return {"model": model, "out": out}
+
+
+@pytest.mark.slow
+def test_edit_2511_trains_distils_and_exports(qwen_2511, tmp_path, small_areas):
+    """Qwen-Image-Edit-2511 (zero_cond_t) fine-tunes and distils like 2509; the full export loads with
+    QwenImageEditPlusPipeline as a zero_cond_t model, the LoRA export on the 2511 base, and both sample."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    paths = references(tmp_path)
+    call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+                true_cfg_scale=1.0, output_type="np", generator=torch.Generator().manual_seed(0))
+    tuned = pipeline(str(qwen_2511["out"]["tuned"] / "export"))
+    assert tuned.transformer.config.zero_cond_t
+    assert np.isfinite(tuned(**call, num_inference_steps=2).images).all()
+    student = pipeline(qwen_2511["model"])
+    student.load_lora_weights(str(qwen_2511["out"]["dmd"] / "export"))
+    student.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(qwen_2511["out"]["dmd"] / "export"),
+                                                                        subfolder="scheduler")
+    assert student.transformer.config.zero_cond_t
+    assert np.isfinite(student(**call, num_inference_steps=4).images).all()
+
+
 @pytest.fixture()
 def small_areas(monkeypatch):
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
@@ -143,12 +194,14 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 4), (1, 6, 2), (1, 2, 6)]]
 
 
-@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
-def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg):
+@pytest.mark.parametrize("true_cfg, model", [(1.0, "2509"), (4.0, "2509"), (4.0, "2511")])
+def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, model):
     """The room's sample (the grids' edits) equals the pipeline's output image for the same seed,
-    with and without true CFG against the negative prompt."""
+    with and without true CFG against the negative prompt, for 2509 and 2511 (zero_cond_t)."""
     from data.images import load_image
-    pipe = pipeline(qwen["model"])
+    folder = qwen["model"] if model == "2509" else edit_2511(qwen["model"], tmp_path / "edit_2511")
+    pipe = pipeline(folder)
+    assert pipe.transformer.config.zero_cond_t == (model == "2511")
     paths = references(tmp_path)
     row = {"controls": paths, "control": paths[0]}
     negative = {"negative_prompt": qi.NEGATIVE_PROMPT} if true_cfg > 1 else {}
@@ -157,8 +210,7 @@ def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg):
                   output_type="pt", **negative).images[0]
     settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
     texts = [("make it blue", row), (qi.NEGATIVE_PROMPT, row)]
-    identity = qi.prepare_edit_text(texts, qwen["model"], str(tmp_path / "tc"), settings, torch.float32,
-                                    torch.device("cpu"))
+    identity = qi.prepare_edit_text(texts, folder, str(tmp_path / "tc"), settings, torch.float32, torch.device("cpu"))
     text = qi.load_text(texts[:1], str(tmp_path / "tc"), identity, torch.device("cpu"))
     neg = qi.load_text(texts[1:], str(tmp_path / "tc"), identity, torch.device("cpu"))
     refs = [load_image(p, *s)[None] for p, s in zip(paths, qi.reference_sizes(None, row, settings))]
