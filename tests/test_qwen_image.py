@@ -312,6 +312,15 @@ def test_exports_load_and_sample_with_the_pipeline(qwen, runs, tmp_path, small_a
 
 
 @pytest.mark.slow
+def test_an_export_loads_the_plain_way(runs):
+    """README's load line as written, QwenImageEditPlusPipeline.from_pretrained(export) with nothing passed
+    by hand, in the environment requirements.txt installs (torchvision: the processor's video part)."""
+    from diffusers import QwenImageEditPlusPipeline
+    pipe = QwenImageEditPlusPipeline.from_pretrained(str(runs["out"]["two"] / "export"))
+    assert type(pipe.processor).__name__ == "Qwen2VLProcessor" and pipe.processor.video_processor is not None
+
+
+@pytest.mark.slow
 def test_family_refusals_are_one_line(qwen, tmp_path):
     jobs = {name: dict(script="train_flux_kontext.py", args=qwen["common"] + [f"--output_dir={tmp_path / name}",
                                                                               flag], ranks=1, env=qwen["env"])
