@@ -9,7 +9,7 @@ training stories. The scripts pick the room from model_index.json's `_class_name
     pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it
 
 A new family (FLUX.2 next) is one more room here, listed in FAMILIES, with its pipeline's
-components in pipelines.py and, for DMD2, its setup in train_dmd.py's _SETUPS. Rooms import
+components in pipelines.py (docs/architecture.md, "Adding a family", lists what a room writes). Rooms import
 parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms, never the
 other way (tests/test_layout.py checks it).
 """
