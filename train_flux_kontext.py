@@ -67,8 +67,8 @@ from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data.batches import micro_batch_positions
-from data.buckets import (assign_buckets, bucket_schedule, load_pairs, make_buckets, references, row_shapes,  # noqa: F401
-                          step_flips, step_indices)
+from data.buckets import (assign_buckets, bucket_schedule, load_pairs, make_buckets, mirrored_rows,  # noqa: F401
+                          references, row_shapes, step_flips, step_indices)
 from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
@@ -412,7 +412,7 @@ def load_step(step, room, train, members, schedule, shapes, global_batch, micro_
     for m in range(grad_accum):  # micro-batch m = m-th chunk of the global batch, split over DP groups
         mine = micro_batch_positions(m, micro_global, dp_rank, dp_size)
         rows = [train[indices[i]] for i in mine]
-        text_rows = [{**r, "mirror": True} if f else r for r, f in zip(rows, flips[mine].tolist())]  # cache keys
+        text_rows = mirrored_rows(rows, flips[mine])  # the cache keys of flipped samples
         prompts = drop_captions([r["prompt"] for r in rows], seed, step, mine, caption_dropout,
                                 room.UNCONDITIONAL_PROMPT)
         text = room.load_text(list(zip(prompts, text_rows)), cache_dir, identity, torch.device("cpu"))

@@ -107,6 +107,13 @@ def step_flips(seed, step, global_batch, random_flip) -> torch.Tensor:
     return (torch.rand(global_batch, generator=g) < 0.5) & random_flip
 
 
+def mirrored_rows(rows, flips) -> list[dict]:
+    """The rows as a flipped sample's text is keyed: with "mirror" where `flips` mirrors its images (a
+    family whose text encoder reads them caches that text apart: families/qwen_image.text_key)."""
+    flips = flips.tolist() if torch.is_tensor(flips) else flips  # CPU data: no device sync
+    return [{**r, "mirror": True} if f else r for r, f in zip(rows, flips)]
+
+
 def load_pairs(rows, shape, flips, target: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Reference batches [(B, 3, h, w) per reference] and the target batch (B, 3, h, w) (None with
     target=False) of rows of one shape, as the editing pipelines read an image: stretched to its size

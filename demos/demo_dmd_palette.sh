@@ -37,7 +37,8 @@ case "$FAMILY" in
     qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/palette_dmd_qwen; TEACHER_STEPS=6000; ONE_STEP_STEPS=4800
              FOUR_STEP_ARGS=(--max_steps=600)
              TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
-             DMD_ARGS=(--condition_area=1024 --real_guidance_scale=1.0); EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
+             DMD_ARGS=(--reference_area=1024 --condition_area=1024 --real_guidance_scale=1.0)
+             EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
     *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
 esac
 OUT=${OUT:-$DEFAULT_OUT}

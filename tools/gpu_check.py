@@ -766,14 +766,14 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
     def qwen_dmd():  # the Qwen DMD2 rows' settings (qwen_areas reads the pipeline's constants: only when asked)
-        return {**QWEN_DMD, "condition_area": qwen_areas(tiny, lo)["condition_area"]}
+        return {**QWEN_DMD, **qwen_areas(tiny, lo)}  # references at the target's size, as planned
 
     if suite == "qwen":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
         return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 40, lora_rank=16,
                     extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
                 row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 190, resume=True, extra=qwen_areas(tiny, lo)),
                 # recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings: LoRA r64 alpha 8 generator, full
-                # fake score, AC; references at the target's size (train_dmd.py's), teacher true CFG 4
+                # fake score, AC; references at the target's size (as the planner plans them), teacher true CFG 4
                 row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 160, ac=True, lora_rank=64,
                     resume=True, extra=qwen_dmd())]
     if suite == "speed":
