@@ -18,8 +18,11 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")  # what the folder layouts
 # the names users bring for each field (JSONL keys, datasets columns), the canonical one first.
 # "image" alone is ambiguous for pairs: this project's Kontext pairs (assets/kontext_blue) name the input so
 # (beside "target"), ai-toolkit and diffusers' examples the edited result (beside "control").
-ALIASES = {"control": ("control", "context", "source"), "target": ("target", "edited"),
+# musubi-tuner's image JSONL: "image_path" (the edited result), "control_path" or "control_path_0", "_1", ...
+# (the references, in number order), "caption"
+ALIASES = {"control": ("control", "context", "source", "control_path"), "target": ("target", "edited", "image_path"),
            "prompt": ("prompt", "caption", "text", "instruction"), "image": ("image",)}
+NUMBERED_CONTROL = re.compile(r"control_path_(\d+)")  # musubi-tuner's numbered references
 
 
 def match_fields(names, roles) -> tuple[dict[str, str], str]:
@@ -170,6 +173,7 @@ def _jsonl_row(line, roles, required, images, base, max_references):
         raise ValueError(f"not valid JSON ({e.msg})") from None
     if not isinstance(raw, dict):
         raise ValueError("expected a JSON object")
+    raw = _numbered_references(raw) if "control" in roles else raw
     fields, note = match_fields(raw, roles)
     row = {}
     for role in roles:
@@ -187,6 +191,22 @@ def _jsonl_row(line, roles, required, images, base, max_references):
         else:
             row[role] = os.path.join(base, value) if role in images else value
     return row, note
+
+
+def _numbered_references(raw: dict) -> dict:
+    """musubi-tuner's control_path_0, control_path_1, ... keys as one "control" list, in number order
+    (numbered from 0, none missing, not beside another reference key)."""
+    numbered = sorted((int(m.group(1)), k) for k in raw if (m := NUMBERED_CONTROL.fullmatch(k)))
+    if not numbered:
+        return raw
+    plain = [k for k in ALIASES["control"] if k in raw]
+    if plain:
+        raise ValueError(f"both {plain[0]!r} and {numbered[0][1]!r} name references: keep one kind")
+    missing = [n for n in range(numbered[-1][0] + 1) if n not in dict(numbered)]
+    if missing:
+        raise ValueError(f"{', '.join(k for _, k in numbered)}: reference control_path_{missing[0]} is missing")
+    keys = [k for _, k in numbered]
+    return {**{k: v for k, v in raw.items() if k not in keys}, "control": [raw[k] for k in keys]}
 
 
 def _path_list(value) -> list[str]:

@@ -385,6 +385,30 @@ def test_musubi_numbered_control_folder_bad_rows(tmp_path, controls, message):
     assert [os.path.basename(r["target"]) for r in rows] == ["001.png", "002.png"] and skipped == 1
 
 
+def test_musubi_jsonl_keys(tmp_path):
+    """musubi-tuner's image JSONL: "image_path" the edited result, "control_path" or control_path_0, _1, ... the
+    references in number order (relative paths from the file's folder), "caption" the prompt; a reference
+    number missing, or both kinds of key, stop in one line naming file:line."""
+    for name in ("t.png", "a.png", "b.png"):
+        _img(tmp_path / name)
+    lines = [{"image_path": "t.png", "control_path_1": "b.png", "control_path_0": "a.png", "caption": "swap"},
+             {"image_path": "t.png", "control_path": "a.png", "caption": "one"}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows, _ = read_rows(str(tmp_path / "m.jsonl"), PAIR, PAIR, skip_bad=False, max_references=3)
+    a, b, t = (str(tmp_path / n) for n in ("a.png", "b.png", "t.png"))
+    assert [r["controls"] for r in rows] == [[a, b], [a]]
+    assert [(r["target"], r["prompt"]) for r in rows] == [(t, "swap"), (t, "one")]
+    one, _ = read_rows(str(tmp_path / "m.jsonl"), PAIR, PAIR, skip_bad=True, max_references=1)
+    assert [r["control"] for r in one] == [a]  # Kontext: the two-reference row is too many
+    for bad, message in (({"control_path_0": "a.png", "control_path_2": "b.png"},
+                          "control_path_0, control_path_2: reference control_path_1 is missing"),
+                         ({"control_path": "a.png", "control_path_0": "b.png"},
+                          "both 'control_path' and 'control_path_0' name references")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"image_path": "t.png", "caption": "x", **bad}) + "\n")
+        with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'bad.jsonl'}:1: {message}")):
+            read_rows(str(tmp_path / "bad.jsonl"), PAIR, PAIR, skip_bad=False, max_references=3)
+
+
 def test_numbered_controls_are_not_read_for_a_single_reference_model(tmp_path):
     """FLUX Kontext (one reference) reads the control folder as before: {stem}.* only."""
     folder = _musubi_folder(tmp_path / "m", {"000_0.png": (16, 16), "001.png": (16, 16), "002.png": (16, 16)})
