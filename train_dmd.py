@@ -112,7 +112,8 @@ SEED = 0  # data order, noise, timesteps, sample seeds: all drawn from (SEED, st
 GENERATOR_LR = 1e-5  # the generator's learning rate
 GUIDANCE_LR = 1e-5  # the fake score's (+ GAN head's)
 OPTIMIZER = "adamw"  # adamw (torch fused, fp32 states) | adamw8bit | adamw4bit (torchao)
-WARMUP_STEPS = 0.0  # linear LR warmup over this many steps, then constant (official: 7.8125)
+WARMUP_STEPS = 0.0  # linear LR warmup over this many steps (official: 7.8125)
+LR_SCHEDULE = "constant"  # the LR after the warmup: constant (published) | cosine | linear (to 0 at MAX_STEPS)
 MAX_GRAD_NORM = 10.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled and exported
 MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
@@ -197,6 +198,7 @@ def validate_config() -> list[int]:
     check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
         "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0,
+        f"LR_SCHEDULE in ({', '.join(optim.LR_SCHEDULES)})": LR_SCHEDULE in optim.LR_SCHEDULES,
         f"REAL_GUIDANCE_NORM in ({', '.join(dm.CFG_NORMS)}) or \"\"": REAL_GUIDANCE_NORM in ("", *dm.CFG_NORMS),
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
         "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
@@ -427,7 +429,7 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
     num_processes iterations (500 / 64 = 7.8125 for the published runs), the first at LR 0."""
     opt = optim.make_optimizer(OPTIMIZER, [p for p in module.parameters() if p.requires_grad], lr=lr,
                                 betas=(0.9, 0.999), weight_decay=0.01)
-    return opt, warmup_scheduler(opt, warmup_steps, first_step=0)
+    return opt, warmup_scheduler(opt, warmup_steps, first_step=0, schedule=LR_SCHEDULE, total_steps=MAX_STEPS)
 
 
 # ----------------------------------------------------------------------------------------------

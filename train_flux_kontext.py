@@ -114,7 +114,8 @@ ADAM_BETAS = [0.9, 0.999]  # AdamW betas (torch / diffusers example defaults)
 WEIGHT_DECAY = 1e-4  # AdamW weight decay: diffusers' Kontext example's --adam_weight_decay default
 ADAM_EPS = 1e-8  # AdamW epsilon
 OPTIMIZER = "adamw"  # adamw (torch fused, fp32 states) | adamw8bit | adamw4bit (torchao)
-WARMUP_STEPS = 10  # linear LR warmup over this many steps, then constant
+WARMUP_STEPS = 10  # linear LR warmup over this many steps
+LR_SCHEDULE = "constant"  # the LR after the warmup: constant | cosine | linear (both decay to 0 at MAX_STEPS)
 MAX_GRAD_NORM = 1.0  # clip each model's total grad norm (0 = no clipping); a non-finite norm skips the step
 EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), shown in samples and exported instead of it
 # flow matching (the diffusers Kontext example's settings)
@@ -196,6 +197,7 @@ def validate_config() -> precision.Precision:
                           "image; turn one of them off")
     check_settings({
         "LR > 0": LR > 0, "len(ADAM_BETAS) == 2": len(ADAM_BETAS) == 2,
+        f"LR_SCHEDULE in ({', '.join(optim.LR_SCHEDULES)})": LR_SCHEDULE in optim.LR_SCHEDULES,
         f"WEIGHTING_SCHEME in {km.SIGMA_SCHEMES}": WEIGHTING_SCHEME in km.SIGMA_SCHEMES,
         f"LOSS_WEIGHTING in {km.WEIGHTING_SCHEMES}": LOSS_WEIGHTING in km.WEIGHTING_SCHEMES,
         "SHIFT > 0 or auto": km.valid_shift(SHIFT), "LOGIT_STD > 0": LOGIT_STD > 0,
@@ -562,7 +564,7 @@ def main():
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = optim.make_optimizer(OPTIMIZER, params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
                                       weight_decay=WEIGHT_DECAY)
-    lr_sched = warmup_scheduler(optimizer, WARMUP_STEPS)
+    lr_sched = warmup_scheduler(optimizer, WARMUP_STEPS, schedule=LR_SCHEDULE, total_steps=MAX_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
     trainer.report_components(run, f"{RESOLUTION} px", audit + [precision.component_row("vae", vae, vae.dtype)],

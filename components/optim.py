@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parallel.lowbit import torchao
@@ -55,19 +57,32 @@ def _eager_steps(opt: torch.optim.Optimizer) -> None:
     opt.step = types.MethodType(step, opt)
 
 
-def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: float,
-                     first_step: int = 1) -> torch.optim.lr_scheduler.LambdaLR:
-    """Constant LR after a linear warmup over `warmup_steps` scheduler steps: the factor of the base
-    LR at scheduler step i (0-based) is min(1, (i + first_step) / warmup_steps), 1 when
-    warmup_steps = 0. first_step=1: the first update already at LR / warmup_steps; first_step=0:
-    the first at LR 0, as diffusers' constant_with_warmup and so the official DMD2 code count
-    (train_dmd.make_optimizer says why its warmup may be fractional)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps, first_step))
+LR_SCHEDULES = ("constant", "cosine", "linear")  # LR_SCHEDULE: the LR after the warmup
+
+
+def warmup_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: float, first_step: int = 1,
+                     schedule: str = "constant", total_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """A linear warmup over `warmup_steps` scheduler steps, then the base LR (constant) or its decay to 0
+    at `total_steps` (cosine: half a cosine; linear), as diffusers' get_{constant,cosine,linear}_schedule_
+    with_warmup count: at scheduler step i (0-based) s = i + first_step, the factor is s / warmup_steps
+    during the warmup, then with p = (s − warmup) / (total − warmup): 1, ½(1 + cos πp) or 1 − p (never
+    below 0). first_step=1: the first update already at LR / warmup_steps; first_step=0: the first at
+    LR 0, as diffusers and so the official DMD2 code count (train_dmd.make_optimizer says why its
+    warmup may be fractional)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"LR schedule {schedule!r}: one of {', '.join(LR_SCHEDULES)}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup_steps, first_step, schedule, total_steps))
 
 
 class _Warmup:
-    def __init__(self, steps: float, first_step: int):
-        self.steps, self.first_step = steps, first_step
+    def __init__(self, steps: float, first_step: int, schedule: str = "constant", total: int = 0):
+        self.steps, self.first_step, self.schedule, self.total = steps, first_step, schedule, total
 
     def __call__(self, step: int) -> float:
-        return min(1.0, (step + self.first_step) / self.steps) if self.steps > 0 else 1.0
+        s = step + self.first_step
+        if self.schedule == "constant":
+            return min(1.0, s / self.steps) if self.steps > 0 else 1.0
+        if s < self.steps:
+            return s / self.steps
+        p = min(1.0, (s - self.steps) / max(1.0, self.total - self.steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * p)) if self.schedule == "cosine" else 1.0 - p)

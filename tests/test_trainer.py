@@ -74,6 +74,32 @@ def test_one_warmup_two_conventions(first_step, factors):
     assert seen == pytest.approx(factors)
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+@pytest.mark.parametrize("first_step", [0, 1])
+def test_decaying_schedules_are_diffusers(schedule, first_step):
+    """LR_SCHEDULE cosine / linear: diffusers' get_cosine_schedule_with_warmup / get_linear_schedule_with_warmup
+    factors at every step (first_step 1: one step ahead), down to 0 at MAX_STEPS; a resumed scheduler goes on."""
+    from diffusers.optimization import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+    make = get_cosine_schedule_with_warmup if schedule == "cosine" else get_linear_schedule_with_warmup
+    total, warmup = 20, 4
+
+    def factors(sched, opt, n):
+        out = []
+        for _ in range(n):
+            out.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return out
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ours = factors(warmup_scheduler(opt, warmup, first_step, schedule, total), opt, total)
+    theirs = factors(make(ref_opt, warmup, total), ref_opt, total + 1)[first_step:][:total]
+    assert ours == pytest.approx(theirs, abs=1e-12)
+    resumed = warmup_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup, first_step)
+    resumed.load_state_dict(warmup_scheduler(opt, warmup, first_step, schedule, total).state_dict())
+    assert resumed.lr_lambdas[0](7) == pytest.approx(ours[7])
+
+
 def _reads_per_step(script: str, args: list[str], tmp_path) -> int:
     """Tensor-to-host reads per step outside logging steps (tests/sync_count_driver.py): the
     difference between a 4-step and a 2-step run whose only logging step is the last."""
