@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from core.errors import ConfigError
 from fsdp_utils import fill_local, local_tensor
-from parallel.model_facts import MODELS
+from parallel.model_facts import LORA_PRESETS, MODELS
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     facts = MODELS.get(type(model).__name__)
     unused = facts.unused(model) if facts is not None and facts.unused is not None else []
+    if targets == ["blocks"]:
+        return block_linears(model, facts, unused)
+    if any(t in LORA_PRESETS for t in targets):
+        raise ConfigError(f"LORA_TARGET_MODULES={targets}: a preset ({', '.join(LORA_PRESETS)}) stands alone")
     for t in targets:
         hits = [n for n in names if n == t or n.endswith("." + t)]
         if not hits:
@@ -83,6 +87,19 @@ def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
                               f"{type(model).__name__}, so it would get no gradient; name the modules to adapt "
                               f"by longer suffixes that leave out {', '.join(unused)}")
     return targets
+
+
+def block_linears(model: nn.Module, facts, unused: list[str]) -> list[str]:
+    """The "blocks" preset: the full names of the Linears inside the model's FSDP units (its blocks), but
+    their modulation and the modules nothing reads."""
+    if facts is None:
+        raise ConfigError(f"LORA_TARGET_MODULES=blocks: no block classes known for {type(model).__name__}")
+    out = []
+    for name, unit in model.named_modules():
+        if type(unit).__name__ in facts.units:
+            out += [f"{name}.{n}" for n, m in unit.named_modules() if isinstance(m, nn.Linear)
+                    and not any(part in f"{n}." for part in facts.modulation)]
+    return [n for n in out if not any(n == u or n.startswith(u + ".") for u in unused)]
 
 
 def check_lora_targets(class_name: str, folder: str, lora: Lora) -> list[str]:

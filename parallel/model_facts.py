@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+# LORA_TARGET_MODULES=blocks: every Linear inside the model's FSDP units but their modulation, as musubi-tuner
+# (QwenImageTransformerBlock's Linears, "_mod_" excluded) and ai-toolkit adapt them
+LORA_PRESETS = ("blocks",)
+
 
 def _qwen_unused(model) -> list[str]:
     """The last block's text stream after attention (to_add_out, txt_mlp): the model returns the image
@@ -24,6 +28,7 @@ class ModelFacts:
     lora_targets: tuple[str, ...]  # default LoRA target suffixes (peft's target_modules)
     attention_dispatcher: bool = False  # its attention goes through diffusers' dispatcher (set_attention_backend)
     unused: Callable | None = None  # (model) -> names of the modules whose output nothing reads: no gradient
+    modulation: tuple[str, ...] = ()  # name parts of the units' modulation Linears, left out of the "blocks" preset
 
 
 MODELS = {
@@ -42,7 +47,7 @@ MODELS = {
         lora_targets=("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                       "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                       "ff_context.net.2", "proj_mlp"),
-        attention_dispatcher=True),
+        attention_dispatcher=True, modulation=("norm1.linear", "norm1_context.linear", "norm.linear")),
     # Qwen-Image (-Edit, -Edit-2509/2511): its `_no_split_modules`, the 60 dual-stream blocks (image and text
     # streams, joint attention). LoRA: diffusers' Qwen-Image LoRA example's default targets
     # (examples/dreambooth/train_dreambooth_lora_qwen_image.py, `target_modules` when --lora_layers is
@@ -51,5 +56,6 @@ MODELS = {
     # Attention: QwenDoubleStreamAttnProcessor2_0 calls dispatch_attention_fn
     "QwenImageTransformer2DModel": ModelFacts(units=("QwenImageTransformerBlock",),
                                               lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
-                                              attention_dispatcher=True, unused=_qwen_unused),
+                                              attention_dispatcher=True, unused=_qwen_unused,
+                                              modulation=("img_mod.", "txt_mod.")),
 }

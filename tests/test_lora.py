@@ -188,7 +188,8 @@ def test_bad_lora_settings_fail_with_one_line(monkeypatch, capsys):
         for argv, message in ((["--lora_rank=-1"], "LORA_RANK=-1: must be >= 0"),
                               (["--lora_rank=4", "--lora_target_modules=to_qq"],
                                "LORA_TARGET_MODULES: 'to_qq' matches no Linear"),
-                              (["--lora_rank=4", "--lora_init=kaiming"], "LORA_INIT='kaiming': choose one of")):
+                              (["--lora_rank=4", "--lora_init=kaiming"], "LORA_INIT='kaiming': choose one of"),
+                              (["--lora_rank=4", "--lora_target_modules=blocks,to_q"], "a preset .* stands alone")):
             monkeypatch.setattr(sys, "argv", ["train_flux_kontext.py"] + argv)
             with pytest.raises(ConfigError, match=message) as e:
                 tfk.main()
@@ -290,3 +291,27 @@ def test_dmd_lora_export_loads_onto_the_teacher_pipeline(dmd_runs):
 def train_dmd_default():
     import train_dmd
     return train_dmd.default_paths()
+
+
+def test_the_blocks_preset_is_every_linear_of_the_blocks_but_modulation(kontext_setup):
+    """LORA_TARGET_MODULES=blocks on FLUX.1 and Qwen-Image: every Linear inside an FSDP unit (the blocks),
+    none of their modulation Linears, nothing outside the blocks, none that nothing reads."""
+    import diffusers
+    from parallel.model_facts import MODELS
+    from tools import tiny_models
+    qwen_model, _ = tiny_models.ensure_default("qwen_image_edit", kontext_setup["root"] / "cache")
+    for cls, folder in (("FluxTransformer2DModel", os.path.join(kontext_setup["model_path"], "transformer")),
+                        ("QwenImageTransformer2DModel", os.path.join(qwen_model, "transformer"))):
+        model_cls = getattr(diffusers, cls)
+        with torch.device("meta"):
+            model = model_cls.from_config(model_cls.load_config(folder))
+        names = lora.check_lora_targets(cls, folder, lora.Lora(rank=4, targets=("blocks",)))
+        linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        facts = MODELS[cls]
+        in_blocks = {n for n in linears if any(n.startswith(u + ".") for u, m in model.named_modules()
+                                               if type(m).__name__ in facts.units)}
+        modulation = {n for n in in_blocks if any(part in n + "." for part in facts.modulation)}
+        unused = {n for n in in_blocks for u in (facts.unused(model) if facts.unused else [])
+                  if n == u or n.startswith(u + ".")}
+        assert modulation and set(names) == in_blocks - modulation - unused, cls
+        assert len(names) > len(lora.check_lora_targets(cls, folder, lora.Lora(rank=4))), cls

@@ -76,8 +76,8 @@ def edit_2511(model_path, folder):
 
 @pytest.fixture(scope="module")
 def qwen_2511(qwen):
-    """The 2511 folder, fine-tuned (full, 2 ranks) and distilled (4-step LoRA generator, full fake score, 2
-    ranks) for 2 steps each."""
+    """The 2511 folder, fine-tuned (full, 2 ranks) and distilled (4-step LoRA generator on every Linear of the
+    blocks, full fake score, 2 ranks) for 2 steps each."""
     root = qwen["root"]
     model = edit_2511(qwen["model"], root / "edit_2511")
     data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
@@ -91,6 +91,7 @@ def qwen_2511(qwen):
         "dmd": dict(script="train_dmd.py", args=tuned + [
             f"--data_path={data}", "--precision=fp32", "--resolution=64", f"--condition_area={AREA}",
             f"--reference_area={AREA}", "--batch_size=1", "--denoising_steps=999,749,499,249", "--lora_rank=4",
+            "--lora_target_modules=blocks",
             "--dfake_gen_update_ratio=1", "--export_dtype=fp32", f"--output_dir={out['dmd']}"],
                     ranks=2, env=qwen["env"])})
     return {"model": model, "out": out}
