@@ -10,8 +10,8 @@ DMD2 with the shipped Kontext teacher (4-step generator, GAN head on), Kontext f
 embedded default, and DMD2 with the tiny Qwen-Image-Edit-2509 teacher (tools/tiny_models.py: two
 references per row, 4-step generator, the teacher's true CFG, GAN head on). A fingerprint holds, per
 job: every metrics.jsonl record without its timings, a hash of every checkpoint file (trainer_state.json
-without its run id and save time; DCP's pickled .metadata and the per-process RNG files only by their
-presence) and the checkpoints' config setting by setting (its temporary and checkout folders named
+without its run id and save time, field by field; DCP's pickled .metadata and the per-process RNG files
+only by their presence) and the checkpoints' config setting by setting (its temporary and checkout folders named
 alike, so a new setting shows by name),
 every export file (links by where they point) and every sample grid's pixels. `--compare` prints
 what differs and exits 1 if anything does.
@@ -63,10 +63,9 @@ def _file_hash(path: str, work: str) -> str | dict:
         with open(path) as f:  # the run's settings: its folders (temporary, the checkout's) named alike
             text = f.read().replace(os.path.realpath(work), "$WORK").replace(work, "$WORK")
             return json.loads(text.replace(ROOT, "$ROOT"))
-    if name == "trainer_state.json":
+    if name == "trainer_state.json":  # compared field by field, as the config
         with open(path) as f:
-            state = {k: v for k, v in json.load(f).items() if k not in RUN_FIELDS}
-        return _sha(json.dumps(state, sort_keys=True).encode())
+            return {k: v for k, v in json.load(f).items() if k not in RUN_FIELDS}
     if name.endswith(".png"):
         import numpy as np
         from PIL import Image
