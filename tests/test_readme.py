@@ -148,3 +148,23 @@ def test_section_reference_pattern_catches_a_missing_section():
     assert SECTION_REF.findall('see (README, "No such section")') == [("README", "No such section", "")]
     assert SECTION_REF.findall("(README, No such section)") == [("README", "", "No such section")]
     assert not any("no such section" in h for h in headings("README.md"))
+
+
+def test_readme_tables_name_every_family_and_doc():
+    """The README's Files line for families/ names every room (families.FAMILIES, by its NAME), its Docs table
+    links every docs/*.md, and its Files block every folder of the repository: the next family or page
+    cannot be left out."""
+    import glob
+
+    import families
+    text = read("README.md")
+    rooms = [line for line in text.splitlines() if line.startswith("families/")]
+    assert len(rooms) == 1 and all(room.NAME in rooms[0] for room in set(families.FAMILIES.values())), rooms
+    docs = text[text.index("## Docs"):text.index("## Tests")]
+    assert [f for f in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+            if f"({os.path.relpath(f, ROOT)})" not in docs] == []
+    files = text[text.index("## Files"):text.index("## Docs")]
+    import subprocess
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    folders = sorted({p.split("/")[0] for p in tracked.splitlines() if "/" in p and not p.startswith(".")})
+    assert folders and [d for d in folders if f"\n{d}/" not in files] == []
