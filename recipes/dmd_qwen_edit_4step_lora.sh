@@ -7,13 +7,14 @@
 # `python tools/memory_plan.py --model=qwen-image-edit-dmd --world_size=8 --resolution=1024
 # --activation_checkpointing=1 --fake_score_fp32=0 --lora_rank=64 --lora_alpha=8 --gpu_memory_gb=80`
 # plans 58.1 GiB per GPU on 8 x 80 GB. NF4=1: the 8 x 24 GB row instead, a LoRA fake score too and every
-# base and the teacher in NF4 (plans 11.6 GiB). Every row needs the same number of reference images.
+# base and the teacher in NF4 (plans 11.6 GiB). Rows are read as train_flux_kontext.py reads them (1-3
+# references each, at the pipeline's sizes; one shape per global batch).
 #
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl bash recipes/dmd_qwen_edit_4step_lora.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a Qwen-Image-Edit-2509/2511 diffusers folder (QwenImageEditPlusPipeline layout)}
-DATA=${DATA:?set DATA to a .jsonl of rows with "control" image(s) and a "prompt"}
+DATA=${DATA:?set DATA to edit rows with "control" image(s) and a "prompt": a .jsonl, a folder layout or datasets}
 NF4=${NF4:-0}
 OUT=${OUT:-out/qwen_edit_dmd_4step_lora}
 TEXT_CACHE_DIR=${TEXT_CACHE_DIR:-$OUT/text_cache}  # share it between runs on the same rows
