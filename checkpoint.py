@@ -444,8 +444,12 @@ def _agreed(fn, partial: str) -> None:
 
 
 def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
+    """Written beside and moved into place: never half-written, and a hard-linked file (an export's frozen
+    part) gets a file of its own instead of writing through the link into its source."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------

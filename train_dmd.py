@@ -75,7 +75,8 @@ from families import dit
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
-from parallel.loading import check_same_tensors
+from parallel import lora_merge
+from parallel.loading import check_same_tensors, tensor_shapes
 from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
 
@@ -85,6 +86,7 @@ from precision import Precision, component_row, get_precision, parse_dtype
 
 # models and data
 MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1 or Qwen-Image-Edit folder (model_index.json says which); "" = shapes
+TEACHER_LORA = ""  # flow teachers: a LoRA export of MODEL_PATH (a fine-tune's export/): the teacher is base + it
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
 # (an editing teacher: rows as train_flux_kontext.py reads them, "control"(s) + "prompt"; "target" for the GAN)
 CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' folder(s); "" = DATA_PATH/control
@@ -156,6 +158,7 @@ VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype (SDXL: fp32
 TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
 VAE_PATH = ""  # a VAE folder to use instead of MODEL_PATH/vae (e.g. an fp16-safe SDXL VAE); linked into the export
 EXPORT_DTYPE = "fp32"  # dtype of the exported trained model (fp16/bf16 halve the file)
+EXPORT_SYMLINKS = False  # the export's frozen parts: hard-linked (copied across filesystems); True = symlinks
 # parallelism
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; DMD2: no GAN head)
 BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
@@ -275,6 +278,8 @@ def check_unet_settings() -> None:
          "the regression loss is built for flow-matching teachers (FLUX, Qwen-Image-Edit) only"),
         (f"SHIFT={SHIFT}", SHIFT != "1", "its timesteps are drawn uniformly over the DDPM range, as published; the σ "
          "shift is for flow-matching teachers"),
+        ("TEACHER_LORA", TEACHER_LORA, "a flow teacher's setting; give a UNet fine-tune as its full folder "
+         "(MODEL_PATH, or GENERATOR_INIT for the generator alone)"),
         *[(name, name in changed_settings(), "a setting of the editing teachers' rows") for name in _EDIT_SETTINGS],
     ]
     for name, bad, why in refused:
@@ -302,6 +307,9 @@ def check_flow_settings(room, pipeline: str) -> None:
         if bad:
             raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
     room.check_dmd_settings(pipeline, script_constants(globals()), changed_settings(), source_kind(DATA_PATH))
+    if TEACHER_LORA:  # before any work: a LoRA of this transformer, tensor for tensor
+        transformer = os.path.join(MODEL_PATH, "transformer")
+        lora_merge.read_lora(TEACHER_LORA).check_base(tensor_shapes(transformer), f"TEACHER_LORA: {transformer}")
 
 
 def check_generator_init(path: str, teacher_unet: str) -> None:
@@ -608,6 +616,7 @@ class Setup:
     inputs: Callable  # (final_weights) -> (StepFns, load, sample), after restore: fixed inputs, batches, losses
     scheduler: dict | None = None  # the scheduler config every export carries (None: the teacher's)
     export_note: str = ""  # how to sample the export, printed before it is written
+    base_lora: object = None  # TEACHER_LORA's adapters (lora_merge.LoraDelta): a LoRA export carries them too
 
 
 def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precision) -> Setup:
@@ -707,7 +716,8 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
     """(mesh, generator, fake score, teacher, EMA or None, the fake's compute dtype, the teacher's dtype):
     the three transformers of a flow-matching teacher built by its room, in this order: generator and
     fake score trainable (LoRA or full), the teacher frozen (NF4 with an NF4 LoRA base), the EMA sharded
-    as the generator."""
+    as the generator. With TEACHER_LORA all three load base + its adapters (merged in fp32 as they load,
+    before NF4): the fine-tune is the teacher and where both students start."""
     d = run.d
     mesh, _, sharding = trainer.mesh_and_sharding(run)
     nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
@@ -715,7 +725,8 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
     teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
     build = functools.partial(room.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
                               d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                              attention_backend=ATTENTION_BACKEND)
+                              attention_backend=ATTENTION_BACKEND,
+                              merge=lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
     fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
@@ -834,7 +845,8 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
                                sigmas=sigmas, cache_dir=cache_dir, identity=identity, cfg=cfg, factor=factor,
                                channels=room.latent_channels(vae), edits=room.edits(run.pipeline))
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
-                 room.distilled_scheduler(MODEL_PATH), export_note(run, room, sigmas))
+                 room.distilled_scheduler(MODEL_PATH), export_note(run, room, sigmas),
+                 lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None)
 
 
 def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, cfg: bool,
@@ -998,7 +1010,8 @@ def main() -> None:
     # export
     if family.export_note:
         print0(family.export_note)
-    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None, scheduler=family.scheduler)
+    trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None, scheduler=family.scheduler,
+                   base_lora=family.base_lora)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype (here: for the text cache
 VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype
 TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
 EXPORT_DTYPE = "bf16"  # dtype of the exported trained model (fp16/bf16 halve the file)
+EXPORT_SYMLINKS = False  # the export's frozen parts: hard-linked (copied across filesystems); True = symlinks
 # parallelism
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
 BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)

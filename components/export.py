@@ -146,14 +146,15 @@ LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
 def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: str, dtype: torch.dtype,
-                scheduler: dict | None = None) -> str:
+                scheduler: dict | None = None, base_lora=None) -> str:
     """OUTPUT_DIR/export/pytorch_lora_weights.safetensors: the adapters of a LoRA model in
     diffusers' LoRA format, written by the pipeline's own `save_lora_weights` (peft's key names via
     `get_peft_model_state_dict`, the LoraConfig as adapter metadata, so alpha travels with the
     file), as diffusers' LoRA training examples save theirs. Load it with
     `Pipeline.from_pretrained(base).load_lora_weights(out_dir)`. With `scheduler`, the scheduler the
-    adapters are to sample with goes beside them in scheduler/ (write_scheduler). Collective
-    (gathers the shards)."""
+    adapters are to sample with goes beside them in scheduler/ (write_scheduler). With `base_lora` (a
+    parallel/lora_merge.LoraDelta merged into the model's base as it loaded), the file holds both adapter
+    sets joined (lora_merge.joined), so that it loads on the plain base. Collective (gathers the shards)."""
     import diffusers
     from peft.utils import get_peft_model_state_dict
 
@@ -167,10 +168,19 @@ def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: 
         partial = out_dir.rstrip("/") + PARTIAL
         shutil.rmtree(partial, ignore_errors=True)
         layers = get_peft_model_state_dict(model, state_dict=adapters, adapter_name="default")
+        config = model.peft_config["default"].to_dict()
+        if base_lora is not None:
+            from parallel.lora_merge import joined
+            tail = ".lora_A.weight"
+            own = {k[:-len(tail)]: (v, layers[k[:-len(tail)] + ".lora_B.weight"]) for k, v in layers.items()
+                   if k.endswith(tail)}
+            scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
+            layers, fields = joined(own, dict.fromkeys(own, scale), base_lora)
+            layers = {k: v.to(dtype) for k, v in layers.items()}
+            config.update(fields)
         getattr(diffusers, pipeline_class).save_lora_weights(
             partial, weight_name=LORA_WEIGHTS, **{f"{component}_lora_layers": layers,
-                                                   f"{component}_lora_adapter_metadata":
-                                                       model.peft_config["default"].to_dict()})
+                                                   f"{component}_lora_adapter_metadata": config})
         if scheduler:
             write_scheduler(partial, scheduler)
         _swap_in(partial, out_dir)
@@ -224,16 +234,31 @@ def _copy_as(src: str, dst: str, dtype: torch.dtype) -> None:
             save_file(tensors, os.path.join(dst, name), metadata={"format": "pt"})
 
 
+def hardlink_tree(src: str, dst: str) -> None:
+    """`src` (a file or folder, symlinks followed) at `dst` as plain files: each hard-linked where the
+    filesystem allows (no bytes written, and the copy outlives the source), else copied."""
+    if not os.path.isdir(src):
+        try:
+            os.link(os.path.realpath(src), dst)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copy2(src, dst)
+        return
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        hardlink_tree(os.path.join(src, name), os.path.join(dst, name))
+
+
 def _place_frozen(src: str, dst: str, dtype: torch.dtype, link_frozen: bool) -> bool:
     """Put a frozen entry of the source folder into the export: a converted copy when it holds
-    weights in another dtype than `dtype`, else a link (or copy). Returns whether it converted."""
+    weights in another dtype than `dtype`, else its files hard-linked (copied across filesystems), or
+    with `link_frozen` a symlink to the folder. Returns whether it converted."""
     if os.path.isdir(src) and _weight_dtypes(src) - {dtype}:
         _copy_as(src, dst, dtype)
         return True
-    if os.path.isdir(src):
-        os.symlink(src, dst) if link_frozen else shutil.copytree(src, dst)
+    if os.path.isdir(src) and link_frozen:
+        os.symlink(src, dst)
     else:
-        shutil.copy2(src, dst)
+        hardlink_tree(src, dst)
     return False
 
 
@@ -283,10 +308,11 @@ def _transformers_models(model_path: str) -> set[str]:
 
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
-                    link_frozen: bool = True, frozen: dict[str, str] | None = None,
+                    link_frozen: bool = False, frozen: dict[str, str] | None = None,
                     scheduler: dict | None = None) -> str:
     """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
-    frozen components (symlinked, or copied when link_frozen=False) + the trained components.
+    frozen components (hard-linked file by file where the filesystem allows, else copied: the export
+    outlives and travels without its source; symlinked folders with link_frozen) + the trained components.
     Every component's weights end up in `dtype`: a frozen one stored in another dtype (a shipped
     fp16 text encoder beside an fp32 UNet) is written as a converted copy instead of a link. The
     text encoders' configs say float32 (_pin_fp32_load), so a plain `Pipeline.from_pretrained(export)`
@@ -326,7 +352,7 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
 def _export_summary(trained, dtype: torch.dtype, link_frozen: bool, converted: list, pinned: list) -> str:
     """What the export holds and how it loads, for its log line."""
     name = dtype_name(dtype)
-    text = (f"{', '.join(trained)} in {name}; frozen parts {'linked' if link_frozen else 'copied'}"
+    text = (f"{', '.join(trained)} in {name}; frozen parts {'symlinked' if link_frozen else 'hard-linked or copied'}"
             + (f", {', '.join(converted)} converted to {name}" if converted else "")
             + (f"; {', '.join(pinned)}: config dtype float32, weights {name}" if pinned else ""))
     if dtype == torch.float32:
@@ -368,10 +394,13 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2
 
 
 def export_bytes(model_path: str, component: str, model: nn.Module, dtype: torch.dtype, *, lora: bool = False,
-                 merged: bool = False, frozen: dict[str, str] | None = None) -> int:
+                 merged: bool = False, frozen: dict[str, str] | None = None, out_dir: str = "",
+                 link_frozen: bool = False) -> int:
     """Estimated size of what `finish` exports: the trained `component` (`model`'s layout) in `dtype`
-    plus the frozen parts export_pipeline places (linked folders cost nothing, converted copies and
-    plain files do); with LoRA the adapters in fp32, and the merged pipeline only with `merged`."""
+    plus the frozen parts export_pipeline places (converted copies cost their bytes; the rest nothing
+    where they are symlinked or hard-linked, their bytes where `out_dir` is on another filesystem than
+    the source and they are copied); with LoRA the adapters in fp32, and the merged pipeline only with
+    `merged`."""
     total = _component_bytes(model, torch.float32, adapters=True) if lora else 0
     if lora and not merged:
         return total
@@ -380,8 +409,23 @@ def export_bytes(model_path: str, component: str, model: nn.Module, dtype: torch
         if name == component:
             continue
         src = os.path.abspath((frozen or {}).get(name) or os.path.join(model_path, name))
-        if not os.path.isdir(src):
+        if not os.path.isdir(src):  # model_index.json and the like: rewritten
             total += os.path.getsize(src)
         elif _weight_dtypes(src) - {dtype}:
             total += _converted_bytes(src, dtype)
+        elif not link_frozen and not _same_filesystem(src, out_dir):
+            total += _tree_bytes(src)
     return total
+
+
+def _same_filesystem(src: str, out_dir: str) -> bool:
+    """Whether `out_dir` (or its nearest existing parent; "" = here) is on `src`'s filesystem: hard links work."""
+    path = os.path.abspath(out_dir or ".")
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.stat(os.path.realpath(src)).st_dev == os.stat(path).st_dev
+
+
+def _tree_bytes(src: str) -> int:
+    """Bytes of every file under a folder (links followed)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src, followlinks=True) for f in fs)

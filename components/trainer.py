@@ -204,7 +204,8 @@ def report_components(run: Run, caption: str, audit: list[dict], trained: dict, 
     export = export_bytes(c["MODEL_PATH"], pipelines.trained_component(run.pipeline).subfolder,
                           next(iter(trained.values())), precision.parse_dtype(c["EXPORT_DTYPE"]),
                           lora=bool(run.lora), merged=c["LORA_EXPORT_MERGED"],
-                          frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None)
+                          frozen={"vae": c["VAE_PATH"]} if c.get("VAE_PATH") else None,
+                          out_dir=run.output("export"), link_frozen=c["EXPORT_SYMLINKS"])
     checkpoint.disk_preflight(c["OUTPUT_DIR"], saved, optimizers, c["KEEP_LAST"], export, run.resume_path)
 
 
@@ -325,7 +326,8 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
 # the end of the run
 
 
-def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, scheduler: dict | None = None) -> None:
+def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, scheduler: dict | None = None,
+           base_lora=None) -> None:
     """After the loop (the final checkpoint and samples were written at MAX_STEPS): the memory table
     (its peak is training's, not the export gather's), the whole run's compile report (with the
     samples' and validation's recompiles), the export of `final_weights()` (the model, or its EMA)
@@ -333,7 +335,9 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
     LoRA format (fp32: a few MB) and, with LORA_EXPORT_MERGED, a merged pipeline in export_merged/;
     `frozen` maps a component to another folder used instead of MODEL_PATH's; `scheduler`, a scheduler
     config every export that carries the trained model gets as its scheduler/ (a distilled model's
-    own sampling), in place of MODEL_PATH's. Then teardown."""
+    own sampling), in place of MODEL_PATH's; `base_lora`, adapters merged into the model's base as it
+    loaded (train_dmd.py's TEACHER_LORA), joined into the LoRA export so that it loads on MODEL_PATH. Then
+    teardown."""
     c = run.config
     run.logger.close()
     run.ckpt.wait()
@@ -343,9 +347,10 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
     component = pipelines.trained_component(run.pipeline).subfolder
     with final_weights() as final_model:
         if run.lora:
-            export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32, scheduler)
+            export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32, scheduler,
+                        base_lora=base_lora)
         if not run.lora or c["LORA_EXPORT_MERGED"]:
             export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
                             {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen,
-                            scheduler=scheduler)
+                            scheduler=scheduler, link_frozen=c["EXPORT_SYMLINKS"])
     fsdp_utils.cleanup_distributed()

@@ -15,7 +15,10 @@
 #
 #   bash demos/demo_dmd_cfg.sh                       # 2 ranks; extra arguments go to every train_dmd.py run
 #   NORMS="none token" SEEDS_TRAIN=0 bash demos/demo_dmd_cfg.sh
+#   RUNS="none:1:0 none:auto:0" bash demos/demo_dmd_cfg.sh   # NORM:SHIFT:SEED students (SHIFT=auto: the σ shift)
+#   EVAL=0 bash demos/demo_dmd_cfg.sh                # train only
 #
+# A student whose export exists is not trained again (an interrupted demo goes on where it stopped).
 # Ends with each run's training wall time; the table's s / image column is the evaluation's.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
@@ -25,6 +28,10 @@ NPROC=${NPROC:-2}
 SEEDS=${SEEDS:-32}
 NORMS=${NORMS:-none token scalar}
 SEEDS_TRAIN=${SEEDS_TRAIN:-0 1}
+if [ -z "${RUNS:-}" ]; then
+    RUNS=$(for norm in $NORMS; do for seed in $SEEDS_TRAIN; do echo -n "$norm:1:$seed "; done; done)
+fi
+EVAL=${EVAL:-1}
 CFG=4.0  # the pipeline's default true_cfg_scale
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task")
@@ -53,19 +60,20 @@ FOUR_STEP_ARGS=(--max_steps=600)
 FOUR_STEP_FROM_ONE_STEP=1
 compare=(teacher_28="$TEACHER" teacher_28_cfg1="$TEACHER" teacher_4="$TEACHER")
 steps=(teacher_4=4)
-for norm in $NORMS; do
-    for seed in $SEEDS_TRAIN; do
-        COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text_cache"
-                --resolution=32 --reference_area=1024 --condition_area=1024 --precision=fp32 --fake_score_fp32=1
-                --real_guidance_scale="$CFG" --real_guidance_norm="$norm" --seed="$seed"
-                --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
-                --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
-        train_students "$OUT/${norm}_seed$seed" "$NPROC" "$@"
-        compare+=("${norm}_4_s$seed=$OUT/${norm}_seed$seed/4step/export"
-                  "${norm}_1_s$seed=$OUT/${norm}_seed$seed/1step/export")
-        steps+=("${norm}_4_s$seed=4" "${norm}_1_s$seed=1")
-    done
+for run in $RUNS; do
+    IFS=: read -r norm shift seed <<< "$run"
+    name=$norm; if [ "$shift" != 1 ]; then name=${norm}_shift_$shift; fi
+    COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text_cache"
+            --resolution=32 --reference_area=1024 --condition_area=1024 --precision=fp32 --fake_score_fp32=1
+            --real_guidance_scale="$CFG" --real_guidance_norm="$norm" --shift="$shift" --seed="$seed"
+            --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
+            --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
+    train_students "$OUT/${name}_seed$seed" "$NPROC" "$@"
+    compare+=("${name}_4_s$seed=$OUT/${name}_seed$seed/4step/export"
+              "${name}_1_s$seed=$OUT/${name}_seed$seed/1step/export")
+    steps+=("${name}_4_s$seed=4" "${name}_1_s$seed=1")
 done
+if [ "$EVAL" = 0 ]; then echo "demo: training ${times[*]}"; exit 0; fi
 trained=$(date +%s)
 python -m demos.palette_eval --task_dir="$OUT/task" --grid="$OUT/grid.png" --json="$OUT/eval.json" \
     --seeds="$SEEDS" --compare "${compare[@]}" --steps=28 --steps_for "${steps[@]}" \

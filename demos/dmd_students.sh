@@ -28,10 +28,14 @@ train_students() {
 }
 
 # student_run OUT NPROC NAME ARGS...: one train_dmd.py run into OUT/NAME, COMMON then ARGS; its wall time
-# appended to `times`
+# appended to `times`. A run whose export exists is kept (an interrupted demo goes on where it stopped).
 student_run() {
     local out=$1 nproc=$2 name=$3 start
     shift 3
+    if [ -f "$out/$name/export/model_index.json" ]; then
+        echo "$out/$name: exported already, kept"
+        return
+    fi
     start=$(date +%s)
     python -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_dmd.py "${COMMON[@]}" \
         --output_dir="$out/$name" "$@"

@@ -19,11 +19,12 @@ from precision import Precision
 
 def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(),
                       seed=0, base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights="", prepare=None):
+                      frozen_dtype=None, weights="", prepare=None, merge=None):
     """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> `recipe` (fully_shard
     per block, then the root) -> each rank loads its slices (load=False: allocate only, e.g. for the
     EMA copy that is then filled from the model); families/flux.py's build_transformer says what each
-    argument does; `prepare(model)` runs on the meta skeleton (what a meta build leaves unset)."""
+    argument does; `prepare(model)` runs on the meta skeleton (what a meta build leaves unset); `merge`: a
+    LoRA (parallel/lora_merge.LoraDelta) added into the base weights as they load."""
     model = build_on_meta(model_class, folder)
     if prepare is not None:
         prepare(model)
@@ -36,7 +37,7 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
             lowbit.quantize_base(model, shards)
         frozen = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
         recipe(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False)
-        return fill_built_model(model, weights or folder, mesh, device, True)
+        return fill_built_model(model, weights or folder, mesh, device, True, merge=merge)
     storage = prec.compute_dtype if lora else prec.param_dtype
     if storage != torch.float32:  # storage dtype of the params (on meta: free)
         model.to(storage)
@@ -47,7 +48,7 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
     policy = prec.adapter_mp_policy(compute) if lora else prec.mp_policy(compute)
     recipe(model, mesh, policy, sharding, block_classes, verbose=load)
     home = torch.device("cpu") if sharding.cpu_offload else device
-    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
+    return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed, merge=merge)
 
 
 # FlowMatchEulerDiscreteScheduler's settings that move its σ list away from the one passed (diffusers 0.42

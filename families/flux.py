@@ -51,7 +51,7 @@ def edits(pipeline: str) -> bool:
 
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights=""):
+                      frozen_dtype=None, weights="", merge=None):
     """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
     recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
     slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
@@ -64,12 +64,13 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     and the adapters in fp32, in the same per-block units. `compute`: a compute dtype other than the
     mode's (DMD2's FAKE_SCORE_FP32). trainable=False (DMD2's teacher): no grads ever, stored and
     computed in `frozen_dtype` (its Linear weights in NF4 with base_dtype="nf4"), resharded after
-    every forward. `weights`: another transformer folder to load from ("" = `folder`)."""
+    every forward. `weights`: another transformer folder to load from ("" = `folder`). `merge`: a LoRA export
+    (parallel/lora_merge.LoraDelta) added into the base weights as they load (a DMD2 teacher's fine-tune)."""
     from diffusers import FluxTransformer2DModel
     return build_dit(FluxTransformer2DModel, parallelize_flux, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
-                       compute=compute, frozen_dtype=frozen_dtype, weights=weights)
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge)
 
 
 def load_vae(folder, dtype, device):

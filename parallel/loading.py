@@ -81,14 +81,16 @@ def build_on_meta(model_cls, folder: str) -> nn.Module:
         return model_cls.from_config(config)
 
 
-def materialize_and_load(model: nn.Module, folder: str, device: torch.device) -> None:
+def materialize_and_load(model: nn.Module, folder: str, device: torch.device, merge=None) -> None:
     """Allocate the (already sharded) meta model on `device` and fill it from safetensors (`folder`:
     a model folder, or one .safetensors state dict, as weight_map reads).
 
     Each rank reads only the rows of each tensor that it owns (safetensors slices are lazy, memory-
     mapped), so no rank ever holds more than its shard plus one slice: a 12 B transformer loads
     without 12 B parameters of host RAM anywhere. Stored dtype is cast to the model's dtype.
-    LoRA adapters (add_lora) are not in the folder: they are initialised by `init_lora`."""
+    LoRA adapters (add_lora) are not in the folder: they are initialised by `init_lora`. `merge`: a
+    parallel/lora_merge.LoraDelta whose delta each adapted base tensor gets as it loads (whole, in fp32,
+    before any NF4 quantisation or cast)."""
     from safetensors import safe_open
 
     model.to_empty(device=device)
@@ -105,10 +107,15 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
 
         tensors = {safetensors_key(n): t for n, t in model.named_parameters() if not is_adapter(n)}
         tensors.update((safetensors_key(n), t) for n, t in model.named_buffers())
+        if merge is not None:
+            merge.check_base({k: t.shape for k, t in tensors.items()}, f"the model of {folder}")
         for name, t in tensors.items():
             sl = slice_of(name)
             if list(sl.get_shape()) != list(t.shape):
                 raise ConfigError(f"{folder}: {name} has shape {sl.get_shape()}, model expects {list(t.shape)}")
+            delta = merge.delta(name) if merge is not None else None
+            if delta is not None:  # base + LoRA: the whole tensor merged, then read as a slice would be
+                sl = sl[:].float() + delta  # cast to the model's dtype by the fill, as a plain load
             if is_nf4(t):  # a 4-bit base: the whole tensor quantised, this rank's chunk kept
                 fill_nf4(t, sl[:])
             else:
@@ -119,13 +126,13 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device) ->
 
 
 def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, home: torch.device,
-                     load: bool = True, lora_seed: int = 0) -> nn.Module:
+                     load: bool = True, lora_seed: int = 0, merge=None) -> nn.Module:
     """The last step of a meta-device build: allocate the (sharded, or with mesh=None whole) model
     on `home` and load it from `folder` (load=False: allocate only, e.g. an EMA copy filled from
     the model), LoRA adapters initialised from `lora_seed`, then check that every parameter is
-    sharded on `mesh`."""
+    sharded on `mesh`. `merge`: a LoRA merged into the base as it loads (materialize_and_load)."""
     if load:
-        materialize_and_load(model, folder, home)
+        materialize_and_load(model, folder, home, merge)
         init_lora(model, lora_seed)
     else:
         model.to_empty(device=home)

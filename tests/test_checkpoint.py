@@ -214,7 +214,9 @@ def _export(rank, world, src, out, dtype_name):
         loaded = UNet2DConditionModel.from_pretrained(os.path.join(out, "unet"), torch_dtype=dtype)
         for k, v in loaded.state_dict().items():
             assert v.dtype == dtype and torch.equal(v, trained[k].to(dtype)), k
-        assert os.path.islink(os.path.join(out, "other"))
+        other = os.path.join(out, "other")  # a frozen part: its own folder of hard links, no symlink into src
+        assert not os.path.islink(other) and all(os.path.samefile(os.path.join(other, f), os.path.join(src, "other", f))
+                                                 for f in os.listdir(os.path.join(src, "other")))
         assert json.load(open(os.path.join(out, "model_index.json")))["unet"][1] == "UNet2DConditionModel"
 
 

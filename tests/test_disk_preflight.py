@@ -24,9 +24,10 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def folder_bytes(folder) -> int:
-    """Bytes of the files under `folder`, not following links (a linked frozen part costs nothing)."""
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, names in os.walk(folder) for f in names
-               if not os.path.islink(os.path.join(r, f)))
+    """Bytes of the files under `folder` that a write made: neither symlinks nor hard links (a linked frozen part
+    costs nothing)."""
+    paths = [os.path.join(r, f) for r, _, names in os.walk(folder) for f in names]
+    return sum(os.path.getsize(p) for p in paths if not os.path.islink(p) and os.stat(p).st_nlink == 1)
 
 
 def small_model(frozen: bool) -> nn.Module:
@@ -77,7 +78,7 @@ def test_export_estimate_matches_export_pipeline(tmp_path):
     (src / "vae").mkdir()  # fp16 weights: the fp32 export writes a converted copy
     save_file({"w": torch.randn(256, 256, dtype=torch.float16), "n": torch.arange(10)}, src / "vae" / "m.safetensors")
     (src / "vae" / "config.json").write_text("{}")
-    (src / "other").mkdir()  # fp32 weights: linked, costs nothing
+    (src / "other").mkdir()  # fp32 weights: hard-linked (tmp_path: one filesystem), costs nothing
     save_file({"w": torch.randn(512, 512)}, src / "other" / "m.safetensors")
     index = {"_class_name": "X", "unet": ["diffusers", "UNet2DConditionModel"]}
     (src / "model_index.json").write_text(json.dumps(index))
@@ -85,8 +86,12 @@ def test_export_estimate_matches_export_pipeline(tmp_path):
     export_pipeline(str(src), str(out), {"unet": unet}, torch.float32)
     written = folder_bytes(out)
     print(f"export estimate / written: {estimate} / {written} = {estimate / written:.4f}")
-    assert os.path.islink(out / "other") and not os.path.islink(out / "vae")
+    assert os.path.samefile(out / "other" / "m.safetensors", src / "other" / "m.safetensors")
+    assert not os.path.islink(out / "other") and not os.path.islink(out / "vae")
     assert 0.97 < estimate / written < 1.03
+    # on another filesystem the frozen parts are copies, and the estimate counts them
+    other_fs = export_bytes(str(src), "unet", unet, torch.float32, out_dir="/proc/x")
+    assert other_fs == estimate + os.path.getsize(src / "other" / "m.safetensors")
 
 
 def test_export_estimate_of_lora(tmp_path):

@@ -147,19 +147,31 @@ def test_export_loads_plain_and_with_torch_dtype(sources, tmp_path, model, kind,
     assert configs(src) == source_configs  # the fp32 hint never went through a link into the source
 
 
-def test_linked_text_encoder_keeps_its_weights_linked(sources, tmp_path):
-    """fp16 export of the fp16 shipped teacher: nothing is converted, the text encoder's weights
-    stay links into the source and only its config.json is the export's own (dtype float32)."""
+def _same_file(a: str, b: str) -> bool:
+    """Whether `a` is `b` (hard-linked) where they share a filesystem, else an equal copy."""
+    if os.stat(a).st_dev == os.stat(b).st_dev:
+        return os.path.samefile(a, b)
+    return open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_text_encoder_weights_hard_linked_config_its_own(sources, tmp_path):
+    """fp16 export of the fp16 shipped teacher: nothing is converted, no symlink points into the source (the
+    export travels alone), the text encoder's weights are hard links and only its config.json is the export's
+    own (dtype float32), the source's untouched; EXPORT_SYMLINKS=1's symlinked folders when asked."""
     src = sources["sd15"]
     net = trained_model(src, "sd15", "full", "bf16-mixed")
+    source_config = open(os.path.join(src, "text_encoder", "config.json")).read()
     export = export_pipeline(src, str(tmp_path / "export"), {"unet": net}, torch.float16)
+    assert not any(os.path.islink(os.path.join(d, f)) for d, ds, fs in os.walk(export) for f in fs + ds)
     te = os.path.join(export, "text_encoder")
-    assert not os.path.islink(te) and os.path.islink(os.path.join(te, "model.safetensors"))
-    assert os.path.realpath(os.path.join(te, "model.safetensors")) == os.path.join(
-        src, "text_encoder", "model.safetensors"
-    )
+    assert _same_file(os.path.join(te, "model.safetensors"), os.path.join(src, "text_encoder", "model.safetensors"))
     assert json.load(open(os.path.join(te, "config.json")))["dtype"] == "float32"
-    assert os.path.islink(os.path.join(export, "vae")) and os.path.islink(os.path.join(export, "tokenizer"))
+    assert open(os.path.join(src, "text_encoder", "config.json")).read() == source_config
+    for name in ("vae", "tokenizer"):
+        assert all(_same_file(os.path.join(export, name, f), os.path.join(src, name, f))
+                   for f in os.listdir(os.path.join(src, name)))
+    linked = export_pipeline(src, str(tmp_path / "linked"), {"unet": net}, torch.float16, link_frozen=True)
+    assert os.path.islink(os.path.join(linked, "vae")) and os.path.islink(os.path.join(linked, "tokenizer"))
 
 
 def test_own_scheduler_replaces_the_sources_in_both_exports(sources, tmp_path):
@@ -176,8 +188,9 @@ def test_own_scheduler_replaces_the_sources_in_both_exports(sources, tmp_path):
                              scheduler=config)
     plain = export_pipeline(src, str(tmp_path / "plain"), {"transformer": net}, torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["export", "export_merged", "plain"]
-    assert os.path.realpath(os.path.join(plain, "scheduler")) == os.path.join(src, "scheduler")
-    assert os.path.islink(os.path.join(merged, "tokenizer"))  # the other frozen parts are placed as before
+    assert _same_file(os.path.join(plain, "scheduler", "scheduler_config.json"),
+                      os.path.join(src, "scheduler", "scheduler_config.json"))
+    assert os.path.isdir(os.path.join(merged, "tokenizer"))  # the other frozen parts are placed as before
     for folder in (lora_dir, merged):
         assert not os.path.islink(os.path.join(folder, "scheduler"))
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")

@@ -483,6 +483,59 @@ def dmd_runs(qwen):
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
 
+def chain(model, data, tuned_lora, root, env, args):
+    """The path from a user's edits to a few-step editor, after the fine-tune that wrote `tuned_lora` (a
+    LoRA export of `model`, trained on its NF4 base): DMD2 with base + that LoRA as the teacher (TEACHER_LORA,
+    no merge; NF4 base, LoRA students), and beside it the same run on the folder tools/merge_lora.py
+    writes. Any family's base runs it (FLUX.1 Kontext, FLUX.2: the same arguments but their own `args`)."""
+    import subprocess
+    import sys
+    merged = root / "chain_merged"
+    if not merged.exists():
+        subprocess.run([sys.executable, "tools/merge_lora.py", str(model), str(tuned_lora), str(merged)],
+                       check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    common = args + [f"--data_path={data}", "--max_steps=2", "--denoising_steps=999,749,499,249", "--lora_rank=4",
+                     "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--sample_every=0", "--log_every=1",
+                     "--dfake_gen_update_ratio=1", "--export_dtype=fp32"]
+    out = {k: root / f"chain_{k}" for k in ("lora", "merged")}
+    job = functools.partial(dict, script="train_dmd.py", ranks=2, env=env)
+    done = launch_all({
+        "lora": job(args=common + [f"--model_path={model}", f"--teacher_lora={tuned_lora}",
+                                   f"--output_dir={out['lora']}"]),
+        "merged": job(args=common + [f"--model_path={merged}", f"--output_dir={out['merged']}"])})
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_a_fine_tune_is_the_teacher_and_the_student_loads_on_the_base(qwen, runs, tmp_path, small_areas):
+    """Fine-tune (LoRA on NF4) -> DMD2 on base + that LoRA -> the 4-step LoRA export loads on the plain base
+    with the pipeline: the run equals the one on the merged folder step for step, and the export's file
+    carries the fine-tune's adapters with the student's (they load as one adapter set)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from parallel import lora_merge
+    data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
+    args = [f"--text_cache_dir={qwen['root'] / 'dmd_text_cache'}", "--precision=fp32", "--resolution=64",
+            f"--condition_area={AREA}", f"--reference_area={AREA}", "--batch_size=1"]
+    tuned = runs["out"]["lora"] / "export"
+    done = chain(qwen["model"], data, tuned, qwen["root"], qwen["env"], args)
+    a, b = (read_metrics(done["out"][k], timing=False) for k in ("lora", "merged"))
+    assert [(r["loss_dm"], r["loss_fake"]) for r in a] == [(r["loss_dm"], r["loss_fake"]) for r in b]
+    teacher, exported = lora_merge.read_lora(str(tuned)), lora_merge.read_lora(str(done["out"]["lora"] / "export"))
+    assert set(teacher.layers) <= set(exported.layers)
+    for module, (a_t, b_t, s_t) in teacher.layers.items():
+        a_j, b_j, s_j = exported.layers[module]
+        assert s_j == 1 and torch.equal(a_j[-a_t.shape[0]:], a_t) and torch.equal(b_j[:, -a_t.shape[0]:], b_t * s_t)
+    paths = references(tmp_path)
+    pipe = pipeline(qwen["model"])
+    pipe.load_lora_weights(str(done["out"]["lora"] / "export"))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(done["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    images = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+                  num_inference_steps=4, true_cfg_scale=1.0, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(images).all()
+
+
 @pytest.mark.slow
 def test_dmd_runs_resume_bit_exact_and_log_the_teacher_cfg(dmd_runs):
     a, b = read_checkpoint(dmd_runs["out"]["full"], 4), read_checkpoint(dmd_runs["out"]["stopped"], 4)
