@@ -313,6 +313,25 @@ def test_exports_load_and_sample_with_the_pipeline(qwen, runs, tmp_path, small_a
 
 
 @pytest.mark.slow
+def test_any_checkpoint_exports_as_the_run_end_does(qwen, runs, tmp_path):
+    """tools/export_checkpoint.py on the final checkpoints, one rank (they were saved on two): the full run's
+    pipeline folder (its EMA) and the LoRA run's file equal what the runs exported, tensor for tensor."""
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cases = {"two": "transformer/diffusion_pytorch_model.safetensors", "lora": "pytorch_lora_weights.safetensors"}
+    for name, file in cases.items():
+        out = tmp_path / name
+        r = subprocess.run([sys.executable, os.path.join(root, "tools", "export_checkpoint.py"),
+                            str(runs["out"][name] / "checkpoints" / f"step_{STEPS:06d}"), f"--output_dir={out}"],
+                           capture_output=True, text=True, timeout=600, env=qwen["env"])
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        a, b = load_file(str(out / "export" / file)), load_file(str(runs["out"][name] / "export" / file))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.slow
 def test_an_export_loads_the_plain_way(runs):
     """README's load line as written, QwenImageEditPlusPipeline.from_pretrained(export) with nothing passed
     by hand, in the environment requirements.txt installs (torchvision: the processor's video part)."""
