@@ -85,7 +85,7 @@ from parallel import attention
 # settings are in the same order in train_dmd.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # FLUX.1-Kontext diffusers folder; "" = the shipped tiny base (assets/kontext_base)
+MODEL_PATH = ""  # FLUX.1 Kontext or Qwen-Image-Edit-2509/2511 folder (model_index.json); "" = assets/kontext_base
 DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
 CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
 MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (FLUX.1 Kontext 1, Qwen-Image-Edit 3)
