@@ -131,7 +131,7 @@ LOSS_WEIGHTING = "none"  # none | sigma_sqrt | cosmap (diffusers' compute_loss_w
 # LoRA
 LORA_RANK = 0  # 0 = full fine-tuning; > 0 = peft LoRA adapters of this rank on a frozen base (use LR ~1e-4)
 LORA_ALPHA = 0.0  # LoRA scaling = alpha / rank; 0 = alpha equal to LORA_RANK
-LORA_TARGET_MODULES = []  # suffixes; [] = the model's (r16: Qwen 23.6 M, FLUX 54.2 M); blocks = all its blocks' Linears (105.6, 65.4 M)
+LORA_TARGET_MODULES = []  # [] = the model's (r16: Qwen 23.6 M, FLUX 54.2 M); blocks = all block Linears (105.6, 65.4 M)
 LORA_DROPOUT = 0.0  # dropout on the adapters' input
 LORA_INIT = "gaussian"  # lora_A's init: gaussian (diffusers' examples) | default (peft's, the official DMD2 run)
 BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 = 4-bit NormalFloat (QLoRA)
