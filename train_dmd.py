@@ -75,7 +75,7 @@ from families import dit
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
-from parallel import lora_merge
+from parallel import float8, lora_merge
 from parallel.loading import check_same_tensors, tensor_shapes
 from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
@@ -150,6 +150,7 @@ FAKE_LORA = False  # with LORA_RANK > 0: the fake score trains LoRA adapters too
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
+FP8 = ""  # transformer blocks' Linears in float8 (torchao): tensorwise (float8 all-gather) | rowwise; "" = off
 FAKE_SCORE_FP32 = True  # the fake score computes in fp32, as published; False = the compute dtype
 FAKE_SCORE_ATTENTION_DTYPE = ""  # UNets: the fp32 fake score's attention (SDPA); "" = compute dtype, fp32 = published
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
@@ -280,6 +281,7 @@ def check_unet_settings() -> None:
          "shift is for flow-matching teachers"),
         ("TEACHER_LORA", TEACHER_LORA, "a flow teacher's setting; give a UNet fine-tune as its full folder "
          "(MODEL_PATH, or GENERATOR_INIT for the generator alone)"),
+        (f"FP8={FP8}", FP8, "float8 training is built for the transformer rooms' blocks"),
         *[(name, name in changed_settings(), "a setting of the editing teachers' rows") for name in _EDIT_SETTINGS],
     ]
     for name, bad, why in refused:
@@ -307,6 +309,7 @@ def check_flow_settings(room, pipeline: str) -> None:
         if bad:
             raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
     room.check_dmd_settings(pipeline, script_constants(globals()), changed_settings(), source_kind(DATA_PATH))
+    float8.check_fp8(FP8, base_dtype=BASE_DTYPE if LORA_RANK else "")
     if TEACHER_LORA:  # before any work: a LoRA of this transformer, tensor for tensor
         transformer = os.path.join(MODEL_PATH, "transformer")
         lora_merge.read_lora(TEACHER_LORA).check_base(tensor_shapes(transformer), f"TEACHER_LORA: {transformer}")
@@ -726,7 +729,7 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
     build = functools.partial(room.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
                               d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                               attention_backend=ATTENTION_BACKEND,
-                              merge=lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None)
+                              merge=lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None, fp8=FP8)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
     fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
@@ -992,6 +995,8 @@ def main() -> None:
     # optimizers: separate AdamW for the generator and for the guidance side (fake score + head)
     opt_g, sched_g = make_optimizer(generator, GENERATOR_LR, WARMUP_STEPS)
     opt_d, sched_d = make_optimizer(family.guidance, GUIDANCE_LR, WARMUP_STEPS)
+    float8.precompute_scales_after_steps(opt_g, generator)  # FP8=tensorwise: the next all-gathers' scales
+    float8.precompute_scales_after_steps(opt_d, fake)
     trainer.report_components(run, family.caption, family.audit, {**family.models, "teacher": family.teacher},
                               {"generator": opt_g, "guidance": opt_d})
 
@@ -1000,6 +1005,8 @@ def main() -> None:
                             {"generator": sched_g, "guidance": sched_d})
     if not run.resume_path and INIT_FROM:
         init_from(INIT_FROM, generator, fake, ema)
+    for model in (generator, fake):  # FP8=tensorwise: the scales of the weights as they start
+        float8.refresh_scales(model)
 
     # the loop, on the family's fixed inputs, batches and losses
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes

@@ -78,7 +78,7 @@ import families
 from families.flux import encoder_identity  # noqa: F401 - the FLUX text cache's key, read by tests
 from parallel import ema as ema_lib
 from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
-from parallel import attention
+from parallel import attention, float8
 
 # ----------------------------------------------------------------------------------------------
 # config (every UPPER_CASE constant can be overridden as --name=value; the groups and the shared
@@ -138,6 +138,7 @@ BASE_DTYPE = ""  # LoRA: the frozen base's storage; "" = the compute dtype, nf4 
 LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full pipeline with the adapters merged
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
+FP8 = ""  # transformer blocks' Linears in float8 (torchao): tensorwise (float8 all-gather) | rowwise; "" = off
 TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype (here: for the text cache); "" = PRECISION's compute dtype
 VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype
 TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
@@ -193,6 +194,10 @@ def validate_config() -> precision.Precision:
                           "built on the FSDP mesh; use fsdp")
     if CONTEXT_PARALLEL > 1:
         check_diffusers_supports_it()
+    if FP8 and (PARALLELISM == "ddp" or CONTEXT_PARALLEL > 1):
+        raise ConfigError(f"FP8={FP8} with {'PARALLELISM=ddp' if PARALLELISM == 'ddp' else 'CONTEXT_PARALLEL'}: "
+                          "float8 training is built and tested on FSDP2 alone; use PARALLELISM=fsdp")
+    float8.check_fp8(FP8, base_dtype=BASE_DTYPE if LORA_RANK else "")
     if CACHE_LATENTS and RANDOM_FLIP:
         raise ConfigError("CACHE_LATENTS with RANDOM_FLIP: a flip of the latents is not the latents of the flipped "
                           "image; turn one of them off")
@@ -256,7 +261,7 @@ def step_sizes(shapes, schedule) -> list:
 
 
 def build_models(room, model_path, prec, mesh, device, *, sharding, block_classes, ema_decay, vae_dtype, lora, seed,
-                 base_dtype="", attention_backend=attention.DEFAULT):
+                 base_dtype="", attention_backend=attention.DEFAULT, fp8=""):
     """(transformer, ema or None, vae, scheduler): the trained transformer sharded and loaded, its
     EMA sharded identically and copied from it (LoRA: an EMA of the adapters only), the frozen
     VAE, the sampling scheduler."""
@@ -264,7 +269,7 @@ def build_models(room, model_path, prec, mesh, device, *, sharding, block_classe
     folder = os.path.join(model_path, "transformer")
     build = functools.partial(room.build_transformer, folder, mesh, prec, device, sharding=sharding,
                               block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
-                              attention_backend=attention_backend)
+                              attention_backend=attention_backend, fp8=fp8)
     transformer = build(load=True)
     transformer.train()
     ema = ema_lib.build_ema(transformer, ema_decay, functools.partial(build, load=False,
@@ -547,7 +552,7 @@ def main():
     transformer, ema, vae, scheduler = build_models(room, MODEL_PATH, prec, mesh, d.device, sharding=sharding,
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
-                                                    base_dtype=BASE_DTYPE, attention_backend=ATTENTION_BACKEND)
+                                                    base_dtype=BASE_DTYPE, attention_backend=ATTENTION_BACKEND, fp8=FP8)
     if cp_mesh is not None:  # every forward of these models (training, validation, samples) splits the sequence
         for model in (transformer, ema):
             if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
@@ -565,6 +570,7 @@ def main():
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = optim.make_optimizer(OPTIMIZER, params, lr=LR, betas=tuple(ADAM_BETAS), eps=ADAM_EPS,
                                       weight_decay=WEIGHT_DECAY)
+    float8.precompute_scales_after_steps(optimizer, transformer)  # FP8=tensorwise: the next all-gathers' scales
     lr_sched = warmup_scheduler(optimizer, WARMUP_STEPS, schedule=LR_SCHEDULE, total_steps=MAX_STEPS)
     models = {"transformer": transformer, **({"ema": ema} if ema is not None else {})}
     audit = [precision.component_row(k, m, prec.compute_dtype) for k, m in models.items()]
@@ -573,6 +579,7 @@ def main():
 
     # checkpoints (the checkpointer decides when), resume
     start = trainer.restore(run, models, {"transformer": (transformer, optimizer)}, {"transformer": lr_sched})
+    float8.refresh_scales(transformer)
 
     global_batch, micro_global = BATCH_SIZE * dp_size * GRAD_ACCUM, BATCH_SIZE * dp_size
     sigma_kwargs = dict(scheme=WEIGHTING_SCHEME, logit_mean=LOGIT_MEAN, logit_std=LOGIT_STD, mode_scale=MODE_SCALE)

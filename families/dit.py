@@ -11,7 +11,7 @@ import os
 import torch
 
 import fsdp_utils
-from parallel import attention, lowbit
+from parallel import attention, float8, lowbit
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.lora import Lora, add_lora
 from precision import Precision
@@ -19,12 +19,13 @@ from precision import Precision
 
 def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(),
                       seed=0, base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights="", prepare=None, merge=None):
+                      frozen_dtype=None, weights="", prepare=None, merge=None, fp8=""):
     """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> `recipe` (fully_shard
     per block, then the root) -> each rank loads its slices (load=False: allocate only, e.g. for the
     EMA copy that is then filled from the model); families/flux.py's build_transformer says what each
     argument does; `prepare(model)` runs on the meta skeleton (what a meta build leaves unset); `merge`: a
-    LoRA (parallel/lora_merge.LoraDelta) added into the base weights as they load."""
+    LoRA (parallel/lora_merge.LoraDelta) added into the base weights as they load; `fp8`: FP8's recipe for the
+    blocks' Linears (parallel/float8.py; the trained weights of a full model gathered in float8)."""
     model = build_on_meta(model_class, folder)
     if prepare is not None:
         prepare(model)
@@ -35,6 +36,7 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
         model.to(dtype).requires_grad_(False).eval()
         if base_dtype == "nf4":
             lowbit.quantize_base(model, shards)
+        float8.convert(model, fp8, float8_all_gather=False, emulate=device.type != "cuda")
         frozen = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
         recipe(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False)
         return fill_built_model(model, weights or folder, mesh, device, True, merge=merge)
@@ -45,6 +47,7 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
         add_lora(model, lora)
         if base_dtype == "nf4":
             lowbit.quantize_base(model, shards)
+    float8.convert(model, fp8, float8_all_gather=not lora, emulate=device.type != "cuda")
     policy = prec.adapter_mp_policy(compute) if lora else prec.mp_policy(compute)
     recipe(model, mesh, policy, sharding, block_classes, verbose=load)
     home = torch.device("cpu") if sharding.cpu_offload else device

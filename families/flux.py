@@ -51,7 +51,7 @@ def edits(pipeline: str) -> bool:
 
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights="", merge=None):
+                      frozen_dtype=None, weights="", merge=None, fp8=""):
     """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
     recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
     slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
@@ -70,7 +70,7 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     return build_dit(FluxTransformer2DModel, parallelize_flux, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
-                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge)
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8)
 
 
 def load_vae(folder, dtype, device):

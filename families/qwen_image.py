@@ -64,14 +64,15 @@ def edits(pipeline: str) -> bool:
 
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights="", merge=None):
+                      frozen_dtype=None, weights="", merge=None, fp8=""):
     """QwenImageTransformer2DModel, as families/flux.py builds FLUX's (families/dit.py), sharded one
     unit per dual-stream block by parallel/parallelize.py's recipe for its class."""
     from diffusers import QwenImageTransformer2DModel
     return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
-                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, prepare=prepare)
+                       compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8,
+                       prepare=prepare)
 
 
 def prepare(model) -> None:

@@ -233,6 +233,7 @@ class Settings:
     base_dtype: str = ""       # the scripts' BASE_DTYPE: "" = compute dtype, nf4 = 4-bit LoRA base (parallel/lowbit.py)
     optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
     ema: bool = False          # the scripts' EMA_DECAY > 0: a copy of the trained model (LoRA: of its adapters)
+    fp8: str = ""              # the scripts' FP8: "" | tensorwise (trained weights gathered in float8) | rowwise
     script: str = ""           # the script planned: "" = the layout's (LAYOUTS), or the name's (BUILTIN_SCRIPTS)
     gpu_memory_gb: float = 0.0  # the GPU planned for, where auto resharding asks (0: unknown)
 
@@ -428,6 +429,7 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                     fsdp_utils.find_block_classes(c.module, block_classes)
                 except ConfigError as e:
                     raise SystemExit(f"plan: --block_classes: {e}") from None
+            fp8_names = _fp8_names(c.module) if c.holding.sharded and c.holding.trained and not c.lora else []
             if c.holding.sharded and c.holding.trained:
                 policy = precision.adapter_mp_policy() if c.lora else precision.mp_policy()
                 parallelize(c.module, mesh, policy, sharding, block_classes, verbose=False)
@@ -446,6 +448,9 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                            and not m.weight.requires_grad and lowbit.nf4_blocks(m.weight.shape) is not None]
                 out[c.name].update(nf4_global=sum(w.numel() for w in weights),
                                    nf4_largest=max((w.numel() for w in weights), default=0))
+            if c.holding.sharded and c.holding.trained and not c.lora:  # what FP8=tensorwise gathers in float8
+                out[c.name]["fp8_units"] = _fp8_per_unit(c.module, units, fp8_names)
+                out[c.name]["fp8_count"] = len(fp8_names)
             if c.lora or c.holding.trained:
                 trainable = [p for p in c.module.parameters() if p.requires_grad]
                 out[c.name].update(
@@ -454,6 +459,28 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                     trainable_global=sum(p.numel() for p in trainable),
                     trainable_units=_trainable_per_unit(c.module, units))
     return out
+
+
+def _fp8_names(model: nn.Module) -> list[str]:
+    """The Linears FP8 converts (parallel/float8.py), read off the model before it is sharded (its block
+    classes' names); none for a model FP8 does not know (no blocks in parallel/model_facts.py)."""
+    from parallel import float8
+    try:
+        return float8.fp8_linears(model)
+    except ConfigError:
+        return []
+
+
+def _fp8_per_unit(model: nn.Module, units: list[tuple[str, int]], names: list[str]) -> list[int]:
+    """Per unit (fsdp_units' order), the weight elements of the Linears `names` (FP8's): under FP8=tensorwise
+    a full model's unit gathers these in float8 (1 byte) and the rest in its compute dtype."""
+    unit_names = [n for n, _ in units[:-1]]
+    out = dict.fromkeys(unit_names, 0)
+    for name in names:
+        unit = next((u for u in unit_names if name.startswith(u + ".")), None)
+        if unit is not None:
+            out[unit] += model.get_submodule(name).weight.numel()
+    return [out[n] for n in unit_names] + [0]
 
 
 def _add_lora_on_meta(model: nn.Module, lora: lora_lib.Lora) -> None:
@@ -869,6 +896,10 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
 
     def compute_size(c: Part) -> int:
         return _size(torch.float32) if c.name in fp32_compute else c_size
+
+    def trained_unit_bytes(c: Part) -> list[int]:  # a full trained model's gathered units; FP8's weights in float8
+        fp8 = sharded[c.name]["fp8_units"] if s.fp8 == "tensorwise" else [0] * len(sharded[c.name]["units"])
+        return [u * compute_size(c) - f * (compute_size(c) - 1) for (_, u), f in zip(sharded[c.name]["units"], fp8)]
     rows, gathered_units, result_load, lora_units = {}, [], [], {}
     nf4_teacher = kind in NF4_TEACHER_KINDS and s.base_dtype == "nf4" and s.lora_rank > 0
     for c in comps:
@@ -912,11 +943,17 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                             optim=int(trained * _state_bytes(s.optimizer, p_size)),
                             note=note + (_optimizer_note(s.optimizer) if h.trained else ""),
                             count=info["global"], local_count=local, sharded=h.sharded)
-        if h.sharded:
-            gathered_units += [u * (compute_size(c) if h.trained else _size(c.dtype)) for _, u in info["units"]]
+        if h.sharded and h.trained:
+            gathered_units += trained_unit_bytes(c)
+            if s.fp8 == "tensorwise":  # + one fp32 scale per converted weight, precomputed every step
+                rows[c.name]["note"] += ", FP8: weights gathered in float8"
+                rows[c.name]["params"] += 4 * info["fp8_count"]
+        elif h.sharded:
+            gathered_units += [u * _size(c.dtype) for _, u in info["units"]]
     biggest = sorted(gathered_units, reverse=True)
     free = reshard_free(comps, sharded, s, compute_size)
-    copies = sum(u * compute_size(c) for c in comps if c.name in free for _, u in sharded[c.name]["units"])
+    copies = sum(sum(trained_unit_bytes(c)) if c.holding.trained and not c.lora else
+                 sum(u * compute_size(c) for _, u in sharded[c.name]["units"]) for c in comps if c.name in free)
     trained_parts = [c for c in comps if c.holding.trained]
     frozen_sharded = [c for c in comps if c.holding.resident and c.holding.sharded and not c.holding.trained]
     at_peak = None
@@ -1420,6 +1457,9 @@ def main(argv: list[str]) -> int:
                     help="LoRA: the frozen base's storage, as the scripts' BASE_DTYPE (nf4: 4-bit, parallel/lowbit.py)")
     ap.add_argument("--optimizer", default="adamw", choices=list(lowbit.OPTIMIZERS),
                     help="the scripts' OPTIMIZER: adamw (fp32/bf16 states) | adamw8bit | adamw4bit (torchao)")
+    ap.add_argument("--fp8", default="", choices=["", "tensorwise", "rowwise"],
+                    help="the scripts' FP8: the blocks' Linears in float8 (tensorwise: a full model's weights "
+                         "gathered in float8, half the bytes of bf16)")
     ap.add_argument("--ema", type=int, default=0,
                     help="count an EMA of the trained model, as the scripts' EMA_DECAY > 0 (LoRA: of its adapters)")
     ap.add_argument("--script", default="", choices=["", *pipelines.SCRIPTS],
@@ -1439,7 +1479,7 @@ def main(argv: list[str]) -> int:
         ap.error("--base_dtype=nf4 needs --lora_rank > 0 (only a frozen LoRA base is quantised)")
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
                 fake_score_fp32=bool(a.fake_score_fp32), base_dtype=a.base_dtype, optimizer=a.optimizer,
-                ema=bool(a.ema), script=a.script,
+                ema=bool(a.ema), script=a.script, fp8=a.fp8,
                 lora_targets=tuple(t.strip() for t in a.lora_target_modules.split(",") if t.strip()))
     try:
         lora_lib.check_lora(Settings(1, **lora).lora)
