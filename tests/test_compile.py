@@ -330,8 +330,9 @@ def test_missing_cxx_compiler_is_one_clear_error(monkeypatch):
 def test_fake_score_attention_cast_and_channels_last_compile_without_breaks():
     """The default fake score (bf16 attention through CastSdpaProcessor) and CHANNELS_LAST's conv
     pre-hooks trace whole: a tiny UNet compiled (aot_eager: dynamo and AOTAutograd, no code
-    generation) has no graph break and gives eager's output and grads bit for bit (the same aten ops
-    on CPU)."""
+    generation) has no graph break and gives eager's output and grads (the same aten ops on CPU; a reduction
+    such as a bias grad over the 2 x 8 x 8 = 128 positions may run in another order, so each tensor agrees to
+    128 fp32 roundings of its largest element, 2^-17 relative)."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -353,4 +354,5 @@ def test_fake_score_attention_cast_and_channels_last_compile_without_breaks():
         out.square().mean().backward()
         outs.append([out.detach()] + [p.grad for p in model.parameters()])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() <= 2 ** -17 * a.abs().max()

@@ -1051,7 +1051,7 @@ def _qwen_dmd_width_rank(rank, world, folder, out):
     from parallel import loading, lowbit
     from precision import get_precision
     # every build step but reading the weights: each rank allocates its slices (the values do not matter here)
-    loading.materialize_and_load = lambda model, _folder, home: model.to_empty(device=home)
+    loading.materialize_and_load = lambda model, _folder, home, *_: model.to_empty(device=home)
     train_dmd.MODEL_PATH = folder
     config = {k: getattr(train_dmd, k) for k in ("DP_REPLICATE", "PARALLELISM", "RESHARD_AFTER_FORWARD",
                                                  "CPU_OFFLOAD", "PREFETCH", "COMPILE")}
