@@ -49,7 +49,10 @@ TEXT_READS_IMAGES = True  # Qwen2.5-VL reads the prompt with the reference image
 DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipeline's area (the output at 1024^2 pixels)
 TRUE_CFG = True  # the teacher samples with true CFG against NEGATIVE_PROMPT (DMD2: REAL_GUIDANCE_SCALE)
 TRUE_CFG_SCALE = 4.0  # the pipeline's default true_cfg_scale
-CFG_NORM = "none"  # DMD2's real score: the teacher's CFG pair combined as (algorithms/dmd2.cfg_combine)
+# DMD2's real score: the teacher's CFG pair combined as its pipeline combines it, the per-token rescale
+# (algorithms/dmd2.cfg_combine): docs/demos.md measured it against none and scalar, and it kept the teacher's
+# variety and saturation where the others did not
+CFG_NORM = "token"
 TEXT_PARTS = ("text_encoder", "tokenizer", "processor")
 
 

@@ -3,7 +3,8 @@
 # of the published 2511 Lightning recipe (Qwen-Image-Lightning issue 86): 1024^2, a LoRA generator of
 # rank 64, alpha 8, LR 5e-5; a full-parameter fake score ("critic") at LR 4e-7; CFG 1 for the generator
 # (backward simulation included) and the fake score; the teacher's real score with true CFG 4 (the
-# pipeline's default) against the negative prompt. bf16 teacher and bases, AC, bf16 fake score.
+# pipeline's default) against the negative prompt, rescaled per token as the pipeline does (REAL_GUIDANCE_NORM,
+# docs/demos.md's measurement). bf16 teacher and bases, AC, bf16 fake score.
 # `python tools/memory_plan.py --model=qwen-image-edit-dmd --world_size=8 --resolution=1024
 # --activation_checkpointing=1 --fake_score_fp32=0 --lora_rank=64 --lora_alpha=8 --gpu_memory_gb=80`
 # plans 58.1 GiB per GPU on 8 x 80 GB. NF4=1: the 8 x 24 GB row instead, a LoRA fake score too and every
@@ -37,7 +38,7 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --teacher_lora="$TEACHE
     --output_dir="$OUT" \
     --text_cache_dir="$TEXT_CACHE_DIR" "${FAKE[@]}" \
     --lora_rank=64 --lora_alpha=8 --lora_init=default --generator_lr=5e-5 --batch_size=1 \
-    --resolution=1024 --real_guidance_scale=4.0 --dfake_gen_update_ratio=5 \
+    --resolution=1024 --real_guidance_scale=4.0 --real_guidance_norm=token --dfake_gen_update_ratio=5 \
     --conditioning_timestep=999 --denoising_steps=999,749,499,249 \
     --precision=bf16-mixed --fake_score_fp32=0 --activation_checkpointing=1 \
     --export_dtype=bf16 --max_steps=4000 --save_every=250 --sample_every=250 --log_every=10 --resume=auto "$@"
