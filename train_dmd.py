@@ -127,7 +127,7 @@ FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance 
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
-SHIFT = "1"  # flow teachers: DM-loss and fake-score σ shifted s·σ/(1+(s-1)·σ); auto = the pipeline's own at the size
+SHIFT = "1"  # flow teachers: DM-loss and fake-score σ shifted s·σ/(1+(s-1)·σ); auto = the pipeline's at the size
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
 FAKE_SCORE_TARGET = "flow"  # flow-matching teachers: the fake score's loss, flow (v-MSE) | x0 (x̂0-MSE = σ²·v-MSE)
@@ -715,12 +715,12 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     return steps, load, sample
 
 
-def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
+def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=None) -> tuple:
     """(mesh, generator, fake score, teacher, EMA or None, the fake's compute dtype, the teacher's dtype):
     the three transformers of a flow-matching teacher built by its room, in this order: generator and
     fake score trainable (LoRA or full), the teacher frozen (NF4 with an NF4 LoRA base), the EMA sharded
-    as the generator. With TEACHER_LORA all three load base + its adapters (merged in fp32 as they load,
-    before NF4): the fine-tune is the teacher and where both students start."""
+    as the generator. With `base_lora` (TEACHER_LORA's adapters) all three load base + it (merged in fp32 as
+    they load, before NF4): the fine-tune is the teacher and where both students start."""
     d = run.d
     mesh, _, sharding = trainer.mesh_and_sharding(run)
     nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
@@ -729,7 +729,7 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision) -> tuple:
     build = functools.partial(room.build_transformer, os.path.join(MODEL_PATH, "transformer"), mesh, prec,
                               d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
                               attention_backend=ATTENTION_BACKEND,
-                              merge=lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None, fp8=FP8)
+                              merge=base_lora, fp8=FP8)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
     fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
@@ -829,7 +829,9 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
     factor = room.vae_factor(MODEL_PATH)
-    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec)
+    base_lora = lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None  # read once: the builds and the export
+    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec,
+                                                                                               base_lora)
     models, head, guidance = flow_models(generator, fake, ema, mesh, min(data.shapes[0][0]) // factor, prec,
                                          d.device)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
@@ -849,7 +851,7 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
                                channels=room.latent_channels(vae), edits=room.edits(run.pipeline))
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
                  room.distilled_scheduler(MODEL_PATH), export_note(run, room, sigmas),
-                 lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None)
+                 base_lora)
 
 
 def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, cfg: bool,

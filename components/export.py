@@ -170,12 +170,11 @@ def export_lora(model: nn.Module, out_dir: str, pipeline_class: str, component: 
         layers = get_peft_model_state_dict(model, state_dict=adapters, adapter_name="default")
         config = model.peft_config["default"].to_dict()
         if base_lora is not None:
-            from parallel.lora_merge import joined
+            from parallel.lora_merge import joined, scale_of
             tail = ".lora_A.weight"
             own = {k[:-len(tail)]: (v, layers[k[:-len(tail)] + ".lora_B.weight"]) for k, v in layers.items()
                    if k.endswith(tail)}
-            scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
-            layers, fields = joined(own, dict.fromkeys(own, scale), base_lora)
+            layers, fields = joined(own, {m: scale_of(m, config) for m in own}, base_lora)
             layers = {k: v.to(dtype) for k, v in layers.items()}
             config.update(fields)
         getattr(diffusers, pipeline_class).save_lora_weights(

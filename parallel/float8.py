@@ -58,18 +58,10 @@ def fp8_linears(model: nn.Module) -> list[str]:
     from parallel.model_facts import MODELS
     facts = MODELS.get(type(model).__name__)
     unused = facts.unused(model) if facts is not None and facts.unused is not None else []
+    # a LoRA-wrapped layer lists its base_layer (the frozen Linear) and its adapters' Linears: the adapters stay
     names = [n for n in block_linears(model, facts, unused) if ".lora_" not in n]
-    keep = []
-    for name in names:
-        m = model.get_submodule(name)
-        if type(m) is not nn.Linear:  # a LoRA-wrapped layer: its base_layer is the Linear
-            base = getattr(m, "base_layer", None)
-            if type(base) is not nn.Linear:
-                continue
-            name, m = f"{name}.base_layer", base
-        if m.in_features % 16 == 0 and m.out_features % 16 == 0:
-            keep.append(name)
-    return keep
+    return [n for n in names if model.get_submodule(n).in_features % 16 == 0
+            and model.get_submodule(n).out_features % 16 == 0]
 
 
 def convert(model: nn.Module, recipe: str, *, float8_all_gather: bool, emulate: bool) -> int:

@@ -62,7 +62,7 @@ def lora_file(path: str) -> str:
     return file
 
 
-def _scale(module: str, config: dict) -> float:
+def scale_of(module: str, config: dict) -> float:
     """lora_alpha / r of `module` by the LoraConfig's patterns (peft matches a pattern as a name suffix)."""
     def pick(pattern: dict, default):
         for key, value in pattern.items():
@@ -101,7 +101,7 @@ def read_lora(path: str, component: str = "transformer") -> LoraDelta:
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"} or ab["A"].dim() != 2 or ab["B"].shape[1] != ab["A"].shape[0]:
             raise ConfigError(f"{file}: {module} has no matching lora_A / lora_B pair of 2-D tensors")
-        layers[module] = (ab["A"], ab["B"], _scale(module, config) if config.get("r") else 1.0)
+        layers[module] = (ab["A"], ab["B"], scale_of(module, config) if config.get("r") else 1.0)
     return LoraDelta(file, layers)
 
 
