@@ -68,7 +68,7 @@ from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data.batches import micro_batch_positions
 from data.buckets import (assign_buckets, bucket_schedule, load_pairs, make_buckets, mirrored_rows,  # noqa: F401
-                          references, row_shapes, step_flips, step_indices)
+                          references, row_shapes, step_flips, step_indices, stretched)
 from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
@@ -317,20 +317,22 @@ def latent_file(cache_dir, identity, row, shape) -> str:
 
 
 @torch.no_grad()
-def fill_latent_cache(room, train, bucket_of, shapes, vae, cache_dir, identity) -> list[str]:
+def fill_latent_cache(room, train, bucket_of, shapes, vae, cache_dir, identity, loader=None) -> list[str]:
     """Each rank hashes and, where missing from the cache, encodes its share (rows rank::world),
     one image at a time, so a pair's latents are the same whatever the world size or the batch it
     trains in; in rounds of _LATENT_ROUND pairs with a collective after each (fill_in_rounds), so no
     rank waits in one collective for the slowest rank's whole share. Returns every training row's
     cache file (the same list on every rank)."""
+    read = loader or stretched
+
     def work(rows):
         files = {i: latent_file(cache_dir, identity, train[i], shapes[bucket_of[i]]) for i in rows}
         missing = [i for i, f in files.items() if not os.path.exists(f)]
         for i in missing:
             size, sizes = shapes[bucket_of[i]]
-            controls = [room.encode_latents(vae, load_image(c, *s, stretch=True)[None])[0].cpu()
+            controls = [room.encode_latents(vae, read(c, s, False, "reference")[None])[0].cpu()
                         for c, s in zip(references(train[i]), sizes)]
-            target = room.encode_latents(vae, load_image(train[i]["target"], *size, stretch=True)[None])[0].cpu()
+            target = room.encode_latents(vae, read(train[i]["target"], size, False, "target")[None])[0].cpu()
             save_atomic({"control": controls[0] if len(controls) == 1 else controls, "target": target}, files[i])
         return files, len(missing)
 
@@ -408,7 +410,7 @@ def sample_randomness(g, latent_shape, sigma_kwargs) -> dict:
 
 
 def load_step(step, room, train, members, schedule, shapes, global_batch, micro_global, dp_rank, dp_size, grad_accum,
-              seed, random_flip, cache_dir, identity, caption_dropout=0.0, latent_files=None) -> dict:
+              seed, random_flip, cache_dir, identity, caption_dropout=0.0, latent_files=None, loader=None) -> dict:
     """Host side of step `step` on this rank (data.prefetch.Prefetcher runs it a step ahead): the
     step's shape and, per micro-batch, this rank's samples' positions in the global batch, every image
     of each sample (one resize, crop and flip; with `latent_files`, their cached latents instead) and
@@ -428,7 +430,7 @@ def load_step(step, room, train, members, schedule, shapes, global_batch, micro_
             refs, target = load_latents([latent_files[indices[i]] for i in mine])
             batches.append({"mine": mine, "reference_latents": refs, "target_latents": target, "text": text})
         else:
-            refs, target = load_pairs(rows, shape, flips[mine])
+            refs, target = load_pairs(rows, shape, flips[mine], loader=loader)
             batches.append({"mine": mine, "references": refs, "target": target, "text": text})
     return {"shape": shape, "batches": batches}
 
@@ -459,13 +461,14 @@ def validation_inputs(shapes, sigmas, latent_channels, vae_factor, seed):
 
 
 @torch.no_grad()
-def validation_loss(room, transformer, vae, pairs, inputs, text, guidance, loss_weighting, device) -> float:
+def validation_loss(room, transformer, vae, pairs, inputs, text, guidance, loss_weighting, device,
+                    loader=None) -> float:
     """The flow-matching loss of the held-out pairs (never trained on) at fixed sigmas and noise,
     averaged; every rank computes the same (FSDP gathers inside each forward)."""
     losses = []
     for i, (row, (shape, sigmas, noise)) in enumerate(zip(pairs, inputs)):
         n = len(sigmas)
-        refs, target = load_pairs([row], shape, [False])
+        refs, target = load_pairs([row], shape, [False], loader=loader)
         mb = {"references": [r.expand(n, -1, -1, -1).to(device) for r in refs],
               "target": target.expand(n, -1, -1, -1).to(device)}
         losses.append(micro_batch_loss(room, transformer, vae, mb, sigmas.to(device), noise.to(device),
@@ -478,19 +481,20 @@ def validation_loss(room, transformer, vae, pairs, inputs, text, guidance, loss_
 # samples: held-out pairs through the family's own pipeline with the current weights
 
 
-def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, guidance, seed, device):
+def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, guidance, seed, device, loader=None):
     """Rows of references | output | target (N*(R+2), 3, H, W) in [-1, 1], R the most references of
     a row, padded to a common size (a missing reference or a SAMPLE_PROMPTS row without a target:
-    a grey tile), and R + 2. Every rank runs the same calls (FSDP gathers inside each transformer
-    forward); the room runs its pipeline on latents and decodes here, so the VAE may keep its own dtype."""
-    pipe = room.sample_pipeline(scheduler, vae, transformer)
+    a grey tile), and R + 2. `text`: (the rows' text[, the negative prompt's: true CFG]). Every rank runs
+    the same calls (FSDP gathers inside each transformer forward); the room runs its pipeline on latents and
+    decodes here, so the VAE may keep its own dtype."""
+    text, negative_text = text if len(text) == 2 else (text[0], None)  # the prompts' [, the negative's]
+    pipe, read = room.sample_pipeline(scheduler, vae, transformer), loader or stretched
     most = max(len(references(r)) for r in pairs)
-    text, negative_text = text if isinstance(text[0], tuple) else (text, None)  # with the negative prompt's: true CFG
     tiles = []
     for i, (row, shape) in enumerate(zip(pairs, shapes)):
-        refs = [load_image(c, *s, stretch=True)[None] for c, s in zip(references(row), shape[1])]
+        refs = [read(c, s, False, "reference")[None] for c, s in zip(references(row), shape[1])]
         h, w = shape[0]
-        target = load_image(row["target"], h, w, stretch=True)[None] if "target" in row else torch.zeros(1, 3, h, w)
+        target = read(row["target"], (h, w), False, "target")[None] if "target" in row else torch.zeros(1, 3, h, w)
         negative = {"negative": room.text_row(negative_text, i)} if negative_text is not None else {}
         out = room.sample(pipe, vae, [r.to(device) for r in refs], room.text_row(text, i), shape[0], steps,
                           guidance, torch.Generator().manual_seed(seed + i), **negative)
@@ -514,6 +518,7 @@ def main():
     room = families.FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
     settings = script_constants(globals())
     room.check_edit_settings(MODEL_PATH, settings, {k for k, v in _DEFAULTS.items() if settings[k] != v})
+    loader = room.image_loader(settings)  # how the family's pipeline reads an image (None: stretched)
 
     # data, shapes (target bucket and reference sizes) and the text-embedding cache (the text encoder
     # lives only inside this call)
@@ -586,22 +591,21 @@ def main():
     shifts = step_shifts(shapes, schedule, scheduler.config, vae_factor)
     final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
     val_text = room.load_text([(r["prompt"], r) for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    sample_text = room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
-    if negative is not None:
-        sample_text = (sample_text, room.load_text([(negative, r) for r in sample_rows], TEXT_CACHE_DIR, identity,
-                                                   d.device))
+    sample_text = [room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)]
+    if negative is not None:  # true CFG: the negative prompt's text too
+        sample_text.append(room.load_text([(negative, r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device))
     channels = room.latent_channels(vae)
     val_inputs = validation_inputs(val_shapes, VAL_SIGMAS, channels, vae_factor, SEED)
 
     def validate():
         with final_weights() as model:
             return {"val_loss": validation_loss(room, model, vae, held_out, val_inputs, val_text, GUIDANCE,
-                                                LOSS_WEIGHTING, d.device)}
+                                                LOSS_WEIGHTING, d.device, loader)}
 
     def sample(path):
         with final_weights() as model:
             grid, nrow = sample_grid(room, model, vae, scheduler, sample_rows, sample_row_shapes, sample_text,
-                                     SAMPLE_STEPS, SAMPLE_GUIDANCE, SEED, d.device)
+                                     SAMPLE_STEPS, SAMPLE_GUIDANCE, SEED, d.device, loader)
         if d.rank == 0:
             save_image_grid(grid, path, nrow=nrow)
 
@@ -609,11 +613,12 @@ def main():
     # schedule and draws its randomness from (SEED, s); its images and embeddings are loaded on a
     # background thread while step s-1 runs
     latent_files = (fill_latent_cache(room, train, bucket_of, shapes, vae, TEXT_CACHE_DIR,
-                                      vae_identity(MODEL_PATH, vae.dtype)) if CACHE_LATENTS else None)
+                                      vae_identity(MODEL_PATH, vae.dtype), loader) if CACHE_LATENTS else None)
     load = functools.partial(load_step, room=room, train=train, members=members, schedule=schedule, shapes=shapes,
                              global_batch=global_batch, micro_global=micro_global, dp_rank=dp_rank, dp_size=dp_size,
                              grad_accum=GRAD_ACCUM, seed=SEED, random_flip=RANDOM_FLIP, cache_dir=TEXT_CACHE_DIR,
-                             identity=identity, caption_dropout=CAPTION_DROPOUT, latent_files=latent_files)
+                             identity=identity, caption_dropout=CAPTION_DROPOUT, latent_files=latent_files,
+                             loader=loader)
     with Prefetcher(load, MAX_STEPS, d.device) as prefetch:
         for step in range(start + 1, MAX_STEPS + 1):
             data, waited = prefetch.get(step)

@@ -114,15 +114,22 @@ def mirrored_rows(rows, flips) -> list[dict]:
     return [{**r, "mirror": True} if f else r for r, f in zip(rows, flips)]
 
 
-def load_pairs(rows, shape, flips, target: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def stretched(source, size, mirror, role) -> torch.Tensor:
+    """An image as FLUX.1 Kontext's and Qwen-Image-Edit's pipelines read it: stretched to its size (their
+    image processor's resize, Lanczos), mirrored first with `mirror`; `role`: "target" or "reference"."""
+    return load_image(source, *size, stretch=True, mirror=mirror)
+
+
+def load_pairs(rows, shape, flips, target: bool = True, loader=None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Reference batches [(B, 3, h, w) per reference] and the target batch (B, 3, h, w) (None with
-    target=False) of rows of one shape, as the editing pipelines read an image: stretched to its size
-    (their image processor's resize, Lanczos), a flipped sample mirrored first, all of its images."""
+    target=False) of rows of one shape, each image read as the family's pipeline reads it (`loader`, the
+    room's image_loader; None: stretched), a flipped sample's images all mirrored first."""
+    loader = loader or stretched
     size, sizes = shape
     refs, targets = [[] for _ in sizes], []
     for row, flip in zip(rows, flips.tolist() if torch.is_tensor(flips) else flips):  # CPU data: no device sync
         for j, (c, s) in enumerate(zip(references(row), sizes)):
-            refs[j].append(load_image(c, *s, stretch=True, mirror=flip))
+            refs[j].append(loader(c, s, flip, "reference"))
         if target:
-            targets.append(load_image(row["target"], *size, stretch=True, mirror=flip))
+            targets.append(loader(row["target"], size, flip, "target"))
     return [torch.stack(r) for r in refs], torch.stack(targets) if target else None

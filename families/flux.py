@@ -201,6 +201,12 @@ def reference_sizes(size, row, settings) -> tuple:
     return (size,) if row is None or references(row) else ()
 
 
+def image_loader(settings):
+    """How a row's images are read (data/buckets.load_pairs): None, stretched to their sizes as the pipeline's
+    image processor resizes them."""
+    return None
+
+
 def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
     """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads
     C ways, and the sequence is split C ways at the transformer's input, text tokens and image

@@ -44,12 +44,21 @@ PIPELINES["QwenImageEditPlusPipeline"] = (
     Component("text_encoder", "text_encoder", "offline", "Qwen2_5_VLForConditionalGeneration"),
     Component("tokenizer", "tokenizer", "files"), Component("processor", "processor", "files"),
     Component("scheduler", "scheduler", "files"))
+_FLUX2_PARTS = (Component("transformer", "transformer", "trainable", "Flux2Transformer2DModel"),
+                Component("vae", "vae", "replicated", "AutoencoderKLFlux2"))
+_FLUX2_FILES = (Component("tokenizer", "tokenizer", "files"), Component("scheduler", "scheduler", "files"))
+# FLUX.2 [dev]: Mistral-Small 3 (24 B) as its text encoder; [klein]: Qwen3 (4 B / 8 B). Both cached, then freed
+PIPELINES["Flux2Pipeline"] = (*_FLUX2_PARTS, Component("text_encoder", "text_encoder", "offline",
+                                                       "Mistral3ForConditionalGeneration"), *_FLUX2_FILES)
+PIPELINES["Flux2KleinPipeline"] = (*_FLUX2_PARTS, Component("text_encoder", "text_encoder", "offline",
+                                                            "Qwen3ForCausalLM"), *_FLUX2_FILES)
 PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-image: the same parts (DMD2 only)
 
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)
     "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline",
                      "QwenImageEditPlusPipeline"),
-    "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline"),
+    "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline", "Flux2KleinPipeline",
+                              "Flux2Pipeline"),
 }
 
 

@@ -353,6 +353,12 @@ def reference_sizes(size, row, settings) -> tuple | None:
     return tuple(reference_size(h, w, reference_area(settings), PIPELINE_MULTIPLE) for h, w in sizes)
 
 
+def image_loader(settings):
+    """How a row's images are read (data/buckets.load_pairs): None, stretched to their sizes as the pipeline's
+    image processor resizes them."""
+    return None
+
+
 def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
     # the prompt template, ~188 tokens per 384^2 reference (27 x 27 patches of 14 merged 2 x 2), the prompt
     area = condition_area(settings)

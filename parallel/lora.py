@@ -66,7 +66,8 @@ def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
     """The target suffixes, each checked to name at least one Linear/Conv of `model` (peft's rule:
     a module whose full name equals the target or ends with "." + target); a target that matches
     nothing is a ConfigError naming it (peft alone would ignore it when another one matches)."""
-    targets = list(lora.targets or getattr(MODELS.get(type(model).__name__), "lora_targets", ()))
+    default = getattr(MODELS.get(type(model).__name__), "lora_targets", ())
+    targets = list(lora.targets or (default(model) if callable(default) else default))
     if not targets:
         raise ConfigError(f"LORA_TARGET_MODULES is empty and {type(model).__name__} has no default targets")
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]

@@ -15,6 +15,14 @@ from typing import Callable
 LORA_PRESETS = ("blocks",)
 
 
+def _flux2_lora_targets(model) -> list[str]:
+    """diffusers' FLUX.2 LoRA examples' targets (examples/dreambooth/train_dreambooth_lora_flux2_klein.py,
+    `target_modules`): the double blocks' attention projections, the single blocks' fused QKV-MLP input and,
+    by full name, their output Linear (a bare "to_out" would reach the double blocks' ModuleList too)."""
+    return ["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+            *[f"single_transformer_blocks.{i}.attn.to_out" for i in range(len(model.single_transformer_blocks))]]
+
+
 def _qwen_unused(model) -> list[str]:
     """The last block's text stream after attention (to_add_out, txt_mlp): the model returns the image
     stream only (diffusers transformer_qwenimage.py:979-983), so nothing reads them."""
@@ -25,7 +33,7 @@ def _qwen_unused(model) -> list[str]:
 @dataclass(frozen=True)
 class ModelFacts:
     units: tuple[str, ...]  # module classes that each get their own fully_shard unit
-    lora_targets: tuple[str, ...]  # default LoRA target suffixes (peft's target_modules)
+    lora_targets: tuple[str, ...] | Callable  # default LoRA target suffixes (peft's target_modules), or (model) -> them
     attention_dispatcher: bool = False  # its attention goes through diffusers' dispatcher (set_attention_backend)
     unused: Callable | None = None  # (model) -> names of the modules whose output nothing reads: no gradient
     modulation: tuple[str, ...] = ()  # name parts of the units' modulation Linears, left out of the "blocks" preset
@@ -58,4 +66,9 @@ MODELS = {
                                               lora_targets=("to_k", "to_q", "to_v", "to_out.0"),
                                               attention_dispatcher=True, unused=_qwen_unused,
                                               modulation=("img_mod.", "txt_mod.")),
+    # FLUX.2 ([dev], [klein]): its `_no_split_modules`; the modulation Linears live in the root (shared by every
+    # block), so the "blocks" preset takes every Linear of the blocks. Attention: Flux2AttnProcessor and
+    # Flux2ParallelSelfAttnProcessor call dispatch_attention_fn
+    "Flux2Transformer2DModel": ModelFacts(units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+                                          lora_targets=_flux2_lora_targets, attention_dispatcher=True),
 }

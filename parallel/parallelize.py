@@ -41,9 +41,9 @@ def parallelize_unet(model: nn.Module, mesh: DeviceMesh | None, mp_policy: Mixed
 def parallelize_flux(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,
                      sharding: Sharding = Sharding(), block_classes: list[str] | None = None,
                      verbose: bool = True) -> list[nn.Module]:
-    """FluxTransformer2DModel: each double-stream block, then each single-stream block, as units
-    (the last single block not resharded after forward); the input embedders, norm_out and
-    proj_out in the root unit."""
+    """FluxTransformer2DModel and Flux2Transformer2DModel: each double-stream block, then each single-stream
+    block, as units (the last single block not resharded after forward); the input embedders (and FLUX.2's
+    shared modulation), norm_out and proj_out in the root unit."""
     if block_classes:  # checked to exist: a misspelt class would silently make one unit of all
         units = units_in_order(model, find_block_classes(model, list(block_classes))[0])
     else:
@@ -70,7 +70,7 @@ def parallelize_qwen_image(model: nn.Module, mesh: DeviceMesh | None, mp_policy:
 
 
 RECIPES = {"UNet2DConditionModel": parallelize_unet, "FluxTransformer2DModel": parallelize_flux,
-           "QwenImageTransformer2DModel": parallelize_qwen_image}
+           "Flux2Transformer2DModel": parallelize_flux, "QwenImageTransformer2DModel": parallelize_qwen_image}
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,

@@ -152,7 +152,7 @@ QWEN_ADDED_TOKENS = (
     ("<|repo_name|>", False), ("<|file_sep|>", False))
 
 
-def write_qwen_tokenizer(folder):
+def write_qwen_tokenizer(folder, corpus=None, added=QWEN_ADDED_TOKENS, chat_template=None):
     """Write a tiny Qwen2 byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) into `folder`.
 
     Qwen2's normalizer, pre-tokenizer and decoder; merges trained here (the `tokenizers` library) on
@@ -160,7 +160,7 @@ def write_qwen_tokenizer(folder):
     template's system part is 64 tokens as with the real tokenizer (the pipeline drops that many);
     any other text still encodes, byte by byte. Then QWEN_ADDED_TOKENS; eos <|im_end|>, pad
     <|endoftext|>, no bos / unk, as Qwen2.5-VL-Instruct's tokenizer_config.json. Returns the reloaded
-    Qwen2Tokenizer.
+    Qwen2Tokenizer. `corpus`, `added`, `chat_template`: another Qwen's (write_qwen3_tokenizer).
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AddedToken, Qwen2Tokenizer
@@ -169,8 +169,8 @@ def write_qwen_tokenizer(folder):
     bpe = Tokenizer(models.BPE())
     bpe.normalizer, bpe.pre_tokenizer = qwen2.normalizer, qwen2.pre_tokenizer
     words = WORDS + QWEN_EDIT_WORDS
-    corpus = [f"system\n{QWEN_EDIT_SYSTEM_PROMPT}\nuser\nassistant\n",
-              " ".join(f"Picture {i}:" for i in range(1, 4)), " ".join(words), "\n".join(words)]
+    corpus = corpus or [f"system\n{QWEN_EDIT_SYSTEM_PROMPT}\nuser\nassistant\n",
+                        " ".join(f"Picture {i}:" for i in range(1, 4)), " ".join(words), "\n".join(words)]
     # every byte in the alphabet; a vocabulary larger than the corpus needs: each corpus word ends whole
     trainer = trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
@@ -178,10 +178,32 @@ def write_qwen_tokenizer(folder):
     model = json.loads(bpe.to_str())["model"]
     tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], unk_token=None,
                                eos_token=None, pad_token=None, model_max_length=131072, errors="replace")
-    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in QWEN_ADDED_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added])
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
     return Qwen2Tokenizer.from_pretrained(folder)
+
+
+# Qwen3's added tokens (Qwen2.5's, then the tool-response and thinking markers), and its chat template's
+# output for one user turn (FLUX.2 [klein] encodes its prompts so, enable_thinking=False): the real template
+# is longer (tools, reasoning history); for this input it renders the same text.
+QWEN3_ADDED_TOKENS = QWEN_ADDED_TOKENS + (("<tool_response>", False), ("</tool_response>", False),
+                                          ("<think>", False), ("</think>", False))
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
+def write_qwen3_tokenizer(folder):
+    """A tiny Qwen3 tokenizer (write_qwen_tokenizer's BPE, trained on the chat template and WORDS), with
+    Qwen3's added tokens and chat template. Returns the reloaded Qwen2Tokenizer."""
+    words = WORDS + QWEN_EDIT_WORDS
+    corpus = ["user\nassistant\n\n\n", " ".join(words), "\n".join(words)]
+    return write_qwen_tokenizer(folder, corpus, QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,6 +468,54 @@ def make_tiny_qwen_image_edit(folder, seed=0):
     return folder
 
 
+def _qwen3_text_encoder(tokenizer, seed, hidden=16, layers=28):
+    """A Qwen3ForCausalLM `hidden` wide with `layers` layers: FLUX.2 [klein] stacks the hidden states of
+    layers 9, 18 and 27 (the pipeline's text_encoder_out_layers), so it needs at least 27 (Qwen3-4B has 36)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+        rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
+    with seeded(seed):
+        return Qwen3ForCausalLM(config).eval()
+
+
+def make_tiny_flux2_klein(folder, seed=0):
+    """Write a FLUX.2-[klein]-base-layout diffusers folder (Flux2KleinPipeline: transformer, vae, text_encoder,
+    tokenizer, scheduler; is_distilled false, so the pipeline samples with true CFG).
+
+    64 px images, VAE 8x down to 4 latent channels, patchified 2x2 into 16-channel tokens (64 px -> 16 tokens);
+    transformer hidden 32 (1 double + 2 single blocks, no guidance embedding, as klein); Qwen3 text encoder 16
+    wide with 28 layers (embeddings 3 x 16 = 48 wide). Returns the folder.
+    """
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+
+    folder = Path(folder)
+    tokenizer = write_qwen3_tokenizer(folder / "tokenizer")
+    text_encoder = _qwen3_text_encoder(tokenizer, seed)
+    latent_channels = 4
+    with seeded(seed + 1):
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=3 * text_encoder.config.hidden_size,
+            timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    with seeded(seed + 2):
+        vae = AutoencoderKLFlux2(
+            latent_channels=latent_channels, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
+            norm_num_groups=8, sample_size=IMAGE_SIZE)
+    # scheduler_config.json of FLUX.2: shift 3 with dynamic shifting; the pipeline passes its own mu
+    # (compute_empirical_mu of the token count and the step count)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=False)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 # ----------------------------------------------------------------------------------------------
 # synthetic data
 
@@ -557,8 +627,13 @@ def _build_qwen_image_edit(root):
     make_two_reference_edit_dataset(root / "data", 32)
 
 
+def _build_flux2_klein(root):
+    make_tiny_flux2_klein(root / "model")
+    make_two_reference_edit_dataset(root / "data", 32)
+
+
 BUILDERS = {"sd15": _build_sd15, "sdxl": _build_sdxl, "flux_kontext": _build_flux_kontext,
-            "qwen_image_edit": _build_qwen_image_edit}
+            "qwen_image_edit": _build_qwen_image_edit, "flux2_klein": _build_flux2_klein}
 
 
 def default_cache_dir():

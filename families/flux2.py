@@ -1,0 +1,417 @@
+"""The FLUX.2 family (Flux2KleinPipeline: FLUX.2 [klein] 4B / 9B and their base models; Flux2Pipeline:
+FLUX.2 [dev], 32 B): its transformer built and sharded through parallel/'s generic recipe (one FSDP unit per
+double- and single-stream block, as FLUX.1), its VAE (AutoencoderKLFlux2, BatchNorm-normalised latents), its
+conditioning and its samples, for train_flux_kontext.py's editing fine-tuning with several references.
+
+Conditioning is the pipelines' own (diffusers 0.42.1 pipelines/flux2/pipeline_flux2_klein.py, and
+pipeline_flux2.py for [dev]):
+- the text: the pipeline's encode_prompt (klein: Qwen3 under its chat template, enable_thinking=False, the
+  hidden states of layers 9 / 18 / 27 stacked, :208-264; [dev]: Mistral-Small 3 under its system message,
+  layers 10 / 20 / 30), padded to max_sequence_length (MAX_SEQUENCE_LENGTH, 512), no mask; text ids (0, 0, 0, l);
+- each reference by the pipeline's rule (:745-756): downsized to REFERENCE_AREA (1024^2) only if larger
+  (Lanczos), then centre-cut to multiples of 16, encoded alone (the posterior's mode), patchified 2x2 and
+  normalised by the VAE's BatchNorm statistics (:464-477); ids (T, H, W, 0) with T = 10 + 10 i (:320-368);
+- the target's tokens first (T = 0), the references' after; the loss reads the target's tokens only;
+- timestep σ (the pipeline passes t / 1000, the model multiplies by 1000); [dev] embeds the guidance value
+  (GUIDANCE), klein has no guidance embedding and samples with true CFG against "" (not when is_distilled).
+
+Latents are held here in the VAE's own layout (B, C, H/8, W/8), normalised: the BatchNorm acts per channel of
+the 2x2-patchified latent, so normalising there and un-patchifying is exact, and FLUX.1's 2x2 packing of that
+layout (algorithms/flux_kontext.pack_latents) is the pipeline's patchify-then-pack, token for token.
+
+    python -m pytest tests/test_flux2.py -q
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+import fsdp_utils
+from algorithms import flux_kontext as km
+from core.dist import print0
+from core.errors import ConfigError
+from data.images import image_size, load_pil
+from data.buckets import references as controls
+from data.text_cache import fill_text_cache, folder_identity, load_entries
+from families.dit import build_transformer as build_dit
+from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
+from families.pipelines import vae_scale_factor
+from parallel import attention
+from parallel.lora import Lora
+from parallel.parallelize import parallelize
+from precision import dtype_name
+
+PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")  # model_index.json's _class_name
+NAME = "FLUX.2"  # how the README and docs name the family
+# the pipelines take any number; four 1024^2 references already make a ~20 k-token sequence
+MAX_REFERENCES = 4
+NEGATIVE_PROMPT = ""  # klein's true CFG pairs the prompt with "" (pipeline_flux2_klein.py:714)
+UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains
+TEXT_READS_IMAGES = False  # Qwen3 / Mistral read the prompt alone
+DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipelines' area (default_sample_size 128 x the VAE factor 8)
+REFERENCE_AREA = 1024 * 1024  # references larger than this are downsized to it (:748)
+MULTIPLE = 16  # both sides cut to a multiple of the VAE factor x the 2x2 patch (:751)
+TIME_OFFSET = 10  # reference i's ids have T = TIME_OFFSET * (i + 1) (_prepare_image_ids' scale)
+TEXT_PARTS = ("text_encoder", "tokenizer")
+
+
+def edits(pipeline: str) -> bool:
+    """A FLUX.2 row edits its references, or (no reference) generates from its prompt."""
+    return True
+
+
+def pipeline_class(model_path):
+    """Flux2KleinPipeline or Flux2Pipeline, as the folder's model_index.json names it."""
+    import diffusers
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        return getattr(diffusers, json.load(f)["_class_name"])
+
+
+def transformer_config(model_path) -> dict:
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        return json.load(f)
+
+
+def _unwrapped(model):
+    return getattr(model, "module", model)  # DDP's wrapper holds the model as .module
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
+                      base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
+                      frozen_dtype=None, weights="", merge=None, fp8=""):
+    """Flux2Transformer2DModel, as families/flux.py builds FLUX.1's (families/dit.py), sharded one unit per
+    double- and single-stream block by parallel/parallelize.py's FLUX recipe."""
+    from diffusers import Flux2Transformer2DModel
+    return build_dit(Flux2Transformer2DModel, parallelize, folder, mesh, prec, device, load=load,
+                     sharding=sharding, block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
+                     attention_backend=attention_backend, trainable=trainable, compute=compute,
+                     frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8)
+
+
+def load_vae(folder, dtype, device):
+    """The frozen AutoencoderKLFlux2, replicated on every rank in its own dtype (its BatchNorm in eval: the
+    running statistics are the latents' normalisation)."""
+    from diffusers import AutoencoderKLFlux2
+    vae = AutoencoderKLFlux2.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)
+    return fsdp_utils.prepare_frozen(vae, dtype, device)
+
+
+def vae_factor(model_path) -> int:
+    """Pixels per latent side: 2 ** (levels - 1), 8 for the real VAE (the pipeline's vae_scale_factor)."""
+    from diffusers import AutoencoderKLFlux2
+    return vae_scale_factor(AutoencoderKLFlux2.load_config(os.path.join(model_path, "vae")))
+
+
+def latent_channels(vae) -> int:
+    return vae.config.latent_channels
+
+
+def _patchify(z):
+    b, c, h, w = z.shape  # the pipeline's _patchify_latents (:371)
+    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, 4 * c, h // 2, w // 2)
+
+
+def _unpatchify(z):
+    b, c, h, w = z.shape  # its _unpatchify_latents (:380)
+    return z.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, 2 * h, 2 * w)
+
+
+def _bn_stats(vae, like):
+    """The VAE BatchNorm's mean and std over the patchified channels (:473-476), in `like`'s dtype."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like.device, like.dtype)
+    return mean, std
+
+
+def encode_latents(vae, images: torch.Tensor) -> torch.Tensor:
+    """Images (B, 3, H, W) in [-1, 1] -> normalised latents (B, C, H/8, W/8) in fp32: the pipeline's
+    _encode_vae_image (the posterior's mode, patchify, BatchNorm statistics, :464-477) in the VAE's dtype,
+    un-patchified."""
+    param = next(vae.parameters())
+    # in the memory layout of the pipeline's image processor (numpy's (B, H, W, C) permuted): the VAE's
+    # convolutions then run the pipeline's kernels and round as it does
+    x = images.to(device=param.device, dtype=param.dtype).permute(0, 2, 3, 1)
+    x = x.reshape(-1).view(x.shape).permute(0, 3, 1, 2)  # every stride canonical, the batch's too
+    with torch.no_grad():
+        z = _patchify(vae.encode(x).latent_dist.mode())
+        mean, std = _bn_stats(vae, z)
+    return _unpatchify((z - mean) / std).float()
+
+
+def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Images (B, 3, H, W) in [-1, 1] -> packed clean latent tokens (B, N, 4C) in fp32."""
+    return km.pack_latents(encode_latents(vae, pixels))
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents (B, C, h, w) -> images (B, 3, H, W) in [-1, 1], fp32 on CPU: the pipeline's
+    de-normalisation in the latents' dtype, then the decoder in the VAE's (:896-904)."""
+    z = _patchify(latents)
+    mean, std = _bn_stats(vae, z)
+    z = _unpatchify(z * std + mean)
+    return vae.decode(z.to(next(vae.parameters()).dtype), return_dict=False)[0].float().cpu()
+
+
+# ----------------------------------------------------------------------------------------------
+# sizes and images: the pipeline's rule for references, the same rule for the target
+
+
+def pipeline_size(height: int, width: int, area: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((h, w) after the pipeline's downsizing, (h, w) after its cut to multiples of 16) of an image of
+    height x width: downsized to `area` pixels at its ratio only if larger (Flux2ImageProcessor.
+    _resize_to_target_area: int() of each side), then each side cut down to a multiple of 16."""
+    if height * width > area:
+        scale = math.sqrt(area / (width * height))
+        height, width = int(height * scale), int(width * scale)
+    return (height, width), (height // MULTIPLE * MULTIPLE, width // MULTIPLE * MULTIPLE)
+
+
+def load_image(source, area: int, mirror: bool = False) -> torch.Tensor:
+    """(3, h, w) in [-1, 1]: an image as the pipeline prepares a reference (:745-756): downsized (Lanczos)
+    to `area` if larger, centre-cut to multiples of 16 (Flux2ImageProcessor._resize_and_crop), mirrored
+    first with `mirror`."""
+    import numpy as np
+    from PIL import Image
+    im = load_pil(source, mirror)
+    (h, w), (ch, cw) = pipeline_size(im.height, im.width, area)
+    if (h, w) != (im.height, im.width):
+        im = im.resize((w, h), Image.Resampling.LANCZOS)
+    left, top = (w - cw) // 2, (h - ch) // 2
+    im = im.crop((left, top, left + cw, top + ch))
+    x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
+    return x.float() / 127.5 - 1.0  # the image processor's normalize of to_tensor's [0, 1]
+
+
+def reference_area(settings) -> int:
+    return settings.get("REFERENCE_AREA") or REFERENCE_AREA
+
+
+def image_loader(settings):
+    """How a row's images are read (data/buckets.load_pairs): each reference by the pipeline's rule at
+    REFERENCE_AREA, the target by the same rule at RESOLUTION^2, so an aligned pair stays aligned."""
+    areas = {"reference": reference_area(settings), "target": settings["RESOLUTION"] ** 2}
+
+    def load(source, size, mirror, role):
+        image = load_image(source, areas[role], mirror)
+        if tuple(image.shape[1:]) != tuple(size):
+            raise ValueError(f"{source}: read as {tuple(image.shape[1:])}, its shape says {tuple(size)}")
+        return image
+    return load
+
+
+def target_size(size, row, settings) -> tuple[int, int]:
+    """The target by the references' rule at RESOLUTION^2: what the pipeline outputs for it as picture 1
+    (its default height and width)."""
+    h, w = row.get("size") or image_size(row["target"])
+    return pipeline_size(h, w, settings["RESOLUTION"] ** 2)[1]
+
+
+def reference_sizes(size, row, settings) -> tuple | None:
+    """Each reference at its own size by the pipeline's rule (REFERENCE_AREA); None for row None."""
+    if row is None:
+        return None
+    sizes = row.get("control_sizes") or [image_size(c) for c in controls(row)]
+    return tuple(pipeline_size(h, w, reference_area(settings))[1] for h, w in sizes)
+
+
+# ----------------------------------------------------------------------------------------------
+# conditioning: the pipeline's text embeddings, cached
+
+
+def text_length(settings) -> int:
+    return int(settings["MAX_SEQUENCE_LENGTH"])
+
+
+def load_text_encoder(model_path, dtype, device):
+    """The folder's pipeline holding only its text encoder and tokenizer (the classes model_index.json
+    names): its encode_prompt is the pipeline's own text path."""
+    pipe = pipeline_class(model_path).from_pretrained(model_path, transformer=None, vae=None, scheduler=None,
+                                                      dtype=dtype)
+    pipe.text_encoder.to(device).eval()
+    return pipe
+
+
+def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> str:
+    """Fill the text cache for the (prompt, row) pairs' prompts (each rank its share, the encoder freed
+    after); returns the encoder identity."""
+    length = text_length(settings)
+    identity = folder_identity(model_path, TEXT_PARTS, length, dtype_name(dtype))
+
+    def encode(pipe, part):
+        embeds, _ = pipe.encode_prompt(prompt=list(part), device=device, max_sequence_length=length)
+        return [{"prompt": p, "prompt_embeds": e.clone()} for p, e in zip(part, embeds.cpu())]
+
+    prompts = {p: p for p, _ in texts}
+    computed, reused = fill_text_cache(prompts, cache_dir, identity,
+                                       lambda: load_text_encoder(model_path, dtype, device), encode)
+    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} ({cache_dir}; "
+           f"{length} tokens, {dtype_name(dtype)})")
+    return identity
+
+
+def load_text(texts, cache_dir, identity, device):
+    """(B, L, D) embeddings of the pairs' prompts, from the cache."""
+    if not texts:
+        return None
+    return torch.stack([e["prompt_embeds"] for e in load_entries([p for p, _ in texts], cache_dir, identity)]
+                       ).to(device)
+
+
+def repeat_text(text, i, n):
+    return text[i:i + 1].expand(n, -1, -1)
+
+
+def text_row(text, i):
+    return text[i:i + 1]
+
+
+def text_ids(embeds: torch.Tensor) -> torch.Tensor:
+    """(B, L, 4) ids (0, 0, 0, l) of the text tokens (the pipeline's _prepare_text_ids)."""
+    b, length = embeds.shape[:2]
+    ids = torch.zeros(length, 4, dtype=torch.long, device=embeds.device)
+    ids[:, 3] = torch.arange(length, device=embeds.device)
+    return ids.expand(b, -1, -1)
+
+
+def image_ids(sizes, device) -> torch.Tensor:
+    """(N, 4) ids (T, H, W, 0) of [target ; references] tokens, sizes the packed grids (h, w): the target's
+    T = 0 (_prepare_latent_ids), reference i's T = 10 (i + 1) (_prepare_image_ids)."""
+    out = []
+    for i, (h, w) in enumerate(sizes):
+        t = torch.tensor([0 if i == 0 else TIME_OFFSET * i], device=device)
+        out.append(torch.cartesian_prod(t, torch.arange(h, device=device), torch.arange(w, device=device),
+                                        torch.zeros(1, dtype=torch.long, device=device)))
+    return torch.cat(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# editing fine-tuning (train_flux_kontext.py; families/flux.py lists what the script asks of a room)
+
+
+def check_edit_settings(model_path, settings, changed: set) -> None:
+    """What this family refuses, in one line before any work (`changed`: the settings given a value other
+    than the script's default)."""
+    for name, why in (("BUCKET_ASPECTS", "the target and references keep their own ratios, as the pipeline "
+                                         "sizes them (REFERENCE_AREA, RESOLUTION)"),
+                      ("CONDITION_AREA", "FLUX.2's text encoder reads the prompt alone")):
+        if name in changed:
+            raise ConfigError(f"{name}={settings[name]}: not used by FLUX.2: {why}")
+    if settings["CONTEXT_PARALLEL"] > 1:
+        raise ConfigError(f"CONTEXT_PARALLEL={settings['CONTEXT_PARALLEL']}: not for FLUX.2 here yet; use "
+                          "CONTEXT_PARALLEL=1 (the sequence fits a node's FSDP shards up to four 1024^2 references "
+                          "with ACTIVATION_CHECKPOINTING)")
+    if settings["SHIFT"] == "auto":
+        raise ConfigError("SHIFT=auto: FLUX.2's pipeline shift (compute_empirical_mu) depends on the sampling step "
+                          "count as well as the size; give a number (1 = none)")
+    guided = transformer_config(model_path).get("guidance_embeds", True)
+    if settings["GUIDANCE"] != 1.0 and not guided:
+        raise ConfigError(f"GUIDANCE={settings['GUIDANCE']}: this FLUX.2 transformer has no guidance embedding "
+                          "(klein's guidance is true CFG: SAMPLE_GUIDANCE for samples); leave GUIDANCE at 1")
+
+
+def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
+    """check_edit_settings refuses CONTEXT_PARALLEL > 1 for this family."""
+
+
+def attention_shapes(model_path, length, shapes, factor, batch):
+    """The run's attention calls for the start-up kernel check: the joint attention over text + target +
+    reference tokens per shape, and the VAE mid-block's single head at the latent grid (forward only)."""
+    t = transformer_config(model_path)
+    with open(os.path.join(model_path, "vae", "config.json")) as f:
+        vae_channels = json.load(f)["block_out_channels"][-1]
+    trained, vae = [], []
+    for (h, w), sizes in dict.fromkeys(shapes):
+        tokens = length + sum((a // (2 * factor)) * (b // (2 * factor)) for a, b in ((h, w), *sizes))
+        trained.append(attention.Shape(f"transformer at {h}x{w} + {len(sizes)} references", batch, tokens, tokens,
+                                       t["num_attention_heads"], t["attention_head_dim"]))
+        grid = (h // factor) * (w // factor)
+        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
+    return trained, vae
+
+
+def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
+    return attention_shapes(model_path, text_length(settings), shapes, vae_factor(model_path), batch)
+
+
+def model_inputs(x0, references, noise, sigmas) -> dict:
+    """[noisy target ; each clean reference] tokens with their ids, and the flow-matching target n - x0 on
+    the target's tokens."""
+    if x0.shape != noise.shape:
+        raise ValueError("noise must have the shape of the target latents")
+    x0, n = x0.float(), noise.float()
+    s = sigmas.float().reshape(-1, 1, 1, 1).to(x0.device)
+    target = km.pack_latents((1.0 - s) * x0 + s * n)
+    refs = [km.pack_latents(r.float()) for r in references]
+    grids = [(z.shape[-2] // 2, z.shape[-1] // 2) for z in (x0, *references)]
+    ids = image_ids(grids, x0.device)
+    return {"hidden_states": torch.cat([target, *refs], dim=1), "img_ids": ids.expand(x0.shape[0], -1, -1),
+            "n_target_tokens": target.shape[1], "target": km.pack_latents(n - x0)}
+
+
+def guidance_input(transformer, guidance, batch, device):
+    """[dev]'s embedded guidance value per sample; None for a transformer without the embedding (klein)."""
+    if not _unwrapped(transformer).config.guidance_embeds:
+        return None
+    return torch.full((batch,), float(guidance), device=device, dtype=torch.float32)
+
+
+def forward(transformer, inputs, sigmas, guidance, text):
+    """The transformer on model_inputs' tokens: timestep σ (B,), the text with its ids, [dev]'s guidance."""
+    hidden = inputs["hidden_states"]
+    b = hidden.shape[0]
+    timestep = torch.as_tensor(sigmas, device=hidden.device).reshape(-1).expand(b)
+    return transformer(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep,
+                       img_ids=inputs["img_ids"], txt_ids=text_ids(text),
+                       guidance=guidance_input(transformer, guidance, b, hidden.device), return_dict=False)[0]
+
+
+def sample_pipeline(scheduler, vae, transformer):
+    return scheduler, transformer
+
+
+@torch.no_grad()
+def sample(pipe, vae, references, text, size, steps, guidance, generator, negative=None) -> torch.Tensor:
+    """One edit (3, h, w) on CPU by the pipeline's denoising loop (:770-890) on latents: its noise drawn as it
+    draws it, σ = linspace(1, 1/steps) with compute_empirical_mu of the target's tokens and the step count,
+    the references' clean tokens after the noisy target's; [dev]: the guidance embedding; klein: true CFG
+    against `negative` when `guidance` > 1."""
+    import numpy as np
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
+    from diffusers.utils.torch_utils import randn_tensor
+    scheduler, transformer = pipe
+    device, dtype = text.device, text.float().dtype
+    f = 2 ** (len(vae.config.block_out_channels) - 1)
+    h, w = 2 * (size[0] // (f * 2)), 2 * (size[1] // (f * 2))
+    c = latent_channels(vae)
+    latents = randn_tensor((1, 4 * c, h // 2, w // 2), generator=generator, device=device, dtype=dtype)
+    latents = latents.flatten(2).transpose(1, 2)  # the pipeline's _pack_latents
+    refs = [image_tokens(vae, r).to(device, dtype) for r in references]
+    ids = image_ids([(h // 2, w // 2), *[(r.shape[-2] // f // 2, r.shape[-1] // f // 2) for r in references]],
+                    device)[None]
+    mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    scheduler.set_begin_index(0)
+    g = guidance_input(transformer, guidance, 1, device)
+    cfg = g is None and guidance > 1 and negative is not None
+    for t in timesteps:
+        model_input = torch.cat([latents, *refs], dim=1)
+        timestep = t.expand(1).to(latents.dtype) / 1000
+
+        def velocity(embeds):
+            return transformer(hidden_states=model_input, encoder_hidden_states=embeds.float(), timestep=timestep,
+                               img_ids=ids, txt_ids=text_ids(embeds), guidance=g,
+                               return_dict=False)[0][:, :latents.shape[1]]
+        pred = velocity(text)
+        if cfg:
+            neg = velocity(negative)
+            pred = neg + guidance * (pred - neg)
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    return decode_latents(vae, km.unpack_latents(latents, h, w))[0]

@@ -1,0 +1,203 @@
+"""The FLUX.2 room (families/flux2.py) and train_flux_kontext.py on it.
+
+Conditioning equals Flux2KleinPipeline's own tensors (the text through its encode_prompt and the cache, each
+reference by its resize-and-cut rule, the latents' patchify and BatchNorm statistics, the 4-D ids with a time
+offset per reference, the text ids), the room's sampling loop equals the pipeline's output with true CFG and
+two references, and the script trains with several references per sample: resume is bit-exact, the full
+export loads with from_pretrained and the LoRA export (NF4 base, AC, cached latents, 8-bit AdamW) with
+load_lora_weights, both sampling through the pipeline.
+
+    python -m pytest tests/test_flux2.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.errors import ConfigError
+from families import flux2
+from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics
+
+STEPS = 4
+SETTINGS = {"RESOLUTION": 64, "REFERENCE_AREA": 0, "MAX_SEQUENCE_LENGTH": 32, "CONTEXT_PARALLEL": 1, "SHIFT": "1",
+            "GUIDANCE": 1.0, "BUCKET_ASPECTS": [1.0], "CONDITION_AREA": 0}
+
+
+@pytest.fixture(scope="module")
+def klein(tmp_path_factory):
+    """The tiny FLUX.2 [klein] base folder and its two-reference rows (a 64 px scene, a 32 px swatch)."""
+    from tools import tiny_models
+    root = tmp_path_factory.mktemp("flux2")
+    cache = root / "cache"
+    model_path, data_dir = tiny_models.ensure_default("flux2_klein", cache)
+    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
+    common = [f"--model_path={model_path}", f"--data_path={os.path.join(data_dir, 'data.jsonl')}",
+              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1",
+              "--num_sample_pairs=2", "--resolution=64", "--max_sequence_length=32", "--lr=1e-3", "--warmup_steps=0",
+              "--export_dtype=fp32", "--sample_steps=2", "--batch_size=1", "--seed=1"]
+    return {"root": root, "model": model_path, "data": data_dir, "env": env, "common": common}
+
+
+def pipeline(folder):
+    from diffusers import Flux2KleinPipeline
+    pipe = Flux2KleinPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def images(tmp_path, sizes, seed=0):
+    g = np.random.default_rng(seed)
+    paths = []
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        paths.append(str(tmp_path / f"{i}.png"))
+    return paths
+
+
+def text(folder, tmp_path, prompts, length=512):
+    settings = {**SETTINGS, "MAX_SEQUENCE_LENGTH": length}
+    pairs = [(p, {}) for p in prompts]
+    identity = flux2.prepare_edit_text(pairs, folder, str(tmp_path / "tc"), settings, torch.float32,
+                                       torch.device("cpu"))
+    return flux2.load_text(pairs, str(tmp_path / "tc"), identity, torch.device("cpu"))
+
+
+def test_conditioning_is_the_pipelines(klein, tmp_path):
+    """What the pipeline hands its transformer for two references at sizes it cuts (70 x 90, 64 x 100): the text
+    (through the cache), the references' tokens and the ids ([target T=0 ; reference i T=10(i+1)], text
+    (0,0,0,l)); the timestep σ; and the pipeline's downsizing of a reference over the area."""
+    from data import buckets
+    pipe = pipeline(klein["model"])
+    paths = images(tmp_path, [(70, 90), (64, 100)])
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw) if not seen else None,
+                                               with_kwargs=True)
+    pipe(image=[Image.open(p) for p in paths], prompt="make it blue", num_inference_steps=1, guidance_scale=1.0,
+         generator=torch.Generator().manual_seed(0), output_type="latent")
+    call = seen[0]
+    assert torch.equal(text(klein["model"], tmp_path, ["make it blue"]), call["encoder_hidden_states"])
+
+    row = {"controls": paths, "control": paths[0], "target": paths[0]}
+    sizes = flux2.reference_sizes(None, row, SETTINGS)
+    assert sizes == ((64, 80), (64, 96))  # cut to multiples of 16, never upsized
+    assert flux2.target_size(None, row, {**SETTINGS, "RESOLUTION": 1024}) == (64, 80)  # the pipeline's default output
+    pixels, _ = buckets.load_pairs([row], ((64, 80), sizes), [False], target=False,
+                                   loader=flux2.image_loader(SETTINGS))
+    refs = [flux2.encode_latents(pipe.vae, p) for p in pixels]
+    target = torch.zeros(1, 4, 8, 10)
+    inputs = flux2.model_inputs(target, refs, torch.zeros_like(target), torch.ones(1))
+    n = inputs["n_target_tokens"]
+    assert n == 20 and torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
+    assert torch.equal(inputs["img_ids"], call["img_ids"])
+    assert torch.equal(flux2.text_ids(call["encoder_hidden_states"]), call["txt_ids"])
+    assert call["guidance"] is None and torch.equal(call["timestep"], torch.ones(1))  # σ = t / 1000 at t = 1000
+
+    big = images(tmp_path / "..", [(700, 1000)], seed=1)[0]
+    small = pipe.image_processor._resize_to_target_area(Image.open(big).convert("RGB"), 300 * 300)
+    w, h = small.size
+    theirs = pipe.image_processor.preprocess(small, height=h // 16 * 16, width=w // 16 * 16, resize_mode="crop")
+    ours = flux2.load_image(big, 300 * 300)
+    assert torch.equal(ours[None], theirs) and flux2.pipeline_size(700, 1000, 300 * 300)[1] == tuple(ours.shape[1:])
+    with torch.no_grad():  # the room's latents are the pipeline's, un-patchified
+        assert torch.equal(flux2._patchify(flux2.encode_latents(pipe.vae, ours[None])),
+                           pipe._encode_vae_image(theirs, None))
+
+
+def test_packing_is_the_pipelines_patchify_then_pack():
+    from algorithms import flux_kontext as km
+    from diffusers import Flux2KleinPipeline
+    z = torch.randn(2, 4, 6, 8)
+    assert torch.equal(km.pack_latents(z), Flux2KleinPipeline._pack_latents(Flux2KleinPipeline._patchify_latents(z)))
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_sampling_loop_is_the_pipelines(klein, tmp_path, guidance):
+    """The room's sample equals the pipeline's output image for the same seed, two references, with and
+    without klein-base's true CFG against ""."""
+    pipe = pipeline(klein["model"])
+    paths = images(tmp_path, [(64, 80), (64, 64)])
+    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it red", num_inference_steps=3,
+                  guidance_scale=guidance, generator=torch.Generator().manual_seed(3), output_type="pt").images[0]
+    embeds = text(klein["model"], tmp_path, ["make it red", flux2.NEGATIVE_PROMPT])
+    refs = [flux2.load_image(p, flux2.REFERENCE_AREA)[None] for p in paths]
+    ours = flux2.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, flux2.text_row(embeds, 0), (64, 80), 3,
+                        guidance, torch.Generator().manual_seed(3), negative=flux2.text_row(embeds, 1))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
+def test_refusals_are_one_line(klein):
+    changed = {"GUIDANCE": 2.0, "SHIFT": "auto", "CONTEXT_PARALLEL": 2, "BUCKET_ASPECTS": [1.0, 2.0],
+               "CONDITION_AREA": 4096}
+    for name, value in changed.items():
+        with pytest.raises(ConfigError, match=name) as e:
+            flux2.check_edit_settings(klein["model"], {**SETTINGS, name: value}, {name})
+        assert "\n" not in str(e.value)
+
+
+def test_default_lora_targets_are_diffusers(klein):
+    """diffusers' FLUX.2 LoRA examples' targets: the double blocks' attention, the single blocks' fused input and
+    their output Linear, not the double blocks' to_out ModuleList."""
+    from parallel import lora as lora_lib
+    names = lora_lib.check_lora_targets("Flux2Transformer2DModel", os.path.join(klein["model"], "transformer"),
+                                        lora_lib.Lora(rank=4))
+    assert "single_transformer_blocks.1.attn.to_out" in names and "to_qkv_mlp_proj" in names
+    assert "to_out" not in names
+
+
+@pytest.fixture(scope="module")
+def runs(klein):
+    """Full fine-tuning (EMA, validation, samples with true CFG, RANDOM_FLIP, caption dropout), the same stopped at
+    step 2 and resumed, and a LoRA run on an NF4 base with AC, cached latents and 8-bit AdamW."""
+    root = klein["root"]
+    common = klein["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2",
+                                "--random_flip=1", "--caption_dropout=0.3", "--sample_guidance=4"]
+    out = {k: root / k for k in ("full", "stopped", "lora")}
+    jobs = {
+        "full": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['full']}"], env=klein["env"]),
+        "stopped": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}",
+                                                                        "--max_steps=2"], env=klein["env"]),
+        "lora": dict(script="train_flux_kontext.py", args=klein["common"] + [
+            f"--output_dir={out['lora']}", "--lora_rank=4", "--sample_every=0", "--val_every=0", "--save_every=0",
+            "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1", "--optimizer=adamw8bit"],
+            env=klein["env"]),
+    }
+    done = launch_all(jobs)
+    resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
+                     env=klein["env"])
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(runs):
+    a, b = read_checkpoint(runs["out"]["full"], STEPS), read_checkpoint(runs["out"]["stopped"], STEPS)
+    for name in ("model.transformer", "model.ema"):
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert read_metrics(runs["out"]["full"])[-1]["loss"] == read_metrics(runs["out"]["stopped"])[-1]["loss"]
+    assert any("val_loss" in r for r in read_metrics(runs["out"]["full"]))
+    assert os.path.exists(runs["out"]["full"] / "samples" / f"step_{STEPS:06d}.png")
+
+
+@pytest.mark.slow
+def test_exports_load_and_sample_with_the_pipeline(klein, runs, tmp_path):
+    """The full export loads with from_pretrained and holds the EMA weights; the LoRA export (trained on the NF4
+    base) loads on the base with load_lora_weights and changes its edits."""
+    paths = images(tmp_path, [(64, 64), (64, 64)])
+    call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", num_inference_steps=2,
+                guidance_scale=4.0, output_type="np", max_sequence_length=32)
+    full = pipeline(str(runs["out"]["full"] / "export"))
+    ema = read_checkpoint(runs["out"]["full"], STEPS)["model.ema"]
+    exported = full.transformer.state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in ema.items() if k in exported)
+    assert np.isfinite(full(**call, generator=torch.Generator().manual_seed(0)).images).all()
+    base = pipeline(klein["model"])
+    before = base(**call, generator=torch.Generator().manual_seed(0)).images
+    base.load_lora_weights(str(runs["out"]["lora"] / "export"))
+    after = base(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+    with open(os.path.join(runs["out"]["full"], "export", "model_index.json")) as f:
+        assert json.load(f)["_class_name"] == "Flux2KleinPipeline"
