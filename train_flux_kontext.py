@@ -140,6 +140,7 @@ LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
 FP8 = ""  # transformer blocks' Linears in float8 (torchao): tensorwise (float8 all-gather) | rowwise; "" = off
 TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype (here: for the text cache); "" = PRECISION's compute dtype
+SHARD_TEXT_ENCODER = "auto"  # FLUX.2: the cache fill's encoder FSDP-sharded over the ranks: 1 | 0 | auto (> half a GPU)
 VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype
 TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
 EXPORT_DTYPE = "bf16"  # dtype of the exported trained model (fp16/bf16 halve the file)
@@ -211,6 +212,7 @@ def validate_config() -> precision.Precision:
         "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
         "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
         "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "VAL_EVERY >= 0": VAL_EVERY >= 0,
+        "SHARD_TEXT_ENCODER in (auto, 0, 1)": str(SHARD_TEXT_ENCODER) in ("auto", "0", "1"),
         "VAL_SIGMAS non-empty, each in (0, 1]": bool(VAL_SIGMAS) and all(0 < s <= 1 for s in VAL_SIGMAS),
     })
     return precision.get_precision(PRECISION)
@@ -233,6 +235,9 @@ def resolve_defaults() -> dict:
         DATA_PATH = DATA_PATH or default_data
         RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
     room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_flux_kontext.py")]
+    if SHARD_TEXT_ENCODER not in ("auto", "0") and not getattr(room, "SHARDED_TEXT_FILL", False):
+        raise ConfigError(f"SHARD_TEXT_ENCODER={SHARD_TEXT_ENCODER}: {room.NAME}'s text encoders are not sharded here "
+                          "(they fit one GPU); leave it at auto")
     RESOLUTION = RESOLUTION or room.DEFAULT_RESOLUTION
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
     return script_constants(globals())

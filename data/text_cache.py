@@ -63,22 +63,30 @@ def cache_file(cache_dir, identity, key) -> str:
     return os.path.join(cache_dir, key[:2], key + ".pt")
 
 
-def fill_text_cache(items, cache_dir, identity, load_encoder, encode, batch=16):
+def fill_text_cache(items, cache_dir, identity, load_encoder, encode, batch=16, sharded=False):
     """Each rank embeds its share (items[rank::world], by key) of the items missing from the cache,
     in rounds (fill_in_rounds). `items` maps a key to what the room's encoder reads (a prompt, or a
     prompt with its images); load_encoder() is called only where something is missing, and the
     encoder is freed before training; encode(encoder, inputs) returns one dict of CPU tensors per
-    input. Returns (computed, reused), summed over ranks."""
-    encoder = []  # loaded at this rank's first missing item
+    input. Returns (computed, reused), summed over ranks.
+
+    sharded: the encoder is sharded over the ranks (parallel/text_encoder.py), so each of its forwards is a
+    collective: every rank loads it once any rank misses an item, and runs as many batches per round as the
+    busiest rank, a rank with fewer encoding a stand-in item whose output it drops."""
+    encoder = []  # loaded at this rank's first missing item (sharded: every rank's, at the first round missing any)
+    stand_in = items[min(items)] if items else None
 
     def work(chunk):
         missing = [k for k in chunk if not os.path.exists(cache_file(cache_dir, identity, k))]
-        if missing and not encoder:
+        batches = -(-len(missing) // batch)
+        if sharded:
+            batches = max(all_gather_objects(batches))
+        if batches and not encoder:
             encoder.append(load_encoder())
         with torch.no_grad():
-            for i in range(0, len(missing), batch):
-                part = missing[i:i + batch]
-                for k, entry in zip(part, encode(encoder[0], [items[k] for k in part])):
+            for i in range(batches):
+                part = missing[i * batch:(i + 1) * batch]
+                for k, entry in zip(part, encode(encoder[0], [items[k] for k in part] or [stand_in])):
                     save_atomic(entry, cache_file(cache_dir, identity, k))
         return len(missing), len(chunk) - len(missing)
 

@@ -48,6 +48,7 @@ PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")  # model_index.json's _class
 NAME = "FLUX.2"  # how the README and docs name the family
 # the pipelines take any number; four 1024^2 references already make a ~20 k-token sequence
 MAX_REFERENCES = 4
+SHARDED_TEXT_FILL = True  # SHARD_TEXT_ENCODER: its text encoder can be sharded over the ranks for the cache fill
 NEGATIVE_PROMPT = ""  # klein's true CFG pairs the prompt with "" (pipeline_flux2_klein.py:714)
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains
 TEXT_READS_IMAGES = False  # Qwen3 / Mistral read the prompt alone
@@ -239,9 +240,37 @@ def load_text_encoder(model_path, dtype, device):
     return pipe
 
 
+def load_sharded_text_encoder(model_path, dtype, device):
+    """The pipeline holding its text encoder sharded over every rank (parallel/text_encoder.py) and its
+    tokenizer: the fill's forwards are then collectives (data/text_cache.fill_text_cache, sharded=True)."""
+    import transformers
+    from fsdp_utils import build_meshes
+    from parallel.text_encoder import sharded_text_encoder
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        cls = getattr(transformers, json.load(f)["text_encoder"][1])
+    encoder = sharded_text_encoder(cls, os.path.join(model_path, "text_encoder"), build_meshes(device)[0], dtype,
+                                   device)
+    return pipeline_class(model_path).from_pretrained(model_path, text_encoder=encoder, transformer=None, vae=None,
+                                                      scheduler=None)
+
+
+def shard_text_encoder(model_path, settings, dtype, device) -> bool:
+    """SHARD_TEXT_ENCODER: 1 | 0 | auto (with several ranks on GPUs, when the encoder's weights in `dtype`
+    take over half of one GPU's memory: [dev]'s 24 B Mistral-Small is 48 GB in bf16)."""
+    from core.dist import world_size
+    choice = str(settings.get("SHARD_TEXT_ENCODER", "auto"))
+    if choice != "auto":
+        return choice in ("1", "True", "true") and world_size() > 1
+    if world_size() == 1 or device.type != "cuda":
+        return False
+    from parallel.loading import tensor_shapes
+    numel = sum(math.prod(s) for s in tensor_shapes(os.path.join(model_path, "text_encoder")).values())
+    return numel * torch.finfo(dtype).bits // 8 > torch.cuda.get_device_properties(device).total_memory // 2
+
+
 def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> str:
     """Fill the text cache for the (prompt, row) pairs' prompts (each rank its share, the encoder freed
-    after); returns the encoder identity."""
+    after; sharded over the ranks where SHARD_TEXT_ENCODER says); returns the encoder identity."""
     length = text_length(settings)
     identity = folder_identity(model_path, TEXT_PARTS, length, dtype_name(dtype))
 
@@ -249,11 +278,12 @@ def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> 
         embeds, _ = pipe.encode_prompt(prompt=list(part), device=device, max_sequence_length=length)
         return [{"prompt": p, "prompt_embeds": e.clone()} for p, e in zip(part, embeds.cpu())]
 
-    prompts = {p: p for p, _ in texts}
-    computed, reused = fill_text_cache(prompts, cache_dir, identity,
-                                       lambda: load_text_encoder(model_path, dtype, device), encode)
+    sharded = shard_text_encoder(model_path, settings, dtype, device)
+    load = load_sharded_text_encoder if sharded else load_text_encoder
+    computed, reused = fill_text_cache({p: p for p, _ in texts}, cache_dir, identity,
+                                       lambda: load(model_path, dtype, device), encode, sharded=sharded)
     print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} ({cache_dir}; "
-           f"{length} tokens, {dtype_name(dtype)})")
+           f"{length} tokens, {dtype_name(dtype)}{', encoder sharded' if sharded else ''})")
     return identity
 
 

@@ -106,7 +106,8 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device, me
             return handles[path].get_slice(name)
 
         tensors = {safetensors_key(n): t for n, t in model.named_parameters() if not is_adapter(n)}
-        tensors.update((safetensors_key(n), t) for n, t in model.named_buffers())
+        computed = {f"{m}.{b}" if m else b for m, mod in model.named_modules() for b in mod._non_persistent_buffers_set}
+        tensors.update((safetensors_key(n), t) for n, t in model.named_buffers() if n not in computed)  # not saved
         if merge is not None:
             merge.check_base({k: t.shape for k, t in tensors.items()}, f"the model of {folder}")
         for name, t in tensors.items():

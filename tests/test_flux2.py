@@ -21,7 +21,7 @@ from PIL import Image
 
 from core.errors import ConfigError
 from families import flux2
-from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics
+from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics, run_ranks
 
 STEPS = 4
 SETTINGS = {"RESOLUTION": 64, "REFERENCE_AREA": 0, "MAX_SEQUENCE_LENGTH": 32, "CONTEXT_PARALLEL": 1, "SHIFT": "1",
@@ -128,6 +128,34 @@ def test_sampling_loop_is_the_pipelines(klein, tmp_path, guidance):
     ours = flux2.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, flux2.text_row(embeds, 0), (64, 80), 3,
                         guidance, torch.Generator().manual_seed(3), negative=flux2.text_row(embeds, 1))
     assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
+PROMPTS = ["make it red", "make the circle the colour of picture 2", "", "a blue square", "turn it green"]
+
+
+def _sharded_fill(rank, world, model_path, cache_dir):
+    """Every rank takes part in each forward of the sharded encoder, though the shares are 3 and 2 prompts."""
+    settings = {**SETTINGS, "SHARD_TEXT_ENCODER": "1"}
+    assert flux2.shard_text_encoder(model_path, settings, torch.float32, torch.device("cpu"))
+    encoder = flux2.load_sharded_text_encoder(model_path, torch.float32, torch.device("cpu")).text_encoder
+    from torch.distributed.tensor import DTensor
+    weight = encoder.model.layers[0].mlp.up_proj.weight
+    assert isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // world
+    del encoder
+    identity = flux2.prepare_edit_text([(p, {}) for p in PROMPTS], model_path, cache_dir, settings, torch.float32,
+                                       torch.device("cpu"))
+    assert len(os.listdir(cache_dir)) > 0 and identity
+
+
+def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, tmp_path):
+    """SHARD_TEXT_ENCODER=1 on 2 ranks (Qwen3 built on meta, one FSDP unit per decoder layer, each rank loading
+    its slices, its RoPE tables remade on the host) caches the embeddings one unsharded process computes."""
+    run_ranks(_sharded_fill, 2, klein["model"], str(tmp_path / "sharded"))
+    pairs = [(p, {}) for p in PROMPTS]
+    ours = flux2.load_text(pairs, str(tmp_path / "sharded"), flux2.folder_identity(
+        klein["model"], flux2.TEXT_PARTS, 32, "fp32"), torch.device("cpu"))
+    theirs = text(klein["model"], tmp_path, PROMPTS, length=32)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 def test_refusals_are_one_line(klein):
