@@ -1,7 +1,8 @@
 """LoRA or full fine-tuning of an image-editing model with FSDP2, on samples (reference image(s),
-edited target image, instruction): FLUX.1 Kontext (one context image) or Qwen-Image-Edit-2509 / 2511
-(one to three references), chosen by model_index.json through families.FAMILIES; the family's room
-(families/flux.py, families/qwen_image.py) holds its models, conditioning, latents and samples.
+edited target image, instruction): FLUX.1 Kontext (one context image), Qwen-Image-Edit-2509 / 2511
+(one to three references) or FLUX.2 [klein] / [dev] (up to four), chosen by model_index.json through
+families.FAMILIES; the family's room (families/flux.py, qwen_image.py, flux2.py) holds its models,
+conditioning, latents and samples.
 
 The transformer (12 B for FLUX.1 Kontext, 20 B for Qwen-Image-Edit) is the only trained part: it is
 built on the meta device, sharded per block by its recipe (parallel/parallelize.py), and each rank
@@ -85,14 +86,14 @@ from parallel import attention, float8
 # settings are in the same order in train_dmd.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # FLUX.1 Kontext or Qwen-Image-Edit-2509/2511 folder (model_index.json); "" = assets/kontext_base
+MODEL_PATH = ""  # FLUX.1 Kontext, Qwen-Image-Edit-2509/2511 or FLUX.2 folder (model_index.json); "" = assets/kontext_base
 DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
 CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
-MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (FLUX.1 Kontext 1, Qwen-Image-Edit 3)
+MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (Kontext 1, Qwen-Image-Edit 3, FLUX.2 4)
 VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last NUM_SAMPLE_PAIRS of DATA_PATH
 OUTPUT_DIR = "out/flux_kontext"  # metrics.jsonl, samples/, checkpoints/, export/, text_cache/
 RESOLUTION = 0  # target area = RESOLUTION^2 pixels; 0 = the family's pipeline's (1024), or the embedded default's 32
-REFERENCE_AREA = 0  # Qwen-Image-Edit: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
+REFERENCE_AREA = 0  # Qwen-Image-Edit, FLUX.2: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction
