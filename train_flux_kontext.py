@@ -86,7 +86,7 @@ from parallel import attention, float8
 # settings are in the same order in train_dmd.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # FLUX.1 Kontext, Qwen-Image-Edit-2509/2511 or FLUX.2 folder (model_index.json); "" = assets/kontext_base
+MODEL_PATH = ""  # FLUX.1 Kontext, Qwen-Image-Edit-2509/2511 or FLUX.2 folder (model_index.json); "" = the tiny Kontext
 DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
 CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
 MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (Kontext 1, Qwen-Image-Edit 3, FLUX.2 4)
