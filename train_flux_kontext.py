@@ -262,6 +262,26 @@ def step_sizes(shapes, schedule) -> list:
     return [shapes[schedule[0][0]], max(used, key=lambda s: sum(h * w for h, w in (s[0], *s[1])))]
 
 
+def reference_limit(room, pipeline) -> int:
+    """MAX_REFERENCES, or the family's own; over the family's: refused."""
+    if MAX_REFERENCES > room.MAX_REFERENCES:
+        raise ConfigError(f"MAX_REFERENCES={MAX_REFERENCES}: {pipeline} takes at most {room.MAX_REFERENCES}")
+    return MAX_REFERENCES or room.MAX_REFERENCES
+
+
+def cached_texts(room, pipeline, train, held_out, sample_rows) -> tuple[list, str | None]:
+    """The (prompt, row) pairs the text cache holds (the rows', CAPTION_DROPOUT's unconditional text, RANDOM_FLIP's
+    mirrored rows where the text encoder reads the images), and the samples' negative prompt (true CFG) or None."""
+    trained = [(r["prompt"], r) for r in train] + [(room.UNCONDITIONAL_PROMPT, r) for r in train if CAPTION_DROPOUT]
+    texts = trained + [(r["prompt"], r) for r in held_out + sample_rows]
+    if RANDOM_FLIP and room.TEXT_READS_IMAGES:  # a flipped step's text reads the mirrored references
+        print0(f"RANDOM_FLIP: {pipeline}'s text encoder reads the reference images, so the text cache also "
+               f"holds the {len(trained)} training entries with their references mirrored")
+        texts += [(p, {**r, "mirror": True}) for p, r in trained]
+    negative = getattr(room, "NEGATIVE_PROMPT", None) if SAMPLE_GUIDANCE > 1 else None  # true CFG in samples
+    return texts + ([(negative, r) for r in sample_rows] if negative is not None else []), negative
+
+
 # ----------------------------------------------------------------------------------------------
 # models
 
@@ -283,6 +303,19 @@ def build_models(room, model_path, prec, mesh, device, *, sharding, block_classe
     vae = room.load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
     return transformer, ema, vae, scheduler
+
+
+def split_sequences(models, cp_mesh, world) -> tuple[int, int]:
+    """CONTEXT_PARALLEL > 1: every forward of `models` (training, validation, samples) splits its sequence over
+    its CP group. Returns this rank's (data-parallel rank, data-parallel size)."""
+    for model in models if cp_mesh is not None else ():
+        if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
+            enable_context_parallel(model, cp_mesh)
+    dp_rank, dp_size = fsdp_utils.data_parallel_rank(CONTEXT_PARALLEL)
+    if CONTEXT_PARALLEL > 1:
+        print0(f"context parallel: {dp_size} data-parallel group(s) of {CONTEXT_PARALLEL} ranks; each group splits "
+               f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all {world} ranks")
+    return dp_rank, dp_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,9 +563,7 @@ def main():
     # lives only inside this call)
     vae_factor = room.vae_factor(MODEL_PATH)
     columns = {"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN}
-    if MAX_REFERENCES > room.MAX_REFERENCES:
-        raise ConfigError(f"MAX_REFERENCES={MAX_REFERENCES}: {run.pipeline} takes at most {room.MAX_REFERENCES}")
-    most = MAX_REFERENCES or room.MAX_REFERENCES
+    most = reference_limit(room, run.pipeline)
     train, held_out, buckets, _ = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS, 2 * vae_factor,
                                             SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
                                             columns=columns, split=DATASET_SPLIT, max_references=most)
@@ -543,14 +574,7 @@ def main():
     sample_row_shapes = [s[i] for s, of in [row_shapes(room, sample_rows, buckets, settings)] for i in of]
     room.check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, settings,
                                 [shapes[b] for b, _ in schedule] + val_shapes + sample_row_shapes)
-    trained = [(r["prompt"], r) for r in train] + [(room.UNCONDITIONAL_PROMPT, r) for r in train if CAPTION_DROPOUT]
-    texts = trained + [(r["prompt"], r) for r in held_out + sample_rows]
-    if RANDOM_FLIP and room.TEXT_READS_IMAGES:  # a flipped step's text reads the mirrored references
-        print0(f"RANDOM_FLIP: {run.pipeline}'s text encoder reads the reference images, so the text cache also "
-               f"holds the {len(trained)} training entries with their references mirrored")
-        texts += [(p, {**r, "mirror": True}) for p, r in trained]
-    negative = getattr(room, "NEGATIVE_PROMPT", None) if SAMPLE_GUIDANCE > 1 else None  # true CFG in samples
-    texts += [(negative, r) for r in sample_rows] if negative is not None else []
+    texts, negative = cached_texts(room, run.pipeline, train, held_out, sample_rows)
     identity = room.prepare_edit_text(texts, MODEL_PATH, TEXT_CACHE_DIR, settings,
                                       prec.frozen_dtype(TEXT_ENCODER_DTYPE), d.device)
 
@@ -564,15 +588,7 @@ def main():
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
                                                     base_dtype=BASE_DTYPE, attention_backend=ATTENTION_BACKEND, fp8=FP8)
-    if cp_mesh is not None:  # every forward of these models (training, validation, samples) splits the sequence
-        for model in (transformer, ema):
-            if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
-                enable_context_parallel(model, cp_mesh)
-    dp_rank, dp_size = fsdp_utils.data_parallel_rank(CONTEXT_PARALLEL)
-    if CONTEXT_PARALLEL > 1:
-        print0(f"context parallel: {dp_size} data-parallel group(s) of {CONTEXT_PARALLEL} ranks; each group splits "
-               f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all "
-               f"{d.world_size} ranks")
+    dp_rank, dp_size = split_sequences((transformer, ema), cp_mesh, d.world_size)
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
     watch_model_flops(run, [transformer], vae)  # MFU: the transformer's FLOPs; the VAE's apart
 
