@@ -334,10 +334,6 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
                       ("CONDITION_AREA", "FLUX.2's text encoder reads the prompt alone")):
         if name in changed:
             raise ConfigError(f"{name}={settings[name]}: not used by FLUX.2: {why}")
-    if settings["CONTEXT_PARALLEL"] > 1:
-        raise ConfigError(f"CONTEXT_PARALLEL={settings['CONTEXT_PARALLEL']}: not for FLUX.2 here yet; use "
-                          "CONTEXT_PARALLEL=1 (the sequence fits a node's FSDP shards up to four 1024^2 references "
-                          "with ACTIVATION_CHECKPOINTING)")
     if settings["SHIFT"] == "auto":
         raise ConfigError("SHIFT=auto: FLUX.2's pipeline shift (compute_empirical_mu) depends on the sampling step "
                           "count as well as the size; give a number (1 = none)")
@@ -348,12 +344,31 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
 
 
 def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
-    """check_edit_settings refuses CONTEXT_PARALLEL > 1 for this family."""
+    """With CONTEXT_PARALLEL = C > 1, before any model is built: Ulysses splits the attention heads C ways, and
+    the transformer's _cp_plan splits the text tokens and the image tokens (target + references) C ways each, so
+    all three must divide by C, at every shape the run uses (`shapes`: training, validation, samples)."""
+    if context_parallel == 1:
+        return
+    heads = transformer_config(model_path)["num_attention_heads"]
+    if heads % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {heads} attention heads "
+                          "(transformer/config.json) do not divide by it (Ulysses splits the heads)")
+    if text_length(settings) % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: MAX_SEQUENCE_LENGTH={text_length(settings)} text "
+                          "tokens do not divide by it; set it to a multiple")
+    factor = vae_factor(model_path)
+    for size, sizes in sorted(set(shapes)):
+        tokens = sum((h // (2 * factor)) * (w // (2 * factor)) for h, w in (size, *sizes))
+        if tokens % context_parallel:
+            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: a target of {size[0]}x{size[1]} with references "
+                              f"{', '.join(f'{h}x{w}' for h, w in sizes) or 'none'} makes {tokens} image tokens, not "
+                              "divisible by it; resize those images, or set REFERENCE_AREA / RESOLUTION")
 
 
-def attention_shapes(model_path, length, shapes, factor, batch):
+def attention_shapes(model_path, length, shapes, factor, batch, context_parallel=1):
     """The run's attention calls for the start-up kernel check: the joint attention over text + target +
-    reference tokens per shape, and the VAE mid-block's single head at the latent grid (forward only)."""
+    reference tokens per shape (Ulysses: all tokens, heads / C per rank), and the VAE mid-block's single head at
+    the latent grid (forward only)."""
     t = transformer_config(model_path)
     with open(os.path.join(model_path, "vae", "config.json")) as f:
         vae_channels = json.load(f)["block_out_channels"][-1]
@@ -361,14 +376,14 @@ def attention_shapes(model_path, length, shapes, factor, batch):
     for (h, w), sizes in dict.fromkeys(shapes):
         tokens = length + sum((a // (2 * factor)) * (b // (2 * factor)) for a, b in ((h, w), *sizes))
         trained.append(attention.Shape(f"transformer at {h}x{w} + {len(sizes)} references", batch, tokens, tokens,
-                                       t["num_attention_heads"], t["attention_head_dim"]))
+                                       t["num_attention_heads"] // context_parallel, t["attention_head_dim"]))
         grid = (h // factor) * (w // factor)
         vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
     return trained, vae
 
 
 def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
-    return attention_shapes(model_path, text_length(settings), shapes, vae_factor(model_path), batch)
+    return attention_shapes(model_path, text_length(settings), shapes, vae_factor(model_path), batch, context_parallel)
 
 
 def model_inputs(x0, references, noise, sigmas) -> dict:

@@ -147,6 +147,7 @@ def _sharded_fill(rank, world, model_path, cache_dir):
     assert len(os.listdir(cache_dir)) > 0 and identity
 
 
+@pytest.mark.slow
 def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, tmp_path):
     """SHARD_TEXT_ENCODER=1 on 2 ranks (Qwen3 built on meta, one FSDP unit per decoder layer, each rank loading
     its slices, its RoPE tables remade on the host) caches the embeddings one unsharded process computes."""
@@ -158,13 +159,47 @@ def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+def test_dev_sampling_loop_is_the_pipelines(klein, tmp_path):
+    """FLUX.2 [dev]'s path (Flux2Pipeline, a transformer with the guidance embedding, no CFG) equals the pipeline's
+    output given the same text embeddings (the tiny folder's transformer with guidance_embeds, its own VAE)."""
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+    base = pipeline(klein["model"])
+    config = {k: v for k, v in base.transformer.config.items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(**{**config, "guidance_embeds": True}).eval()
+    pipe = Flux2Pipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=None, tokenizer=None,
+                         transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    paths = images(tmp_path, [(64, 64)])
+    embeds = text(klein["model"], tmp_path, ["make it red"])
+    theirs = pipe(image=[Image.open(p) for p in paths], prompt_embeds=embeds, num_inference_steps=3,
+                  guidance_scale=4.0, generator=torch.Generator().manual_seed(5), output_type="pt").images[0]
+    refs = [flux2.load_image(paths[0], flux2.REFERENCE_AREA)[None]]
+    ours = flux2.sample((pipe.scheduler, transformer), pipe.vae, refs, embeds, (64, 64), 3, 4.0,
+                        torch.Generator().manual_seed(5))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+    inputs = flux2.model_inputs(torch.zeros(1, 4, 8, 8), [], torch.zeros(1, 4, 8, 8), torch.ones(1))
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    flux2.forward(transformer, inputs, torch.ones(1), 3.5, embeds)
+    assert torch.equal(seen[0]["guidance"], torch.full((1,), 3.5))  # GUIDANCE, as [dev]'s pipeline passes it
+
+
 def test_refusals_are_one_line(klein):
-    changed = {"GUIDANCE": 2.0, "SHIFT": "auto", "CONTEXT_PARALLEL": 2, "BUCKET_ASPECTS": [1.0, 2.0],
-               "CONDITION_AREA": 4096}
+    changed = {"GUIDANCE": 2.0, "SHIFT": "auto", "BUCKET_ASPECTS": [1.0, 2.0], "CONDITION_AREA": 4096}
     for name, value in changed.items():
         with pytest.raises(ConfigError, match=name) as e:
             flux2.check_edit_settings(klein["model"], {**SETTINGS, name: value}, {name})
         assert "\n" not in str(e.value)
+
+
+def test_context_parallel_shapes_are_checked_before_any_work(klein):
+    flux2.check_context_parallel(klein["model"], 2, SETTINGS, [((64, 64), ((64, 64), (32, 32)))])
+    for c, settings, shapes in ((2, {**SETTINGS, "MAX_SEQUENCE_LENGTH": 31}, [((64, 64), ())]),
+                                (2, SETTINGS, [((64, 64), ((48, 16),))]),  # 16 + 3 tokens
+                                (4, SETTINGS, [((64, 64), ())])):  # 2 heads
+        with pytest.raises(ConfigError, match=f"CONTEXT_PARALLEL={c}"):
+            flux2.check_context_parallel(klein["model"], c, settings, shapes)
 
 
 def test_default_lora_targets_are_diffusers(klein):
@@ -179,14 +214,20 @@ def test_default_lora_targets_are_diffusers(klein):
 
 @pytest.fixture(scope="module")
 def runs(klein):
-    """Full fine-tuning (EMA, validation, samples with true CFG, RANDOM_FLIP, caption dropout), the same stopped at
-    step 2 and resumed, and a LoRA run on an NF4 base with AC, cached latents and 8-bit AdamW."""
+    """Full fine-tuning (EMA, validation, samples with true CFG, RANDOM_FLIP, caption dropout), the same compiled,
+    the same with CONTEXT_PARALLEL=2 (the 2 ranks one DP group: the same samples), the same stopped at step 2 and
+    resumed, and a LoRA run on an NF4 base with AC, cached latents and 8-bit
+    AdamW."""
     root = klein["root"]
     common = klein["common"] + ["--ema_decay=0.9", "--save_every=2", "--sample_every=4", "--val_every=2",
                                 "--random_flip=1", "--caption_dropout=0.3", "--sample_guidance=4"]
-    out = {k: root / k for k in ("full", "stopped", "lora")}
+    out = {k: root / k for k in ("full", "stopped", "lora", "compiled", "cp")}
     jobs = {
         "full": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['full']}"], env=klein["env"]),
+        "compiled": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['compiled']}",
+                                                                         "--compile=1"], env=klein["env"]),
+        "cp": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['cp']}", "--context_parallel=2",
+                                                                   "--batch_size=2"], env=klein["env"]),
         "stopped": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}",
                                                                         "--max_steps=2"], env=klein["env"]),
         "lora": dict(script="train_flux_kontext.py", args=klein["common"] + [
@@ -194,7 +235,7 @@ def runs(klein):
             "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1", "--optimizer=adamw8bit"],
             env=klein["env"]),
     }
-    done = launch_all(jobs)
+    done = launch_all(jobs, timeout=900)  # torch.compile on CPU: minutes
     resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
                      env=klein["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
@@ -229,3 +270,41 @@ def test_exports_load_and_sample_with_the_pipeline(klein, runs, tmp_path):
     assert np.isfinite(after).all() and not np.array_equal(before, after)
     with open(os.path.join(runs["out"]["full"], "export", "model_index.json")) as f:
         assert json.load(f)["_class_name"] == "Flux2KleinPipeline"
+
+
+@pytest.mark.slow
+def test_compiled_trains_as_eager(runs):
+    """COMPILE=1: each block kind compiles whole (Flux2TransformerBlock, Flux2SingleTransformerBlock: 2 graphs, no
+    break), the same losses and grad norms per step (1e-5 relative: fused kernels reorder fp32 sums) and exported
+    weights within LR / 20 of eager's."""
+    from safetensors.torch import load_file
+    a, b = read_metrics(runs["out"]["full"]), read_metrics(runs["out"]["compiled"])
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for k in ("loss", "grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5), (ra["step"], k)
+    file = "transformer/diffusion_pytorch_model.safetensors"
+    wa, wb = (load_file(str(runs["out"][k] / "export" / file)) for k in ("full", "compiled"))
+    assert wa.keys() == wb.keys() and not any("_orig_mod" in k for k in wb)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-3 / 20, msg=k)
+    line = next(line for line in runs["logs"]["compiled"].splitlines() if line.startswith("compile: "))
+    assert line.startswith("compile: 2 graphs, 0 graph breaks ("), line
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_as_data_parallel(runs):
+    """CONTEXT_PARALLEL=2 (Ulysses, the transformer's _cp_plan splitting text and [target ; references] tokens)
+    gives the losses, validation losses and grad norms of the 2-rank data-parallel run on the same samples, and
+    its weights within a small fraction of one step's LR (the same sums in another order)."""
+    assert "context parallel: 1 data-parallel group(s) of 2 ranks" in runs["logs"]["cp"]
+    a, b = read_metrics(runs["out"]["full"]), read_metrics(runs["out"]["cp"])
+    for ra, rb in zip(a, b):
+        for k in ("loss", "val_loss", "grad_norm"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    from safetensors.torch import load_file
+    file = "transformer/diffusion_pytorch_model.safetensors"
+    wa, wb = (load_file(str(runs["out"][k] / "export" / file)) for k in ("full", "cp"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=2e-5, msg=k)
