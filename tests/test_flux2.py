@@ -30,13 +30,24 @@ SETTINGS = {"RESOLUTION": 64, "REFERENCE_AREA": 0, "MAX_SEQUENCE_LENGTH": 32, "C
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
-    """The tiny FLUX.2 [klein] base folder and its two-reference rows (a 64 px scene, a 32 px swatch)."""
+    """The tiny FLUX.2 [klein] base folder and its two-reference rows (a 64 px scene, a 32 px swatch), mixed: every
+    other row with the scene alone, every fourth with the swatch as a 32 x 128 strip (three id layouts)."""
     from tools import tiny_models
     root = tmp_path_factory.mktemp("flux2")
     cache = root / "cache"
     model_path, data_dir = tiny_models.ensure_default("flux2_klein", cache)
+    rows = [json.loads(line) for line in open(os.path.join(data_dir, "data.jsonl"))]
+    for i, row in enumerate(rows):
+        row["control"] = [os.path.join(data_dir, c) for c in row["control"]]
+        row["target"] = os.path.join(data_dir, row["target"])
+        if i % 2:
+            row["control"] = row["control"][:1]
+        elif i % 4 == 0:
+            Image.open(row["control"][1]).convert("RGB").resize((128, 32)).save(root / f"strip{i}.png")
+            row["control"][1] = str(root / f"strip{i}.png")
+    (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
-    common = [f"--model_path={model_path}", f"--data_path={os.path.join(data_dir, 'data.jsonl')}",
+    common = [f"--model_path={model_path}", f"--data_path={root / 'mixed.jsonl'}",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1",
               "--num_sample_pairs=2", "--resolution=64", "--max_sequence_length=32", "--lr=1e-3", "--warmup_steps=0",
               "--export_dtype=fp32", "--sample_steps=2", "--batch_size=1", "--seed=1"]
@@ -249,6 +260,7 @@ def test_resume_is_bit_exact(runs):
     assert read_metrics(runs["out"]["full"])[-1]["loss"] == read_metrics(runs["out"]["stopped"])[-1]["loss"]
     assert any("val_loss" in r for r in read_metrics(runs["out"]["full"]))
     assert os.path.exists(runs["out"]["full"] / "samples" / f"step_{STEPS:06d}.png")
+    assert "(step 2)" in runs["resumed"]
 
 
 @pytest.mark.slow
