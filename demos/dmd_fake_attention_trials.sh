@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The fake score's attention dtype on the shapes demo (docs/dmd2.md, "The fake score's attention"):
-# demo_dmd.sh's schedule under PRECISION=bf16-mixed (the published mode; the demo itself runs fp32,
-# where the setting changes nothing), the fp32 fake score with its attention in fp32 (published) and
-# in bf16 (FAKE_SCORE_ATTENTION_DTYPE's default), each with SEEDS, then each student scored with
-# demos/shapes_eval.py (1 step, or DENOISING_STEPS' sampler) into OUT/<mode>_seed<seed>/eval.json.
+# The fake score's dtype on the shapes demo (docs/dmd2.md, "The fake score's attention"): demo_dmd.sh's
+# schedule under PRECISION=bf16-mixed (the published mode; the demo itself runs fp32, where the setting
+# changes nothing), per mode: fp32 = the fp32 fake score with its attention in fp32 (published), bf16 = the
+# fp32 fake score with bf16 attention (FAKE_SCORE_ATTENTION_DTYPE's default), bf16_fake = the whole fake
+# score in bf16 (FAKE_SCORE_FP32=0); each with SEEDS, then each student scored with demos/shapes_eval.py
+# (1 step, or DENOISING_STEPS' sampler) into OUT/<mode>_seed<seed>/eval.json.
 #
 #   bash demos/dmd_fake_attention_trials.sh                          # 1-step, seeds 0 1, 1000 steps
 #   STEPS=1000 DENOISING='[999,749,499,249]' OUT=out/fake_attn_4step bash demos/dmd_fake_attention_trials.sh
+#   MODES="fp32 bf16_fake" OUT=out/fake_dtype_1step bash demos/dmd_fake_attention_trials.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/fake_attention_trials}
@@ -28,9 +30,13 @@ for seed in $SEEDS; do
     run="$OUT/${mode}_seed$seed"
     [ -f "$run/eval.json" ] && continue
     start=$(date +%s)
+    case $mode in
+      bf16_fake) dtype=(--fake_score_fp32=0) ;;
+      *) dtype=(--fake_score_attention_dtype="$mode") ;;
+    esac
     python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py --output_dir="$run" \
         --max_steps="$STEPS" --batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_update_ratio=5 \
-        --ema_decay=0.98 --precision=bf16-mixed --fake_score_attention_dtype="$mode" --seed="$seed" \
+        --ema_decay=0.98 --precision=bf16-mixed "${dtype[@]}" --seed="$seed" \
         --log_every=50 --sample_every=0 --save_every="$STEPS" --keep_last=1 "${few[@]}"
     python -m demos.shapes_eval --model="$run/export" "${sampler[@]}" --json_out="$run/eval.json"
     echo "$mode seed $seed: $(( $(date +%s) - start )) s"
@@ -43,7 +49,7 @@ runs = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_seed*", "eval.json"))):
     mode, seed = os.path.basename(os.path.dirname(path)).rsplit("_seed", 1)
     runs.setdefault(mode, []).append((int(seed), json.load(open(path))))
-print("| fake score's attention | seed | colour % | shape % | all 3 % | Fréchet dist | diversity |")
+print("| fake score (attention) | seed | colour % | shape % | all 3 % | Fréchet dist | diversity |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 for mode, scores in runs.items():
     for seed, m in scores:
