@@ -26,11 +26,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass, field
 
 import torch
 
 import fsdp_utils
 from algorithms import flux_kontext as km
+from algorithms.dmd2 import cfg_combine
 from core.dist import print0
 from core.errors import ConfigError
 from data.images import image_size, load_pil
@@ -460,3 +462,98 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
             pred = neg + guidance * (pred - neg)
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
     return decode_latents(vae, km.unpack_latents(latents, h, w))[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 (train_dmd.py's flow setup): the guidance side, a micro-batch's conditioning, the samples' decoding, the
+# refusals, the distilled export
+
+TRUE_CFG_SCALE = 4.0  # Flux2KleinPipeline's default guidance_scale: klein-base samples with true CFG at it
+# DMD2's real score for klein-base: its CFG pair rescaled per token (algorithms/dmd2.cfg_combine), the
+# normalisation docs/demos.md measured on Qwen-Image-Edit (it kept the teacher's variety and saturation where
+# plain CFG did not) and LightX2V's klein choice; the pipeline itself samples with plain CFG (REAL_GUIDANCE_NORM=none)
+CFG_NORM = "token"
+
+
+def guided(model_path) -> bool:
+    """[dev]: the guidance embedding; klein: none."""
+    return bool(transformer_config(model_path).get("guidance_embeds", False))
+
+
+def dmd_guidance(settings):
+    """[dev]: every transformer takes FLUX_GUIDANCE as its embedded input, the teacher no CFG pair; klein-base: the
+    teacher's true CFG against "" (REAL_GUIDANCE_SCALE, 0: the pipeline's 4; REAL_GUIDANCE_NORM, "": CFG_NORM),
+    the generator and the fake score without guidance; the export is a distilled klein, which ignores guidance."""
+    from algorithms.dmd2 import Guidance
+    if guided(settings["MODEL_PATH"]):
+        value = settings["FLUX_GUIDANCE"]
+        return Guidance(settings["REAL_GUIDANCE_SCALE"] or 1.0, settings["REAL_GUIDANCE_NORM"] or "none",
+                        embedded=value, export_call=f"guidance_scale={value}")
+    scale, norm = settings["REAL_GUIDANCE_SCALE"] or TRUE_CFG_SCALE, settings["REAL_GUIDANCE_NORM"] or CFG_NORM
+    return Guidance(scale, norm, negative=NEGATIVE_PROMPT if scale > 1 else None, export_call="")
+
+
+@dataclass
+class Flux2Cond:
+    """One micro-batch's conditioning, shared by generator, teacher and fake score: its text (and the negative
+    prompt's for klein's true CFG), the references' clean tokens and their latent sizes, as fine-tuning builds
+    them (model_inputs, forward)."""
+    text: torch.Tensor  # (B, L, D)
+    negative: torch.Tensor | None  # (B, L, D) of NEGATIVE_PROMPT, for the teacher's true CFG; None: no pair
+    references: list  # [(B, Nr, 4C) packed clean reference latents]
+    size: tuple[int, int]  # the target latent's (h, w)
+    reference_sizes: list = field(default_factory=list)  # each reference latent's (h, w)
+
+    def velocity(self, model, guidance: float, norm: str = "none"):
+        """v(x_σ, σ) of `model`: x_σ the packed target tokens (B, Nt, 4C), the references after them, the
+        prediction cut back to the target's. [dev]: `guidance` is the embedded value. klein, `guidance` > 1 (the
+        teacher): true CFG v_neg + s (v − v_neg), the pair as one batch of 2B, rescaled by `norm`."""
+        grids = [(h // 2, w // 2) for h, w in (self.size, *self.reference_sizes)]
+        ids = image_ids(grids, self.text.device)
+        pair = not _unwrapped(model).config.guidance_embeds and guidance > 1 and self.negative is not None
+
+        def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            hidden = torch.cat([x, *(r.to(x.dtype) for r in self.references)], dim=1)
+            b = x.shape[0]
+            sigma = torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b)
+            if pair:
+                inputs = {"hidden_states": torch.cat([hidden, hidden]), "img_ids": ids.expand(2 * b, -1, -1)}
+                out = forward(model, inputs, torch.cat([sigma, sigma]), guidance, torch.cat([self.text, self.negative]))
+                out = out[:, :x.shape[1]].float()
+                return cfg_combine(out[:b], out[b:], guidance, norm)
+            inputs = {"hidden_states": hidden, "img_ids": ids.expand(b, -1, -1)}
+            return forward(model, inputs, sigma, guidance, self.text)[:, :x.shape[1]].float()
+        return v
+
+
+def dmd_cond(text, negative, vae, references: list, size) -> Flux2Cond:
+    """Flux2Cond of a micro-batch: references (B, 3, H, W) pixels per position (none: text to image), encoded and
+    packed."""
+    f = 2 ** (len(vae.config.block_out_channels) - 1)
+    return Flux2Cond(text, negative, [image_tokens(vae, r) for r in references], size,
+                     [(r.shape[-2] // f, r.shape[-1] // f) for r in references])
+
+
+@torch.no_grad()
+def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
+    """Packed latent tokens of a (h, w) latent -> images (B, 3, H, W), fp32 on CPU (decode_latents)."""
+    return decode_latents(vae, km.unpack_latents(tokens.float(), *size))
+
+
+def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
+    """What a FLUX.2 teacher refuses, in one line before any work."""
+    dev = guided(settings["MODEL_PATH"])
+    refused = [
+        ("BUCKET_ASPECTS", "BUCKET_ASPECTS" in changed,
+         "the target and references keep their own ratios, as the pipeline sizes them"),
+        ("FLUX_GUIDANCE", "FLUX_GUIDANCE" in changed and not dev,
+         "klein has no guidance embedding; its teacher's guidance is true CFG (REAL_GUIDANCE_SCALE, "
+         "REAL_GUIDANCE_NORM)"),
+        ("REAL_GUIDANCE_SCALE", dev and settings["REAL_GUIDANCE_SCALE"] not in (0, 1),
+         "[dev] is guidance-distilled: its guidance is the embedded FLUX_GUIDANCE, not a CFG pair"),
+        ("SHIFT", settings.get("SHIFT") == "auto",
+         "FLUX.2's pipeline shift depends on the sampling step count as well as the size; give a number"),
+    ]
+    for name, hit, why in refused:
+        if hit:
+            raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")
