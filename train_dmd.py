@@ -11,12 +11,13 @@ straight into its shards. Per step (two time scales, as published):
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:
-algorithms/dmd2_unet.py; flow-matching FLUX: algorithms/dmd2_flow.py); what both scripts do around
+algorithms/dmd2_unet.py; flow matching: algorithms/dmd2_flow.py); what both scripts do around
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
-VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md); its setup here builds the models,
-VAE, batches and losses, and one story (main) runs them through the same loop.
+VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md), QwenImageEditPlusPipeline; its setup
+here (the UNets', or the one of every flow-matching room, which asks the room what differs) builds the
+models, VAE, batches and losses, and one story (main) runs them through the same loop.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default (the shipped shapes teacher): a smoke run
     torchrun --standalone --nproc_per_node=2 train_dmd.py
@@ -381,7 +382,7 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
 
 @dataclass(frozen=True)
 class StepFns:
-    """What the loop asks of a model family (UNet or FLUX), each holding its models and settings."""
+    """What the loop asks of a model family (the UNets or a flow teacher), each holding its models and settings."""
     batches: Callable  # (it, loaded) -> this rank's micro-batches on the device
     images: Callable  # (generator, mb, step index) -> G's images (latents or tokens)
     generator_loss: Callable  # (x, mb, fake) -> (loss, logs): loss_dm (+ the GAN term)

@@ -1,7 +1,9 @@
 """The SD UNet family (SD-1.5's StableDiffusionPipeline, SDXL's StableDiffusionXLPipeline): how its
 UNet is built and sharded (the UNet recipe of parallel/parallelize.py), its conditioning (CLIP text
 embeddings; SDXL: two encoders and the added time/text conditions), its latent layout and VAE
-scaling, its training target (ε-prediction on the DDPM schedule's alphas) and its samples.
+scaling, its training target (ε-prediction on the DDPM schedule's alphas) and its samples; for
+train_dmd.py's UNet setup also DMD2's refusals, the teacher's CFG, the models in their roles, the
+prompt rows and real images, and the micro-batches on the device.
 
     python -m pytest tests/test_train_dmd.py tests/test_train_dmd_sdxl.py -q
 """
