@@ -428,7 +428,7 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
 
 # ----------------------------------------------------------------------------------------------
 # DMD2 (train_dmd.py's flow setup): the conditioning algorithms/dmd2_flow.py's flow-matching step reads, the
-# samples' decoding, the refusals
+# samples' decoding, the teacher's guidance, the refusals
 
 
 @dataclass

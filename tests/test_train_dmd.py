@@ -276,6 +276,22 @@ def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_p
     assert len(hits) == 1 and hits[0].startswith("error: "), result.stdout[-3000:]
 
 
+def test_every_room_resolves_its_teachers_guidance():
+    """dmd_guidance: REAL_GUIDANCE_SCALE 0 and REAL_GUIDANCE_NORM "" resolve per family (UNets 1.75, plain, as
+    published; FLUX.1 no pair, FLUX_GUIDANCE embedded; Qwen-Image-Edit its pipeline's true CFG 4 against
+    its negative prompt, per-token rescale); a Qwen teacher at scale 1 runs no pair, so caches no negative."""
+    from algorithms.dmd2 import Guidance
+    from families import qwen_image
+    unset = {"REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "", "FLUX_GUIDANCE": 2.5}
+    assert sd_unet.dmd_guidance(unset) == Guidance(1.75, "none")
+    assert flux.dmd_guidance(unset) == Guidance(1.0, "none", embedded=2.5, export_call="guidance_scale=2.5")
+    assert qwen_image.dmd_guidance(unset) == Guidance(4.0, "token", negative=" ", export_call="true_cfg_scale=1")
+    assert [r.dmd_guidance(unset).words() for r in (flux, qwen_image)] == [
+        "guidance 2.5", "teacher true CFG 4 (token rescale)"]
+    plain = qwen_image.dmd_guidance({**unset, "REAL_GUIDANCE_SCALE": 1.0, "REAL_GUIDANCE_NORM": "none"})
+    assert plain.negative is None and plain.words() == "teacher without CFG"
+
+
 def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [999, 500])
