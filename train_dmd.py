@@ -11,12 +11,13 @@ straight into its shards. Per step (two time scales, as published):
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:
-algorithms/dmd2_unet.py; flow-matching FLUX: algorithms/dmd2_flow.py); what both scripts do around
+algorithms/dmd2_unet.py; flow matching: algorithms/dmd2_flow.py); what both scripts do around
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
-VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md); its setup here builds the models,
-VAE, batches and losses, and one story (main) runs them through the same loop.
+VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md), QwenImageEditPlusPipeline; its setup
+here (the UNets', or the one of every flow-matching room, which asks the room what differs) builds the
+models, VAE, batches and losses, and one story (main) runs them through the same loop.
 
     # 2 ranks (GPUs, or CPU with gloo) on the embedded default (the shipped shapes teacher): a smoke run
     torchrun --standalone --nproc_per_node=2 train_dmd.py
@@ -64,12 +65,11 @@ from core.dist import rank as d_rank
 from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
-from data import randomness
-from data.batches import micro_batch_positions, rank_micro_batches
+from data.batches import micro_batch_positions
 from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices
 from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
-from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator, step_generator
+from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
 from families import dit
 from families import sd_unet as unet
@@ -238,12 +238,13 @@ def validate_config() -> list[int]:
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
     room = families.FAMILIES.get(pipeline, unet)
-    if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or not getattr(room, "TRUE_CFG", True)):
+    embedded = room.dmd_guidance(script_constants(globals())).embedded  # a guidance-distilled teacher's value
+    if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
                           + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
                              f"(a {pipeline} teacher's guidance is FLUX_GUIDANCE)"))
     if room is unet:
-        check_unet_settings()
+        unet.check_dmd_settings(script_constants(globals()), changed_settings())
     else:
         check_flow_settings(room, pipeline)
     try:
@@ -263,30 +264,6 @@ def validate_config() -> list[int]:
 def changed_settings() -> set[str]:
     """The settings given a value other than the script's default."""
     return {k for k, v in script_constants(globals()).items() if v != _DEFAULTS[k]}
-
-
-# the flow-matching editing teachers' settings: what a UNet teacher refuses when given
-_EDIT_SETTINGS = ("CONTROL_PATH", "MAX_REFERENCES", "BUCKET_ASPECTS", "REFERENCE_AREA", "CONDITION_AREA",
-                  "CONTROL_COLUMN", "TARGET_COLUMN")
-
-
-def check_unet_settings() -> None:
-    """What a UNet teacher does not take, refused in one line before any work."""
-    refused = [
-        (f"FAKE_SCORE_TARGET={FAKE_SCORE_TARGET}", FAKE_SCORE_TARGET != "flow",
-         "its fake score trains on the noise, as published; the setting is for flow-matching teachers"),
-        (f"REGRESSION_WEIGHT={REGRESSION_WEIGHT}", REGRESSION_WEIGHT > 0,
-         "the regression loss is built for flow-matching teachers (FLUX, Qwen-Image-Edit) only"),
-        (f"SHIFT={SHIFT}", SHIFT != "1", "its timesteps are drawn uniformly over the DDPM range, as published; the σ "
-         "shift is for flow-matching teachers"),
-        ("TEACHER_LORA", TEACHER_LORA, "a flow teacher's setting; give a UNet fine-tune as its full folder "
-         "(MODEL_PATH, or GENERATOR_INIT for the generator alone)"),
-        (f"FP8={FP8}", FP8, "float8 training is built for the transformer rooms' blocks"),
-        *[(name, name in changed_settings(), "a setting of the editing teachers' rows") for name in _EDIT_SETTINGS],
-    ]
-    for name, bad, why in refused:
-        if bad:
-            raise ConfigError(f"{name} with a UNet teacher: {why}")
 
 
 def check_flow_settings(room, pipeline: str) -> None:
@@ -354,57 +331,13 @@ def resolve_defaults() -> dict:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
     room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_dmd.py")]
-    true_cfg = room is not unet and room.TRUE_CFG  # else guidance-distilled (FLUX: FLUX_GUIDANCE) or a UNet
-    if not REAL_GUIDANCE_SCALE:  # UNets: the published SD-1.5 value; true-CFG teachers: their pipeline's default
-        REAL_GUIDANCE_SCALE = room.TRUE_CFG_SCALE if true_cfg else 1.75 if room is unet else 1.0
-    if not REAL_GUIDANCE_NORM:  # UNets: the published plain combination; true-CFG teachers: docs/demos.md's measurement
-        REAL_GUIDANCE_NORM = room.CFG_NORM if true_cfg else "none"
+    guidance = room.dmd_guidance(script_constants(globals()))  # 0 and "": the family's teacher CFG
+    REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM = guidance.scale, guidance.norm
     return script_constants(globals())
 
 
 # ----------------------------------------------------------------------------------------------
 # models
-
-
-def build_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
-                 block_classes: list[str], use_gan: bool, head_size: int, ema_decay: float, head_features: str = "mid",
-                 seed: int, lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
-                 fake_compute: torch.dtype | None = None, fake_attention: torch.dtype | None = None,
-                 channels_last: bool = False, generator_init: str = "", base_dtype: str = "") -> dict[str, nn.Module]:
-    """The trained models, all from the same teacher folder (the generator's weights from
-    `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice
-    by slice; with `lora` the generator, and with `fake_lora` the fake score too, train LoRA
-    adapters on a frozen base), the generator's EMA (sharded identically, so its update is
-    shard-local; LoRA: of the adapters only) and the GAN head (for features of `head_size`² at the
-    native resolution: the bottleneck's, or with head_features="up" the up path's). These are what
-    checkpoints hold (of a LoRA model, the adapters).
-    `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
-    (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
-    where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
-    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `fake_attention`:
-    the fake score's attention products in this dtype where it differs from its compute dtype
-    (FAKE_SCORE_ATTENTION_DTYPE); `channels_last`: every UNet's convolutions in NHWC (CHANNELS_LAST).
-    `base_dtype`: the LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
-    def make(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
-             shard: fsdp_utils.Sharding = sharding, **kw):
-        storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
-        if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
-            storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
-        policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
-        return unet.build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
-                               block_classes=block_classes, lora=adapters, seed=seed + salt,
-                               base_dtype=base_dtype if adapters else "", channels_last=channels_last, **kw)
-    attention = fake_attention if fake_attention != (fake_compute or precision.compute_dtype) else None
-    models = {"generator": make(lora, weights=generator_init),
-              "fake": make(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute,
-                           attention_dtype=attention)}
-    if use_gan:
-        channels = models["fake"].config.block_out_channels[0 if head_features == "up" else -1]
-        models["head"] = build_gan_head(channels, head_size, mesh, precision, device, seed, sharding.cpu_offload,
-                                        features=head_features)
-    ema = ema_lib.build_ema(models["generator"], ema_decay,
-                            functools.partial(make, load=False, shard=sharding.never_backward()))
-    return models if ema is None else {**models, "ema": ema}
 
 
 def build_gan_head(channels: int, native_size: int, mesh, precision, device: torch.device, seed: int,
@@ -444,95 +377,12 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
 
 
 # ----------------------------------------------------------------------------------------------
-# data and per-step randomness
-
-
-_REAL_ORDER_SALT = 7_919  # REAL_DATA_PATH's epochs are permuted from SEED + this, apart from the prompts' order
-
-
-def load_data(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", columns: dict | None = None,
-              split: str = "train") -> tuple[list[dict], int, list[dict] | None]:
-    """(prompt rows {"prompt"[, "image"]}, bad rows skipped, real rows {"image"[, "prompt"]} or
-    None) from any kind of source (data.sources.read_rows: .txt, .jsonl, folder, datasets). The GAN's
-    real images come from `real_path` when given (with their own captions, "" where none), else
-    from the prompt rows' "image". A bad row is a ConfigError naming file:line (or the file /
-    dataset row), the same on every rank."""
-    own_images = use_gan and not real_path
-    if own_images and source_kind(path) == "txt":
-        raise ConfigError(f"USE_GAN needs real images: DATA_PATH={path!r} holds prompts only; give rows with "
-                          "\"image\" (.jsonl, folder, datasets) or REAL_DATA_PATH")
-    roles = ("prompt", "image") if own_images else ("prompt",)
-    rows, skipped = read_rows(path, roles, roles, skip_bad=skip_bad, columns=columns, split=split)
-    if not (use_gan and real_path):
-        return rows, skipped, None
-    real, real_skipped = read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
-                                   setting="REAL_DATA_PATH", columns=columns, split=split)
-    return rows, skipped + real_skipped, real
-
-
-def load_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
-              real_size: int | None, real_rows: list[dict] | None = None, caption_dropout: float = 0.0) -> list[dict]:
-    """Host side of iteration `it` on this rank (data.prefetch.Prefetcher runs it a step ahead): per
-    micro-batch, this rank's samples' positions in the global batch, their prompts ("" where
-    CAPTION_DROPOUT drops one) and (GAN, real_size given) the real images as pixels, on CPU: the
-    prompt rows' own, or with `real_rows` (REAL_DATA_PATH) images drawn in their own seeded order
-    with their own captions, as the official code draws real images apart from the prompts."""
-    shares = rank_micro_batches(it, len(rows), batch_size, grad_accum, d.rank, d.world_size, seed)
-    real_shares = shares
-    if real_rows is not None:  # the same positions, drawn from the real rows' own order
-        real_shares = rank_micro_batches(it, len(real_rows), batch_size, grad_accum, d.rank, d.world_size,
-                                         seed + _REAL_ORDER_SALT)
-    out = []
-    for (mine, picked), (_, real_picked) in zip(shares, real_shares):
-        prompts = drop_captions([rows[i]["prompt"] for i in picked], seed, it, mine, caption_dropout)
-        mb = {"mine": mine, "prompts": prompts}
-        if real_size is not None:
-            source = rows if real_rows is None else real_rows
-            mb["pixels"] = torch.stack([load_image(source[i]["image"], real_size, real_size) for i in real_picked])
-            if real_rows is not None:
-                mb["real_prompts"] = [real_rows[i].get("prompt", "") for i in real_picked]
-        out.append(mb)
-    return out
-
-
-def micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, draw, encode, vae) -> list[dict]:
-    """This rank's share of each micro-batch of iteration `it` on the device: prompts' embeddings,
-    real latents (GAN) and its samples' randomness, each sample's drawn on the run's device from
-    (seed, it, its position in the global batch) by `draw` (dmd2_unet.draw_sample_noise), so no rank draws
-    another's and any world size or GRAD_ACCUM layout sees the same numbers."""
-    out = []
-    for host in loaded:
-        mb = per_sample_draws(seed, it, host["mine"], device, draw)
-        mb["text"] = encode(host["prompts"])
-        if "real_prompts" in host:  # REAL_DATA_PATH: the real images' own captions (else their rows' prompts)
-            mb["real_text"] = encode(host["real_prompts"])
-        if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
-            gens = [sample_generator(seed, it, i, device, randomness.POSTERIOR_STREAM) for i in host["mine"]]
-            mb["real"] = unet.encode_images(vae, host["pixels"], gens)
-        out.append(mb)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# samples
-
-
-def sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: int):
-    """Fixed sample prompts (the first distinct ones of `rows`: SAMPLE_PROMPTS' or the data's) and
-    fixed noise, the same every time."""
-    prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
-    g = step_generator(seed, 0, stream=SAMPLE_NOISE_STREAM)
-    return (prompts, torch.randn((len(prompts), *shape), generator=g),
-            torch.randn((len(prompts), n_sim, *shape), generator=g))
-
-
-# ----------------------------------------------------------------------------------------------
 # the loop
 
 
 @dataclass(frozen=True)
 class StepFns:
-    """What the loop asks of a model family (UNet or FLUX), each holding its models and settings."""
+    """What the loop asks of a model family (the UNets or a flow teacher), each holding its models and settings."""
     batches: Callable  # (it, loaded) -> this rank's micro-batches on the device
     images: Callable  # (generator, mb, step index) -> G's images (latents or tokens)
     generator_loss: Callable  # (x, mb, fake) -> (loss, logs): loss_dm (+ the GAN term)
@@ -607,7 +457,7 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
 
 @dataclass(frozen=True)
 class Setup:
-    """What main needs of a model family: built by the family's setup function (_SETUPS)."""
+    """What main needs of a model family: built by its setup function (unet_setup, flow_setup)."""
     models: dict  # generator, fake[, head][, ema]: what checkpoints hold
     teacher: nn.Module  # the frozen real score
     trained: tuple  # (generator, fake score) as their training forwards see them (DDP-wrapped under ddp)
@@ -630,8 +480,8 @@ def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precisio
     (SDXL: two, with the added time/text conditions), ε-prediction on the teacher's DDPM alphas."""
     d, sdxl = run.d, unet.is_sdxl(run.pipeline)
     columns = {"prompt": PROMPT_COLUMN, "image": IMAGE_COLUMN}
-    rows, skipped, real_rows = load_data(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
-                                         columns=columns, split=DATASET_SPLIT)
+    rows, skipped, real_rows = unet.load_dmd_rows(DATA_PATH, USE_GAN, SKIP_BAD_SAMPLES, real_path=REAL_DATA_PATH,
+                                                  columns=columns, split=DATASET_SPLIT)
     print0(f"data: {len(rows)} rows from {DATA_PATH}"
            + (f"; GAN real images: {len(real_rows)} from REAL_DATA_PATH={REAL_DATA_PATH}" if real_rows else "")
            + (f", {skipped} bad rows skipped" if skipped else ""))
@@ -648,11 +498,14 @@ def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precisio
     unet_dir = os.path.join(MODEL_PATH, "unet")
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else precision.compute_dtype
     fake_attention = parse_dtype(FAKE_SCORE_ATTENTION_DTYPE) if FAKE_SCORE_ATTENTION_DTYPE else precision.compute_dtype
-    models = build_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
-                          use_gan=USE_GAN, head_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
-                          head_features=GAN_HEAD_FEATURES, ema_decay=EMA_DECAY, seed=SEED,
-                          lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute, fake_attention=fake_attention,
-                          channels_last=CHANNELS_LAST, generator_init=GENERATOR_INIT, base_dtype=BASE_DTYPE)
+    gan_head = functools.partial(build_gan_head, native_size=unet.gan_head_size(unet_dir, sdxl, GAN_HEAD_FEATURES),
+                                 mesh=mesh, precision=precision, device=d.device, seed=SEED,
+                                 cpu_offload=sharding.cpu_offload, features=GAN_HEAD_FEATURES) if USE_GAN else None
+    models = unet.build_dmd_models(unet_dir, mesh, precision, d.device, sharding=sharding, block_classes=BLOCK_CLASSES,
+                                   ema_decay=EMA_DECAY, seed=SEED, gan_head=gan_head, head_features=GAN_HEAD_FEATURES,
+                                   lora=run.lora, fake_lora=FAKE_LORA, fake_compute=fake_compute,
+                                   fake_attention=fake_attention, channels_last=CHANNELS_LAST,
+                                   generator_init=GENERATOR_INIT, base_dtype=BASE_DTYPE)
     generator, fake, head = (models.get(k) for k in ("generator", "fake", "head"))
     if GENERATOR_INIT and not run.resume_path:
         print0(f"generator initialised from {GENERATOR_INIT} (fake score and teacher from {unet_dir})")
@@ -690,8 +543,8 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     """The UNet family's step: fixed inputs (the unconditional embedding of the teacher's CFG, sample
     prompts and noise), batches (prompt embeddings, real latents, per-sample draws) and losses."""
     uncond = unet.unconditional(encode, sdxl)
-    sample_prompts, sample_noise, sample_sim = sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
-                                                             len(step_list) - 1, SEED)
+    sample_prompts, sample_noise, sample_sim = unet.dmd_sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
+                                                                      len(step_list) - 1, SEED)
     sample_noise, sample_sim = sample_noise.to(d.device), sample_sim.to(d.device)  # drawn on the host, moved once
     sample_text = encode(sample_prompts)
 
@@ -705,12 +558,12 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
 
     steps = StepFns(
-        batches=lambda it, loaded: micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
+        batches=lambda it, loaded: unet.dmd_micro_batches(it, loaded, SEED, d.device, draw, encode, vae),
         images=lambda model, mb, index: unet_dm.generator_images(model, mb, step_list, index, alphas),
         generator_loss=lambda x, mb, fake_: unet_dm.generator_loss(x, mb, teacher, fake_, alphas, uncond, losses),
         guidance_loss=lambda x, mb, fake_: unet_dm.guidance_loss(x, mb, fake_, alphas, losses))
-    load = functools.partial(load_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED, d=d,
-                             real_size=resolution if USE_GAN else None, real_rows=real_rows,
+    load = functools.partial(unet.load_dmd_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED,
+                             d=d, real_size=resolution if USE_GAN else None, real_rows=real_rows,
                              caption_dropout=CAPTION_DROPOUT)
     return steps, load, sample
 
@@ -820,10 +673,10 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
 
     # the text cache (the encoders loaded only where entries are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
-    cfg = room.TRUE_CFG and REAL_GUIDANCE_SCALE > 1
+    guide = room.dmd_guidance(settings)  # an embedded guidance value, or the teacher's CFG pair and its negative
     texts = [(r["prompt"], r) for r in data.rows + data.sample_rows]
     texts += [(room.UNCONDITIONAL_PROMPT, r) for r in data.rows] if CAPTION_DROPOUT > 0 else []
-    texts += [(room.NEGATIVE_PROMPT, r) for r in data.rows] if cfg else []
+    texts += [(guide.negative, r) for r in data.rows] if guide.negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
                                       d.device)
 
@@ -843,23 +696,21 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     (h, w), refs = data.shapes[0]
     tokens = [(a // factor // 2) * (b // factor // 2) for a, b in ((h, w), *refs)]
     caption = (f"{h}x{w} px ({len(data.shapes)} shape(s)), {tokens[0]} target"
-               + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, "
-               + (f"teacher true CFG {REAL_GUIDANCE_SCALE:g} ({REAL_GUIDANCE_NORM} rescale)" if cfg else
-                  "teacher without CFG" if room.TRUE_CFG else f"guidance {FLUX_GUIDANCE}"))
+               + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, " + guide.words())
     inputs = functools.partial(flow_inputs, room=room, d=d, vae=vae, teacher=teacher, head=head, data=data,
-                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, cfg=cfg, factor=factor,
+                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, factor=factor,
                                channels=room.latent_channels(vae), edits=room.edits(run.pipeline))
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
-                 room.distilled_scheduler(MODEL_PATH), export_note(run, room, sigmas),
+                 room.distilled_scheduler(MODEL_PATH), export_note(run, guide, sigmas),
                  base_lora)
 
 
-def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, cfg: bool,
+def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, negative: str | None,
                    d: fsdp_utils.Dist) -> dict:
     """Host side of iteration `it` on this rank (the Prefetcher runs it a step ahead): the step's shape
     and, per micro-batch, this rank's positions in the global batch, the cached text of its prompts
-    (the family's unconditional one where CAPTION_DROPOUT drops one; the negative prompt's for the
-    teacher's CFG), its reference images and, with USE_GAN, its targets, on CPU."""
+    (the family's unconditional one where CAPTION_DROPOUT drops one; `negative`'s for the teacher's CFG
+    pair), its reference images and, with USE_GAN, its targets, on CPU."""
     shape = data.shapes[data.schedule[it][0]]
     indices = step_indices(it, data.members, data.schedule, BATCH_SIZE * d.world_size * GRAD_ACCUM, SEED)
     cpu, batches = torch.device("cpu"), []
@@ -870,18 +721,18 @@ def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: s
                                 room.UNCONDITIONAL_PROMPT)
         references_, target = load_pairs(picked, shape, [False] * len(picked), target=USE_GAN)
         batches.append({"mine": mine, "text": room.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
-                        "negative": (room.load_text([(room.NEGATIVE_PROMPT, r) for r in picked], cache_dir, identity,
-                                                    cpu) if cfg else None),
+                        "negative": (room.load_text([(negative, r) for r in picked], cache_dir, identity, cpu)
+                                     if negative is not None else None),
                         "references": references_, "target": target})
     return {"shape": shape, "batches": batches}
 
 
-def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity, cfg,
-                factor, channels, edits) -> tuple[StepFns, Callable, Callable]:
+def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity,
+                guide: dm.Guidance, factor, channels, edits) -> tuple[StepFns, Callable, Callable]:
     """A flow teacher's step: fixed sample inputs (per sample shape, in order of first appearance: its
     rows' text and references, noise of the whole σ list), batches (cached text, packed references
     and real tokens, per-sample draws at the step's shape) and losses."""
-    guidance = 1.0 if room.TRUE_CFG else FLUX_GUIDANCE  # generator and fake score; the teacher's in Losses
+    guidance = 1.0 if guide.embedded is None else guide.embedded  # all three transformers' input; CFG in Losses
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     groups = []
     for shape in dict.fromkeys(data.sample_shapes):
@@ -902,8 +753,7 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
 
     shifts = {s[0]: flow_shift(s[0], factor) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
-                       real_guidance_scale=REAL_GUIDANCE_SCALE if room.TRUE_CFG else 1.0,
-                       real_guidance_norm=REAL_GUIDANCE_NORM, fake_target=FAKE_SCORE_TARGET,
+                       real_guidance_scale=guide.scale, real_guidance_norm=guide.norm, fake_target=FAKE_SCORE_TARGET,
                        regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
 
     def batches(it, loaded):
@@ -926,8 +776,8 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
         images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, guidance),
         generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, guidance, losses),
         guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, guidance, losses))
-    load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity, cfg=cfg,
-                             d=d)
+    load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity,
+                             negative=guide.negative, d=d)
     return steps, load, sample
 
 
@@ -966,7 +816,7 @@ def flow_shift(size: tuple[int, int], factor: int) -> float:
     return shift
 
 
-def export_note(run: trainer.Run, room, sigmas: list[float]) -> str:
+def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float]) -> str:
     """How to sample the export: every export carrying the generator samples in len(sigmas) steps with
     the scheduler made for it, without the teacher's guidance pair."""
     n = len(sigmas)
@@ -976,8 +826,7 @@ def export_note(run: trainer.Run, room, sigmas: list[float]) -> str:
            f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
-    guidance = "true_cfg_scale=1" if room.TRUE_CFG else f"guidance_scale={FLUX_GUIDANCE}"
-    return f"sampling the export: {how}; pipe(..., {call}, {guidance})"
+    return f"sampling the export: {how}; pipe(..., {call}, {guide.export_call})"
 
 
 

@@ -150,6 +150,24 @@ def sample_fake_timesteps(batch: int, generator: torch.Generator | None = None,
 CFG_NORMS = ("none", "token", "scalar")  # REAL_GUIDANCE_NORM: how the teacher's CFG combination is rescaled
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """A teacher's guidance in DMD2 as its family's room gives it (`dmd_guidance(settings)`, 0 and ""
+    resolved): the real score's CFG pair and its combination; for a flow teacher also the guidance value
+    every transformer takes as an input and the prompt the pair is against."""
+    scale: float  # REAL_GUIDANCE_SCALE: the teacher's CFG scale in the DM loss (1: no pair)
+    norm: str  # REAL_GUIDANCE_NORM: how the pair is combined (cfg_combine)
+    embedded: float | None = None  # the guidance embedding's value (FLUX.1: FLUX_GUIDANCE); None: none
+    negative: str | None = None  # the pair's other prompt, cached beside the rows' text; None: no pair
+    export_call: str = ""  # the pipeline call's guidance argument that samples the distilled export
+
+    def words(self) -> str:
+        """How the start-up report names it."""
+        if self.negative is not None:
+            return f"teacher true CFG {self.scale:g} ({self.norm} rescale)"
+        return "teacher without CFG" if self.embedded is None else f"guidance {self.embedded}"
+
+
 def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float, norm: str = "none",
                 dim: int = -1) -> torch.Tensor:
     """The teacher's real score under CFG, u + s·(c − u), in fp32, then rescaled by `norm`:

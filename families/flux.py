@@ -19,6 +19,7 @@ import torch
 import fsdp_utils
 from algorithms import dmd2_flow as flux_dm
 from algorithms import flux_kontext as km
+from algorithms.dmd2 import Guidance
 from core.dist import print0
 from core.errors import ConfigError
 from data.buckets import references
@@ -37,7 +38,6 @@ MAX_REFERENCES = 1  # Kontext: one context image
 UNCONDITIONAL_PROMPT = ""  # what CAPTION_DROPOUT trains: the empty prompt (diffusers' --proportion_empty_prompts)
 TEXT_READS_IMAGES = False  # T5 + CLIP read the prompt alone
 DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipelines' area (default_sample_size 128 x the VAE factor 8)
-TRUE_CFG = False  # guidance-distilled: the guidance value is an embedded input (DMD2: FLUX_GUIDANCE), not a CFG pair
 
 
 def edits(pipeline: str) -> bool:
@@ -320,6 +320,14 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
         raise ConfigError(f"DATA_PATH={settings['DATA_PATH']} holds prompts only; a {pipeline} teacher edits images: "
                           "give pairs with a \"control\" image and a \"prompt\" (.jsonl, folder or datasets, as "
                           "train_flux_kontext.py reads them)")
+
+
+def dmd_guidance(settings) -> Guidance:
+    """Guidance-distilled: every transformer takes FLUX_GUIDANCE as an embedded input, the teacher no CFG pair
+    (check_dmd_settings refuses a REAL_GUIDANCE_SCALE other than 1, validate_config a REAL_GUIDANCE_NORM)."""
+    guidance = settings["FLUX_GUIDANCE"]
+    return Guidance(settings["REAL_GUIDANCE_SCALE"] or 1.0, settings["REAL_GUIDANCE_NORM"] or "none",
+                    embedded=guidance, export_call=f"guidance_scale={guidance}")
 
 
 def dmd_cond(text, negative, vae, references: list, size) -> flux_dm.FluxCond:

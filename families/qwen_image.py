@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from algorithms import flux_kontext as km
-from algorithms.dmd2 import cfg_combine
+from algorithms.dmd2 import Guidance, cfg_combine
 from core.dist import print0
 from core.errors import ConfigError
 from data.images import image_size, load_pil
@@ -47,8 +47,7 @@ NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for s
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's true CFG pairs with
 TEXT_READS_IMAGES = True  # Qwen2.5-VL reads the prompt with the reference images (a flipped row: its own entry)
 DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipeline's area (the output at 1024^2 pixels)
-TRUE_CFG = True  # the teacher samples with true CFG against NEGATIVE_PROMPT (DMD2: REAL_GUIDANCE_SCALE)
-TRUE_CFG_SCALE = 4.0  # the pipeline's default true_cfg_scale
+TRUE_CFG_SCALE = 4.0  # the pipeline's default true_cfg_scale: the teacher's in DMD2 (REAL_GUIDANCE_SCALE 0)
 # DMD2's real score: the teacher's CFG pair combined as its pipeline combines it, the per-token rescale
 # (algorithms/dmd2.cfg_combine): docs/demos.md measured it against none and scalar, and it kept the teacher's
 # variety and saturation where the others did not
@@ -435,7 +434,7 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
 
 # ----------------------------------------------------------------------------------------------
 # DMD2 (train_dmd.py's flow setup): the conditioning algorithms/dmd2_flow.py's flow-matching step reads, the
-# samples' decoding, the refusals
+# samples' decoding, the teacher's guidance, the refusals
 
 
 @dataclass
@@ -497,6 +496,13 @@ def dmd_cond(text, negative, vae, references: list, size) -> QwenCond:
 def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
     """Packed latent tokens of a (h, w) latent -> images (B, 3, H, W), fp32 on CPU (decode_latents)."""
     return decode_latents(vae, km.unpack_latents(tokens.float(), *size))
+
+
+def dmd_guidance(settings) -> Guidance:
+    """No guidance embedding: the teacher's true CFG against NEGATIVE_PROMPT (REAL_GUIDANCE_SCALE, 0: the
+    pipeline's TRUE_CFG_SCALE; REAL_GUIDANCE_NORM, "": CFG_NORM); the export samples without it."""
+    scale, norm = settings["REAL_GUIDANCE_SCALE"] or TRUE_CFG_SCALE, settings["REAL_GUIDANCE_NORM"] or CFG_NORM
+    return Guidance(scale, norm, negative=NEGATIVE_PROMPT if scale > 1 else None, export_call="true_cfg_scale=1")
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:

@@ -1,7 +1,9 @@
 """The SD UNet family (SD-1.5's StableDiffusionPipeline, SDXL's StableDiffusionXLPipeline): how its
 UNet is built and sharded (the UNet recipe of parallel/parallelize.py), its conditioning (CLIP text
 embeddings; SDXL: two encoders and the added time/text conditions), its latent layout and VAE
-scaling, its training target (ε-prediction on the DDPM schedule's alphas) and its samples.
+scaling, its training target (ε-prediction on the DDPM schedule's alphas) and its samples; for
+train_dmd.py's UNet setup also DMD2's refusals, the teacher's CFG, the models in their roles, the
+prompt rows and real images, and the micro-batches on the device.
 
     python -m pytest tests/test_train_dmd.py tests/test_train_dmd_sdxl.py -q
 """
@@ -18,10 +20,15 @@ import fsdp_utils
 from algorithms import dmd2 as dm
 from core.dist import rank
 from core.errors import ConfigError
-from data.images import save_image_grid
+from data.batches import rank_micro_batches
+from data.images import load_image, save_image_grid
 from data.prefetch import to_device
+from data.randomness import (POSTERIOR_STREAM, SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, sample_generator,
+                             step_generator)
+from data.sources import read_rows, source_kind
 from families.pipelines import vae_scale_factor
 from parallel import attention, lowbit
+from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.parallelize import parallelize_unet
@@ -274,3 +281,152 @@ def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: s
     if rank() == 0:
         images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
         save_image_grid(images, path, nrow=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 (train_dmd.py's UNet setup): its refusals, the teacher's CFG, the models in their roles, prompt
+# rows and real images, micro-batches on the device, fixed sample inputs
+
+
+_EDIT_SETTINGS = ("CONTROL_PATH", "MAX_REFERENCES", "BUCKET_ASPECTS", "REFERENCE_AREA", "CONDITION_AREA",
+                  "CONTROL_COLUMN", "TARGET_COLUMN")  # the editing teachers' rows' settings: refused when given
+_REAL_ORDER_SALT = 7_919  # REAL_DATA_PATH's epochs are permuted from SEED + this, apart from the prompts' order
+
+
+def check_dmd_settings(settings: dict, changed: set) -> None:
+    """What a UNet teacher does not take, refused in one line before any work (`changed`: the settings
+    given a value other than the script's default)."""
+    refused = [
+        (f"FAKE_SCORE_TARGET={settings['FAKE_SCORE_TARGET']}", settings["FAKE_SCORE_TARGET"] != "flow",
+         "its fake score trains on the noise, as published; the setting is for flow-matching teachers"),
+        (f"REGRESSION_WEIGHT={settings['REGRESSION_WEIGHT']}", settings["REGRESSION_WEIGHT"] > 0,
+         "the regression loss is built for flow-matching teachers (FLUX, Qwen-Image-Edit) only"),
+        (f"SHIFT={settings['SHIFT']}", settings["SHIFT"] != "1", "its timesteps are drawn uniformly over the DDPM "
+         "range, as published; the σ shift is for flow-matching teachers"),
+        ("TEACHER_LORA", settings["TEACHER_LORA"], "a flow teacher's setting; give a UNet fine-tune as its full "
+         "folder (MODEL_PATH, or GENERATOR_INIT for the generator alone)"),
+        (f"FP8={settings['FP8']}", settings["FP8"], "float8 training is built for the transformer rooms' blocks"),
+        *[(name, name in changed, "a setting of the editing teachers' rows") for name in _EDIT_SETTINGS],
+    ]
+    for name, bad, why in refused:
+        if bad:
+            raise ConfigError(f"{name} with a UNet teacher: {why}")
+
+
+def dmd_guidance(settings: dict) -> dm.Guidance:
+    """The teacher's CFG against the empty prompt (unconditional): REAL_GUIDANCE_SCALE 0 is the published
+    SD-1.5 value, REAL_GUIDANCE_NORM "" the published plain combination."""
+    return dm.Guidance(settings["REAL_GUIDANCE_SCALE"] or 1.75, settings["REAL_GUIDANCE_NORM"] or "none")
+
+
+def build_dmd_models(unet_dir: str, mesh, precision, device: torch.device, *, sharding: fsdp_utils.Sharding,
+                     block_classes: list[str], ema_decay: float, seed: int, gan_head=None, head_features: str = "mid",
+                     lora: lora_lib.Lora = lora_lib.Lora(), fake_lora: bool = False,
+                     fake_compute: torch.dtype | None = None, fake_attention: torch.dtype | None = None,
+                     channels_last: bool = False, generator_init: str = "", base_dtype: str = "") -> dict:
+    """The trained models, all from the same teacher folder (the generator's weights from
+    `generator_init` when given: GENERATOR_INIT): generator and fake score (sharded, loaded slice
+    by slice; with `lora` the generator, and with `fake_lora` the fake score too, train LoRA
+    adapters on a frozen base), the generator's EMA (sharded identically, so its update is
+    shard-local; LoRA: of the adapters only) and the GAN head (`gan_head(channels)`, the script's
+    build, for features of the bottleneck, or with head_features="up" of the up path). These are what
+    checkpoints hold (of a LoRA model, the adapters).
+    `fake_compute`: the fake score's compute dtype where it differs from the precision mode's
+    (FAKE_SCORE_FP32): its units all-gather and compute in it, the storage is unchanged (under DDP,
+    where nothing is gathered, a compute dtype wider than the storage becomes the storage: the fp32
+    fake score of PRECISION=bf16 is stored, and keeps its AdamW state, in fp32). `fake_attention`:
+    the fake score's attention products in this dtype where it differs from its compute dtype
+    (FAKE_SCORE_ATTENTION_DTYPE); `channels_last`: every UNet's convolutions in NHWC (CHANNELS_LAST).
+    `base_dtype`: the LoRA models' frozen base storage (BASE_DTYPE; the frozen teacher is not quantised)."""
+    def make(adapters: lora_lib.Lora = lora_lib.Lora(), salt: int = 0, compute: torch.dtype | None = None,
+             shard: fsdp_utils.Sharding = sharding, **kw):
+        storage = precision.compute_dtype if adapters else precision.param_dtype  # LoRA: the base as computed
+        if mesh is None and compute is not None and compute.itemsize > storage.itemsize:
+            storage = compute  # a DDP replica computes in its storage dtype: no all-gather to widen it in
+        policy = precision.adapter_mp_policy(compute) if adapters else precision.mp_policy(compute)
+        return build_unet(unet_dir, mesh, storage, device, policy=policy, trainable=True, sharding=shard,
+                          block_classes=block_classes, lora=adapters, seed=seed + salt,
+                          base_dtype=base_dtype if adapters else "", channels_last=channels_last, **kw)
+    attention = fake_attention if fake_attention != (fake_compute or precision.compute_dtype) else None
+    models = {"generator": make(lora, weights=generator_init),
+              "fake": make(lora if fake_lora else lora_lib.Lora(), salt=1, compute=fake_compute,
+                           attention_dtype=attention)}
+    if gan_head is not None:
+        models["head"] = gan_head(models["fake"].config.block_out_channels[0 if head_features == "up" else -1])
+    ema = ema_lib.build_ema(models["generator"], ema_decay,
+                            functools.partial(make, load=False, shard=sharding.never_backward()))
+    return models if ema is None else {**models, "ema": ema}
+
+
+def load_dmd_rows(path: str, use_gan: bool, skip_bad: bool, *, real_path: str = "", columns: dict | None = None,
+                  split: str = "train") -> tuple[list[dict], int, list[dict] | None]:
+    """(prompt rows {"prompt"[, "image"]}, bad rows skipped, real rows {"image"[, "prompt"]} or
+    None) from any kind of source (data.sources.read_rows: .txt, .jsonl, folder, datasets). The GAN's
+    real images come from `real_path` when given (with their own captions, "" where none), else
+    from the prompt rows' "image". A bad row is a ConfigError naming file:line (or the file /
+    dataset row), the same on every rank."""
+    own_images = use_gan and not real_path
+    if own_images and source_kind(path) == "txt":
+        raise ConfigError(f"USE_GAN needs real images: DATA_PATH={path!r} holds prompts only; give rows with "
+                          "\"image\" (.jsonl, folder, datasets) or REAL_DATA_PATH")
+    roles = ("prompt", "image") if own_images else ("prompt",)
+    rows, skipped = read_rows(path, roles, roles, skip_bad=skip_bad, columns=columns, split=split)
+    if not (use_gan and real_path):
+        return rows, skipped, None
+    real, real_skipped = read_rows(real_path, ("image", "prompt"), ("image",), skip_bad=skip_bad,
+                                   setting="REAL_DATA_PATH", columns=columns, split=split)
+    return rows, skipped + real_skipped, real
+
+
+def load_dmd_step(it: int, rows: list[dict], batch_size: int, grad_accum: int, seed: int, d: fsdp_utils.Dist,
+                  real_size: int | None, real_rows: list[dict] | None = None,
+                  caption_dropout: float = 0.0) -> list[dict]:
+    """Host side of iteration `it` on this rank (data.prefetch.Prefetcher runs it a step ahead): per
+    micro-batch, this rank's samples' positions in the global batch, their prompts ("" where
+    CAPTION_DROPOUT drops one) and (GAN, real_size given) the real images as pixels, on CPU: the
+    prompt rows' own, or with `real_rows` (REAL_DATA_PATH) images drawn in their own seeded order
+    with their own captions, as the official code draws real images apart from the prompts."""
+    shares = rank_micro_batches(it, len(rows), batch_size, grad_accum, d.rank, d.world_size, seed)
+    real_shares = shares
+    if real_rows is not None:  # the same positions, drawn from the real rows' own order
+        real_shares = rank_micro_batches(it, len(real_rows), batch_size, grad_accum, d.rank, d.world_size,
+                                         seed + _REAL_ORDER_SALT)
+    out = []
+    for (mine, picked), (_, real_picked) in zip(shares, real_shares):
+        prompts = drop_captions([rows[i]["prompt"] for i in picked], seed, it, mine, caption_dropout)
+        mb = {"mine": mine, "prompts": prompts}
+        if real_size is not None:
+            source = rows if real_rows is None else real_rows
+            mb["pixels"] = torch.stack([load_image(source[i]["image"], real_size, real_size) for i in real_picked])
+            if real_rows is not None:
+                mb["real_prompts"] = [real_rows[i].get("prompt", "") for i in real_picked]
+        out.append(mb)
+    return out
+
+
+def dmd_micro_batches(it: int, loaded: list[dict], seed: int, device: torch.device, draw, encode,
+                      vae) -> list[dict]:
+    """This rank's share of each micro-batch of iteration `it` on the device: prompts' embeddings,
+    real latents (GAN) and its samples' randomness, each sample's drawn on the run's device from
+    (seed, it, its position in the global batch) by `draw` (dmd2_unet.draw_sample_noise), so no rank draws
+    another's and any world size or GRAD_ACCUM layout sees the same numbers."""
+    out = []
+    for host in loaded:
+        mb = per_sample_draws(seed, it, host["mine"], device, draw)
+        mb["text"] = encode(host["prompts"])
+        if "real_prompts" in host:  # REAL_DATA_PATH: the real images' own captions (else their rows' prompts)
+            mb["real_text"] = encode(host["real_prompts"])
+        if "pixels" in host:  # the posterior sample's noise: a second stream of the same samples
+            gens = [sample_generator(seed, it, i, device, POSTERIOR_STREAM) for i in host["mine"]]
+            mb["real"] = encode_images(vae, host["pixels"], gens)
+        out.append(mb)
+    return out
+
+
+def dmd_sample_inputs(rows: list[dict], count: int, shape: tuple, n_sim: int, seed: int):
+    """Fixed sample prompts (the first distinct ones of `rows`: SAMPLE_PROMPTS' or the data's) and
+    fixed noise, the same every time."""
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:count]
+    g = step_generator(seed, 0, stream=SAMPLE_NOISE_STREAM)
+    return (prompts, torch.randn((len(prompts), *shape), generator=g),
+            torch.randn((len(prompts), n_sim, *shape), generator=g))

@@ -152,8 +152,9 @@ def test_dmd_runs_its_transformers_in_float8(runs):
     assert json.load(open(runs["out"]["dmd"] / "export" / "transformer" / "config.json"))
 
 
-def test_fp8_with_a_unet_teacher_or_nf4_is_refused_before_any_work(monkeypatch):
+def test_fp8_with_a_unet_teacher_or_nf4_is_refused_before_any_work():
     import train_dmd
-    monkeypatch.setattr(train_dmd, "FP8", "tensorwise")
+    from components.config import script_constants
+    from families import sd_unet
     with pytest.raises(ConfigError, match="FP8=tensorwise with a UNet teacher"):
-        train_dmd.check_unet_settings()
+        sd_unet.check_dmd_settings({**script_constants(vars(train_dmd)), "FP8": "tensorwise"}, set())

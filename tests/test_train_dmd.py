@@ -276,6 +276,22 @@ def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_p
     assert len(hits) == 1 and hits[0].startswith("error: "), result.stdout[-3000:]
 
 
+def test_every_room_resolves_its_teachers_guidance():
+    """dmd_guidance: REAL_GUIDANCE_SCALE 0 and REAL_GUIDANCE_NORM "" resolve per family (UNets 1.75, plain, as
+    published; FLUX.1 no pair, FLUX_GUIDANCE embedded; Qwen-Image-Edit its pipeline's true CFG 4 against
+    its negative prompt, per-token rescale); a Qwen teacher at scale 1 runs no pair, so caches no negative."""
+    from algorithms.dmd2 import Guidance
+    from families import qwen_image
+    unset = {"REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "", "FLUX_GUIDANCE": 2.5}
+    assert sd_unet.dmd_guidance(unset) == Guidance(1.75, "none")
+    assert flux.dmd_guidance(unset) == Guidance(1.0, "none", embedded=2.5, export_call="guidance_scale=2.5")
+    assert qwen_image.dmd_guidance(unset) == Guidance(4.0, "token", negative=" ", export_call="true_cfg_scale=1")
+    assert [r.dmd_guidance(unset).words() for r in (flux, qwen_image)] == [
+        "guidance 2.5", "teacher true CFG 4 (token rescale)"]
+    plain = qwen_image.dmd_guidance({**unset, "REAL_GUIDANCE_SCALE": 1.0, "REAL_GUIDANCE_NORM": "none"})
+    assert plain.negative is None and plain.words() == "teacher without CFG"
+
+
 def test_contradictory_settings_rejected_before_any_work(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(train_dmd, "DENOISING_STEPS", [999, 500])
@@ -317,10 +333,10 @@ def _fake_score_compute_dtypes(rank, world, fake_fp32, attention):
     folder = os.path.join(train_dmd.default_paths()[0], "unet")
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     p = prec.get_precision("bf16-mixed")
-    models = train_dmd.build_models(folder, mesh, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
-                                    block_classes=[], use_gan=False, head_size=8, ema_decay=0.0, seed=0,
-                                    fake_compute=torch.float32 if fake_fp32 else None,
-                                    fake_attention=prec.parse_dtype(attention) if attention else p.compute_dtype)
+    models = sd_unet.build_dmd_models(folder, mesh, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
+                                      block_classes=[], ema_decay=0.0, seed=0,
+                                      fake_compute=torch.float32 if fake_fp32 else None,
+                                      fake_attention=prec.parse_dtype(attention) if attention else p.compute_dtype)
     seen, sdpa = {}, {}
     for name in ("generator", "fake"):
         block = next(m for m in models[name].modules() if type(m).__name__.endswith("ResnetBlock2D"))
@@ -361,9 +377,9 @@ def test_fake_score_attention_dtype_reaches_sdpa_and_the_audit():
     folder = os.path.join(train_dmd.default_paths()[0], "unet")
     p = prec.get_precision("bf16-mixed")
     for attention, want in ((p.compute_dtype, torch.bfloat16), (torch.float32, torch.float32)):
-        models = train_dmd.build_models(folder, None, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
-                                        block_classes=[], use_gan=False, head_size=8, ema_decay=0.0, seed=0,
-                                        fake_compute=torch.float32, fake_attention=attention)
+        models = sd_unet.build_dmd_models(folder, None, p, torch.device("cpu"), sharding=fsdp_utils.Sharding(),
+                                          block_classes=[], ema_decay=0.0, seed=0, fake_compute=torch.float32,
+                                          fake_attention=attention)
         fake, cfg = models["fake"], models["fake"].config
         with SdpaDtypes() as mode, torch.no_grad():
             out = fake(torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size), torch.tensor([500]),
@@ -525,29 +541,29 @@ def test_real_images_come_from_real_data_path_in_their_own_order(tmp_path):
     for i in range(3):
         (prompts / f"p{i}.txt").write_text(f"prompt {i}")
     real = _real_folder(tmp_path / "real")
-    rows, skipped, real_rows = train_dmd.load_data(str(prompts), True, False, real_path=str(real))
+    rows, skipped, real_rows = sd_unet.load_dmd_rows(str(prompts), True, False, real_path=str(real))
     assert [r["prompt"] for r in rows] == ["prompt 0", "prompt 1", "prompt 2"] and skipped == 0
     assert [r.get("prompt", "") for r in real_rows] == ["", "a red square", "", "a blue circle", ""]
     d = fsdp_utils.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    mb = train_dmd.load_step(0, rows, 4, 1, 0, d, 8, real_rows=real_rows)[0]
-    order = global_batch_indices(0, 4, 5, 0 + train_dmd._REAL_ORDER_SALT)
+    mb = sd_unet.load_dmd_step(0, rows, 4, 1, 0, d, 8, real_rows=real_rows)[0]
+    order = global_batch_indices(0, 4, 5, 0 + sd_unet._REAL_ORDER_SALT)
     assert mb["real_prompts"] == [real_rows[i].get("prompt", "") for i in order]
     for k, i in enumerate(order):
         assert torch.equal(mb["pixels"][k], load_image(real_rows[i]["image"], 8, 8))
     # without REAL_DATA_PATH: the prompt rows' own images, no captions of their own (as before)
-    mb = train_dmd.load_step(0, [{"prompt": "p", "image": real_rows[0]["image"]}], 2, 1, 0, d, 8)[0]
+    mb = sd_unet.load_dmd_step(0, [{"prompt": "p", "image": real_rows[0]["image"]}], 2, 1, 0, d, 8)[0]
     assert "real_prompts" not in mb and mb["pixels"].shape == (2, 3, 8, 8)
 
 
 def test_dmd_data_inputs_checked_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "p.txt").write_text("a prompt\n")
     with pytest.raises(ConfigError, match="USE_GAN needs real images: DATA_PATH=.*holds prompts only"):
-        train_dmd.load_data(str(tmp_path / "p.txt"), True, False)
+        sd_unet.load_dmd_rows(str(tmp_path / "p.txt"), True, False)
     folder = tmp_path / "captions"
     folder.mkdir()
     (folder / "a.txt").write_text("a prompt")
     with pytest.raises(ConfigError, match=re.escape(str(folder)) + ": no images"):
-        train_dmd.load_data(str(folder), True, False)  # the GAN needs the caption's image beside it
+        sd_unet.load_dmd_rows(str(folder), True, False)  # the GAN needs the caption's image beside it
     saved = script_constants(vars(train_dmd))
     try:
         for argv, message in (([f"--real_data_path={folder}"], "without USE_GAN"),
@@ -629,7 +645,7 @@ def test_flow_teachers_read_rows_as_their_pipelines(family, tmp_path, monkeypatc
     processor = VaeImageProcessor(vae_scale_factor=16)
     seen = set()
     for it in range(8):
-        step = train_dmd.load_flow_step(it, room=room, data=data, cache_dir="", identity="", cfg=False, d=d)
+        step = train_dmd.load_flow_step(it, room=room, data=data, cache_dir="", identity="", negative=None, d=d)
         (h, w), refs = step["shape"]
         mb = step["batches"][0]
         i = train_dmd.step_indices(it, data.members, data.schedule, 1, 0)[0]  # rows in the file's order

@@ -68,7 +68,7 @@ class _Count(TorchDispatchMode):
 
 
 # data-order code reads CPU tensors by design (never a GPU sync): its reads are not counted
-DATA_CODE = {"load_pairs", "micro_batches", "draw_sample_noise", "step_flips", "step_indices",
+DATA_CODE = {"load_pairs", "micro_batches", "dmd_micro_batches", "draw_sample_noise", "step_flips", "step_indices",
              "bucket_schedule", "choose_step_index"}
 
 
