@@ -66,8 +66,8 @@ from core.errors import ConfigError, run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data.batches import micro_batch_positions
-from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices
-from data.images import load_image, save_image_grid
+from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices, stretched
+from data.images import save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
@@ -469,6 +469,7 @@ class Setup:
     inputs: Callable  # (final_weights) -> (StepFns, load, sample), after restore: fixed inputs, batches, losses
     scheduler: dict | None = None  # the scheduler config every export carries (None: the teacher's)
     export_note: str = ""  # how to sample the export, printed before it is written
+    index: dict | None = None  # model_index.json entries the export sets (a distilled klein's is_distilled)
     base_lora: object = None  # TEACHER_LORA's adapters (lora_merge.LoraDelta): a LoRA export carries them too
 
 
@@ -630,13 +631,15 @@ class FlowData:
     schedule: list  # (shape, k) of each iteration: one shape per global batch (data/buckets.bucket_schedule)
     sample_rows: list  # the sample grids' rows
     sample_shapes: list  # each sample row's shape
+    edits: bool = True  # rows with references (else prompts alone: text to image)
+    loader: Callable | None = None  # how the family's pipeline reads an image (room.image_loader; None: stretched)
 
 
 def flow_data(room, settings: dict) -> FlowData:
     """Rows {"control"(s), "prompt"[, "target"]} (an editing teacher; the target is the GAN's real image,
     required with USE_GAN, and shown beside the samples) or {"prompt"} (text-to-image), the sample rows
     (the first SAMPLE_COUNT distinct ones of SAMPLE_PROMPTS or the data), their shapes and schedule."""
-    edits = room.edits(settings["PIPELINE"])
+    edits = room.edits(settings["PIPELINE"]) and source_kind(DATA_PATH) != "txt"  # FLUX.2 takes prompts alone too
     roles, required = (("control", "target", "prompt"), ("control", "prompt")) if edits else (("prompt",),) * 2
     read = functools.partial(read_rows, roles=roles, split=DATASET_SPLIT, size_of="target" if edits else "",
                              columns={"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN},
@@ -655,7 +658,8 @@ def flow_data(room, settings: dict) -> FlowData:
            + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows; shapes "
            + ", ".join(f"{h}x{w}" + "".join(f" + {a}x{b}" for a, b in refs) + f": {len(m)}"
                        for ((h, w), refs), m in zip(shapes, members)))
-    return FlowData(rows, skipped, shapes, members, schedule, sample_rows, sample_shapes)
+    return FlowData(rows, skipped, shapes, members, schedule, sample_rows, sample_shapes, edits,
+                    room.image_loader(settings))
 
 
 def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) -> Setup:
@@ -699,10 +703,10 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
                + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, " + guide.words())
     inputs = functools.partial(flow_inputs, room=room, d=d, vae=vae, teacher=teacher, head=head, data=data,
                                sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, factor=factor,
-                               channels=room.latent_channels(vae), edits=room.edits(run.pipeline))
+                               channels=room.latent_channels(vae), edits=data.edits)
+    index = room.distilled_index(MODEL_PATH)
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
-                 room.distilled_scheduler(MODEL_PATH), export_note(run, guide, sigmas),
-                 base_lora)
+                 room.distilled_scheduler(MODEL_PATH), export_note(run, guide, sigmas, index), index, base_lora)
 
 
 def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, negative: str | None,
@@ -719,7 +723,7 @@ def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: s
         picked = [data.rows[indices[i]] for i in mine]
         prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
                                 room.UNCONDITIONAL_PROMPT)
-        references_, target = load_pairs(picked, shape, [False] * len(picked), target=USE_GAN)
+        references_, target = load_pairs(picked, shape, [False] * len(picked), target=USE_GAN, loader=data.loader)
         batches.append({"mine": mine, "text": room.load_text(list(zip(prompts, picked)), cache_dir, identity, cpu),
                         "negative": (room.load_text([(negative, r) for r in picked], cache_dir, identity, cpu)
                                      if negative is not None else None),
@@ -738,8 +742,9 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
     for shape in dict.fromkeys(data.sample_shapes):
         rows = [r for r, s in zip(data.sample_rows, data.sample_shapes) if s == shape]
         (h, w), latent = shape[0], (channels, shape[0][0] // factor, shape[0][1] // factor)
-        refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False)
-        targets = [load_image(r["target"], h, w, stretch=True) if "target" in r else torch.zeros(3, h, w) for r in rows]
+        refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False, loader=data.loader)
+        read = data.loader or stretched
+        targets = [read(r["target"], (h, w), False, "target") if "target" in r else torch.zeros(3, h, w) for r in rows]
         cond = room.dmd_cond(room.load_text([(r["prompt"], r) for r in rows], cache_dir, identity, d.device), None,
                              vae, [x.to(d.device) for x in refs], latent[1:])
         # drawn on the host (the same on every device), moved once
@@ -816,17 +821,18 @@ def flow_shift(size: tuple[int, int], factor: int) -> float:
     return shift
 
 
-def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float]) -> str:
+def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index: dict) -> str:
     """How to sample the export: every export carrying the generator samples in len(sigmas) steps with
     the scheduler made for it, without the teacher's guidance pair."""
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
+    kwargs = "".join(f", {k}={v}" for k, v in index.items())  # what the export's model_index.json sets
     how = (f"{run.pipeline}.from_pretrained(export)" if not run.lora else
-           f"{run.pipeline}.from_pretrained(MODEL_PATH) + load_lora_weights(export) + its scheduler "
+           f"{run.pipeline}.from_pretrained(MODEL_PATH{kwargs}) + load_lora_weights(export) + its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
-    return f"sampling the export: {how}; pipe(..., {call}, {guide.export_call})"
+    return f"sampling the export: {how}; pipe(..., {call}{', ' + guide.export_call if guide.export_call else ''})"
 
 
 
@@ -869,7 +875,7 @@ def main() -> None:
     if family.export_note:
         print0(family.export_note)
     trainer.finish(run, final_weights, frozen={"vae": VAE_PATH} if VAE_PATH else None, scheduler=family.scheduler,
-                   base_lora=family.base_lora)
+                   base_lora=family.base_lora, index=family.index)
 
 
 if __name__ == "__main__":

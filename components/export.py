@@ -42,15 +42,16 @@ def model_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
-def portable_json(path: str, class_name: str | None = None) -> None:
+def portable_json(path: str, class_name: str | None = None, updates: dict | None = None) -> None:
     """Rewrite a diffusers JSON (config.json, model_index.json) so it names no machine: drop
     `_name_or_path` (the folder it was loaded from, an absolute path of whoever built it) and,
-    given `class_name`, set `_class_name` to it."""
+    given `class_name`, set `_class_name` to it; `updates`: entries set."""
     with open(path) as f:
         data = json.load(f)
     data.pop("_name_or_path", None)
     if class_name:
         data["_class_name"] = class_name
+    data.update(updates or {})
     write_json(path, data)
 
 
@@ -308,7 +309,7 @@ def _transformers_models(model_path: str) -> set[str]:
 
 def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module], dtype: torch.dtype,
                     link_frozen: bool = False, frozen: dict[str, str] | None = None,
-                    scheduler: dict | None = None) -> str:
+                    scheduler: dict | None = None, index: dict | None = None) -> str:
     """OUTPUT_DIR/export/: a diffusers pipeline folder = the source folder's model_index.json and
     frozen components (hard-linked file by file where the filesystem allows, else copied: the export
     outlives and travels without its source; symlinked folders with link_frozen) + the trained components.
@@ -318,7 +319,8 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
     loads every model in fp32 and `torch_dtype=dtype` every model in `dtype`, both runnable.
     `frozen` maps a component to another folder to use in place of the source's (e.g. a VAE the
     run used instead of the pipeline's own); `scheduler`, a scheduler config written as the export's
-    scheduler/ in place of the source's (write_scheduler: a distilled model's own sampling). Written to
+    scheduler/ in place of the source's (write_scheduler: a distilled model's own sampling); `index`, entries
+    set in its model_index.json (a distilled FLUX.2 klein's is_distilled: its pipeline then skips CFG). Written to
     export.partial/ and swapped in at the end, so an old export is never half-replaced."""
     partial = out_dir.rstrip("/") + PARTIAL
     converted, pinned = [], []
@@ -335,7 +337,7 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
                 converted.append(name)
             if name in text_models and _pin_fp32_load(dst):
                 pinned.append(name)
-        portable_json(os.path.join(partial, "model_index.json"))
+        portable_json(os.path.join(partial, "model_index.json"), updates=index)
         if scheduler:
             write_scheduler(partial, scheduler)
     barrier()

@@ -327,7 +327,7 @@ def end_step(run: Run, step: int, logs: dict, extra: dict, trainer_state: dict, 
 
 
 def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, scheduler: dict | None = None,
-           base_lora=None) -> None:
+           base_lora=None, index: dict | None = None) -> None:
     """After the loop (the final checkpoint and samples were written at MAX_STEPS): the memory table
     (its peak is training's, not the export gather's), the whole run's compile report (with the
     samples' and validation's recompiles), the export of `final_weights()` (the model, or its EMA)
@@ -336,8 +336,8 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
     `frozen` maps a component to another folder used instead of MODEL_PATH's; `scheduler`, a scheduler
     config every export that carries the trained model gets as its scheduler/ (a distilled model's
     own sampling), in place of MODEL_PATH's; `base_lora`, adapters merged into the model's base as it
-    loaded (train_dmd.py's TEACHER_LORA), joined into the LoRA export so that it loads on MODEL_PATH. Then
-    teardown."""
+    loaded (train_dmd.py's TEACHER_LORA), joined into the LoRA export so that it loads on MODEL_PATH; `index`,
+    model_index.json entries a pipeline export sets (a distilled FLUX.2 klein's is_distilled). Then teardown."""
     c = run.config
     run.logger.close()
     run.ckpt.wait()
@@ -352,5 +352,5 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
         if not run.lora or c["LORA_EXPORT_MERGED"]:
             export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
                             {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen,
-                            scheduler=scheduler, link_frozen=c["EXPORT_SYMLINKS"])
+                            scheduler=scheduler, link_frozen=c["EXPORT_SYMLINKS"], index=index)
     fsdp_utils.cleanup_distributed()

@@ -342,3 +342,8 @@ def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
     latents = km.unpack_latents(tokens.float(), *size) / scale + shift
     return vae.decode(latents.to(vae.dtype)).sample.float().cpu()
+
+
+def distilled_index(model_path) -> dict:
+    """model_index.json entries a distilled generator's pipeline export sets: none."""
+    return {}

@@ -212,7 +212,9 @@ def image_loader(settings):
 
 def target_size(size, row, settings) -> tuple[int, int]:
     """The target by the references' rule at RESOLUTION^2: what the pipeline outputs for it as picture 1
-    (its default height and width)."""
+    (its default height and width); a prompt alone (text to image): the bucket's size."""
+    if not row.get("size") and "target" not in row:
+        return tuple(size)
     h, w = row.get("size") or image_size(row["target"])
     return pipeline_size(h, w, settings["RESOLUTION"] ** 2)[1]
 
@@ -538,6 +540,12 @@ def dmd_cond(text, negative, vae, references: list, size) -> Flux2Cond:
 def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
     """Packed latent tokens of a (h, w) latent -> images (B, 3, H, W), fp32 on CPU (decode_latents)."""
     return decode_latents(vae, km.unpack_latents(tokens.float(), *size))
+
+
+def distilled_index(model_path) -> dict:
+    """A distilled klein export says is_distilled, as BFL's 4-step klein does: Flux2KleinPipeline then samples
+    without CFG whatever guidance_scale it is given ([dev]'s pipeline has no such flag)."""
+    return {"is_distilled": True} if pipeline_class(model_path).__name__ == "Flux2KleinPipeline" else {}
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:

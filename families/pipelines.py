@@ -56,7 +56,7 @@ PIPELINES["FluxPipeline"] = PIPELINES["FluxKontextPipeline"]  # FLUX.1 text-to-i
 
 SCRIPTS = {  # the pipelines each script trains (the first is its default layout)
     "train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline", "FluxPipeline",
-                     "QwenImageEditPlusPipeline"),
+                     "QwenImageEditPlusPipeline", "Flux2KleinPipeline", "Flux2Pipeline"),
     "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline", "Flux2KleinPipeline",
                               "Flux2Pipeline"),
 }

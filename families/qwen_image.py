@@ -519,3 +519,8 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
     if data_kind == "txt":
         raise ConfigError(f"DATA_PATH={settings['DATA_PATH']} holds prompts only; a {pipeline} teacher edits images: "
                           "give rows with \"control\" image(s) and a \"prompt\" (.jsonl, folders or datasets)")
+
+
+def distilled_index(model_path) -> dict:
+    """model_index.json entries a distilled generator's pipeline export sets: none."""
+    return {}
