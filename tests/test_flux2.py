@@ -11,6 +11,7 @@ load_lora_weights, both sampling through the pipeline.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -320,3 +321,111 @@ def test_context_parallel_trains_as_data_parallel(runs):
     wa, wb = (load_file(str(runs["out"][k] / "export" / file)) for k in ("full", "cp"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=2e-5, msg=k)
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 with a FLUX.2 klein-base teacher (train_dmd.py's one flow setup)
+
+
+class _OneByOne(torch.nn.Module):
+    """The transformer run on each sample of a batch alone, as the pipeline runs its prompt and its "" (a batch of
+    2 sums its matrix products in another order: equal only to rounding)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance, return_dict):
+        outs = [self.model(hidden_states=hidden_states[i:i + 1], encoder_hidden_states=encoder_hidden_states[i:i + 1],
+                           timestep=timestep[i:i + 1], img_ids=img_ids[i:i + 1], txt_ids=txt_ids[i:i + 1],
+                           guidance=guidance, return_dict=False)[0] for i in range(hidden_states.shape[0])]
+        return (torch.cat(outs),)
+
+
+def test_teacher_cfg_pair_is_the_pipelines(klein, tmp_path):
+    """The teacher's real score with REAL_GUIDANCE_NORM=none is the pipeline's true-CFG prediction at the same
+    latents, σ and references (the prompt's half of the pair and the negative's, combined as it combines them),
+    and token rescales that pair."""
+    from algorithms import dmd2 as dm
+    pipe = pipeline(klein["model"])
+    paths = images(tmp_path, [(64, 64), (64, 64)])
+    seen = []
+    step = pipe.scheduler.step
+    pipe.scheduler.step = lambda out, t, x, **kw: (seen.append((out.clone(), x.clone(), t)), step(out, t, x, **kw))[1]
+    pipe(image=[Image.open(p) for p in paths], prompt="make it red", num_inference_steps=2, guidance_scale=4.0,
+         generator=torch.Generator().manual_seed(1), output_type="latent", max_sequence_length=32)
+    theirs, x, t = seen[1]  # the second step: σ below 1
+    embeds = text(klein["model"], tmp_path, ["make it red", ""], length=32)
+    refs = [flux2.load_image(p, flux2.REFERENCE_AREA)[None] for p in paths]
+    cond = flux2.dmd_cond(embeds[:1], embeds[1:], pipe.vae, refs, (8, 8))
+    teacher, sigma = _OneByOne(pipe.transformer), t.expand(1) / 1000
+    assert torch.equal(cond.velocity(teacher, 4.0, "none")(x, sigma), theirs.float())
+    plain = cond.velocity(teacher, 1.0)(x, sigma)
+    neg = flux2.dmd_cond(embeds[1:], None, pipe.vae, refs, (8, 8)).velocity(teacher, 1.0)(x, sigma)
+    assert torch.equal(cond.velocity(teacher, 4.0, "token")(x, sigma), dm.cfg_combine(plain, neg, 4.0, "token"))
+
+
+@pytest.fixture(scope="module")
+def dmd_runs(klein):
+    """DMD2 of the tiny klein-base teacher to a 4-step generator on the mixed rows: full generator and fake score
+    with the GAN head and EMA on 2 ranks, the same stopped at step 2 and resumed; a LoRA generator and fake score
+    on an NF4 teacher and bases; text to image on the rows' prompts alone (a .txt)."""
+    root = klein["root"]
+    prompts = root / "prompts.txt"
+    prompts.write_text("".join(json.loads(line)["prompt"] + "\n" for line in open(root / "mixed.jsonl")))
+    common = [f"--model_path={klein['model']}", f"--data_path={root / 'mixed.jsonl'}",
+              f"--text_cache_dir={root / 'dmd_text_cache'}", "--precision=fp32", "--resolution=64",
+              "--max_sequence_length=32", "--max_steps=4", "--log_every=1", "--denoising_steps=999,749,499,249",
+              "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2", "--ema_decay=0.9", "--save_every=2",
+              "--sample_every=4", "--export_dtype=fp32"]
+    gan = ["--use_gan=1", "--gen_cls_loss_weight=0.1", "--guidance_cls_loss_weight=0.1"]
+    out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora", "t2i")}
+    job = functools.partial(dict, script="train_dmd.py", env=klein["env"])
+    done = launch_all({
+        "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
+        "stopped": job(args=common + gan + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
+        "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
+                                   "--base_dtype=nf4", "--save_every=0"]),
+        "t2i": job(args=common + [f"--output_dir={out['t2i']}", f"--data_path={prompts}", "--max_steps=2",
+                                  "--save_every=0", "--sample_every=2"])}, timeout=600)
+    resumed = launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"],
+                     env=klein["env"])
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
+
+
+@pytest.mark.slow
+def test_dmd_resumes_bit_exact_with_the_teachers_cfg(dmd_runs):
+    a, b = read_checkpoint(dmd_runs["out"]["full"], 4), read_checkpoint(dmd_runs["out"]["stopped"], 4)
+    for name in ("model.generator", "model.fake", "model.ema", "model.head"):
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert read_metrics(dmd_runs["out"]["full"], timing=False)[-1] == \
+        read_metrics(dmd_runs["out"]["stopped"], timing=False)[-1]
+    assert "teacher true CFG 4 (token rescale)" in dmd_runs["logs"]["full"]
+    assert "(step 2)" in dmd_runs["resumed"]
+    for k in ("full", "t2i"):
+        assert any(name.endswith(".png") for name in os.listdir(dmd_runs["out"][k] / "samples")), k
+    assert "data: 32 prompts from" in dmd_runs["logs"]["t2i"]
+
+
+@pytest.mark.slow
+def test_dmd_exports_sample_in_four_steps_at_the_trained_sigmas(klein, dmd_runs, tmp_path):
+    """The full export is a distilled klein (is_distilled: one forward per step, guidance ignored) whose scheduler
+    samples the trained σ list [1, .75, .5, .25] at the pipeline's default call; the LoRA export does the same on
+    the base with its scheduler and is_distilled=True."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    paths = images(tmp_path, [(64, 64), (64, 64)])
+    call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", num_inference_steps=4,
+                guidance_scale=4.0, output_type="np", max_sequence_length=32)
+    full = pipeline(str(dmd_runs["out"]["full"] / "export"))
+    lora = Flux2KleinPipeline.from_pretrained(klein["model"], is_distilled=True)
+    lora.load_lora_weights(str(dmd_runs["out"]["lora"] / "export"))
+    lora.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(dmd_runs["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    for pipe in (full, lora):
+        assert pipe.config.is_distilled
+        seen = []
+        pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                                   with_kwargs=True)
+        assert np.isfinite(pipe(**call, generator=torch.Generator().manual_seed(0)).images).all()
+        assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25], abs=1e-6)
+    assert "Flux2KleinPipeline.from_pretrained(MODEL_PATH, is_distilled=True)" in dmd_runs["logs"]["lora"]
