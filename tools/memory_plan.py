@@ -1255,14 +1255,16 @@ def _optimizer_note(optimizer: str) -> str:
     return f", {optimizer} states" if optimizer != "adamw" else ""
 
 
-def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[Settings, dict] | None:
+def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None, cpu_offload: bool = True,
+                 nf4_text_encoder: bool = True) -> tuple[Settings, dict] | None:
     """Settings that fit, in order of what they cost in speed: nothing, checkpointing, bf16
-    states, CPU offload (slowest), and their combinations; both phases must fit: training, and the
-    text-cache fill before it, whose encoders go NF4 (text_encoder_dtype) where they do not fit as
-    they are (none of the training settings changes the fill). `planner`: plan, or a cached one."""
+    states, CPU offload (slowest; not tried without `cpu_offload`), and their combinations; both
+    phases must fit: training, and the text-cache fill before it, whose encoders go NF4
+    (text_encoder_dtype; not without `nf4_text_encoder`) where they do not fit as they are (none of
+    the training settings changes the fill). `planner`: plan, or a cached one."""
     planner = planner or plan
     for ac, off, bf16 in FIT_ORDER:
-        if bf16 and s.lora_rank > 0:  # LoRA: the base is already in the compute dtype, adapters stay fp32
+        if (bf16 and s.lora_rank > 0) or (off and not cpu_offload):  # LoRA: the base is in the compute dtype
             continue
         trial = Settings(**{**s.__dict__, "activation_checkpointing": ac, "cpu_offload": off,
                             "precision": "bf16" if bf16 else s.precision,
@@ -1272,12 +1274,23 @@ def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[
             continue
         if peak_bytes(result) <= gpu_bytes:
             return trial, result
-        if s.text_encoder_dtype != "nf4":
+        if s.text_encoder_dtype != "nf4" and nf4_text_encoder:
             trial = dataclasses.replace(trial, text_encoder_dtype="nf4")
             result = planner(name, trial)
             if peak_bytes(result) <= gpu_bytes:
                 return trial, result
         return None
+    return None
+
+
+def fewest_gpus(name: str, s: Settings, gpu_bytes: int, world_sizes=(1, 2, 4, 8), planner=None,
+                **fit) -> tuple[Settings, dict] | None:
+    """The smallest of `world_sizes` with settings that fit (cheapest_fit, `fit` its options), and
+    those settings and their plan; None if none does."""
+    for ws in world_sizes:
+        found = cheapest_fit(name, dataclasses.replace(s, world_size=ws), gpu_bytes, planner, **fit)
+        if found is not None:
+            return found
     return None
 
 
@@ -1630,9 +1643,38 @@ def lowbit_tables(name: str, rank: int = 16, gpu_gb: float = 24) -> str:
     return "\n".join(lines)
 
 
+# docs/planner.md's FLUX.2 rows: (run, built-in name, settings, GPU memory in GB, world sizes tried)
+FLUX2_ROWS = [(f"{model} LoRA r16, {base or 'bf16'} base", name, dict(lora_rank=16, base_dtype=base), gb, (1, 2, 4, 8))
+              for model, name, gbs in (("[dev]", "flux2-dev", (24, 48, 80)), ("klein 4B", "flux2-klein-4b", (24,)),
+                                       ("klein 9B", "flux2-klein-9b", (24,)))
+              for base in ("nf4", "") for gb in gbs]
+FLUX2_ROWS += [("[dev] full fine-tune", "flux2-dev", {}, 80, (8,)),
+               ("klein 4B full fine-tune", "flux2-klein-4b", {}, 80, (1, 2, 4, 8)),
+               ("klein 9B full fine-tune", "flux2-klein-9b", {}, 80, (1, 2, 4, 8))]
+
+
+def flux2_table(planner=None) -> str:
+    """Markdown: for each FLUX.2 run of FLUX2_ROWS at 1024 px with FLUX2_REFERENCES references, bf16-mixed,
+    batch 1, auto resharding, the fewest GPUs that fit (fewest_gpus) with the cheapest settings, and the fewest
+    without CPU offload or an NF4 text encoder; each with its training and text-cache fill peaks in GiB."""
+    planner = planner or memo_planner()
+    lines = ["| run | GPU | fewest GPUs: settings (training / fill GiB) | without CPU offload or an NF4 text encoder |",
+             "|---|---|---|---|"]
+    for label, name, over, gb, worlds in FLUX2_ROWS:
+        s = Settings(world_size=worlds[0], resolution=1024, reshard_after_forward=None, **over)
+        cells = []
+        for fit in ({}, dict(cpu_offload=False, nf4_text_encoder=False)):
+            found = fewest_gpus(name, s, int(gb * GIB), worlds, planner, **fit)
+            cells.append(f"none of {', '.join(map(str, worlds))}" if found is None else
+                         f"{found[0].world_size}: {_setting_name(found[0], s.precision)} "
+                         f"({found[1]['gpu_total'] / GIB:.2f} / {found[1]['fill']['total'] / GIB:.2f})")
+        lines.append(f"| {label} | {gb:g} GB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python tools/memory_plan.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="a built-in configuration or a diffusers folder (required but for --flux2_table)")
     ap.add_argument("--world_size", type=int, default=None, help="required, except with --fit_table")
     ap.add_argument("--gpu_memory_gb", type=float, default=0.0)
     ap.add_argument("--batch_size", type=int, default=1)
@@ -1694,10 +1736,17 @@ def main(argv: list[str]) -> int:
                     help="FLUX.2: the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's 1024^2)")
     ap.add_argument("--text_encoder_dtype", default="", choices=["", "nf4"],
                     help="the text-cache fill's encoders: the compute dtype, or their Linears in NF4")
+    ap.add_argument("--flux2_table", action="store_true",
+                    help="FLUX.2: markdown table of the fewest GPUs that fit each run of docs/planner.md (FLUX2_ROWS)")
     a = ap.parse_args(argv)
     # what importing transformers/diffusers prints with torchao installed (its CUDA-only kernel libraries,
     # torch's pytree notice), as the scripts silence it: before the first model is built
     quiet_known_warnings()
+    if a.flux2_table:
+        print(flux2_table())
+        return 0
+    if not a.model:
+        ap.error("--model is required")
     if a.lowbit_table:
         print(lowbit_tables(a.model))
         return 0
