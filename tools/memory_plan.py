@@ -18,6 +18,9 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
         --activation_checkpointing=1 --fake_score_fp32=0 --gpu_memory_gb=80   # DMD2 with a FLUX Kontext teacher
     python tools/memory_plan.py --model=qwen-image-edit --world_size=1 --lora_rank=16 --base_dtype=nf4 \\
         --gpu_memory_gb=24   # Qwen-Image-Edit-2509 LoRA on an NF4 base, 1024 px, target + 2 references
+    python tools/memory_plan.py --model=flux2-dev --world_size=8 --lora_rank=16 --base_dtype=nf4 \\
+        --resolution=1024 --activation_checkpointing=1 --gpu_memory_gb=24   # FLUX.2 [dev], 2 references
+    python tools/memory_plan.py --flux2_table   # FLUX.2 [dev] / klein: the fewest GPUs per run of docs/planner.md
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
@@ -45,6 +48,12 @@ transformer is built. What is counted, per rank:
   runtime                     a fixed 1 GiB for the CUDA context and allocator slack
   ema                         with --ema=1 (the scripts' EMA_DECAY > 0): the trained model's shards again, in
                               its storage dtype (LoRA: its adapters, fp32); offloaded with it
+The text-cache fill, before training, is a phase of its own (fill_phase): the offline components (text encoders,
+cached then freed) sharded over the ranks in units of their _no_split_modules, units in flight, one no-grad
+forward of a batch measured on meta, the runtime reserve. A plan fits only if both phases fit; where only the
+fill does not, the fit takes the encoders in NF4 (--text_encoder_dtype=nf4).
+FLUX.2 (flux2-dev, flux2-klein-4b, flux2-klein-9b; Flux2Pipeline / Flux2KleinPipeline by model_index.json): the
+target's tokens, --references (2) references' at --reference_area (the pipeline's 1024^2), 512 text tokens.
 DMD2's fake score is counted as train_dmd.py runs it by default (FAKE_SCORE_FP32): its units gathered
 and its training forward's activations in fp32, whatever the precision mode (--fake_score_fp32=0:
 in the mode's compute dtype).
