@@ -476,7 +476,8 @@ def test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags(capsys):
 # ----------------------------------------------------------------------------------------------
 # context parallelism (--context_parallel, FLUX Kontext only): the sequence split C ways
 
-# the FLUX report and fit table: CP 1 prints them byte for byte (change them only on purpose)
+# the FLUX report and fit table: CP 1 prints them byte for byte (change them only on purpose); the report
+# ends with the text-cache fill of T5 and CLIP, before training
 FLUX_PLAN = """\
 plan: flux-kontext-dev (flux_kontext), world size 2 (dp_replicate 1), bf16-mixed, batch 1/rank at 64px, \
 activation_checkpointing=0, cpu_offload=0, reshard_after_forward=1
@@ -490,7 +491,11 @@ all-gathered units in flight: 2.53 GiB (largest unit 0.63 GiB)
 activations (measured on meta): 4.69 GiB
 attention counted as flash/memory-efficient SDPA saves it: q, k, v, out, logsumexp
 runtime reserve: 1.00 GiB
-TOTAL per GPU: 97.05 GiB"""
+TOTAL per GPU: 97.05 GiB
+text-cache fill, before training (text_encoder 0.12B, text_encoder_2 4.76B in bf16, sharded over 2 ranks, freed \
+before the trained model is built): params 4.55 + units in flight 0.96 + activations 4.41 (batch 16 x 512 tokens, no \
+grad) + runtime 1.00 = 10.92 GiB
+PEAK per GPU (training, text-cache fill): 97.05 GiB"""
 
 FLUX_TABLE_ROW = "| 2 | 22.32 | 22.17 | 44.34 | 4.69 | 0.28 | 97.05 | CPU offload (8.4) | bf16 states (52.1) |"
 
@@ -1175,4 +1180,92 @@ def test_docs_carry_the_qwen_image_edit_rows():
         p = planner("qwen-image-edit-dmd", Settings(**over))
         assert (p["kind"], p["settings"].resolution) == ("qwen_image_edit_dmd", 1024)
         row = _doc_row(label, p, gb)
+        assert row in docs, row
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX.2 ([dev]: Flux2Pipeline; klein 4B / 9B: Flux2KleinPipeline): one kind, the text encoder by model_index.json
+
+FLUX2 = {  # name: (pipeline, transformer params, text encoder class, its params)
+    "flux2-dev": ("Flux2Pipeline", 32_223_281_152, "Mistral3ForConditionalGeneration", 24_011_361_280),
+    "flux2-klein-4b": ("Flux2KleinPipeline", 3_875_544_576, "Qwen3ForCausalLM", 4_022_468_096),
+    "flux2-klein-9b": ("Flux2KleinPipeline", 9_078_581_248, "Qwen3ForCausalLM", 8_190_735_360),
+}
+
+
+@pytest.mark.parametrize("name", list(FLUX2))
+def test_flux2_folders_are_planned_by_their_pipeline(name):
+    """Each built-in FLUX.2 folder is the flux2 kind of train_flux_kontext.py, planned by the table entry of the
+    pipeline its model_index.json names (FLUX.2 [dev] and klein differ in their text encoder); no model built."""
+    pipeline, _, encoder, _ = FLUX2[name]
+    folder = memory_plan.model_folder(name)
+    assert memory_plan.layout(folder) == ("train_flux_kontext.py", "flux2")
+    assert memory_plan.pipeline_of(folder, "flux2") == pipeline
+    script, kind, parts = memory_plan.build_components(folder, memory_plan.get_precision("bf16-mixed"), build=False)
+    assert [(p.name, p.spec.role, p.spec.class_name) for p in parts] == [
+        ("transformer", "trainable", "Flux2Transformer2DModel"), ("vae", "replicated", "AutoencoderKLFlux2"),
+        ("text_encoder", "offline", encoder)]
+    assert memory_plan.native_resolution(folder, kind) == 1024
+
+
+def test_flux2_sequence_is_the_target_the_references_and_512_text_tokens():
+    """At 1024 px: 4 096 target tokens and, per reference at the pipeline's 1024^2 area, 4 096 more (128-channel
+    tokens: 2x2-patchified 32-channel latents at the VAE's factor 8), 4-D ids; 512 text tokens 3 x the encoder's
+    hidden size wide; [dev] embeds the guidance, klein has none. A smaller REFERENCE_AREA shrinks the references
+    only; --references is FLUX.2's."""
+    s = Settings(world_size=1, resolution=1024)
+    refs = memory_plan.reference_grids("flux2", s)
+    assert refs == ((64, 64), (64, 64))
+    assert memory_plan.reference_grids("flux2", dataclasses.replace(s, references=3, reference_area=512 * 512)) == \
+        ((32, 32),) * 3
+    for name, joint, guided in (("flux2-klein-4b", 3 * 2560, False), ("flux2-dev", 3 * 5120, True)):
+        model = memory_plan.meta_model(f"{memory_plan.model_folder(name)}/transformer")
+        x = memory_plan._meta_inputs("flux2", model, 1, 1024, torch.bfloat16, 8, 512, None, refs)
+        assert tuple(x["hidden_states"].shape) == (1, 3 * 4096, 128) and tuple(x["img_ids"].shape) == (1, 12288, 4)
+        assert tuple(x["encoder_hidden_states"].shape) == (1, 512, joint) and (x["guidance"] is not None) == guided
+    with pytest.raises(SystemExit, match=r"^plan: --references / --reference_area: FLUX.2's; qwen-image-edit is "):
+        memory_plan.plan("qwen-image-edit", Settings(world_size=1, references=1))
+
+
+def test_flux2_plans_training_and_the_text_cache_fill():
+    """klein 4B, LoRA r16, 2 ranks, 256 px with one 256^2 reference (a small sequence: the state rows do not depend
+    on it): the transformer's base and adapters are sharded; the Qwen3 text encoder holds nothing at training (its
+    embeddings are cached, then it is freed) and its fill is a phase of its own: its shard (half its bf16
+    weights), the root and two decoder layers in flight, a no-grad forward of TEXT_FILL_BATCH prompts x 512 tokens
+    and the runtime reserve; the plan's peak is the larger phase, and the CLI prints both."""
+    name, (_, params, _, encoder) = "flux2-klein-4b", FLUX2["flux2-klein-4b"]
+    s = Settings(world_size=2, resolution=256, lora_rank=16, references=1, reference_area=256 * 256)
+    p = memory_plan.plan(name, s)
+    assert p["rows"]["transformer"]["count"] == params and p["rows"]["text_encoder"]["params"] == 0
+    assert p["references"] == ((16, 16),) and "single_transformer_blocks.19.attn.to_out" in p["lora_targets"]
+    fill = p["fill"]
+    assert fill["components"] == {"text_encoder": encoder} and fill["sharded"] and fill["dtype"] == "bf16"
+    assert (fill["batch"], fill["text"]) == (memory_plan.TEXT_FILL_BATCH, 512)
+    assert abs(fill["params"] / (encoder * 2 / 2) - 1) < 1e-3  # dim-0 padding
+    assert fill["total"] == fill["params"] + fill["gathered"] + fill["activations"] + fill["runtime"]
+    # each layer's hidden states (37 of them, the pipeline reads 9 / 18 / 27) and the logits are held at the end
+    assert fill["activations"] > (37 * 2560 + 151936) * 2 * 512 * memory_plan.TEXT_FILL_BATCH
+    assert memory_plan.peak_bytes(p) == max(p["gpu_total"], fill["total"])
+    nf4 = memory_plan.plan(name, dataclasses.replace(s, text_encoder_dtype="nf4"))
+    assert nf4["fill"]["params"] < fill["params"] / 3 and nf4["gpu_total"] == p["gpu_total"]
+    text = memory_plan.format_plan(name, p)
+    assert "sequence per sample: 256 target tokens (256^2 / 16^2) + 1 reference(s) x 256 tokens" in text
+    assert (f"text-cache fill, before training (text_encoder 4.02B in bf16, sharded over 2 ranks, freed before the "
+            f"trained model is built): params {fill['params'] / GIB:.2f}") in text
+    assert text.endswith(f"PEAK per GPU (training, text-cache fill): {memory_plan.peak_bytes(p) / GIB:.2f} GiB")
+    assert "LoRA targets: to_k, to_q, to_v, to_out.0, to_qkv_mlp_proj, single_transformer_blocks.*.attn.to_out" \
+        in text
+    # a budget that training fits but the bf16 fill does not: the fit takes the NF4 text encoder
+    budget = (p["gpu_total"] + fill["total"]) // 2
+    assert p["gpu_total"] < budget < fill["total"]
+    planner = memory_plan.memo_planner()
+    fit = memory_plan.cheapest_fit(name, s, budget, planner)
+    assert fit is not None and fit[0].text_encoder_dtype == "nf4" and memory_plan.peak_bytes(fit[1]) <= budget
+    assert memory_plan.cheapest_fit(name, s, budget, planner, nf4_text_encoder=False) is None
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: 32 B, 9 B and 4 B meta models at 1024 px with 2 references, 1-8 ranks
+def test_docs_carry_the_flux2_rows():
+    docs = open(f"{ROOT}/docs/planner.md").read()
+    for row in memory_plan.flux2_table().splitlines()[2:]:
         assert row in docs, row

@@ -18,6 +18,9 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
         --activation_checkpointing=1 --fake_score_fp32=0 --gpu_memory_gb=80   # DMD2 with a FLUX Kontext teacher
     python tools/memory_plan.py --model=qwen-image-edit --world_size=1 --lora_rank=16 --base_dtype=nf4 \\
         --gpu_memory_gb=24   # Qwen-Image-Edit-2509 LoRA on an NF4 base, 1024 px, target + 2 references
+    python tools/memory_plan.py --model=flux2-dev --world_size=8 --lora_rank=16 --base_dtype=nf4 \\
+        --resolution=1024 --activation_checkpointing=1 --gpu_memory_gb=24   # FLUX.2 [dev], 2 references
+    python tools/memory_plan.py --flux2_table   # FLUX.2 [dev] / klein: the fewest GPUs per run of docs/planner.md
 
 NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
@@ -45,6 +48,12 @@ transformer is built. What is counted, per rank:
   runtime                     a fixed 1 GiB for the CUDA context and allocator slack
   ema                         with --ema=1 (the scripts' EMA_DECAY > 0): the trained model's shards again, in
                               its storage dtype (LoRA: its adapters, fp32); offloaded with it
+The text-cache fill, before training, is a phase of its own (fill_phase): the offline components (text encoders,
+cached then freed) sharded over the ranks in units of their _no_split_modules, units in flight, one no-grad
+forward of a batch measured on meta, the runtime reserve. A plan fits only if both phases fit; where only the
+fill does not, the fit takes the encoders in NF4 (--text_encoder_dtype=nf4).
+FLUX.2 (flux2-dev, flux2-klein-4b, flux2-klein-9b; Flux2Pipeline / Flux2KleinPipeline by model_index.json): the
+target's tokens, --references (2) references' at --reference_area (the pipeline's 1024^2), 512 text tokens.
 DMD2's fake score is counted as train_dmd.py runs it by default (FAKE_SCORE_FP32): its units gathered
 and its training forward's activations in fp32, whatever the precision mode (--fake_score_fp32=0:
 in the mode's compute dtype).
@@ -97,20 +106,27 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
+import math
 import os
+import re
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: fsdp_utils, precision
 import fsdp_utils  # noqa: E402
 from core.errors import ConfigError  # noqa: E402
+from data.text_cache import fill_text_cache  # noqa: E402  (the text-cache fill's batch)
 from components.warnings import quiet_known_warnings  # noqa: E402
 from parallel import lora as lora_lib  # noqa: E402
 from parallel import lowbit  # noqa: E402
@@ -127,7 +143,10 @@ RUNTIME_BYTES = 1 * GIB
 # A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
 LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
 # a transformer/ folder whose model is not FLUX's: {transformer class: kind} (train_flux_kontext.py's too)
-TRANSFORMER_KINDS = {"QwenImageTransformer2DModel": "qwen_image_edit"}
+TRANSFORMER_KINDS = {"QwenImageTransformer2DModel": "qwen_image_edit", "Flux2Transformer2DModel": "flux2"}
+# kinds whose pipelines differ in their other parts (FLUX.2 [dev]: Mistral-Small 3; klein: Qwen3): the one
+# model_index.json names, else the first
+KIND_PIPELINES = {"flux2": ("Flux2Pipeline", "Flux2KleinPipeline")}
 # a layout planned for another script (Settings.script): {(kind, script): kind}. train_dmd.py distils a
 # FLUX Kontext or Qwen-Image-Edit folder with DMD2: its trained model in DMD2's three roles (pipeline_components)
 OTHER_SCRIPTS = {("flux_kontext", "train_dmd.py"): "flux_kontext_dmd",
@@ -148,7 +167,7 @@ FP32_COMPONENTS = {"sdxl": ("vae",)}
 # the resolution when none is given, for kinds without a UNet sample_size to take it from; Qwen-Image-Edit's
 # pipeline works at a 1024^2 area (pipeline_qwenimage_edit_plus.py's VAE_IMAGE_SIZE)
 DEFAULT_RESOLUTION = 512
-NATIVE_RESOLUTION = {"qwen_image_edit": 1024}
+NATIVE_RESOLUTION = {"qwen_image_edit": 1024, "flux2": FAMILIES["Flux2Pipeline"].DEFAULT_RESOLUTION}
 
 # Qwen-Image-Edit-2509's sequence, per sample: the target's tokens, then each reference image's at the training
 # resolution (the pipeline encodes references at its 1024^2 VAE_IMAGE_SIZE: the same tokens at 1024 px), all
@@ -161,6 +180,20 @@ NATIVE_RESOLUTION = {"qwen_image_edit": 1024}
 QWEN_REFERENCES = 2
 QWEN_CONDITION_TOKENS = round(384 / 28) ** 2  # 14 x 14 merged 28 px cells
 QWEN_TEXT_TOKENS = QWEN_REFERENCES * (QWEN_CONDITION_TOKENS + 7) + 64 + 5
+
+# FLUX.2's sequence, per sample: the target's (RESOLUTION / 16)^2 tokens, then each reference's: the pipeline
+# downsizes a reference to its REFERENCE_AREA (1024^2) only if larger, so one at least that large gives
+# REFERENCE_AREA / 16^2 tokens whatever the target's size (families/flux2.py, pipeline_size); then 512 text tokens.
+# The built-in configs (tools/real_size_configs/flux2-*): [dev]'s transformer is diffusers'
+# Flux2Transformer2DModel defaults, klein's as BFL's flux2 src/flux2/model.py (Klein4BParams, Klein9BParams;
+# mirrored in kohya-ss/musubi-tuner src/musubi_tuner/flux_2/flux2_models.py); [dev]'s text encoder is the
+# Mistral-Small-3.1-24B config musubi-tuner's flux_2/flux2_utils.py builds (M3_CONFIG_JSON), klein's Qwen3-4B /
+# Qwen3-8B as its zimage/zimage_utils.py load_qwen3; the VAE is AutoencoderKLFlux2's defaults.
+FLUX2_REFERENCES = 2
+
+# the text-cache fill (before training, the "offline" components of families.pipelines.PIPELINES): each rank
+# embeds its prompts in batches of data.text_cache.fill_text_cache's size, at the planned text length
+TEXT_FILL_BATCH = inspect.signature(fill_text_cache).parameters["batch"].default
 
 # LoRA adapters' storage dtype (hence their grads' and AdamW states'): parallel.lora.add_lora keeps them
 # in fp32 whatever the precision mode; Precision.adapter_mp_policy reduce-scatters their grads in fp32
@@ -236,6 +269,9 @@ class Settings:
     fp8: str = ""              # the scripts' FP8: "" | tensorwise (trained weights gathered in float8) | rowwise
     script: str = ""           # the script planned: "" = the layout's (LAYOUTS), or the name's (BUILTIN_SCRIPTS)
     gpu_memory_gb: float = 0.0  # the GPU planned for, where auto resharding asks (0: unknown)
+    references: int | None = None  # FLUX.2: reference images per sample (None: FLUX2_REFERENCES)
+    reference_area: int = 0    # FLUX.2: the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's)
+    text_encoder_dtype: str = ""  # the text-cache fill's encoders: "" = compute dtype, nf4 = their Linears in NF4
 
     @property
     def lora(self) -> lora_lib.Lora:
@@ -300,16 +336,31 @@ def with_script(name: str, s: Settings) -> Settings:
 
 
 PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
-                    "flux_kontext": "FluxKontextPipeline", "qwen_image_edit": "QwenImageEditPlusPipeline"}
+                    "flux_kontext": "FluxKontextPipeline", "qwen_image_edit": "QwenImageEditPlusPipeline",
+                    "flux2": KIND_PIPELINES["flux2"][0]}
 
-def pipeline_components(kind: str) -> list:
+
+def pipeline_of(folder: str, kind: str) -> str:
+    """The pipeline (families.pipelines.PIPELINES key) whose table entry plans a folder of this kind: for
+    a kind of several (KIND_PIPELINES), the one model_index.json names."""
+    kind = DMD_KINDS.get(kind, kind)
+    index = os.path.join(folder, "model_index.json")
+    if kind in KIND_PIPELINES and os.path.exists(index):
+        with open(index) as f:
+            name = json.load(f).get("_class_name")
+        if name in KIND_PIPELINES[kind]:
+            return name
+    return PIPELINE_OF_KIND[kind]
+
+
+def pipeline_components(kind: str, pipeline: str | None = None) -> list:
     """The components with weights that the script builds for a pipeline kind (the table's, in its
-    order; tokenizers and schedulers, role "files", hold no memory the planner counts). A DMD_KINDS
-    kind: the SD-1.5 entry's DMD2 roles (generator, fake score, teacher) of its pipeline's trained
-    model, then that pipeline's other components."""
+    order; tokenizers and schedulers, role "files", hold no memory the planner counts), of `pipeline`
+    (default: the kind's). A DMD_KINDS kind: the SD-1.5 entry's DMD2 roles (generator, fake score,
+    teacher) of its pipeline's trained model, then that pipeline's other components."""
     if kind not in DMD_KINDS:
-        return [c for c in pipelines.PIPELINES[PIPELINE_OF_KIND[kind]] if c.role != "files"]
-    pipeline = pipelines.PIPELINES[PIPELINE_OF_KIND[DMD_KINDS[kind]]]
+        return [c for c in pipelines.PIPELINES[pipeline or PIPELINE_OF_KIND[kind]] if c.role != "files"]
+    pipeline = pipelines.PIPELINES[pipeline or PIPELINE_OF_KIND[DMD_KINDS[kind]]]
     dmd = pipelines.PIPELINES[PIPELINE_OF_KIND["sd15"]]
     trained, dmd_trained = (next(c for c in p if c.role == "trainable") for p in (pipeline, dmd))
     roles = [dataclasses.replace(c, subfolder=trained.subfolder, class_name=trained.class_name)
@@ -361,11 +412,11 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     script, kind = layout(folder, script)
     # what the family's room does to its transformer's meta skeleton in every role before the cast, the
     # adapters and the recipe (families/dit.py's `prepare`; Qwen-Image: freezing outputs that feed nothing)
-    pipeline = PIPELINE_OF_KIND[DMD_KINDS.get(kind, kind)]
+    pipeline = pipeline_of(folder, kind)
     prepare = getattr(FAMILIES[pipeline], "prepare", None)
     trained_sub = next(c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable")
     parts = []
-    for spec in pipeline_components(kind):
+    for spec in pipeline_components(kind, pipeline):
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
         if build and prepare is not None and spec.subfolder == trained_sub:
             prepare(part.module)
@@ -433,17 +484,20 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             if c.holding.sharded and c.holding.trained:
                 policy = precision.adapter_mp_policy() if c.lora else precision.mp_policy()
                 parallelize(c.module, mesh, policy, sharding, block_classes, verbose=False)
-            elif c.holding.sharded:
+            elif c.holding.sharded or fill_sharded(c, s):
                 fsdp_utils.prepare_frozen(c.module, c.dtype)
+                # an offline encoder is sharded in units of its own (its _no_split_modules), not the trained model's
                 parallelize(c.module, mesh, precision.frozen_mp_policy(c.dtype), fsdp_utils.Sharding(frozen=True),
-                            block_classes, verbose=False)
+                            block_classes if c.holding.sharded else None, verbose=False)
+            elif not c.holding.resident:
+                fsdp_utils.prepare_frozen(c.module, c.dtype)
             total = sum(p.numel() for p in c.module.parameters())
-            units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded else [("<root>", total)]
+            units = fsdp_utils.fsdp_units(c.module) if c.holding.sharded or fill_sharded(c, s) else [("<root>", total)]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
             out[c.name] = {"local": local, "global": total, "units": units}
             # what BASE_DTYPE=nf4 would quantise: the frozen Linear weights lowbit accepts, of a LoRA base or
             # of a frozen sharded model (a teacher: NF4_TEACHER_KINDS)
-            if c.lora or (c.holding.sharded and not c.holding.trained):
+            if c.lora or (c.holding.sharded and not c.holding.trained) or not c.holding.resident:
                 weights = [m.weight for m in c.module.modules() if isinstance(m, nn.Linear)
                            and not m.weight.requires_grad and lowbit.nf4_blocks(m.weight.shape) is not None]
                 out[c.name].update(nf4_global=sum(w.numel() for w in weights),
@@ -459,6 +513,12 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
                     trainable_global=sum(p.numel() for p in trainable),
                     trainable_units=_trainable_per_unit(c.module, units))
     return out
+
+
+def fill_sharded(c: Part, s: Settings) -> bool:
+    """An offline component (a text encoder run once before training to fill the text cache) is sharded
+    over the ranks for that fill, unless there is one rank (a whole copy: nothing to gather)."""
+    return not c.holding.resident and s.world_size > 1
 
 
 def _fp8_names(model: nn.Module) -> list[str]:
@@ -680,11 +740,13 @@ def _pooled_dim(folder: str, unet_config) -> int:
 
 
 def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype: torch.dtype,
-                 factor: int = 8, text: int | None = None, pooled: int | None = None) -> dict:
+                 factor: int = 8, text: int | None = None, pooled: int | None = None, references: tuple = ()) -> dict:
     """The trainable model's forward inputs on meta. SDXL: encoder_hidden_states (B, 77, 2048) and
     added_cond_kwargs text_embeds (B, pooled) + time_ids (B, 6), as train_dmd.py passes them.
     Qwen-Image-Edit: the target's and QWEN_REFERENCES references' tokens and their img_shapes, the
-    prompt's hidden states without a mask (the pipeline drops an all-ones one)."""
+    prompt's hidden states without a mask (the pipeline drops an all-ones one). FLUX.2: the target's
+    tokens and those of `references` (their (h, w) token grids, reference_grids), 4-D ids, the padded
+    text, [dev]'s guidance."""
     cfg = model.config
     text = text or (77 if kind in ("sd15", "sdxl") else 512)
     with torch.device("meta"):
@@ -707,6 +769,15 @@ def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype
                                                   requires_grad=True),
                         encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
                         timestep=torch.empty(batch, dtype=dtype), img_shapes=[shapes] * batch, return_dict=False)
+        if kind == "flux2":  # [target ; references], as families/flux2.model_inputs packs them
+            side = resolution // (2 * factor)
+            tokens = side * side + sum(h * w for h, w in references)
+            return dict(hidden_states=torch.empty(batch, tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
+                        encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
+                        timestep=torch.empty(batch, dtype=dtype),
+                        img_ids=torch.zeros(batch, tokens, 4, dtype=torch.long),
+                        txt_ids=torch.zeros(batch, text, 4, dtype=torch.long),
+                        guidance=torch.empty(batch) if cfg.guidance_embeds else None, return_dict=False)
         tokens = _image_tokens(resolution, factor)  # target + context: VAE factor, 2x2 packing
         return dict(hidden_states=torch.empty(batch, tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
                     encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
@@ -781,6 +852,19 @@ def _cp_activations(folder: str, trainable: Part, kind: str, unit_names: tuple, 
     return dict(per_rank=whole + -(-(one_forward - whole) // c) + buffers, whole=whole, buffers=buffers)
 
 
+def reference_grids(kind: str, s: Settings) -> tuple:
+    """FLUX.2's references as (h, w) token grids: s.references (FLUX2_REFERENCES) images at least
+    s.reference_area (the pipeline's REFERENCE_AREA) large, so each downsized to it and cut to multiples of 16
+    by the pipeline's rule (families/flux2.pipeline_size), square; () for other kinds."""
+    if DMD_KINDS.get(kind, kind) != "flux2":
+        return ()
+    room = FAMILIES["Flux2Pipeline"]
+    area = s.reference_area or room.REFERENCE_AREA
+    side = math.isqrt(area)
+    h, w = room.pipeline_size(side, side, area)[1]
+    return ((h // room.MULTIPLE, w // room.MULTIPLE),) * (FLUX2_REFERENCES if s.references is None else s.references)
+
+
 def _image_tokens(resolution: int, factor: int) -> int:
     """FLUX Kontext's image tokens at a square resolution: target + context, 2x2-packed latents."""
     return 2 * (resolution // (2 * factor)) ** 2
@@ -795,20 +879,21 @@ def _size(dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtype: torch.dtype, batch: int,
-                 resolution: int, lora: lora_lib.Lora = lora_lib.Lora(), text: int = 0) -> ActivationProfile:
+                 resolution: int, lora: lora_lib.Lora = lora_lib.Lora(), text: int = 0,
+                 references: tuple = ()) -> ActivationProfile:
     """What one forward of the trainable model (folder/subfolder) saves, by unit (activation_profile),
     its blocks being the units of `unit_names`: those its recipe made. With `lora`: of the model with
     its adapters (computed in `dtype`, as FSDP all-gathers them) on a frozen base, its inputs not
     requiring grad (the latents do not), so autograd saves what LoRA keeps: each adapted Linear's
     input (lora_A's grad) and its rank-r intermediate (lora_B's), and of the frozen layers only what
-    the input grads need. `text`: the text tokens (0: the folder's)."""
+    the input grads need. `text`: the text tokens (0: the folder's); `references`: FLUX.2's reference grids."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     if lora:
         _add_lora_on_meta(model, lora)
         model.to(dtype)
     factor, folder_text = _folder_shapes(folder, kind)
     pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
-    inputs = _meta_inputs(kind, model, batch, resolution, dtype, factor, text or folder_text, pooled)
+    inputs = _meta_inputs(kind, model, batch, resolution, dtype, factor, text or folder_text, pooled, references)
     if lora:
         for x in inputs.values():
             if torch.is_tensor(x):
@@ -822,8 +907,8 @@ _BUILTIN_SHARDS: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_activations(*args) -> ActivationProfile:
-    return _activations(*args)
+def _builtin_activations(*args, **kwargs) -> ActivationProfile:
+    return _activations(*args, **kwargs)
 
 
 def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
@@ -850,6 +935,9 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     activations = _builtin_activations if builtin else _activations
     sequence = check_context_parallel(folder, s)
     kind = layout(folder, s.script)[1]
+    if (s.references is not None or s.reference_area) and DMD_KINDS.get(kind, kind) != "flux2":
+        raise SystemExit(f"plan: --references / --reference_area: FLUX.2's; {name} is {kind}, planned with its "
+                         f"pipeline's references")
     key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes),
            s.reshard_after_forward is not False)
     if kind in DMD_KINDS:  # the same folder, other components
@@ -872,21 +960,22 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
     ac = s.activation_checkpointing
+    refs = reference_grids(kind, s)
     profile = activations(folder, trainable.spec.subfolder, forward, unit_names, precision.compute_dtype,
-                          s.batch_size, s.resolution, trainable.lora)
+                          s.batch_size, s.resolution, trainable.lora, references=refs)
     acts = profile.total(ac)
     for c in comps:  # LoRA: a trained model without adapters (DMD's full fake score) may save more
         if s.lora and c.holding.trained and c is not trainable:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, forward, names, precision.compute_dtype,
-                                         s.batch_size, s.resolution, c.lora).total(ac))
+                                         s.batch_size, s.resolution, c.lora, references=refs).total(ac))
     # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
     fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, forward, names, torch.float32, s.batch_size,
-                                         s.resolution, c.lora).total(ac))
+                                         s.resolution, c.lora, references=refs).total(ac))
     one_forward = acts
     if s.context_parallel > 1:  # FLUX Kontext only (check_context_parallel): one trained model
         cp = _cp_activations(folder, trainable, forward, unit_names, precision.compute_dtype, s, sequence, one_forward,
@@ -991,9 +1080,107 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     if s.lora:  # what trains: {component: (adapter params, all its params incl. adapters)}, and the targets
         result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
                           for c in comps if c.lora}
-        result["lora_targets"] = tuple(s.lora_targets) or getattr(
-            MODELS.get(_config(folder, trainable.spec.subfolder).get("_class_name", "")), "lora_targets", ())
+        result["lora_targets"] = tuple(s.lora_targets) or default_lora_targets(folder, trainable.spec.subfolder)
+    if refs:
+        result["references"] = refs
+    fill = fill_phase(folder, kind, comps, sharded, s, precision)
+    if fill:
+        result["fill"] = fill
     return result
+
+
+@functools.lru_cache(maxsize=None)
+def default_lora_targets(folder: str, subfolder: str) -> tuple:
+    """The model's default LoRA targets (parallel.model_facts.MODELS); a callable default is asked of the
+    model, built on meta."""
+    default = getattr(MODELS.get(_config(folder, subfolder).get("_class_name", "")), "lora_targets", ())
+    return tuple(default(meta_model(os.path.join(folder, subfolder))) if callable(default) else default)
+
+
+# ----------------------------------------------------------------------------------------------
+# the text-cache fill: the offline components, before training
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held at once by the tensors the ops within create, each counted until it is
+    freed (views and in-place results share an input's storage: not counted): what a forward without grad
+    holds beyond its weights, on meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    n = t.numel() * t.element_size()
+                    self.live += n
+                    weakref.finalize(t, self._free, n)
+            self.peak = max(self.peak, self.live)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int, text: int) -> int:
+    """The peak bytes beyond the weights of one forward without grad of a text encoder over `batch` prompts
+    of `text` tokens (at most its positions), as the pipelines' encode_prompt runs it: a language model
+    (Qwen2.5-VL, Mistral 3, Qwen3) keeps every layer's hidden states (they read middle layers) and its logits,
+    without a KV cache; CLIP and T5 return their last state. The mask is given 4-D (the data-dependent checks
+    of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count."""
+    model = meta_model(os.path.join(folder, subfolder)).to(dtype)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = min(text, getattr(config, "max_position_embeddings", None) or text)
+    language_model = model.get_output_embeddings() is not None
+    with torch.device("meta"):
+        kw = dict(input_ids=torch.zeros(batch, text, dtype=torch.long),
+                  attention_mask=torch.ones(batch, 1, text, text, dtype=torch.bool),
+                  output_hidden_states=language_model)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kw["use_cache"] = False
+    live = _LiveBytes()
+    with torch.no_grad(), live:
+        model(**kw)
+    return live.peak
+
+
+def fill_phase(folder: str, kind: str, comps: list[Part], sharded: dict, s: Settings, precision) -> dict | None:
+    """The text-cache fill's per-rank peak, before training (None without offline components): every offline
+    component loaded at once in the compute dtype (s.text_encoder_dtype nf4: its Linear weights in NF4), sharded
+    over the ranks in units of its own _no_split_modules (fill_sharded), run one at a time on TEXT_FILL_BATCH
+    prompts of the text length: its shards, the units in flight (the root, which stays gathered through the
+    forward, and the two largest blocks: current and prefetched; with NF4 one Linear dequantised), the
+    activations without grad (fill_activations) and the runtime reserve. Freed before the trained model is built."""
+    offline = [c for c in comps if not c.holding.resident]
+    if not offline:
+        return None
+    text, size = _folder_shapes(folder, kind)[1], _size(precision.compute_dtype)
+    params = gathered = acts = 0
+    for c in offline:
+        info = sharded[c.name]
+        if s.text_encoder_dtype == "nf4":
+            shard, _, units = _nf4_base(info, info["local"], size, size, max(1, s.world_size))
+        else:
+            shard, units = info["local"] * size, [u * size for _, u in info["units"]]
+        params += shard
+        if fill_sharded(c, s):
+            blocks = sorted(units[:-1], reverse=True)
+            gathered = max(gathered, units[-1] + sum(blocks[:2]))
+        elif s.text_encoder_dtype == "nf4":  # whole, dequantised one Linear at a time
+            gathered = max(gathered, info["nf4_largest"] * size)
+        acts = max(acts, fill_activations(folder, c.spec.subfolder, precision.compute_dtype, TEXT_FILL_BATCH, text))
+    return dict(components={c.name: sharded[c.name]["global"] for c in offline}, params=params, gathered=gathered,
+                activations=acts, runtime=RUNTIME_BYTES, total=params + gathered + acts + RUNTIME_BYTES,
+                batch=TEXT_FILL_BATCH, text=text, sharded=any(fill_sharded(c, s) for c in offline),
+                dtype="nf4" if s.text_encoder_dtype == "nf4" else dtype_name(precision.compute_dtype))
+
+
+def peak_bytes(p: dict) -> int:
+    """A plan's per-GPU peak over its phases: training, and the text-cache fill before it."""
+    return max(p["gpu_total"], (p.get("fill") or {}).get("total", 0))
 
 
 def in_flight_at_peak(profile: ActivationProfile, unit_bytes: dict, checkpointing: bool) -> int | None:
@@ -1077,18 +1264,42 @@ def _optimizer_note(optimizer: str) -> str:
     return f", {optimizer} states" if optimizer != "adamw" else ""
 
 
-def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None) -> tuple[Settings, dict] | None:
+def cheapest_fit(name: str, s: Settings, gpu_bytes: int, planner=None, cpu_offload: bool = True,
+                 nf4_text_encoder: bool = True) -> tuple[Settings, dict] | None:
     """Settings that fit, in order of what they cost in speed: nothing, checkpointing, bf16
-    states, CPU offload (slowest), and their combinations. `planner`: plan, or a cached one."""
+    states, CPU offload (slowest; not tried without `cpu_offload`), and their combinations; both
+    phases must fit: training, and the text-cache fill before it, whose encoders go NF4
+    (text_encoder_dtype; not without `nf4_text_encoder`) where they do not fit as they are (none of
+    the training settings changes the fill). `planner`: plan, or a cached one."""
+    planner = planner or plan
     for ac, off, bf16 in FIT_ORDER:
-        if bf16 and s.lora_rank > 0:  # LoRA: the base is already in the compute dtype, adapters stay fp32
+        if (bf16 and s.lora_rank > 0) or (off and not cpu_offload):  # LoRA: the base is in the compute dtype
             continue
         trial = Settings(**{**s.__dict__, "activation_checkpointing": ac, "cpu_offload": off,
                             "precision": "bf16" if bf16 else s.precision,
                             "gpu_memory_gb": gpu_bytes / GIB})  # what auto resharding decides on
-        result = (planner or plan)(name, trial)
-        if result["gpu_total"] <= gpu_bytes:
+        result = planner(name, trial)
+        if result["gpu_total"] > gpu_bytes:
+            continue
+        if peak_bytes(result) <= gpu_bytes:
             return trial, result
+        if s.text_encoder_dtype != "nf4" and nf4_text_encoder:
+            trial = dataclasses.replace(trial, text_encoder_dtype="nf4")
+            result = planner(name, trial)
+            if peak_bytes(result) <= gpu_bytes:
+                return trial, result
+        return None
+    return None
+
+
+def fewest_gpus(name: str, s: Settings, gpu_bytes: int, world_sizes=(1, 2, 4, 8), planner=None,
+                **fit) -> tuple[Settings, dict] | None:
+    """The smallest of `world_sizes` with settings that fit (cheapest_fit, `fit` its options), and
+    those settings and their plan; None if none does."""
+    for ws in world_sizes:
+        found = cheapest_fit(name, dataclasses.replace(s, world_size=ws), gpu_bytes, planner, **fit)
+        if found is not None:
+            return found
     return None
 
 
@@ -1102,7 +1313,7 @@ def format_plan(name: str, p: dict) -> str:
                if s.reshard_after_forward is None else ""))
     if s.lora:
         head += f", LoRA rank {s.lora_rank} (alpha {s.lora_alpha or s.lora_rank:g}) on {', '.join(p['lora'])}"
-    lines = [head] + _cp_lines(p)
+    lines = [head] + _reference_lines(p) + _cp_lines(p)
     lines.append(f"{'component':<16}{'params':>10}{'on rank':>10}"
                  f"{'param GiB':>11}{'grad GiB':>10}{'optim GiB':>11}  role")
     for n, r in p["rows"].items():
@@ -1131,7 +1342,34 @@ def format_plan(name: str, p: dict) -> str:
               *([f"host peak while loading the NF4 base (meta path, per rank): {p['load_peak'] / GIB:.2f} GiB "
                  "(its NF4 shards + one whole tensor read, cast and quantised)"] if "load_peak" in p else []),
               f"TOTAL per GPU: {p['gpu_total'] / GIB:.2f} GiB"]
-    return "\n".join(lines)
+    return "\n".join(lines + _fill_lines(p))
+
+
+def _reference_lines(p: dict) -> list[str]:
+    """format_plan's words on FLUX.2's sequence (none for other kinds)."""
+    if "references" not in p:
+        return []
+    s, refs = p["settings"], p["references"]
+    area = s.reference_area or FAMILIES["Flux2Pipeline"].REFERENCE_AREA
+    side = math.isqrt(area)
+    return [f"sequence per sample: {(s.resolution // 16) ** 2} target tokens ({s.resolution}^2 / 16^2) + "
+            f"{len(refs)} reference(s) x {refs[0][0] * refs[0][1] if refs else 0} tokens (each downsized to "
+            f"{f'{side}^2' if side * side == area else area} px if larger) + 512 text tokens"]
+
+
+def _fill_lines(p: dict) -> list[str]:
+    """format_plan's words on the text-cache fill (none without offline components)."""
+    f = p.get("fill")
+    if not f:
+        return []
+    s = p["settings"]
+    where = f"sharded over {s.world_size} ranks" if f["sharded"] else "whole on the one rank"
+    return [f"text-cache fill, before training ({', '.join(f'{n} {c / 1e9:.2f}B' for n, c in f['components'].items())}"
+            f" in {f['dtype']}, {where}, freed before the trained model is built): params {f['params'] / GIB:.2f} + "
+            f"units in flight {f['gathered'] / GIB:.2f} + activations {f['activations'] / GIB:.2f} (batch "
+            f"{f['batch']} x {f['text']} tokens, no grad) + runtime {f['runtime'] / GIB:.2f} = "
+            f"{f['total'] / GIB:.2f} GiB",
+            f"PEAK per GPU (training, text-cache fill): {peak_bytes(p) / GIB:.2f} GiB"]
 
 
 def _cp_lines(p: dict) -> list[str]:
@@ -1163,7 +1401,9 @@ def _lora_lines(p: dict) -> list[str]:
     for name, (adapters, total) in p["lora"].items():
         lines.append(f"trainable in {name}: {adapters:,} LoRA params = {100 * adapters / total:.2f}% of its "
                      f"{total / 1e9:.2f}B (base frozen: no grads, no optimizer state)")
-    lines.append(f"LoRA targets: {', '.join(p['lora_targets'])}")
+    # per-block names (FLUX.2's single blocks' to_out) as one pattern each
+    targets = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", t) for t in p["lora_targets"])
+    lines.append(f"LoRA targets: {', '.join(targets)}")
     trained = sum(r["count"] for r in p["rows"].values() if r["grads"])
     if trained != sum(a for a, _ in p["lora"].values()):  # a full model trains beside (DMD's fake score)
         lines.append(f"trainable in all: {trained:,} params (with the full "
@@ -1173,7 +1413,8 @@ def _lora_lines(p: dict) -> list[str]:
 
 def _setting_name(s: Settings, base_precision: str) -> str:
     parts = (["bf16 states"] if s.precision != base_precision else []) + \
-            (["AC"] if s.activation_checkpointing else []) + (["CPU offload"] if s.cpu_offload else [])
+            (["AC"] if s.activation_checkpointing else []) + (["CPU offload"] if s.cpu_offload else []) + \
+            (["NF4 text encoder"] if s.text_encoder_dtype == "nf4" else [])
     return " + ".join(parts) or "as is"
 
 
@@ -1315,7 +1556,7 @@ def check_lora_targets(name: str, lora: lora_lib.Lora, script: str = "") -> list
     checked to name a layer of it (parallel.lora.lora_targets; SystemExit naming a bad one)."""
     folder = model_folder(name)
     _, kind = layout(folder, with_script(name, Settings(1, script=script)).script)
-    spec = next(c for c in pipeline_components(kind) if HOLDING[c.role].trained)
+    spec = next(c for c in pipeline_components(kind, pipeline_of(folder, kind)) if HOLDING[c.role].trained)
     try:
         return lora_lib.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
     except ConfigError as e:
@@ -1411,9 +1652,38 @@ def lowbit_tables(name: str, rank: int = 16, gpu_gb: float = 24) -> str:
     return "\n".join(lines)
 
 
+# docs/planner.md's FLUX.2 rows: (run, built-in name, settings, GPU memory in GB, world sizes tried)
+FLUX2_ROWS = [(f"{model} LoRA r16, {base or 'bf16'} base", name, dict(lora_rank=16, base_dtype=base), gb, (1, 2, 4, 8))
+              for model, name, gbs in (("[dev]", "flux2-dev", (24, 48, 80)), ("klein 4B", "flux2-klein-4b", (24,)),
+                                       ("klein 9B", "flux2-klein-9b", (24,)))
+              for base in ("nf4", "") for gb in gbs]
+FLUX2_ROWS += [("[dev] full fine-tune", "flux2-dev", {}, 80, (8,)),
+               ("klein 4B full fine-tune", "flux2-klein-4b", {}, 80, (1, 2, 4, 8)),
+               ("klein 9B full fine-tune", "flux2-klein-9b", {}, 80, (1, 2, 4, 8))]
+
+
+def flux2_table(planner=None) -> str:
+    """Markdown: for each FLUX.2 run of FLUX2_ROWS at 1024 px with FLUX2_REFERENCES references, bf16-mixed,
+    batch 1, auto resharding, the fewest GPUs that fit (fewest_gpus) with the cheapest settings, and the fewest
+    without CPU offload or an NF4 text encoder; each with its training and text-cache fill peaks in GiB."""
+    planner = planner or memo_planner()
+    lines = ["| run | GPU | fewest GPUs: settings (training / fill GiB) | without CPU offload or an NF4 text encoder |",
+             "|---|---|---|---|"]
+    for label, name, over, gb, worlds in FLUX2_ROWS:
+        s = Settings(world_size=worlds[0], resolution=1024, reshard_after_forward=None, **over)
+        cells = []
+        for fit in ({}, dict(cpu_offload=False, nf4_text_encoder=False)):
+            found = fewest_gpus(name, s, int(gb * GIB), worlds, planner, **fit)
+            cells.append(f"none of {', '.join(map(str, worlds))}" if found is None else
+                         f"{found[0].world_size}: {_setting_name(found[0], s.precision)} "
+                         f"({found[1]['gpu_total'] / GIB:.2f} / {found[1]['fill']['total'] / GIB:.2f})")
+        lines.append(f"| {label} | {gb:g} GB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python tools/memory_plan.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="a built-in configuration or a diffusers folder (required but for --flux2_table)")
     ap.add_argument("--world_size", type=int, default=None, help="required, except with --fit_table")
     ap.add_argument("--gpu_memory_gb", type=float, default=0.0)
     ap.add_argument("--batch_size", type=int, default=1)
@@ -1468,10 +1738,24 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--lowbit_table", action="store_true",
                     help="FLUX Kontext: markdown tables of BASE_DTYPE x OPTIMIZER on 1/2/4 x 24 GB at 512 and "
                          "1024 px, and BF16/NF4-base LoRA under DDP and FSDP2 with their largest batch")
+    ap.add_argument("--references", type=int, default=None,
+                    help=f"FLUX.2: reference images per sample (default {FLUX2_REFERENCES}), each planned at "
+                         "--reference_area")
+    ap.add_argument("--reference_area", type=int, default=0,
+                    help="FLUX.2: the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's 1024^2)")
+    ap.add_argument("--text_encoder_dtype", default="", choices=["", "nf4"],
+                    help="the text-cache fill's encoders: the compute dtype, or their Linears in NF4")
+    ap.add_argument("--flux2_table", action="store_true",
+                    help="FLUX.2: markdown table of the fewest GPUs that fit each run of docs/planner.md (FLUX2_ROWS)")
     a = ap.parse_args(argv)
     # what importing transformers/diffusers prints with torchao installed (its CUDA-only kernel libraries,
     # torch's pytree notice), as the scripts silence it: before the first model is built
     quiet_known_warnings()
+    if a.flux2_table:
+        print(flux2_table())
+        return 0
+    if not a.model:
+        ap.error("--model is required")
     if a.lowbit_table:
         print(lowbit_tables(a.model))
         return 0
@@ -1479,7 +1763,8 @@ def main(argv: list[str]) -> int:
         ap.error("--base_dtype=nf4 needs --lora_rank > 0 (only a frozen LoRA base is quantised)")
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
                 fake_score_fp32=bool(a.fake_score_fp32), base_dtype=a.base_dtype, optimizer=a.optimizer,
-                ema=bool(a.ema), script=a.script, fp8=a.fp8,
+                ema=bool(a.ema), script=a.script, fp8=a.fp8, references=a.references,
+                reference_area=a.reference_area, text_encoder_dtype=a.text_encoder_dtype,
                 lora_targets=tuple(t.strip() for t in a.lora_target_modules.split(",") if t.strip()))
     try:
         lora_lib.check_lora(Settings(1, **lora).lora)
@@ -1521,20 +1806,23 @@ def main(argv: list[str]) -> int:
     print(format_plan(a.model, result))
     if a.gpu_memory_gb > 0:
         budget = int(a.gpu_memory_gb * GIB)
-        if result["gpu_total"] <= budget:
-            print(f"fits in {a.gpu_memory_gb:g} GB per GPU")
+        if peak_bytes(result) <= budget:
+            print(f"fits in {a.gpu_memory_gb:g} GB per GPU" + (" (training and the text-cache fill)"
+                                                               if "fill" in result else ""))
             return 0
         fit = cheapest_fit(a.model, s, budget)
         if fit is None:
             print(f"does NOT fit in {a.gpu_memory_gb:g} GB per GPU with any of activation checkpointing, "
-                  f"bf16 states, CPU offload: add GPUs or lower batch/resolution")
+                  f"bf16 states, CPU offload" + (", an NF4 text encoder for the text-cache fill" if "fill" in result
+                                                 else "") + ": add GPUs or lower batch/resolution")
             return 1
         t, r = fit
         print(f"does NOT fit in {a.gpu_memory_gb:g} GB; cheapest settings that fit: "
               f"--precision={t.precision} --activation_checkpointing={int(t.activation_checkpointing)} "
               f"--cpu_offload={int(t.cpu_offload)}"
               + (f" --context_parallel={t.context_parallel}" if t.context_parallel > 1 else "")
-              + f" ({r['gpu_total'] / GIB:.2f} GiB)")
+              + (f" --text_encoder_dtype={t.text_encoder_dtype}" if t.text_encoder_dtype else "")
+              + f" ({peak_bytes(r) / GIB:.2f} GiB)")
     return 0
 
 
