@@ -1821,7 +1821,8 @@ def main(argv: list[str]) -> int:
               f"--precision={t.precision} --activation_checkpointing={int(t.activation_checkpointing)} "
               f"--cpu_offload={int(t.cpu_offload)}"
               + (f" --context_parallel={t.context_parallel}" if t.context_parallel > 1 else "")
-              + (f" --text_encoder_dtype={t.text_encoder_dtype}" if t.text_encoder_dtype else "")
+              + (f" --text_encoder_dtype={t.text_encoder_dtype} (the scripts take no NF4 text encoder yet)"
+                 if t.text_encoder_dtype else "")
               + f" ({peak_bytes(r) / GIB:.2f} GiB)")
     return 0
 
