@@ -336,3 +336,17 @@ def transformer_forward(
         return_dict=False,
     )
     return out[0]
+
+
+def edit_tokens(x0: torch.Tensor, references: list, noise: torch.Tensor, sigmas: torch.Tensor) -> dict:
+    """The tokens of a multi-reference edit (Qwen-Image-Edit, FLUX.2): [noisy target ; each clean reference],
+    each packed 2x2, in fp32; the number of target tokens; the flow-matching target n - x0 on them. The
+    room adds its position information (img_shapes, ids)."""
+    if x0.shape != noise.shape:
+        raise ValueError("noise must have the shape of the target latents")
+    x0, n = x0.float(), noise.float()
+    s = sigmas.float().reshape(-1, 1, 1, 1).to(x0.device)
+    target = pack_latents((1.0 - s) * x0 + s * n)
+    refs = [pack_latents(r.float()) for r in references]
+    return {"hidden_states": torch.cat([target, *refs], dim=1), "n_target_tokens": target.shape[1],
+            "target": pack_latents(n - x0)}

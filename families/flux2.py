@@ -393,16 +393,8 @@ def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel)
 def model_inputs(x0, references, noise, sigmas) -> dict:
     """[noisy target ; each clean reference] tokens with their ids, and the flow-matching target n - x0 on
     the target's tokens."""
-    if x0.shape != noise.shape:
-        raise ValueError("noise must have the shape of the target latents")
-    x0, n = x0.float(), noise.float()
-    s = sigmas.float().reshape(-1, 1, 1, 1).to(x0.device)
-    target = km.pack_latents((1.0 - s) * x0 + s * n)
-    refs = [km.pack_latents(r.float()) for r in references]
-    grids = [(z.shape[-2] // 2, z.shape[-1] // 2) for z in (x0, *references)]
-    ids = image_ids(grids, x0.device)
-    return {"hidden_states": torch.cat([target, *refs], dim=1), "img_ids": ids.expand(x0.shape[0], -1, -1),
-            "n_target_tokens": target.shape[1], "target": km.pack_latents(n - x0)}
+    ids = image_ids([(z.shape[-2] // 2, z.shape[-1] // 2) for z in (x0, *references)], x0.device)
+    return {**km.edit_tokens(x0, references, noise, sigmas), "img_ids": ids.expand(x0.shape[0], -1, -1)}
 
 
 def guidance_input(transformer, guidance, batch, device):

@@ -368,15 +368,8 @@ def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel)
 def model_inputs(x0, references, noise, sigmas) -> dict:
     """[noisy target ; each clean reference] tokens (packed 2x2 as the pipeline packs, :397) with
     their img_shapes, and the flow-matching target n - x0 on the target tokens."""
-    if x0.shape != noise.shape:
-        raise ValueError("noise must have the shape of the target latents")
-    x0, n = x0.float(), noise.float()
-    s = sigmas.float().reshape(-1, 1, 1, 1).to(x0.device)
-    target = km.pack_latents((1.0 - s) * x0 + s * n)
-    refs = [km.pack_latents(r.float()) for r in references]
     shapes = [(1, x0.shape[-2] // 2, x0.shape[-1] // 2), *[(1, r.shape[-2] // 2, r.shape[-1] // 2) for r in references]]
-    return {"hidden_states": torch.cat([target, *refs], dim=1), "img_shapes": [shapes] * x0.shape[0],
-            "n_target_tokens": target.shape[1], "target": km.pack_latents(n - x0)}
+    return {**km.edit_tokens(x0, references, noise, sigmas), "img_shapes": [shapes] * x0.shape[0]}
 
 
 def forward(transformer, inputs, sigmas, guidance, text):
