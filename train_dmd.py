@@ -122,7 +122,7 @@ EMA_DECAY = 0.0  # > 0: an EMA of the generator (LoRA: of its adapters), sampled
 MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's model_max_length)
 CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
-REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen 4
+REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen, klein 4
 REAL_GUIDANCE_NORM = ""  # its combination's rescale: none | token (the pipeline's per token) | scalar; "" = per teacher
 FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)

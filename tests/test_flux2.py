@@ -429,3 +429,31 @@ def test_dmd_exports_sample_in_four_steps_at_the_trained_sigmas(klein, dmd_runs,
         assert np.isfinite(pipe(**call, generator=torch.Generator().manual_seed(0)).images).all()
         assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25], abs=1e-6)
     assert "Flux2KleinPipeline.from_pretrained(MODEL_PATH, is_distilled=True)" in dmd_runs["logs"]["lora"]
+
+
+def test_dmd_guidance_sides_and_refusals(klein, tmp_path):
+    """klein-base: the teacher's true CFG against "" at the pipeline's 4, rescaled per token, nothing embedded, a
+    distilled export says is_distilled; [dev] (a transformer with the guidance embedding, Flux2Pipeline): every
+    transformer takes FLUX_GUIDANCE, no pair, and a CFG scale is refused in one line, as klein refuses
+    FLUX_GUIDANCE."""
+    import shutil
+    settings = {"MODEL_PATH": klein["model"], "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "",
+                "FLUX_GUIDANCE": 3.5}
+    g = flux2.dmd_guidance(settings)
+    assert (g.scale, g.norm, g.negative, g.embedded) == (4.0, "token", "", None)
+    assert flux2.distilled_index(klein["model"]) == {"is_distilled": True}
+    with pytest.raises(ConfigError, match="FLUX_GUIDANCE=3.5 with a Flux2KleinPipeline teacher"):
+        flux2.check_dmd_settings("Flux2KleinPipeline", settings, {"FLUX_GUIDANCE"}, "jsonl")
+    dev = tmp_path / "dev"
+    shutil.copytree(klein["model"], dev)
+    for name, key, value in (("transformer/config.json", "guidance_embeds", True),
+                             ("model_index.json", "_class_name", "Flux2Pipeline")):
+        data = json.loads((dev / name).read_text())
+        (dev / name).write_text(json.dumps({**data, key: value}))
+    settings["MODEL_PATH"] = str(dev)
+    g = flux2.dmd_guidance(settings)
+    assert (g.scale, g.negative, g.embedded, g.export_call) == (1.0, None, 3.5, "guidance_scale=3.5")
+    assert flux2.distilled_index(str(dev)) == {}
+    with pytest.raises(ConfigError, match="REAL_GUIDANCE_SCALE=4.0 with a Flux2Pipeline teacher") as e:
+        flux2.check_dmd_settings("Flux2Pipeline", {**settings, "REAL_GUIDANCE_SCALE": 4.0}, set(), "jsonl")
+    assert "\n" not in str(e.value)
