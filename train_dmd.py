@@ -156,6 +156,7 @@ FAKE_SCORE_FP32 = True  # the fake score computes in fp32, as published; False =
 FAKE_SCORE_ATTENTION_DTYPE = ""  # UNets: the fp32 fake score's attention (SDPA); "" = compute dtype, fp32 = published
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
 TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype; "" = PRECISION's compute dtype
+SHARD_TEXT_ENCODER = "auto"  # FLUX.2: the cache fill's encoder FSDP-sharded over the ranks: 1 | 0 | auto (> half a GPU)
 VAE_DTYPE = ""  # frozen VAE's dtype; "" = PRECISION's compute dtype (SDXL: fp32)
 TF32 = True  # CUDA: fp32 matmuls and convolutions in TF32; False = strict fp32
 VAE_PATH = ""  # a VAE folder to use instead of MODEL_PATH/vae (e.g. an fp16-safe SDXL VAE); linked into the export
@@ -203,6 +204,7 @@ def validate_config() -> list[int]:
     check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
         "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0,
+        "SHARD_TEXT_ENCODER in (auto, 0, 1)": str(SHARD_TEXT_ENCODER) in ("auto", "0", "1"),
         f"LR_SCHEDULE in ({', '.join(optim.LR_SCHEDULES)})": LR_SCHEDULE in optim.LR_SCHEDULES,
         f"REAL_GUIDANCE_NORM in ({', '.join(dm.CFG_NORMS)}) or \"\"": REAL_GUIDANCE_NORM in ("", *dm.CFG_NORMS),
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
@@ -239,6 +241,9 @@ def validate_config() -> list[int]:
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
     room = families.FAMILIES.get(pipeline, unet)
+    if str(SHARD_TEXT_ENCODER) == "1" and not getattr(room, "SHARDED_TEXT_FILL", False):
+        raise ConfigError(f"SHARD_TEXT_ENCODER=1: {pipeline or 'the embedded default'}'s text encoders are not sharded "
+                          "here (they fit one GPU); leave it at auto")
     embedded = room.dmd_guidance(script_constants(globals())).embedded  # a guidance-distilled teacher's value
     if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "

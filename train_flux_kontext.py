@@ -236,7 +236,7 @@ def resolve_defaults() -> dict:
         DATA_PATH = DATA_PATH or default_data
         RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
     room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_flux_kontext.py")]
-    if SHARD_TEXT_ENCODER not in ("auto", "0") and not getattr(room, "SHARDED_TEXT_FILL", False):
+    if str(SHARD_TEXT_ENCODER) == "1" and not getattr(room, "SHARDED_TEXT_FILL", False):
         raise ConfigError(f"SHARD_TEXT_ENCODER={SHARD_TEXT_ENCODER}: {room.NAME}'s text encoders are not sharded here "
                           "(they fit one GPU); leave it at auto")
     RESOLUTION = RESOLUTION or room.DEFAULT_RESOLUTION

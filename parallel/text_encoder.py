@@ -57,6 +57,6 @@ def sharded_text_encoder(model_cls, folder: str, mesh, dtype: torch.dtype, devic
             owner, _, leaf = name.rpartition(".")
             module = model.get_submodule(owner)
             module._buffers[leaf] = value.to(device=device, dtype=module._buffers[leaf].dtype)
-    print0(f"text encoder: {type(model).__name__} sharded over {mesh.size()} ranks, {len(units)} units "
+    print0(f"text encoder: {model_cls.__name__} sharded over {mesh.size()} ranks, {len(units)} units "
            f"({os.path.basename(folder.rstrip('/'))}, {str(dtype).removeprefix('torch.')})")
     return model
