@@ -1269,3 +1269,15 @@ def test_docs_carry_the_flux2_rows():
     docs = open(f"{ROOT}/docs/planner.md").read()
     for row in memory_plan.flux2_table().splitlines()[2:]:
         assert row in docs, row
+
+
+def test_flux2_dmd_plans_three_transformers_and_the_fill():
+    """flux2-klein-4b-dmd: train_dmd.py's generator, fake score and teacher of the klein folder, the teacher in
+    NF4 with the LoRA bases, and the text-cache fill as its own phase; docs/planner.md's 1 x 24 GB row."""
+    s = Settings(world_size=1, resolution=1024, activation_checkpointing=True, fake_score_fp32=False, lora_rank=64,
+                 fake_lora=True, base_dtype="nf4")
+    p = memory_plan.plan("flux2-klein-4b-dmd", s)
+    assert p["kind"] == "flux2_dmd" and {"generator", "fake_score", "teacher"} <= set(p["rows"])
+    assert p["rows"]["teacher"]["note"] == "frozen-sharded (nf4)"
+    assert f"| 1 x 24 GB | {p['gpu_total'] / GIB:.2f} / {p['fill']['total'] / GIB:.2f} |" in \
+        open(f"{ROOT}/docs/planner.md").read()

@@ -26,7 +26,8 @@ NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only,
 local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
 transformer/ -> train_flux_kontext.py's, or with --script=train_dmd.py DMD2's; the built-in
 flux-kontext-dmd is flux-kontext-dev so planned; a transformer/ holding a QwenImageTransformer2DModel is
-Qwen-Image-Edit's, planned the same two ways, qwen-image-edit-dmd the built-in qwen-image-edit for DMD2).
+Qwen-Image-Edit's, planned the same two ways, qwen-image-edit-dmd the built-in qwen-image-edit for DMD2;
+flux2-dev-dmd, flux2-klein-4b-dmd and flux2-klein-9b-dmd the FLUX.2 built-ins for DMD2).
 Optional components of the table (SDXL's text_encoder_2) are counted when the folder has them. Without
 --resolution: the model's native resolution (UNet sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL;
 512 for FLUX; 1024 for Qwen-Image-Edit, its pipeline's 1024^2 area). Qwen-Image-Edit's sequence: the target's
@@ -150,15 +151,16 @@ KIND_PIPELINES = {"flux2": ("Flux2Pipeline", "Flux2KleinPipeline")}
 # a layout planned for another script (Settings.script): {(kind, script): kind}. train_dmd.py distils a
 # FLUX Kontext or Qwen-Image-Edit folder with DMD2: its trained model in DMD2's three roles (pipeline_components)
 OTHER_SCRIPTS = {("flux_kontext", "train_dmd.py"): "flux_kontext_dmd",
-                 ("qwen_image_edit", "train_dmd.py"): "qwen_image_edit_dmd"}
+                 ("qwen_image_edit", "train_dmd.py"): "qwen_image_edit_dmd", ("flux2", "train_dmd.py"): "flux2_dmd"}
 # built-in names that plan a built-in configuration for another script: {name: (configuration, script)}
 BUILTIN_SCRIPTS = {"flux-kontext-dmd": ("flux-kontext-dev", "train_dmd.py"),
-                   "qwen-image-edit-dmd": ("qwen-image-edit", "train_dmd.py")}
+                   "qwen-image-edit-dmd": ("qwen-image-edit", "train_dmd.py"),
+                   **{f"{m}-dmd": (m, "train_dmd.py") for m in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")}}
 # DMD2 on a pipeline whose table entry trains one model: {kind: the kind whose pipeline and forward it has}
-DMD_KINDS = {"flux_kontext_dmd": "flux_kontext", "qwen_image_edit_dmd": "qwen_image_edit"}
+DMD_KINDS = {"flux_kontext_dmd": "flux_kontext", "qwen_image_edit_dmd": "qwen_image_edit", "flux2_dmd": "flux2"}
 # kinds whose frozen teacher BASE_DTYPE=nf4 (with LoRA) stores in NF4 like the LoRA bases: train_dmd.py's
 # transformer teachers (its UNet teacher stays in TEACHER_DTYPE)
-NF4_TEACHER_KINDS = ("flux_kontext_dmd", "qwen_image_edit_dmd")
+NF4_TEACHER_KINDS = ("flux_kontext_dmd", "qwen_image_edit_dmd", "flux2_dmd")
 
 # components a kind holds in fp32 whatever the precision: train_dmd.py keeps SDXL's VAE in fp32 by
 # default (it overflows in fp16/bf16; the official DMD2 SDXL code does the same)
