@@ -204,7 +204,6 @@ def validate_config() -> list[int]:
     check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
         "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0,
-        "SHARD_TEXT_ENCODER in (auto, 0, 1)": str(SHARD_TEXT_ENCODER) in ("auto", "0", "1"),
         f"LR_SCHEDULE in ({', '.join(optim.LR_SCHEDULES)})": LR_SCHEDULE in optim.LR_SCHEDULES,
         f"REAL_GUIDANCE_NORM in ({', '.join(dm.CFG_NORMS)}) or \"\"": REAL_GUIDANCE_NORM in ("", *dm.CFG_NORMS),
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
@@ -241,9 +240,7 @@ def validate_config() -> list[int]:
                           "give the prompts (.txt) or rows (.jsonl) to train on")
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
     room = families.FAMILIES.get(pipeline, unet)
-    if str(SHARD_TEXT_ENCODER) == "1" and not getattr(room, "SHARDED_TEXT_FILL", False):
-        raise ConfigError(f"SHARD_TEXT_ENCODER=1: {pipeline or 'the embedded default'}'s text encoders are not sharded "
-                          "here (they fit one GPU); leave it at auto")
+    trainer.check_text_sharding(SHARD_TEXT_ENCODER, room)
     embedded = room.dmd_guidance(script_constants(globals())).embedded  # a guidance-distilled teacher's value
     if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "

@@ -213,7 +213,6 @@ def validate_config() -> precision.Precision:
         "NUM_SAMPLE_PAIRS >= 0": NUM_SAMPLE_PAIRS >= 0, "SAMPLE_STEPS >= 1": SAMPLE_STEPS >= 1,
         "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1,
         "MAX_SEQUENCE_LENGTH >= 1": MAX_SEQUENCE_LENGTH >= 1, "VAL_EVERY >= 0": VAL_EVERY >= 0,
-        "SHARD_TEXT_ENCODER in (auto, 0, 1)": str(SHARD_TEXT_ENCODER) in ("auto", "0", "1"),
         "VAL_SIGMAS non-empty, each in (0, 1]": bool(VAL_SIGMAS) and all(0 < s <= 1 for s in VAL_SIGMAS),
     })
     return precision.get_precision(PRECISION)
@@ -236,9 +235,7 @@ def resolve_defaults() -> dict:
         DATA_PATH = DATA_PATH or default_data
         RESOLUTION = RESOLUTION or _DEFAULT_RESOLUTION
     room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_flux_kontext.py")]
-    if str(SHARD_TEXT_ENCODER) == "1" and not getattr(room, "SHARDED_TEXT_FILL", False):
-        raise ConfigError(f"SHARD_TEXT_ENCODER={SHARD_TEXT_ENCODER}: {room.NAME}'s text encoders are not sharded here "
-                          "(they fit one GPU); leave it at auto")
+    trainer.check_text_sharding(SHARD_TEXT_ENCODER, room)
     RESOLUTION = RESOLUTION or room.DEFAULT_RESOLUTION
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
     return script_constants(globals())
@@ -520,13 +517,13 @@ def validation_loss(room, transformer, vae, pairs, inputs, text, guidance, loss_
 # samples: held-out pairs through the family's own pipeline with the current weights
 
 
-def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, guidance, seed, device, loader=None):
+def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, guidance, seed, device, loader=None,
+                negative_text=None):
     """Rows of references | output | target (N*(R+2), 3, H, W) in [-1, 1], R the most references of
     a row, padded to a common size (a missing reference or a SAMPLE_PROMPTS row without a target:
-    a grey tile), and R + 2. `text`: (the rows' text[, the negative prompt's: true CFG]). Every rank runs
-    the same calls (FSDP gathers inside each transformer forward); the room runs its pipeline on latents and
-    decodes here, so the VAE may keep its own dtype."""
-    text, negative_text = text if len(text) == 2 else (text[0], None)  # the prompts' [, the negative's]
+    a grey tile), and R + 2. `negative_text`: the negative prompt's text per row (true CFG), or None. Every
+    rank runs the same calls (FSDP gathers inside each transformer forward); the room runs its pipeline on
+    latents and decodes here, so the VAE may keep its own dtype."""
     pipe, read = room.sample_pipeline(scheduler, vae, transformer), loader or stretched
     most = max(len(references(r)) for r in pairs)
     tiles = []
@@ -613,9 +610,9 @@ def main():
     shifts = step_shifts(shapes, schedule, scheduler.config, vae_factor)
     final_weights = functools.partial(ema_lib.output_weights, transformer, ema)  # what samples show, export writes
     val_text = room.load_text([(r["prompt"], r) for r in held_out], TEXT_CACHE_DIR, identity, d.device)
-    sample_text = [room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)]
-    if negative is not None:  # true CFG: the negative prompt's text too
-        sample_text.append(room.load_text([(negative, r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device))
+    sample_text = room.load_text([(r["prompt"], r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
+    negative_text = (room.load_text([(negative, r) for r in sample_rows], TEXT_CACHE_DIR, identity, d.device)
+                     if negative is not None else None)  # true CFG in samples
     channels = room.latent_channels(vae)
     val_inputs = validation_inputs(val_shapes, VAL_SIGMAS, channels, vae_factor, SEED)
 
@@ -627,7 +624,7 @@ def main():
     def sample(path):
         with final_weights() as model:
             grid, nrow = sample_grid(room, model, vae, scheduler, sample_rows, sample_row_shapes, sample_text,
-                                     SAMPLE_STEPS, SAMPLE_GUIDANCE, SEED, d.device, loader)
+                                     SAMPLE_STEPS, SAMPLE_GUIDANCE, SEED, d.device, loader, negative_text)
         if d.rank == 0:
             save_image_grid(grid, path, nrow=nrow)
 

@@ -55,6 +55,7 @@ def check_shared_settings(c: dict) -> None:
         "RESOLUTION >= 0": c["RESOLUTION"] >= 0,
         "LOG_EVERY, SAVE_EVERY, SAMPLE_EVERY >= 0": min(c["LOG_EVERY"], c["SAVE_EVERY"], c["SAMPLE_EVERY"]) >= 0,
         "MAX_BAD_STEPS >= 1": c["MAX_BAD_STEPS"] >= 1, "COLLECTIVE_TIMEOUT_S > 0": c["COLLECTIVE_TIMEOUT_S"] > 0,
+        "SHARD_TEXT_ENCODER in (auto, 0, 1)": str(c["SHARD_TEXT_ENCODER"]) in ("auto", "0", "1"),
     })
     try:
         precision.get_precision(c["PRECISION"])
@@ -72,6 +73,14 @@ def check_shared_settings(c: dict) -> None:
     fsdp_utils.parse_reshard(c["RESHARD_AFTER_FORWARD"])
     compiling.check_compile(c["COMPILE"])
     profiling.profile_steps(c["PROFILE_STEPS"], c["MAX_STEPS"])
+
+
+def check_text_sharding(value, room) -> None:
+    """SHARD_TEXT_ENCODER=1 for a family whose text encoders the scripts never shard (they fit one GPU;
+    a room that does says SHARDED_TEXT_FILL): refused in one line."""
+    if str(value) == "1" and not getattr(room, "SHARDED_TEXT_FILL", False):
+        raise ConfigError(f"SHARD_TEXT_ENCODER=1: {room.NAME}'s text encoders are not sharded here (they fit one "
+                          "GPU); leave it at auto")
 
 
 def pipeline_of(folder: str, script: str) -> str:

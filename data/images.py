@@ -61,7 +61,6 @@ def load_image(source, height: int, width: int, *, stretch: bool = False, mirror
     exactly that size, as the editing pipelines' image processors do (diffusers VaeImageProcessor
     .resize of a PIL image: Lanczos, no crop). An image already of that size is returned unchanged
     (PIL's resize to the same size copies; without an orientation tag exif_transpose copies too)."""
-    import numpy as np
     from PIL import Image, ImageOps
     with Image.open(_opened(source)) as im:
         im = ImageOps.exif_transpose(im).convert("RGB")
@@ -75,8 +74,14 @@ def load_image(source, height: int, width: int, *, stretch: bool = False, mirror
             im = im.resize((rw, rh), Image.Resampling.LANCZOS)
             left, top = (rw - width) // 2, (rh - height) // 2
             im = im.crop((left, top, left + width, top + height))
-        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
-    return x.float() / 127.5 - 1.0
+        return pil_tensor(im)
+
+
+def pil_tensor(im) -> torch.Tensor:
+    """An RGB PIL image as (3, H, W) in [-1, 1] (the image processors' to_tensor then normalize), in numpy's
+    (H, W, C) memory order, as their output is laid out."""
+    import numpy as np
+    return torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
 def load_pil(source, mirror: bool = False):

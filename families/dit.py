@@ -54,6 +54,23 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
     return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed, merge=merge)
 
 
+def reference_attention_shapes(model_path, text_length, shapes, vae_factor, batch, vae_channels, context_parallel=1):
+    """The attention calls of a multi-reference room (Qwen-Image-Edit, FLUX.2) for the start-up kernel check: per
+    shape, the transformer's joint attention over text + target + reference tokens (2x2-packed latents; Ulysses:
+    all tokens, heads / C per rank), and the VAE mid-block's single head of `vae_channels` at the target's latent
+    grid (forward only)."""
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        t = json.load(f)
+    trained, vae = [], []
+    for (h, w), sizes in dict.fromkeys(shapes):
+        tokens = text_length + sum((a // (2 * vae_factor)) * (b // (2 * vae_factor)) for a, b in ((h, w), *sizes))
+        trained.append(attention.Shape(f"transformer at {h}x{w} + {len(sizes)} references", batch, tokens, tokens,
+                                       t["num_attention_heads"] // context_parallel, t["attention_head_dim"]))
+        grid = (h // vae_factor) * (w // vae_factor)
+        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
+    return trained, vae
+
+
 # FlowMatchEulerDiscreteScheduler's settings that move its σ list away from the one passed (diffusers 0.42
 # set_timesteps: shift or resolution-dependent shift, stretch to a terminal σ, Karras / exponential / beta
 # respacing, 1 − σ), each at its neutral value; base_shift, max_shift, *_image_seq_len and time_shift_type

@@ -35,11 +35,12 @@ from algorithms import flux_kontext as km
 from algorithms.dmd2 import cfg_combine
 from core.dist import print0
 from core.errors import ConfigError
-from data.images import image_size, load_pil
+from data.images import image_size, load_pil, pil_tensor
 from data.buckets import references as controls
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
+from families.dit import reference_attention_shapes
 from families.pipelines import vae_scale_factor
 from parallel import attention
 from parallel.lora import Lora
@@ -181,16 +182,13 @@ def load_image(source, area: int, mirror: bool = False) -> torch.Tensor:
     """(3, h, w) in [-1, 1]: an image as the pipeline prepares a reference (:745-756): downsized (Lanczos)
     to `area` if larger, centre-cut to multiples of 16 (Flux2ImageProcessor._resize_and_crop), mirrored
     first with `mirror`."""
-    import numpy as np
     from PIL import Image
     im = load_pil(source, mirror)
     (h, w), (ch, cw) = pipeline_size(im.height, im.width, area)
     if (h, w) != (im.height, im.width):
         im = im.resize((w, h), Image.Resampling.LANCZOS)
     left, top = (w - cw) // 2, (h - ch) // 2
-    im = im.crop((left, top, left + cw, top + ch))
-    x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
-    return x.float() / 127.5 - 1.0  # the image processor's normalize of to_tensor's [0, 1]
+    return pil_tensor(im.crop((left, top, left + cw, top + ch)))
 
 
 def reference_area(settings) -> int:
@@ -264,7 +262,7 @@ def shard_text_encoder(model_path, settings, dtype, device) -> bool:
     from core.dist import world_size
     choice = str(settings.get("SHARD_TEXT_ENCODER", "auto"))
     if choice != "auto":
-        return choice in ("1", "True", "true") and world_size() > 1
+        return choice == "1" and world_size() > 1
     if world_size() == 1 or device.type != "cuda":
         return False
     from parallel.loading import tensor_shapes
@@ -369,25 +367,12 @@ def check_context_parallel(model_path, context_parallel, settings, shapes) -> No
                               "divisible by it; resize those images, or set REFERENCE_AREA / RESOLUTION")
 
 
-def attention_shapes(model_path, length, shapes, factor, batch, context_parallel=1):
-    """The run's attention calls for the start-up kernel check: the joint attention over text + target +
-    reference tokens per shape (Ulysses: all tokens, heads / C per rank), and the VAE mid-block's single head at
-    the latent grid (forward only)."""
-    t = transformer_config(model_path)
+def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
+    """The run's attention calls for the start-up kernel check (families/dit.reference_attention_shapes)."""
     with open(os.path.join(model_path, "vae", "config.json")) as f:
         vae_channels = json.load(f)["block_out_channels"][-1]
-    trained, vae = [], []
-    for (h, w), sizes in dict.fromkeys(shapes):
-        tokens = length + sum((a // (2 * factor)) * (b // (2 * factor)) for a, b in ((h, w), *sizes))
-        trained.append(attention.Shape(f"transformer at {h}x{w} + {len(sizes)} references", batch, tokens, tokens,
-                                       t["num_attention_heads"] // context_parallel, t["attention_head_dim"]))
-        grid = (h // factor) * (w // factor)
-        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
-    return trained, vae
-
-
-def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
-    return attention_shapes(model_path, text_length(settings), shapes, vae_factor(model_path), batch, context_parallel)
+    return reference_attention_shapes(model_path, text_length(settings), shapes, vae_factor(model_path), batch,
+                                      vae_channels, context_parallel)
 
 
 def model_inputs(x0, references, noise, sigmas) -> dict:

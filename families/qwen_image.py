@@ -34,6 +34,7 @@ from data.references import PIPELINE_MULTIPLE, VAE_REFERENCE_AREA, VL_REFERENCE_
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
+from families.dit import reference_attention_shapes
 from parallel import attention
 from parallel.lora import Lora
 from parallel.model_facts import MODELS
@@ -156,22 +157,12 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
 
 
 def attention_shapes(model_path, text_length, shapes, vae_factor, batch):
-    """The run's attention calls for the start-up kernel check: the joint attention over text +
-    target + reference tokens per shape (the text's length estimated: `text_length`), and the VAE
-    mid-block's single head at the target's latent grid (forward only)."""
-    with open(os.path.join(model_path, "transformer", "config.json")) as f:
-        t = json.load(f)
+    """The run's attention calls for the start-up kernel check (families/dit.reference_attention_shapes; the
+    text's length estimated: `text_length`), its VAE mid-block as wide as base_dim x the last dim_mult."""
     with open(os.path.join(model_path, "vae", "config.json")) as f:
         v = json.load(f)
-    vae_channels = v["base_dim"] * v["dim_mult"][-1]
-    trained, vae = [], []
-    for (h, w), sizes in dict.fromkeys(shapes):
-        tokens = text_length + sum((a // (2 * vae_factor)) * (b // (2 * vae_factor)) for a, b in ((h, w), *sizes))
-        trained.append(attention.Shape(f"transformer at {h}x{w} + {len(sizes)} references", batch, tokens, tokens,
-                                       t["num_attention_heads"], t["attention_head_dim"]))
-        grid = (h // vae_factor) * (w // vae_factor)
-        vae.append(attention.Shape(f"VAE mid-block at {h}x{w}", batch, grid, grid, 1, vae_channels, backward=False))
-    return trained, vae
+    return reference_attention_shapes(model_path, text_length, shapes, vae_factor, batch,
+                                      v["base_dim"] * v["dim_mult"][-1])
 
 
 # ----------------------------------------------------------------------------------------------
