@@ -159,14 +159,14 @@ def make_init_folder(folder, vae, seed=0):
 # 3. pre-training data
 
 
-def pretrain_scenes(n=PRETRAIN_PAIRS, seed=10):
-    """Deterministic mixed edits as qwen_edit_eval.write_edits rows: keep / recolour / reshape
+def pretrain_scenes(n=PRETRAIN_PAIRS, seed=10, size=IMAGE_SIZE):
+    """Deterministic mixed edits at `size` px as qwen_edit_eval.write_edits rows: keep / recolour / reshape
     (one reference) and the background in picture 2's colour (two references)."""
     rng = np.random.default_rng(seed)
     kinds, probs = list(PRETRAIN_MIX), np.array(list(PRETRAIN_MIX.values()))
     out = []
     for _ in range(n):
-        shape, colour, background, box = shapes.random_scene(rng, IMAGE_SIZE)
+        shape, colour, background, box = shapes.random_scene(rng, size)
         d = {"shape": shape, "colour": colour, "background": background, "box": list(box)}
         kind = kinds[rng.choice(len(kinds), p=probs / probs.sum())]
         others = [c for c in COLOURS if c not in (colour, background)]

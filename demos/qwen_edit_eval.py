@@ -36,7 +36,9 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -62,16 +64,16 @@ def scene_key(d) -> tuple:
     return d["shape"], d["colour"], d["background"], tuple(d["box"]), d.get("swatch")
 
 
-def task_scenes(split, n=None, seed=None):
-    """Deterministic edits of a split: dicts with shape, colour, background, box, target_colour,
+def task_scenes(split, n=None, seed=None, size=IMAGE_SIZE):
+    """Deterministic edits of a split at `size` px: dicts with shape, colour, background, box, target_colour,
     swatch (two-reference splits), prompt. held-out / retention edits never repeat a train edit."""
     n_default, seed_default = SPLITS[split]
     n, seed = n or n_default, seed_default if seed is None else seed
-    avoid = {scene_key(d) for d in task_scenes("train")} if split != "train" else set()
+    avoid = {scene_key(d) for d in task_scenes("train", size=size)} if split != "train" else set()
     rng = np.random.default_rng(seed)
     out = []
     while len(out) < n:
-        shape, colour, background, box = shapes.random_scene(rng, IMAGE_SIZE)
+        shape, colour, background, box = shapes.random_scene(rng, size)
         others = [c for c in COLOURS if c not in (colour, background)]
         new = str(others[rng.integers(len(others))])
         d = {"shape": shape, "colour": colour, "background": background, "box": list(box), "target_colour": new}
@@ -107,20 +109,22 @@ def write_edits(folder, scenes, size=IMAGE_SIZE):
     return folder / "data.jsonl"
 
 
-def default_task_dir():
-    return tiny_models.default_cache_dir() / f"qwen_edit_task_v{TASK_VERSION}"
+def default_task_dir(size=IMAGE_SIZE):
+    suffix = "" if size == IMAGE_SIZE else f"_{size}px"
+    return tiny_models.default_cache_dir() / f"qwen_edit_task_v{TASK_VERSION}{suffix}"
 
 
-def ensure_task_data(root=None) -> dict:
-    """Write every split once under `root` (default: <tiny_models cache>/qwen_edit_task_v<TASK_VERSION>) and
-    return {split: data.jsonl path as str} (tools.build_once: safe for many processes)."""
-    root = Path(root) if root is not None else default_task_dir()
+def ensure_task_data(root=None, size=IMAGE_SIZE) -> dict:
+    """Write every split at `size` px once under `root` (default: <tiny_models cache>/qwen_edit_task_v<TASK_VERSION>,
+    with a _<size>px suffix but at 32 px) and return {split: data.jsonl path as str} (tools.build_once: safe for
+    many processes)."""
+    root = Path(root) if root is not None else default_task_dir(size)
 
     def write_splits(tmp):
         for split in SPLITS:
-            write_edits(tmp / split, task_scenes(split))
+            write_edits(tmp / split, task_scenes(split, size=size), size=size)
 
-    build_once(root, write_splits, 600.0, ready_text=f"qwen edit task v{TASK_VERSION}\n")
+    build_once(root, write_splits, 600.0, ready_text=f"qwen edit task v{TASK_VERSION} {size}px\n")
     return {s: str(root / s / "data.jsonl") for s in SPLITS}
 
 
@@ -191,19 +195,35 @@ def generate(pipe, rows, steps=20, seed=0, true_cfg=1.0) -> list[np.ndarray]:
     return outputs
 
 
-def evaluate(folder, rows, steps=20, seed=0, lora=None, pipe=None) -> tuple[dict, list[np.ndarray]]:
+def evaluate(folder, rows, steps=20, seed=0, lora=None, pipe=None, family=None) -> tuple[dict, list[np.ndarray]]:
     """(metrics, outputs) of the model in `folder` on `rows`: kontext_eval.score_images (its
-    score_edit per edit) plus s_per_image (generation wall time per image, loading excluded)."""
-    pipe = pipe or load_pipeline(folder, lora=lora)
+    score_edit per edit) plus s_per_image (generation wall time per image, loading excluded).
+    `family` (default QWEN) holds the pipeline's load_pipeline and generate."""
+    family = family or QWEN
+    pipe = pipe or family.load_pipeline(folder, lora=lora)
     t0 = time.perf_counter()
-    outputs = generate(pipe, rows, steps=steps, seed=seed)
+    outputs = family.generate(pipe, rows, steps=steps, seed=seed)
     return {**ke.score_images(outputs, rows), "s_per_image": (time.perf_counter() - t0) / len(rows)}, outputs
 
 
-def main(argv=None):
+@dataclass(frozen=True)
+class EditFamily:
+    """What the task's evaluation needs of a multi-reference editing pipeline."""
+    name: str  # for the default grid path: out/<name>_eval/grid.png
+    doc: str  # the module docstring: --help's description
+    size: int  # pixels per side of the task's images
+    load_pipeline: Callable  # (folder, lora=None) -> the pipeline, fp32, progress bar off
+    generate: Callable  # (pipe, rows, steps, seed) -> HxWx3 uint8 outputs
+
+
+QWEN = EditFamily("qwen_edit", __doc__, IMAGE_SIZE, load_pipeline, generate)
+
+
+def main(argv=None, family=None):
     from components.warnings import quiet_known_warnings
     quiet_known_warnings()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    family = family or QWEN
+    p = argparse.ArgumentParser(description=family.doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare", nargs="+", default=[], metavar="NAME=PATH", help="models, e.g. base=A tuned=B")
     p.add_argument("--lora", nargs="+", default=[], metavar="NAME=PATH", help="a LoRA export loaded onto model NAME")
@@ -214,7 +234,7 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=0, help="use the first N edits of each split (0 = all)")
     p.add_argument("--steps", type=int, default=20, help="inference steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grid", default="out/qwen_edit_eval/grid.png", help="PNG grid path ('' = none)")
+    p.add_argument("--grid", default=f"out/{family.name}_eval/grid.png", help="PNG grid path ('' = none)")
     p.add_argument("--grid_rows", type=int, default=12)
     p.add_argument("--grid_scale", type=int, default=3, help="tile enlargement (nearest neighbour)")
     p.add_argument("--json", default="", help="write the metrics (and per-edit scores) here")
@@ -222,7 +242,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     if args.make_data:
-        for split, path in ensure_task_data(args.make_data).items():
+        for split, path in ensure_task_data(args.make_data, size=family.size).items():
             print(split, path)
         return 0
     models = ke.named_paths(p, args.compare)
@@ -236,7 +256,7 @@ def main(argv=None):
 
     import torch
     torch.set_num_threads(args.threads)
-    paths = ensure_task_data(args.task_dir or None)
+    paths = ensure_task_data(args.task_dir or None, size=family.size)
     data = {"heldout": load_rows(paths["heldout"]), ONE_REFERENCE: load_rows(paths["heldout"], references=1),
             "retention": load_rows(paths["retention"])}
     if args.n:
@@ -245,12 +265,12 @@ def main(argv=None):
     results, outputs = {}, {}
     for name, folder in models.items():
         t0 = time.time()
-        pipe = load_pipeline(folder, lora=loras.get(name))
+        pipe = family.load_pipeline(folder, lora=loras.get(name))
         results[name] = {}
         for split, rows in data.items():
             if split == ONE_REFERENCE and name not in one_ref:
                 continue
-            results[name][split], images = evaluate(folder, rows, args.steps, args.seed, pipe=pipe)
+            results[name][split], images = evaluate(folder, rows, args.steps, args.seed, pipe=pipe, family=family)
             if split != "retention":
                 outputs[name if split == "heldout" else f"{name}, 1 ref"] = images
         print(f"{name}: {folder} ({args.steps} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
