@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # DMD2 where the teacher needs its steps, on CPU: "paint it" (demos/palette_eval.py), an edit with four
 # right answers (any of red, green, blue, yellow; the prompt names none), for either flow-matching
-# editing family (FAMILY=kontext, the default: FLUX.1 Kontext; FAMILY=qwen: Qwen-Image-Edit-2509, the
-# context as its one reference, true CFG off everywhere).
-#   1. the teacher: the family's shipped base (assets/kontext_base or assets/qwen_edit_base) fine-tuned
+# editing family (FAMILY=kontext, the default: FLUX.1 Kontext; FAMILY=qwen: Qwen-Image-Edit-2509; FAMILY=flux2:
+# FLUX.2 [klein]-base at 64 px, its pipeline's smallest reference; the last two with the context as their one
+# reference, true CFG off everywhere).
+#   1. the teacher: the family's shipped base (assets/kontext_base, qwen_edit_base or flux2_edit_base) fine-tuned
 #      on the 512 training contexts, each with all four palette colours as targets (2048 pairs;
 #      train_flux_kontext.py; skipped when TEACHER is given)
 #   2. a 1-step and a 4-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
@@ -17,12 +18,14 @@
 #
 #   bash demos/demo_dmd_palette.sh              # 2 ranks; extra arguments go to both train_dmd.py runs
 #   FAMILY=qwen bash demos/demo_dmd_palette.sh  # the same with Qwen-Image-Edit (out/palette_dmd_qwen)
+#   FAMILY=flux2 bash demos/demo_dmd_palette.sh # the same with FLUX.2 [klein] (out/palette_dmd_flux2)
 #   TEACHER=out/my_palette_teacher/export bash demos/demo_dmd_palette.sh
 #
 # Ends with each run's training wall time; the table's s / image column is the evaluation's.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 FAMILY=${FAMILY:-kontext}
+SIZE=32
 case "$FAMILY" in
     # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
@@ -39,7 +42,14 @@ case "$FAMILY" in
              TUNE_ARGS=(--reference_area=1024 --condition_area=1024 --cache_latents=True)
              DMD_ARGS=(--reference_area=1024 --condition_area=1024 --real_guidance_scale=1.0)
              EVAL_ARGS=(--neutral_sigmas teacher_1) ;;
-    *) echo "FAMILY=$FAMILY: kontext or qwen" >&2; exit 1 ;;
+    # FLUX.2 [klein]: 64 px (Flux2ImageProcessor refuses a smaller reference), prompts to 32 tokens, the
+    # Qwen settings otherwise (its base was pre-trained as the Qwen base was)
+    flux2)   BASE=assets/flux2_edit_base; DEFAULT_OUT=out/palette_dmd_flux2; TEACHER_STEPS=6000; ONE_STEP_STEPS=4800
+             SIZE=64; FOUR_STEP_ARGS=(--max_steps=600)
+             TUNE_ARGS=(--reference_area=4096 --max_sequence_length=32 --cache_latents=True)
+             DMD_ARGS=(--reference_area=4096 --max_sequence_length=32 --real_guidance_scale=1.0)
+             EVAL_ARGS=() ;;
+    *) echo "FAMILY=$FAMILY: kontext, qwen or flux2" >&2; exit 1 ;;
 esac
 OUT=${OUT:-$DEFAULT_OUT}
 TEACHER=${TEACHER:-$OUT/teacher/export}
@@ -47,7 +57,7 @@ NPROC=${NPROC:-2}
 SEEDS=${SEEDS:-32}
 GRID=${GRID:-$OUT/grid.png}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task")
+SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task" --size="$SIZE")
 TRAIN=$(awk '$1 == "train" {print $2}' <<< "$SPLITS")
 # the teacher sees every right edit of each context: trained on one random colour per context it learns
 # that colour (a per-context key: Qwen's text encoder sees the context image) and keeps less variety
@@ -63,7 +73,7 @@ if [ ! -f "$TEACHER/model_index.json" ]; then
     start=$(date +%s)
     python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \
         --model_path="$BASE" --data_path="$TEACHER_TRAIN" --output_dir="$OUT/teacher" "${TUNE_ARGS[@]}" \
-        --precision=fp32 --resolution=32 --batch_size=8 --lr=5e-4 --warmup_steps=50 --weight_decay=0 \
+        --precision=fp32 --resolution="$SIZE" --batch_size=8 --lr=5e-4 --warmup_steps=50 --weight_decay=0 \
         --max_grad_norm=1.0 --ema_decay=0.995 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=28 \
         --sample_guidance=1.0 --save_every=1000 --log_every=100 --sample_every=1000 --max_steps="$TEACHER_STEPS"
     times+=("teacher $(( $(date +%s) - start )) s")
@@ -71,7 +81,7 @@ fi
 # demos/demo_dmd_kontext.sh's students: from the teacher's weights, batch 8 per rank, generator and
 # fake-score LR 1e-4, the generator every 5th step, 300 steps, no EMA
 COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text_cache"
-        --resolution=32 --precision=fp32 --fake_score_fp32=1 "${DMD_ARGS[@]}"
+        --resolution="$SIZE" --precision=fp32 --fake_score_fp32=1 "${DMD_ARGS[@]}"
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8 --max_steps=300
         --export_dtype=bf16 --save_every=0 --sample_every=100 --log_every=50)
 # the 1-step student gets twice the fake-score updates per generator update (ratio 10, the published
@@ -83,7 +93,7 @@ FOUR_STEP_FROM_ONE_STEP=1
 source demos/dmd_students.sh
 train_students "$OUT" "$NPROC" "$@"
 trained=$(date +%s)
-python -m demos.palette_eval --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json" --seeds="$SEEDS" \
+python -m demos.palette_eval --task_dir="$OUT/task" --size="$SIZE" --grid="$GRID" --json="$OUT/eval.json" --seeds="$SEEDS" \
     --compare teacher_28="$TEACHER" teacher_4="$TEACHER" teacher_1="$TEACHER" \
     student_4="$OUT/4step/export" student_1="$OUT/1step/export" \
     --steps=28 --steps_for teacher_4=4 teacher_1=1 student_4=4 student_1=1 "${EVAL_ARGS[@]}"

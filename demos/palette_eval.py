@@ -75,17 +75,17 @@ ONE_COLOUR_FRAC = 0.6
 NON_PALETTE = tuple(c for c in COLOURS if c not in PALETTE)
 
 
-def task_scenes(split):
-    """Deterministic scenes of a split (dicts as kontext_eval.task_scenes makes them): shape and
+def task_scenes(split, size=ke.IMAGE_SIZE):
+    """Deterministic scenes of a split at `size` px (dicts as kontext_eval.task_scenes makes them): shape and
     background colours outside PALETTE, target colour a random palette colour."""
     n, seed = SPLITS[split]
     avoid = set()
     if split != "train":
-        avoid = {(d["shape"], d["colour"], d["background"], tuple(d["box"])) for d in task_scenes("train")}
+        avoid = {(d["shape"], d["colour"], d["background"], tuple(d["box"])) for d in task_scenes("train", size)}
     rng = np.random.default_rng(seed)
     out = []
     while len(out) < n:
-        scene = ke.random_scene(rng, exclude=PALETTE)
+        scene = ke.random_scene(rng, size=size, exclude=PALETTE)
         if (scene[0], scene[1], scene[2], tuple(scene[3])) in avoid:
             continue
         new = PALETTE[int(rng.integers(len(PALETTE)))]
@@ -94,17 +94,21 @@ def task_scenes(split):
     return out
 
 
-def ensure_task_data(root) -> dict:
-    """Write every split (and ALL_COLOURS) once under `root`; {split: data.jsonl path as str}."""
+def ensure_task_data(root, size=ke.IMAGE_SIZE) -> dict:
+    """Write every split (and ALL_COLOURS) at `size` px once under `root`; {split: data.jsonl path as str}.
+    The CFG split is written at 32 px only (its demo's families)."""
     root = Path(root)
 
     def write_splits(tmp):
         for split in SPLITS:
-            ke.write_pairs(tmp / split, task_scenes(split))
-        ke.write_pairs(tmp / ALL_COLOURS, [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE])
+            ke.write_pairs(tmp / split, task_scenes(split, size), size=size)
+        ke.write_pairs(tmp / ALL_COLOURS, [{**d, "target_colour": c} for d in task_scenes("train", size)
+                                           for c in PALETTE], size=size)
 
     build_once(root, write_splits, 600.0, ready_text="palette task v2\n")
     paths = {s: str(root / s / "data.jsonl") for s in (*SPLITS, ALL_COLOURS)}
+    if size != ke.IMAGE_SIZE:
+        return paths
 
     def write_cfg(tmp):
         scenes = [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE]
@@ -224,24 +228,41 @@ def summarize(scores) -> dict:
             "valid_colours": [[s["colour"] for s in per if s["valid"]] for per in scores]}
 
 
+def pipeline_class(folder) -> str:
+    """The pipeline class `folder`'s model_index.json names."""
+    return json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
+
+
 def is_qwen(folder) -> bool:
-    """Whether `folder` is a Qwen-Image-Edit pipeline (else FLUX.1 Kontext), by its model_index.json."""
-    return "QwenImageEdit" in json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
+    """Whether `folder` is a Qwen-Image-Edit pipeline, by its model_index.json."""
+    return "QwenImageEdit" in pipeline_class(folder)
+
+
+def is_flux2(folder) -> bool:
+    """Whether `folder` is a FLUX.2 [klein] pipeline, by its model_index.json."""
+    return pipeline_class(folder) == "Flux2KleinPipeline"
 
 
 def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False, true_cfg=1.0):
     """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds, through
-    FluxKontextPipeline (at `guidance`) or QwenImageEditPlusPipeline (the context as its one
-    reference, true CFG at `true_cfg`: off at 1), as model_index.json says. `neutral`: its scheduler's
-    σ-bending settings neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
-    if is_qwen(folder):
+    FluxKontextPipeline (at `guidance`), QwenImageEditPlusPipeline or Flux2KleinPipeline (the context as
+    their one reference, true CFG at `true_cfg`: off at 1), as model_index.json says. `neutral`: its
+    scheduler's σ-bending settings neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
+    if is_flux2(folder):
+        from demos import flux2_edit_eval as fe
+        pipe, refs = fe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
+
+        def generate(seed):
+            return fe.generate(pipe, refs, steps=steps, seed=seed, guidance=true_cfg)
+    elif is_qwen(folder):
         from demos import qwen_edit_eval as qe
         pipe, refs = qe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
 
         def generate(seed):
             return qe.generate(pipe, refs, steps=steps, seed=seed, true_cfg=true_cfg)
     elif true_cfg > 1:
-        raise ValueError(f"{folder}: true CFG is for Qwen-Image-Edit models (FLUX.1 Kontext takes --guidance)")
+        raise ValueError(f"{folder}: true CFG is for Qwen-Image-Edit and FLUX.2 models (FLUX.1 Kontext takes "
+                         "--guidance)")
     else:
         pipe = ke.load_pipeline(folder)
 
@@ -303,13 +324,15 @@ def main(argv=None):
                    help="pipeline folders (Kontext or Qwen-Image-Edit)")
     p.add_argument("--task_dir", default="out/palette_task", help="where the splits are written")
     p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
+    p.add_argument("--size", type=int, default=ke.IMAGE_SIZE, help="image side in px (FLUX.2: 64, its smallest)")
     p.add_argument("--n", type=int, default=0, help="use the first N held-out contexts (0 = all)")
     p.add_argument("--seeds", type=int, default=SEEDS, help="noise seeds per context")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--steps_for", nargs="+", default=[], metavar="NAME=N")
     p.add_argument("--guidance", type=float, default=1.0, help="FLUX guidance (Kontext models)")
     p.add_argument("--true_cfg", nargs="+", default=[], metavar="NAME=S",
-                   help="Qwen-Image-Edit models sampled with true CFG S against \" \" (the pipeline's rescale)")
+                   help="Qwen-Image-Edit models sampled with true CFG S against \" \" (the pipeline's rescale), "
+                        "FLUX.2 [klein] ones against \"\"")
     p.add_argument("--neutral_sigmas", nargs="+", default=[], metavar="NAME",
                    help="models sampled with their scheduler's shift and terminal stretch off: Qwen-Image's "
                         "(shift_terminal 0.02) divides by zero at 1 step (its σ list is NaN)")
@@ -320,7 +343,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (2 crawls on shared cores)")
     args = p.parse_args(argv)
     if args.make_data:
-        for split, path in ensure_task_data(args.make_data).items():
+        for split, path in ensure_task_data(args.make_data, args.size).items():
             print(split, path)
         return 0
     models = ke.named_paths(p, args.compare)
@@ -347,7 +370,7 @@ def main(argv=None):
             p.error(f"--neutral_sigmas: {name!r} is not one of {sorted(models)}")
     import torch
     torch.set_num_threads(args.threads)
-    rows = ke.load_rows(ensure_task_data(args.task_dir)["heldout"])
+    rows = ke.load_rows(ensure_task_data(args.task_dir, args.size)["heldout"])
     rows = rows[:args.n] if args.n else rows
     results, outputs = {}, {}
     for name, folder in models.items():

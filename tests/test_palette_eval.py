@@ -4,12 +4,14 @@ known images (no model).
     python -m pytest tests/test_palette_eval.py -q
 """
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from demos import kontext_eval as ke
 from demos import palette_eval as pe
+from tests.conftest import ROOT
 from tools.shapes import COLOURS
 
 
@@ -112,3 +114,17 @@ def test_variety_at_counts_separates_variety_from_validity():
     assert pe.variety_at_counts([["red"] * 3, ["blue"] * 12, ["red"]], reference) == 0.0
     # a context without a valid reference output counts for nothing on either side
     assert pe.variety_at_counts([["red", "blue"], []], [[], ["red", "blue"]]) != pe.variety_at_counts([[]], [[]])
+
+
+def test_the_64_px_task_for_flux2(tmp_path):
+    """FLUX.2's splits (--size=64; its pipeline refuses smaller references): the same draw on the bigger canvas,
+    written at 64 px, no CFG split; with the shipped base, one context through Flux2KleinPipeline."""
+    paths = pe.ensure_task_data(tmp_path / "task", size=64)
+    assert pe.CFG_SPLIT not in paths
+    rows = ke.load_rows(paths["heldout"])
+    assert len(rows) == pe.SPLITS["heldout"][0] and ke.load_rgb(rows[0]["image"]).shape == (64, 64, 3)
+    assert max(max(d["box"]) for d in pe.task_scenes("heldout", 64)) > ke.IMAGE_SIZE  # drawn on the 64 px canvas
+    base = Path(ROOT) / "assets" / "flux2_edit_base"
+    if (base / "model_index.json").exists():
+        summary, outputs = pe.evaluate(str(base), rows[:1], steps=2, guidance=1.0, seeds=1)
+        assert outputs[0][0].shape == (64, 64, 3) and summary["n"] == 1

@@ -64,3 +64,25 @@ def test_pipeline_generates_at_the_demo_areas(heldout):
     metrics, outputs = qe.evaluate(str(SHIPPED_BASE), rows, steps=2)
     assert [o.shape for o in outputs] == [(qe.IMAGE_SIZE, qe.IMAGE_SIZE, 3)] * 2 and metrics["n"] == 2
     assert (plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE) == before
+
+
+FLUX2_BASE = SHIPPED_BASE.parent / "flux2_edit_base"
+
+
+def test_flux2_task_is_the_same_edit_at_64_px(tmp_path):
+    """demos/flux2_edit_eval.py's splits: qwen_edit_eval's edits drawn at 64 px (the pipeline's smallest reference),
+    held-out scenes never in train."""
+    from demos import flux2_edit_eval as fe
+    train = qe.task_scenes("train", size=fe.IMAGE_SIZE)
+    assert not {qe.scene_key(d) for d in train} & {qe.scene_key(d) for d in qe.task_scenes("heldout", size=64)}
+    assert max(max(d["box"]) for d in train) > qe.IMAGE_SIZE  # drawn on the 64 px canvas
+    rows = qe.load_rows(qe.write_edits(tmp_path / "h", qe.task_scenes("heldout", size=64)[:2], size=64))
+    assert {ke.load_rgb(c).shape for r in rows for c in [*r["control"], r["target"]]} == {(64, 64, 3)}
+
+
+@pytest.mark.skipif(not (FLUX2_BASE / "model_index.json").exists(), reason="assets/flux2_edit_base not built")
+def test_flux2_pipeline_generates_the_task(tmp_path):
+    from demos import flux2_edit_eval as fe
+    rows = qe.load_rows(qe.write_edits(tmp_path / "h", qe.task_scenes("heldout", size=64)[:2], size=64))
+    metrics, outputs = fe.evaluate(str(FLUX2_BASE), rows, steps=2)
+    assert [o.shape for o in outputs] == [(64, 64, 3)] * 2 and metrics["n"] == 2
