@@ -5,7 +5,9 @@ reference by its resize-and-cut rule, the latents' patchify and BatchNorm statis
 offset per reference, the text ids), the room's sampling loop equals the pipeline's output with true CFG and
 two references, and the script trains with several references per sample: resume is bit-exact, the full
 export loads with from_pretrained and the LoRA export (NF4 base, AC, cached latents, 8-bit AdamW) with
-load_lora_weights, both sampling through the pipeline.
+load_lora_weights, both sampling through the pipeline. FLUX.2 [dev] (Flux2Pipeline, a tiny Mistral-3 text encoder):
+its cached text is encode_prompt's, its sampling loop the pipeline's, and DMD2 distils it through its guidance
+embedding.
 
     python -m pytest tests/test_flux2.py -q
 """
@@ -55,9 +57,21 @@ def klein(tmp_path_factory):
     return {"root": root, "model": model_path, "data": data_dir, "env": env, "common": common}
 
 
+@pytest.fixture(scope="module")
+def dev(klein):
+    """The tiny FLUX.2 [dev] folder (Flux2Pipeline: Mistral3ForConditionalGeneration and its PixtralProcessor, the
+    transformer with the guidance embedding)."""
+    from tools import tiny_models
+    return tiny_models.ensure_default("flux2_dev", klein["root"] / "cache")[0]
+
+
+# [dev]'s chat template around a prompt (<s>, the system message, [INST] [/INST]) is 32 of the tiny tokenizer's
+# tokens and truncation cuts from the right: at 32 every prompt would encode as "", 64 holds the longest here (41)
+DEV_LENGTH = 64
+
+
 def pipeline(folder):
-    from diffusers import Flux2KleinPipeline
-    pipe = Flux2KleinPipeline.from_pretrained(folder)
+    pipe = flux2.pipeline_class(folder).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -171,22 +185,28 @@ def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-def test_dev_sampling_loop_is_the_pipelines(klein, tmp_path):
-    """FLUX.2 [dev]'s path (Flux2Pipeline, a transformer with the guidance embedding, no CFG) equals the pipeline's
-    output given the same text embeddings (the tiny folder's transformer with guidance_embeds, its own VAE)."""
-    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
-    base = pipeline(klein["model"])
-    config = {k: v for k, v in base.transformer.config.items() if not k.startswith("_")}
-    torch.manual_seed(0)
-    transformer = Flux2Transformer2DModel(**{**config, "guidance_embeds": True}).eval()
-    pipe = Flux2Pipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=None, tokenizer=None,
-                         transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
+def test_dev_text_is_the_pipelines(dev, tmp_path):
+    """[dev]'s cached text is Flux2Pipeline.encode_prompt's (Mistral-3 under the system message and chat template,
+    hidden states 10 / 20 / 30 stacked, pipeline_flux2.py:304-350), and so are its text ids."""
+    pipe = pipeline(dev)
+    with torch.no_grad():
+        theirs, ids = pipe.encode_prompt(PROMPTS, max_sequence_length=DEV_LENGTH)
+    ours = text(dev, tmp_path, PROMPTS, length=DEV_LENGTH)
+    assert torch.equal(ours, theirs) and torch.equal(flux2.text_ids(ours), ids)
+    assert not torch.equal(ours[0], ours[1])  # the prompts fit: not cut off after the system message
+
+
+def test_dev_sampling_loop_is_the_pipelines(dev, tmp_path):
+    """FLUX.2 [dev]'s path (Flux2Pipeline: the Mistral-3 text, the guidance embedding, no CFG) equals the pipeline's
+    output for the same prompt, and the training forward embeds GUIDANCE as the pipeline does."""
+    pipe = pipeline(dev)
     paths = images(tmp_path, [(64, 64)])
-    embeds = text(klein["model"], tmp_path, ["make it red"])
-    theirs = pipe(image=[Image.open(p) for p in paths], prompt_embeds=embeds, num_inference_steps=3,
-                  guidance_scale=4.0, generator=torch.Generator().manual_seed(5), output_type="pt").images[0]
+    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it red", num_inference_steps=3,
+                  guidance_scale=4.0, generator=torch.Generator().manual_seed(5), output_type="pt",
+                  max_sequence_length=DEV_LENGTH).images[0]
+    embeds = text(dev, tmp_path, ["make it red"], length=DEV_LENGTH)
     refs = [flux2.load_image(paths[0], flux2.REFERENCE_AREA)[None]]
+    transformer = pipe.transformer
     ours = flux2.sample((pipe.scheduler, transformer), pipe.vae, refs, embeds, (64, 64), 3, 4.0,
                         torch.Generator().manual_seed(5))
     assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
@@ -366,10 +386,11 @@ def test_teacher_cfg_pair_is_the_pipelines(klein, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dmd_runs(klein):
+def dmd_runs(klein, dev):
     """DMD2 of the tiny klein-base teacher to a 4-step generator on the mixed rows: full generator and fake score
     with the GAN head and EMA on 2 ranks, the same stopped at step 2 and resumed; a LoRA generator and fake score
-    on an NF4 teacher and bases; text to image on the rows' prompts alone (a .txt)."""
+    on an NF4 teacher and bases; text to image on the rows' prompts alone (a .txt); a LoRA generator and fake score
+    of the tiny [dev] teacher at FLUX_GUIDANCE 3.5."""
     root = klein["root"]
     prompts = root / "prompts.txt"
     prompts.write_text("".join(json.loads(line)["prompt"] + "\n" for line in open(root / "mixed.jsonl")))
@@ -379,7 +400,7 @@ def dmd_runs(klein):
               "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2", "--ema_decay=0.9", "--save_every=2",
               "--sample_every=4", "--export_dtype=fp32"]
     gan = ["--use_gan=1", "--gen_cls_loss_weight=0.1", "--guidance_cls_loss_weight=0.1"]
-    out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora", "t2i")}
+    out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora", "t2i", "dev")}
     job = functools.partial(dict, script="train_dmd.py", env=klein["env"])
     done = launch_all({
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
@@ -387,7 +408,10 @@ def dmd_runs(klein):
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
                                    "--base_dtype=nf4", "--save_every=0"]),
         "t2i": job(args=common + [f"--output_dir={out['t2i']}", f"--data_path={prompts}", "--max_steps=2",
-                                  "--save_every=0", "--sample_every=2"])}, timeout=600)
+                                  "--save_every=0", "--sample_every=2"]),
+        "dev": job(args=common + [f"--output_dir={out['dev']}", f"--model_path={dev}", "--flux_guidance=3.5",
+                                  f"--max_sequence_length={DEV_LENGTH}", "--lora_rank=4", "--fake_lora=1",
+                                  "--save_every=0"])}, timeout=600)
     resumed = launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"],
                      env=klein["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
@@ -431,12 +455,11 @@ def test_dmd_exports_sample_in_four_steps_at_the_trained_sigmas(klein, dmd_runs,
     assert "Flux2KleinPipeline.from_pretrained(MODEL_PATH, is_distilled=True)" in dmd_runs["logs"]["lora"]
 
 
-def test_dmd_guidance_sides_and_refusals(klein, tmp_path):
+def test_dmd_guidance_sides_and_refusals(klein, dev):
     """klein-base: the teacher's true CFG against "" at the pipeline's 4, rescaled per token, nothing embedded, a
     distilled export says is_distilled; [dev] (a transformer with the guidance embedding, Flux2Pipeline): every
     transformer takes FLUX_GUIDANCE, no pair, and a CFG scale is refused in one line, as klein refuses
     FLUX_GUIDANCE."""
-    import shutil
     settings = {"MODEL_PATH": klein["model"], "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "",
                 "FLUX_GUIDANCE": 3.5}
     g = flux2.dmd_guidance(settings)
@@ -444,16 +467,38 @@ def test_dmd_guidance_sides_and_refusals(klein, tmp_path):
     assert flux2.distilled_index(klein["model"]) == {"is_distilled": True}
     with pytest.raises(ConfigError, match="FLUX_GUIDANCE=3.5 with a Flux2KleinPipeline teacher"):
         flux2.check_dmd_settings("Flux2KleinPipeline", settings, {"FLUX_GUIDANCE"}, "jsonl")
-    dev = tmp_path / "dev"
-    shutil.copytree(klein["model"], dev)
-    for name, key, value in (("transformer/config.json", "guidance_embeds", True),
-                             ("model_index.json", "_class_name", "Flux2Pipeline")):
-        data = json.loads((dev / name).read_text())
-        (dev / name).write_text(json.dumps({**data, key: value}))
-    settings["MODEL_PATH"] = str(dev)
+    settings["MODEL_PATH"] = dev
     g = flux2.dmd_guidance(settings)
     assert (g.scale, g.negative, g.embedded, g.export_call) == (1.0, None, 3.5, "guidance_scale=3.5")
-    assert flux2.distilled_index(str(dev)) == {}
+    assert flux2.distilled_index(dev) == {}
     with pytest.raises(ConfigError, match="REAL_GUIDANCE_SCALE=4.0 with a Flux2Pipeline teacher") as e:
         flux2.check_dmd_settings("Flux2Pipeline", {**settings, "REAL_GUIDANCE_SCALE": 4.0}, set(), "jsonl")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_dmd_of_dev_trains_through_its_guidance_embedding(dev, dmd_runs, tmp_path):
+    """A [dev] teacher: no CFG pair, every transformer embeds FLUX_GUIDANCE; the LoRA generator trains, and its
+    export loads on the base with load_lora_weights and samples the trained σ list in 4 steps at that guidance."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from safetensors.torch import load_file
+    log, out = dmd_runs["logs"]["dev"], dmd_runs["out"]["dev"]
+    assert "(Flux2Pipeline)" in log and "guidance 3.5):" in log and "guidance_scale=3.5" in log
+    metrics = read_metrics(out, timing=False)
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss_fake"]) and r["grad_norm_guidance"] > 0 for r in metrics)
+    lora = load_file(str(out / "export" / "pytorch_lora_weights.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at 0
+    pipe = pipeline(dev)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(out / "export"), subfolder="scheduler")
+    paths = images(tmp_path, [(64, 64), (64, 64)])  # the pipeline refuses references under 64 px
+    call = dict(image=[Image.open(p) for p in paths], prompt="make it blue", num_inference_steps=4,
+                guidance_scale=3.5, output_type="np", max_sequence_length=DEV_LENGTH)
+    before = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(str(out / "export"))
+    seen = []
+    pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.append((float(kw["timestep"][0]), float(kw["guidance"][0]))), with_kwargs=True)
+    after = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+    assert [t for t, _ in seen] == pytest.approx([1.0, 0.75, 0.5, 0.25], abs=1e-6) and {g for _, g in seen} == {3.5}
