@@ -1281,3 +1281,114 @@ def test_flux2_dmd_plans_three_transformers_and_the_fill():
     assert p["rows"]["teacher"]["note"] == "frozen-sharded (nf4)"
     assert f"| 1 x 24 GB | {p['gpu_total'] / GIB:.2f} / {p['fill']['total'] / GIB:.2f} |" in \
         open(f"{ROOT}/docs/planner.md").read()
+
+
+# (32 / 16)^2 = 4 target + 4 reference + 16 text tokens: few, as backward's bf16 products with the untransposed
+# frozen weights (grad @ W) run ~35x slower than forward's on CPUs without AVX-512, in time linear in the tokens
+FLUX2_WIDTH_RES, FLUX2_WIDTH_TEXT = 32, 16
+FLUX2_WIDTH_REFS = ((2, 2),)  # one reference at 32^2: a 2 x 2 token grid
+
+
+def _flux2_width_folder(tmp_path) -> str:
+    """The built-in flux2-klein-4b configs with 1 double + 1 single block: real width (3072, 24 heads,
+    7680-wide text), ~0.56 B parameters."""
+    import json
+    import shutil
+    folder = tmp_path / "flux2_width"
+    shutil.copytree(memory_plan.model_folder("flux2-klein-4b"), folder)
+    cfg = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, "num_layers": 1, "num_single_layers": 1}))
+    return str(folder)
+
+
+def _flux2_width_rank(rank, world, folder, out):
+    """_qwen_width_rank for FLUX.2 klein: the FLUX recipe (fully_shard per double and single block, then the
+    root), the target's, one reference's and the text's tokens with zero 4-D ids. Rank 0 writes its bytes."""
+    import json
+
+    import fsdp_utils
+    from parallel.parallelize import parallelize
+    from precision import get_precision
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    with torch.device("meta"):
+        lora.add_lora(model, lora.Lora(16))
+        x = memory_plan._meta_inputs("flux2", model, 1, FLUX2_WIDTH_RES, torch.bfloat16, 8, FLUX2_WIDTH_TEXT, None,
+                                     FLUX2_WIDTH_REFS)
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    # kept gathered from forward to backward, as in _qwen_width_rank: no re-gather over gloo in backward
+    parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
+                fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
+    model.to_empty(device="cpu")
+    pool = torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)) * 0.02
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.to_local().view(-1)
+            for i in range(0, flat.numel(), pool.numel()):
+                flat[i:i + pool.numel()].copy_(pool[:flat.numel() - i])
+    # Flux2PosEmbed and the timestep projection hold no tensors: nothing left on meta but the inputs
+    x = {k: (torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype))
+         if torch.is_tensor(v) else v for k, v in x.items()}
+
+    def storage(t):
+        return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+    saved = {}
+
+    def pack(t):  # FSDP2 registers a unit's gathered parameters while it runs: those are weights, not saves
+        ptr = storage(t)
+        if ptr not in saved and ptr not in {storage(p) for p in model.parameters()}:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(**x)[0]
+    y.square().mean().backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4)
+    opt.step()
+
+    def local_bytes(ts):
+        return sum(t.to_local().numel() * t.to_local().element_size() for t in ts)
+    got = dict(base=local_bytes(p for p in model.parameters() if not p.requires_grad), adapters=local_bytes(trained),
+               grads=local_bytes(p.grad for p in trained),
+               optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
+               saved=sum(saved.values()))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+@pytest.mark.slow  # launches 2 ranks, each with a 0.56 B model materialised on CPU
+def test_flux2_lora_plan_matches_a_real_width_2_rank_run_on_cpu(tmp_path):
+    """test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu for FLUX.2 klein 4B (1 double + 1 single block
+    at real width, LoRA r16 on the default targets, bf16-mixed, world size 2, one reference): the shards, adapter
+    grads and AdamW moments exactly; the saves within the same two known terms. The copy: the double block's
+    joint attention output (tokens x 3072), one per double block as for Qwen; the single block's attention output
+    is concatenated with its MLP's before the fused to_out (a copy on every device), so it adds none. The
+    statistics: the LayerNorms' mean and rstd (fp32 on meta as on CUDA, bf16 on CPU) of the norms whose input
+    needs grad under LoRA: the double block's norm2 and norm2_context (its norm1s see the frozen embedders'
+    output), the single block's norm and norm_out. The q / k norms are torch.nn.RMSNorm, torch's composite in fp32
+    on meta and CPU alike: they add no term (CUDA runs a fused kernel instead, which this check cannot see)."""
+    import json
+
+    from tests.conftest import run_ranks
+    folder = _flux2_width_folder(tmp_path)
+    s = Settings(world_size=2, resolution=FLUX2_WIDTH_RES, lora_rank=16, references=1,
+                 reference_area=FLUX2_WIDTH_RES ** 2)
+    assert memory_plan.reference_grids("flux2", s) == FLUX2_WIDTH_REFS
+    p = memory_plan.plan(folder, s)
+    rows = p["rows"]
+    names = tuple(n for n, _ in p["units"]["transformer"][:-1])
+    assert names == ("transformer_blocks.0", "single_transformer_blocks.0")
+    planned = memory_plan._activations(folder, "transformer", "flux2", names, torch.bfloat16, 1, FLUX2_WIDTH_RES,
+                                       lora.Lora(16), FLUX2_WIDTH_TEXT, FLUX2_WIDTH_REFS).total(False)
+    run_ranks(_flux2_width_rank, 2, folder, str(tmp_path / "got.json"))
+    got = json.loads((tmp_path / "got.json").read_text())
+    assert got["base"] == rows["transformer"]["params"]
+    assert (got["adapters"], got["grads"], got["optim"]) == tuple(rows["transformer.lora"][k] for k in
+                                                                  ("params", "grads", "optim"))
+    image, text = (1 + len(FLUX2_WIDTH_REFS)) * (FLUX2_WIDTH_RES // 16) ** 2, FLUX2_WIDTH_TEXT
+    copy = (image + text) * 3072 * 2
+    stats = 2 * (image + text + (image + text) + image) * (4 - 2)  # mean + rstd per token of those four norms
+    assert copy <= planned - got["saved"] <= copy + stats
+    print(f"\nFLUX.2 klein width, 1 + 1 blocks, LoRA r16, 2 ranks: saved {got['saved']} bytes, planned {planned}, "
+          f"planned - saved {planned - got['saved']} (copy {copy} + statistics {stats}), "
+          f"measured / planned {got['saved'] / planned:.4f}; base shard {got['base']}")
