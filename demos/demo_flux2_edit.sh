@@ -24,7 +24,7 @@ python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flu
     --precision=fp32 --resolution=64 --reference_area=4096 --max_references=2 --max_sequence_length=32 \
     --cache_latents=True --batch_size=8 --lr=5e-4 --warmup_steps=20 --weight_decay=0 --max_grad_norm=1.0 \
     --ema_decay=0.99 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=20 --sample_guidance=1.0 \
-    --save_every=0 --log_every=100 --val_every=0 --sample_every=2000 --max_steps=6000 "$@"
+    --save_every=0 --log_every=100 --val_every=0 --sample_every=2000 --max_steps=8000 "$@"
 trained=$(date +%s)
 python -m demos.flux2_edit_eval --compare base=assets/flux2_edit_base tuned="$OUT/export" --one_reference tuned \
     --task_dir="$OUT/task" --grid="$GRID" --json="$OUT/eval.json"

@@ -54,7 +54,7 @@ VAE_CONFIG = dict(latent_channels=Z_DIM, block_out_channels=(8, 16, 32, 32), lay
 TRANSFORMER_CONFIG = dict(
     patch_size=1, in_channels=4 * Z_DIM, num_layers=2, num_single_layers=2, attention_head_dim=32,
     num_attention_heads=4, timestep_guidance_channels=64, axes_dims_rope=(8, 8, 8, 8), guidance_embeds=False)
-VAE_STEPS, VAE_BATCH, VAE_LR, VAE_KL = 1500, 24, 3e-3, 1e-4
+VAE_STEPS, VAE_BATCH, VAE_LR, VAE_KL = 3000, 24, 3e-3, 1e-4
 PRETRAIN_ARGS = dict(  # train_flux_kontext.py overrides for the pre-training run
     precision="fp32", resolution=IMAGE_SIZE, reference_area=IMAGE_SIZE**2, max_references=2,
     max_sequence_length=fe.MAX_SEQUENCE_LENGTH, cache_latents=True, batch_size=8, grad_accum=1, lr=1e-3,

@@ -81,7 +81,7 @@ def build_on_meta(model_cls, folder: str) -> nn.Module:
         return model_cls.from_config(config)
 
 
-def materialize_and_load(model: nn.Module, folder: str, device: torch.device, merge=None) -> None:
+def materialize_and_load(model: nn.Module, folder: str, device: torch.device, merge=None, rename=None) -> None:
     """Allocate the (already sharded) meta model on `device` and fill it from safetensors (`folder`:
     a model folder, or one .safetensors state dict, as weight_map reads).
 
@@ -90,11 +90,14 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device, me
     without 12 B parameters of host RAM anywhere. Stored dtype is cast to the model's dtype.
     LoRA adapters (add_lora) are not in the folder: they are initialised by `init_lora`. `merge`: a
     parallel/lora_merge.LoraDelta whose delta each adapted base tensor gets as it loads (whole, in fp32,
-    before any NF4 quantisation or cast)."""
+    before any NF4 quantisation or cast). `rename`: the model's name of a stored tensor's name (a checkpoint saved
+    in an older layout of the model's modules)."""
     from safetensors import safe_open
 
     model.to_empty(device=device)
-    files = weight_map(folder)
+    stored = weight_map(folder)
+    keys = {(rename(k) if rename else k): k for k in stored}  # the model's name -> the stored name
+    files = {k: stored[v] for k, v in keys.items()}
     handles: dict[str, object] = {}
     with contextlib.ExitStack() as stack, torch.no_grad():
         def slice_of(name):
@@ -103,7 +106,7 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device, me
                 raise ConfigError(f"{folder}: weights have no tensor {name!r} (wrong model kind or config?)")
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            return handles[path].get_slice(name)
+            return handles[path].get_slice(keys[name])
 
         tensors = {safetensors_key(n): t for n, t in model.named_parameters() if not is_adapter(n)}
         computed = {f"{m}.{b}" if m else b for m, mod in model.named_modules() for b in mod._non_persistent_buffers_set}
@@ -127,13 +130,14 @@ def materialize_and_load(model: nn.Module, folder: str, device: torch.device, me
 
 
 def fill_built_model(model: nn.Module, folder: str, mesh: DeviceMesh | None, home: torch.device,
-                     load: bool = True, lora_seed: int = 0, merge=None) -> nn.Module:
+                     load: bool = True, lora_seed: int = 0, merge=None, rename=None) -> nn.Module:
     """The last step of a meta-device build: allocate the (sharded, or with mesh=None whole) model
     on `home` and load it from `folder` (load=False: allocate only, e.g. an EMA copy filled from
     the model), LoRA adapters initialised from `lora_seed`, then check that every parameter is
-    sharded on `mesh`. `merge`: a LoRA merged into the base as it loads (materialize_and_load)."""
+    sharded on `mesh`. `merge`: a LoRA merged into the base as it loads, `rename` the model's names of the
+    stored ones (materialize_and_load)."""
     if load:
-        materialize_and_load(model, folder, home, merge)
+        materialize_and_load(model, folder, home, merge, rename)
         init_lora(model, lora_seed)
     else:
         model.to_empty(device=home)

@@ -40,6 +40,17 @@ def _host_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def stored_name_mapping(model: nn.Module):
+    """The model's name of a stored tensor's name, as transformers renames on load: checkpoints of vision-language
+    models (FLUX.2 [dev]'s Mistral-3) keep the older layout (language_model.model.*, vision_tower.*) that the
+    modules have since moved from (transformers' conversion_mapping)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    names = {n: True for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    return lambda key: rename_source_key(key, renamings, [], model.base_model_prefix, names)[0]
+
+
 def sharded_text_encoder(model_cls, folder: str, mesh, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """`model_cls` (a transformers model) of `folder`, frozen in `dtype`, sharded on `mesh` one unit per
     decoder layer, loaded slice by slice."""
@@ -48,10 +59,11 @@ def sharded_text_encoder(model_cls, folder: str, mesh, dtype: torch.dtype, devic
     with torch.device("meta"):
         model = model_cls._from_config(config, dtype=dtype)
     buffers = _host_buffers(model)
+    rename = stored_name_mapping(model)  # before fully_shard renames the classes that transformers looks up
     model.requires_grad_(False).eval()
     units = parallelize(model, mesh, Precision.frozen_mp_policy(dtype), fsdp_utils.Sharding(frozen=True),
                         verbose=False)
-    fill_built_model(model, folder, mesh, device)
+    fill_built_model(model, folder, mesh, device, rename=rename)
     with torch.no_grad():
         for name, value in buffers.items():
             owner, _, leaf = name.rpartition(".")

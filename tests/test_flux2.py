@@ -159,13 +159,13 @@ def test_sampling_loop_is_the_pipelines(klein, tmp_path, guidance):
 PROMPTS = ["make it red", "make the circle the colour of picture 2", "", "a blue square", "turn it green"]
 
 
-def _sharded_fill(rank, world, model_path, cache_dir):
+def _sharded_fill(rank, world, model_path, cache_dir, length):
     """Every rank takes part in each forward of the sharded encoder, though the shares are 3 and 2 prompts."""
-    settings = {**SETTINGS, "SHARD_TEXT_ENCODER": "1"}
+    settings = {**SETTINGS, "SHARD_TEXT_ENCODER": "1", "MAX_SEQUENCE_LENGTH": length}
     assert flux2.shard_text_encoder(model_path, settings, torch.float32, torch.device("cpu"))
     encoder = flux2.load_sharded_text_encoder(model_path, torch.float32, torch.device("cpu")).text_encoder
     from torch.distributed.tensor import DTensor
-    weight = encoder.model.layers[0].mlp.up_proj.weight
+    weight = encoder.get_decoder().layers[0].mlp.up_proj.weight
     assert isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // world
     del encoder
     identity = flux2.prepare_edit_text([(p, {}) for p in PROMPTS], model_path, cache_dir, settings, torch.float32,
@@ -174,14 +174,17 @@ def _sharded_fill(rank, world, model_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, tmp_path):
-    """SHARD_TEXT_ENCODER=1 on 2 ranks (Qwen3 built on meta, one FSDP unit per decoder layer, each rank loading
-    its slices, its RoPE tables remade on the host) caches the embeddings one unsharded process computes."""
-    run_ranks(_sharded_fill, 2, klein["model"], str(tmp_path / "sharded"))
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, dev, tmp_path, variant):
+    """SHARD_TEXT_ENCODER=1 on 2 ranks (klein's Qwen3 or [dev]'s Mistral-3 built on meta, one FSDP unit per decoder
+    layer, each rank loading its slices, its RoPE tables remade on the host) caches the embeddings one unsharded
+    process computes."""
+    folder, length = (klein["model"], 32) if variant == "klein" else (dev, DEV_LENGTH)
+    run_ranks(_sharded_fill, 2, folder, str(tmp_path / "sharded"), length)
     pairs = [(p, {}) for p in PROMPTS]
     ours = flux2.load_text(pairs, str(tmp_path / "sharded"), flux2.folder_identity(
-        klein["model"], flux2.TEXT_PARTS, 32, "fp32"), torch.device("cpu"))
-    theirs = text(klein["model"], tmp_path, PROMPTS, length=32)
+        folder, flux2.TEXT_PARTS, length, "fp32"), torch.device("cpu"))
+    theirs = text(folder, tmp_path, PROMPTS, length=length)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 

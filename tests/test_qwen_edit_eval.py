@@ -1,7 +1,8 @@
 """Tests of demos/qwen_edit_eval.py: the two-reference task data (deterministic, disjoint splits,
 rows train_flux_kontext.py reads with two references), its scoring of known outputs, the
 one-reference rows, and one generation through QwenImageEditPlusPipeline on the shipped base
-(assets/qwen_edit_base) with the pipeline's areas restored after it.
+(assets/qwen_edit_base) with the pipeline's areas restored after it; the same task at 64 px through
+Flux2KleinPipeline on assets/flux2_edit_base (demos/flux2_edit_eval.py).
 
     python -m pytest tests/test_qwen_edit_eval.py -q
 """
