@@ -27,7 +27,6 @@ Everything but the final folder goes to --work_dir (default out/flux2_edit_base_
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import sys
@@ -81,27 +80,10 @@ def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, see
     from diffusers import AutoencoderKLFlux2
     torch.manual_seed(seed)
     vae = AutoencoderKLFlux2(**VAE_CONFIG)
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     held_out = mkb.shape_batch(np.random.default_rng(seed + 1), 256, size=IMAGE_SIZE)
-    gen = torch.Generator().manual_seed(seed)
     t0 = time.time()
-    for step in range(steps):
-        x = mkb.shape_batch(rng, batch, size=IMAGE_SIZE)
-        post = vae.encode(x).latent_dist
-        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
-        y = vae.decode(z).sample
-        loss = (y - x).abs().mean() + ((y - x) ** 2).mean() + kl_weight * post.kl().mean() / x[0].numel()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log_every and (step % log_every == 0 or step == steps - 1):
-            log(f"vae step {step}: loss {loss.item():.4f}, {time.time() - t0:.0f}s")
-    vae.eval()
+    mkb.fit_vae(vae, lambda rng: mkb.shape_batch(rng, batch, size=IMAGE_SIZE), steps, lr, kl_weight, seed, log_every,
+                log)
     with torch.no_grad():
         z = torch.cat([vae.encode(held_out[i:i + 64]).latent_dist.mode() for i in range(0, 256, 64)])
         p = patchify(z)

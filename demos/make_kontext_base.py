@@ -95,22 +95,17 @@ def psnr(a, b) -> float:
     return 10 * math.log10(4.0 / mse)
 
 
-def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, seed=0, log_every=100):
-    """A tiny AutoencoderKL trained on shape images: L1 + MSE on a posterior sample, plus
-    kl_weight x KL per pixel; AdamW, 50 warmup steps then cosine to 0, grad clip 1. Returns the
-    VAE with shift_factor / scaling_factor set from its latents, and a report dict."""
-    from diffusers import AutoencoderKL
-    torch.manual_seed(seed)
-    vae = AutoencoderKL(**VAE_CONFIG)
+def fit_vae(vae, draw, steps, lr, kl_weight, seed, log_every, log):
+    """The tiny bases' VAE recipe: `steps` AdamW steps on batches `draw(rng)` makes, L1 + MSE on a posterior
+    sample plus kl_weight x KL per pixel, 50 warmup steps then cosine to 0, grad clip 1; the VAE left in eval."""
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    held_out = shape_batch(np.random.default_rng(seed + 1), 256)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.time()
     for step in range(steps):
-        x = shape_batch(rng, batch)
+        x = draw(rng)
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
         y = vae.decode(z).sample
@@ -123,6 +118,19 @@ def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, see
         if log_every and (step % log_every == 0 or step == steps - 1):
             log(f"vae step {step}: loss {loss.item():.4f}, {time.time() - t0:.0f}s")
     vae.eval()
+    return vae
+
+
+def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, seed=0, log_every=100):
+    """A tiny AutoencoderKL trained on shape images: L1 + MSE on a posterior sample, plus
+    kl_weight x KL per pixel; AdamW, 50 warmup steps then cosine to 0, grad clip 1. Returns the
+    VAE with shift_factor / scaling_factor set from its latents, and a report dict."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(**VAE_CONFIG)
+    held_out = shape_batch(np.random.default_rng(seed + 1), 256)
+    t0 = time.time()
+    fit_vae(vae, lambda rng: shape_batch(rng, batch), steps, lr, kl_weight, seed, log_every, log)
     with torch.no_grad():
         z = torch.cat([vae.encode(held_out[i:i + 64]).latent_dist.mode() for i in range(0, 256, 64)])
         shift, std = float(z.mean()), float(z.std())

@@ -934,37 +934,20 @@ def _qwen_width_folder(tmp_path) -> str:
     return str(folder)
 
 
-def _qwen_width_rank(rank, world, folder, out):
-    """One rank of a LoRA r16 fine-tune step at Qwen width as the scripts build it: meta model in bf16,
-    adapters, the Qwen recipe (fully_shard per block, then the root) on the 2-rank gloo mesh, weights
-    materialised on CPU (random, tiled from one draw: the values do not matter here), a forward whose
-    saved tensors are counted once per storage (the gathered parameters excluded), backward, an AdamW
-    step over the adapters. Rank 0 writes its bytes."""
-    import json
-
-    import fsdp_utils
-    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
-    from parallel.parallelize import parallelize
-    from precision import get_precision
-    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
-    with torch.device("meta"):
-        lora.add_lora(model, lora.Lora(16))
-        x = memory_plan._meta_inputs("qwen_image_edit", model, 1, QWEN_WIDTH_RES, torch.bfloat16, 8, QWEN_WIDTH_TEXT)
-    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
-    # kept gathered from forward to backward: neither the shards nor the saves depend on it, and it spares
-    # backward's re-gather over gloo (~4 s per 0.68 GB block on 2 CPU ranks)
-    parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
-                fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
-    model.to_empty(device="cpu")
+def _fill_random(model, rank):
+    """Each local shard filled with values tiled from one draw: the values do not matter to the bytes."""
     pool = torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)) * 0.02
     with torch.no_grad():
         for p in model.parameters():
             flat = p.to_local().view(-1)
             for i in range(0, flat.numel(), pool.numel()):
                 flat[i:i + pool.numel()].copy_(pool[:flat.numel() - i])
-    # QwenEmbedRope keeps its frequencies in plain attributes, not buffers: a meta build leaves them on meta
-    model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
-    x = {k: torch.randn(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in x.items()}
+
+
+def _lora_step_bytes(model, x, rank, out):
+    """A forward whose saved tensors are counted once per storage (the gathered parameters excluded), backward, an
+    AdamW step over the adapters; rank 0 writes this rank's bytes (base, adapters, grads, AdamW moments, saves)."""
+    import json
 
     def storage(t):
         return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
@@ -991,6 +974,33 @@ def _qwen_width_rank(rank, world, folder, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump(got, f)
+
+
+def _qwen_width_rank(rank, world, folder, out):
+    """One rank of a LoRA r16 fine-tune step at Qwen width as the scripts build it: meta model in bf16,
+    adapters, the Qwen recipe (fully_shard per block, then the root) on the 2-rank gloo mesh, weights
+    materialised on CPU (random, tiled from one draw: the values do not matter here), a forward whose
+    saved tensors are counted once per storage (the gathered parameters excluded), backward, an AdamW
+    step over the adapters. Rank 0 writes its bytes."""
+    import fsdp_utils
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+    from parallel.parallelize import parallelize
+    from precision import get_precision
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    with torch.device("meta"):
+        lora.add_lora(model, lora.Lora(16))
+        x = memory_plan._meta_inputs("qwen_image_edit", model, 1, QWEN_WIDTH_RES, torch.bfloat16, 8, QWEN_WIDTH_TEXT)
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    # kept gathered from forward to backward: neither the shards nor the saves depend on it, and it spares
+    # backward's re-gather over gloo (~4 s per 0.68 GB block on 2 CPU ranks)
+    parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
+                fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
+    model.to_empty(device="cpu")
+    _fill_random(model, rank)
+    # QwenEmbedRope keeps its frequencies in plain attributes, not buffers: a meta build leaves them on meta
+    model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
+    x = {k: torch.randn(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in x.items()}
+    _lora_step_bytes(model, x, rank, out)
 
 
 @pytest.mark.slow  # launches 2 ranks, each with a 0.7 B model materialised on CPU
@@ -1304,8 +1314,6 @@ def _flux2_width_folder(tmp_path) -> str:
 def _flux2_width_rank(rank, world, folder, out):
     """_qwen_width_rank for FLUX.2 klein: the FLUX recipe (fully_shard per double and single block, then the
     root), the target's, one reference's and the text's tokens with zero 4-D ids. Rank 0 writes its bytes."""
-    import json
-
     import fsdp_utils
     from parallel.parallelize import parallelize
     from precision import get_precision
@@ -1319,41 +1327,11 @@ def _flux2_width_rank(rank, world, folder, out):
     parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
                 fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
     model.to_empty(device="cpu")
-    pool = torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)) * 0.02
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.to_local().view(-1)
-            for i in range(0, flat.numel(), pool.numel()):
-                flat[i:i + pool.numel()].copy_(pool[:flat.numel() - i])
+    _fill_random(model, rank)
     # Flux2PosEmbed and the timestep projection hold no tensors: nothing left on meta but the inputs
     x = {k: (torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype))
          if torch.is_tensor(v) else v for k, v in x.items()}
-
-    def storage(t):
-        return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
-    saved = {}
-
-    def pack(t):  # FSDP2 registers a unit's gathered parameters while it runs: those are weights, not saves
-        ptr = storage(t)
-        if ptr not in saved and ptr not in {storage(p) for p in model.parameters()}:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = model(**x)[0]
-    y.square().mean().backward()
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=1e-4)
-    opt.step()
-
-    def local_bytes(ts):
-        return sum(t.to_local().numel() * t.to_local().element_size() for t in ts)
-    got = dict(base=local_bytes(p for p in model.parameters() if not p.requires_grad), adapters=local_bytes(trained),
-               grads=local_bytes(p.grad for p in trained),
-               optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
-               saved=sum(saved.values()))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(got, f)
+    _lora_step_bytes(model, x, rank, out)
 
 
 @pytest.mark.slow  # launches 2 ranks, each with a 0.56 B model materialised on CPU
