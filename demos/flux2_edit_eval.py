@@ -36,10 +36,10 @@ def load_pipeline(folder, lora=None):
     return pipe
 
 
-def generate(pipe, rows, steps=20, seed=0, guidance=1.0) -> list[np.ndarray]:
+def generate(pipe, rows, steps=20, seed=0, true_cfg=1.0) -> list[np.ndarray]:
     """Edited images (HxWx3 uint8) for `rows`, one pipeline call per row (its references are one prompt's
-    images) at the target's size, guidance_scale `guidance` (1: true CFG off), generator seeded with seed +
-    index (the global RNG too)."""
+    images) at the target's size, true CFG against "" at guidance_scale `true_cfg` (1: off), generator seeded
+    with seed + index (the global RNG too); qwen_edit_eval.generate's signature."""
     import torch
     from PIL import Image
     outputs = []
@@ -48,7 +48,7 @@ def generate(pipe, rows, steps=20, seed=0, guidance=1.0) -> list[np.ndarray]:
             images = [Image.open(c).convert("RGB") for c in row["control"]]
             torch.manual_seed(seed + i)
             out = pipe(image=images, prompt=row["prompt"], height=IMAGE_SIZE, width=IMAGE_SIZE,
-                       num_inference_steps=steps, guidance_scale=guidance, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                       num_inference_steps=steps, guidance_scale=true_cfg, max_sequence_length=MAX_SEQUENCE_LENGTH,
                        generator=torch.Generator().manual_seed(seed + i), output_type="np").images[0]
             outputs.append(np.clip(np.round(out * 255.0), 0, 255).astype(np.uint8))
     return outputs

@@ -248,18 +248,14 @@ def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False, true_
     FluxKontextPipeline (at `guidance`), QwenImageEditPlusPipeline or Flux2KleinPipeline (the context as
     their one reference, true CFG at `true_cfg`: off at 1), as model_index.json says. `neutral`: its
     scheduler's σ-bending settings neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
-    if is_flux2(folder):
+    if is_flux2(folder) or is_qwen(folder):
         from demos import flux2_edit_eval as fe
-        pipe, refs = fe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
-
-        def generate(seed):
-            return fe.generate(pipe, refs, steps=steps, seed=seed, guidance=true_cfg)
-    elif is_qwen(folder):
         from demos import qwen_edit_eval as qe
-        pipe, refs = qe.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
+        family = fe.FLUX2 if is_flux2(folder) else qe.QWEN
+        pipe, refs = family.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
 
         def generate(seed):
-            return qe.generate(pipe, refs, steps=steps, seed=seed, true_cfg=true_cfg)
+            return family.generate(pipe, refs, steps=steps, seed=seed, true_cfg=true_cfg)
     elif true_cfg > 1:
         raise ValueError(f"{folder}: true CFG is for Qwen-Image-Edit and FLUX.2 models (FLUX.1 Kontext takes "
                          "--guidance)")

@@ -213,7 +213,7 @@ class EditFamily:
     doc: str  # the module docstring: --help's description
     size: int  # pixels per side of the task's images
     load_pipeline: Callable  # (folder, lora=None) -> the pipeline, fp32, progress bar off
-    generate: Callable  # (pipe, rows, steps, seed) -> HxWx3 uint8 outputs
+    generate: Callable  # (pipe, rows, steps, seed, true_cfg=1.0) -> HxWx3 uint8 outputs
 
 
 QWEN = EditFamily("qwen_edit", __doc__, IMAGE_SIZE, load_pipeline, generate)
