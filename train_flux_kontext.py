@@ -346,8 +346,10 @@ def image_hash(source, size) -> str:
 
 
 def latent_file(cache_dir, identity, row, shape) -> str:
+    """The cache file of a pair at its bucket: the target's size and every reference's (REFERENCE_AREA and the
+    bucket set them; a file's hash is its bytes alone) are part of the key."""
     size, sizes = shape
-    controls = "\n".join(image_hash(c, s) for c, s in zip(references(row), sizes))
+    controls = "\n".join(f"{tuple(s)}:{image_hash(c, s)}" for c, s in zip(references(row), sizes))
     key = hashlib.sha256(f"{identity}\n{size}\n{controls}\n{image_hash(row['target'], size)}".encode()).hexdigest()
     return os.path.join(cache_dir, "latents", key[:2], key + ".pt")
 

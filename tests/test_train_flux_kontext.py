@@ -405,6 +405,18 @@ def _latent_counts(stdout):
     return tuple(int(g) for g in m.groups()) if m else None
 
 
+def test_latent_cache_key_holds_every_images_size(tmp_path):
+    """A pair's cache file changes with its target size and with any reference's size (REFERENCE_AREA), so a
+    second run at another reference area encodes again instead of reading latents of the wrong shape."""
+    from PIL import Image
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    row = {"control": str(tmp_path / "a.png"), "target": str(tmp_path / "a.png"), "prompt": "p"}
+    files = {shape: tfk.latent_file(str(tmp_path), "id", row, shape)
+             for shape in [((64, 64), ((64, 64),)), ((64, 64), ((32, 32),)), ((32, 32), ((64, 64),))]}
+    assert len(set(files.values())) == 3
+    assert tfk.latent_file(str(tmp_path), "id", row, ((64, 64), ((64, 64),))) == files[((64, 64), ((64, 64),))]
+
+
 @pytest.mark.slow
 def test_cached_latents_train_exactly_as_the_vae_in_the_step(kontext_setup, tmp_path):
     """At one pair per micro-batch the cache's one-image encodes are the step's own: the losses
