@@ -33,7 +33,7 @@ import torch
 import fsdp_utils
 from algorithms import flux_kontext as km
 from algorithms.dmd2 import cfg_combine
-from core.dist import print0
+from core.dist import all_gather_objects, print0
 from core.errors import ConfigError
 from data.images import image_size, load_pil, pil_tensor
 from data.buckets import references as controls
@@ -270,13 +270,30 @@ def shard_text_encoder(model_path, settings, dtype, device) -> bool:
     return numel * torch.finfo(dtype).bits // 8 > torch.cuda.get_device_properties(device).total_memory // 2
 
 
+def template_tokens(pipe, prompt: str) -> int:
+    """The tokens `prompt` takes under the pipeline's template before encode_prompt cuts them to
+    max_sequence_length from the right (klein: the chat template, pipeline_flux2_klein.py:226-239; [dev]: the
+    system message, pipeline_flux2.py:322-332)."""
+    if type(pipe).__name__ == "Flux2Pipeline":
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+        return len(pipe.tokenizer.apply_chat_template(format_input([prompt]), add_generation_prompt=False,
+                                                      tokenize=True, return_dict=True)["input_ids"][0])
+    text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=False)
+    return len(pipe.tokenizer(text)["input_ids"])
+
+
 def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> str:
     """Fill the text cache for the (prompt, row) pairs' prompts (each rank its share, the encoder freed
-    after; sharded over the ranks where SHARD_TEXT_ENCODER says); returns the encoder identity."""
+    after; sharded over the ranks where SHARD_TEXT_ENCODER says); returns the encoder identity. Says how
+    many of the prompts it encodes run past MAX_SEQUENCE_LENGTH under the template: the pipeline cuts them
+    from the right without a word, and [dev]'s system message alone takes hundreds of tokens."""
     length = text_length(settings)
     identity = folder_identity(model_path, TEXT_PARTS, length, dtype_name(dtype))
+    cut = set()  # the prompts this rank encodes whose template runs past `length`
 
     def encode(pipe, part):
+        cut.update(p for p in part if template_tokens(pipe, p) > length)
         embeds, _ = pipe.encode_prompt(prompt=list(part), device=device, max_sequence_length=length)
         return [{"prompt": p, "prompt_embeds": e.clone()} for p, e in zip(part, embeds.cpu())]
 
@@ -286,6 +303,11 @@ def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> 
                                        lambda: load(model_path, dtype, device), encode, sharded=sharded)
     print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} ({cache_dir}; "
            f"{length} tokens, {dtype_name(dtype)}{', encoder sharded' if sharded else ''})")
+    cut = sorted(set().union(*all_gather_objects(sorted(cut))))
+    if cut:
+        print0(f"text cache: {len(cut)} prompts encoded here run past MAX_SEQUENCE_LENGTH={length} "
+               f"tokens under the pipeline's template and were cut from the right as the pipeline cuts them "
+               f"(the first: {cut[0][:80]!r}); raise MAX_SEQUENCE_LENGTH to keep them whole")
     return identity
 
 

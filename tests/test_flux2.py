@@ -199,6 +199,31 @@ def test_dev_text_is_the_pipelines(dev, tmp_path):
     assert not torch.equal(ours[0], ours[1])  # the prompts fit: not cut off after the system message
 
 
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_the_fill_counts_prompts_the_template_cuts(klein, dev, tmp_path, capsys, variant):
+    """template_tokens is the number of tokens the pipeline's encode_prompt hands its text encoder unpadded (its
+    attention mask's sum at 512), and a fill at a MAX_SEQUENCE_LENGTH under a prompt's count names it."""
+    folder = klein["model"] if variant == "klein" else dev
+    pipe = pipeline(folder)
+    masks = []
+    pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: masks.append(int(kw["attention_mask"].sum())),
+                                                with_kwargs=True)
+    with torch.no_grad():
+        for p in PROMPTS:
+            pipe.encode_prompt([p], max_sequence_length=512)
+    counts = [flux2.template_tokens(pipe, p) for p in PROMPTS]
+    assert counts == masks and len(set(counts)) > 1, (counts, masks)
+    length = sorted(counts)[-2]  # the longest prompt (or prompts) cut, the others whole
+    capsys.readouterr()
+    text(folder, tmp_path, PROMPTS, length=length)
+    longest = sorted(p for p, n in zip(PROMPTS, counts) if n > length)
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "run past MAX_SEQUENCE_LENGTH" in ln]
+    assert len(line) == 1 and f"{len(longest)} prompts encoded here" in line[0] and repr(longest[0][:80]) in line[0]
+    capsys.readouterr()
+    text(folder, tmp_path / "whole", PROMPTS, length=max(counts))
+    assert "run past" not in capsys.readouterr().out
+
+
 def test_dev_sampling_loop_is_the_pipelines(dev, tmp_path):
     """FLUX.2 [dev]'s path (Flux2Pipeline: the Mistral-3 text, the guidance embedding, no CFG) equals the pipeline's
     output for the same prompt, and the training forward embeds GUIDANCE as the pipeline does."""
