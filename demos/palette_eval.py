@@ -311,6 +311,18 @@ def save_grid(contexts, outputs, path, n_contexts=6, n_seeds=4, scale=3):
     return shapes.save_png(canvas, path)
 
 
+def read_scored(parser, path, settings, seeds, seed, contexts) -> dict:
+    """The rows of an earlier --json that this run would sample again: same name, folder, steps, guidance, true
+    CFG and σ settings, at the same noise seeds over as many contexts."""
+    earlier = json.loads(Path(path).read_text())
+    asked = {"seeds": seeds, "seed": seed, "contexts": contexts}
+    for key, value in asked.items():
+        if earlier.get(key) != value:
+            parser.error(f"--scored {path}: scored with {key} {earlier.get(key)}, this run has {value}")
+    old = earlier.get("settings", {})
+    return {name: earlier["results"][name] for name, s in settings.items() if old.get(name) == s}
+
+
 def main(argv=None):
     from components.warnings import quiet_known_warnings
     quiet_known_warnings()
@@ -336,6 +348,9 @@ def main(argv=None):
     p.add_argument("--reference", default="", help="the model whose entropy is 100 %% variety (default: the first)")
     p.add_argument("--grid", default="", help="PNG grid path ('' = none)")
     p.add_argument("--json", default="")
+    p.add_argument("--scored", default="", help="an earlier --json of this task at the same seeds: a row there "
+                   "with the same name, folder, steps and sampling settings is read, not sampled again (a second "
+                   "training seed's students beside the same teacher)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (2 crawls on shared cores)")
     args = p.parse_args(argv)
     if args.make_data:
@@ -368,8 +383,16 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rows = ke.load_rows(ensure_task_data(args.task_dir, args.size)["heldout"])
     rows = rows[:args.n] if args.n else rows
+    settings = {name: {"folder": models[name], "steps": steps[name], "guidance": args.guidance,
+                       "true_cfg": true_cfg.get(name, 1.0), "neutral": name in args.neutral_sigmas}
+                for name in models}
+    scored = read_scored(p, args.scored, settings, args.seeds, args.seed, len(rows)) if args.scored else {}
     results, outputs = {}, {}
     for name, folder in models.items():
+        if name in scored:
+            results[name] = scored[name]
+            print(f"{name}: {folder} ({steps[name]} steps) read from {args.scored}", file=sys.stderr)
+            continue
         t0 = time.time()
         results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed,
                                                 neutral=name in args.neutral_sigmas, true_cfg=true_cfg.get(name, 1.0))
@@ -387,9 +410,9 @@ def main(argv=None):
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"models": models, "steps": steps, "guidance": args.guidance,
-                                               "true_cfg": true_cfg,
+                                               "true_cfg": true_cfg, "settings": settings,
                                                "seeds": args.seeds, "seed": args.seed, "reference": reference,
-                                               "results": results}, indent=1))
+                                               "contexts": len(rows), "results": results}, indent=1))
     return 0
 
 

@@ -127,3 +127,25 @@ def test_the_64_px_task_for_flux2(tmp_path):
     summary, outputs = pe.evaluate(str(Path(ROOT) / "assets" / "flux2_edit_base"), rows[:1], steps=2, guidance=1.0,
                                    seeds=1)
     assert outputs[0][0].shape == (64, 64, 3) and summary["n"] == 1
+
+
+def test_scored_rows_are_read_not_sampled_again(tmp_path, monkeypatch, capsys):
+    """--scored: a row of an earlier --json with the same folder, steps and settings is read from it (a second
+    training seed's students beside the same teacher); a row at other steps is sampled; other seeds refuse."""
+    task, base = str(tmp_path / "task"), str(Path(ROOT) / "assets" / "flux2_edit_base")
+    common = ["--task_dir", task, "--size=64", "--n=1", "--seeds=1", "--steps=2"]
+    assert pe.main(common + ["--compare", f"a={base}", "--json", str(tmp_path / "first.json")]) == 0
+    first = capsys.readouterr().out
+    sampled = []
+    real = pe.evaluate
+    monkeypatch.setattr(pe, "evaluate", lambda folder, rows, steps, *a, **k: sampled.append(steps) or
+                        real(folder, rows, steps, *a, **k))
+    assert pe.main(common + ["--scored", str(tmp_path / "first.json"), "--compare", f"a={base}", f"b={base}",
+                             "--steps_for", "b=1"]) == 0
+    assert sampled == [1]  # a read, b sampled
+    row_a = [ln for ln in first.splitlines() if ln.startswith("| a ")]
+    assert row_a and row_a[0] in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        pe.main(common[:-2] + ["--seeds=2", "--steps=2", "--scored", str(tmp_path / "first.json"),
+                               "--compare", f"a={base}"])
+    assert "scored with seeds 1, this run has 2" in capsys.readouterr().err
