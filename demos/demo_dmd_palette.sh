@@ -20,6 +20,9 @@
 #   FAMILY=qwen bash demos/demo_dmd_palette.sh  # the same with Qwen-Image-Edit (out/palette_dmd_qwen)
 #   FAMILY=flux2 bash demos/demo_dmd_palette.sh # the same with FLUX.2 [klein] (out/palette_dmd_flux2)
 #   TEACHER=out/my_palette_teacher/export bash demos/demo_dmd_palette.sh
+#   # a second training seed beside the same teacher, whose rows are read from the first run's scores:
+#   FAMILY=flux2 TEACHER=out/palette_dmd_flux2/teacher/export SCORED=out/palette_dmd_flux2/eval.json \
+#       OUT=out/palette_dmd_flux2_seed1 bash demos/demo_dmd_palette.sh --seed=1
 #
 # Ends with each run's training wall time; the table's s / image column is the evaluation's.
 set -euo pipefail
@@ -56,6 +59,7 @@ TEACHER=${TEACHER:-$OUT/teacher/export}
 NPROC=${NPROC:-2}
 SEEDS=${SEEDS:-32}
 GRID=${GRID:-$OUT/grid.png}
+SCORED=${SCORED:-}  # an earlier run's eval.json: its rows of the same models and settings are read, not sampled
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task" --size="$SIZE")
 TRAIN=$(awk '$1 == "train" {print $2}' <<< "$SPLITS")
@@ -96,5 +100,6 @@ trained=$(date +%s)
 python -m demos.palette_eval --task_dir="$OUT/task" --size="$SIZE" --grid="$GRID" --json="$OUT/eval.json" --seeds="$SEEDS" \
     --compare teacher_28="$TEACHER" teacher_4="$TEACHER" teacher_1="$TEACHER" \
     student_4="$OUT/4step/export" student_1="$OUT/1step/export" \
-    --steps=28 --steps_for teacher_4=4 teacher_1=1 student_4=4 student_1=1 "${EVAL_ARGS[@]}"
+    --steps=28 --steps_for teacher_4=4 teacher_1=1 student_4=4 student_1=1 "${EVAL_ARGS[@]}" \
+    ${SCORED:+--scored="$SCORED"}
 echo "demo: training ${times[*]}; evaluation $(( $(date +%s) - trained )) s; grid $GRID"
