@@ -394,8 +394,7 @@ def main(argv=None):
             print(f"{name}: {folder} ({steps[name]} steps) read from {args.scored}", file=sys.stderr)
             continue
         t0 = time.time()
-        results[name], outputs[name] = evaluate(folder, rows, steps[name], args.guidance, args.seeds, args.seed,
-                                                neutral=name in args.neutral_sigmas, true_cfg=true_cfg.get(name, 1.0))
+        results[name], outputs[name] = evaluate(rows=rows, seeds=args.seeds, seed0=args.seed, **settings[name])
         print(f"{name}: {folder} ({steps[name]} steps) evaluated in {time.time() - t0:.1f}s", file=sys.stderr)
     print(markdown_table(results, steps, reference))
     for name in results:
