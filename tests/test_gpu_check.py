@@ -36,6 +36,13 @@ def test_smaller_qwen_blocks_halve_to_one():
     assert sizes == [4, 2, 1]
 
 
+def test_smaller_size_halves_each_family_by_its_own_rule():
+    assert gpu_check.smaller_size(("klein", 2, 4)) == ("klein", 1, 2)
+    assert gpu_check.smaller_size(("klein", 1, 1)) is None
+    assert gpu_check.smaller_size((2, 4)) == (1, 2) and gpu_check.smaller_size(4) == 2
+    assert gpu_check.smaller_size("sd15") is None
+
+
 def _rows(*specs):
     return [{"run": name, "size": size, "resume": False} for name, size in specs]
 
@@ -224,6 +231,70 @@ def test_dmd_bound_counts_the_network_calls_of_the_timed_steps():
     # a flow teacher's backward simulation adds generator calls the bound does not count: no line
     qwen = {**row, "run": "dmd_qwen_edit_512px_4step_lora64_ac_profiled", "model": "Qwen-Image-Edit 4 blocks"}
     assert "network calls" not in gpu_check.table([qwen], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
+
+
+def test_flux2_dmd_bound_counts_backward_simulation_the_cfg_pair_and_a_lora_generator():
+    """F = 100, F2 (the teacher's true-CFG pair, one batch of 2) = 180, P = 300, P_G (a LoRA generator: frozen
+    weights) = 200, V (the references' VAE encode) = 10. Steps 5, 6, 7 at ratio 5 with σ indices 0, 2, 3: step 6
+    (iteration 5) is the generator's. Fake-score steps V + (k + 1) F + P: 410 (k 0), 710 (k 3); the generator step
+    V + k F + P_G + F2 + F + P = 10 + 200 + 200 + 180 + 100 + 300 = 990; mean 2110 / 3. With AC each forward +
+    backward adds F: + 100 on fake-score steps, + 200 on the generator's. A full generator: P in place of P_G."""
+    plain = {"fwd_ms": 100.0, "fwd_pair_ms": 180.0, "fwd_bwd_ms": 300.0, "frozen_fwd_bwd_ms": 200.0, "vae_ms": 10.0}
+    steps, indices = [5, 6, 7], [0, 2, 3]
+    ms, gen = gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, ac=False, lora_generator=True, cfg_pair=True)
+    assert gen == 1 and ms == pytest.approx(2110 / 3)
+    assert gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, True, True, True)[0] == pytest.approx(2510 / 3)
+    assert gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, False, False, True)[0] == pytest.approx(2210 / 3)
+    assert gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, False, True, False)[0] == pytest.approx(2030 / 3)
+    ref = {**plain, "model_tflop": 1.0, "mfu": 0.3, "adamw_ms": 5.0}
+    row = {**gpu_check.blank_result({"run": "dmd_flux2_klein_512px_4step_lora64_ac", "world": 1, "expect_s": 170},
+                                    "pass", True),
+           "model": "FLUX.2 klein 2+4 blocks", "step_ms": 770.0, "timed_steps": steps, "step_indices": indices,
+           "ref": "klein", "ratio": 5, "ac": False, "lora_generator": True, "cfg_pair": True}
+    assert "| dmd_flux2_klein_512px_4step_lora64_ac | 1 + 2 | 703 | 770 | 1.09 | met |" in \
+        gpu_check.table([row], {"klein": ref}, ["head"])
+    # without the logged σ indices the step's calls are unknown: no line
+    assert "network calls" not in gpu_check.table([{**row, "step_indices": []}], {"klein": ref}, ["head"])
+
+
+def test_the_flux2_rows_are_sized_by_the_scripts_arithmetic_and_fit_one_device_call(tmp_path):
+    """klein-base-4B's transformer at 2 + 4 blocks of real width (1.2 B parameters): the LoRA r64 generator's
+    adapters and the full fake score's fp32 weights and AdamW moments make a 14.3 GB checkpoint; the 512 px row
+    resumes (two checkpoints beside the adapters' export), the 1024 px row only times. Both rows, the start-up and
+    their two plain references fit one call."""
+    rows = gpu_check.plan_runs(tiny=False, suite="flux2")
+    assert [r["run"] for r in rows] == ["dmd_flux2_klein_512px_4step_lora64_ac",
+                                        "dmd_flux2_klein_1024px_4step_lora64_ac_timed"]
+    assert all(r["ref"] and r["settings"]["lora_rank"] == 64 and r["settings"]["ac"] for r in rows)
+    assert rows[0]["resume"] and not rows[1]["resume"]
+    assert rows[0]["settings"]["extra"]["real_guidance_scale"] == 4.0
+    folder = gpu_check.flux2_skeleton(str(tmp_path), (2, 4), None)
+    one, export = gpu_check.row_bytes(rows[0], folder)
+    assert (_gb(one), _gb(gpu_check.peak_disk(one, export, True))) == ("14.3 GB", "28.7 GB")
+    assert export < 0.1 * gpu_check.GB  # the generator's adapters
+    assert gpu_check.model_label(("klein", 2, 4)) == "FLUX.2 klein 2+4 blocks"
+    expected = gpu_check.STARTUP_EXPECT_S + 2 * gpu_check.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
+    assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+
+
+@pytest.mark.slow
+def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(tmp_path):
+    """The tiny klein-base DMD2 row (--suite=flux2): trained with its plain reference (the teacher's pair and the
+    frozen-weight backward among its calls), saved, resumed, exported, the LoRA export sampled by Flux2KleinPipeline
+    in 4 steps at the trained σ list, and set against its network calls."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
+                        "--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac", f"--out={out}"], cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "export sampled in 4 steps: σ seen [1.0, 0.75, 0.5, 0.25]" in r.stdout
+    result = json.loads((out / "gpu_check.json").read_text())
+    row, = result["rows"]
+    assert row["ok"] and row["resume_export"] == "pass" and row["model"] == "tiny FLUX.2 klein"
+    assert len(row["step_indices"]) == len(row["timed_steps"]) == 10
+    ref, = result["refs"].values()
+    assert all(ref[k] > 0 for k in ("fwd_ms", "fwd_pair_ms", "fwd_bwd_ms", "frozen_fwd_bwd_ms", "vae_ms"))
+    assert "| dmd_flux2_klein_64px_4step_lora64_ac | 2 + 8 |" in (out / "gpu_check.md").read_text()
 
 
 @pytest.mark.slow

@@ -22,7 +22,10 @@ rows in order of value (plan_runs): Kontext 1024 px full fine-tune (save -> resu
 DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a cuDNN-attention probe, Kontext NF4 LoRA +
 adamw8bit, DMD2 with a Kontext teacher (resume), Kontext LoRA under COMPILE=1, Qwen-Image-Edit LoRA at
 1024 px with two references, its 512 px full fine-tune (resume, export loaded as the pipeline); the
-Qwen-Image-Edit rows are a second call (--runs=qwen_edit; the first: --runs=kontext,dmd)
+Qwen-Image-Edit rows are a second call (--suite=qwen), FLUX.2 klein-base DMD2 a third (--suite=flux2: a LoRA
+r64 generator and a full fake score at 512 px saved, resumed, exported and the export sampled in 4 steps by
+Flux2KleinPipeline, and the same timed at 1024 px; klein-base-4B's transformer at --flux2_blocks of real width,
+its real VAE, a narrow Qwen3 of the real width)
 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score step under
 torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds (each row's
 expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left; one
@@ -33,11 +36,11 @@ Every row shows its model, its step time (the mean of the steps after the first 
 seconds and, under COMPILE=1, compile seconds are shown apart) as "x plain", its MFU (model FLOPs: the
 trained networks' forward + backward, no VAE, no recomputation, against the peak of the dtype used),
 its peak CUDA memory against the planner's, its disk need against the free space, and its seconds
-against the expected; each DMD2 UNet row is also set against the plain-eager time of its network
-calls (dmd_network_ms) with the goal DMD_GOAL. Exit 0 when every row passed (or was skipped for want of CUDA)
-and tests/test_gpu.py passed. Output (at most 8 files): gpu_check.md (the table), gpu_check.json,
-runs.log (every run's output, tracebacks included), test_gpu.log, build.log, and with --suite=speed
-profile_dmd_sd15_*.txt (and profile_dmd_qwen_*.txt).
+against the expected; each DMD2 UNet row and FLUX.2 row is also set against the plain-eager time of its
+network calls (dmd_network_ms, dmd_flow_network_ms) with the goal DMD_GOAL. Exit 0 when every row passed
+(or was skipped for want of CUDA) and tests/test_gpu.py passed. Output (at most 8 files): gpu_check.md (the
+table), gpu_check.json, runs.log (every run's output, tracebacks included), test_gpu.log, build.log, and with
+--suite=speed profile_dmd_sd15_*.txt (and profile_dmd_qwen_*.txt).
 """
 from __future__ import annotations
 
@@ -276,6 +279,69 @@ def qwen_text_tokens(folder: str, data: str, condition_area: int) -> int:
     return ids.shape[1] - pipe.prompt_template_encode_start_idx
 
 
+FLUX2 = os.path.join(REAL, "flux2-klein-4b")
+
+
+def tiny_flux2_folder(root: str) -> str:
+    from tools import tiny_models
+    base = os.path.join(root, "flux2_tiny")
+    if not os.path.isdir(base):
+        tiny_models.make_tiny_flux2_klein(base)
+    return base
+
+
+def flux2_text_encoder_config(tiny: dict) -> dict:
+    """The tiny klein's Qwen3 config (its vocabulary, special token ids and 28 layers: the pipeline stacks the
+    hidden states of layers 9, 18 and 27) at the real hidden width, each layer narrow (2 heads of the real 128
+    dims, an MLP of 256): the text cache gets embeddings of the real width (3 x 2560, the transformer's
+    joint_attention_dim) from ~0.1 B parameters instead of 4 B."""
+    with open(os.path.join(FLUX2, "text_encoder", "config.json")) as f:
+        real = json.load(f)
+    return {**tiny, "hidden_size": real["hidden_size"], "head_dim": real["head_dim"], "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 256}
+
+
+def flux2_parts(root: str) -> str:
+    """Everything of a FLUX.2 [klein]-base folder but its transformer: the real AutoencoderKLFlux2 and a
+    narrow Qwen3 of the real width (flux2_text_encoder_config; random weights), the tiny tokenizer, the
+    scheduler, model_index.json (is_distilled false: a base, sampled with true CFG)."""
+    out = os.path.join(root, "flux2_parts")
+    if os.path.isdir(out):
+        return out
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    partial = out + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    tiny = tiny_flux2_folder(root)
+    _copy_small_parts(tiny, partial, ("tokenizer", "scheduler"))
+    with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
+        config = Qwen3Config.from_dict(flux2_text_encoder_config(json.load(f)))
+    with _init_device():
+        AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(os.path.join(FLUX2, "vae"))
+                                       ).save_pretrained(os.path.join(partial, "vae"))
+        Qwen3ForCausalLM(config).save_pretrained(os.path.join(partial, "text_encoder"))
+    os.replace(partial, out)
+    return out
+
+
+def flux2_skeleton(root: str, blocks: tuple[int, int], parts: str | None) -> str:
+    """work/flux2_real_D_S: klein-base-4B's transformer config with D double + S single blocks (_skeleton)."""
+    with open(os.path.join(FLUX2, "transformer", "config.json")) as f:
+        config = {**json.load(f), "num_layers": blocks[0], "num_single_layers": blocks[1]}
+    return _skeleton(os.path.join(root, f"flux2_real_{blocks[0]}_{blocks[1]}"), config, parts)
+
+
+def smaller_size(size):
+    """The next smaller model of a row (smaller_qwen_blocks, smaller_blocks; a FLUX.2 size ("klein", D, S)
+    halves as FLUX does); None: no smaller one."""
+    if isinstance(size, int):
+        return smaller_qwen_blocks(size)
+    if isinstance(size, tuple) and size[0] == "klein":
+        half = smaller_blocks(size[1:])
+        return ("klein", *half) if half else None
+    return smaller_blocks(size) if isinstance(size, tuple) else None
+
+
 def datasets(root: str, size: int) -> tuple[str, str]:
     """(DMD2 prompts .txt, Kontext pairs .jsonl at `size` px)."""
     from tools import tiny_models
@@ -289,13 +355,17 @@ def datasets(root: str, size: int) -> tuple[str, str]:
 
 
 def model_label(size) -> str:
-    """A row's model for the table: "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "SD-1.5", "tiny FLUX", ..."""
+    """A row's model for the table: "FLUX 2+4 blocks", "FLUX.2 klein 2+4 blocks", "Qwen-Image-Edit 4 blocks",
+    "SD-1.5", "tiny FLUX", ..."""
+    if isinstance(size, tuple) and size[0] == "klein":
+        return f"FLUX.2 klein {size[1]}+{size[2]} blocks"
     if isinstance(size, tuple):
         return f"FLUX {size[0]}+{size[1]} blocks"
     if isinstance(size, int):
         return f"Qwen-Image-Edit {size} blocks"
     return {"sd15": "SD-1.5", "tiny_sd15": "tiny SD-1.5", "tiny_flux": "tiny FLUX",
-            "tiny_qwen": "tiny Qwen-Image-Edit"}.get(size, "-")
+            "tiny_qwen": "tiny Qwen-Image-Edit",
+            "tiny_flux2": "tiny FLUX.2 klein"}.get(size, "-")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -476,6 +546,9 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
     elif kind == "qwen":
         model, args = qwen_reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g)
         images = (1 + len(references)) * batch
+    elif kind == "flux2":
+        model, args = flux2_reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g)
+        images = len(references) * batch  # what a DMD2 step encodes: its references (the generator makes the target)
     else:
         from diffusers import UNet2DConditionModel
         model = UNet2DConditionModel.from_pretrained(os.path.join(folder, "unet"), torch_dtype=dtype)
@@ -497,6 +570,8 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
             model(**args, return_dict=False)
 
     out = {"fwd_bwd_ms": _timed(fwd_bwd, device), "fwd_ms": _timed(fwd, device)}
+    if kind == "flux2":
+        out.update(flux2_dmd_calls(model, args, batch, device))
     flops = {k: 3 * n for k, n in _model_flops(lambda: model(**args, return_dict=False)).items()}
     peaks = peak_tflops(device)
     out["model_tflop"] = sum(flops.values()) / 1e12
@@ -504,7 +579,7 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
     def mfu(ms):
         return sum(n / (peaks[k] * 1e12) for k, n in flops.items()) / (ms / 1000) if peaks else float("nan")
     out["mfu"] = mfu(out["fwd_bwd_ms"])
-    if kind != "flux":  # the UNet as CHANNELS_LAST runs it (sd_unet.to_channels_last): NHWC conv inputs
+    if kind not in ("flux", "flux2"):  # the UNet as CHANNELS_LAST runs it (sd_unet.to_channels_last): NHWC conv inputs
         from families.sd_unet import to_channels_last
         to_channels_last(model)
         out["cl_fwd_bwd_ms"] = _timed(fwd_bwd, device)
@@ -516,8 +591,8 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
     opt = torch.optim.AdamW(master, lr=1e-5, fused=device.type == "cuda")
     out["adamw_ms"] = _timed(opt.step, device, warmup=1, repeat=3)
     master = opt = None
-    from diffusers import AutoencoderKLQwenImage
-    vae_class = AutoencoderKLQwenImage if kind == "qwen" else AutoencoderKL
+    from diffusers import AutoencoderKLFlux2, AutoencoderKLQwenImage
+    vae_class = {"qwen": AutoencoderKLQwenImage, "flux2": AutoencoderKLFlux2}.get(kind, AutoencoderKL)
     vae = vae_class.from_pretrained(os.path.join(folder, "vae"), torch_dtype=dtype).to(device)
     pixels = torch.randn(images, 3, resolution, resolution, device=device, dtype=dtype, generator=g)
     if kind == "qwen":  # one-frame videos: the target and each reference (one size in these rows)
@@ -549,6 +624,53 @@ def qwen_reference_inputs(folder, resolution, references, batch, text_len, devic
                 encoder_hidden_states_mask=None, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
                 img_shapes=[shapes] * batch, guidance=None)
     return model, args
+
+
+def flux2_reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
+    """(Flux2Transformer2DModel, its forward's inputs) as families/flux2.forward calls it: the target's and each
+    reference's packed tokens (square images of those sides) with the room's 4-D ids, timestep σ, the text's
+    hidden states with their ids, no guidance (klein)."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    from families import flux2
+    from parallel import attention
+    model = Flux2Transformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
+    attention.set_backend(model, attention.DEFAULT)
+    c, cell = model.config, 2 * flux2.vae_factor(folder)  # pixels per token: the VAE's factor, then 2x2 packing
+    grids = [(side // cell, side // cell) for side in (resolution, *references)]
+    tokens = sum(h * w for h, w in grids)
+    text = torch.randn(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype, generator=g)
+    args = dict(hidden_states=torch.randn(batch, tokens, c.in_channels, device=device, dtype=dtype, generator=g),
+                encoder_hidden_states=text, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
+                img_ids=flux2.image_ids(grids, device).expand(batch, -1, -1), txt_ids=flux2.text_ids(text),
+                guidance=None)
+    return model, args
+
+
+def flux2_dmd_calls(model, args: dict, batch: int, device) -> dict:
+    """The plain calls a klein DMD2 step makes beyond forward and forward + backward (dmd_flow_network_ms):
+    the teacher's true-CFG pair, one forward without grad of a batch of 2B (families/flux2.Flux2Cond.velocity
+    batches prompt and negative), and a LoRA generator's forward + backward, whose frozen weights pass gradients
+    to their inputs only (the adapters' own matmuls are not counted)."""
+    import torch
+    pair = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in args.items()}
+
+    def pair_fwd():
+        with torch.no_grad():
+            model(**pair, return_dict=False)
+
+    def frozen_fwd_bwd():
+        x = args["hidden_states"].detach().requires_grad_()
+        model(**{**args, "hidden_states": x}, return_dict=False)[0].float().square().mean().backward()
+
+    out = {"fwd_pair_ms": _timed(pair_fwd, device)}
+    model.requires_grad_(False)
+    try:
+        out["frozen_fwd_bwd_ms"] = _timed(frozen_fwd_bwd, device)
+    finally:
+        model.requires_grad_(True)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,6 +761,7 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
     warm, later = timed_window(records, row["warmup"], finished=rc == 0)
     result["warmup_s"] = sum(r["step_ms"] for r in warm) / 1000
     result["timed_steps"] = [int(r["step"]) for r in later]
+    result["step_indices"] = [int(r["step_index"]) for r in later if "step_index" in r]  # a few-step DMD2 run's
     if s["extra"].get("compile"):  # this launch's output: after its "===== <command>" line (a cut adds "===== killed")
         result["compile_s"] = compile_seconds(open(log).read().rsplit("\n===== --", 1)[-1])
     if later:  # the mean over whole DMD2 cycles (steps 3-12 at ratio 5: 2 generator + 8 fake-score steps)
@@ -662,7 +785,7 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
         else:
             rc2 = launch(script, args + [f"--max_steps={steps + 1}", "--resume=auto"], world, log, deadline.left())
             resumed = rc2 == 0 and "resumed from" in open(log).read().rsplit("=====", 1)[-1]
-            result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s) else \
+            result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s, folder, data) else \
                 ("cut at the deadline" if rc2 == 124 else "FAIL (runs.log)")
             result["ok"] = result["resume_export"] == "pass"
     table_path = os.path.join(run_dir, "profile", "ops_rank0.txt")
@@ -706,15 +829,79 @@ def dmd_network_ms(plain: dict, steps: list[int], ratio: int, ac: bool) -> tuple
     return total / max(len(steps), 1), gen
 
 
-def export_loads(run_dir: str, kind: str, s: dict) -> bool:
+def dmd_flow_network_ms(plain: dict, steps: list[int], indices: list[int], ratio: int, ac: bool,
+                        lora_generator: bool, cfg_pair: bool) -> tuple[float, int]:
+    """(ms per step, generator steps) of the network calls of a flow teacher's DMD2 `steps` (algorithms/dmd2_flow.py)
+    at plain-eager speed. Every step encodes its references (V: the plain VAE encode) and runs the generator's
+    backward simulation to the step's σ index k (`indices`, the logged step_index: k forwards without grad, F). A
+    fake-score step then makes G's images without grad (F) and trains the fake score (P); a generator step makes
+    them with grad (P_G: plain forward + backward, or with a LoRA generator the frozen weights' forward + backward,
+    which computes no weight gradients), runs the teacher (true CFG: the pair as one batch of 2B, F2; else F) and
+    the fake score's DM-loss forward (F), and trains the fake score (P):
+        fake-score step  V + (k + 1) F + P
+        generator step   V + k F + P_G + F2 + F + P
+    With activation checkpointing every forward + backward recomputes its forward: + F. The mean over `steps`."""
+    from algorithms.dmd2 import should_update_generator
+    f, v, redo = plain["fwd_ms"], plain["vae_ms"], plain["fwd_ms"] if ac else 0.0
+    p = plain["fwd_bwd_ms"] + redo
+    p_gen = (plain["frozen_fwd_bwd_ms"] if lora_generator else plain["fwd_bwd_ms"]) + redo
+    teacher = plain["fwd_pair_ms"] if cfg_pair else f
+    total, gen = 0.0, 0
+    for step, k in zip(steps, indices):
+        if should_update_generator(step - 1, ratio):
+            total, gen = total + v + k * f + p_gen + teacher + f + p, gen + 1
+        else:
+            total += v + (k + 1) * f + p
+    return total / max(len(steps), 1), gen
+
+
+def export_loads(run_dir: str, kind: str, s: dict, base: str = "", data: str = "") -> bool:
     import diffusers
     export = os.path.join(run_dir, "export")
+    if kind == "flux2":
+        return flux2_export_samples(export, base, s, data)
     if s.get("lora_rank"):
         return os.path.exists(os.path.join(export, "pytorch_lora_weights.safetensors"))
     if kind == "qwen":
         return qwen_export_loads(export)
     sub = "transformer" if kind == "flux" else "unet"
     return diffusers.AutoModel.from_pretrained(os.path.join(export, sub)) is not None
+
+
+def flux2_export_samples(export: str, base: str, s: dict, data: str) -> bool:
+    """A klein DMD2 export sampled as BFL's distilled klein is: the full export's Flux2KleinPipeline, or the base
+    folder with is_distilled=True, load_lora_weights and the export's scheduler; 4 steps at the row's size on the
+    first pair's context and prompt. Passes when the image is finite and the transformer saw the trained σ list."""
+    import numpy as np
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from PIL import Image
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if s.get("lora_rank"):
+        pipe = Flux2KleinPipeline.from_pretrained(base, is_distilled=True, torch_dtype=dtype)
+        pipe.load_lora_weights(export)
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
+    else:
+        pipe = Flux2KleinPipeline.from_pretrained(export, torch_dtype=dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                               with_kwargs=True)
+    with open(data) as f:
+        row = json.loads(f.readline())
+    context = Image.open(os.path.join(os.path.dirname(data), row["image"])).convert("RGB")
+    side = s["resolution"]
+    images = pipe(image=[context], prompt=row["prompt"], num_inference_steps=4, height=side, width=side,
+                  output_type="np", generator=torch.Generator().manual_seed(0),
+                  max_sequence_length=int(s["extra"].get("max_sequence_length", 512))).images
+    trained = [(int(t) + 1) / 1000 for t in str(s["extra"]["denoising_steps"]).split(",")]
+    ok = bool(np.isfinite(images).all()) and len(seen) == len(trained) and \
+        all(abs(a - b) < 1e-3 for a, b in zip(seen, trained))
+    print(f"export sampled in 4 steps: σ seen {seen}, trained {trained}, finite {np.isfinite(images).all()}",
+          flush=True)
+    return ok
 
 
 def qwen_export_loads(export: str) -> bool:
@@ -737,6 +924,10 @@ def qwen_export_loads(export: str) -> bool:
 KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0}
 # DMD2 with a Qwen-Image-Edit teacher as recipes/dmd_qwen_edit_4step_lora.sh runs it
 QWEN_DMD = {**KONTEXT_DMD, "lora_alpha": 8, "generator_lr": 5e-5, "guidance_lr": 4e-7}
+# DMD2 with a FLUX.2 klein-base teacher as recipes/dmd_flux2_klein_4step_lora.sh runs it, with bf16 bases and a
+# full fake score (the recipe's NF4 bases and LoRA fake score are the 24 GB card's choice)
+KLEIN_DMD = {**KONTEXT_DMD, "lora_alpha": 64, "generator_lr": 5e-5, "guidance_lr": 5e-5, "real_guidance_scale": 4.0,
+             "real_guidance_norm": "token"}
 
 
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
@@ -761,7 +952,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "warmup": warmup,
                 "expect_s": expect_s,
                 # the x-plain columns: the Kontext rows (their plain model is the trained transformer)
-                "ref": script == "train_flux_kontext.py" or suite == "speed",
+                "ref": script == "train_flux_kontext.py" or suite in ("speed", "flux2"),
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
@@ -776,6 +967,15 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 # fake score, AC; references at the target's size (as the planner plans them), teacher true CFG 4
                 row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 160, ac=True, lora_rank=64,
                     resume=True, extra=qwen_dmd())]
+    if suite == "flux2":  # FLUX.2 [klein]-base DMD2 (recipes/dmd_flux2_klein_4step_lora.sh without NF4): a call of
+        # its own; a LoRA r64 generator, the full fake score, the teacher's true CFG 4 with the token rescale, AC;
+        # saved, resumed and exported at 512 px (the export sampled in 4 steps), timed at 1024 px
+        klein = {**KLEIN_DMD, **({"max_sequence_length": 32} if tiny else {})}
+        k_lo, k_hi = (64, 64) if tiny else (512, 1024)  # Flux2ImageProcessor refuses a reference under 64 px
+        return [row(f"dmd_flux2_klein_{k_lo}px_4step_lora64_ac", dmd, "flux2", k_lo, 170, ac=True, lora_rank=64,
+                    resume=True, export_dtype="bf16", extra=klein),
+                row(f"dmd_flux2_klein_{k_hi}px_4step_lora64_ac_timed", dmd, "flux2", k_hi, 120, ac=True,
+                    lora_rank=64, export_dtype="bf16", extra=klein)]
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
@@ -902,11 +1102,15 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
     lines = []
     for r in rows:
         ref = refs.get(r.get("ref", ""), {})
-        # UNet rows only: a flow row's backward simulation adds generator calls the bound does not count
-        flow = any(k in r["model"].lower() for k in ("flux", "qwen"))
-        if not r.get("ratio") or "fwd_ms" not in ref or not r.get("timed_steps") or flow:
+        if not r.get("ratio") or "fwd_ms" not in ref or not r.get("timed_steps"):
             continue
-        ms, gen = dmd_network_ms(ref, r["timed_steps"], int(r["ratio"]), r.get("ac", False))
+        if "frozen_fwd_bwd_ms" in ref and len(r.get("step_indices", [])) == len(r["timed_steps"]):  # FLUX.2
+            ms, gen = dmd_flow_network_ms(ref, r["timed_steps"], r["step_indices"], int(r["ratio"]),
+                                          r.get("ac", False), r.get("lora_generator", False), r.get("cfg_pair", False))
+        elif any(k in r["model"].lower() for k in ("flux", "qwen")):
+            continue  # a flow row without the plain calls of its backward simulation and teacher: no bound
+        else:
+            ms, gen = dmd_network_ms(ref, r["timed_steps"], int(r["ratio"]), r.get("ac", False))
         n, ratio = len(r["timed_steps"]), r["step_ms"] / ms
         lines.append(f"| {r['run']} | {gen} + {n - gen} | {ms:.0f} | {_fmt(r['step_ms'], '.0f')} | {ratio:.2f} | "
                      f"{'met' if ratio <= DMD_GOAL else 'not met'} |")
@@ -916,7 +1120,10 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
                 "a fake-score step = F + P (the generator without grad, the fake score forward + backward), a "
                 "generator step = 2 P + 3 F (generator and fake score forward + backward, the teacher's CFG pair, "
                 "the DM loss's fake forward); P = plain fwd+bwd (+ F with AC's recomputation), F = plain fwd "
-                "without grad, at the row's batch; the timed steps' own mix of generator and fake-score steps", "",
+                "without grad, at the row's batch; the timed steps' own mix of generator and fake-score steps "
+                "(FLUX.2 rows: dmd_flow_network_ms, with the backward simulation's forwards at each step's logged "
+                "σ index, the references' VAE encode, the teacher's true-CFG pair and a LoRA generator's "
+                "frozen-weight backward)", "",
             "| run | generator + fake-score steps timed | network calls ms/step | step ms | ratio | goal |",
             "|---|---:|---:|---:|---:|---|", *lines]
 
@@ -948,9 +1155,9 @@ def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tu
 
 
 def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, int],
-          qwen_blocks: int = 4) -> tuple[dict, dict, dict]:
+          qwen_blocks: int = 4, flux2_blocks: tuple[int, int] = (2, 4)) -> tuple[dict, dict, dict]:
     """Model folders for the rows, each row sized to the disk (row["size"]: FLUX blocks as a tuple,
-    Qwen-Image-Edit blocks as an int, else a name; None: not run). Returns
+    FLUX.2 klein's as ("klein", D, S), Qwen-Image-Edit blocks as an int, else a name; None: not run). Returns
     ({size: folder}, {run: peak disk bytes at its size; not run: at its smallest}, the disk as measured)."""
     folders = {}
     if any(r["kind"] == "sd15" for r in runs):
@@ -967,13 +1174,20 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
             folders["tiny_qwen"] = tiny_qwen_folder(work)
         else:
             qparts = qwen_parts(work)
+    kparts = None
+    if any(r["kind"] == "flux2" for r in runs):
+        if tiny:
+            folders["tiny_flux2"] = tiny_flux2_folder(work)
+        else:
+            kparts = flux2_parts(work)
+    sizes = {"sd15": "sd15", "qwen": qwen_blocks, "flux2": ("klein", *flux2_blocks), "flux": blocks}
     for r in runs:
-        r["size"] = ("tiny_" + r["kind"] if tiny else "sd15" if r["kind"] == "sd15"
-                     else qwen_blocks if r["kind"] == "qwen" else blocks)
+        r["size"] = "tiny_" + r["kind"] if tiny else sizes[r["kind"]]
 
     def folder(size):
         if size not in folders:
             folders[size] = (qwen_skeleton(work, size, qparts) if isinstance(size, int)
+                             else flux2_skeleton(work, size[1:], kparts) if size[0] == "klein"
                              else flux_skeleton(work, size, parts))
         return folders[size]
 
@@ -997,9 +1211,7 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
         return unwritten[size]
 
     def smaller(row, size):
-        if isinstance(size, int):
-            return smaller_qwen_blocks(size)
-        return smaller_blocks(size) if isinstance(size, tuple) else None
+        return smaller_size(size)
 
     def smallest(row, size):
         while smaller(row, size) is not None:
@@ -1038,6 +1250,9 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="allow a machine without CUDA (rows that need CUDA: skipped)")
     ap.add_argument("--flux_blocks", default="2,4", help="double,single FLUX blocks at real width (all: 19,38); "
                                                          "rows that do not fit the disk get fewer")
+    ap.add_argument("--flux2_blocks", default="2,4",
+                    help="double,single FLUX.2 klein blocks at real width (klein-base-4B: 5,20); rows that do not "
+                         "fit the disk get fewer")
     ap.add_argument("--qwen_blocks", type=int, default=4, help="Qwen-Image-Edit dual-stream blocks at real width "
                                                               "(all: 60); rows that do not fit the disk get fewer")
     ap.add_argument("--deadline_s", type=float, default=0,
@@ -1045,13 +1260,15 @@ def main() -> None:
                          f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--runs", default="", help="comma-separated run names, or parts of names, to keep ('' = all)")
-    ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed", "qwen"),
+    ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed", "qwen", "flux2"),
                     help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile); "
-                         "qwen: the Qwen-Image-Edit rows (a call of their own)")
+                         "qwen: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2 (each a call of its own)")
     a = ap.parse_args()
-    blocks = tuple(int(x) for x in a.flux_blocks.split(",") if x.strip().isdigit())
-    if len(blocks) != 2 or min(blocks) < 1:
-        sys.exit(f"gpu_check: --flux_blocks={a.flux_blocks}: give double,single block counts, each >= 1 (e.g. 2,4)")
+    blocks, flux2_blocks = (tuple(int(x) for x in v.split(",") if x.strip().isdigit())
+                            for v in (a.flux_blocks, a.flux2_blocks))
+    for name, value, got in (("flux_blocks", a.flux_blocks, blocks), ("flux2_blocks", a.flux2_blocks, flux2_blocks)):
+        if len(got) != 2 or min(got) < 1:
+            sys.exit(f"gpu_check: --{name}={value}: give double,single block counts, each >= 1 (e.g. 2,4)")
     if a.qwen_blocks < 1:
         sys.exit(f"gpu_check: --qwen_blocks={a.qwen_blocks}: give a block count >= 1 (e.g. 4)")
     import torch
@@ -1074,7 +1291,7 @@ def main() -> None:
     tests = None if a.skip_tests else start_tests(a.out)
     t = time.monotonic()
     runs = select_runs(plan_runs(a.tiny, a.suite), a.runs)
-    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks, a.qwen_blocks)
+    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks, a.qwen_blocks, flux2_blocks)
     data = {}
     for r in runs:
         prompts, pairs = datasets(work, r["settings"]["resolution"])
@@ -1101,7 +1318,8 @@ def main() -> None:
     for r in runs:
         s = r["settings"]
         r["ref"] = (f"{model_label(r['size'])}, {s['resolution']} px, batch {s['batch_size']}"
-                    + (", target + 2 references" if r["kind"] == "qwen" else "") if r["ref"] and r in runnable else "")
+                    + {"qwen": ", target + 2 references", "flux2": ", target + 1 reference"}.get(r["kind"], "")
+                    if r["ref"] and r in runnable else "")
         r["full"] = not s.get("lora_rank") and r["script"] == "train_flux_kontext.py"
     for r in runnable:
         s, folder = r["settings"], folders[r["size"]]
@@ -1113,6 +1331,8 @@ def main() -> None:
         tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
         text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
         references = ()
+        if r["kind"] == "flux2":  # the pairs' one context at the target's size; the text padded to the run's length
+            text_len, references = int(s["extra"].get("max_sequence_length", 512)), (s["resolution"],)
         if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
             text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
             # train_dmd.py reads its references at the target's size
@@ -1149,8 +1369,11 @@ def main() -> None:
                     deadline.record(r["expect_s"], result["wall_s"])
             result["disk_free_gb"] = free / GB
         result["disk_need_gb"] = peaks[r["run"]] / GB
+        extra = r["settings"]["extra"]
         rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
-                     "ratio": r["settings"]["extra"].get("dfake_gen_update_ratio")})
+                     "ratio": extra.get("dfake_gen_update_ratio"),
+                     "lora_generator": bool(r["settings"].get("lora_rank")),
+                     "cfg_pair": r["kind"] == "flux2" and float(extra.get("real_guidance_scale", 0)) > 1})
         print(f"{r['run']}: {result}", flush=True)
 
     tests_ok, tests_line = finish_tests(tests, a.out, deadline.left())
