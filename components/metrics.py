@@ -13,12 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import precision
 from core.dist import all_reduce, mean_across_ranks
 
-# dense tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name:
-# bf16/fp16, TF32 (fp32 matmuls with allow_tf32), fp32 without TF32
-PEAK_TFLOPS = {"H100 PCIe": (756, 378, 51), "H100 NVL": (835, 418, 60), "H100": (989, 495, 67),
-               "H200": (989, 495, 67), "GH200": (989, 495, 67), "B200": (2250, 1100, 80), "A100": (312, 156, 19.5),
-               "L40S": (362, 181, 91.6), "L4": (121, 60, 30.3), "A10G": (70, 35, 31.2), "RTX 4090": (165, 82.6, 82.6)}
-PEAK_KINDS = ("bf16", "tf32", "fp32")
+# dense tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is reported for, by device name (NVIDIA's
+# datasheets): bf16/fp16, TF32 (fp32 matmuls with allow_tf32), fp32 without TF32, float8 (FP8=...: twice bf16's;
+# None where the GPU has no float8 tensor cores, which parallel/float8.check_fp8 refuses)
+PEAK_TFLOPS = {"H100 PCIe": (756, 378, 51, 1513), "H100 NVL": (835, 418, 60, 1671), "H100": (989, 495, 67, 1979),
+               "H200": (989, 495, 67, 1979), "GH200": (989, 495, 67, 1979), "B200": (2250, 1100, 80, 4500),
+               "A100": (312, 156, 19.5, None), "L40S": (362, 181, 91.6, 733), "L4": (121, 60, 30.3, 242.5),
+               "A10G": (70, 35, 31.2, None), "RTX 4090": (165, 82.6, 82.6, 330.3)}
+PEAK_KINDS = ("bf16", "tf32", "fp32", "fp8")
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def peak_tflops(device: torch.device) -> dict[str, float] | None:
@@ -34,7 +37,17 @@ def flop_kind(dtype: torch.dtype) -> str:
     """Which peak a matmul of `dtype` runs against: fp32 is TF32 where torch allows it."""
     if dtype in (torch.bfloat16, torch.float16):
         return "bf16"
+    if dtype in FLOAT8:
+        return "fp8"
     return "tf32" if precision.tf32_matmuls() else "fp32"
+
+
+def tensor_flop_kind(t: torch.Tensor) -> str:
+    """flop_kind of a matmul's operand. torchao's float8 training tensors report their high-precision dtype while
+    the matmul runs on their float8 codes (`_data`, torch._scaled_mm inside their dispatch, which a mode above them
+    does not see): they count against the float8 peak."""
+    codes = getattr(t, "_data", None)
+    return flop_kind(codes.dtype if torch.is_tensor(codes) and codes.dtype in FLOAT8 else t.dtype)
 
 
 class _FlopCount(TorchDispatchMode):
@@ -59,7 +72,7 @@ class _FlopCount(TorchDispatchMode):
         count = self.registry.get(func._overloadpacket)
         if count is not None:
             first = next((a for a in args if torch.is_tensor(a)), None)
-            kind = flop_kind(first.dtype) if first is not None else "bf16"
+            kind = tensor_flop_kind(first) if first is not None else "bf16"
             self.by_kind[kind] = self.by_kind.get(kind, 0) + count(*args, **kwargs, out_val=out)
         return out
 

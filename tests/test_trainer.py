@@ -176,6 +176,33 @@ def test_model_flops_are_the_watched_forwards_times_three_with_gradients():
         assert flops.by_kind == {"tf32" if precision.tf32_matmuls() else "fp32": 4 * fwd}, checkpointed
 
 
+def test_float8_linears_count_against_the_float8_peak():
+    """FP8's Linears (torchao Float8Linear, emulated here) hand their matmuls float8 training tensors that report
+    bf16: each of the three matmuls per Linear (forward, grad input, grad weight) counts as "fp8", the peak they
+    run against on the GPU; the same model without float8 counts "bf16". Every GPU whose float8 peak is known has
+    it above its bf16 peak and about twice it at most (the datasheets round: L40S 733 against 362; a sparse figure
+    entered by mistake would be 4x)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    fwd = 2 * 2 * 32 * 64 * 64  # two 64 x 64 Linears on 32 rows
+    for recipe in ("tensorwise", "rowwise"):
+        counts = {}
+        for fp8 in (False, True):
+            net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+            if fp8:
+                config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+                convert_to_float8_training(net, config=config)
+            flops = ModelFlops([net])
+            with flops.counting():
+                net(torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+            counts[fp8] = flops.by_kind
+        assert counts == {False: {"bf16": 3 * fwd}, True: {"fp8": 3 * fwd}}, recipe
+    for name, peaks in components.metrics.PEAK_TFLOPS.items():
+        assert len(peaks) == len(components.metrics.PEAK_KINDS), name
+        assert peaks[3] is None or peaks[0] < peaks[3] <= 2.05 * peaks[0], name
+
+
 def test_flops_counted_once_per_kind_of_step(monkeypatch):
     cpu = type("D", (), {"device": torch.device("cpu")})()
     run = Run({"COMPILE": False}, "", cpu, None, None, None)
