@@ -77,6 +77,10 @@ def test_the_planner_gathers_float8_weights():
         n[len("transformer_blocks.0."):] for n in float8.fp8_linears(model) if n.startswith("transformer_blocks.0.")})
     assert plain["largest_unit"] - fp8["largest_unit"] == weights  # (2 - 1) bytes each
     assert fp8["rows"]["transformer"]["params"] - plain["rows"]["transformer"]["params"] == 4 * (19 * 12 + 38 * 5)
+    # one rank per shard group gathers nothing: the weights are cast in bf16 as without FP8
+    one = [memory_plan.plan("flux-kontext-dev", Settings(world_size=1, resolution=512, fp8=fp8_))["largest_unit"]
+           for fp8_ in ("", "tensorwise")]
+    assert one[0] == one[1]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,7 @@ def runs(tmp_path_factory):
               f"--text_cache_dir={root / 'tc'}", "--precision=bf16-mixed", "--resolution=64",
               "--reference_area=4096", "--condition_area=4096", "--batch_size=1", "--log_every=1", "--seed=1"]
     tune = common + ["--max_steps=4", "--save_every=2", "--sample_every=0", "--val_every=0", "--lr=1e-3"]
-    out = {k: root / k for k in ("bf16", "tensorwise", "rowwise", "stopped", "dmd")}
+    out = {k: root / k for k in ("bf16", "tensorwise", "rowwise", "stopped", "dmd", "one_rank")}
     job = functools.partial(dict, script="train_flux_kontext.py", ranks=2, env=env)
     done = launch_all({
         "bf16": job(args=tune + [f"--output_dir={out['bf16']}"]),
@@ -101,7 +105,10 @@ def runs(tmp_path_factory):
         "stopped": job(args=tune + [f"--output_dir={out['stopped']}", "--fp8=tensorwise", "--max_steps=2"]),
         "dmd": job(script="train_dmd.py", args=common + [
             f"--output_dir={out['dmd']}", "--fp8=tensorwise", "--max_steps=2", "--save_every=0", "--sample_every=0",
-            "--dfake_gen_update_ratio=1", "--denoising_steps=999,749,499,249"])})
+            "--dfake_gen_update_ratio=1", "--denoising_steps=999,749,499,249"]),
+        # one rank: FSDP2 leaves weights with an all-gather extension unsharded there, so no float8 all-gather
+        "one_rank": job(ranks=1, args=tune + [f"--output_dir={out['one_rank']}", "--fp8=tensorwise", "--max_steps=2",
+                                              "--save_every=0"])})
     launch("train_flux_kontext.py", tune + [f"--output_dir={out['stopped']}", "--fp8=tensorwise", "--resume=auto"],
            env=env)
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "model": model}
@@ -120,6 +127,9 @@ def test_float8_tracks_bf16_and_resumes_exactly(runs):
         assert losses == pytest.approx(base, rel=2 ** -3) and losses != base, recipe
     assert "trained weights all-gathered in float8" in runs["logs"]["tensorwise"]
     assert "all-gathered" not in runs["logs"]["rowwise"]
+    # one rank per shard group: float8 Linears without the all-gather, every weight sharded, finite losses
+    assert "FP8 tensorwise: 21 of" in runs["logs"]["one_rank"] and "all-gathered" not in runs["logs"]["one_rank"]
+    assert len(read_metrics(runs["out"]["one_rank"], timing=False)) == 2
     a, b = read_checkpoint(runs["out"]["tensorwise"], 4), read_checkpoint(runs["out"]["stopped"], 4)
     assert all(torch.equal(a["model.transformer"][k], v) for k, v in b["model.transformer"].items())
     assert read_metrics(runs["out"]["tensorwise"])[-1]["loss"] == read_metrics(runs["out"]["stopped"])[-1]["loss"]

@@ -988,8 +988,12 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     def compute_size(c: Part) -> int:
         return _size(torch.float32) if c.name in fp32_compute else c_size
 
+    # FP8=tensorwise gathers a full trained model's FP8 weights in float8 where its shard group has ranks to gather
+    # from (families/dit.build_transformer; a group of one casts them in the compute dtype)
+    float8_gather = s.fp8 == "tensorwise" and s.world_size // s.dp_replicate > 1
+
     def trained_unit_bytes(c: Part) -> list[int]:  # a full trained model's gathered units; FP8's weights in float8
-        fp8 = sharded[c.name]["fp8_units"] if s.fp8 == "tensorwise" else [0] * len(sharded[c.name]["units"])
+        fp8 = sharded[c.name]["fp8_units"] if float8_gather else [0] * len(sharded[c.name]["units"])
         return [u * compute_size(c) - f * (compute_size(c) - 1) for (_, u), f in zip(sharded[c.name]["units"], fp8)]
     rows, gathered_units, result_load, lora_units = {}, [], [], {}
     nf4_teacher = kind in NF4_TEACHER_KINDS and s.base_dtype == "nf4" and s.lora_rank > 0
