@@ -277,6 +277,38 @@ def test_the_flux2_rows_are_sized_by_the_scripts_arithmetic_and_fit_one_device_c
     assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
 
 
+def test_the_fp8_rows_pair_each_recipe_with_bf16_and_fit_one_call_each():
+    """--suite=fp8 (Kontext 1024 px full fine-tune, cached latents) and --suite=fp8_qwen (Qwen-Image-Edit 1024 px
+    LoRA, two references): bf16, tensorwise and rowwise, eager and compiled, 12 steps each from the same seed; each
+    call's rows, start-up and plain reference fit the deadline."""
+    for suite, base in (("fp8", "kontext_1024px_full_cached"), ("fp8_qwen", "qwen_edit_1024px_lora16_2refs")):
+        rows = gpu_check.plan_runs(tiny=False, suite=suite)
+        names = [base + c + r for c in ("", "_compile") for r in ("", "_fp8_tensorwise", "_fp8_rowwise")]
+        assert [r["run"] for r in rows] == names
+        assert all(r["steps"] == gpu_check.FP8_STEPS and r["settings"]["resolution"] == 1024 for r in rows)
+        assert [r["settings"]["extra"].get("fp8", "") for r in rows] == ["", "tensorwise", "rowwise"] * 2
+        expected = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
+        assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S, suite
+
+
+def test_fp8_lines_set_each_recipe_beside_bf16():
+    """Speed-up = bf16 step / FP8 step against FP8_GOAL (Kontext rows), a compiled row's MFU from its eager twin
+    (eager MFU 40 % at 200 ms: the same FLOPs at 100 ms are 80 %), the largest relative loss difference and the
+    losses side by side."""
+    def result(name, ms, mfu, losses):
+        return {**gpu_check.blank_result({"run": name, "world": 1, "expect_s": 50}, "pass", True),
+                "step_ms": ms, "mfu": mfu, "losses": losses}
+    base = "kontext_1024px_full_cached"
+    rows = [result(base, 300.0, 0.30, [1.0, 2.0]), result(base + "_fp8_tensorwise", 200.0, 0.40, [1.01, 2.0]),
+            result(base + "_compile", 250.0, float("nan"), [1.0, 2.0]),
+            result(base + "_compile_fp8_tensorwise", 100.0, float("nan"), [1.0, 1.9])]
+    text = "\n".join(gpu_check.fp8_lines(rows))
+    assert f"| {base}_fp8_tensorwise | 200 | 300 | 1.50 | met | 40.0 % | 30.0 % | 1.00e-02 (2 steps) |" in text
+    assert f"| {base}_compile_fp8_tensorwise | 100 | 250 | 2.50 | met | 80.0 % | 36.0 % | 5.00e-02 (2 steps) |" in text
+    assert "| 2 | 2.00000 | 1.90000 |" in text
+    assert gpu_check.fp8_lines(rows[:1]) == []
+
+
 @pytest.mark.slow
 def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(tmp_path):
     """The tiny klein-base DMD2 row (--suite=flux2): trained with its plain reference (the teacher's pair and the

@@ -704,7 +704,7 @@ def planned_bytes(model: str, world: int, s: dict, script: str, gpu_gb: float) -
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
                                     optimizer=s.get("optimizer", "adamw"), script=script,
                                     fake_score_fp32=bool(int(extra.get("fake_score_fp32", 1))),
-                                    reshard_after_forward=None, gpu_memory_gb=gpu_gb)
+                                    fp8=extra.get("fp8", ""), reshard_after_forward=None, gpu_memory_gb=gpu_gb)
     return memory_plan.plan(model, settings)["gpu_total"]
 
 
@@ -761,6 +761,7 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
     warm, later = timed_window(records, row["warmup"], finished=rc == 0)
     result["warmup_s"] = sum(r["step_ms"] for r in warm) / 1000
     result["timed_steps"] = [int(r["step"]) for r in later]
+    result["losses"] = [r["loss"] for r in records if "loss" in r]  # the FP8 rows' side-by-side table
     result["step_indices"] = [int(r["step_index"]) for r in later if "step_index" in r]  # a few-step DMD2 run's
     if s["extra"].get("compile"):  # this launch's output: after its "===== <command>" line (a cut adds "===== killed")
         result["compile_s"] = compile_seconds(open(log).read().rsplit("\n===== --", 1)[-1])
@@ -940,7 +941,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
     def row(name, script, kind, res, expect_s, warmup=2, **s):
-        extra, steps = s.pop("extra", {}), 6
+        extra, steps = s.pop("extra", {}), s.pop("steps", 6)
         if script == "train_dmd.py":  # two whole cycles timed after the warm-up (COMPILE: one)
             extra, steps = {"dfake_gen_update_ratio": 5, **extra}, warmup + (5 if extra.get("compile") else 10)
         profile = s.pop("profile", None)  # (first, last): PROFILE_STEPS, the run ends with the window
@@ -952,7 +953,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                 "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "warmup": warmup,
                 "expect_s": expect_s,
                 # the x-plain columns: the Kontext rows (their plain model is the trained transformer)
-                "ref": script == "train_flux_kontext.py" or suite in ("speed", "flux2"),
+                "ref": script == "train_flux_kontext.py" or suite in ("speed", "flux2", "fp8", "fp8_qwen"),
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
@@ -976,6 +977,24 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                     resume=True, export_dtype="bf16", extra=klein),
                 row(f"dmd_flux2_klein_{k_hi}px_4step_lora64_ac_timed", dmd, "flux2", k_hi, 120, ac=True,
                     lora_rank=64, export_dtype="bf16", extra=klein)]
+    if suite in ("fp8", "fp8_qwen"):  # FP8 against bf16, eager and compiled, FP8_STEPS steps each from one seed
+        # (the losses side by side): Kontext's 1024 px full fine-tune with CACHE_LATENTS (the transformer's step:
+        # FP8 does not touch the VAE), or Qwen-Image-Edit's 1024 px LoRA with two references (a call of its own)
+        if suite == "fp8":
+            name, kind, s = f"kontext_{hi}px_full_cached", "flux", {"extra": {"cache_latents": 1}}
+            expect = (50, 55, 85, 95)  # eager bf16 / fp8, compiled bf16 / fp8 (guesses until a GPU has run them)
+        else:
+            name, kind = f"qwen_edit_{hi}px_lora16_2refs", "qwen"
+            s = {"lora_rank": 16, "extra": {"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}}
+            expect = (45, 50, 80, 90)
+        rows = []
+        for compiled in (False, True):
+            for recipe in ("", "tensorwise", "rowwise"):
+                extra = {**s["extra"], **({"compile": 1} if compiled else {}), **({"fp8": recipe} if recipe else {})}
+                rows.append(row(name + ("_compile" if compiled else "") + (f"_fp8_{recipe}" if recipe else ""),
+                                kontext, kind, hi, expect[2 * compiled + bool(recipe)], steps=FP8_STEPS,
+                                **{**s, "extra": extra}))
+        return rows
     if suite == "speed":
         from parallel import attention
         kernels = [k for k in ("native", "_native_flash", "_native_efficient", "_flash_3", "flash")
@@ -1026,6 +1045,9 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
         row(f"kontext_{lo}px_lora16_compile", kontext, "flux", lo, 55, lora_rank=16,
             extra={"lora_alpha": 16, "compile": 1}),
     ]
+
+
+FP8_STEPS = 12  # the FP8 rows' steps: 2 of warm-up, 10 timed, and all 12 losses beside bf16's
 
 
 def select_runs(rows: list[dict], spec: str) -> list[dict]:
@@ -1093,7 +1115,7 @@ def table(rows: list[dict], refs: dict, header: list[str]) -> str:
                      f"{_fmt(r['disk_need_gb'], '.3g')} / {_fmt(r['disk_free_gb'], '.1f')} | "
                      f"{_fmt(r['wall_s'], '.0f')} / {r['expect_s']:.0f} | {_fmt(r.get('warmup_s'), '.1f')} | "
                      f"{_fmt(r.get('compile_s'), '.1f')} | {r['status']} | {r['resume_export']} |")
-    return "\n".join(lines + dmd_bound_lines(rows, refs))
+    return "\n".join(lines + dmd_bound_lines(rows, refs) + fp8_lines(rows))
 
 
 def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
@@ -1126,6 +1148,55 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
                 "frozen-weight backward)", "",
             "| run | generator + fake-score steps timed | network calls ms/step | step ms | ratio | goal |",
             "|---|---:|---:|---:|---:|---|", *lines]
+
+
+FP8_GOAL = 1.25  # FP8's speed-up over the bf16 step of the same row (the Kontext 1024 px full fine-tune)
+
+
+def fp8_lines(rows: list[dict]) -> list[str]:
+    """Each FP8 row beside its bf16 twin (the same name without _fp8_<recipe>: same seed, data and noise): the
+    speed-up (bf16 step / FP8 step; FP8_GOAL for the Kontext rows), MFU (a compiled row's from its eager twin's
+    model FLOPs, which are the same: eager MFU x eager step / this step), and every step's loss side by side."""
+    by_name = {r["run"]: r for r in rows}
+    groups = {}
+    for r in rows:
+        base, _, recipe = r["run"].partition("_fp8_")
+        if recipe and base in by_name:
+            groups.setdefault(base, []).append((recipe, r))
+    if not groups:
+        return []
+    lines = ["", f"FP8 against bf16 (same seed, data and noise; goal for the Kontext full fine-tune: >= {FP8_GOAL} x "
+                 "the bf16 step; MFU against each op's own peak, float8 matmuls against the float8 peak; a compiled "
+                 "row's MFU from its eager twin's model FLOPs):", "",
+             "| run | step ms | bf16 step ms | speed-up | goal | MFU | bf16 MFU | largest loss difference, relative |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    tables = []
+
+    def mfu(r):
+        if r["mfu"] == r["mfu"] or "_compile" not in r["run"]:
+            return r["mfu"]
+        eager = by_name.get(r["run"].replace("_compile", "", 1), {})
+        return eager.get("mfu", float("nan")) * eager.get("step_ms", float("nan")) / r["step_ms"]
+
+    for base, members in groups.items():
+        bf16 = by_name[base]
+        for recipe, r in members:
+            speed = bf16["step_ms"] / r["step_ms"]
+            pairs = list(zip(bf16.get("losses", []), r.get("losses", [])))
+            diff = max((abs(a - b) / max(abs(a), 1e-12) for a, b in pairs), default=float("nan"))
+            goal = ("met" if speed >= FP8_GOAL else "not met") if r["run"].startswith("kontext") else "-"
+            lines.append(f"| {r['run']} | {_fmt(r['step_ms'], '.0f')} | {_fmt(bf16['step_ms'], '.0f')} | "
+                         f"{_fmt(speed, '.2f')} | {goal if speed == speed else '-'} | {_fmt(100 * mfu(r), '.1f')} % | "
+                         f"{_fmt(100 * mfu(bf16), '.1f')} % | {_fmt(diff, '.2e')} ({len(pairs)} steps) |")
+        recipes = [recipe for recipe, _ in members]
+        losses = [bf16.get("losses", [])] + [r.get("losses", []) for _, r in members]
+        tables += ["", f"{base}: loss per step", "",
+                   "| step | bf16 | " + " | ".join(f"fp8 {x}" for x in recipes) + " |",
+                   "|---:|" + "---:|" * (1 + len(recipes))]
+        for i in range(max(map(len, losses))):
+            cells = " | ".join(_fmt(x[i] if i < len(x) else None, ".5f") for x in losses)
+            tables.append(f"| {i + 1} | {cells} |")
+    return lines + tables
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1260,9 +1331,12 @@ def main() -> None:
                          f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--runs", default="", help="comma-separated run names, or parts of names, to keep ('' = all)")
-    ap.add_argument("--suite", default="acceptance", choices=("acceptance", "speed", "qwen", "flux2"),
+    ap.add_argument("--suite", default="acceptance",
+                    choices=("acceptance", "speed", "qwen", "flux2", "fp8", "fp8_qwen"),
                     help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile); "
-                         "qwen: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2 (each a call of its own)")
+                         "qwen: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, fp8 / fp8_qwen: FP8 "
+                         "against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's 1024 px LoRA (each a "
+                         "call of its own)")
     a = ap.parse_args()
     blocks, flux2_blocks = (tuple(int(x) for x in v.split(",") if x.strip().isdigit())
                             for v in (a.flux_blocks, a.flux2_blocks))
