@@ -113,12 +113,17 @@ def sd15_folder(root: str, tiny: bool) -> str:
     return out
 
 
-def tiny_flux_folder(root: str) -> str:
+def tiny_folder(root: str, name: str, builder: str) -> str:
+    """root/name: a tiny model folder that tools/tiny_models.`builder` writes (once)."""
     from tools import tiny_models
-    base = os.path.join(root, "flux_tiny")
+    base = os.path.join(root, name)
     if not os.path.isdir(base):
-        tiny_models.make_tiny_flux_kontext(base)
+        getattr(tiny_models, builder)(base)
     return base
+
+
+def tiny_flux_folder(root: str) -> str:
+    return tiny_folder(root, "flux_tiny", "make_tiny_flux_kontext")
 
 
 def flux_parts(root: str) -> str:
@@ -187,11 +192,7 @@ QWEN = os.path.join(REAL, "qwen-image-edit")
 
 
 def tiny_qwen_folder(root: str) -> str:
-    from tools import tiny_models
-    base = os.path.join(root, "qwen_tiny")
-    if not os.path.isdir(base):
-        tiny_models.make_tiny_qwen_image_edit(base)
-    return base
+    return tiny_folder(root, "qwen_tiny", "make_tiny_qwen_image_edit")
 
 
 def qwen_text_encoder_config(tiny: dict) -> dict:
@@ -216,21 +217,32 @@ def qwen_parts(root: str) -> str:
     """Everything of a Qwen-Image-Edit-2509 folder but its transformer: the real AutoencoderKLQwenImage
     and a one-layer Qwen2.5-VL of the real width with a one-block vision tower (random weights), the
     tiny tokenizer and processor, the scheduler."""
-    out = os.path.join(root, "qwen_parts")
-    if os.path.isdir(out):
-        return out
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    def encoder(tiny):
+        with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
+            config = Qwen2_5_VLConfig.from_dict(qwen_text_encoder_config(json.load(f)))
+        return Qwen2_5_VLForConditionalGeneration(config)
+    return _parts_folder(root, "qwen_parts", tiny_qwen_folder, ("tokenizer", "processor", "scheduler"),
+                         AutoencoderKLQwenImage, QWEN, encoder)
+
+
+def _parts_folder(root: str, name: str, tiny_folder_of, keep: tuple[str, ...], vae_class, real: str, encoder) -> str:
+    """root/name (written once, through a .partial folder): the tiny folder's `keep` parts and model_index.json,
+    a `vae_class` VAE of the real config in `real`/vae and `encoder(tiny folder)`'s text encoder, both with random
+    weights drawn on the init device."""
+    out = os.path.join(root, name)
+    if os.path.isdir(out):
+        return out
     partial = out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    tiny = tiny_qwen_folder(root)
-    _copy_small_parts(tiny, partial, ("tokenizer", "processor", "scheduler"))
-    with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
-        config = Qwen2_5_VLConfig.from_dict(qwen_text_encoder_config(json.load(f)))
+    tiny = tiny_folder_of(root)
+    _copy_small_parts(tiny, partial, keep)
     with _init_device():
-        AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(os.path.join(QWEN, "vae"))
-                                           ).save_pretrained(os.path.join(partial, "vae"))
-        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(os.path.join(partial, "text_encoder"))
+        vae_class.from_config(vae_class.load_config(os.path.join(real, "vae"))).save_pretrained(
+            os.path.join(partial, "vae"))
+        encoder(tiny).save_pretrained(os.path.join(partial, "text_encoder"))
     os.replace(partial, out)
     return out
 
@@ -283,11 +295,7 @@ FLUX2 = os.path.join(REAL, "flux2-klein-4b")
 
 
 def tiny_flux2_folder(root: str) -> str:
-    from tools import tiny_models
-    base = os.path.join(root, "flux2_tiny")
-    if not os.path.isdir(base):
-        tiny_models.make_tiny_flux2_klein(base)
-    return base
+    return tiny_folder(root, "flux2_tiny", "make_tiny_flux2_klein")
 
 
 def flux2_text_encoder_config(tiny: dict) -> dict:
@@ -305,23 +313,14 @@ def flux2_parts(root: str) -> str:
     """Everything of a FLUX.2 [klein]-base folder but its transformer: the real AutoencoderKLFlux2 and a
     narrow Qwen3 of the real width (flux2_text_encoder_config; random weights), the tiny tokenizer, the
     scheduler, model_index.json (is_distilled false: a base, sampled with true CFG)."""
-    out = os.path.join(root, "flux2_parts")
-    if os.path.isdir(out):
-        return out
     from diffusers import AutoencoderKLFlux2
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    partial = out + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    tiny = tiny_flux2_folder(root)
-    _copy_small_parts(tiny, partial, ("tokenizer", "scheduler"))
-    with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
-        config = Qwen3Config.from_dict(flux2_text_encoder_config(json.load(f)))
-    with _init_device():
-        AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(os.path.join(FLUX2, "vae"))
-                                       ).save_pretrained(os.path.join(partial, "vae"))
-        Qwen3ForCausalLM(config).save_pretrained(os.path.join(partial, "text_encoder"))
-    os.replace(partial, out)
-    return out
+
+    def encoder(tiny):
+        with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
+            return Qwen3ForCausalLM(Qwen3Config.from_dict(flux2_text_encoder_config(json.load(f))))
+    return _parts_folder(root, "flux2_parts", tiny_flux2_folder, ("tokenizer", "scheduler"), AutoencoderKLFlux2,
+                         FLUX2, encoder)
 
 
 def flux2_skeleton(root: str, blocks: tuple[int, int], parts: str | None) -> str:
@@ -1233,33 +1232,23 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
     folders = {}
     if any(r["kind"] == "sd15" for r in runs):
         folders["tiny_sd15" if tiny else "sd15"] = sd15_folder(work, tiny)
-    parts = None
-    if any(r["kind"] == "flux" for r in runs):
-        if tiny:
-            folders["tiny_flux"] = tiny_flux_folder(work)
-        else:
-            parts = flux_parts(work)
-    qparts = None
-    if any(r["kind"] == "qwen" for r in runs):
-        if tiny:
-            folders["tiny_qwen"] = tiny_qwen_folder(work)
-        else:
-            qparts = qwen_parts(work)
-    kparts = None
-    if any(r["kind"] == "flux2" for r in runs):
-        if tiny:
-            folders["tiny_flux2"] = tiny_flux2_folder(work)
-        else:
-            kparts = flux2_parts(work)
+    parts = {}  # per transformer family: its folder's other parts at real width (a tiny run: its tiny folder)
+    for kind, tiny_of, parts_of in (("flux", tiny_flux_folder, flux_parts), ("qwen", tiny_qwen_folder, qwen_parts),
+                                    ("flux2", tiny_flux2_folder, flux2_parts)):
+        if any(r["kind"] == kind for r in runs):
+            if tiny:
+                folders["tiny_" + kind] = tiny_of(work)
+            else:
+                parts[kind] = parts_of(work)
     sizes = {"sd15": "sd15", "qwen": qwen_blocks, "flux2": ("klein", *flux2_blocks), "flux": blocks}
     for r in runs:
         r["size"] = "tiny_" + r["kind"] if tiny else sizes[r["kind"]]
 
     def folder(size):
         if size not in folders:
-            folders[size] = (qwen_skeleton(work, size, qparts) if isinstance(size, int)
-                             else flux2_skeleton(work, size[1:], kparts) if size[0] == "klein"
-                             else flux_skeleton(work, size, parts))
+            folders[size] = (qwen_skeleton(work, size, parts.get("qwen")) if isinstance(size, int)
+                             else flux2_skeleton(work, size[1:], parts.get("flux2")) if size[0] == "klein"
+                             else flux_skeleton(work, size, parts.get("flux")))
         return folders[size]
 
     needs = {}
