@@ -47,10 +47,7 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
         add_lora(model, lora)
         if base_dtype == "nf4":
             lowbit.quantize_base(model, shards)
-    # float8 all-gather (FP8=tensorwise, full models) where a shard group has ranks to gather from: FSDP2 leaves
-    # a weight with an all-gather extension unsharded on a group of one (fsdp_utils.unsharded_on_one_rank), and
-    # one rank has nothing to gather
-    gather = not lora and mesh is not None and fsdp_utils.shard_group_size(mesh) > 1
+    gather = float8.gathers_in_float8(bool(lora), fsdp_utils.shard_group_size(mesh) if mesh is not None else 1)
     float8.convert(model, fp8, float8_all_gather=gather, emulate=device.type != "cuda")
     policy = prec.adapter_mp_policy(compute) if lora else prec.mp_policy(compute)
     recipe(model, mesh, policy, sharding, block_classes, verbose=load)

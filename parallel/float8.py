@@ -64,6 +64,14 @@ def fp8_linears(model: nn.Module) -> list[str]:
             and model.get_submodule(n).out_features % 16 == 0]
 
 
+def gathers_in_float8(lora: bool, shard_ranks: int) -> bool:
+    """Whether FP8=tensorwise all-gathers a model's weights in float8: a full model (LoRA's base is frozen) whose
+    shard group has ranks to gather from. On a group of one there is nothing to gather, and FSDP2 leaves a weight
+    with an all-gather extension unsharded there (fsdp_utils.unsharded_on_one_rank). The scripts and the planner
+    both ask here."""
+    return not lora and shard_ranks > 1
+
+
 def convert(model: nn.Module, recipe: str, *, float8_all_gather: bool, emulate: bool) -> int:
     """Swap the chosen Linears (fp8_linears) for torchao Float8Linear, in place, on the meta skeleton
     before the parallelize recipe. `float8_all_gather` (tensorwise, trained weights): FSDP2 gathers them in

@@ -876,6 +876,9 @@ def flux2_export_samples(export: str, base: str, s: dict, data: str) -> bool:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from PIL import Image
+
+    from algorithms.dmd2_flow import timestep_sigmas
+    from parallel import attention
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if s.get("lora_rank"):
@@ -886,6 +889,8 @@ def flux2_export_samples(export: str, base: str, s: dict, data: str) -> bool:
         pipe = Flux2KleinPipeline.from_pretrained(export, torch_dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
+    attention.sdpa_flags(attention.DEFAULT)  # the kernel chosen, not torch's default (cuDNN first on Hopper)
+    attention.set_backend(pipe.transformer, attention.DEFAULT)
     seen = []
     pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
                                                with_kwargs=True)
@@ -896,12 +901,10 @@ def flux2_export_samples(export: str, base: str, s: dict, data: str) -> bool:
     images = pipe(image=[context], prompt=row["prompt"], num_inference_steps=4, height=side, width=side,
                   output_type="np", generator=torch.Generator().manual_seed(0),
                   max_sequence_length=int(s["extra"].get("max_sequence_length", 512))).images
-    trained = [(int(t) + 1) / 1000 for t in str(s["extra"]["denoising_steps"]).split(",")]
-    ok = bool(np.isfinite(images).all()) and len(seen) == len(trained) and \
-        all(abs(a - b) < 1e-3 for a, b in zip(seen, trained))
-    print(f"export sampled in 4 steps: σ seen {seen}, trained {trained}, finite {np.isfinite(images).all()}",
-          flush=True)
-    return ok
+    trained = timestep_sigmas(str(s["extra"]["denoising_steps"]).split(","))
+    finite = bool(np.isfinite(images).all())
+    print(f"export sampled in 4 steps: σ seen {seen}, trained {trained}, finite {finite}", flush=True)
+    return finite and len(seen) == len(trained) and all(abs(a - b) < 1e-3 for a, b in zip(seen, trained))
 
 
 def qwen_export_loads(export: str) -> bool:
@@ -1391,11 +1394,12 @@ def main() -> None:
         if deadline.left() - REF_EXPECT_S < sum(q["expect_s"] for q in runnable):
             refs[r["ref"]] = {"error": "left out: the rows would not fit after it"}
             continue
-        tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
-        text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
         references = ()
         if r["kind"] == "flux2":  # the pairs' one context at the target's size; the text padded to the run's length
             text_len, references = int(s["extra"].get("max_sequence_length", 512)), (s["resolution"],)
+        else:
+            tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
+            text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
         if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
             text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
             # train_dmd.py reads its references at the target's size

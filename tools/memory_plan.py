@@ -988,9 +988,9 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     def compute_size(c: Part) -> int:
         return _size(torch.float32) if c.name in fp32_compute else c_size
 
-    # FP8=tensorwise gathers a full trained model's FP8 weights in float8 where its shard group has ranks to gather
-    # from (families/dit.build_transformer; a group of one casts them in the compute dtype)
-    float8_gather = s.fp8 == "tensorwise" and s.world_size // s.dp_replicate > 1
+    # FP8=tensorwise: a full trained model's FP8 weights gathered in float8 (as the scripts decide it)
+    from parallel import float8
+    float8_gather = s.fp8 == "tensorwise" and float8.gathers_in_float8(False, s.world_size // s.dp_replicate)
 
     def trained_unit_bytes(c: Part) -> list[int]:  # a full trained model's gathered units; FP8's weights in float8
         fp8 = sharded[c.name]["fp8_units"] if float8_gather else [0] * len(sharded[c.name]["units"])
