@@ -9,6 +9,7 @@
 #   bash demos/dmd_fake_attention_trials.sh                          # 1-step, seeds 0 1, 1000 steps
 #   STEPS=1000 DENOISING='[999,749,499,249]' OUT=out/fake_attn_4step bash demos/dmd_fake_attention_trials.sh
 #   MODES="fp32 bf16_fake" OUT=out/fake_dtype_1step bash demos/dmd_fake_attention_trials.sh
+# A stopped trial continues from its newest checkpoint when run again (SAVE_EVERY steps apart; exact resume).
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/fake_attention_trials}
@@ -17,6 +18,7 @@ STEPS=${STEPS:-1000}
 SEEDS=${SEEDS:-0 1}
 MODES=${MODES:-fp32 bf16}
 DENOISING=${DENOISING:-}
+SAVE_EVERY=${SAVE_EVERY:-$STEPS}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 few=()
 sampler=(--sampler=onestep)
@@ -37,7 +39,7 @@ for seed in $SEEDS; do
     python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_dmd.py --output_dir="$run" \
         --max_steps="$STEPS" --batch_size=16 --generator_lr=2e-4 --guidance_lr=2e-4 --dfake_gen_update_ratio=5 \
         --ema_decay=0.98 --precision=bf16-mixed "${dtype[@]}" --seed="$seed" \
-        --log_every=50 --sample_every=0 --save_every="$STEPS" --keep_last=1 "${few[@]}"
+        --log_every=50 --sample_every=0 --save_every="$SAVE_EVERY" --keep_last=1 --resume=auto "${few[@]}"
     python -m demos.shapes_eval --model="$run/export" "${sampler[@]}" --json_out="$run/eval.json"
     echo "$mode seed $seed: $(( $(date +%s) - start )) s"
   done
