@@ -152,8 +152,8 @@ LORA_EXPORT_MERGED = False  # LoRA: also write OUTPUT_DIR/export_merged/, a full
 # precision: one table decides every dtype (precision.py); frozen parts are stored in their compute dtype
 PRECISION = "bf16-mixed"  # fp32 | bf16-mixed (fp32 master weights, bf16 compute) | bf16 (everything bf16)
 FP8 = ""  # transformer blocks' Linears in float8 (torchao): tensorwise (float8 all-gather) | rowwise; "" = off
-FAKE_SCORE_FP32 = True  # the fake score computes in fp32, as published; False = the compute dtype
-FAKE_SCORE_ATTENTION_DTYPE = ""  # UNets: the fp32 fake score's attention (SDPA); "" = compute dtype, fp32 = published
+FAKE_SCORE_FP32 = False  # the fake score computes in the compute dtype (docs/dmd2.md); True = fp32, as published
+FAKE_SCORE_ATTENTION_DTYPE = ""  # UNets, FAKE_SCORE_FP32: its attention (SDPA); "" = compute dtype, fp32 = published
 TEACHER_DTYPE = ""  # storage = compute dtype of the frozen teacher; "" = PRECISION's compute dtype
 TEXT_ENCODER_DTYPE = ""  # frozen text encoders' dtype; "" = PRECISION's compute dtype
 SHARD_TEXT_ENCODER = "auto"  # FLUX.2: the cache fill's encoder FSDP-sharded over the ranks: 1 | 0 | auto (> half a GPU)
@@ -229,6 +229,9 @@ def validate_config() -> list[int]:
                 parse_dtype(value)
         except ValueError as e:
             raise ConfigError(f"{name}: {e}") from None
+    if FAKE_SCORE_ATTENTION_DTYPE and not FAKE_SCORE_FP32:
+        raise ConfigError(f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE} without FAKE_SCORE_FP32=1: it sets "
+                          "the fp32 fake score's attention (the published all-fp32 pass: both set to fp32 / 1)")
     if VAE_PATH and not os.path.isfile(os.path.join(VAE_PATH, "config.json")):
         raise ConfigError(f"VAE_PATH={VAE_PATH}: no config.json, not a diffusers AutoencoderKL folder")
     if INIT_FROM and not checkpoint.is_complete(INIT_FROM):

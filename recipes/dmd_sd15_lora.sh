@@ -18,6 +18,9 @@
 #   MODEL=/models/stable-diffusion-v1-5 DATA=/data/prompts.txt bash recipes/dmd_sd15_lora.sh
 # Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
 # (train_dmd.make_optimizer), the same for any world size here.
+# The fake score in fp32, as published (main/sd_guidance.py:191 runs the DM loss's fake prediction at full
+# precision); train_dmd.py's default computes it in bf16, which scored within the seed spread on the
+# shapes demo (docs/dmd2.md), evidence too small to change a published recipe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SD-1.5 diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/)}
@@ -31,5 +34,5 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --lora_target_modules=to_q,to_k,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,conv2,conv_shortcut,downsamplers.0.conv,upsamplers.0.conv,time_emb_proj \
     --generator_lr=5e-5 --guidance_lr=5e-5 --batch_size=$PER_GPU --grad_accum=$ACCUM \
     --resolution=512 --real_guidance_scale=1.75 --dfake_gen_update_ratio=10 --max_grad_norm=10 --seed=10 \
-    --precision=bf16-mixed --text_encoder_dtype=fp32 --activation_checkpointing=1 --use_gan=0 \
+    --precision=bf16-mixed --fake_score_fp32=1 --text_encoder_dtype=fp32 --activation_checkpointing=1 --use_gan=0 \
     --max_steps=40000 --save_every=1000 --sample_every=500 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

@@ -22,6 +22,9 @@
 #   GENERATOR_INIT=/models/sdxl_ode_pretrained_cond399.safetensors bash recipes/dmd_sdxl_1step.sh
 # Warmup: the official --warmup_step 500, advanced once per GPU on 64 GPUs = 7.8125 iterations
 # (train_dmd.make_optimizer), the same for any world size here.
+# The fake score in fp32, as published (main/sd_guidance.py:191 runs the DM loss's fake prediction at full
+# precision); train_dmd.py's default computes it in bf16, which scored within the seed spread on the
+# shapes demo (docs/dmd2.md), evidence too small to change a published recipe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to an SDXL diffusers folder (StableDiffusionXLPipeline layout)}
@@ -37,5 +40,5 @@ exec bash run_fsdp.sh train_dmd.py --model_path="$MODEL" --data_path="$DATA" --o
     --resolution=1024 --seed=10 --real_guidance_scale=8 --dfake_gen_update_ratio=5 --max_grad_norm=10 \
     --max_step_percent=0.98 --use_gan=1 --gen_cls_loss_weight=5e-3 --guidance_cls_loss_weight=1e-2 \
     --diffusion_gan=1 --diffusion_gan_max_timestep=1000 --conditioning_timestep=399 \
-    --precision=bf16-mixed --text_encoder_dtype=fp32 --activation_checkpointing=${AC:-0} \
+    --precision=bf16-mixed --fake_score_fp32=1 --text_encoder_dtype=fp32 --activation_checkpointing=${AC:-0} \
     --max_steps=20000 --save_every=500 --sample_every=250 --log_every=50 --warmup_steps=7.8125 --resume=auto "$@"

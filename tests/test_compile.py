@@ -328,7 +328,7 @@ def test_missing_cxx_compiler_is_one_clear_error(monkeypatch):
 
 @pytest.mark.slow
 def test_fake_score_attention_cast_and_channels_last_compile_without_breaks():
-    """The default fake score (bf16 attention through CastSdpaProcessor) and CHANNELS_LAST's conv
+    """The fp32 fake score's bf16 attention (CastSdpaProcessor) and CHANNELS_LAST's conv
     pre-hooks trace whole: a tiny UNet compiled (aot_eager: dynamo and AOTAutograd, no code
     generation) has no graph break and gives eager's output and grads (the same aten ops on CPU; a reduction
     such as a bias grad over the 2 x 8 x 8 = 128 positions may run in another order, so each tensor agrees to

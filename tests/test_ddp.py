@@ -117,11 +117,12 @@ def test_bf16_replicas_run_samples_ema_and_validation(tmp_path):
     """Under DDP nothing all-gathers in a compute dtype or casts inputs as FSDP2's policy does: every
     replica (the trained models, their EMA, DMD's frozen bf16 teacher, a bf16 LoRA base) gets that
     contract on its own forward (fsdp_utils.apply_precision). Before, these runs all failed with
-    "mat1 and mat2 must have the same dtype". DMD at PRECISION=bf16 also stores its fp32 fake score
-    in fp32 (a replica computes in its storage dtype)."""
+    "mat1 and mat2 must have the same dtype". DMD at PRECISION=bf16 with FAKE_SCORE_FP32=1 also stores
+    its fp32 fake score in fp32 (a replica computes in its storage dtype)."""
     dmd = ["--parallelism=ddp", "--max_steps=2", "--dfake_gen_update_ratio=1", "--sample_every=1", "--ema_decay=0.9",
            "--save_every=0", "--log_every=1"]
-    runs = {f"dmd_{p}": ("train_dmd.py", dmd + [f"--precision={p}"]) for p in ("bf16-mixed", "bf16")}
+    runs = {f"dmd_{p}": ("train_dmd.py", dmd + [f"--precision={p}", "--fake_score_fp32=1"])
+            for p in ("bf16-mixed", "bf16")}
     runs["dmd_lora"] = ("train_dmd.py", dmd + ["--lora_rank=4", "--fake_lora=1"])
     runs["kontext_lora"] = (
         "train_flux_kontext.py",

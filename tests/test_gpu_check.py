@@ -204,8 +204,8 @@ def test_compile_rows_time_one_cycle_after_their_warm_up_within_one_call():
 def test_runs_are_picked_by_exact_name_or_by_part():
     rows = gpu_check.plan_runs(tiny=False, suite="speed")
     assert [r["run"] for r in gpu_check.select_runs(rows, "dmd_sd15_512px_b32_ac")] == ["dmd_sd15_512px_b32_ac"]
-    picked = [r["run"] for r in gpu_check.select_runs(rows, "b32_ac_compile,dmd_sd15_512px_b32_ac_bf16_fake")]
-    assert picked == ["dmd_sd15_512px_b32_ac_bf16_fake", "dmd_sd15_512px_b32_ac_compile",
+    picked = [r["run"] for r in gpu_check.select_runs(rows, "b32_ac_compile,dmd_sd15_512px_b32_ac_fp32_fake")]
+    assert picked == ["dmd_sd15_512px_b32_ac_fp32_fake", "dmd_sd15_512px_b32_ac_compile",
                       "dmd_sd15_512px_b32_ac_compile_channels_last"]
     assert gpu_check.select_runs(rows, "") == rows
 

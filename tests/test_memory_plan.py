@@ -48,7 +48,7 @@ def test_auto_reshard_plans_the_scripts_choice():
     on 24 GB (over 10 %); across ranks, or with the GPU unknown, as with 1."""
     def plan(world, gb, reshard=None):
         return memory_plan.plan("sd15-dmd", Settings(world_size=world, resolution=64, reshard_after_forward=reshard,
-                                                     gpu_memory_gb=gb))
+                                                     gpu_memory_gb=gb, fake_score_fp32=True))
     big, small, off, on = plan(1, 80), plan(1, 24), plan(1, 80, False), plan(1, 80, True)
     assert big["reshard_free"] == ["fake_score", "generator"] and big["gathered"] == off["gathered"]
     assert small["reshard_free"] == ["generator"] and on["gathered"] < small["gathered"] < big["gathered"]
@@ -231,10 +231,10 @@ def test_planner_follows_the_recipes_and_the_table(monkeypatch):
 
 
 def test_fake_score_fp32_is_counted_in_fp32():
-    """train_dmd.py's FAKE_SCORE_FP32 (default on): the fake score's units are gathered in fp32 and
-    its training forward saves fp32 activations; states are the same."""
-    on = memory_plan.plan("sd15-dmd", Settings(**SMALL))
-    off = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
+    """train_dmd.py's FAKE_SCORE_FP32 (default off; on as published): the fake score's units are gathered in
+    fp32 and its training forward saves fp32 activations; states are the same."""
+    on = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=True))
+    off = memory_plan.plan("sd15-dmd", Settings(**SMALL))
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
     biggest = max(_unit_params(unet, MODELS["UNet2DConditionModel"].units).values())
     assert on["largest_unit"] == biggest * 4 and off["largest_unit"] == biggest * 2

@@ -359,7 +359,7 @@ def _fake_score_compute_dtypes(rank, world, fake_fp32, attention):
 @pytest.mark.slow
 @pytest.mark.parametrize("fake_fp32,attention", [(True, "fp32"), (True, ""), (False, "")])
 def test_fake_score_computes_in_fp32_as_published(fake_fp32, attention):
-    """FAKE_SCORE_FP32 (default on): the fake score's units gather and compute in fp32 under
+    """FAKE_SCORE_FP32 (default off; on as published): the fake score's units gather and compute in fp32 under
     bf16-mixed, as the official DM loss runs it, its attention in FAKE_SCORE_ATTENTION_DTYPE
     (default: the compute dtype, bf16; fp32: as published); off: all in the mode's bf16, like the
     generator."""
@@ -396,7 +396,12 @@ def test_fake_score_attention_dtype_checked_before_any_work(monkeypatch):
     monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "bf61")
     with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE: unknown dtype 'bf61'"):
         train_dmd.validate_config()
-    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "fp32")  # the UNets' settings, not FLUX's
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "fp32")
+    with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE=fp32 without FAKE_SCORE_FP32=1"):
+        train_dmd.validate_config()  # it sets the fp32 fake score's attention; the default fake score is bf16
+    monkeypatch.setattr(train_dmd, "FAKE_SCORE_FP32", True)
+    train_dmd.validate_config()
+    # the UNets' settings, not FLUX's
     with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE=fp32 with a FluxPipeline teacher"):
         train_dmd.check_flow_settings(flux, "FluxPipeline")
     monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "")

@@ -404,7 +404,7 @@ def row_bytes(row: dict, folder: str) -> tuple[int, int]:
         model = torch.nn.Module.to(memory_plan.meta_model(os.path.join(folder, part.spec.subfolder)), part.dtype)
         # under DDP a model computed wider than it is stored is stored in its compute dtype (docs/gpu.md)
         if (extra.get("parallelism") == "ddp" and part.name == "fake_score"
-                and int(extra.get("fake_score_fp32", 1))):
+                and int(extra.get("fake_score_fp32", memory_plan.Settings.fake_score_fp32))):
             model = torch.nn.Module.to(model, torch.float32)
         if part.lora:
             with torch.device("meta"):
@@ -697,12 +697,12 @@ def launch(script: str, args: list[str], world: int, log: str, timeout: float) -
 def planned_bytes(model: str, world: int, s: dict, script: str, gpu_gb: float) -> int:
     """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on a GPU of `gpu_gb`."""
     from tools import memory_plan
-    extra = s.get("extra", {})
+    extra, default_fake_fp32 = s.get("extra", {}), memory_plan.Settings.fake_score_fp32  # train_dmd.py's
     settings = memory_plan.Settings(world_size=world, precision=s["precision"], batch_size=s["batch_size"],
                                     resolution=s["resolution"], activation_checkpointing=s.get("ac", False),
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
                                     optimizer=s.get("optimizer", "adamw"), script=script,
-                                    fake_score_fp32=bool(int(extra.get("fake_score_fp32", 1))),
+                                    fake_score_fp32=bool(int(extra.get("fake_score_fp32", default_fake_fp32))),
                                     fp8=extra.get("fp8", ""), reshard_after_forward=None, gpu_memory_gb=gpu_gb)
     return memory_plan.plan(model, settings)["gpu_total"]
 
@@ -1008,12 +1008,13 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"kontext_{hi}px_full_compile", kontext, "flux", hi, 80, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_ac_compile", kontext, "flux", hi, 80, ac=True, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_cache_latents", kontext, "flux", hi, 50, extra={"cache_latents": 1}),
-                   # the default: the fp32 fake score with its attention in bf16 (FAKE_SCORE_ATTENTION_DTYPE)
-                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 110, batch_size=b32, ac=True),
+                   # the default: the fake score in the compute dtype (FAKE_SCORE_FP32=0)
+                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 105, batch_size=b32, ac=True),
                    row(f"dmd_sd15_{sd}px_b32_ac_fp32_attention", dmd, "sd15", sd, 120, batch_size=b32, ac=True,
-                       extra={"fake_score_attention_dtype": "fp32"}),  # the published all-fp32 fake score
-                   row(f"dmd_sd15_{sd}px_b32_ac_bf16_fake", dmd, "sd15", sd, 105, batch_size=b32, ac=True,
-                       extra={"fake_score_fp32": 0}),
+                       extra={"fake_score_fp32": 1, "fake_score_attention_dtype": "fp32"}),  # the published pass
+                   # the fp32 fake score with its attention in bf16 (FAKE_SCORE_ATTENTION_DTYPE's default)
+                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_fake", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
+                       extra={"fake_score_fp32": 1}),
                    row(f"dmd_sd15_{sd}px_b32_ac_channels_last", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
                        extra={"channels_last": 1}),
                    # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt

@@ -55,9 +55,9 @@ forward of a batch measured on meta, the runtime reserve. A plan fits only if bo
 fill does not, the fit takes the encoders in NF4 (--text_encoder_dtype=nf4).
 FLUX.2 (flux2-dev, flux2-klein-4b, flux2-klein-9b; Flux2Pipeline / Flux2KleinPipeline by model_index.json): the
 target's tokens, --references (2) references' at --reference_area (the pipeline's 1024^2), 512 text tokens.
-DMD2's fake score is counted as train_dmd.py runs it by default (FAKE_SCORE_FP32): its units gathered
-and its training forward's activations in fp32, whatever the precision mode (--fake_score_fp32=0:
-in the mode's compute dtype).
+DMD2's fake score is counted as train_dmd.py runs it (FAKE_SCORE_FP32, default off): in the mode's compute
+dtype; --fake_score_fp32=1 (as published): its units gathered and its training forward's activations in fp32,
+whatever the precision mode.
 
 DMD2 with a FLUX.1 Kontext teacher (flux-kontext-dmd; train_dmd.py on a FLUX folder): the FLUX
 pipeline's transformer in the DMD2 roles of the SD entries of families.pipelines.PIPELINES (generator and
@@ -264,7 +264,7 @@ class Settings:
     lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = the model's in parallel.model_facts.MODELS
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
-    fake_score_fp32: bool = True  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
+    fake_score_fp32: bool = False  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32
     base_dtype: str = ""       # the scripts' BASE_DTYPE: "" = compute dtype, nf4 = 4-bit LoRA base (parallel/lowbit.py)
     optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
     ema: bool = False          # the scripts' EMA_DECAY > 0: a copy of the trained model (LoRA: of its adapters)
@@ -1726,9 +1726,9 @@ def main(argv: list[str]) -> int:
                          "(default: the model's in parallel/model_facts.py)")
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
-    ap.add_argument("--fake_score_fp32", type=int, default=1,
-                    help="DMD: the fake score gathers and computes in fp32 "
-                         "(train_dmd.py's FAKE_SCORE_FP32, default on)")
+    ap.add_argument("--fake_score_fp32", type=int, default=0,
+                    help="DMD: the fake score gathers and computes in fp32, as published "
+                         "(train_dmd.py's FAKE_SCORE_FP32, default off)")
     ap.add_argument("--base_dtype", default="", choices=list(lowbit.BASE_DTYPES),
                     help="LoRA: the frozen base's storage, as the scripts' BASE_DTYPE (nf4: 4-bit, parallel/lowbit.py)")
     ap.add_argument("--optimizer", default="adamw", choices=list(lowbit.OPTIMIZERS),
