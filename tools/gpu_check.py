@@ -404,7 +404,7 @@ def row_bytes(row: dict, folder: str) -> tuple[int, int]:
         model = torch.nn.Module.to(memory_plan.meta_model(os.path.join(folder, part.spec.subfolder)), part.dtype)
         # under DDP a model computed wider than it is stored is stored in its compute dtype (docs/gpu.md)
         if (extra.get("parallelism") == "ddp" and part.name == "fake_score"
-                and int(extra.get("fake_score_fp32", memory_plan.Settings.fake_score_fp32))):
+                and fake_score_fp32(extra)):
             model = torch.nn.Module.to(model, torch.float32)
         if part.lora:
             with torch.device("meta"):
@@ -694,15 +694,21 @@ def launch(script: str, args: list[str], world: int, log: str, timeout: float) -
             return 124
 
 
+def fake_score_fp32(extra: dict) -> bool:
+    """A DMD2 row's FAKE_SCORE_FP32: its own, or train_dmd.py's default (the planner's Settings mirrors it)."""
+    from tools import memory_plan
+    return bool(int(extra.get("fake_score_fp32", memory_plan.Settings.fake_score_fp32)))
+
+
 def planned_bytes(model: str, world: int, s: dict, script: str, gpu_gb: float) -> int:
     """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on a GPU of `gpu_gb`."""
     from tools import memory_plan
-    extra, default_fake_fp32 = s.get("extra", {}), memory_plan.Settings.fake_score_fp32  # train_dmd.py's
+    extra = s.get("extra", {})
     settings = memory_plan.Settings(world_size=world, precision=s["precision"], batch_size=s["batch_size"],
                                     resolution=s["resolution"], activation_checkpointing=s.get("ac", False),
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
                                     optimizer=s.get("optimizer", "adamw"), script=script,
-                                    fake_score_fp32=bool(int(extra.get("fake_score_fp32", default_fake_fp32))),
+                                    fake_score_fp32=fake_score_fp32(extra),
                                     fp8=extra.get("fp8", ""), reshard_after_forward=None, gpu_memory_gb=gpu_gb)
     return memory_plan.plan(model, settings)["gpu_total"]
 
