@@ -50,6 +50,35 @@ def launch_env(**extra: str) -> dict:
 TIMEOUT = 300  # seconds a launched run may take before it counts as hung
 
 
+def _tiny_cache() -> str:
+    """Where the tiny folders (tools/tiny_models.ensure_default) are built once per test run and shared by every
+    file and launch: $FSDP_DIFFUSION_CACHE where set (kept), else a temp folder removed at exit; inside it, a
+    folder keyed by the builders' source, so a kept cache never serves folders of older builders."""
+    import hashlib
+    import shutil
+    import tempfile
+    digest = hashlib.sha256()
+    for name in ("tiny_models.py", "shapes.py", "build_once.py"):
+        with open(os.path.join(ROOT, "tools", name), "rb") as f:
+            digest.update(f.read())
+    base = os.environ.get("FSDP_DIFFUSION_CACHE")
+    if not base:
+        base = tempfile.mkdtemp(prefix="tiny_models")
+        atexit.register(shutil.rmtree, base, ignore_errors=True)
+    return os.path.join(base, digest.hexdigest()[:12])
+
+
+TINY_CACHE = _tiny_cache()
+os.environ["FSDP_DIFFUSION_CACHE"] = TINY_CACHE  # launches and ensure_default() without a folder share it
+
+
+def tiny_default(kind: str) -> tuple[str, str]:
+    """(model folder, data folder) of the tiny default `kind` (tools/tiny_models.BUILDERS), built once per test
+    run. Shared: a test that changes a folder copies it first."""
+    from tools import tiny_models
+    return tiny_models.ensure_default(kind, TINY_CACHE)
+
+
 def command(script: str, args=(), ranks: int = 2) -> list[str]:
     """torchrun of a repository script on `ranks` CPU ranks, or plain python for one."""
     path = script if os.path.isabs(script) else os.path.join(ROOT, script)
@@ -455,12 +484,10 @@ def kontext_setup(tmp_path_factory):
 
 
 def make_kontext_setup(root):
-    """The tiny default built once into a private cache, the mixed dataset, launch environment."""
-    from tools import tiny_models
-    cache = root / "cache"
-    model_path, _ = tiny_models.ensure_default("flux_kontext", cache)
+    """The tiny default (built once per test run), the mixed dataset, launch environment."""
+    model_path, _ = tiny_default("flux_kontext")
     data, rows = make_mixed_dataset(str(root / "data"))
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
+    env = launch_env()
     common = [
         f"--model_path={model_path}",
         f"--data_path={data}",
