@@ -533,20 +533,30 @@ def load_export(out, component: str = "transformer") -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# where the suite's time goes: seconds per test file (setup, call and teardown), printed at the end
+# where the suite's time goes: seconds per test file and per family / shared area (setup, call and teardown),
+# printed at the end; the areas beside their budgets (tests/budgets.py, docs/testing.md)
 
 _FILE_SECONDS: dict[str, float] = {}
+_AREA_SECONDS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
+    from tests.budgets import area_of
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    area = area_of(report.nodeid)
+    _AREA_SECONDS[area] = _AREA_SECONDS.get(area, 0.0) + report.duration
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     if not _FILE_SECONDS:
         return
     terminalreporter.write_sep("=", "seconds per test file")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
             terminalreporter.write_line(f"{seconds:7.1f}  {path}")
+    from tests.budgets import report_lines
+    half = {"not slow": "fast", "slow": "slow"}.get(config.option.markexpr.strip(), "all")
+    terminalreporter.write_sep("=", f"seconds per family and shared area / budget ({half}; docs/testing.md)")
+    for line in report_lines(_AREA_SECONDS, half):
+        terminalreporter.write_line(line)
