@@ -68,7 +68,7 @@ def edits(pipeline: str) -> bool:
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
-    """QwenImageTransformer2DModel, as families/flux.py builds FLUX's (families/dit.py), sharded one
+    """QwenImageTransformer2DModel, as families/flux/room.py builds FLUX's (families/dit.py), sharded one
     unit per dual-stream block by parallel/parallelize.py's recipe for its class."""
     from diffusers import QwenImageTransformer2DModel
     return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
@@ -301,7 +301,7 @@ def text_row(text, i):
 
 
 # ----------------------------------------------------------------------------------------------
-# editing fine-tuning (train_flux_kontext.py; families/flux.py lists what the script asks of a room)
+# editing fine-tuning (train_flux_kontext.py; families/spec.EditingRoom lists what the script asks of a room)
 
 
 def check_edit_settings(model_path, settings, changed: set) -> None:
