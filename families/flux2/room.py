@@ -47,7 +47,6 @@ from parallel.lora import Lora
 from parallel.parallelize import parallelize
 from precision import dtype_name
 
-PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")  # model_index.json's _class_name
 NAME = "FLUX.2"  # how the README and docs name the family
 # the pipelines take any number; four 1024^2 references already make a ~20 k-token sequence
 MAX_REFERENCES = 4

@@ -41,7 +41,6 @@ from parallel.model_facts import MODELS
 from parallel.parallelize import parallelize
 from precision import dtype_name
 
-PIPELINES = ("QwenImageEditPlusPipeline",)  # model_index.json's _class_name
 NAME = "Qwen-Image-Edit"  # how the README and docs name the family
 MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's model card: 1-3 images)
 NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
