@@ -216,6 +216,7 @@ def test_each_spec_is_well_formed(spec):
                                                                       "device", "dtype"]
     editing = "train_flux_kontext.py" in spec.protocols
     assert spec.check_context_parallel is (spec.room.check_context_parallel if editing else None)
+    assert spec.tiny and all(callable(b) for b in spec.tiny.values())  # tools/tiny_models.BUILDERS
     if hasattr(spec.room, "DEFAULT_RESOLUTION"):
         assert spec.default_resolution == spec.room.DEFAULT_RESOLUTION
 
@@ -291,6 +292,7 @@ def test_example_inputs_feed_the_real_model_as_the_room_does(kind):
     model_path, _ = tiny_default(kind)
     pipeline = _pipeline(model_path)
     spec = families.spec_of(pipeline)
+    assert kind in spec.tiny  # the family's own tiny folder
     cls = _trained_class(pipeline)
     folder = os.path.join(model_path, families.pipelines.trained_component(pipeline).subfolder)
     model = cls.from_pretrained(folder).eval()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 import families.sd_unet as room
+from families.sd_unet import tiny
 from families.pipelines import Component
 from families.spec import FamilySpec, PipelineSpec, UnetDistillationRoom
 
@@ -42,4 +43,5 @@ SPEC = FamilySpec(
     default_resolution=512,  # the UNet's sample_size x the VAE factor: SD-1.5 64 x 8, SDXL 128 x 8
     text_len=77,  # CLIP's context
     example_inputs=example_inputs,
-    check_context_parallel=None)  # train_dmd.py has no context parallelism
+    check_context_parallel=None,  # train_dmd.py has no context parallelism
+    tiny={"sd15": tiny.build_sd15, "sdxl": tiny.build_sdxl})  # tools/tiny_models.BUILDERS
