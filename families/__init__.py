@@ -1,21 +1,35 @@
-"""The model families, one room each: what is true of a family alone (how its models are built and
+"""The model families, one package each: what is true of a family alone (how its models are built and
 sharded, its conditioning, latent layout, training target and samples), apart from the scripts'
 training stories. The scripts pick the room from model_index.json's `_class_name` through FAMILIES.
 
-    sd_unet.py    SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
-    flux.py       FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
-    qwen_image.py Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline), 1-3 reference images
-    flux2.py      FLUX.2 [klein] and [dev] (Flux2KleinPipeline, Flux2Pipeline), 1-4 reference images
+    sd_unet/      SD-1.5 and SDXL UNets (StableDiffusionPipeline, StableDiffusionXLPipeline)
+    flux/         FLUX.1 transformers (FluxKontextPipeline, FluxPipeline)
+    qwen_image/   Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline), 1-3 reference images
+    flux2/        FLUX.2 [klein] and [dev] (Flux2KleinPipeline, Flux2Pipeline), 1-4 reference images
+    spec.py       FamilySpec, and the Protocols a room answers for each script
     dit.py        what the transformer rooms share: the build (meta, LoRA / NF4, recipe, load)
     pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it
+    tiny/         what the families' tiny test folders share (tokenizers, synthetic data)
 
-A new family is one more room here, listed in FAMILIES, with its pipeline's
-components in pipelines.py (docs/architecture.md, "Adding a family", lists what a room writes). Rooms import
-parallel/, data/, algorithms/, precision and fsdp_utils; the scripts import the rooms, never the
-other way (tests/test_layout.py checks it).
+A family's package holds room.py (what the scripts ask of it; the package exposes its names), spec.py
+(its FamilySpec) and tiny.py (its tiny test folders); a new family is one more name in NAMES
+(docs/architecture.md, "Adding a family"). Rooms import parallel/, data/, algorithms/, precision and
+fsdp_utils; the scripts import the rooms, never the other way (tests/test_layout.py checks it).
 """
 from __future__ import annotations
 
-from families import flux, flux2, qwen_image, sd_unet
+import importlib
 
-FAMILIES = {pipeline: room for room in (sd_unet, flux, qwen_image, flux2) for pipeline in room.PIPELINES}
+from families import pipelines
+from families.spec import FamilySpec
+
+NAMES = ("sd_unet", "flux", "qwen_image", "flux2")  # the families, in the order of the tables (the packages)
+
+SPECS: tuple[FamilySpec, ...] = tuple(importlib.import_module(f"families.{name}.spec").SPEC for name in NAMES)
+FAMILIES = {p.name: spec.room for spec in SPECS for p in spec.pipelines}  # pipeline -> its room
+pipelines.gather(SPECS)
+
+
+def spec_of(pipeline: str) -> FamilySpec:
+    """The spec of the family that trains `pipeline` (model_index.json's `_class_name`)."""
+    return next(spec for spec in SPECS if pipeline in spec.pipeline_names)

@@ -1,4 +1,4 @@
-"""What the flow-matching transformer rooms (families/flux.py, families/qwen_image.py) share: a
+"""What the flow-matching transformer rooms (families/flux/, families/qwen_image/, families/flux2/) share: a
 transformer built on meta, adapted (LoRA, NF4 base), sharded by its recipe (parallel/parallelize.py)
 and loaded slice by slice, in every role the scripts hold one (trained, EMA copy, frozen teacher);
 and the FlowMatchEulerDiscreteScheduler a distilled generator's export carries.
@@ -22,7 +22,7 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
                       frozen_dtype=None, weights="", prepare=None, merge=None, fp8=""):
     """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> `recipe` (fully_shard
     per block, then the root) -> each rank loads its slices (load=False: allocate only, e.g. for the
-    EMA copy that is then filled from the model); families/flux.py's build_transformer says what each
+    EMA copy that is then filled from the model); families/flux/room.py's build_transformer says what each
     argument does; `prepare(model)` runs on the meta skeleton (what a meta build leaves unset); `merge`: a
     LoRA (parallel/lora_merge.LoraDelta) added into the base weights as they load; `fp8`: FP8's recipe for the
     blocks' Linears (parallel/float8.py; the trained weights of a full model gathered in float8)."""

@@ -53,14 +53,19 @@ TIMEOUT = 300  # seconds a launched run may take before it counts as hung
 def _tiny_cache() -> str:
     """Where the tiny folders (tools/tiny_models.ensure_default) are built once per test run and shared by every
     file and launch: $FSDP_DIFFUSION_CACHE where set (kept), else a temp folder removed at exit; inside it, a
-    folder keyed by the builders' source, so a kept cache never serves folders of older builders."""
+    folder keyed by the builders' source (every file they come from: each family's tiny.py and the spec naming
+    its builders, the shared families/tiny/, the cache's tools), so a kept cache never serves older builders."""
+    import glob
     import hashlib
     import shutil
     import tempfile
     digest = hashlib.sha256()
-    for name in ("tiny_models.py", "shapes.py", "build_once.py"):
-        with open(os.path.join(ROOT, "tools", name), "rb") as f:
-            digest.update(f.read())
+    sources = [os.path.join(ROOT, "tools", name) for name in ("tiny_models.py", "build_once.py")]
+    for pattern in (("tiny", "*.py"), ("*", "tiny.py"), ("*", "spec.py")):
+        sources += sorted(glob.glob(os.path.join(ROOT, "families", *pattern)))
+    for path in sources:
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, ROOT).encode() + b"\0" + f.read())
     base = os.environ.get("FSDP_DIFFUSION_CACHE")
     if not base:
         base = tempfile.mkdtemp(prefix="tiny_models")

@@ -1,9 +1,9 @@
 """The house's layout, checked: the root holds only the two scripts and the three modules users edit
 (fsdp_utils, precision, checkpoint), imports go one way, a tier per folder (scripts -> components/ ->
-families/ -> checkpoint -> parallel/ -> fsdp_utils, data/ -> precision, algorithms/ -> core/), no import
-cycle, tools/ never
-importing demos/, and the two scripts' settings: every UPPER_CASE constant overridable, the shared
-ones in the same order with the same comment.
+families/ -> checkpoint -> parallel/ -> fsdp_utils, data/ -> precision, algorithms/ -> core/; a folder's
+subpackages, such as families/flux2/, in its tier), no import cycle, tools/ never importing demos/, and
+the two scripts' settings: every UPPER_CASE constant overridable, the shared ones in the same order with
+the same comment.
 
     python -m pytest tests/test_layout.py -q
 """
@@ -56,8 +56,8 @@ def _imports(path: str) -> set[str]:
 
 def _project_files() -> list[str]:
     files = glob.glob(os.path.join(ROOT, "*.py"))
-    for folder in FOLDERS:
-        files += glob.glob(os.path.join(ROOT, folder, "*.py"))
+    for folder in FOLDERS:  # with its subpackages (families/<name>/)
+        files += glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)
     return sorted(files)
 
 
@@ -104,6 +104,7 @@ def test_every_module_of_the_training_code_has_a_tier():
 
 
 def test_imports_follow_the_tiers():
+    assert "families.flux2.room" in _graph()  # subpackages are read too
     violations = _tier_violations(_graph())
     assert not violations, violations
 
@@ -115,6 +116,8 @@ def test_the_tier_check_catches_an_upward_import():
     assert _tier_violations({"data.sources": {"fsdp_utils"}})  # same tier, another folder
     assert _tier_violations({"checkpoint": {"components.export"}})
     assert _tier_violations({"parallel.lora": {"tools.tiny_models"}})
+    assert _tier_violations({"families.flux2.room": {"components.trainer"}})  # a subpackage: its folder's tier
+    assert _tier_violations({"families.flux2.tiny": {"tools.shapes"}})
     assert not _tier_violations({"components.trainer": {"checkpoint", "components.export", "data.sources"},
                                  "components.logger": {"components.config"}, "parallel.lowbit": {"core.errors"}})
 

@@ -1,4 +1,5 @@
-"""Tests of tools/tiny_models.py: the embedded default model folders and datasets, all offline, CPU.
+"""Tests of tools/tiny_models.py and the families' tiny builders it gathers (families/<name>/tiny.py,
+families/tiny/): the embedded default model folders and datasets, all offline, CPU.
 
     python -m pytest tests/test_tiny_models.py -q
 
@@ -278,6 +279,45 @@ def test_ensure_default_builds_once_and_reuses(tmp_path, monkeypatch):
     monkeypatch.setitem(tiny_models.BUILDERS, "flux_kontext", must_not_build)
     assert tiny_models.ensure_default("flux_kontext", tmp_path) == (model, data)
     assert marker.stat().st_mtime_ns == mtime
+
+
+def _module_file(name: str) -> str:
+    import importlib
+    return os.path.realpath(importlib.import_module(name).__file__)
+
+
+def test_the_builders_are_the_families_and_key_the_test_cache(tmp_path, monkeypatch):
+    """BUILDERS is what the family specs name (families/<name>/spec.py's `tiny`, the same kinds), and the test
+    run's cache key (tests/conftest._tiny_cache) reads every file a builder comes from: its module, the spec
+    naming it, each families/ module those import, the cache's own tools; a changed builder never reuses a
+    stale folder."""
+    import ast
+    import builtins
+    import inspect
+
+    import families
+    from tests import conftest
+    assert list(tiny_models.BUILDERS) == ["sd15", "sdxl", "flux_kontext", "qwen_image_edit", "flux2_klein",
+                                          "flux2_dev"]
+    assert tiny_models.BUILDERS == {kind: b for spec in families.SPECS for kind, b in spec.tiny.items()}
+    sources = {os.path.realpath(inspect.getsourcefile(b)) for b in tiny_models.BUILDERS.values()}
+    sources |= {_module_file(f"families.{spec.name}.spec") for spec in families.SPECS}
+    for path in list(sources):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("families.tiny"):
+                sources.add(_module_file(node.module))
+    sources |= {_module_file("tools.tiny_models"), _module_file("tools.build_once")}
+    read, real_open = [], builtins.open
+
+    def reading(path, *args, **kwargs):
+        read.append(os.path.realpath(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setenv("FSDP_DIFFUSION_CACHE", str(tmp_path))
+    monkeypatch.setattr(builtins, "open", reading)
+    key = conftest._tiny_cache()
+    monkeypatch.undo()
+    assert os.path.dirname(key) == str(tmp_path)
+    assert sorted(sources - set(read)) == []
 
 
 @pytest.mark.slow

@@ -47,7 +47,6 @@ from parallel.lora import Lora
 from parallel.parallelize import parallelize
 from precision import dtype_name
 
-PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")  # model_index.json's _class_name
 NAME = "FLUX.2"  # how the README and docs name the family
 # the pipelines take any number; four 1024^2 references already make a ~20 k-token sequence
 MAX_REFERENCES = 4
@@ -90,7 +89,7 @@ def _unwrapped(model):
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
-    """Flux2Transformer2DModel, as families/flux.py builds FLUX.1's (families/dit.py), sharded one unit per
+    """Flux2Transformer2DModel, as families/flux/room.py builds FLUX.1's (families/dit.py), sharded one unit per
     double- and single-stream block by parallel/parallelize.py's FLUX recipe."""
     from diffusers import Flux2Transformer2DModel
     return build_dit(Flux2Transformer2DModel, parallelize, folder, mesh, prec, device, load=load,
@@ -347,7 +346,7 @@ def image_ids(sizes, device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# editing fine-tuning (train_flux_kontext.py; families/flux.py lists what the script asks of a room)
+# editing fine-tuning (train_flux_kontext.py; families/spec.EditingRoom lists what the script asks of a room)
 
 
 def check_edit_settings(model_path, settings, changed: set) -> None:

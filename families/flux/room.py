@@ -32,7 +32,6 @@ from parallel import attention
 from parallel.lora import Lora
 from parallel.parallelize import parallelize_flux
 
-PIPELINES = ("FluxKontextPipeline", "FluxPipeline")  # model_index.json's _class_name
 NAME = "FLUX.1"  # how the README and docs name the family
 MAX_REFERENCES = 1  # Kontext: one context image
 UNCONDITIONAL_PROMPT = ""  # what CAPTION_DROPOUT trains: the empty prompt (diffusers' --proportion_empty_prompts)

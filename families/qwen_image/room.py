@@ -41,7 +41,6 @@ from parallel.model_facts import MODELS
 from parallel.parallelize import parallelize
 from precision import dtype_name
 
-PIPELINES = ("QwenImageEditPlusPipeline",)  # model_index.json's _class_name
 NAME = "Qwen-Image-Edit"  # how the README and docs name the family
 MAX_REFERENCES = 3  # the pipeline's "Picture 1..3" (Qwen-Image-Edit-2509's model card: 1-3 images)
 NEGATIVE_PROMPT = " "  # the negative prompt of the model card's examples, for samples with true CFG
@@ -68,7 +67,7 @@ def edits(pipeline: str) -> bool:
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
-    """QwenImageTransformer2DModel, as families/flux.py builds FLUX's (families/dit.py), sharded one
+    """QwenImageTransformer2DModel, as families/flux/room.py builds FLUX's (families/dit.py), sharded one
     unit per dual-stream block by parallel/parallelize.py's recipe for its class."""
     from diffusers import QwenImageTransformer2DModel
     return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
@@ -301,7 +300,7 @@ def text_row(text, i):
 
 
 # ----------------------------------------------------------------------------------------------
-# editing fine-tuning (train_flux_kontext.py; families/flux.py lists what the script asks of a room)
+# editing fine-tuning (train_flux_kontext.py; families/spec.EditingRoom lists what the script asks of a room)
 
 
 def check_edit_settings(model_path, settings, changed: set) -> None:

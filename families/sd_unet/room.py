@@ -33,7 +33,6 @@ from parallel import lora as lora_lib
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.parallelize import parallelize_unet
 
-PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")  # model_index.json's _class_name
 NAME = "SD UNets"  # how the README and docs name the family
 
 # The official DMD2 LoRA run's targets (tianweiy/DMD2 main/sd_unified_model.py:47-62, its

@@ -1,0 +1,42 @@
+"""The FLUX.2 family's spec: [klein] (Flux2KleinPipeline) and [dev] (Flux2Pipeline), trained by both scripts."""
+from __future__ import annotations
+
+import torch
+
+import families.flux2 as room
+from families.flux2 import tiny
+from families.pipelines import Component
+from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
+
+_PARTS = (Component("transformer", "transformer", "trainable", "Flux2Transformer2DModel"),
+          Component("vae", "vae", "replicated", "AutoencoderKLFlux2"))
+_FILES = (Component("tokenizer", "tokenizer", "files"), Component("scheduler", "scheduler", "files"))
+_BOTH = ("train_dmd.py", "train_flux_kontext.py")
+
+
+def example_inputs(config, batch: int, shapes, text_len: int, device, dtype) -> dict:
+    """Flux2Transformer2DModel's forward kwargs as the room's forward passes them: the [target ; references]
+    2x2-packed tokens (shapes: the (h, w) latents, the target first) with their 4-D ids (T, H, W, 0), the text
+    (B, text_len, D) with its ids (0, 0, 0, l), σ (B,), [dev]'s embedded guidance (B,) in fp32 (klein: None)."""
+    ids = room.image_ids([(h // 2, w // 2) for h, w in shapes], device)
+    text = torch.randn(batch, text_len, config["joint_attention_dim"], device=device, dtype=dtype)
+    guided = config.get("guidance_embeds", True)
+    return dict(hidden_states=torch.randn(batch, ids.shape[0], config["in_channels"], device=device, dtype=dtype),
+                encoder_hidden_states=text, timestep=torch.rand(batch, device=device, dtype=dtype),
+                img_ids=ids.expand(batch, -1, -1), txt_ids=room.text_ids(text),
+                guidance=torch.ones(batch, device=device, dtype=torch.float32) if guided else None, return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="flux2", room=room,
+    # [klein]: Qwen3 (4 B / 8 B) as its text encoder; [dev]: Mistral-Small 3 (24 B). Both cached, then freed
+    pipelines=(PipelineSpec("Flux2KleinPipeline", (*_PARTS, Component(
+                   "text_encoder", "text_encoder", "offline", "Qwen3ForCausalLM"), *_FILES), _BOTH),
+               PipelineSpec("Flux2Pipeline", (*_PARTS, Component(
+                   "text_encoder", "text_encoder", "offline", "Mistral3ForConditionalGeneration"), *_FILES), _BOTH)),
+    protocols={"train_dmd.py": FlowDistillationRoom, "train_flux_kontext.py": EditingRoom},
+    default_resolution=room.DEFAULT_RESOLUTION,
+    text_len=512,  # MAX_SEQUENCE_LENGTH, the pipelines' padded length
+    example_inputs=example_inputs,
+    check_context_parallel=room.check_context_parallel,
+    tiny={"flux2_klein": tiny.build_flux2_klein, "flux2_dev": tiny.build_flux2_dev})  # tools/tiny_models.BUILDERS

@@ -1,0 +1,197 @@
+"""What a family is to the rest of the code: its `FamilySpec` (one per package, families/<name>/spec.py:
+its pipelines and the scripts that train each, its default sizes, its model's example inputs, its context
+parallel check, its tiny test folders) and the interface its room answers, one `typing.Protocol` per role:
+
+    EditingRoom          what train_flux_kontext.py asks every editing room
+    FlowDistillationRoom what train_dmd.py's flow_setup asks every flow-matching room
+    UnetDistillationRoom what train_dmd.py's unet_setup asks the UNet room
+
+The first two share `TransformerRoom` (the build, the VAE, sizes, the text cache), which data/buckets.py
+reads too. A room is a module: the members are its functions and constants (`self` stands for the module);
+the scripts call the functions with the parameter names written here, and tests/test_families.py checks
+every room against the Protocols its spec names and that these Protocols hold every name the scripts ask.
+
+    python -m pytest tests/test_families.py -q
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from families.pipelines import Component
+
+SCRIPTS = ("train_dmd.py", "train_flux_kontext.py")  # the scripts a family's pipelines may name
+# what a script reads with getattr and a default: a room that has it says so
+OPTIONAL = {
+    "NEGATIVE_PROMPT": "true CFG in train_flux_kontext.py's samples: its `sample` then takes `negative`",
+    "SHARDED_TEXT_FILL": "SHARD_TEXT_ENCODER=1 accepted (components/trainer.check_text_sharding)",
+    "prepare": "what a meta build of the trained model leaves unset (tools/memory_plan.py reads it)",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# the rooms' interface, by role
+
+
+class Room(Protocol):
+    NAME: str  # how the README, the docs and one-line errors name the family
+
+
+class DistillationRoom(Room, Protocol):
+    """What train_dmd.py asks every room before it picks a setup."""
+
+    def dmd_guidance(self, settings) -> Any:
+        """The teacher's guidance (algorithms/dmd2.Guidance) from the script's settings."""
+
+
+class TransformerRoom(Room, Protocol):
+    """What both scripts ask every transformer room (and data/buckets.row_shapes, for both)."""
+    MAX_REFERENCES: int  # reference images a row may hold
+    UNCONDITIONAL_PROMPT: str  # what CAPTION_DROPOUT trains
+    DEFAULT_RESOLUTION: int  # RESOLUTION 0: the pipelines' area, RESOLUTION^2 pixels
+
+    def build_transformer(self, folder, mesh, prec, device, *, load, sharding, block_classes, lora=..., seed=0,
+                          base_dtype="", attention_backend=..., trainable=True, compute=None, frozen_dtype=None,
+                          weights="", merge=None, fp8="") -> torch.nn.Module: ...
+
+    def load_vae(self, folder, dtype, device) -> torch.nn.Module: ...
+
+    def vae_factor(self, model_path) -> int: ...
+
+    def latent_channels(self, vae) -> int: ...
+
+    def target_size(self, size, row, settings) -> tuple[int, int]: ...
+
+    def reference_sizes(self, size, row, settings) -> tuple | None: ...
+
+    def image_loader(self, settings) -> Callable | None: ...
+
+    def edit_attention_shapes(self, model_path, settings, shapes, batch, context_parallel) -> tuple[list, list]: ...
+
+    def prepare_edit_text(self, texts, model_path, cache_dir, settings, dtype, device) -> str: ...
+
+    def load_text(self, texts, cache_dir, identity, device) -> Any: ...
+
+
+class EditingRoom(TransformerRoom, Protocol):
+    """train_flux_kontext.py: an editing fine-tune's steps, validation and samples."""
+    TEXT_READS_IMAGES: bool  # the text encoder reads the references: a mirrored row has its own text
+
+    def check_edit_settings(self, model_path, settings, changed) -> None: ...
+
+    def check_context_parallel(self, model_path, context_parallel, settings, shapes) -> None: ...
+
+    def encode_latents(self, vae, images) -> torch.Tensor: ...
+
+    def repeat_text(self, text, i, n) -> Any: ...
+
+    def text_row(self, text, i) -> Any: ...
+
+    def model_inputs(self, x0, references, noise, sigmas) -> dict: ...
+
+    def forward(self, transformer, inputs, sigmas, guidance, text) -> torch.Tensor: ...
+
+    def sample_pipeline(self, scheduler, vae, transformer) -> Any: ...
+
+    def sample(self, pipe, vae, references, text, size, steps, guidance, generator) -> torch.Tensor: ...
+
+
+class FlowDistillationRoom(TransformerRoom, DistillationRoom, Protocol):
+    """train_dmd.py's flow_setup: DMD2 with a flow-matching teacher."""
+
+    def edits(self, pipeline) -> bool: ...
+
+    def check_dmd_settings(self, pipeline, settings, changed, data_kind) -> None: ...
+
+    def dmd_cond(self, text, negative, vae, references, size) -> Any: ...
+
+    def image_tokens(self, vae, pixels) -> torch.Tensor: ...
+
+    def decode_tokens(self, vae, tokens, size) -> torch.Tensor: ...
+
+    def distilled_scheduler(self, model_path) -> dict: ...
+
+    def distilled_index(self, model_path) -> dict: ...
+
+
+class UnetDistillationRoom(DistillationRoom, Protocol):
+    """train_dmd.py's unet_setup: DMD2 with an SD-1.5 or SDXL teacher."""
+    PromptCache: type  # PromptCache(encode, size): each distinct prompt encoded once
+
+    def is_sdxl(self, pipeline) -> bool: ...
+
+    def check_dmd_settings(self, settings, changed) -> None: ...
+
+    def load_dmd_rows(self, path, use_gan, skip_bad, *, real_path="", columns=None, split="train") -> tuple: ...
+
+    def attention_shapes(self, model_path, resolution, batch, vae_path="") -> tuple[list, list]: ...
+
+    def gan_head_size(self, unet_dir, sdxl, features="mid") -> int: ...
+
+    def build_dmd_models(self, unet_dir, mesh, precision, device, *, sharding, block_classes, ema_decay, seed,
+                         gan_head=None, head_features="mid", lora=..., fake_lora=False, fake_compute=None,
+                         fake_attention=None, channels_last=False, generator_init="", base_dtype="") -> dict: ...
+
+    def build_unet(self, folder, mesh, dtype, device, *, policy, trainable, sharding, block_classes, load=True,
+                   lora=..., seed=0, weights="", base_dtype="", attention_dtype=None,
+                   channels_last=False) -> torch.nn.Module: ...
+
+    def load_frozen_parts(self, model_path, sdxl, te_dtype, vae_dtype, vae_path, device) -> tuple: ...
+
+    def train_alphas(self, model_path, device) -> torch.Tensor: ...
+
+    def latent_layout(self, resolution, vae_config, unet_config) -> tuple: ...
+
+    def text_encoding(self, tokenizers, text_encoders, sdxl, size, device) -> Callable: ...
+
+    def unconditional(self, encode, sdxl) -> Any: ...
+
+    def dmd_sample_inputs(self, rows, count, shape, n_sim, seed) -> tuple: ...
+
+    def write_samples(self, model, vae, text, noise, sim_noise, step_list, alphas, path) -> None: ...
+
+    def dmd_micro_batches(self, it, loaded, seed, device, draw, encode, vae) -> list: ...
+
+    def load_dmd_step(self, it, rows, batch_size, grad_accum, seed, d, real_size, real_rows=None,
+                      caption_dropout=0.0) -> list: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# the spec
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """One diffusers pipeline a family trains, by model_index.json's `_class_name`."""
+    name: str
+    components: tuple[Component, ...]  # what its folder holds, in which role the scripts hold it
+    scripts: tuple[str, ...]  # the scripts that train it
+    resolution: int | None = None  # its native side in pixels where it differs from the family's
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: families/<name>/ (room.py, spec.py, tiny.py), listed in families/__init__.py."""
+    name: str  # its package under families/: one name per family
+    room: ModuleType  # the package, whose names are the room's (families.FAMILIES' values)
+    pipelines: tuple[PipelineSpec, ...]
+    protocols: Mapping[str, type]  # script -> the Protocol the room answers for it
+    default_resolution: int  # the real models' native side in pixels (RESOLUTION 0)
+    text_len: int  # the text tokens the trained model reads by default (the planner's length)
+    # (config, batch, shapes, text_len, device, dtype) -> the trained model's forward kwargs: `config` its
+    # config, `shapes` one latent size per image ((h, w): the target first, then each reference)
+    example_inputs: Callable[..., dict]
+    # the context-parallel check before any work (the room's); None: the family takes no context parallelism
+    check_context_parallel: Callable | None
+    tiny: Mapping[str, Callable] = field(default_factory=dict)  # tiny default kind -> build(root): model/, data/
+
+    @property
+    def pipeline_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.pipelines)
+
+    def resolution(self, pipeline: str) -> int:
+        """The native side of `pipeline` in pixels."""
+        return next(p.resolution or self.default_resolution for p in self.pipelines if p.name == pipeline)
