@@ -481,7 +481,7 @@ class Setup:
 
 def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precision) -> Setup:
     """DMD2 with an SD-1.5 or SDXL teacher: generator, fake score and teacher are UNets built by the
-    UNet recipe (families/sd_unet.py), each sharded per block (PARALLELISM=ddp: full replicas, the
+    UNet recipe (families/sd_unet/), each sharded per block (PARALLELISM=ddp: full replicas, the
     trainable ones wrapped in DDP for their training forwards; checkpoints, EMA, samples and export
     always use the unwrapped modules, whose names match); prompts encoded by the CLIP text encoders
     (SDXL: two, with the added time/text conditions), ε-prediction on the teacher's DDPM alphas."""
