@@ -832,14 +832,24 @@ def bench_fake_fp32() -> str:
 # ----------------------------------------------------------------------------------------------
 # the NF4 LoRA base at FLUX.1 width: measured peak memory against the planner and the bf16 base
 
+def flux_width_folder(root: str, blocks: tuple[int, int]) -> str:
+    """A FLUX.1 Kontext folder at real width with `blocks` (double, single) blocks, random weights: gpu_check's
+    transformer skeleton of that size with its weights written, beside its real-width parts (VAE, CLIP-L, a
+    one-layer T5 of the real width; written once under `root`)."""
+    from tools import gpu_check
+    folder = gpu_check.flux_skeleton(root, blocks, gpu_check.flux_parts(root))
+    gpu_check.transformer_weights(folder)
+    return folder
+
+
 def bench_nf4_width() -> str:
     """Kontext LoRA (rank 16) on a FLUX.1-width transformer of 1 double + 1 single block (~0.55 B
-    parameters, random weights, tools/gpu_check.flux_folder), 2 CPU ranks, bf16, 256 px, batch 1,
+    parameters, random weights, flux_width_folder), 2 CPU ranks, bf16, 256 px, batch 1,
     3 steps: BASE_DTYPE bf16 vs nf4, each rank's peak RSS above its baseline and model states,
     against the planner's per-GPU total for the same settings (without its fixed CUDA reserve)."""
     from tools import gpu_check, memory_plan
     root = _root()
-    folder = gpu_check.flux_folder(os.path.join(root, "gpu_check_models"), tiny=False, blocks=(1, 1))
+    folder = flux_width_folder(os.path.join(root, "gpu_check_models"), (1, 1))
     data = gpu_check.datasets(os.path.join(root, "gpu_check_models"), 256)[1]
     runs = {}
     for base in ("", "nf4"):
@@ -870,13 +880,13 @@ def bench_nf4_width() -> str:
 
 def bench_kontext_dmd_width() -> str:
     """train_dmd.py with a FLUX.1 Kontext teacher at FLUX.1 width (3072) with 0 double + 1 single
-    block (~0.21 B parameters per transformer, random weights, tools/gpu_check.flux_folder): full
+    block (~0.21 B parameters per transformer, random weights, flux_width_folder): full
     generator and full fake score with AdamW, the teacher frozen and sharded, all fp32, 2 CPU ranks,
     256 px, batch 1, a generator step every step, 2 steps; then the planner for the same settings on
     the same folder. One double block instead would hold ~7 GiB of model states per rank."""
     from tools import gpu_check, memory_plan
     root = _root()
-    folder = gpu_check.flux_folder(os.path.join(root, "gpu_check_models"), tiny=False, blocks=(0, 1))
+    folder = flux_width_folder(os.path.join(root, "gpu_check_models"), (0, 1))
     data = gpu_check.datasets(os.path.join(root, "gpu_check_models"), 256)[1]
     out = os.path.join(root, "kontext_dmd_width")
     t0 = time.perf_counter()
