@@ -4,20 +4,67 @@ apart), the DMD2 step's bound from the plain rows, and the plumbing check on CPU
 need CUDA skipped.
 
     python -m pytest tests/test_gpu_check.py -q
+
+The CPU checks launch `python tools/gpu_check.py --tiny --cpu` as users do, on the tiny default folders the
+whole test run shares (FSDP_DIFFUSION_CACHE), the rows in fp32 as gpu_check runs them on CPU; the launches this
+session's tests read run two side by side (`cli`: each trains one process at a time, which leaves a core idle).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from checkpoint import _gb
-from tests.conftest import ROOT, launch_env
+from tests.conftest import start, tiny_default
 from tools import gpu_check
+
+# the tests that read a launch of the CPU check -> its arguments (--tiny --cpu --skip_tests and an --out of its
+# own added), longest first: two run side by side, each next one starting where one ends
+CLI_RUNS = {
+    "test_qwen_rows_on_cpu_train_resume_export_and_load": ["--suite=qwen"],
+    "test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
+        ["--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac"],
+    "test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row":
+        ["--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last"],
+    "test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0": ["--runs=cudnn_attention_probe"],
+}
+CLI_TIMEOUT = 900  # seconds one launch may take, the slowest (--suite=qwen: 5 trainings) under a loaded machine
+
+
+@pytest.fixture(scope="module")
+def cli(request, tmp_path_factory):
+    """{test name: (exit code, output, --out folder)} of the CPU check's launches that this session's tests read
+    (CLI_RUNS), two at a time."""
+    wanted = {item.name for item in request.session.items}
+    root = tmp_path_factory.mktemp("gpu_check_cli")
+
+    def begin(name):
+        return start(os.path.join("tools", "gpu_check.py"),
+                     ["--tiny", "--cpu", "--skip_tests", *CLI_RUNS[name], f"--out={root / name}"], ranks=1)
+
+    def one(name, proc=None):
+        proc = proc or begin(name)
+        try:
+            text, _ = proc.communicate(timeout=CLI_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            text += f"\n(killed: still running after {CLI_TIMEOUT} s)"
+        return proc.returncode, text, root / name
+
+    names = [name for name in CLI_RUNS if name in wanted]
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # the first started here: it starts the launch server (tests/zygote.py) the others then fork from too
+        futures = [pool.submit(one, names[0], begin(names[0]))] + [pool.submit(one, name) for name in names[1:]]
+        return {name: future.result() for name, future in zip(names, futures)}
 
 
 def test_smaller_blocks_halve_to_one_of_each():
@@ -89,13 +136,20 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
             sizes[r["run"], size] = gpu_check.row_bytes(r, folder(size))
         return sizes[r["run"], size]
 
+    written = {}
+
+    def folder_bytes(size):
+        if size not in written:
+            written[size] = gpu_check.folder_bytes(folder(size))
+        return written[size]
+
     dmd = next(r for r in rows if r["run"] == "dmd_kontext_512px_4step_ac")
     one, export = row_bytes(dmd, (2, 4))
     assert _gb(one) == "31.4 GB"  # the preflight's figure on that machine
-    free = int(23.4e9) + one + export + gpu_check.folder_bytes(folder((2, 4)))
+    free = int(23.4e9) + one + export + folder_bytes((2, 4))
     choice = gpu_check.fit_to_disk(
         rows, free, lambda r, z: gpu_check.peak_disk(*row_bytes(r, z), r["resume"]),
-        lambda z: gpu_check.folder_bytes(folder(z)) if isinstance(z, tuple) else 0,
+        lambda z: folder_bytes(z) if isinstance(z, tuple) else 0,
         lambda r, z: gpu_check.smaller_blocks(z) if isinstance(z, tuple) else None)
     assert choice == {r["run"]: (1, 2) if r is dmd else r["size"] for r in rows}
 
@@ -105,7 +159,8 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
     checkpoint (fp32 weights and AdamW's two moments) is 16.8 GB and its resume needs two of them
     beside the 2.8 GB export; the 1024 px LoRA row's adapters are megabytes. With 40 GB to spare and
     no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4. The DMD2 row
-    (LoRA r64 generator, full fake score: 16.9 GB at 4 blocks, resumed) gets 2 blocks too."""
+    (LoRA r64 generator, full fake score: 16.9 GB at 4 blocks, resumed) gets 2 blocks too. Each row's bytes at
+    each size and each folder's are computed once (fit_to_disk asks again on every round, as build() memoizes)."""
     rows = gpu_check.plan_runs(tiny=False, suite="qwen")
     assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full",
                                         "dmd_qwen_edit_512px_4step_lora64_ac"]
@@ -114,22 +169,30 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
         r["size"] = 4
     assert lora["settings"]["extra"]["reference_area"] == 1024 ** 2  # the pipeline's VAE_IMAGE_SIZE
     assert full["resume"] and full["settings"]["extra"]["condition_area"] == 384 ** 2  # its CONDITION_IMAGE_SIZE
-    one, export = gpu_check.row_bytes(full, gpu_check.qwen_skeleton(str(tmp_path), 4, None))
+    sizes, folders = {}, {}
+
+    def row_bytes(r, blocks):
+        if (r["run"], blocks) not in sizes:
+            sizes[r["run"], blocks] = gpu_check.row_bytes(r, gpu_check.qwen_skeleton(str(tmp_path), blocks, None))
+        return sizes[r["run"], blocks]
+
+    one, export = row_bytes(full, 4)
     assert (_gb(one), _gb(export)) == ("16.8 GB", "2.8 GB")
-    assert gpu_check.row_bytes(lora, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0] < 0.1 * gpu_check.GB
+    assert row_bytes(lora, 4)[0] < 0.1 * gpu_check.GB
 
     def need(r, blocks):
-        return gpu_check.peak_disk(*gpu_check.row_bytes(r, gpu_check.qwen_skeleton(str(tmp_path), blocks, None)),
-                                   r["resume"])
+        return gpu_check.peak_disk(*row_bytes(r, blocks), r["resume"])
 
     def folder_cost(blocks):
-        return gpu_check.folder_bytes(gpu_check.qwen_skeleton(str(tmp_path), blocks, None))
+        if blocks not in folders:
+            folders[blocks] = gpu_check.folder_bytes(gpu_check.qwen_skeleton(str(tmp_path), blocks, None))
+        return folders[blocks]
 
     choice = gpu_check.fit_to_disk(rows, 40 * gpu_check.GB + gpu_check.HEADROOM, need, folder_cost,
                                    lambda r, z: gpu_check.smaller_qwen_blocks(z))
     assert choice == {lora["run"]: 4, full["run"]: 2, dmd["run"]: 2}
     assert dmd["resume"] and dmd["settings"]["lora_rank"] == 64 and dmd["settings"]["extra"]["lora_alpha"] == 8
-    assert _gb(gpu_check.row_bytes(dmd, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0]) == "16.9 GB"
+    assert _gb(row_bytes(dmd, 4)[0]) == "16.9 GB"
     assert gpu_check.model_label(2) == "Qwen-Image-Edit 2 blocks"
 
 
@@ -140,8 +203,7 @@ def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
     import torch
 
     from families import qwen_image as qi
-    from tools import tiny_models
-    model, data = tiny_models.ensure_default("qwen_image_edit")
+    model, data = tiny_default("qwen_image_edit")
     data = os.path.join(data, "data.jsonl")
     with open(data) as f:
         row = json.loads(f.readline())
@@ -310,16 +372,13 @@ def test_fp8_lines_set_each_recipe_beside_bf16():
 
 
 @pytest.mark.slow
-def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(tmp_path):
+def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(cli, request):
     """The tiny klein-base DMD2 row (--suite=flux2): trained with its plain reference (the teacher's pair and the
     frozen-weight backward among its calls), saved, resumed, exported, the LoRA export sampled by Flux2KleinPipeline
     in 4 steps at the trained σ list, and set against its network calls."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac", f"--out={out}"], cwd=ROOT,
-                       env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "export sampled in 4 steps: σ seen [1.0, 0.75, 0.5, 0.25]" in r.stdout
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
+    assert "export sampled in 4 steps: σ seen [1.0, 0.75, 0.5, 0.25]" in stdout
     result = json.loads((out / "gpu_check.json").read_text())
     row, = result["rows"]
     assert row["ok"] and row["resume_export"] == "pass" and row["model"] == "tiny FLUX.2 klein"
@@ -330,12 +389,9 @@ def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigm
 
 
 @pytest.mark.slow
-def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--runs=cudnn_attention_probe", f"--out={out}"], cwd=ROOT, env=launch_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(cli, request):
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
     report = (out / "gpu_check.md").read_text()
     assert report.startswith("GPU check on CPU: torch ")
     assert f"disk: {out}" in report and "GB free of" in report
@@ -346,14 +402,11 @@ def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(tmp_path):
+def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(cli, request):
     """The speed suite's CHANNELS_LAST DMD2 row on the tiny SD-1.5 on CPU: the plain reference with
     its channels_last row, the run's warm-up apart, and the DMD2 bound from the plain rows."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last", f"--out={out}"], cwd=ROOT,
-                       env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
     report = (out / "gpu_check.md").read_text()
     assert "| tiny SD-1.5, 32 px, batch 2, channels_last |" in report
     row = json.loads((out / "gpu_check.json").read_text())["rows"][0]
@@ -362,15 +415,12 @@ def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(t
 
 
 @pytest.mark.slow
-def test_qwen_rows_on_cpu_train_resume_export_and_load(tmp_path):
+def test_qwen_rows_on_cpu_train_resume_export_and_load(cli, request):
     """The tiny Qwen-Image-Edit rows (--suite=qwen): LoRA with two references, the full fine-tune
     saved, resumed, exported and loaded with QwenImageEditPlusPipeline, each beside its plain reference;
     DMD2 with the Lightning settings saved, resumed and exported."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--suite=qwen", f"--out={out}"], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
     result = json.loads((out / "gpu_check.json").read_text())
     qwen = {row["run"]: row for row in result["rows"]}
     assert list(qwen) == ["qwen_edit_64px_lora16_2refs", "qwen_edit_32px_full", "dmd_qwen_edit_32px_4step_lora64_ac"]

@@ -30,7 +30,9 @@ its real VAE, a narrow Qwen3 of the real width)
 torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds (each row's
 expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left; one
 still running at the deadline is cut. Each row keeps one checkpoint at a time and its folder is
-deleted once checked. On CPU the rows that need CUDA are skipped and the table says so.
+deleted once checked. On CPU the rows that need CUDA are skipped and the table says so, and the others
+compute in fp32 (PRECISION=fp32, as the plain reference does there). --tiny runs on tools/tiny_models'
+default folders (built once in its cache, $FSDP_DIFFUSION_CACHE).
 
 Every row shows its model, its step time (the mean of the steps after the first two, whose warm-up
 seconds and, under COMPILE=1, compile seconds are shown apart) as "x plain", its MFU (model FLOPs: the
@@ -92,13 +94,13 @@ def _init_device():
 
 def sd15_folder(root: str, tiny: bool) -> str:
     """An SD-1.5 pipeline folder: the real UNet, VAE and CLIP configs with random weights (or, tiny,
-    the project's tiny SD-1.5 folder), the tiny tokenizer, SD-1.5's scheduler."""
+    the project's tiny SD-1.5 folder: tiny_default), the tiny tokenizer, SD-1.5's scheduler."""
+    if tiny:
+        return tiny_default("sd15")
     from tools import tiny_models
     base = os.path.join(root, "sd15_tiny")
     if not os.path.isdir(base):
         tiny_models.make_tiny_sd15(base)
-    if tiny:
-        return base
     out = os.path.join(root, "sd15_real")
     if not os.path.isdir(out):
         from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -111,6 +113,17 @@ def sd15_folder(root: str, tiny: bool) -> str:
             config = CLIPTextConfig.from_pretrained(os.path.join(REAL, "sd15-dmd", "text_encoder"))
             CLIPTextModel(config).save_pretrained(os.path.join(out, "text_encoder"))
     return out
+
+
+# a row kind's family among tools/tiny_models' defaults
+TINY_DEFAULTS = {"sd15": "sd15", "flux": "flux_kontext", "qwen": "qwen_image_edit", "flux2": "flux2_klein"}
+
+
+def tiny_default(kind: str) -> str:
+    """The tiny rows' model folder of a row kind: tools/tiny_models' default of its family (what tiny_folder's
+    builder writes, same seed), built once in that cache ($FSDP_DIFFUSION_CACHE: the tests share theirs)."""
+    from tools import tiny_models
+    return tiny_models.ensure_default(TINY_DEFAULTS[kind])[0]
 
 
 def tiny_folder(root: str, name: str, builder: str) -> str:
@@ -259,12 +272,12 @@ def smaller_qwen_blocks(blocks: int) -> int | None:
     return blocks // 2 or None
 
 
-def qwen_pairs(root: str, size: int) -> str:
-    """Edits with two references (a shape, a colour swatch) at `size` px: data.jsonl's path."""
+def qwen_pairs(root: str, size: int, tiny: bool = False) -> str:
+    """Edits with two references (a shape, a colour swatch) at `size` px (tiny: TINY_SAMPLES): data.jsonl's path."""
     from tools import tiny_models
-    folder = os.path.join(root, f"two_ref_pairs_{size}")
+    folder = os.path.join(root, f"two_ref_pairs_{size}" + ("_tiny" if tiny else ""))
     if not os.path.isdir(folder):
-        tiny_models.make_two_reference_edit_dataset(folder, 24, size=size)
+        tiny_models.make_two_reference_edit_dataset(folder, TINY_SAMPLES if tiny else 24, size=size)
     return os.path.join(folder, "data.jsonl")
 
 
@@ -341,15 +354,21 @@ def smaller_size(size):
     return smaller_blocks(size) if isinstance(size, tuple) else None
 
 
-def datasets(root: str, size: int) -> tuple[str, str]:
-    """(DMD2 prompts .txt, Kontext pairs .jsonl at `size` px)."""
+# the tiny rows' prompts and pairs: 4 to train on beside the 4 the Kontext script holds out for samples (each run
+# encodes all of them into its text cache first, which the rows' plumbing does not need 24 or 64 of)
+TINY_SAMPLES = 8
+
+
+def datasets(root: str, size: int, tiny: bool = False) -> tuple[str, str]:
+    """(DMD2 prompts .txt, Kontext pairs .jsonl at `size` px); tiny: TINY_SAMPLES of each."""
     from tools import tiny_models
-    prompts = os.path.join(root, "prompts.txt")
+    suffix = "_tiny" if tiny else ""
+    prompts = os.path.join(root, f"prompts{suffix}.txt")
     if not os.path.exists(prompts):
-        tiny_models.make_prompts_file(prompts, 64)
-    pairs = os.path.join(root, f"pairs_{size}")
+        tiny_models.make_prompts_file(prompts, TINY_SAMPLES if tiny else 64)
+    pairs = os.path.join(root, f"pairs_{size}{suffix}")
     if not os.path.isdir(pairs):
-        tiny_models.make_edit_dataset(pairs, 24, size=size)
+        tiny_models.make_edit_dataset(pairs, TINY_SAMPLES if tiny else 24, size=size)
     return prompts, os.path.join(pairs, "data.jsonl")
 
 
@@ -1243,11 +1262,10 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, 
     if any(r["kind"] == "sd15" for r in runs):
         folders["tiny_sd15" if tiny else "sd15"] = sd15_folder(work, tiny)
     parts = {}  # per transformer family: its folder's other parts at real width (a tiny run: its tiny folder)
-    for kind, tiny_of, parts_of in (("flux", tiny_flux_folder, flux_parts), ("qwen", tiny_qwen_folder, qwen_parts),
-                                    ("flux2", tiny_flux2_folder, flux2_parts)):
+    for kind, parts_of in (("flux", flux_parts), ("qwen", qwen_parts), ("flux2", flux2_parts)):
         if any(r["kind"] == kind for r in runs):
             if tiny:
-                folders["tiny_" + kind] = tiny_of(work)
+                folders["tiny_" + kind] = tiny_default(kind)
             else:
                 parts[kind] = parts_of(work)
     sizes = {"sd15": "sd15", "qwen": qwen_blocks, "flux2": ("klein", *flux2_blocks), "flux": blocks}
@@ -1364,12 +1382,15 @@ def main() -> None:
     tests = None if a.skip_tests else start_tests(a.out)
     t = time.monotonic()
     runs = select_runs(plan_runs(a.tiny, a.suite), a.runs)
+    if not cuda:  # a CPU without native bf16 emulates it (~80x slower); on CPU the rows check plumbing, not dtypes
+        for r in runs:
+            r["settings"]["precision"] = "fp32"
     folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks, a.qwen_blocks, flux2_blocks)
     data = {}
     for r in runs:
-        prompts, pairs = datasets(work, r["settings"]["resolution"])
+        prompts, pairs = datasets(work, r["settings"]["resolution"], a.tiny)
         data[r["run"]] = (prompts if r["kind"] == "sd15" else
-                          qwen_pairs(work, r["settings"]["resolution"]) if r["kind"] == "qwen" else pairs)
+                          qwen_pairs(work, r["settings"]["resolution"], a.tiny) if r["kind"] == "qwen" else pairs)
     with open(os.path.join(a.out, "build.log"), "w") as log:
         log.write(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}\n")
     print(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}", flush=True)
