@@ -1,7 +1,7 @@
-"""tools/benchmarks.py without running a benchmark: every name the CLI dispatches to exists and is callable, the
-names its usage and docs/benchmarks.md give are the ones it accepts, and every attribute the benchmark code reads
-from the project's modules (gpu_check.X, memory_plan.X, tiny_models.X, ...) exists: a benchmark calls those only
-minutes into a run, so a renamed helper would otherwise surface there.
+"""tools/benchmarks.py (the package tools/bench/) without running a benchmark: every name the CLI dispatches to
+exists and is callable, the names its usage and docs/benchmarks.md give are the ones it accepts, and every attribute
+the benchmark code reads from the project's modules (folders.X, memory_plan.X, tiny_models.X, ...) exists: a
+benchmark calls those only minutes into a run, so a renamed helper would otherwise surface there.
 
     python -m pytest tests/test_benchmarks.py -q
 """
@@ -17,9 +17,10 @@ import sys
 import types
 
 from tests.conftest import ROOT
-from tools import benchmarks
+from tools.bench import cli
 
-BENCH_FILES = [os.path.join(ROOT, "tools", "benchmarks.py")]
+# the entry file and the package's modules
+BENCH_FILES = [os.path.join(ROOT, "tools", "benchmarks.py"), *sorted(glob.glob(os.path.join(ROOT, "tools/bench/*.py")))]
 
 
 def _project_module(name: str) -> bool:
@@ -28,12 +29,16 @@ def _project_module(name: str) -> bool:
     return os.path.isfile(top + ".py") or os.path.isfile(os.path.join(top, "__init__.py"))
 
 
+class _Failed(str):
+    """What an import could not bind."""
+
+
 def _import_value(module: str, attr: str | None):
-    """The object `from module import attr` (attr None: `import module`) binds, or a string saying what failed."""
+    """The object `from module import attr` (attr None: `import module`) binds, or _Failed saying why not."""
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        return f"import {module}: {e}"
+        return _Failed(f"import {module}: {e}")
     if attr is None:
         return mod
     if hasattr(mod, attr):
@@ -41,7 +46,7 @@ def _import_value(module: str, attr: str | None):
     try:
         return importlib.import_module(f"{module}.{attr}")
     except ImportError:
-        return f"from {module} import {attr}: no such name"
+        return _Failed(f"from {module} import {attr}: no such name")
 
 
 class _Uses(ast.NodeVisitor):
@@ -51,9 +56,13 @@ class _Uses(ast.NodeVisitor):
     def __init__(self, path: str):
         self.path, self.scopes, self.missing, self.checked = path, [{}], [], 0
 
+    def _miss(self, what: str) -> None:
+        if what not in self.missing:  # module-level imports are visited twice (_uses)
+            self.missing.append(what)
+
     def _bind(self, node, local: str, value) -> None:
-        if isinstance(value, str):
-            self.missing.append(f"{os.path.relpath(self.path, ROOT)}:{node.lineno}: {value}")
+        if isinstance(value, _Failed):
+            self._miss(f"{os.path.relpath(self.path, ROOT)}:{node.lineno}: {value}")
         else:
             self.scopes[-1][local] = value
 
@@ -95,8 +104,8 @@ class _Uses(ast.NodeVisitor):
         if isinstance(base, types.ModuleType) and _project_module(base.__name__):
             self.checked += 1
             if not hasattr(base, node.attr):
-                self.missing.append(f"{os.path.relpath(self.path, ROOT)}:{node.lineno}: "
-                                    f"{base.__name__}.{node.attr} does not exist")
+                self._miss(f"{os.path.relpath(self.path, ROOT)}:{node.lineno}: {base.__name__}.{node.attr} does not "
+                           "exist")
         self.generic_visit(node)
 
 
@@ -119,30 +128,30 @@ def test_every_project_attribute_the_benchmarks_read_exists():
         missing += uses.missing
         checked += uses.checked
     assert not missing, "\n".join(missing)
-    assert checked > 10  # the walk found the benchmarks' uses of gpu_check, memory_plan, tiny_models, ...
+    assert checked > 10  # the walk found the benchmarks' uses of folders, memory_plan, tiny_models, ...
 
 
 def test_the_walk_finds_a_missing_attribute(tmp_path):
     """The check itself: a function-local import of a tools module and a name it lacks is reported."""
     path = tmp_path / "bench.py"
-    path.write_text("def f():\n    from tools import gpu_check\n    return gpu_check.no_such_builder(1)\n")
-    assert any("tools.gpu_check.no_such_builder does not exist" in m for m in _uses(str(path)).missing)
+    path.write_text("def f():\n    from tools.gpu import folders\n    return folders.no_such_builder(1)\n")
+    assert any("tools.gpu.folders.no_such_builder does not exist" in m for m in _uses(str(path)).missing)
 
 
 def test_every_benchmark_and_worker_main_dispatches_to_is_callable():
-    assert benchmarks.BENCHES and all(callable(f) for f in benchmarks.BENCHES.values())
-    assert benchmarks.WORKERS and all(callable(f) for f in benchmarks.WORKERS.values())
+    assert cli.BENCHES and all(callable(f) for f in cli.BENCHES.values())
+    assert cli.WORKERS and all(callable(f) for f in cli.WORKERS.values())
     # each worker a benchmark starts (_torchrun("<worker>", ...)) is one main runs
     started = set()
     for path in BENCH_FILES:
         with open(path) as f:
             started |= set(re.findall(r"_torchrun\(\"(\w+)\"", f.read()))
-    assert started and started <= set(benchmarks.WORKERS)
+    assert started and started <= set(cli.WORKERS)
 
 
 def test_the_names_in_the_usage_and_the_docs_are_the_cli_s():
-    names = {*benchmarks.BENCHES, "all"}
-    listed = set(re.findall(r"python tools/benchmarks\.py (\w+)", benchmarks.__doc__))
+    names = {*cli.BENCHES, "all"}
+    listed = set(re.findall(r"python tools/benchmarks\.py (\w+)", cli.__doc__))
     assert listed == names
     docs = set()
     for path in glob.glob(os.path.join(ROOT, "docs", "*.md")) + [os.path.join(ROOT, "README.md")]:
@@ -152,8 +161,8 @@ def test_the_names_in_the_usage_and_the_docs_are_the_cli_s():
 
 
 def test_the_cli_answers_help_and_refuses_unknown_names(capsys):
-    assert benchmarks.main(["--help"]) == 0 and "usage: python tools/benchmarks.py" in capsys.readouterr().out
-    assert benchmarks.main(["no_such_benchmark"]) == 2
+    assert cli.main(["--help"]) == 0 and "usage: python tools/benchmarks.py" in capsys.readouterr().out
+    assert cli.main(["no_such_benchmark"]) == 2
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "benchmarks.py"), "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "nf4_width" in r.stdout, r.stderr[-2000:]
