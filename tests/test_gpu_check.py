@@ -4,27 +4,74 @@ apart), the DMD2 step's bound from the plain rows, and the plumbing check on CPU
 need CUDA skipped.
 
     python -m pytest tests/test_gpu_check.py -q
+
+The CPU checks launch `python tools/gpu_check.py --tiny --cpu` as users do, on the tiny default folders the
+whole test run shares (FSDP_DIFFUSION_CACHE), the rows in fp32 as gpu_check runs them on CPU; the launches this
+session's tests read run two side by side (`cli`: each trains one process at a time, which leaves a core idle).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from checkpoint import _gb
-from tests.conftest import ROOT, launch_env
-from tools import gpu_check
+from tests.conftest import start, tiny_default
+from tools import gpu
+
+# the tests that read a launch of the CPU check -> its arguments (--tiny --cpu --skip_tests and an --out of its
+# own added), longest first: two run side by side, each next one starting where one ends
+CLI_RUNS = {
+    "test_qwen_rows_on_cpu_train_resume_export_and_load": ["--suite=qwen"],
+    "test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
+        ["--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac"],
+    "test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row":
+        ["--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last"],
+    "test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0": ["--runs=cudnn_attention_probe"],
+}
+CLI_TIMEOUT = 900  # seconds one launch may take, the slowest (--suite=qwen: 5 trainings) under a loaded machine
+
+
+@pytest.fixture(scope="module")
+def cli(request, tmp_path_factory):
+    """{test name: (exit code, output, --out folder)} of the CPU check's launches that this session's tests read
+    (CLI_RUNS), two at a time."""
+    wanted = {item.name for item in request.session.items}
+    root = tmp_path_factory.mktemp("gpu_check_cli")
+
+    def begin(name):
+        return start(os.path.join("tools", "gpu_check.py"),
+                     ["--tiny", "--cpu", "--skip_tests", *CLI_RUNS[name], f"--out={root / name}"], ranks=1)
+
+    def one(name, proc=None):
+        proc = proc or begin(name)
+        try:
+            text, _ = proc.communicate(timeout=CLI_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            text += f"\n(killed: still running after {CLI_TIMEOUT} s)"
+        return proc.returncode, text, root / name
+
+    names = [name for name in CLI_RUNS if name in wanted]
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # the first started here: it starts the launch server (tests/zygote.py) the others then fork from too
+        futures = [pool.submit(one, names[0], begin(names[0]))] + [pool.submit(one, name) for name in names[1:]]
+        return {name: future.result() for name, future in zip(names, futures)}
 
 
 def test_smaller_blocks_halve_to_one_of_each():
     sizes, size = [], (19, 38)
     while size:
         sizes.append(size)
-        size = gpu_check.smaller_blocks(size)
+        size = gpu.budget.smaller_blocks(size)
     assert sizes == [(19, 38), (9, 19), (4, 9), (2, 4), (1, 2), (1, 1)]
 
 
@@ -32,15 +79,15 @@ def test_smaller_qwen_blocks_halve_to_one():
     sizes, size = [], 4
     while size:
         sizes.append(size)
-        size = gpu_check.smaller_qwen_blocks(size)
+        size = gpu.budget.smaller_qwen_blocks(size)
     assert sizes == [4, 2, 1]
 
 
 def test_smaller_size_halves_each_family_by_its_own_rule():
-    assert gpu_check.smaller_size(("klein", 2, 4)) == ("klein", 1, 2)
-    assert gpu_check.smaller_size(("klein", 1, 1)) is None
-    assert gpu_check.smaller_size((2, 4)) == (1, 2) and gpu_check.smaller_size(4) == 2
-    assert gpu_check.smaller_size("sd15") is None
+    assert gpu.budget.smaller_size(("klein", 2, 4)) == ("klein", 1, 2)
+    assert gpu.budget.smaller_size(("klein", 1, 1)) is None
+    assert gpu.budget.smaller_size((2, 4)) == (1, 2) and gpu.budget.smaller_size(4) == 2
+    assert gpu.budget.smaller_size("sd15") is None
 
 
 def _rows(*specs):
@@ -48,22 +95,22 @@ def _rows(*specs):
 
 
 def test_fit_to_disk_shrinks_the_row_furthest_over_and_counts_each_new_folder_once():
-    gb = gpu_check.GB
+    gb = gpu.budget.GB
     peak = {(2, 4): 30 * gb, (1, 2): 15 * gb, (1, 1): 8 * gb, "sd15": 20 * gb}  # a row's need by model size
     cost = {(2, 4): 0, (1, 2): 3 * gb, (1, 1): 2 * gb, "sd15": 0}  # (2, 4) written already
 
     def fit(rows, free, need=lambda r, z: peak[z] * (2 if r["run"] == "big" else 1)):
-        return gpu_check.fit_to_disk(rows, free, need, cost.get,
-                                     lambda r, z: gpu_check.smaller_blocks(z) if isinstance(z, tuple) else None)
+        return gpu.budget.fit_to_disk(rows, free, need, cost.get,
+                                     lambda r, z: gpu.budget.smaller_blocks(z) if isinstance(z, tuple) else None)
 
     rows = _rows(("big", (2, 4)), ("small", (2, 4)), ("unet", "sd15"))
-    free = 60 * gb + gpu_check.HEADROOM
+    free = 60 * gb + gpu.budget.HEADROOM
     assert fit(rows, free) == {"big": (2, 4), "small": (2, 4), "unet": "sd15"}  # 60 GB: each fits alone
     # 40 GB: "big" (60 GB) is over; at 1+2 it needs 30 GB, and its 3 GB folder leaves 37 GB for every row
-    assert fit(rows, 40 * gb + gpu_check.HEADROOM) == {"big": (1, 2), "small": (2, 4), "unet": "sd15"}
+    assert fit(rows, 40 * gb + gpu.budget.HEADROOM) == {"big": (1, 2), "small": (2, 4), "unet": "sd15"}
     # 24 GB: "big" goes to 1+1 (16 GB), "small" to 1+2 (15 GB); their folders (5 GB) leave 19 GB, and
     # SD-1.5 (20 GB) has no smaller model: not run
-    assert fit(rows, 24 * gb + gpu_check.HEADROOM) == {"big": (1, 1), "small": (1, 2), "unet": None}
+    assert fit(rows, 24 * gb + gpu.budget.HEADROOM) == {"big": (1, 1), "small": (1, 2), "unet": None}
 
 
 @pytest.mark.slow  # ~15 s: the trained models of every row on meta, twice for the DMD2 row
@@ -72,31 +119,38 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     as the scripts' preflight counts it) and its export on disk, 23.4 GB are free, too little for the
     second checkpoint its resume writes. Sized before the rows (that row's output not yet written,
     nor the 2+4 transformer folder), the check gives that row 1+2 blocks and keeps every other row."""
-    rows = gpu_check.plan_runs(tiny=False)
-    folders = {"sd15": os.path.join(gpu_check.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
+    rows = gpu.rows.plan_runs(tiny=False)
+    folders = {"sd15": os.path.join(gpu.folders.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
     for r in rows:
         r["size"] = "sd15" if r["kind"] == "sd15" else (2, 4)
 
     def folder(size):
         if size not in folders:
-            folders[size] = gpu_check.flux_skeleton(str(tmp_path), size, None)
+            folders[size] = gpu.folders.flux_skeleton(str(tmp_path), size, None)
         return folders[size]
 
     sizes = {}
 
     def row_bytes(r, size):
         if (r["run"], size) not in sizes:
-            sizes[r["run"], size] = gpu_check.row_bytes(r, folder(size))
+            sizes[r["run"], size] = gpu.budget.row_bytes(r, folder(size))
         return sizes[r["run"], size]
+
+    written = {}
+
+    def folder_bytes(size):
+        if size not in written:
+            written[size] = gpu.budget.folder_bytes(folder(size))
+        return written[size]
 
     dmd = next(r for r in rows if r["run"] == "dmd_kontext_512px_4step_ac")
     one, export = row_bytes(dmd, (2, 4))
     assert _gb(one) == "31.4 GB"  # the preflight's figure on that machine
-    free = int(23.4e9) + one + export + gpu_check.folder_bytes(folder((2, 4)))
-    choice = gpu_check.fit_to_disk(
-        rows, free, lambda r, z: gpu_check.peak_disk(*row_bytes(r, z), r["resume"]),
-        lambda z: gpu_check.folder_bytes(folder(z)) if isinstance(z, tuple) else 0,
-        lambda r, z: gpu_check.smaller_blocks(z) if isinstance(z, tuple) else None)
+    free = int(23.4e9) + one + export + folder_bytes((2, 4))
+    choice = gpu.budget.fit_to_disk(
+        rows, free, lambda r, z: gpu.budget.peak_disk(*row_bytes(r, z), r["resume"]),
+        lambda z: folder_bytes(z) if isinstance(z, tuple) else 0,
+        lambda r, z: gpu.budget.smaller_blocks(z) if isinstance(z, tuple) else None)
     assert choice == {r["run"]: (1, 2) if r is dmd else r["size"] for r in rows}
 
 
@@ -105,8 +159,9 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
     checkpoint (fp32 weights and AdamW's two moments) is 16.8 GB and its resume needs two of them
     beside the 2.8 GB export; the 1024 px LoRA row's adapters are megabytes. With 40 GB to spare and
     no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4. The DMD2 row
-    (LoRA r64 generator, full fake score: 16.9 GB at 4 blocks, resumed) gets 2 blocks too."""
-    rows = gpu_check.plan_runs(tiny=False, suite="qwen")
+    (LoRA r64 generator, full fake score: 16.9 GB at 4 blocks, resumed) gets 2 blocks too. Each row's bytes at
+    each size and each folder's are computed once (fit_to_disk asks again on every round, as build() memoizes)."""
+    rows = gpu.rows.plan_runs(tiny=False, suite="qwen")
     assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full",
                                         "dmd_qwen_edit_512px_4step_lora64_ac"]
     lora, full, dmd = rows
@@ -114,23 +169,31 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
         r["size"] = 4
     assert lora["settings"]["extra"]["reference_area"] == 1024 ** 2  # the pipeline's VAE_IMAGE_SIZE
     assert full["resume"] and full["settings"]["extra"]["condition_area"] == 384 ** 2  # its CONDITION_IMAGE_SIZE
-    one, export = gpu_check.row_bytes(full, gpu_check.qwen_skeleton(str(tmp_path), 4, None))
+    sizes, folders = {}, {}
+
+    def row_bytes(r, blocks):
+        if (r["run"], blocks) not in sizes:
+            sizes[r["run"], blocks] = gpu.budget.row_bytes(r, gpu.folders.qwen_skeleton(str(tmp_path), blocks, None))
+        return sizes[r["run"], blocks]
+
+    one, export = row_bytes(full, 4)
     assert (_gb(one), _gb(export)) == ("16.8 GB", "2.8 GB")
-    assert gpu_check.row_bytes(lora, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0] < 0.1 * gpu_check.GB
+    assert row_bytes(lora, 4)[0] < 0.1 * gpu.budget.GB
 
     def need(r, blocks):
-        return gpu_check.peak_disk(*gpu_check.row_bytes(r, gpu_check.qwen_skeleton(str(tmp_path), blocks, None)),
-                                   r["resume"])
+        return gpu.budget.peak_disk(*row_bytes(r, blocks), r["resume"])
 
     def folder_cost(blocks):
-        return gpu_check.folder_bytes(gpu_check.qwen_skeleton(str(tmp_path), blocks, None))
+        if blocks not in folders:
+            folders[blocks] = gpu.budget.folder_bytes(gpu.folders.qwen_skeleton(str(tmp_path), blocks, None))
+        return folders[blocks]
 
-    choice = gpu_check.fit_to_disk(rows, 40 * gpu_check.GB + gpu_check.HEADROOM, need, folder_cost,
-                                   lambda r, z: gpu_check.smaller_qwen_blocks(z))
+    choice = gpu.budget.fit_to_disk(rows, 40 * gpu.budget.GB + gpu.budget.HEADROOM, need, folder_cost,
+                                   lambda r, z: gpu.budget.smaller_qwen_blocks(z))
     assert choice == {lora["run"]: 4, full["run"]: 2, dmd["run"]: 2}
     assert dmd["resume"] and dmd["settings"]["lora_rank"] == 64 and dmd["settings"]["extra"]["lora_alpha"] == 8
-    assert _gb(gpu_check.row_bytes(dmd, gpu_check.qwen_skeleton(str(tmp_path), 4, None))[0]) == "16.9 GB"
-    assert gpu_check.model_label(2) == "Qwen-Image-Edit 2 blocks"
+    assert _gb(row_bytes(dmd, 4)[0]) == "16.9 GB"
+    assert gpu.folders.model_label(2) == "Qwen-Image-Edit 2 blocks"
 
 
 def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
@@ -140,8 +203,7 @@ def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
     import torch
 
     from families import qwen_image as qi
-    from tools import tiny_models
-    model, data = tiny_models.ensure_default("qwen_image_edit")
+    model, data = tiny_default("qwen_image_edit")
     data = os.path.join(data, "data.jsonl")
     with open(data) as f:
         row = json.loads(f.readline())
@@ -149,11 +211,11 @@ def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
     area = 384 * 384
     images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)], area)
     embeds, _ = pipe.encode_prompt(prompt=[row["prompt"]], image=images, device=torch.device("cpu"))
-    assert gpu_check.qwen_text_tokens(str(model), data, area) == embeds.shape[1]
+    assert gpu.reference.qwen_text_tokens(str(model), data, area) == embeds.shape[1]
 
 
 def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
-    deadline = gpu_check.Deadline(100 + gpu_check.END_RESERVE_S, time.monotonic())
+    deadline = gpu.budget.Deadline(100 + gpu.budget.END_RESERVE_S, time.monotonic())
     assert deadline.fits(90) and not deadline.fits(110)
     deadline.record(10, 20)  # the rows so far took twice their expected seconds
     assert deadline.scale() == 2 and not deadline.fits(60) and deadline.fits(40)
@@ -165,49 +227,49 @@ def test_the_acceptance_rows_and_the_qwen_rows_each_fit_one_device_call():
     """The rows of each call (the acceptance suite; --suite=qwen): their expected seconds on an H100, the
     start-up and the plain references fit the deadline with the end's reserve kept, and the deadline
     plus that reserve fit the 9.5 minutes of one call."""
-    rows = gpu_check.plan_runs(tiny=False)
-    for call in (rows, gpu_check.plan_runs(tiny=False, suite="qwen")):
+    rows = gpu.rows.plan_runs(tiny=False)
+    for call in (rows, gpu.rows.plan_runs(tiny=False, suite="qwen")):
         refs = {(r["kind"], r["settings"]["resolution"], r["settings"]["batch_size"]) for r in call if r["ref"]}
-        expected = (gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S * len(refs)
+        expected = (gpu.rows.STARTUP_EXPECT_S + gpu.rows.REF_EXPECT_S * len(refs)
                     + sum(r["expect_s"] for r in call))
-        assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
-    assert gpu_check.CALL_S + gpu_check.END_RESERVE_S <= 9.5 * 60
+        assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
+    assert gpu.budget.CALL_S + gpu.budget.END_RESERVE_S <= 9.5 * 60
     assert [r["run"] for r in rows if r["gpu_only"]] == ["kontext_1024px_lora16_cudnn_attention_probe"]
 
 
 def test_warm_up_steps_are_not_timed_and_compile_time_is_read_apart():
     records = [{"step": s, "step_ms": 100.0} for s in range(1, 13)]
-    warm, timed = gpu_check.timed_window(records, 2, finished=True)
+    warm, timed = gpu.run.timed_window(records, 2, finished=True)
     assert [r["step"] for r in warm] == [1, 2] and [r["step"] for r in timed] == list(range(3, 13))
-    assert gpu_check.timed_window(records[:2], 2, finished=False) == (records[:2], [])  # cut in its warm-up
-    assert gpu_check.timed_window(records[:2], 2, finished=True) == ([], records[:2])  # a 2-step probe
+    assert gpu.run.timed_window(records[:2], 2, finished=False) == (records[:2], [])  # cut in its warm-up
+    assert gpu.run.timed_window(records[:2], 2, finished=True) == ([], records[:2])  # a 2-step probe
     log = ("compile: 27 graphs, 0 graph breaks (181.5 s compiling)\nstep 00002/7 | 900 ms\n"
            "compile, whole run: 30 graphs, 0 graph breaks (190.25 s compiling)\n")
-    assert gpu_check.compile_seconds(log) == 190.25
-    assert gpu_check.compile_seconds("step 00002/7") != gpu_check.compile_seconds("step 00002/7")  # NaN
+    assert gpu.run.compile_seconds(log) == 190.25
+    assert gpu.run.compile_seconds("step 00002/7") != gpu.run.compile_seconds("step 00002/7")  # NaN
 
 
 def test_compile_rows_time_one_cycle_after_their_warm_up_within_one_call():
     """A COMPILE=1 DMD2 row: 2 warm-up steps (a generator and a fake-score step: every graph compiled),
     then one whole cycle at ratio 5 (steps 3-7, the generator at step 6), and alone in a call (its
     plain reference and the start-up included) within the deadline."""
-    rows = {r["run"]: r for r in gpu_check.plan_runs(tiny=False, suite="speed")}
+    rows = {r["run"]: r for r in gpu.rows.plan_runs(tiny=False, suite="speed")}
     row = rows["dmd_sd15_512px_b32_ac_compile"]
     assert row["warmup"] == 2 and row["steps"] == 7 and row["settings"]["extra"]["compile"] == 1
-    assert gpu_check.dmd_network_ms({"fwd_ms": 1, "fwd_bwd_ms": 3}, list(range(3, 8)), 5, False)[1] == 1
-    alone = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S + row["expect_s"]
-    assert alone <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+    assert gpu.report.dmd_network_ms({"fwd_ms": 1, "fwd_bwd_ms": 3}, list(range(3, 8)), 5, False)[1] == 1
+    alone = gpu.rows.STARTUP_EXPECT_S + gpu.rows.REF_EXPECT_S + row["expect_s"]
+    assert alone <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
     assert rows["dmd_sd15_512px_b32_ac"]["steps"] == 12 and "fake_score_attention_dtype" not in \
         rows["dmd_sd15_512px_b32_ac"]["settings"]["extra"]  # the default row runs the defaults
 
 
 def test_runs_are_picked_by_exact_name_or_by_part():
-    rows = gpu_check.plan_runs(tiny=False, suite="speed")
-    assert [r["run"] for r in gpu_check.select_runs(rows, "dmd_sd15_512px_b32_ac")] == ["dmd_sd15_512px_b32_ac"]
-    picked = [r["run"] for r in gpu_check.select_runs(rows, "b32_ac_compile,dmd_sd15_512px_b32_ac_fp32_fake")]
+    rows = gpu.rows.plan_runs(tiny=False, suite="speed")
+    assert [r["run"] for r in gpu.rows.select_runs(rows, "dmd_sd15_512px_b32_ac")] == ["dmd_sd15_512px_b32_ac"]
+    picked = [r["run"] for r in gpu.rows.select_runs(rows, "b32_ac_compile,dmd_sd15_512px_b32_ac_fp32_fake")]
     assert picked == ["dmd_sd15_512px_b32_ac_fp32_fake", "dmd_sd15_512px_b32_ac_compile",
                       "dmd_sd15_512px_b32_ac_compile_channels_last"]
-    assert gpu_check.select_runs(rows, "") == rows
+    assert gpu.rows.select_runs(rows, "") == rows
 
 
 def test_dmd_bound_counts_the_network_calls_of_the_timed_steps():
@@ -216,21 +278,21 @@ def test_dmd_bound_counts_the_network_calls_of_the_timed_steps():
     step 2 P + 3 F = 900; mean (2 x 900 + 8 x 400) / 10 = 500. With AC, P + F = 400 for each
     forward + backward: (2 x 1100 + 8 x 500) / 10 = 620."""
     plain, steps = {"fwd_ms": 100.0, "fwd_bwd_ms": 300.0}, list(range(3, 13))
-    assert gpu_check.dmd_network_ms(plain, steps, 5, ac=False) == (500.0, 2)
-    assert gpu_check.dmd_network_ms(plain, steps, 5, ac=True) == (620.0, 2)
+    assert gpu.report.dmd_network_ms(plain, steps, 5, ac=False) == (500.0, 2)
+    assert gpu.report.dmd_network_ms(plain, steps, 5, ac=True) == (620.0, 2)
     ref = {"fwd_bwd_ms": 300.0, "fwd_ms": 100.0, "cl_fwd_bwd_ms": 250.0, "cl_mfu": 0.3, "model_tflop": 1.0,
            "mfu": 0.25, "adamw_ms": 5.0, "vae_ms": 7.0}
-    row = {**gpu_check.blank_result({"run": "dmd_sd15_512px_b32_ac", "world": 1, "expect_s": 70}, "pass", True),
+    row = {**gpu.run.blank_result({"run": "dmd_sd15_512px_b32_ac", "world": 1, "expect_s": 70}, "pass", True),
            "model": "SD-1.5", "step_ms": 682.0, "timed_steps": steps, "ref": "SD-1.5, 512 px, batch 32",
            "ratio": 5, "ac": True}
-    report = gpu_check.table([row], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
+    report = gpu.report.table([row], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
     assert "| SD-1.5, 512 px, batch 32, channels_last | 250.0 | - | 1.00 | 30.0 % | - | - |" in report
     assert "| dmd_sd15_512px_b32_ac | 2 + 8 | 620 | 682 | 1.10 | met |" in report
-    slow = gpu_check.table([{**row, "step_ms": 800.0}], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
+    slow = gpu.report.table([{**row, "step_ms": 800.0}], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
     assert "| 620 | 800 | 1.29 | not met |" in slow
     # a flow teacher's backward simulation adds generator calls the bound does not count: no line
     qwen = {**row, "run": "dmd_qwen_edit_512px_4step_lora64_ac_profiled", "model": "Qwen-Image-Edit 4 blocks"}
-    assert "network calls" not in gpu_check.table([qwen], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
+    assert "network calls" not in gpu.report.table([qwen], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
 
 
 def test_flux2_dmd_bound_counts_backward_simulation_the_cfg_pair_and_a_lora_generator():
@@ -241,20 +303,20 @@ def test_flux2_dmd_bound_counts_backward_simulation_the_cfg_pair_and_a_lora_gene
     backward adds F: + 100 on fake-score steps, + 200 on the generator's. A full generator: P in place of P_G."""
     plain = {"fwd_ms": 100.0, "fwd_pair_ms": 180.0, "fwd_bwd_ms": 300.0, "frozen_fwd_bwd_ms": 200.0, "vae_ms": 10.0}
     steps, indices = [5, 6, 7], [0, 2, 3]
-    ms, gen = gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, ac=False, lora_generator=True, cfg_pair=True)
+    ms, gen = gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, ac=False, lora_generator=True, cfg_pair=True)
     assert gen == 1 and ms == pytest.approx(2110 / 3)
-    assert gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, True, True, True)[0] == pytest.approx(2510 / 3)
-    assert gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, False, False, True)[0] == pytest.approx(2210 / 3)
-    assert gpu_check.dmd_flow_network_ms(plain, steps, indices, 5, False, True, False)[0] == pytest.approx(2030 / 3)
+    assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, True, True, True)[0] == pytest.approx(2510 / 3)
+    assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, False, False, True)[0] == pytest.approx(2210 / 3)
+    assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, False, True, False)[0] == pytest.approx(2030 / 3)
     ref = {**plain, "model_tflop": 1.0, "mfu": 0.3, "adamw_ms": 5.0}
-    row = {**gpu_check.blank_result({"run": "dmd_flux2_klein_512px_4step_lora64_ac", "world": 1, "expect_s": 170},
+    row = {**gpu.run.blank_result({"run": "dmd_flux2_klein_512px_4step_lora64_ac", "world": 1, "expect_s": 170},
                                     "pass", True),
            "model": "FLUX.2 klein 2+4 blocks", "step_ms": 770.0, "timed_steps": steps, "step_indices": indices,
            "ref": "klein", "ratio": 5, "ac": False, "lora_generator": True, "cfg_pair": True}
     assert "| dmd_flux2_klein_512px_4step_lora64_ac | 1 + 2 | 703 | 770 | 1.09 | met |" in \
-        gpu_check.table([row], {"klein": ref}, ["head"])
+        gpu.report.table([row], {"klein": ref}, ["head"])
     # without the logged σ indices the step's calls are unknown: no line
-    assert "network calls" not in gpu_check.table([{**row, "step_indices": []}], {"klein": ref}, ["head"])
+    assert "network calls" not in gpu.report.table([{**row, "step_indices": []}], {"klein": ref}, ["head"])
 
 
 def test_the_flux2_rows_are_sized_by_the_scripts_arithmetic_and_fit_one_device_call(tmp_path):
@@ -262,19 +324,19 @@ def test_the_flux2_rows_are_sized_by_the_scripts_arithmetic_and_fit_one_device_c
     adapters and the full fake score's fp32 weights and AdamW moments make a 14.3 GB checkpoint; the 512 px row
     resumes (two checkpoints beside the adapters' export), the 1024 px row only times. Both rows, the start-up and
     their two plain references fit one call."""
-    rows = gpu_check.plan_runs(tiny=False, suite="flux2")
+    rows = gpu.rows.plan_runs(tiny=False, suite="flux2")
     assert [r["run"] for r in rows] == ["dmd_flux2_klein_512px_4step_lora64_ac",
                                         "dmd_flux2_klein_1024px_4step_lora64_ac_timed"]
     assert all(r["ref"] and r["settings"]["lora_rank"] == 64 and r["settings"]["ac"] for r in rows)
     assert rows[0]["resume"] and not rows[1]["resume"]
     assert rows[0]["settings"]["extra"]["real_guidance_scale"] == 4.0
-    folder = gpu_check.flux2_skeleton(str(tmp_path), (2, 4), None)
-    one, export = gpu_check.row_bytes(rows[0], folder)
-    assert (_gb(one), _gb(gpu_check.peak_disk(one, export, True))) == ("14.3 GB", "28.7 GB")
-    assert export < 0.1 * gpu_check.GB  # the generator's adapters
-    assert gpu_check.model_label(("klein", 2, 4)) == "FLUX.2 klein 2+4 blocks"
-    expected = gpu_check.STARTUP_EXPECT_S + 2 * gpu_check.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
-    assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S
+    folder = gpu.folders.flux2_skeleton(str(tmp_path), (2, 4), None)
+    one, export = gpu.budget.row_bytes(rows[0], folder)
+    assert (_gb(one), _gb(gpu.budget.peak_disk(one, export, True))) == ("14.3 GB", "28.7 GB")
+    assert export < 0.1 * gpu.budget.GB  # the generator's adapters
+    assert gpu.folders.model_label(("klein", 2, 4)) == "FLUX.2 klein 2+4 blocks"
+    expected = gpu.rows.STARTUP_EXPECT_S + 2 * gpu.rows.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
+    assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
 
 
 def test_the_fp8_rows_pair_each_recipe_with_bf16_and_fit_one_call_each():
@@ -282,13 +344,13 @@ def test_the_fp8_rows_pair_each_recipe_with_bf16_and_fit_one_call_each():
     LoRA, two references): bf16, tensorwise and rowwise, eager and compiled, 12 steps each from the same seed; each
     call's rows, start-up and plain reference fit the deadline."""
     for suite, base in (("fp8", "kontext_1024px_full_cached"), ("fp8_qwen", "qwen_edit_1024px_lora16_2refs")):
-        rows = gpu_check.plan_runs(tiny=False, suite=suite)
+        rows = gpu.rows.plan_runs(tiny=False, suite=suite)
         names = [base + c + r for c in ("", "_compile") for r in ("", "_fp8_tensorwise", "_fp8_rowwise")]
         assert [r["run"] for r in rows] == names
-        assert all(r["steps"] == gpu_check.FP8_STEPS and r["settings"]["resolution"] == 1024 for r in rows)
+        assert all(r["steps"] == gpu.rows.FP8_STEPS and r["settings"]["resolution"] == 1024 for r in rows)
         assert [r["settings"]["extra"].get("fp8", "") for r in rows] == ["", "tensorwise", "rowwise"] * 2
-        expected = gpu_check.STARTUP_EXPECT_S + gpu_check.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
-        assert expected <= gpu_check.CALL_S - gpu_check.END_RESERVE_S, suite
+        expected = gpu.rows.STARTUP_EXPECT_S + gpu.rows.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
+        assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S, suite
 
 
 def test_fp8_lines_set_each_recipe_beside_bf16():
@@ -296,30 +358,27 @@ def test_fp8_lines_set_each_recipe_beside_bf16():
     (eager MFU 40 % at 200 ms: the same FLOPs at 100 ms are 80 %), the largest relative loss difference and the
     losses side by side."""
     def result(name, ms, mfu, losses):
-        return {**gpu_check.blank_result({"run": name, "world": 1, "expect_s": 50}, "pass", True),
+        return {**gpu.run.blank_result({"run": name, "world": 1, "expect_s": 50}, "pass", True),
                 "step_ms": ms, "mfu": mfu, "losses": losses}
     base = "kontext_1024px_full_cached"
     rows = [result(base, 300.0, 0.30, [1.0, 2.0]), result(base + "_fp8_tensorwise", 200.0, 0.40, [1.01, 2.0]),
             result(base + "_compile", 250.0, float("nan"), [1.0, 2.0]),
             result(base + "_compile_fp8_tensorwise", 100.0, float("nan"), [1.0, 1.9])]
-    text = "\n".join(gpu_check.fp8_lines(rows))
+    text = "\n".join(gpu.report.fp8_lines(rows))
     assert f"| {base}_fp8_tensorwise | 200 | 300 | 1.50 | met | 40.0 % | 30.0 % | 1.00e-02 (2 steps) |" in text
     assert f"| {base}_compile_fp8_tensorwise | 100 | 250 | 2.50 | met | 80.0 % | 36.0 % | 5.00e-02 (2 steps) |" in text
     assert "| 2 | 2.00000 | 1.90000 |" in text
-    assert gpu_check.fp8_lines(rows[:1]) == []
+    assert gpu.report.fp8_lines(rows[:1]) == []
 
 
 @pytest.mark.slow
-def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(tmp_path):
+def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(cli, request):
     """The tiny klein-base DMD2 row (--suite=flux2): trained with its plain reference (the teacher's pair and the
     frozen-weight backward among its calls), saved, resumed, exported, the LoRA export sampled by Flux2KleinPipeline
     in 4 steps at the trained σ list, and set against its network calls."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac", f"--out={out}"], cwd=ROOT,
-                       env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "export sampled in 4 steps: σ seen [1.0, 0.75, 0.5, 0.25]" in r.stdout
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
+    assert "export sampled in 4 steps: σ seen [1.0, 0.75, 0.5, 0.25]" in stdout
     result = json.loads((out / "gpu_check.json").read_text())
     row, = result["rows"]
     assert row["ok"] and row["resume_export"] == "pass" and row["model"] == "tiny FLUX.2 klein"
@@ -330,12 +389,9 @@ def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigm
 
 
 @pytest.mark.slow
-def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--runs=cudnn_attention_probe", f"--out={out}"], cwd=ROOT, env=launch_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(cli, request):
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
     report = (out / "gpu_check.md").read_text()
     assert report.startswith("GPU check on CPU: torch ")
     assert f"disk: {out}" in report and "GB free of" in report
@@ -346,14 +402,11 @@ def test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(tmp_path):
+def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(cli, request):
     """The speed suite's CHANNELS_LAST DMD2 row on the tiny SD-1.5 on CPU: the plain reference with
     its channels_last row, the run's warm-up apart, and the DMD2 bound from the plain rows."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last", f"--out={out}"], cwd=ROOT,
-                       env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
     report = (out / "gpu_check.md").read_text()
     assert "| tiny SD-1.5, 32 px, batch 2, channels_last |" in report
     row = json.loads((out / "gpu_check.json").read_text())["rows"][0]
@@ -362,15 +415,12 @@ def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(t
 
 
 @pytest.mark.slow
-def test_qwen_rows_on_cpu_train_resume_export_and_load(tmp_path):
+def test_qwen_rows_on_cpu_train_resume_export_and_load(cli, request):
     """The tiny Qwen-Image-Edit rows (--suite=qwen): LoRA with two references, the full fine-tune
     saved, resumed, exported and loaded with QwenImageEditPlusPipeline, each beside its plain reference;
     DMD2 with the Lightning settings saved, resumed and exported."""
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--tiny", "--cpu", "--skip_tests",
-                        "--suite=qwen", f"--out={out}"], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
     result = json.loads((out / "gpu_check.json").read_text())
     qwen = {row["run"]: row for row in result["rows"]}
     assert list(qwen) == ["qwen_edit_64px_lora16_2refs", "qwen_edit_32px_full", "dmd_qwen_edit_32px_4step_lora64_ac"]

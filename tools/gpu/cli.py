@@ -1,0 +1,218 @@
+"""The command line: tests/test_gpu.py in the background, the models built and sized, the plain references,
+the rows under one deadline, the table (what it does: tools/gpu/__init__.py)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from tools import gpu as package
+from tools.gpu.budget import CALL_S, GB, GIB, HEADROOM, Deadline, build, disk_usage, plan_all
+from tools.gpu.folders import ROOT, datasets, model_label, qwen_pairs
+from tools.gpu.reference import plain_reference, qwen_text_tokens
+from tools.gpu.report import disk_line, table
+from tools.gpu.rows import REF_EXPECT_S, plan_runs, select_runs
+from tools.gpu.run import blank_result, one_run
+
+
+TEST_WORKERS = 3  # tests/test_gpu.py's launches side by side (pytest-xdist): ~100 s instead of ~280 s
+
+
+def start_tests(out: str) -> subprocess.Popen:
+    """tests/test_gpu.py in the background: it uses the GPU little, the model build mostly the CPU."""
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("xdist"):
+        cmd += ["-n", str(TEST_WORKERS)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(os.path.join(out, "test_gpu.log"), "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tuple[bool, str]:
+    """(passed, its summary line): waited for until `timeout`, then cut."""
+    if tests is None:
+        return True, "not run (--skip_tests)"
+    try:
+        tests.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(tests.pid, signal.SIGKILL)
+        tests.wait()
+        return False, "cut at the deadline (test_gpu.log)"
+    last = open(os.path.join(out, "test_gpu.log")).read().strip().splitlines()[-1:] or [""]
+    return tests.returncode == 0, f"{last[0].strip('= ')} (rc {tests.returncode})"
+
+
+def main() -> None:
+    # counted from gpu_check.sh's start where it set GPU_CHECK_T0 (the wheels' install included)
+    started = time.monotonic() - max(time.time() - float(os.environ.get("GPU_CHECK_T0", time.time())), 0)
+    ap = argparse.ArgumentParser(description=package.__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_check"))
+    ap.add_argument("--work", default="", help="where models go; '' = --out/work (removed at the end)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny models (a plumbing check, minutes on CPU)")
+    ap.add_argument("--cpu", action="store_true", help="allow a machine without CUDA (rows that need CUDA: skipped)")
+    ap.add_argument("--flux_blocks", default="2,4", help="double,single FLUX blocks at real width (all: 19,38); "
+                                                         "rows that do not fit the disk get fewer")
+    ap.add_argument("--flux2_blocks", default="2,4",
+                    help="double,single FLUX.2 klein blocks at real width (klein-base-4B: 5,20); rows that do not "
+                         "fit the disk get fewer")
+    ap.add_argument("--qwen_blocks", type=int, default=4, help="Qwen-Image-Edit dual-stream blocks at real width "
+                                                              "(all: 60); rows that do not fit the disk get fewer")
+    ap.add_argument("--deadline_s", type=float, default=0,
+                    help=f"seconds for everything from the start; rows that do not fit are not started, runs "
+                         f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
+    ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
+    ap.add_argument("--runs", default="", help="comma-separated run names, or parts of names, to keep ('' = all)")
+    ap.add_argument("--suite", default="acceptance",
+                    choices=("acceptance", "speed", "qwen", "flux2", "fp8", "fp8_qwen"),
+                    help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile); "
+                         "qwen: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, fp8 / fp8_qwen: FP8 "
+                         "against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's 1024 px LoRA (each a "
+                         "call of its own)")
+    a = ap.parse_args()
+    blocks, flux2_blocks = (tuple(int(x) for x in v.split(",") if x.strip().isdigit())
+                            for v in (a.flux_blocks, a.flux2_blocks))
+    for name, value, got in (("flux_blocks", a.flux_blocks, blocks), ("flux2_blocks", a.flux2_blocks, flux2_blocks)):
+        if len(got) != 2 or min(got) < 1:
+            sys.exit(f"gpu_check: --{name}={value}: give double,single block counts, each >= 1 (e.g. 2,4)")
+    if a.qwen_blocks < 1:
+        sys.exit(f"gpu_check: --qwen_blocks={a.qwen_blocks}: give a block count >= 1 (e.g. 4)")
+    import torch
+
+    from components.warnings import quiet_known_warnings
+    quiet_known_warnings()
+    cuda = torch.cuda.is_available()
+    if not cuda and not a.cpu:
+        sys.exit("gpu_check: no CUDA GPU here (use --cpu --tiny for the plumbing check on CPU)")
+    deadline = Deadline(a.deadline_s or (CALL_S if cuda else 1800), started)
+    os.makedirs(a.out, exist_ok=True)
+    work = a.work or os.path.join(a.out, "work")
+    os.makedirs(work, exist_ok=True)
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 0.0
+    name = f"{torch.cuda.get_device_name(0)} ({gpu_gb:.1f} GiB)" if cuda else "CPU"
+    import diffusers
+    versions = (f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if cuda else "")
+                + f", diffusers {diffusers.__version__}")
+    tests = None if a.skip_tests else start_tests(a.out)
+    t = time.monotonic()
+    runs = select_runs(plan_runs(a.tiny, a.suite), a.runs)
+    if not cuda:  # a CPU without native bf16 emulates it (~80x slower); on CPU the rows check plumbing, not dtypes
+        for r in runs:
+            r["settings"]["precision"] = "fp32"
+    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks, a.qwen_blocks, flux2_blocks)
+    data = {}
+    for r in runs:
+        prompts, pairs = datasets(work, r["settings"]["resolution"], a.tiny)
+        data[r["run"]] = (prompts if r["kind"] == "sd15" else
+                          qwen_pairs(work, r["settings"]["resolution"], a.tiny) if r["kind"] == "qwen" else pairs)
+    with open(os.path.join(a.out, "build.log"), "w") as log:
+        log.write(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}\n")
+    print(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}", flush=True)
+
+    planner = None
+    plans = os.path.join(work, "planned.jsonl")
+    if os.path.exists(plans):  # an earlier check's, in a kept --work
+        os.remove(plans)
+    if cuda:  # the planner's GPU totals, all CPU work, beside the reference and the runs
+        jobs = [(r["run"], (folders[r["size"]], r["world"], r["settings"], r["script"], gpu_gb))
+                for r in runs if r["size"] is not None]
+        planner = multiprocessing.get_context("spawn").Process(target=plan_all, args=(jobs, plans), daemon=True)
+        planner.start()
+
+    # the plain reference of the rows that compare with it, while the rows would still fit after it
+    from transformers import AutoTokenizer
+    refs = {}
+    runnable = [r for r in runs if r["size"] is not None and (cuda or not r["gpu_only"])]
+    for r in runs:
+        s = r["settings"]
+        r["ref"] = (f"{model_label(r['size'])}, {s['resolution']} px, batch {s['batch_size']}"
+                    + {"qwen": ", target + 2 references", "flux2": ", target + 1 reference"}.get(r["kind"], "")
+                    if r["ref"] and r in runnable else "")
+        r["full"] = not s.get("lora_rank") and r["script"] == "train_flux_kontext.py"
+    for r in runnable:
+        s, folder = r["settings"], folders[r["size"]]
+        if not r["ref"] or r["ref"] in refs:
+            continue
+        if deadline.left() - REF_EXPECT_S < sum(q["expect_s"] for q in runnable):
+            refs[r["ref"]] = {"error": "left out: the rows would not fit after it"}
+            continue
+        references = ()
+        if r["kind"] == "flux2":  # the pairs' one context at the target's size; the text padded to the run's length
+            text_len, references = int(s["extra"].get("max_sequence_length", 512)), (s["resolution"],)
+        else:
+            tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
+            text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
+        if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
+            text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
+            # train_dmd.py reads its references at the target's size
+            references = (round(s["extra"].get("reference_area", s["resolution"] ** 2) ** 0.5),) * 2
+        try:
+            refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device,
+                                             references)
+        except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
+            refs[r["ref"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        print(f"plain {r['ref']}: {refs[r['ref']]}", flush=True)
+
+    rows, log = [], os.path.join(a.out, "runs.log")
+    open(log, "w").close()
+    for r in runs:
+        if r["size"] is None:
+            room = disk["free"] - disk["to_write"] - HEADROOM
+            result = blank_result(r, f"not run: needs {peaks[r['run']] / GB:.1f} GB of disk with its smallest "
+                                     f"model, {room / GB:.1f} GB to spare", False)
+        elif r["gpu_only"] and not cuda:
+            result = blank_result(r, "skipped: needs CUDA", True)
+        elif not deadline.fits(r["expect_s"]):
+            result = blank_result(r, f"not run: ~{r['expect_s'] * deadline.scale():.0f} s expected, "
+                                     f"{max(deadline.left(), 0):.0f} s left", False)
+        else:
+            free = disk_usage(a.out)[1]
+            if peaks[r["run"]] + HEADROOM > free:  # what earlier rows or the tests left behind
+                result = blank_result(r, f"not run: needs {peaks[r['run']] / GB:.1f} GB of disk, "
+                                         f"{free / GB:.1f} GB free", False)
+            else:
+                t = time.monotonic()
+                result = one_run(r, folders[r["size"]], data[r["run"]], a.out, log, deadline)
+                result["wall_s"] = time.monotonic() - t
+                if result["ok"]:
+                    deadline.record(r["expect_s"], result["wall_s"])
+            result["disk_free_gb"] = free / GB
+        result["disk_need_gb"] = peaks[r["run"]] / GB
+        extra = r["settings"]["extra"]
+        rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
+                     "ratio": extra.get("dfake_gen_update_ratio"),
+                     "lora_generator": bool(r["settings"].get("lora_rank")),
+                     "cfg_pair": r["kind"] == "flux2" and float(extra.get("real_guidance_scale", 0)) > 1})
+        print(f"{r['run']}: {result}", flush=True)
+
+    tests_ok, tests_line = finish_tests(tests, a.out, deadline.left())
+    print(f"tests/test_gpu.py: {tests_line}", flush=True)
+    if planner is not None:
+        planner.join(timeout=max(deadline.left(), 1))
+        planner.kill()
+        planned = {}
+        if os.path.exists(plans):
+            planned = {p["run"]: p["planned"] for p in map(json.loads, open(plans))}
+        for row in rows:
+            value = planned.get(row["run"], float("nan"))
+            row["planned_gib"] = value if isinstance(value, float) else float("nan")
+            if isinstance(value, str):
+                row["status"] += f"; {value}"
+    header = [f"GPU check on {name}: {versions}", "", disk_line(disk), f"tests/test_gpu.py: {tests_line}",
+              f"time: {time.monotonic() - started:.0f} s of the {deadline.seconds:.0f} s deadline"]
+    report = table(rows, refs, header)
+    with open(os.path.join(a.out, "gpu_check.md"), "w") as f:
+        f.write(report + "\n")
+    with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
+        json.dump({"device": name, "versions": versions, "disk": disk, "tests": tests_line, "refs": refs,
+                   "rows": rows}, f, indent=1)
+    print("\n" + report, flush=True)
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.exit(0 if tests_ok and all(r["ok"] for r in rows) else 1)
