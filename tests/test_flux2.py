@@ -393,23 +393,25 @@ class _OneByOne(torch.nn.Module):
 def test_teacher_cfg_pair_is_the_pipelines(klein, tmp_path):
     """The teacher's real score with REAL_GUIDANCE_NORM=none is the pipeline's true-CFG prediction at the same
     latents, σ and references (the prompt's half of the pair and the negative's, combined as it combines them),
-    and token rescales that pair."""
+    and token rescales that pair. Target 64 x 96 and a reference 64 x 80 (h x w): not square, so their ids are
+    told from their transposes'."""
     from algorithms import dmd2 as dm
     pipe = pipeline(klein["model"])
-    paths = images(tmp_path, [(64, 64), (64, 64)])
+    paths = images(tmp_path, [(64, 80), (64, 64)])
     seen = []
     step = pipe.scheduler.step
     pipe.scheduler.step = lambda out, t, x, **kw: (seen.append((out.clone(), x.clone(), t)), step(out, t, x, **kw))[1]
     pipe(image=[Image.open(p) for p in paths], prompt="make it red", num_inference_steps=2, guidance_scale=4.0,
-         generator=torch.Generator().manual_seed(1), output_type="latent", max_sequence_length=32)
+         height=64, width=96, generator=torch.Generator().manual_seed(1), output_type="latent",
+         max_sequence_length=32)
     theirs, x, t = seen[1]  # the second step: σ below 1
     embeds = text(klein["model"], tmp_path, ["make it red", ""], length=32)
     refs = [flux2.load_image(p, flux2.REFERENCE_AREA)[None] for p in paths]
-    cond = flux2.dmd_cond(embeds[:1], embeds[1:], pipe.vae, refs, (8, 8))
+    cond = flux2.dmd_cond(embeds[:1], embeds[1:], pipe.vae, refs, (8, 12))
     teacher, sigma = _OneByOne(pipe.transformer), t.expand(1) / 1000
     assert torch.equal(cond.velocity(teacher, 4.0, "none")(x, sigma), theirs.float())
     plain = cond.velocity(teacher, 1.0)(x, sigma)
-    neg = flux2.dmd_cond(embeds[1:], None, pipe.vae, refs, (8, 8)).velocity(teacher, 1.0)(x, sigma)
+    neg = flux2.dmd_cond(embeds[1:], None, pipe.vae, refs, (8, 12)).velocity(teacher, 1.0)(x, sigma)
     assert torch.equal(cond.velocity(teacher, 4.0, "token")(x, sigma), dm.cfg_combine(plain, neg, 4.0, "token"))
 
 

@@ -131,11 +131,10 @@ def pipeline(folder):
     return pipe
 
 
-def capture_first_call(module):
-    """The keyword arguments of `module`'s first forward."""
+def capture_calls(module):
+    """The keyword arguments of each of `module`'s forwards, in order."""
     seen = []
-    module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs) if not seen else None,
-                                     with_kwargs=True)
+    module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs), with_kwargs=True)
     return seen
 
 
@@ -164,7 +163,9 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     """Text embeddings (prompt + both images through Qwen2.5-VL), the references' packed latents and
     img_shapes as the room builds them equal what the pipeline hands its transformer, for a 1:2 and a
     2:1 reference at sizes the pipeline stretches, and (RANDOM_FLIP's flipped rows) for the mirror
-    images: the text cache's mirrored entry and data.buckets.load_pairs' flipped views."""
+    images: the text cache's mirrored entry and data.buckets.load_pairs' flipped views. The target is
+    64 x 96 (h x w): a square one would not tell its img_shapes entry (1, h, w) from (1, w, h). DMD2's
+    conditioning (dmd_cond) hands the transformer the same tokens, img_shapes and text."""
     from PIL import ImageOps
 
     from data import buckets
@@ -172,9 +173,9 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     paths = odd_references(tmp_path)
     row = {"controls": paths, "control": paths[0], **({"mirror": True} if mirror else {})}
     settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
-    seen = capture_first_call(pipe.transformer)
+    seen = capture_calls(pipe.transformer)
     images = [ImageOps.mirror(Image.open(p).convert("RGB")) if mirror else Image.open(p) for p in paths]
-    pipe(image=images, prompt="make it blue", height=64, width=64, num_inference_steps=1, true_cfg_scale=1.0,
+    pipe(image=images, prompt="make it blue", height=64, width=96, num_inference_steps=1, true_cfg_scale=1.0,
          generator=torch.Generator().manual_seed(0), output_type="latent")
     call = seen[0]
 
@@ -188,17 +189,25 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     assert sizes == ((96, 32), (32, 96))
     pixels, _ = buckets.load_pairs([row], ((64, 64), sizes), [mirror], target=False)
     refs = [qi.encode_latents(pipe.vae, p) for p in pixels]
-    target = torch.zeros(1, 16, 8, 8)
+    target = torch.zeros(1, 16, 8, 12)
     inputs = qi.model_inputs(target, refs, torch.zeros_like(target), torch.ones(1))
     n = inputs["n_target_tokens"]
-    assert torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
-    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 4), (1, 6, 2), (1, 2, 6)]]
+    assert n == 24 and torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
+    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 6), (1, 6, 2), (1, 2, 6)]]
+
+    cond = qi.dmd_cond((embeds, mask), None, pipe.vae, pixels, (8, 12))
+    cond.velocity(pipe.transformer, 1.0)(call["hidden_states"][:, :n], call["timestep"])
+    ours = seen[-1]
+    assert ours["img_shapes"] == call["img_shapes"] and torch.equal(ours["hidden_states"], call["hidden_states"])
+    assert torch.equal(ours["encoder_hidden_states"], call["encoder_hidden_states"])
 
 
 @pytest.mark.parametrize("true_cfg, model", [(1.0, "2509"), (4.0, "2509"), (4.0, "2511")])
 def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, model):
     """The room's sample (the grids' edits) equals the pipeline's output image for the same seed,
-    with and without true CFG against the negative prompt, for 2509 and 2511 (zero_cond_t)."""
+    with and without true CFG against the negative prompt, for 2509 and 2511 (zero_cond_t), at a
+    64 x 96 (h x w) target (not square: the target's img_shapes and unpacking are told from their
+    transposes)."""
     from data.images import load_image
     folder = qwen["model"] if model == "2509" else edit_2511(qwen["model"], tmp_path / "edit_2511")
     pipe = pipeline(folder)
@@ -206,7 +215,7 @@ def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, m
     paths = references(tmp_path)
     row = {"controls": paths, "control": paths[0]}
     negative = {"negative_prompt": qi.NEGATIVE_PROMPT} if true_cfg > 1 else {}
-    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=96,
                   num_inference_steps=2, true_cfg_scale=true_cfg, generator=torch.Generator().manual_seed(3),
                   output_type="pt", **negative).images[0]
     settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
@@ -215,7 +224,7 @@ def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, m
     text = qi.load_text(texts[:1], str(tmp_path / "tc"), identity, torch.device("cpu"))
     neg = qi.load_text(texts[1:], str(tmp_path / "tc"), identity, torch.device("cpu"))
     refs = [load_image(p, *s)[None] for p, s in zip(paths, qi.reference_sizes(None, row, settings))]
-    ours = qi.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, qi.text_row(text, 0), (64, 64), 2, true_cfg,
+    ours = qi.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, qi.text_row(text, 0), (64, 96), 2, true_cfg,
                      torch.Generator().manual_seed(3), negative=qi.text_row(neg, 0))
     assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
 
