@@ -36,12 +36,12 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 
 import pytest
 import torch
 
-from tests.conftest import launch, launch_all, launch_env, read_metrics, run_ranks
+from tests.conftest import (assert_trains_as_eager, copy_checkpoint, launch, launch_all, launch_env, read_metrics,
+                            run_ranks, tiny_default)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -69,49 +69,79 @@ def checkpoint_keys(out, step):
 def flux_setup(root):
     """(arguments, environment) that every FLUX launch here shares: the tiny Kontext default at 32 px,
     STEPS AdamW steps at LR, activation checkpointing, a loss line per step, no samples."""
-    from tools import tiny_models
-    model, data = tiny_models.ensure_default("flux_kontext", root / "cache")
+    model, data = tiny_default("flux_kontext")
     args = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
             f"--text_cache_dir={root / 'text_cache'}", "--resolution=32", f"--max_steps={STEPS}", "--log_every=1",
             "--num_sample_pairs=2", "--sample_every=0", "--val_every=0", f"--lr={LR}", "--warmup_steps=0",
             "--activation_checkpointing=1"]
-    return args, launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
+    return args, launch_env()
+
+
+def flux_jobs(root) -> dict:
+    """The tiny Kontext default on 2 ranks, eager and compiled, otherwise identical (launch_all's jobs), and
+    the arguments of the compiled run that resumes the eager run's step-2 checkpoint."""
+    common, env = flux_setup(root)
+    common += ["--precision=fp32", "--save_every=2", "--export_dtype=fp32"]
+    jobs = {name: dict(script="train_flux_kontext.py", env=env,
+                       args=common + [f"--compile={flag}", f"--output_dir={root / name}"])
+            for name, flag in (("eager", "0"), ("compiled", "1"))}
+    return {**jobs, "resumed": dict(script="train_flux_kontext.py", env=env, args=common + [
+        "--compile=1", f"--output_dir={root / 'resumed'}", "--resume=auto"])}
+
+
+def flux_lora_jobs(root) -> dict:
+    """LoRA adapters on the tiny Kontext default at the scripts' default precision (bf16-mixed:
+    fp32 adapters and AdamW state, bf16 compute), eager and compiled, otherwise identical; and
+    eager in fp32, the yardstick for how far bf16 rounding alone moves the adapters."""
+    common, env = flux_setup(root)
+    common += ["--lora_rank=4", "--save_every=0"]
+    # one process each: the 2-rank compiled path is flux_jobs'; here the graphs and numerics
+    kinds = {"eager": ("bf16-mixed", "0"), "compiled": ("bf16-mixed", "1"), "fp32": ("fp32", "0")}
+    return {name: dict(script="train_flux_kontext.py", ranks=1, env=env,
+                       args=common + [f"--precision={p}", f"--compile={c}", f"--output_dir={root / name}"])
+            for name, (p, c) in kinds.items()}
+
+
+def qwen_jobs(root) -> dict:
+    """The tiny Qwen-Image-Edit-2509 default (two references per sample) at 64 px, full fine-tune in
+    fp32 with activation checkpointing, eager and compiled, one rank each."""
+    model, data = tiny_default("qwen_image_edit")
+    area = 64 * 64
+    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
+              f"--text_cache_dir={root / 'text_cache'}", "--resolution=64", f"--reference_area={area}",
+              f"--condition_area={area}", "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1",
+              "--num_sample_pairs=2", "--sample_every=0", "--val_every=0", "--save_every=0", f"--lr={LR}",
+              "--warmup_steps=0", "--activation_checkpointing=1", "--export_dtype=fp32"]
+    return {name: dict(script="train_flux_kontext.py", ranks=1, env=launch_env(),
+                       args=common + [f"--compile={flag}", f"--output_dir={root / name}"])
+            for name, flag in (("eager", "0"), ("compiled", "1"))}
 
 
 @pytest.fixture(scope="module")
-def flux_runs(tmp_path_factory):
-    """The tiny Kontext default trained eagerly and compiled, otherwise identical."""
-    root = tmp_path_factory.mktemp("compile_flux")
-    common, env = flux_setup(root)
-    common += ["--precision=fp32", "--save_every=2", "--export_dtype=fp32"]
-    runs = {}
-    for name, flag in (("eager", "0"), ("compiled", "1"), ("resumed", "1")):
-        out = root / name
-        if name == "resumed":  # compiled, from the eager run's step-2 checkpoint (hits the compiled run's cache)
-            shutil.copytree(root / "eager" / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-        args = [f"--compile={flag}", f"--output_dir={out}"] + (["--resume=auto"] if name == "resumed" else [])
-        runs[name] = (str(out), launch("train_flux_kontext.py", common + args, env=env, timeout=900).stdout)
-    return runs
+def runs(tmp_path_factory):
+    """Every launch of this file side by side ({group: {name: (OUTPUT_DIR, log)}}, each job writing to
+    <group's folder>/<name>): a compiled run spends most of its time in g++, one process at a time, while its
+    other rank waits and a core would idle. Then the compiled Kontext run resumed from the eager one's step-2
+    checkpoint (hitting the compiled run's inductor cache)."""
+    roots = {g: tmp_path_factory.mktemp(f"compile_{g}") for g in ("flux", "lora", "qwen")}
+    jobs = {"flux": flux_jobs(roots["flux"]), "lora": flux_lora_jobs(roots["lora"]), "qwen": qwen_jobs(roots["qwen"])}
+    resume = jobs["flux"].pop("resumed")
+    done = launch_all({f"{g}/{name}": job for g in jobs for name, job in jobs[g].items()}, timeout=1800)
+    out = {g: {name: (str(roots[g] / name), done[f"{g}/{name}"].stdout) for name in jobs[g]} for g in jobs}
+    copy_checkpoint(roots["flux"] / "eager", 2, roots["flux"] / "resumed")
+    out["flux"]["resumed"] = (str(roots["flux"] / "resumed"), launch(**resume, timeout=900).stdout)
+    return out
 
 
-def assert_trains_as_eager(eager: str, compiled: str) -> None:
-    """The same losses and grad norms per step (1e-5 relative) and exported weights (LR / 20) as eager;
-    the same export keys, none with torch.compile's `_orig_mod.`."""
-    a, b = read_metrics(eager), read_metrics(compiled)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
-    for ra, rb in zip(a, b):
-        for k in ("loss", "grad_norm"):
-            assert rb[k] == pytest.approx(ra[k], rel=1e-5), (ra["step"], k, ra[k], rb[k])
-    wa, wb = export(eager), export(compiled)
-    assert wa.keys() == wb.keys() and not any("_orig_mod" in k for k in wb)
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=LR / 20, msg=k)
+@pytest.fixture(scope="module")
+def flux_runs(runs):
+    return runs["flux"]
 
 
 @pytest.mark.slow
 def test_flux_compiled_matches_eager(flux_runs):
     (eager, _), (compiled, _) = flux_runs["eager"], flux_runs["compiled"]
-    assert_trains_as_eager(eager, compiled)
+    assert_trains_as_eager(eager, compiled, lr=LR, steps=STEPS)
     # module tree untouched: the same checkpoint keys, none with torch.compile's `_orig_mod.`
     keys = checkpoint_keys(compiled, STEPS)
     assert keys == checkpoint_keys(eager, STEPS) and not any("_orig_mod" in k for k in keys)
@@ -143,19 +173,8 @@ def test_flux_prints_graphs_and_no_graph_breaks(flux_runs):
 
 
 @pytest.fixture(scope="module")
-def flux_lora_runs(tmp_path_factory):
-    """LoRA adapters on the tiny Kontext default at the scripts' default precision (bf16-mixed:
-    fp32 adapters and AdamW state, bf16 compute), eager and compiled, otherwise identical; and
-    eager in fp32, the yardstick for how far bf16 rounding alone moves the adapters."""
-    root = tmp_path_factory.mktemp("compile_flux_lora")
-    common, env = flux_setup(root)
-    common += ["--lora_rank=4", "--save_every=0"]
-    # one process each, side by side: the 2-rank compiled path is flux_runs'; here the graphs and numerics
-    kinds = {"eager": ("bf16-mixed", "0"), "compiled": ("bf16-mixed", "1"), "fp32": ("fp32", "0")}
-    done = launch_all({name: dict(script="train_flux_kontext.py", ranks=1, env=env,
-                                  args=common + [f"--precision={p}", f"--compile={c}", f"--output_dir={root / name}"])
-                       for name, (p, c) in kinds.items()}, timeout=900)
-    return {name: (str(root / name), done[name].stdout) for name in kinds}
+def flux_lora_runs(runs):
+    return runs["lora"]
 
 
 @pytest.mark.slow
@@ -192,23 +211,8 @@ def test_flux_lora_bf16_mixed_compiled_matches_eager(flux_lora_runs):
 
 
 @pytest.fixture(scope="module")
-def qwen_runs(tmp_path_factory):
-    """The tiny Qwen-Image-Edit-2509 default (two references per sample) at 64 px, full fine-tune in
-    fp32 with activation checkpointing, eager and compiled, one rank each, side by side."""
-    from tools import tiny_models
-    root = tmp_path_factory.mktemp("compile_qwen")
-    model, data = tiny_models.ensure_default("qwen_image_edit", root / "cache")
-    area = 64 * 64
-    common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
-              f"--text_cache_dir={root / 'text_cache'}", "--resolution=64", f"--reference_area={area}",
-              f"--condition_area={area}", "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1",
-              "--num_sample_pairs=2", "--sample_every=0", "--val_every=0", "--save_every=0", f"--lr={LR}",
-              "--warmup_steps=0", "--activation_checkpointing=1", "--export_dtype=fp32"]
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
-    done = launch_all({name: dict(script="train_flux_kontext.py", ranks=1, env=env,
-                                  args=common + [f"--compile={flag}", f"--output_dir={root / name}"])
-                       for name, flag in (("eager", "0"), ("compiled", "1"))}, timeout=900)
-    return {name: (str(root / name), done[name].stdout) for name in done}
+def qwen_runs(runs):
+    return runs["qwen"]
 
 
 @pytest.mark.slow
@@ -217,7 +221,7 @@ def test_qwen_image_edit_compiled_matches_eager(qwen_runs):
     frozen, so its parameters' requires_grad differ and dynamo guards on it), 0 breaks; the same
     losses, grad norms and trained weights as eager."""
     (eager, _), (compiled, log) = qwen_runs["eager"], qwen_runs["compiled"]
-    assert_trains_as_eager(eager, compiled)
+    assert_trains_as_eager(eager, compiled, lr=LR, steps=STEPS)
     line = next(line for line in log.splitlines() if line.startswith("compile: "))
     assert re.match(r"compile: 2 graphs, 0 graph breaks \(", line), line
     assert "recompile_limit" not in log
