@@ -186,6 +186,9 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
 
     sizes = qi.reference_sizes(None, row, settings)
     assert sizes == ((96, 32), (32, 96))
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+    width, height = calculate_dimensions(64 * 64, 90 / 45)  # the pipeline's output: the last image's ratio
+    assert qi.target_size(None, row, settings) == (height, width) == (32, 96)
     pixels, _ = buckets.load_pairs([row], ((64, 64), sizes), [mirror], target=False)
     refs = [qi.encode_latents(pipe.vae, p) for p in pixels]
     target = torch.zeros(1, 16, 8, 12)
