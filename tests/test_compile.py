@@ -40,8 +40,8 @@ import re
 import pytest
 import torch
 
-from tests.conftest import (assert_trains_as_eager, copy_checkpoint, launch, launch_all, launch_env, read_metrics,
-                            run_ranks, tiny_default)
+from tests.conftest import (assert_trains_as_eager, copy_checkpoint, launch, launch_env, read_metrics, run_ranks,
+                            start_all, tiny_default)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -118,19 +118,123 @@ def qwen_jobs(root) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every launch of this file side by side ({group: {name: (OUTPUT_DIR, log)}}, each job writing to
-    <group's folder>/<name>): a compiled run spends most of its time in g++, one process at a time, while its
-    other rank waits and a core would idle. Then the compiled Kontext run resumed from the eager one's step-2
-    checkpoint (hitting the compiled run's inductor cache)."""
+def started(tmp_path_factory):
+    """Every launch of this file, started side by side before the in-process checks, which run meanwhile: a
+    compiled run spends most of its time in g++, one process at a time, while its other rank waits and a core
+    would idle. Yields {"wait": launch_all's answer when called, "roots": each group's folder (a job writes to
+    <root>/<name>), "resume": the compiled Kontext run resuming the eager one's step-2 checkpoint, for after}."""
     roots = {g: tmp_path_factory.mktemp(f"compile_{g}") for g in ("flux", "lora", "qwen")}
     jobs = {"flux": flux_jobs(roots["flux"]), "lora": flux_lora_jobs(roots["lora"]), "qwen": qwen_jobs(roots["qwen"])}
     resume = jobs["flux"].pop("resumed")
-    done = launch_all({f"{g}/{name}": job for g in jobs for name, job in jobs[g].items()}, timeout=1800)
+    wait, kill = start_all({f"{g}/{name}": job for g in jobs for name, job in jobs[g].items()}, timeout=1800)
+    yield {"wait": wait, "roots": roots, "jobs": jobs, "resume": resume}
+    kill()
+
+
+@pytest.fixture(scope="module")
+def runs(started):
+    """{group: {name: (OUTPUT_DIR, log)}} of started's launches, and the compiled Kontext run resumed from the
+    eager one's step-2 checkpoint (hitting the compiled run's inductor cache)."""
+    done, roots, jobs = started["wait"](), started["roots"], started["jobs"]
     out = {g: {name: (str(roots[g] / name), done[f"{g}/{name}"].stdout) for name in jobs[g]} for g in jobs}
     copy_checkpoint(roots["flux"] / "eager", 2, roots["flux"] / "resumed")
-    out["flux"]["resumed"] = (str(roots["flux"] / "resumed"), launch(**resume, timeout=900).stdout)
+    out["flux"]["resumed"] = (str(roots["flux"] / "resumed"), launch(**started["resume"], timeout=900).stdout)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the UNet, in process
+
+
+def _unet_steps(rank, world, unet_dir, compile_: bool, steps: int = 2):
+    """2 AdamW steps of an FSDP UNet (the DMD recipe, activation checkpointing on) on fixed
+    per-rank inputs; returns (losses, full params, state-dict keys)."""
+    from precision import get_precision
+    prec = get_precision("fp32")
+    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
+    sharding = fsdp_utils.Sharding(activation_checkpointing=True, compile=compile_)
+    model = sd_unet.build_unet(unet_dir, mesh, torch.float32, torch.device("cpu"), policy=prec.mp_policy(),
+                               trainable=True, sharding=sharding, block_classes=[])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x, target = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+        t, text = torch.randint(0, 1000, (2,), generator=g), torch.randn(2, 8, 64, generator=g)
+        loss = (model(x, t, text).sample - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    fsdp_utils.reshard_all(model)
+    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return losses, params, list(model.state_dict())
+
+
+def _unet_parity(rank, world, unet_dir):
+    from torch._dynamo.utils import counters
+    real = torch.compile
+    torch.compile = functools.partial(real, backend="aot_eager")  # see the module docstring
+    try:
+        eager = _unet_steps(rank, world, unet_dir, compile_=False)
+        compiled = _unet_steps(rank, world, unet_dir, compile_=True)
+    finally:
+        torch.compile = real
+    assert compiled[2] == eager[2]  # state-dict keys: unchanged, no `_orig_mod.`
+    for a, b in zip(eager[0], compiled[0]):
+        assert b == pytest.approx(a, rel=1e-5), (eager[0], compiled[0])
+    for k, v in eager[1].items():
+        torch.testing.assert_close(compiled[1][k], v, rtol=0, atol=LR / 20, msg=k)
+    report = compiling.compile_report()
+    # 9 unit shapes, one graph each, all under the checkpoint wrapper's code object, 0 breaks
+    assert report.startswith("compile: 9 graphs, 0 graph breaks"), report
+    assert "recompile limit" not in report and not counters["graph_break"]
+    assert len(compiling._COMPILED_UNIT_SHAPES) == 9
+    assert torch._dynamo.config.recompile_limit == 36 > 9 > 8
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("started")  # the launches run meanwhile
+def test_unet_compiled_matches_eager_without_breaks_or_eager_fallback():
+    unet_dir = os.path.join(train_dmd.default_paths()[0], "unet")  # the shipped shapes teacher
+    run_ranks(_unet_parity, 2, unet_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("started")  # the launches run meanwhile
+def test_fake_score_attention_cast_and_channels_last_compile_without_breaks():
+    """The fp32 fake score's bf16 attention (CastSdpaProcessor) and CHANNELS_LAST's conv
+    pre-hooks trace whole: a tiny UNet compiled (aot_eager: dynamo and AOTAutograd, no code
+    generation) has no graph break and gives eager's output and grads (the same aten ops on CPU; a reduction
+    such as a bias grad over the 2 x 8 x 8 = 128 positions may run in another order, so each tensor agrees to
+    128 fp32 roundings of its largest element, 2^-17 relative)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from families.sd_unet import to_channels_last
+    from parallel.attention import CastSdpaProcessor
+    from tests.conftest import tiny_unet
+    torch._dynamo.reset()
+    counters.clear()
+    eager = to_channels_last(tiny_unet())
+    eager.set_attn_processor(CastSdpaProcessor(torch.bfloat16))
+    compiled = copy.deepcopy(eager)
+    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
+    outs = []
+    for model in (eager, compiled):
+        g = torch.Generator().manual_seed(0)
+        x, text = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 6, 32, generator=g)
+        out = model(x, torch.tensor([10, 500]), text).sample
+        out.square().mean().backward()
+        outs.append([out.detach()] + [p.grad for p in model.parameters()])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() <= 2 ** -17 * a.abs().max()
+
+
+# ----------------------------------------------------------------------------------------------
+# the launches
 
 
 @pytest.fixture(scope="module")
@@ -228,63 +332,6 @@ def test_qwen_image_edit_compiled_matches_eager(qwen_runs):
 
 
 # ----------------------------------------------------------------------------------------------
-# the UNet, in process
-
-
-def _unet_steps(rank, world, unet_dir, compile_: bool, steps: int = 2):
-    """2 AdamW steps of an FSDP UNet (the DMD recipe, activation checkpointing on) on fixed
-    per-rank inputs; returns (losses, full params, state-dict keys)."""
-    from precision import get_precision
-    prec = get_precision("fp32")
-    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
-    sharding = fsdp_utils.Sharding(activation_checkpointing=True, compile=compile_)
-    model = sd_unet.build_unet(unet_dir, mesh, torch.float32, torch.device("cpu"), policy=prec.mp_policy(),
-                               trainable=True, sharding=sharding, block_classes=[])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    g = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(steps):
-        x, target = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
-        t, text = torch.randint(0, 1000, (2,), generator=g), torch.randn(2, 8, 64, generator=g)
-        loss = (model(x, t, text).sample - target).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    fsdp_utils.reshard_all(model)
-    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return losses, params, list(model.state_dict())
-
-
-def _unet_parity(rank, world, unet_dir):
-    from torch._dynamo.utils import counters
-    real = torch.compile
-    torch.compile = functools.partial(real, backend="aot_eager")  # see the module docstring
-    try:
-        eager = _unet_steps(rank, world, unet_dir, compile_=False)
-        compiled = _unet_steps(rank, world, unet_dir, compile_=True)
-    finally:
-        torch.compile = real
-    assert compiled[2] == eager[2]  # state-dict keys: unchanged, no `_orig_mod.`
-    for a, b in zip(eager[0], compiled[0]):
-        assert b == pytest.approx(a, rel=1e-5), (eager[0], compiled[0])
-    for k, v in eager[1].items():
-        torch.testing.assert_close(compiled[1][k], v, rtol=0, atol=LR / 20, msg=k)
-    report = compiling.compile_report()
-    # 9 unit shapes, one graph each, all under the checkpoint wrapper's code object, 0 breaks
-    assert report.startswith("compile: 9 graphs, 0 graph breaks"), report
-    assert "recompile limit" not in report and not counters["graph_break"]
-    assert len(compiling._COMPILED_UNIT_SHAPES) == 9
-    assert torch._dynamo.config.recompile_limit == 36 > 9 > 8
-
-
-@pytest.mark.slow
-def test_unet_compiled_matches_eager_without_breaks_or_eager_fallback():
-    unet_dir = os.path.join(train_dmd.default_paths()[0], "unet")  # the shipped shapes teacher
-    run_ranks(_unet_parity, 2, unet_dir)
-
-
-# ----------------------------------------------------------------------------------------------
 # settings
 
 
@@ -328,35 +375,3 @@ def test_missing_cxx_compiler_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++",))
     with pytest.raises(ConfigError, match="COMPILE=1 on CPU needs a C\\+\\+ compiler"):
         compiling.check_compile(True)
-
-
-@pytest.mark.slow
-def test_fake_score_attention_cast_and_channels_last_compile_without_breaks():
-    """The fp32 fake score's bf16 attention (CastSdpaProcessor) and CHANNELS_LAST's conv
-    pre-hooks trace whole: a tiny UNet compiled (aot_eager: dynamo and AOTAutograd, no code
-    generation) has no graph break and gives eager's output and grads (the same aten ops on CPU; a reduction
-    such as a bias grad over the 2 x 8 x 8 = 128 positions may run in another order, so each tensor agrees to
-    128 fp32 roundings of its largest element, 2^-17 relative)."""
-    import copy
-
-    from torch._dynamo.utils import counters
-
-    from families.sd_unet import to_channels_last
-    from parallel.attention import CastSdpaProcessor
-    from tests.conftest import tiny_unet
-    torch._dynamo.reset()
-    counters.clear()
-    eager = to_channels_last(tiny_unet())
-    eager.set_attn_processor(CastSdpaProcessor(torch.bfloat16))
-    compiled = copy.deepcopy(eager)
-    compiled.forward = torch.compile(compiled.forward, backend="aot_eager")
-    outs = []
-    for model in (eager, compiled):
-        g = torch.Generator().manual_seed(0)
-        x, text = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 6, 32, generator=g)
-        out = model(x, torch.tensor([10, 500]), text).sample
-        out.square().mean().backward()
-        outs.append([out.detach()] + [p.grad for p in model.parameters()])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    for a, b in zip(*outs):
-        assert (a - b).abs().max() <= 2 ** -17 * a.abs().max()

@@ -158,35 +158,6 @@ def test_sampling_loop_is_the_pipelines(klein, tmp_path, guidance):
 PROMPTS = ["make it red", "make the circle the colour of picture 2", "", "a blue square", "turn it green"]
 
 
-def _sharded_fill(rank, world, model_path, cache_dir, length):
-    """Every rank takes part in each forward of the sharded encoder, though the shares are 3 and 2 prompts."""
-    settings = {**SETTINGS, "SHARD_TEXT_ENCODER": "1", "MAX_SEQUENCE_LENGTH": length}
-    assert flux2.shard_text_encoder(model_path, settings, torch.float32, torch.device("cpu"))
-    encoder = flux2.load_sharded_text_encoder(model_path, torch.float32, torch.device("cpu")).text_encoder
-    from torch.distributed.tensor import DTensor
-    weight = encoder.get_decoder().layers[0].mlp.up_proj.weight
-    assert isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // world
-    del encoder
-    identity = flux2.prepare_edit_text([(p, {}) for p in PROMPTS], model_path, cache_dir, settings, torch.float32,
-                                       torch.device("cpu"))
-    assert len(os.listdir(cache_dir)) > 0 and identity
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["klein", "dev"])
-def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, dev, tmp_path, variant):
-    """SHARD_TEXT_ENCODER=1 on 2 ranks (klein's Qwen3 or [dev]'s Mistral-3 built on meta, one FSDP unit per decoder
-    layer, each rank loading its slices, its RoPE tables remade on the host) caches the embeddings one unsharded
-    process computes."""
-    folder, length = (klein["model"], 32) if variant == "klein" else (dev, DEV_LENGTH)
-    run_ranks(_sharded_fill, 2, folder, str(tmp_path / "sharded"), length)
-    pairs = [(p, {}) for p in PROMPTS]
-    ours = flux2.load_text(pairs, str(tmp_path / "sharded"), flux2.folder_identity(
-        folder, flux2.TEXT_PARTS, length, "fp32"), torch.device("cpu"))
-    theirs = text(folder, tmp_path, PROMPTS, length=length)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-
-
 def test_dev_text_is_the_pipelines(dev, tmp_path):
     """[dev]'s cached text is Flux2Pipeline.encode_prompt's (Mistral-3 under the system message and chat template,
     hidden states 10 / 20 / 30 stacked, pipeline_flux2.py:304-350), and so are its text ids."""
@@ -362,6 +333,35 @@ def test_context_parallel_trains_as_data_parallel(runs):
     wa, wb = (load_file(str(runs["out"][k] / "export" / file)) for k in ("full", "cp"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=2e-5, msg=k)
+
+
+def _sharded_fill(rank, world, model_path, cache_dir, length):
+    """Every rank takes part in each forward of the sharded encoder, though the shares are 3 and 2 prompts."""
+    settings = {**SETTINGS, "SHARD_TEXT_ENCODER": "1", "MAX_SEQUENCE_LENGTH": length}
+    assert flux2.shard_text_encoder(model_path, settings, torch.float32, torch.device("cpu"))
+    encoder = flux2.load_sharded_text_encoder(model_path, torch.float32, torch.device("cpu")).text_encoder
+    from torch.distributed.tensor import DTensor
+    weight = encoder.get_decoder().layers[0].mlp.up_proj.weight
+    assert isinstance(weight, DTensor) and weight.to_local().shape[0] == weight.shape[0] // world
+    del encoder
+    identity = flux2.prepare_edit_text([(p, {}) for p in PROMPTS], model_path, cache_dir, settings, torch.float32,
+                                       torch.device("cpu"))
+    assert len(os.listdir(cache_dir)) > 0 and identity
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_a_sharded_encoder_fills_the_cache_as_one_process_does(klein, dev, tmp_path, variant):
+    """SHARD_TEXT_ENCODER=1 on 2 ranks (klein's Qwen3 or [dev]'s Mistral-3 built on meta, one FSDP unit per decoder
+    layer, each rank loading its slices, its RoPE tables remade on the host) caches the embeddings one unsharded
+    process computes."""
+    folder, length = (klein["model"], 32) if variant == "klein" else (dev, DEV_LENGTH)
+    run_ranks(_sharded_fill, 2, folder, str(tmp_path / "sharded"), length)
+    pairs = [(p, {}) for p in PROMPTS]
+    ours = flux2.load_text(pairs, str(tmp_path / "sharded"), flux2.folder_identity(
+        folder, flux2.TEXT_PARTS, length, "fp32"), torch.device("cpu"))
+    theirs = text(folder, tmp_path, PROMPTS, length=length)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------
