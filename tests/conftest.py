@@ -565,3 +565,65 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("=", f"seconds per family and shared area / budget ({half}; docs/testing.md)")
     for line in report_lines(_AREA_SECONDS, half):
         terminalreporter.write_line(line)
+
+
+# ----------------------------------------------------------------------------------------------
+# the rooms' shared checks (test_compile.py, test_flux2.py)
+
+def assert_trains_as_eager(eager, compiled, *, lr: float, steps: int, component: str = "transformer") -> None:
+    """A COMPILE=1 run (OUTPUT_DIR `compiled`) trains as its eager twin (`eager`): steps 1..`steps` logged by
+    both, the same losses and grad norms per step (1e-5 relative: fused kernels reorder fp32 sums), the same
+    export keys of `component`, none with torch.compile's `_orig_mod.`, and its exported weights within a
+    twentieth of one step's `lr` of eager's."""
+    a, b = read_metrics(eager), read_metrics(compiled)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b):
+        for k in ("loss", "grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5), (ra["step"], k, ra[k], rb[k])
+    wa, wb = load_export(eager, component), load_export(compiled, component)
+    assert wa.keys() == wb.keys() and not any("_orig_mod" in k for k in wb)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=lr / 20, msg=k)
+
+
+def copy_checkpoint(out, step: int, to) -> None:
+    """OUTPUT_DIR `out`'s checkpoint of `step` alone in a new OUTPUT_DIR `to`: a run with RESUME=auto there
+    resumes where `out`'s run was at that step, as if stopped there (one launch fewer than a run stopped at
+    `step` with the same settings, whose checkpoint is the same)."""
+    import shutil
+    name = os.path.join("checkpoints", f"step_{step:06d}")
+    shutil.copytree(os.path.join(str(out), name), os.path.join(str(to), name))
+
+
+def start_all(runs: dict, timeout: float = TIMEOUT):
+    """launch_all's launches started now and waited for later, so that what the caller does meanwhile (other
+    launches, in-process tests) overlaps them. Returns (wait, kill): wait() waits for them as launch_all does
+    (`timeout` counted from the start; a later call returns the first one's answer), kill() ends whatever
+    still runs (a fixture's teardown)."""
+    procs = {name: start(**kwargs) for name, kwargs in runs.items()}
+    deadline = time.monotonic() + timeout
+    done: dict = {}
+
+    def kill():
+        for proc in procs.values():
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.communicate()
+
+    def wait() -> dict:
+        if len(done) < len(procs):
+            try:
+                for name, proc in procs.items():
+                    if name in done:
+                        continue
+                    rc, out = finish(proc, max(deadline - time.monotonic(), 1.0))
+                    if rc != 0:
+                        pytest.fail(f"{name}: {' '.join(proc.args[-6:])} exited {rc}:\n{out[-3000:]}")
+                    done[name] = subprocess.CompletedProcess(proc.args, rc, out)
+            finally:
+                kill()
+        return done
+    return wait, kill

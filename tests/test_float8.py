@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from core.errors import ConfigError
 from parallel import float8
-from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics
+from tests.conftest import (copy_checkpoint, launch, launch_all, launch_env, read_checkpoint, read_metrics,
+                            tiny_default)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(HERE, "..", "tools", "real_size_configs")
@@ -86,12 +87,11 @@ def test_the_planner_gathers_float8_weights():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """train_flux_kontext.py on the tiny Qwen-Image-Edit, 2 ranks, bf16-mixed, 4 steps: without FP8, with each
-    recipe, tensorwise stopped at step 2 and resumed; train_dmd.py with FP8=tensorwise (full generator and
+    recipe, tensorwise resumed from its step-2 checkpoint; train_dmd.py with FP8=tensorwise (full generator and
     fake score, the teacher frozen)."""
-    from tools import tiny_models
     root = tmp_path_factory.mktemp("fp8")
-    model, data = tiny_models.ensure_default("qwen_image_edit", root / "cache")
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(root / "cache"))
+    model, data = tiny_default("qwen_image_edit")
+    env = launch_env()
     common = [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}",
               f"--text_cache_dir={root / 'tc'}", "--precision=bf16-mixed", "--resolution=64",
               "--reference_area=4096", "--condition_area=4096", "--batch_size=1", "--log_every=1", "--seed=1"]
@@ -102,13 +102,13 @@ def runs(tmp_path_factory):
         "bf16": job(args=tune + [f"--output_dir={out['bf16']}"]),
         "tensorwise": job(args=tune + [f"--output_dir={out['tensorwise']}", "--fp8=tensorwise"]),
         "rowwise": job(args=tune + [f"--output_dir={out['rowwise']}", "--fp8=rowwise"]),
-        "stopped": job(args=tune + [f"--output_dir={out['stopped']}", "--fp8=tensorwise", "--max_steps=2"]),
         "dmd": job(script="train_dmd.py", args=common + [
             f"--output_dir={out['dmd']}", "--fp8=tensorwise", "--max_steps=2", "--save_every=0", "--sample_every=0",
             "--dfake_gen_update_ratio=1", "--denoising_steps=999,749,499,249"]),
         # one rank: FSDP2 leaves weights with an all-gather extension unsharded there, so no float8 all-gather
         "one_rank": job(ranks=1, args=tune + [f"--output_dir={out['one_rank']}", "--fp8=tensorwise", "--max_steps=2",
                                               "--save_every=0"])})
+    copy_checkpoint(out["tensorwise"], 2, out["stopped"])
     launch("train_flux_kontext.py", tune + [f"--output_dir={out['stopped']}", "--fp8=tensorwise", "--resume=auto"],
            env=env)
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "model": model}

@@ -298,27 +298,37 @@ def test_transformer_forward_shape_finite_backward():
     assert model.time_text_embed.guidance_embedder.linear_1.weight.grad.abs().sum() > 0
 
 
-def test_transformer_forward_matches_pipeline_call():
-    """Run FluxKontextPipeline itself and capture the transformer kwargs it uses."""
-    model = tiny_transformer()
-    vae = tiny_vae()
+def kontext_pipeline(model):
+    """FluxKontextPipeline around `model` and the tiny VAE (latent factor 1), without text encoders."""
     sched = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
     pipe = FluxKontextPipeline(
-        scheduler=sched, vae=vae, text_encoder=None, tokenizer=None,
+        scheduler=sched, vae=tiny_vae(), text_encoder=None, tokenizer=None,
         text_encoder_2=None, tokenizer_2=None, transformer=model,
     )
     pipe.set_progress_bar_config(disable=True)
-    x0, ctx, n = _batch(1)
-    pe, pooled = text_inputs(2)
+    return pipe
+
+
+def capture_calls(model) -> tuple[list, object]:
+    """(the kwargs of each of `model`'s forwards, cloned; the hook's handle)."""
     calls = []
 
     def hook(mod, args, kwargs):
         calls.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in kwargs.items()})
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_transformer_forward_matches_pipeline_call():
+    """Run FluxKontextPipeline itself and capture the transformer kwargs it uses."""
+    model = tiny_transformer()
+    pipe = kontext_pipeline(model)
+    x0, ctx, n = _batch(1)
+    pe, pooled = text_inputs(2)
+    calls, handle = capture_calls(model)
     try:
         with torch.no_grad():
             pipe(
@@ -347,6 +357,32 @@ def test_transformer_forward_matches_pipeline_call():
             calls[1]["timestep"], 2.5, pe, pooled,
         )
     torch.testing.assert_close(ours, ref)
+
+
+def test_dmd_velocity_is_the_pipelines_at_a_non_square_size():
+    """DMD2's conditioning (algorithms/dmd2_flow.FluxCond: the context at the target's size) hands the
+    transformer what FluxKontextPipeline does, [noisy target ; context] tokens and their ids, and returns the
+    pipeline's prediction on the target's tokens, at an 8 x 6 (h x w) latent: not square, so the ids are told
+    from their transposes'."""
+    from algorithms import dmd2_flow as fd
+    model = tiny_transformer()
+    pipe = kontext_pipeline(model)
+    _, _, n = _batch(2)
+    ctx = torch.randn(2, LATENT_C, 8, 6, generator=torch.Generator().manual_seed(3))
+    pe, pooled = text_inputs(2)
+    calls, handle = capture_calls(model)
+    try:
+        with torch.no_grad():
+            pipe(image=ctx, prompt_embeds=pe, pooled_prompt_embeds=pooled, height=8, width=6, max_area=48,
+                 latents=km.pack_latents(n), num_inference_steps=1, guidance_scale=2.5, output_type="latent")
+            theirs = model(**calls[0])[0][:, :12]
+            ours = fd.FluxCond(pe, pooled, km.pack_latents(ctx), (8, 6)).velocity(model, 2.5)(km.pack_latents(n),
+                                                                                               calls[0]["timestep"])
+    finally:
+        handle.remove()
+    assert torch.equal(calls[-1]["hidden_states"], calls[0]["hidden_states"])
+    assert torch.equal(calls[-1]["img_ids"], calls[0]["img_ids"])
+    assert torch.equal(ours, theirs)
 
 
 def test_transformer_forward_without_guidance_embeds():

@@ -28,7 +28,8 @@ from PIL import Image
 from algorithms import dmd2 as dm
 from families import qwen_image as qi
 from tests.numerics import gamma
-from tests.conftest import launch, launch_all, launch_env, read_checkpoint, read_metrics
+from tests.conftest import (copy_checkpoint, launch, launch_all, launch_env, read_checkpoint, read_metrics,
+                            tiny_default)
 
 AREA = 64 * 64
 STEPS = 4
@@ -37,10 +38,8 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """The tiny Qwen-Image-Edit-2509 folder, a dataset mixing one and two references of two sizes."""
-    from tools import tiny_models
     root = tmp_path_factory.mktemp("qwen")
-    cache = root / "cache"
-    model_path, data_dir = tiny_models.ensure_default("qwen_image_edit", cache)
+    model_path, data_dir = tiny_default("qwen_image_edit")
     rows = [json.loads(line) for line in open(os.path.join(data_dir, "data.jsonl"))]
     for row in rows:  # paths absolute: the mixed dataset lives elsewhere
         row["control"] = [os.path.join(data_dir, c) for c in row["control"]]
@@ -56,7 +55,7 @@ def qwen(tmp_path_factory):
             row["control"][1] = str(wide / f"{i}.png")
     data = root / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(cache))
+    env = launch_env()
     common = [f"--model_path={model_path}", f"--data_path={data}", f"--text_cache_dir={root / 'text_cache'}",
               "--precision=fp32", f"--max_steps={STEPS}", "--log_every=1", "--num_sample_pairs=2", "--resolution=64",
               f"--reference_area={AREA}", f"--condition_area={AREA}", "--lr=1e-3", "--warmup_steps=0",
@@ -131,11 +130,10 @@ def pipeline(folder):
     return pipe
 
 
-def capture_first_call(module):
-    """The keyword arguments of `module`'s first forward."""
+def capture_calls(module):
+    """The keyword arguments of each of `module`'s forwards, in order."""
     seen = []
-    module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs) if not seen else None,
-                                     with_kwargs=True)
+    module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs), with_kwargs=True)
     return seen
 
 
@@ -164,7 +162,9 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     """Text embeddings (prompt + both images through Qwen2.5-VL), the references' packed latents and
     img_shapes as the room builds them equal what the pipeline hands its transformer, for a 1:2 and a
     2:1 reference at sizes the pipeline stretches, and (RANDOM_FLIP's flipped rows) for the mirror
-    images: the text cache's mirrored entry and data.buckets.load_pairs' flipped views."""
+    images: the text cache's mirrored entry and data.buckets.load_pairs' flipped views. The target is
+    64 x 96 (h x w): a square one would not tell its img_shapes entry (1, h, w) from (1, w, h). DMD2's
+    conditioning (dmd_cond) hands the transformer the same tokens, img_shapes and text."""
     from PIL import ImageOps
 
     from data import buckets
@@ -172,9 +172,9 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
     paths = odd_references(tmp_path)
     row = {"controls": paths, "control": paths[0], **({"mirror": True} if mirror else {})}
     settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
-    seen = capture_first_call(pipe.transformer)
+    seen = capture_calls(pipe.transformer)
     images = [ImageOps.mirror(Image.open(p).convert("RGB")) if mirror else Image.open(p) for p in paths]
-    pipe(image=images, prompt="make it blue", height=64, width=64, num_inference_steps=1, true_cfg_scale=1.0,
+    pipe(image=images, prompt="make it blue", height=64, width=96, num_inference_steps=1, true_cfg_scale=1.0,
          generator=torch.Generator().manual_seed(0), output_type="latent")
     call = seen[0]
 
@@ -186,19 +186,30 @@ def test_conditioning_is_the_pipelines(qwen, tmp_path, small_areas, mirror):
 
     sizes = qi.reference_sizes(None, row, settings)
     assert sizes == ((96, 32), (32, 96))
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+    width, height = calculate_dimensions(64 * 64, 90 / 45)  # the pipeline's output: the last image's ratio
+    assert qi.target_size(None, row, settings) == (height, width) == (32, 96)
     pixels, _ = buckets.load_pairs([row], ((64, 64), sizes), [mirror], target=False)
     refs = [qi.encode_latents(pipe.vae, p) for p in pixels]
-    target = torch.zeros(1, 16, 8, 8)
+    target = torch.zeros(1, 16, 8, 12)
     inputs = qi.model_inputs(target, refs, torch.zeros_like(target), torch.ones(1))
     n = inputs["n_target_tokens"]
-    assert torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
-    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 4), (1, 6, 2), (1, 2, 6)]]
+    assert n == 24 and torch.equal(inputs["hidden_states"][:, n:], call["hidden_states"][:, n:])
+    assert inputs["img_shapes"] == call["img_shapes"] == [[(1, 4, 6), (1, 6, 2), (1, 2, 6)]]
+
+    cond = qi.dmd_cond((embeds, mask), None, pipe.vae, pixels, (8, 12))
+    cond.velocity(pipe.transformer, 1.0)(call["hidden_states"][:, :n], call["timestep"])
+    ours = seen[-1]
+    assert ours["img_shapes"] == call["img_shapes"] and torch.equal(ours["hidden_states"], call["hidden_states"])
+    assert torch.equal(ours["encoder_hidden_states"], call["encoder_hidden_states"])
 
 
 @pytest.mark.parametrize("true_cfg, model", [(1.0, "2509"), (4.0, "2509"), (4.0, "2511")])
 def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, model):
     """The room's sample (the grids' edits) equals the pipeline's output image for the same seed,
-    with and without true CFG against the negative prompt, for 2509 and 2511 (zero_cond_t)."""
+    with and without true CFG against the negative prompt, for 2509 and 2511 (zero_cond_t), at a
+    64 x 96 (h x w) target (not square: the target's img_shapes and unpacking are told from their
+    transposes)."""
     from data.images import load_image
     folder = qwen["model"] if model == "2509" else edit_2511(qwen["model"], tmp_path / "edit_2511")
     pipe = pipeline(folder)
@@ -206,7 +217,7 @@ def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, m
     paths = references(tmp_path)
     row = {"controls": paths, "control": paths[0]}
     negative = {"negative_prompt": qi.NEGATIVE_PROMPT} if true_cfg > 1 else {}
-    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=64,
+    theirs = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", height=64, width=96,
                   num_inference_steps=2, true_cfg_scale=true_cfg, generator=torch.Generator().manual_seed(3),
                   output_type="pt", **negative).images[0]
     settings = {"CONDITION_AREA": AREA, "REFERENCE_AREA": AREA, "RESOLUTION": 64}
@@ -215,7 +226,7 @@ def test_sampling_loop_is_the_pipelines(qwen, tmp_path, small_areas, true_cfg, m
     text = qi.load_text(texts[:1], str(tmp_path / "tc"), identity, torch.device("cpu"))
     neg = qi.load_text(texts[1:], str(tmp_path / "tc"), identity, torch.device("cpu"))
     refs = [load_image(p, *s)[None] for p, s in zip(paths, qi.reference_sizes(None, row, settings))]
-    ours = qi.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, qi.text_row(text, 0), (64, 64), 2, true_cfg,
+    ours = qi.sample((pipe.scheduler, pipe.transformer), pipe.vae, refs, qi.text_row(text, 0), (64, 96), 2, true_cfg,
                      torch.Generator().manual_seed(3), negative=qi.text_row(neg, 0))
     assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
 
@@ -243,7 +254,7 @@ def test_text_cache_key_holds_the_images(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(qwen):
-    """Full fine-tuning on 2 ranks and on 1, a run stopped at step 2 and resumed (these three with the
+    """Full fine-tuning on 2 ranks and on 1, the 2-rank run resumed from its step-2 checkpoint (these three with the
     pipeline's σ shift and RANDOM_FLIP), a LoRA run on an NF4 base with activation checkpointing, cached latents
     (references of two sizes) and 8-bit AdamW."""
     root = qwen["root"]
@@ -255,14 +266,13 @@ def runs(qwen):
                     env=qwen["env"]),
         "one": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['one']}", "--grad_accum=2"],
                     ranks=1, env=qwen["env"]),
-        "stopped": dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}",
-                                                                        "--max_steps=2"], ranks=2, env=qwen["env"]),
         "lora": dict(script="train_flux_kontext.py", args=qwen["common"] + [
             f"--output_dir={out['lora']}", "--lora_rank=4", "--sample_every=0", "--val_every=0", "--save_every=0",
             "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1", "--optimizer=adamw8bit"],
             ranks=2, env=qwen["env"]),
     }
     done = launch_all(jobs)
+    copy_checkpoint(out["two"], 2, out["stopped"])
     resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
                      env=qwen["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout,
@@ -316,17 +326,14 @@ def test_exports_load_and_sample_with_the_pipeline(qwen, runs, tmp_path, small_a
 def test_any_checkpoint_exports_as_the_run_end_does(qwen, runs, tmp_path):
     """tools/export_checkpoint.py on the final checkpoints, one rank (they were saved on two): the full run's
     pipeline folder (its EMA) and the LoRA run's file equal what the runs exported, tensor for tensor."""
-    import subprocess
-    import sys
     from safetensors.torch import load_file
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cases = {"two": "transformer/diffusion_pytorch_model.safetensors", "lora": "pytorch_lora_weights.safetensors"}
+    checkpoint = os.path.join("checkpoints", f"step_{STEPS:06d}")
+    launch_all({name: dict(script="tools/export_checkpoint.py", ranks=1, env=qwen["env"],
+                           args=[runs["out"][name] / checkpoint, f"--output_dir={tmp_path / name}"])
+                for name in cases}, timeout=600)
     for name, file in cases.items():
         out = tmp_path / name
-        r = subprocess.run([sys.executable, os.path.join(root, "tools", "export_checkpoint.py"),
-                            str(runs["out"][name] / "checkpoints" / f"step_{STEPS:06d}"), f"--output_dir={out}"],
-                           capture_output=True, text=True, timeout=600, env=qwen["env"])
-        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         a, b = load_file(str(out / "export" / file)), load_file(str(runs["out"][name] / "export" / file))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
@@ -480,8 +487,8 @@ def test_dmd_gan_without_targets_is_one_line(qwen, tmp_path):
 def dmd_runs(qwen):
     """DMD2 of the tiny Qwen-Image-Edit teacher, 4-step generator: on the mixed rows (one or two references,
     two reference sizes: three shapes) full with the GAN head on 2 ranks, the same on 1 rank with GRAD_ACCUM=2
-    and on 2 ranks stopped at step 2 and resumed; on two references per row a LoRA generator and fake score
-    on an NF4 teacher."""
+    and on 2 ranks resumed from the full run's step-2 checkpoint; on two references per row a LoRA generator and
+    fake score on an NF4 teacher."""
     root = qwen["root"]
     data = os.path.join(os.path.dirname(qwen["model"]), "data", "data.jsonl")
     common = [f"--model_path={qwen['model']}", f"--data_path={qwen['mixed']}",
@@ -495,9 +502,9 @@ def dmd_runs(qwen):
     done = launch_all({
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
         "one": job(args=common + gan + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1),
-        "stopped": job(args=common + gan + [f"--output_dir={out['stopped']}", "--max_steps=2"]),
         "lora": job(args=common + [f"--output_dir={out['lora']}", f"--data_path={data}", "--lora_rank=4",
                                    "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--shift=auto"])})
+    copy_checkpoint(out["full"], 2, out["stopped"])
     launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -507,12 +514,9 @@ def chain(model, data, tuned_lora, root, env, args):
     LoRA export of `model`, trained on its NF4 base): DMD2 with base + that LoRA as the teacher (TEACHER_LORA,
     no merge; NF4 base, LoRA students), and beside it the same run on the folder tools/merge_lora.py
     writes. Any family's base runs it (FLUX.1 Kontext, FLUX.2: the same arguments but their own `args`)."""
-    import subprocess
-    import sys
     merged = root / "chain_merged"
     if not merged.exists():
-        subprocess.run([sys.executable, "tools/merge_lora.py", str(model), str(tuned_lora), str(merged)],
-                       check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        launch("tools/merge_lora.py", [model, tuned_lora, merged], ranks=1, env=env)
     common = args + [f"--data_path={data}", "--max_steps=2", "--denoising_steps=999,749,499,249", "--lora_rank=4",
                      "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--sample_every=0", "--log_every=1",
                      "--dfake_gen_update_ratio=1", "--export_dtype=fp32"]
