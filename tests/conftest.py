@@ -550,3 +550,20 @@ def pytest_terminal_summary(terminalreporter):
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
             terminalreporter.write_line(f"{seconds:7.1f}  {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# launches kept on the launch server; what runs leave behind (checkpoints, TensorBoard)
+
+
+def _inductor_cache_dir_set_once() -> None:
+    """torch writes its inductor cache folder into os.environ the first time this process asks for it
+    (any torch.compile, backend="eager" too). A TORCH* variable that differs from the launch server's
+    sends a launch through torchrun, so without this every launch after the first in-process compile
+    would pay torchrun's imports again. The same folder, set before the server starts."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    cache_dir()
+
+
+_inductor_cache_dir_set_once()
+
