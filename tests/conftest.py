@@ -627,3 +627,67 @@ def start_all(runs: dict, timeout: float = TIMEOUT):
                 kill()
         return done
     return wait, kill
+
+
+# ----------------------------------------------------------------------------------------------
+# launches kept on the launch server; what runs leave behind (checkpoints, TensorBoard)
+
+
+def _inductor_cache_dir_set_once() -> None:
+    """torch writes its inductor cache folder into os.environ the first time this process asks for it
+    (any torch.compile, backend="eager" too). A TORCH* variable that differs from the launch server's
+    sends a launch through torchrun, so without this every launch after the first in-process compile
+    would pay torchrun's imports again. The same folder, set before the server starts."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    cache_dir()
+
+
+_inductor_cache_dir_set_once()
+
+
+def complete_steps(out) -> list[int]:
+    """The steps of OUTPUT_DIR's complete checkpoints (their .metadata written), in order."""
+    import glob
+    return sorted(int(p[-6:]) for p in glob.glob(os.path.join(str(out), "checkpoints", "step_??????"))
+                  if os.path.exists(os.path.join(p, ".metadata")))
+
+
+def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of OUTPUT_DIR/tensorboard as TensorBoard's reader sees them (orphaned data
+    purged, every point kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(os.path.join(str(out), "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+class Background:
+    """fn(*args) in a thread of its own, started once (start() again does nothing): a launch that one test
+    starts beside its own idle wait and another test checks. result() starts it if need be, waits for it
+    and returns its value or raises its exception; join() waits for it if it was started."""
+
+    def __init__(self, fn, *args):
+        import threading
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self._value, self._error = None, None
+
+    def _run(self, fn, *args):
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # pytest.fail's too
+            self._error = e
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def join(self) -> None:
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def result(self):
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value

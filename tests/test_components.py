@@ -22,7 +22,7 @@ from core.dist import (agree, all_gather_objects, all_reduce, broadcast_from_ran
                              mean_across_ranks, rank)
 from core.errors import ConfigError
 from components.logger import RunLogger, check_report_to, _installed
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tensorboard_scalars
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +44,6 @@ def run_steps(logger: RunLogger, steps, log_every: int = 1, seed: float = 0.0) -
 def read_jsonl(out) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} as TensorBoard's reader sees them (orphaned data purged)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_metrics_jsonl_and_lines_are_unchanged_without_backends(tmp_path, capsys):

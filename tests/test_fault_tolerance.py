@@ -16,7 +16,8 @@ The runs that test torchrun itself (its summary of the ranks' exit codes, its ow
 torchrun; the others are forked from the launch server (tests/conftest.py), whose ranks get what
 torchrun gives them and end as torchrun's do (tests/test_zygote.py), and the reference trains while
 the chain is interrupted. The rest runs in process (errors found before any process group exists) or
-on 2 ranks (run_ranks).
+on 2 ranks (run_ranks). The two one-process non-finite runs (Kontext, DMD) train side by side, and the
+bad-data launch runs while the frozen rank's partner waits out its collective timeout.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, ZygoteLaunch, finish, launch, launch_env, load_export, run_ranks
+from tests.conftest import (ROOT, Background, ZygoteLaunch, complete_steps, finish, launch_all, launch_env, load_export,
+                            run_ranks, tiny_default)
 from tests.conftest import start as start_script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,10 +52,9 @@ TIMEOUT = 240  # per launch: a hung rank fails the test instead of blocking the 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tools import tiny_models
     root = tmp_path_factory.mktemp("fault")
     env = launch_env()
-    model, data = tiny_models.ensure_default("flux_kontext")
+    model, data = tiny_default("flux_kontext")
     common = [
         f"--model_path={model}",
         f"--data_path={os.path.join(data, 'data.jsonl')}",
@@ -100,11 +101,6 @@ def workers(proc) -> dict[int, int]:
         if ranks:
             found[ranks[0]] = pid
     return found
-
-
-def complete_steps(out) -> list[int]:
-    return sorted(int(p[-6:]) for p in glob.glob(os.path.join(out, "checkpoints", "step_??????"))
-                  if os.path.exists(os.path.join(p, ".metadata")))
 
 
 def wait_for(pred, proc, timeout=TIMEOUT, poll=0.005):
@@ -209,12 +205,28 @@ def test_killed_runs_resume_bit_exact(chain, reference):
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+@pytest.fixture(scope="module")
+def non_finite_runs(setup):
+    """The one-process runs of both scripts with an exploding LR, side by side (launch_all):
+    {"kontext" | "dmd": (OUTPUT_DIR, CompletedProcess)}."""
+    outs = {name: setup["root"] / f"nonfinite_{name}" for name in ("kontext", "dmd")}
+    dmd = ["--precision=fp32", "--generator_lr=1e30", "--dfake_gen_update_ratio=1", "--max_bad_steps=2",
+           "--save_every=0", "--sample_every=0", "--log_every=1", "--batch_size=2", "--max_steps=10"]
+    done = launch_all({
+        "kontext": dict(script="train_flux_kontext.py", ranks=1, env=setup["env"],
+                        args=setup["common"] + [f"--output_dir={outs['kontext']}", "--lr=1e30", "--max_bad_steps=2",
+                                                "--save_every=0"]),
+        "dmd": dict(script="train_dmd.py", ranks=1, env=setup["env"], args=dmd + [f"--output_dir={outs['dmd']}"]),
+    }, timeout=TIMEOUT, check=False)
+    return {name: (outs[name], done[name]) for name in outs}
+
+
 @pytest.mark.slow
-def test_non_finite_steps_are_skipped_then_the_run_stops(setup):
+def test_non_finite_steps_are_skipped_then_the_run_stops(non_finite_runs):
     """LR 1e30: step 1 blows the weights up, every later loss is non-finite; after MAX_BAD_STEPS
     of them in a row the run saves and stops with an error."""
-    out = setup["root"] / "nonfinite"
-    rc, log = run(setup, out, ["--lr=1e30", "--max_bad_steps=2", "--save_every=0"], ranks=1)
+    out, proc = non_finite_runs["kontext"]
+    rc, log = proc.returncode, proc.stdout
     assert rc == 1, log[-3000:]
     assert "error: 2 non-finite steps in a row (MAX_BAD_STEPS=2) at step 3; checkpoint saved" in log
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -274,8 +286,21 @@ def test_failed_save_stops_all_ranks_and_keeps_the_previous_checkpoint(tmp_path)
     run_ranks(_failing_saves, 2, str(tmp_path))
 
 
+@pytest.fixture(scope="module")
+def bad_data_run(setup, tmp_path_factory):
+    """test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang's launch in the background: the
+    stuck-rank test starts it once its rank is frozen, to train while rank 0 waits out its timeout."""
+    folder = tmp_path_factory.mktemp("bad_data")
+    (folder / "corrupt.png").write_bytes(b"not an image")
+    data = folder / "data.jsonl"
+    data.write_text(json.dumps({"image": "corrupt.png", "target": "corrupt.png", "prompt": "p"}) + "\n")
+    background = Background(run, setup, folder / "out", [f"--data_path={data}"], 2, 120)
+    yield folder, data, background
+    background.join()
+
+
 @pytest.mark.slow
-def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_path):
+def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_path, bad_data_run):
     """Rank 1 is frozen (SIGSTOP) mid-run: rank 0, waiting in a collective, fails after
     COLLECTIVE_TIMEOUT_S with an error naming it, instead of hanging for ever."""
     out = tmp_path / "stuck"
@@ -285,6 +310,7 @@ def test_stuck_rank_becomes_an_error_after_the_collective_timeout(setup, tmp_pat
     pids = workers(proc)
     os.kill(pids[1], signal.SIGSTOP)
     stopped = time.monotonic()
+    bad_data_run[2].start()  # beside the wait
     try:
         gone = wait_for(lambda: not os.path.exists(f"/proc/{pids[0]}") or
                         open(f"/proc/{pids[0]}/stat").read().split()[2] == "Z", proc, timeout=90, poll=0.2)
@@ -315,8 +341,7 @@ def main_error(monkeypatch, module, argv) -> str:
 
 
 def test_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tmp_path):
-    from tools import tiny_models
-    kontext, _ = tiny_models.ensure_default("flux_kontext")
+    kontext, _ = tiny_default("flux_kontext")
     (tmp_path / "file").write_text("x")
     (tmp_path / "no_index").mkdir()
     partial_model = tmp_path / "partial_model"
@@ -356,14 +381,12 @@ def test_bad_data_is_named_by_file_and_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
-    (tmp_path / "corrupt.png").write_bytes(b"not an image")
-    data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps({"image": "corrupt.png", "target": "corrupt.png", "prompt": "p"}) + "\n")
-    rc, log = run(setup, tmp_path / "out", [f"--data_path={data}"], timeout=120)
+def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(bad_data_run):
+    folder, data, background = bad_data_run
+    rc, log = background.result()
     assert rc != 0
     errors = [line for line in log.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {data}:1: image {tmp_path / 'corrupt.png'} is unreadable (UnidentifiedImageError)"], \
+    assert errors == [f"error: {data}:1: image {folder / 'corrupt.png'} is unreadable (UnidentifiedImageError)"], \
         log[-2000:]
 
 
@@ -372,14 +395,10 @@ def test_bad_data_on_two_ranks_exits_with_one_line_and_no_hang(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
+def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(non_finite_runs):
     """Generator LR 1e30: its first update blows it up, every later DM loss is non-finite; both
     updates of a bad step are skipped together, and MAX_BAD_STEPS in a row save and stop."""
-    out = tmp_path / "out"
-    args = ["--precision=fp32", "--generator_lr=1e30", "--dfake_gen_update_ratio=1", "--max_bad_steps=2",
-            "--save_every=0", "--sample_every=0", "--log_every=1", "--batch_size=2", "--max_steps=10",
-            f"--output_dir={out}"]
-    proc = launch("train_dmd.py", args, ranks=1, timeout=TIMEOUT, check=False)
+    out, proc = non_finite_runs["dmd"]
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "error: 2 non-finite steps in a row (MAX_BAD_STEPS=2) at step 3; checkpoint saved" in proc.stdout
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -391,7 +410,7 @@ def test_dmd_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
 def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tmp_path):
     import train_dmd
     teacher = os.path.join(ROOT, "assets", "shapes_teacher")
-    kontext, _ = __import__("tools.tiny_models", fromlist=["x"]).ensure_default("flux_kontext")
+    kontext, _ = tiny_default("flux_kontext")
     (tmp_path / "file").write_text("x")
     partial_model = tmp_path / "partial_model"
     partial_model.mkdir()
@@ -420,7 +439,7 @@ def test_dmd_bad_settings_and_model_folders_fail_before_any_work(monkeypatch, tm
 def test_dmd_sigterm_saves_and_resume_matches(tmp_path):
     """SIGTERM to one rank of train_dmd.py: both ranks finish the step, save and exit 143; the
     resumed run ends bit-identical to an uninterrupted one."""
-    steps = 16  # the SIGTERM lands after step 3, with steps to spare
+    steps = 10  # the SIGTERM lands after step 3, with steps to spare (a step or two is enough)
     common = ["--precision=fp32", "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=0",
               "--log_every=1", "--batch_size=1", f"--max_steps={steps}", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
 

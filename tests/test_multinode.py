@@ -14,9 +14,11 @@ MASTER_PORT, NPROC), against the 2-rank single-agent runs of the other tests' se
                save): run_fsdp.sh's SHUTDOWN_TIMEOUT lets the ranks finish the step, save and exit
   dmd_resumed  the two nodes resumed from that checkpoint to MAX_STEPS: its checkpoint and its
                losses (both segments) equal the uninterrupted 2-rank run's
-The 2-rank references are forked from the launch server (tests/conftest.py) and train beside the
-two-node runs. test_a_save_longer_than_the_shutdown_timeout_is_killed shows the other side with a
-stand-in rank that takes 4 s to "save": SHUTDOWN_TIMEOUT=1 kills it mid-save.
+Each node runs on its own half of the CPUs, so its rank's threads (launch.cpu_threads: the CPUs a
+rank may use over its node's ranks) are those of a rank of the 2-rank references, which are forked
+from the launch server (tests/conftest.py) and train beside the two-node runs.
+test_a_save_longer_than_the_shutdown_timeout_is_killed shows the other side with a stand-in rank
+that takes 4 s to "save": SHUTDOWN_TIMEOUT=1 kills it mid-save.
 """
 from __future__ import annotations
 
@@ -30,27 +32,37 @@ import time
 
 import pytest
 
-from tests.conftest import (ROOT, assert_dmd_resumed_bit_exact, dmd_run, finish, free_port, kontext_run, launch_env,
-                            make_kontext_setup, read_metrics, start)
+from tests.conftest import (ROOT, Background, assert_dmd_resumed_bit_exact, complete_steps, dmd_run, finish, free_port,
+                            kontext_run, launch_env, read_metrics, start)
 
 # the DMD runs: the embedded default with GAN and EMA (as tests/test_train_dmd.py), no samples, a
 # checkpoint only at the end or on a stop; the SIGTERM lands after step 2, with steps to spare
 DMD_STEPS = 8
 DMD = [f"--max_steps={DMD_STEPS}", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32", "--use_gan=1",
        "--ema_decay=0.9", "--batch_size=1", "--seed=3", "--save_every=0", "--sample_every=0"]
-DMD_THREADS = 2  # CPU threads of every DMD rank, one or two ranks on a node
 SAVE_DELAY_S = 3  # the stop's checkpoint takes this much longer than its write: > torchrun's fallback wait (1 s)
 TIMEOUT = 300
 
 
+def node_cpus(node_rank: int) -> set[int]:
+    """Node `node_rank`'s own half of the CPUs this process may use: its one rank gets as many threads as
+    each of a 2-rank run's ranks, which share them all (the thread count changes the DMD losses' last bits)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return set(cpus[node_rank * half:(node_rank + 1) * half]) or set(cpus)
+
+
 def start_node(script, args, node_rank: int, port: int, env: dict, **extra) -> subprocess.Popen:
-    """`bash run_fsdp.sh script args` as node `node_rank` of 2, one rank on it, the rendezvous on
-    localhost:port; the process is torchrun itself (run_fsdp.sh execs it), in a session of its own."""
+    """`bash run_fsdp.sh script args` as node `node_rank` of 2, one rank on it, on the node's own
+    CPUs, the rendezvous on localhost:port; the process is torchrun itself (run_fsdp.sh execs it),
+    in a session of its own."""
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}  # not the test's own allocation
     env.update(NNODES="2", NODE_RANK=str(node_rank), NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), **extra)
+    cpus = node_cpus(node_rank)
     return subprocess.Popen(["bash", os.path.join(ROOT, "run_fsdp.sh"), script, *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
 
 def start_nodes(script, args, env: dict, **extra) -> list[subprocess.Popen]:
@@ -71,31 +83,12 @@ def logged_steps(out) -> int:
         return 0
 
 
-def complete_steps(out) -> list[int]:
-    return sorted(int(p[-6:]) for p in glob.glob(os.path.join(out, "checkpoints", "step_??????"))
-                  if os.path.exists(os.path.join(p, ".metadata")))
-
-
 @pytest.fixture(scope="module")
-def kontext_setup(tmp_path_factory):
-    """conftest's Kontext setup (tiny default, two aspect ratios, common settings), with the tiny
-    default linked from its shared build rather than built once more."""
-    from tools import tiny_models
-    root = tmp_path_factory.mktemp("kontext")
-    built = os.path.dirname(tiny_models.ensure_default("flux_kontext")[0])
-    os.makedirs(root / "cache")
-    os.symlink(built, root / "cache" / os.path.basename(built))
-    return make_kontext_setup(root)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, kontext_setup):
+def runs(tmp_path_factory, kontext_setup, stand_ins):
     """All runs side by side: the two-node Kontext run, the two-node DMD run stopped by SIGTERM,
-    the two references; the DMD nodes resumed as soon as they stopped."""
+    the two references, the stand-in ranks (stand_ins); the DMD nodes resumed as soon as they stopped."""
     root = tmp_path_factory.mktemp("multinode")
-    # a CPU rank's threads follow its node's rank count (launch.cpu_threads) unless OMP_NUM_THREADS
-    # says more than 1, and the thread count changes the DMD losses' last bits: the same on every rank here
-    env = {**launch_env(), "OMP_NUM_THREADS": str(DMD_THREADS)}
+    env = launch_env()
     kontext_args = ["--cache_latents=1"]
     procs = {}
     try:
@@ -108,6 +101,7 @@ def runs(tmp_path_factory, kontext_setup):
         procs.update(kontext0=nodes[0], kontext1=nodes[1])
         procs["dmd_ref"] = start(**dmd_run(DMD, env, root / "dmd_ref"))
         procs["kontext_ref"] = start(**kontext_run(kontext_setup, root / "kontext_ref", kontext_args))
+        stand_ins[1].start()
         deadline = time.monotonic() + TIMEOUT
         while logged_steps(root / "dmd") < 2 and procs["dmd0"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -187,32 +181,55 @@ time.sleep(120)
 """
 
 
-@pytest.mark.slow
-def test_a_save_longer_than_the_shutdown_timeout_is_killed(tmp_path):
-    """SIGTERM to torchrun: it passes it on, waits SHUTDOWN_TIMEOUT for the rank, then SIGKILLs it.
-    1 s against a 4 s save: killed mid-save; run_fsdp.sh's default with torchrun's own fallback at
-    1 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): the save ends, as SHUTDOWN_TIMEOUT is passed explicitly."""
-    script = tmp_path / "rank.py"
+def signal_stand_ins(folder) -> dict:
+    """The stand-in rank under run_fsdp.sh twice, SHUTDOWN_TIMEOUT=1 ("short") and the default with
+    torchrun's own fallback at 1 s ("default"), each SIGTERMed once ready: {case: (exit code, output)}."""
+    script = folder / "rank.py"
     script.write_text(STAND_IN_RANK)
     env = {k: v for k, v in launch_env().items() if k not in ("SHUTDOWN_TIMEOUT", "NNODES") and "SLURM" not in k}
     env.update(NPROC="1", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
     cases = {"short": dict(SHUTDOWN_TIMEOUT="1"), "default": dict(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")}
     procs = {}
-    for name, extra in cases.items():
-        os.makedirs(tmp_path / name)
-        procs[name] = subprocess.Popen(["bash", os.path.join(ROOT, "run_fsdp.sh"), str(script), str(tmp_path / name)],
-                                       cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / n / "ready").exists() for n in cases) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for proc in procs.values():
-        os.kill(proc.pid, signal.SIGTERM)
-    done = {name: finish(proc, 60) for name, proc in procs.items()}
+    try:
+        for name, extra in cases.items():
+            os.makedirs(folder / name)
+            procs[name] = subprocess.Popen(["bash", os.path.join(ROOT, "run_fsdp.sh"), str(script), str(folder / name)],
+                                           cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not all((folder / n / "ready").exists() for n in cases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in procs.values():
+            os.kill(proc.pid, signal.SIGTERM)
+        return {name: finish(proc, 60) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    """signal_stand_ins in the background: they mostly wait (a 4 s save, torchrun's timeouts), so
+    `runs` starts them beside its own runs; the test waits for them (and starts them if need be)."""
+    folder = tmp_path_factory.mktemp("stand_ins")
+    background = Background(signal_stand_ins, folder)
+    yield folder, background
+    background.join()  # none left running past the module, whatever failed
+
+
+@pytest.mark.slow
+def test_a_save_longer_than_the_shutdown_timeout_is_killed(stand_ins):
+    """SIGTERM to torchrun: it passes it on, waits SHUTDOWN_TIMEOUT for the rank, then SIGKILLs it.
+    1 s against a 4 s save: killed mid-save; run_fsdp.sh's default with torchrun's own fallback at
+    1 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): the save ends, as SHUTDOWN_TIMEOUT is passed explicitly."""
+    folder, background = stand_ins
+    done = background.result()
     assert "--shutdown_timeout=1 " in done["short"][1] and "forcefully exiting" in done["short"][1]
-    assert not (tmp_path / "short" / "saved").exists()
+    assert not (folder / "short" / "saved").exists()
     assert "--shutdown_timeout=270 " in done["default"][1] and "forcefully exiting" not in done["default"][1]
-    assert (tmp_path / "default" / "saved").exists(), done["default"][1][-3000:]
+    assert (folder / "default" / "saved").exists(), done["default"][1][-3000:]
 
 
 def dry_run(**env) -> subprocess.CompletedProcess:

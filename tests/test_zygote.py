@@ -77,7 +77,11 @@ def test_a_failing_rank_ends_the_launch_like_torchrun(tmp_path):
 
 def test_import_time_environment_goes_through_torchrun():
     """A launch whose TORCH*/OMP*/HF_* variables differ from the server's runs through torchrun
-    (the server's imports read them already)."""
+    (the server's imports read them already); an in-process torch.compile, which writes its cache
+    folder into os.environ, leaves later launches on the server."""
+    import torch
+    assert conftest._zygote(launch_env()) is not None
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(1))  # after the server started
     assert conftest._zygote(launch_env()) is not None
     assert conftest._zygote(launch_env(TORCH_LOGS="+dynamo")) is None
     assert conftest._zygote({**launch_env(), "OMP_NUM_THREADS": "2"}) is None
