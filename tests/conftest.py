@@ -550,3 +550,14 @@ def pytest_terminal_summary(terminalreporter):
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         if seconds >= 1.0:
             terminalreporter.write_line(f"{seconds:7.1f}  {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# inductor's cache folder, in this process's environment before any launch: transformers' model loading
+# imports torchao, whose inductor import sets TORCHINDUCTOR_CACHE_DIR (torch._inductor's cache_dir()); set only
+# then, it would be an import-time variable that the launch server lacks, and every later launch of a file run
+# alone would go through torchrun (run_ranks through spawned processes)
+
+from torch._inductor.runtime.cache_dir_utils import cache_dir as _inductor_cache_dir  # noqa: E402
+
+_inductor_cache_dir()
