@@ -561,3 +561,33 @@ def pytest_terminal_summary(terminalreporter):
 from torch._inductor.runtime.cache_dir_utils import cache_dir as _inductor_cache_dir  # noqa: E402
 
 _inductor_cache_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# train_dmd.py's end-to-end files (test_train_dmd*.py): one teacher's settings, its runs side by side, resumes
+
+class DmdRuns:
+    """train_dmd.py runs of one test module: the module's `common` settings (its teacher, data, steps) first,
+    each run's own after (a later setting wins), each into `root`/<name>, with the tests' launch environment
+    (the shared tiny folders' cache)."""
+
+    def __init__(self, root, common):
+        self.root, self.common, self.env = root, list(common), launch_env()
+
+    def run(self, name: str, args=(), ranks: int = 2) -> dict:
+        """The run as launch_all takes it."""
+        return dmd_run(self.common + list(args), self.env, self.root / name, ranks)
+
+    def launch_all(self, runs: dict) -> dict:
+        """{name: (args, ranks)} side by side -> {name: (OUTPUT_DIR, output)}."""
+        done = launch_all({name: self.run(name, *spec) for name, spec in runs.items()})
+        return {name: (self.root / name, done[name].stdout) for name in runs}
+
+    def resumed(self, name: str, source, step: int, args=()) -> tuple:
+        """RESUME=auto into root/<name> from a copy of `source`'s checkpoint at `step`: (OUTPUT_DIR, output)."""
+        import shutil
+        folder = f"step_{step:06d}"
+        shutil.copytree(os.path.join(source, "checkpoints", folder), self.root / name / "checkpoints" / folder)
+        out = self.launch_all({name: ([*args, "--resume=auto"], 2)})[name]
+        assert "resumed from" in out[1] and f"{folder} (step {step})" in out[1], out[1][-3000:]
+        return out
