@@ -635,7 +635,8 @@ def start_all(runs: dict, timeout: float = TIMEOUT):
 
 def _inductor_cache_dir_set_once() -> None:
     """torch writes its inductor cache folder into os.environ the first time this process asks for it
-    (any torch.compile, backend="eager" too). A TORCH* variable that differs from the launch server's
+    (any torch.compile, backend="eager" too; transformers' model loading, through torchao's inductor import).
+    A TORCH* variable that differs from the launch server's
     sends a launch through torchrun, so without this every launch after the first in-process compile
     would pay torchrun's imports again. The same folder, set before the server starts."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -691,3 +692,32 @@ class Background:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+# ----------------------------------------------------------------------------------------------
+# train_dmd.py's end-to-end files (test_train_dmd*.py): one teacher's settings, its runs side by side, resumes
+
+class DmdRuns:
+    """train_dmd.py runs of one test module: the module's `common` settings (its teacher, data, steps) first,
+    each run's own after (a later setting wins), each into `root`/<name>, with the tests' launch environment
+    (the shared tiny folders' cache)."""
+
+    def __init__(self, root, common):
+        self.root, self.common, self.env = root, list(common), launch_env()
+
+    def run(self, name: str, args=(), ranks: int = 2) -> dict:
+        """The run as launch_all takes it."""
+        return dmd_run(self.common + list(args), self.env, self.root / name, ranks)
+
+    def launch_all(self, runs: dict) -> dict:
+        """{name: (args, ranks)} side by side -> {name: (OUTPUT_DIR, output)}."""
+        done = launch_all({name: self.run(name, *spec) for name, spec in runs.items()})
+        return {name: (self.root / name, done[name].stdout) for name in runs}
+
+    def resumed(self, name: str, source, step: int, args=()) -> tuple:
+        """RESUME=auto into root/<name> from a copy of `source`'s checkpoint at `step`: (OUTPUT_DIR, output)."""
+        folder = f"step_{step:06d}"
+        copy_checkpoint(source, step, self.root / name)
+        out = self.launch_all({name: ([*args, "--resume=auto"], 2)})[name]
+        assert "resumed from" in out[1] and f"{folder} (step {step})" in out[1], out[1][-3000:]
+        return out

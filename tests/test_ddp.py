@@ -14,17 +14,17 @@ import sys
 
 import pytest
 
-from tests.conftest import finish, launch_env, start
+from tests.conftest import finish, launch_env, start, tiny_default
 
 import fsdp_utils
 from components.config import script_constants
 from core.errors import ConfigError
 
 
-def run_both(script: str, common: list[str], tmp_path, env_extra: dict | None = None):
+def run_both(script: str, common: list[str], tmp_path):
     """Launch the script at PARALLELISM=fsdp and =ddp at once (2 CPU ranks each); returns
     ({mode: log}, {mode: metrics records}) after checking that both succeeded."""
-    env = launch_env(**(env_extra or {}))
+    env = launch_env()
     procs = {par: start(script, [f"--parallelism={par}", f"--output_dir={tmp_path / par}"] + common, env=env)
              for par in ("fsdp", "ddp")}
     logs = {}
@@ -50,13 +50,12 @@ def assert_exports_match(tmp_path, component: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_matches_fsdp(tmp_path):
-    from tools import tiny_models
-    cache = tmp_path / "cache"
-    model, data = tiny_models.ensure_default("flux_kontext", cache)
+    model, data = tiny_default("flux_kontext")
     common = [
         f"--model_path={model}",
         f"--data_path={os.path.join(data, 'data.jsonl')}",
         "--precision=fp32",
+        "--resolution=64",  # the pairs' own size, not the pipeline's 1024: parity needs no long sequences
         "--max_steps=2",
         "--log_every=1",
         "--sample_every=0",
@@ -66,7 +65,7 @@ def test_ddp_matches_fsdp(tmp_path):
         "--export_dtype=fp32",
     ]
     # separate text caches (under each OUTPUT_DIR): the two runs fill theirs at the same time
-    logs, rec = run_both("train_flux_kontext.py", common, tmp_path, {"FSDP_DIFFUSION_CACHE": str(cache)})
+    logs, rec = run_both("train_flux_kontext.py", common, tmp_path)
     assert "ddp: FluxTransformer2DModel: full replica per rank" in logs["ddp"]
     assert [r["step"] for r in rec["ddp"]] == [1, 2]
     for a, b in zip(rec["fsdp"], rec["ddp"]):

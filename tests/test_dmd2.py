@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from algorithms import dmd2 as dm
+from tests.conftest import tiny_unet
 from tests.numerics import THREADS, assert_within, gamma, unit_roundoff, threads_as_started  # noqa: F401 (autouse)
 
 U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
@@ -24,16 +25,6 @@ diffusers = pytest.importorskip("diffusers")
 B, C, H, W, L, D = 2, 4, 8, 8, 7, 32  # batch, latent channels, latent size, text tokens, text dim
 
 
-def tiny_unet(seed: int):
-    torch.manual_seed(seed)
-    return diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
-        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-        norm_num_groups=8,
-    ).eval()
-
-
 @pytest.fixture(scope="module")
 def alphas():
     sched = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear",
@@ -43,7 +34,7 @@ def alphas():
 
 @pytest.fixture(scope="module")
 def unets():
-    return tiny_unet(0), tiny_unet(1)
+    return tiny_unet(seed=0).eval(), tiny_unet(seed=1).eval()
 
 
 @pytest.fixture
@@ -487,7 +478,7 @@ def test_bottleneck_features_under_fsdp2(tmp_path):
         pytest.skip("a process group is already initialised in this session")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        unet = tiny_unet(0)
+        unet = tiny_unet(seed=0).eval()
         x, c = torch.randn(B, C, H, W, requires_grad=True), torch.randn(B, L, D)
         ref = dm.bottleneck_features(unet, x, 0, c).detach()
         for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
@@ -498,7 +489,7 @@ def test_bottleneck_features_under_fsdp2(tmp_path):
         dm.gen_cls_loss(dm.ClassifierHead(64)(feats.float())).backward()
         assert x.grad.abs().sum() > 0
         assert unet.mid_block.resnets[0].conv1.weight.grad is not None
-        up_ref = dm.up_features(tiny_unet(0), x, 0, c).detach()
+        up_ref = dm.up_features(tiny_unet(seed=0).eval(), x, 0, c).detach()
         torch.testing.assert_close(dm.up_features(unet, x, 0, c), up_ref, rtol=1e-5, atol=1e-5)
         assert unet(x, 0, c).sample.shape == x.shape  # the sharded UNet's full forward still works after
     finally:

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import ROOT, launch, launch_env
+from tests.conftest import ROOT, launch, launch_env, tiny_default
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from components.export import export_lora, export_pipeline, _weight_dtypes
@@ -53,9 +53,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    from tools import tiny_models
-    sdxl, _ = tiny_models.ensure_default("sdxl", tmp_path_factory.mktemp("cache"))
+def sources():
+    sdxl, _ = tiny_default("sdxl")
     return {"sd15": os.path.join(ROOT, "assets", "shapes_teacher"), "sdxl": sdxl,
             "kontext": os.path.join(ROOT, "assets", "kontext_base")}
 

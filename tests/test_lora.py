@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (assert_kontext_resumed_bit_exact, dmd_run, free_port, kontext_run, launch_all, launch_env,
-                            read_checkpoint, read_metrics)
+from tests.conftest import (DmdRuns, assert_kontext_resumed_bit_exact, free_port, kontext_run, launch_all,
+                            read_checkpoint, read_metrics, tiny_default)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -237,11 +237,9 @@ DMD = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precis
 
 @pytest.fixture(scope="module")
 def dmd_runs(tmp_path_factory):
-    env = launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
-    root = tmp_path_factory.mktemp("dmd_lora")
-    launch_all({"two": dmd_run(DMD + ["--batch_size=1", "--lora_export_merged=1"], env, root / "two"),
-                "one": dmd_run(DMD + ["--batch_size=1", "--grad_accum=2"], env, root / "one", ranks=1)})
-    return root
+    dmd = DmdRuns(tmp_path_factory.mktemp("dmd_lora"), DMD + ["--batch_size=1"])
+    dmd.launch_all({"two": (["--lora_export_merged=1"],), "one": (["--grad_accum=2"], 1)})
+    return dmd.root
 
 
 @pytest.mark.slow
@@ -298,8 +296,7 @@ def test_the_blocks_preset_is_every_linear_of_the_blocks_but_modulation(kontext_
     none of their modulation Linears, nothing outside the blocks, none that nothing reads."""
     import diffusers
     from parallel.model_facts import MODELS
-    from tools import tiny_models
-    qwen_model, _ = tiny_models.ensure_default("qwen_image_edit", kontext_setup["root"] / "cache")
+    qwen_model, _ = tiny_default("qwen_image_edit")
     for cls, folder in (("FluxTransformer2DModel", os.path.join(kontext_setup["model_path"], "transformer")),
                         ("QwenImageTransformer2DModel", os.path.join(qwen_model, "transformer"))):
         model_cls = getattr(diffusers, cls)

@@ -95,6 +95,23 @@ def test_merged_as_it_loads_is_diffusers_fuse(teacher_lora):
     assert changed == len(merge.layers) == 3 * 3  # 3 modules in each of the 3 blocks
 
 
+def test_rslora_scale_is_diffusers_fuse(tmp_path):
+    """A LoRA trained with use_rslora (peft's rank-stabilised scale alpha / sqrt(r), with a per-module rank and
+    alpha) merged as it loads equals diffusers' load_lora_weights + fuse_lora of the same file."""
+    from diffusers import QwenImageTransformer2DModel
+    model, config = adapted(dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["to_q", "to_v"],
+                                 rank_pattern={"to_v": 2}, alpha_pattern={"to_v": 6}), seed=2)
+    folder = save_lora(model, config, tmp_path / "rslora")
+    merge = lora_merge.read_lora(folder)
+    assert {s for _, _, s in merge.layers.values()} == {8 / 2, 6 / 2 ** 0.5}  # alpha / sqrt(r), not alpha / r
+    model = build_on_meta(QwenImageTransformer2DModel, os.path.join(BASE, "transformer"))
+    materialize_and_load(model, os.path.join(BASE, "transformer"), torch.device("cpu"), merge)
+    ours, ref = base_weights(model), fused(folder)
+    assert ours.keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(ours[k], v, msg=k)
+
+
 def test_merge_tool_writes_a_folder_the_pipeline_loads(teacher_lora, tmp_path):
     """tools/merge_lora.py BASE LORA OUT: a full pipeline folder, the transformer merged, the rest linked
     or copied as files (no symlink into BASE)."""

@@ -21,14 +21,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import (assert_dmd_resumed_bit_exact, assert_loads_with_automodel, dmd_run, launch, launch_all,
-                            launch_dmd, launch_env, load_export, read_checkpoint, read_metrics)
+from tests.conftest import (DmdRuns, assert_dmd_resumed_bit_exact, assert_loads_with_automodel, launch,
+                            load_export, read_checkpoint, read_metrics)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -43,23 +42,21 @@ from data.images import load_image
 from families import sd_unet
 
 PROMPT = "a red circle on a blue background"
-# run_a's settings; BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
-COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--precision=fp32",
-          "--use_gan=1", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2"]
+# run_a's settings (after the module's fp32, LOG_EVERY 1); BATCH_SIZE 1 per rank on 2 ranks = a global batch of 2
+COMMON = ["--max_steps=4", "--dfake_gen_update_ratio=2", "--use_gan=1", "--ema_decay=0.9", "--sample_every=2",
+          "--batch_size=1", "--seed=3", "--save_every=2"]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
+def dmd(tmp_path_factory):
+    return DmdRuns(tmp_path_factory.mktemp("dmd"), ["--precision=fp32", "--log_every=1"])
 
 
 @pytest.fixture(scope="module")
-def first_runs(env, tmp_path_factory):
+def first_runs(dmd):
     """run_a and run_b, side by side."""
-    a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
-    done = launch_all({"a": dmd_run(COMMON, env, a),
-                       "b": dmd_run(COMMON + ["--grad_accum=2", "--profile_steps=[2,3]"], env, b, ranks=1)})
-    return a, b, done["b"].stdout
+    done = dmd.launch_all({"a": (COMMON,), "b": (COMMON + ["--grad_accum=2", "--profile_steps=[2,3]"], 1)})
+    return done["a"][0], done["b"][0], done["b"][1]
 
 
 @pytest.fixture(scope="module")
@@ -73,34 +70,32 @@ def run_b(first_runs):
 
 
 @pytest.fixture(scope="module")
-def run_resumed(env, tmp_path_factory, run_a):
+def run_resumed(dmd, run_a):
     """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4."""
-    out = tmp_path_factory.mktemp("resumed")
-    shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-    log = launch_dmd(COMMON + ["--resume=auto"], env, out)
-    assert "resumed from" in log and "step_000002 (step 2)" in log
-    return out
+    return dmd.resumed("resumed", run_a, 2, COMMON)[0]
 
 
 @pytest.fixture(scope="module")
-def run_few(env, tmp_path_factory, run_a):
+def run_few(dmd, run_a):
     """Few-step mode on 2 ranks, with a data file holding 2 bad rows and SKIP_BAD_SAMPLES on."""
-    out = tmp_path_factory.mktemp("few")
-    data = out / "prompts.jsonl"
+    (dmd.root / "few").mkdir()
+    data = dmd.root / "few" / "prompts.jsonl"
     rows = [json.dumps({"prompt": f"a {c} square on a white background"}) for c in ("red", "blue", "green", "pink")]
     data.write_text("\n".join(rows[:2] + ["{not json", json.dumps({"image": "x.png"})] + rows[2:]) + "\n")
-    log = launch_dmd(["--max_steps=2", "--log_every=1", "--dfake_gen_update_ratio=1", "--precision=fp32",
-                      "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
-                      "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0", "--guidance_lr=0",
-                      f"--init_from={run_a / 'checkpoints' / 'step_000004'}"], env, out)
+    out, log = dmd.launch_all({"few": (["--max_steps=2", "--dfake_gen_update_ratio=1",
+                                        "--denoising_steps=[999,749,499,249]", "--batch_size=1", "--sample_every=2",
+                                        "--skip_bad_samples=1", f"--data_path={data}", "--generator_lr=0",
+                                        "--guidance_lr=0", f"--init_from={run_a / 'checkpoints' / 'step_000004'}"],
+                                       2)})["few"]
     return out, log
 
 
 @pytest.fixture(scope="module")
-def init_and_own_runs(env, tmp_path_factory):
+def init_and_own_runs(dmd):
     """Side by side: 2 ranks, 1 step, LR 0, the generator from a GENERATOR_INIT file; one process,
     1 step, prompts from a caption folder, GAN real images from REAL_DATA_PATH, sample prompts."""
-    root = tmp_path_factory.mktemp("init_and_own")
+    root = dmd.root / "init_and_own"
+    root.mkdir()
     init = _generator_init_file(root)
     prompts = root / "prompts"
     prompts.mkdir()
@@ -108,17 +103,14 @@ def init_and_own_runs(env, tmp_path_factory):
         (prompts / f"{i}.txt").write_text(f"a {c} circle on a white background")
     real = _real_folder(root / "real")
     (root / "samples.txt").write_text("a pink square\na yellow circle\n")
-    done = launch_all({
-        "init": dmd_run(["--max_steps=1", "--save_every=1", "--sample_every=0", "--log_every=1", "--batch_size=1",
-                         "--precision=fp32", "--ema_decay=0.5", "--generator_lr=0", "--guidance_lr=0",
-                         f"--generator_init={init}"], env, root / "init"),
-        "own": dmd_run(["--max_steps=1", "--batch_size=2", "--precision=fp32", "--use_gan=1", f"--data_path={prompts}",
-                        f"--real_data_path={real}", f"--sample_prompts={root / 'samples.txt'}", "--sample_count=2",
-                        "--caption_dropout=0.5", "--log_every=1", "--save_every=0",
-                        "--gan_head_features=up"],  # (and the head on the up path's output)
-                       env, root / "own", ranks=1)})
-    return {"init": (init, root / "init", done["init"].stdout),
-            "own": (prompts, real, root / "own", done["own"].stdout)}
+    done = dmd.launch_all({
+        "init": (["--max_steps=1", "--save_every=1", "--sample_every=0", "--batch_size=1", "--ema_decay=0.5",
+                  "--generator_lr=0", "--guidance_lr=0", f"--generator_init={init}"], 2),
+        "own": (["--max_steps=1", "--batch_size=2", "--use_gan=1", f"--data_path={prompts}",
+                 f"--real_data_path={real}", f"--sample_prompts={root / 'samples.txt'}", "--sample_count=2",
+                 "--caption_dropout=0.5", "--save_every=0",
+                 "--gan_head_features=up"], 1)})  # (and the head on the up path's output)
+    return {"init": (init, *done["init"]), "own": (prompts, real, *done["own"])}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +253,7 @@ def test_init_from_loads_generator_and_fake(run_few, run_a):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,ranks", [("malformed_json", 2), ("missing_image", 1)])
-def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_path):
+def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, dmd, tmp_path):
     """Every rank reads and checks the whole file before any collective: all stop together."""
     data = tmp_path / "data.jsonl"
     good = json.dumps({"prompt": PROMPT, "image": "ok.png"})
@@ -270,7 +262,7 @@ def test_bad_data_is_one_line_error_naming_file_and_line(case, ranks, env, tmp_p
     bad = "{\"prompt\": \"a red" if case == "malformed_json" else json.dumps({"prompt": PROMPT, "image": "gone.png"})
     data.write_text("\n".join([good, good, bad, good]) + "\n")
     result = launch("train_dmd.py", [f"--data_path={data}", "--use_gan=1", f"--output_dir={tmp_path / 'out'}"],
-                    ranks=ranks, env=env, check=False)
+                    ranks=ranks, env=dmd.env, check=False)
     assert result.returncode != 0
     hits = [line for line in result.stdout.splitlines() if f"{data}:3:" in line]
     assert len(hits) == 1 and hits[0].startswith("error: "), result.stdout[-3000:]

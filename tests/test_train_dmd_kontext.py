@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (assert_dmd_resumed_bit_exact, dmd_run, launch_all, launch_dmd, launch_env, read_metrics,
-                            tiny_flux)
+from tests.conftest import DmdRuns, assert_dmd_resumed_bit_exact, read_metrics, tiny_flux
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -36,11 +34,6 @@ COMMON = [f"--model_path={BASE}", "--resolution=32", "--max_steps=4", "--log_eve
           "--precision=fp32", "--ema_decay=0.9", "--sample_every=2", "--batch_size=1", "--seed=3", "--save_every=2",
           "--denoising_steps=999,749,499,249", "--sample_count=2", "--generator_lr=1e-4", "--guidance_lr=1e-4",
           "--use_gan=1"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return launch_env(FSDP_DIFFUSION_CACHE=str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +50,25 @@ def pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def first_runs(env, pairs, tmp_path_factory):
+def dmd(pairs, tmp_path_factory):
+    return DmdRuns(tmp_path_factory.mktemp("dmd"), COMMON + [f"--data_path={pairs}"])
+
+
+@pytest.fixture(scope="module")
+def first_runs(dmd):
     """run_a, run_b, run_lora and run_merged, side by side (and a 1-step step with the regression loss)."""
-    a, b, lora, merged, reg = (tmp_path_factory.mktemp(n) for n in ("a", "b", "lora", "merged", "reg"))
-    data = [f"--data_path={pairs}"]
-    done = launch_all({
-        "a": dmd_run(COMMON + data, env, a), "b": dmd_run(COMMON + data + ["--grad_accum=2"], env, b, ranks=1),
-        "lora": dmd_run(COMMON + data + ["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4",
-                                         "--fake_lora=1", "--base_dtype=nf4"], env, lora, ranks=1),
-        "merged": dmd_run(COMMON + data + ["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0",
-                                           "--lora_rank=4", "--lora_export_merged=1"], env, merged, ranks=1),
-        "reg": dmd_run(COMMON + data + ["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0",
-                                        "--denoising_steps=", "--regression_weight=0.5", "--regression_steps=2"],
-                       env, reg, ranks=1)})
-    assert "FluxKontextPipeline" in done["a"].stdout and "num_inference_steps=4, guidance_scale=2.5" in done["a"].stdout
+    done = dmd.launch_all({
+        "a": (), "b": (["--grad_accum=2"], 1),
+        "lora": (["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4", "--fake_lora=1",
+                  "--base_dtype=nf4"], 1),
+        "merged": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--lora_rank=4",
+                    "--lora_export_merged=1"], 1),
+        "reg": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--denoising_steps=",
+                 "--regression_weight=0.5", "--regression_steps=2"], 1)})
+    assert "FluxKontextPipeline" in done["a"][1] and "num_inference_steps=4, guidance_scale=2.5" in done["a"][1]
     # the regression loss reaches the generator's step (its math: tests/test_dmd2.py, test_dm_gradient_is_zero...)
-    assert read_metrics(reg)[0]["loss_reg"] > 0, done["reg"].stdout[-2000:]
-    return a, b, (lora, done["lora"].stdout), (merged, done["merged"].stdout)
+    assert read_metrics(done["reg"][0])[0]["loss_reg"] > 0, done["reg"][1][-2000:]
+    return done["a"][0], done["b"][0], done["lora"], done["merged"]
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +92,8 @@ def run_merged(first_runs):
 
 
 @pytest.fixture(scope="module")
-def run_resumed(env, pairs, tmp_path_factory, run_a):
-    out = tmp_path_factory.mktemp("resumed")
-    shutil.copytree(run_a / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-    log = launch_dmd(COMMON + [f"--data_path={pairs}", "--resume=auto"], env, out)
-    assert "step_000002 (step 2)" in log
-    return out
+def run_resumed(dmd, run_a):
+    return dmd.resumed("resumed", run_a, 2)[0]
 
 
 @pytest.mark.slow

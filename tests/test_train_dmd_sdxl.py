@@ -11,12 +11,11 @@ python), through the same loading path as real SDXL weights.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 
-from tests.conftest import assert_loads_with_automodel, launch, launch_all, launch_env, load_export, read_metrics
+from tests.conftest import DmdRuns, assert_loads_with_automodel, load_export, read_metrics, tiny_default
 
 from algorithms import dmd2 as dm
 from families import sd_unet
@@ -28,33 +27,17 @@ COMMON = ["--max_steps=4", "--log_every=1", "--dfake_gen_update_ratio=2", "--pre
 
 
 @pytest.fixture(scope="module")
-def sdxl(tmp_path_factory):
-    from tools import tiny_models
-    cache = tmp_path_factory.mktemp("cache")
-    model, data = tiny_models.ensure_default("sdxl", cache)
-    return {
-        "model": model,
-        "data": os.path.join(data, "data.jsonl"),
-        "env": launch_env(FSDP_DIFFUSION_CACHE=str(cache)),
-    }
-
-
-def run(sdxl, out, args=(), ranks=2) -> dict:
-    """A run as launch_all takes it."""
-    return dict(script="train_dmd.py", args=COMMON + [f"--model_path={sdxl['model']}", f"--data_path={sdxl['data']}",
-                                                      f"--output_dir={out}", *args], ranks=ranks, env=sdxl["env"])
-
-
-def train(sdxl, out, args=(), ranks=2) -> str:
-    return launch(**run(sdxl, out, args, ranks)).stdout
+def dmd(tmp_path_factory):
+    model, data = tiny_default("sdxl")
+    return DmdRuns(tmp_path_factory.mktemp("sdxl"),
+                   COMMON + [f"--model_path={model}", f"--data_path={os.path.join(data, 'data.jsonl')}"])
 
 
 @pytest.fixture(scope="module")
-def first_runs(sdxl, tmp_path_factory):
+def first_runs(dmd):
     """run_a and run_b, side by side."""
-    a, b = tmp_path_factory.mktemp("sdxl_a"), tmp_path_factory.mktemp("sdxl_b")
-    done = launch_all({"a": run(sdxl, a), "b": run(sdxl, b, ["--grad_accum=2"], ranks=1)})
-    return (a, done["a"].stdout), b
+    done = dmd.launch_all({"a": (), "b": (["--grad_accum=2"], 1)})
+    return done["a"], done["b"][0]
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +51,8 @@ def run_b(first_runs):
 
 
 @pytest.fixture(scope="module")
-def run_resumed(sdxl, tmp_path_factory, run_a):
-    out = tmp_path_factory.mktemp("sdxl_resumed")
-    shutil.copytree(run_a[0] / "checkpoints" / "step_000002", out / "checkpoints" / "step_000002")
-    log = train(sdxl, out, ["--resume=auto"])
-    assert "resumed from" in log and "(step 2)" in log
-    return out
+def run_resumed(dmd, run_a):
+    return dmd.resumed("resumed", run_a[0], 2)[0]
 
 
 @pytest.mark.slow
