@@ -105,6 +105,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -465,12 +466,18 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
     block_classes = list(s.block_classes) or None
     # the units and shards do not depend on it; auto is resolved by plan (reshard_free)
     sharding = fsdp_utils.Sharding(s.reshard_after_forward is not False, s.cpu_offload, s.activation_checkpointing)
+    done = {}  # {how a component is built and sharded: its name}: DMD2's generator and fake score alike, once
     with fake_world(s.world_size), warnings.catch_warnings():
         # torch's note on slicing the flattened dp x cp dim (build_meshes with CP) is not the user's concern
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         # the script's FSDP mesh: with CP, FSDP shards over all dp x cp ranks (the CP mesh is not needed here)
         mesh = fsdp_utils.build_meshes(torch.device("cpu"), s.dp_replicate, s.context_parallel)[0]
         for c in parts:
+            alike = (c.spec.subfolder, c.spec.role, c.dtype, c.lora, fill_sharded(c, s))
+            if alike in done:
+                out[c.name] = copy.deepcopy(out[done[alike]])
+                continue
+            done[alike] = c.name
             c.module.to(c.dtype)
             if c.lora:
                 try:
@@ -674,8 +681,8 @@ def activation_profile(model: nn.Module, inputs: dict, unit_names: list[str],
     keep: list = []
     hooks = []
     blocks = {n: model.get_submodule(n) for n in unit_names}
-    outer = {n: b for n, b in blocks.items()
-             if not any(b is not o and b in set(o.modules()) for o in blocks.values())}
+    inside = [set(o.modules()) for o in blocks.values()]
+    outer = {n: b for n, b in blocks.items() if not any(b is not o and b in m for o, m in zip(blocks.values(), inside))}
 
     def hooks_for(name):
         def enter(mod, args, kwargs):
@@ -917,7 +924,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     """Per-rank GPU bytes by category (and host bytes with CPU offload) for these settings.
     `shard_cache`: a dict to keep shard_components' counts in across calls that differ only in
     precision, CPU offload, checkpointing, batch or resolution (the counts do not depend on them:
-    fully_shard splits each parameter's dim 0 over the mesh whatever its dtype or where it lives).
+    fully_shard splits each parameter's dim 0 over the mesh whatever its dtype or where it lives);
+    a built-in configuration always keeps them in one dict for the process (_BUILTIN_SHARDS).
     LoRA (s.lora_rank > 0): see the module's docstring; the LoRA components' rows are their frozen
     base (name) and their adapters (name + ".lora"), and the plan says what is trainable (`lora`).
     Context parallelism (s.context_parallel = C > 1, FLUX only; checked first, check_context_parallel):
@@ -932,7 +940,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     precision = get_precision(s.precision)
     folder = model_folder(name)
     builtin = os.path.dirname(os.path.abspath(folder)) == os.path.join(HERE, "real_size_configs")
-    if shard_cache is None and builtin:
+    if builtin:  # whoever plans them (memo_planner too): the built-in configs are sharded once per process
         shard_cache = _BUILTIN_SHARDS
     activations = _builtin_activations if builtin else _activations
     sequence = check_context_parallel(folder, s)
@@ -940,8 +948,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     if (s.references is not None or s.reference_area) and DMD_KINDS.get(kind, kind) != "flux2":
         raise SystemExit(f"plan: --references / --reference_area: FLUX.2's; {name} is {kind}, planned with its "
                          f"pipeline's references")
-    key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes),
-           s.reshard_after_forward is not False)
+    # resharding after forward, like checkpointing and offload, changes what fully_shard keeps, not its shards
+    key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes))
     if kind in DMD_KINDS:  # the same folder, other components
         key += (kind,)
     if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
