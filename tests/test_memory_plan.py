@@ -4,8 +4,9 @@
 """
 from __future__ import annotations
 
-import subprocess
 import dataclasses
+import glob
+import subprocess
 import sys
 
 import pytest
@@ -13,15 +14,19 @@ import torch
 
 from tests.conftest import ROOT
 
+import tools.planner.plan
 from tools import memory_plan
 from tools.memory_plan import Settings
 from families import pipelines
 from parallel import lora
 from parallel.model_facts import MODELS
 
+SMALL = dict(world_size=2, batch_size=1, resolution=64)
+
 
 def test_flux_kontext_shards_to_a_quarter_at_world_size_4():
-    p = memory_plan.plan("flux-kontext-dev", Settings(world_size=4))
+    # at 64 px: the rows do not depend on the resolution, and SMALL's activations are measured once for the file
+    p = memory_plan.plan("flux-kontext-dev", Settings(world_size=4, resolution=64))
     row = p["rows"]["transformer"]
     assert abs(row["count"] - 11.90e9) < 0.01e9          # REFERENCE: ≈ 11.90 B parameters
     assert abs(row["local_count"] - 2.975e9) < 0.002e9    # 2.975 B per rank at world size 4
@@ -33,11 +38,11 @@ def test_flux_kontext_shards_to_a_quarter_at_world_size_4():
 
 
 def test_checkpointing_and_offload_shrink_the_gpu_total():
-    base = memory_plan.plan("flux-kontext-dev", Settings(world_size=8, batch_size=1, resolution=256))
-    ac = memory_plan.plan("flux-kontext-dev", Settings(world_size=8, batch_size=1, resolution=256,
-                                                       activation_checkpointing=True))
-    off = memory_plan.plan("flux-kontext-dev", Settings(world_size=8, batch_size=1, resolution=256,
-                                                        activation_checkpointing=True, cpu_offload=True))
+    # SMALL (64 px: 512 text + 32 image tokens), whose shards and activation profile the file plans anyway: with
+    # 57 blocks, checkpointing keeps their inputs and one block's saves at any sequence length
+    base = memory_plan.plan("flux-kontext-dev", Settings(**SMALL))
+    ac = memory_plan.plan("flux-kontext-dev", Settings(**SMALL, activation_checkpointing=True))
+    off = memory_plan.plan("flux-kontext-dev", Settings(**SMALL, activation_checkpointing=True, cpu_offload=True))
     assert ac["activations"] < base["activations"] / 4
     assert off["gpu_total"] < ac["gpu_total"] and off["host_total"] > 0
 
@@ -89,52 +94,6 @@ class _Wrap(torch.nn.Module):
         inject_adapter_in_model(config, self)
 
 
-@pytest.mark.slow  # over 5 s on 2 cores: a 0.5 B model materialised on CPU
-def test_lora_activations_on_meta_match_a_real_width_flux_run_on_cpu():
-    """The planner's LoRA count (meta) against what autograd saves in a real forward of FLUX at real width
-    (1 double + 1 single block, 3072 wide, rank 16 on the default targets, 32 image + 8 text tokens), on
-    CPU in bf16, saved tensors counted once per storage. Meta counts more by two known amounts: the
-    norms' statistics in fp32 (as CUDA keeps them; CPU keeps bf16), and one (tokens x 3072) copy of the
-    double block's attention output, a reshape that meta copies where the kernels' layout makes a view."""
-    from diffusers import FluxTransformer2DModel
-    folder = memory_plan.model_folder("flux-kontext-dev")
-    cfg = FluxTransformer2DModel.load_config(f"{folder}/transformer")
-    cfg.update(num_layers=1, num_single_layers=1)
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(cfg).to(torch.bfloat16)
-        lora.add_lora(model, lora.Lora(16))
-    model.to(torch.bfloat16)
-    with torch.device("meta"):
-        x = memory_plan._meta_inputs("flux_kontext", model, 1, 64, torch.bfloat16, 8, 8)
-    x["hidden_states"].requires_grad_(False)  # as the planner measures LoRA: the latents need no grad
-    meta = memory_plan.activation_bytes(model, x, [], False)
-    stats = [0]
-
-    def count_stats(t):  # the (..., 1) norm statistics meta saves
-        if t.shape[-1] == 1 and t.dim() > 1:
-            stats[0] += t.numel() * t.element_size()
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
-        model(**x)
-    model = model.to_empty(device="cpu")
-    real_x = {k: torch.zeros(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in x.items()}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved, rank_r = {}, [0]
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in saved:
-            saved[ptr] = t.untyped_storage().nbytes()
-            rank_r[0] += t.shape[-1] == 16
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**real_x)
-    real = sum(saved.values())
-    assert rank_r[0] == 6 + 6 + 4  # every adapted Linear's rank-r intermediate: 6 per stream + 4 single
-    assert 0 <= meta - real <= stats[0] + 40 * 3072 * 2
-    assert meta - real >= 40 * 3072 * 2 - stats[0]
-
-
 def test_attention_is_counted_as_flash_sdpa_saves_it():
     # one attention call on meta, as the planner measures: the stand-in saves q, k, v, out (bf16) and an
     # fp32 logsumexp (B, heads, L); the math reference (what meta runs) saves L x L matrices instead
@@ -163,30 +122,35 @@ def test_flash_sdpa_stand_in_computes_attention_and_its_gradients():
         assert torch.allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.slow  # over 5 s on 2 cores
-@pytest.mark.slow  # over 5 s on 2 cores: a fresh interpreter builds the meta models
+@pytest.mark.slow  # over 5 s on 2 cores: fresh interpreters build the meta models
 def test_cli_prints_no_import_noise_before_its_plan():
-    """`python tools/memory_plan.py` as the README runs it: building the meta models imports transformers,
-    which imports torchao where it is installed; what that prints (its CUDA-only kernel libraries that do
-    not load on CPU builds, torch's pytree notice on its Enum constants) is silenced as in the scripts."""
-    r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=1",
-                        "--resolution=64"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("plan: sd15-dmd ")
+    """`python tools/memory_plan.py` as the README runs it, in fresh interpreters side by side (the rest of
+    the file calls main in process). A plan naming the cheapest settings that fit: building the meta models
+    imports transformers, which imports torchao where it is installed; what that prints (its CUDA-only
+    kernel libraries that do not load on CPU builds, torch's pytree notice on its Enum constants) is
+    silenced as in the scripts. And --context_parallel on a UNet folder: one line on stderr, exit status 1,
+    before any model is built (test_context_parallel_is_flux_only holds the in-process checks)."""
+    def cli(*args):
+        return subprocess.Popen([sys.executable, "tools/memory_plan.py", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    runs = [cli("--model=sd15-dmd", "--world_size=2", "--gpu_memory_gb=12", "--batch_size=2", "--resolution=256"),
+            cli("--model=sd15-dmd", "--world_size=2", "--context_parallel=2")]
+    try:
+        (out, err), (cp_out, cp_err) = (r.communicate(timeout=300) for r in runs)
+    finally:
+        for r in runs:
+            r.kill()
+    assert runs[0].returncode == 0, err[-1000:]
+    assert out.startswith("plan: sd15-dmd ")
+    assert "generator" in out and "teacher" in out and "TOTAL per GPU" in out
+    assert "fits in 12 GB" in out or "cheapest settings that fit" in out
     noise = ("Failed to load", "_C_mxfp8", "_C_cutlass", "_pytree", "is an Enum subclass")
-    assert not [line for line in r.stderr.splitlines() if any(n in line for n in noise)], r.stderr
+    assert not [line for line in err.splitlines() if any(n in line for n in noise)], err
+    assert runs[1].returncode == 1 and cp_out == ""
+    assert cp_err.strip().splitlines() == [
+        "plan: --context_parallel=2: context parallelism is train_flux_kontext.py's (FLUX layout); sd15-dmd is "
+        "planned for train_dmd.py, which has none"]
 
-
-def test_cli_names_cheapest_fitting_settings():
-    r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=2",
-                        "--gpu_memory_gb=12", "--batch_size=2", "--resolution=256"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-1000:]
-    assert "generator" in r.stdout and "teacher" in r.stdout and "TOTAL per GPU" in r.stdout
-    assert "fits in 12 GB" in r.stdout or "cheapest settings that fit" in r.stdout
-
-
-SMALL = dict(world_size=2, batch_size=1, resolution=64)
 
 
 def _unit_params(model, classes):
@@ -202,7 +166,7 @@ def _unit_params(model, classes):
 
 
 def test_planner_follows_the_recipes_and_the_table(monkeypatch):
-    src = open(memory_plan.__file__).read()
+    src = "".join(open(f).read() for f in glob.glob(f"{ROOT}/tools/planner/*.py") + [memory_plan.__file__])
     for facts in MODELS.values():  # no wrapping decision repeated in the planner
         assert not any(f'"{c}"' in src for c in facts.units)
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
@@ -261,9 +225,16 @@ def test_unit_parameter_counts_sum_to_the_model(name):
 SDXL_UNET_PARAMS = 2_567_463_684  # REFERENCE: stabilityai/stable-diffusion-xl-base-1.0 unet (≈ 2.567 B)
 
 
-@pytest.mark.slow  # over 5 s on 2 cores
-def test_sdxl_unet_shards_to_an_eighth_at_world_size_8():
-    p = memory_plan.plan("sdxl-dmd", Settings(world_size=8, batch_size=1, resolution=64))
+@pytest.mark.slow  # over 5 s on 2 cores: three 2.6 B UNets and two text encoders on meta, activations at 1024 px
+def test_sdxl_unet_shards_to_an_eighth_at_world_size_8(capsys):
+    """SDXL at world size 8, planned by the CLI (in process: the program's dispatch itself is
+    test_cli_prints_no_import_noise_before_its_plan's) and by plan, at the native resolution both: one
+    sharding and one activation profile."""
+    assert memory_plan.main(["--model=sdxl-dmd", "--world_size=8", "--gpu_memory_gb=80"]) == 0
+    out = capsys.readouterr().out
+    assert "sdxl-dmd (sdxl)" in out and "at 1024px" in out and "TOTAL per GPU" in out
+    assert "text_encoder_2" in out
+    p = memory_plan.plan("sdxl-dmd", Settings(world_size=8, batch_size=1))
     assert p["kind"] == "sdxl" and p["script"] == "train_dmd.py"
     rows = p["rows"]
     for name in ("generator", "fake_score", "teacher"):
@@ -299,14 +270,6 @@ def test_sdxl_meta_inputs_carry_the_added_conditioning():
     assert x["sample"].shape == (2, 4, 128, 128) and x["encoder_hidden_states"].shape == (2, 77, 2048)
     assert x["added_cond_kwargs"]["text_embeds"].shape == (2, 1280)
     assert x["added_cond_kwargs"]["time_ids"].shape == (2, 6)
-
-
-def test_cli_plans_sdxl(capsys):
-    # in process (the program's dispatch itself: test_cli_names_cheapest_fitting_settings)
-    assert memory_plan.main(["--model=sdxl-dmd", "--world_size=8", "--gpu_memory_gb=80"]) == 0
-    out = capsys.readouterr().out
-    assert "sdxl-dmd (sdxl)" in out and "at 1024px" in out and "TOTAL per GPU" in out
-    assert "text_encoder_2" in out
 
 
 def test_fit_table_is_markdown():
@@ -369,12 +332,16 @@ def _adapters(model, settings):
     return sum(p.numel() for _, p in new), sum(-(-p.shape[0] // world) * p[0].numel() for _, p in new)
 
 
+# LoRA settings as test_lora_fit_skips_bf16_states_and_the_cli_takes_lora_flags passes them: one plan for both
+SD15_LORA = dict(lora_rank=4, lora_alpha=8, lora_targets=("to_q", "to_v"))
+
+
 def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
     unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
     base = sum(p.numel() for p in unet.parameters())
-    adapters, adapters_local = _adapters(unet, lora.Lora(8))
+    adapters, adapters_local = _adapters(unet, Settings(1, **SD15_LORA).lora)
     full = memory_plan.plan("sd15-dmd", Settings(**SMALL))
-    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, lora_rank=8))
+    p = memory_plan.plan("sd15-dmd", Settings(**SMALL, **SD15_LORA))
     rows = p["rows"]
     adapted, gen = rows["generator.lora"], rows["generator"]
     assert adapted["count"] == adapters and adapted["local_count"] == adapters_local
@@ -398,7 +365,7 @@ def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
     assert states < full_states / 7  # 16 B/param -> 2 B/param (+ 16 B per adapter param)
     assert p["gpu_total"] < full["gpu_total"]
     text = memory_plan.format_plan("sd15-dmd", p)
-    assert "LoRA rank 8 (alpha 8) on generator" in text and f"{adapters:,} LoRA params" in text
+    assert "LoRA rank 4 (alpha 8) on generator" in text and f"{adapters:,} LoRA params" in text
     assert "trainable in all:" in text  # the full fake score trains beside the adapters
 
 
@@ -538,98 +505,24 @@ def test_cp_1_report_is_unchanged(flux_cp):
     assert table.splitlines()[-1] == FLUX_TABLE_ROW and "context parallel" not in table
 
 
-def test_activations_are_almost_all_along_the_sequence():
+def test_activations_are_almost_all_along_the_sequence(flux_cp):
     # the planner's CP assumption: activations split C ways with the sequence. With flash attention every
     # saved tensor is linear in the tokens L, A(L) = a + b L; a (no sequence dim: embeddings, modulation)
-    # is what each rank really holds whole. Both text and image tokens x 4: a = (4 A(L) - A(4L)) / 3
+    # is what each rank really holds whole. Both text and image tokens x 4: a = (4 A(L) - A(4L)) / 3.
+    # The two forwards are the ones flux_cp's plans measured (memoised, asked for as plan and _cp_activations
+    # ask): 128 + 2 x 2^2 = 136 tokens and 512 + 2 x 4^2 = 544. a does not depend on L, and its share is the
+    # larger the shorter the sequence: at 64 px the bound is tighter than at 512 px (2560 tokens, 22 GiB)
     folder = memory_plan.model_folder("flux-kontext-dev")
-    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    names = tuple(n for n, _ in flux_cp[1]["units"]["transformer"][:-1])
 
-    def acts(text, resolution):  # 128 + 2 x 16^2 = 640 tokens; 512 + 2 x 32^2 = 2560
-        x = memory_plan._meta_inputs("flux_kontext", model, 1, resolution, torch.bfloat16, 8, text)
-        return memory_plan.activation_bytes(model, x, [], False)
-    small, large = acts(128, 256), acts(512, 512)
+    def acts(*args, **kwargs):  # all that autograd saves in the forward (no checkpointing)
+        return memory_plan._builtin_activations(folder, "transformer", "flux_kontext", names, torch.bfloat16, 1,
+                                                *args, **kwargs).total(False)
+    small = acts(32, lora.Lora(), 128)  # 32 px, 128 text tokens
+    large = acts(64, lora.Lora(), references=())  # 64 px, the folder's 512 text tokens
+    assert large == flux_cp[1]["activations"]
     whole = (4 * small - large) / 3
-    assert 0 <= whole < 16 * 2**20 and whole < 0.002 * large   # under 16 MiB of 22 GiB at 512 px
-
-
-CP_TEXT, CP_RES = 32, 128  # 32 text + 2 x (128 / 16)^2 = 128 image tokens: 160, 80 per rank at CP 2
-
-
-def _real_width_flux_1_1():
-    """FLUX.1 Kontext's transformer at real width with 1 double + 1 single block, bf16, on meta, and its
-    forward inputs at CP_TEXT / CP_RES (meta)."""
-    from diffusers import FluxTransformer2DModel
-    cfg = FluxTransformer2DModel.load_config(f"{memory_plan.model_folder('flux-kontext-dev')}/transformer")
-    cfg.update(num_layers=1, num_single_layers=1)
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(cfg).to(torch.bfloat16)
-        x = memory_plan._meta_inputs("flux_kontext", model, 1, CP_RES, torch.bfloat16, 8, CP_TEXT)
-    return model, x
-
-
-def _cp_saved_bytes(rank, world, out):
-    """One rank of CP 2 as train_flux_kontext.py runs it (diffusers' Ulysses, enable_context_parallel):
-    the bytes autograd saves in a forward of _real_width_flux_1_1 on CPU, once per storage."""
-    import json
-
-    import fsdp_utils
-    from parallel.context_parallel import enable_context_parallel
-    model, xm = _real_width_flux_1_1()
-    model = model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    x = {k: torch.randn(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in xm.items()}
-    x["hidden_states"].requires_grad_(True)
-    enable_context_parallel(model, fsdp_utils.build_meshes(torch.device("cpu"), 1, world)[1])
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved.setdefault(ptr, t.untyped_storage().nbytes())
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = model(**x)[0]
-    y.float().square().mean().backward()  # the CP graph runs through (its recomputation is not a forward save)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(sum(saved.values()), f)
-
-
-@pytest.mark.slow  # launches 2 ranks, each with a 0.5 B model materialised on CPU
-def test_cp_share_on_meta_matches_a_real_width_cp2_run_on_cpu(tmp_path):
-    """The planner's per-rank share of the activations under CP 2 (held whole: the constant of the linear
-    fit; the rest halved) against what autograd saves on a rank of a real CP 2 forward at FLUX width, on
-    2 CPU ranks. The planner never counts less; it counts more by known terms: diffusers' Ulysses op
-    saves q, k, v and recomputes the attention output in backward (no output, no logsumexp), meta copies
-    the double block's attention output where the kernels' layout gives a view, and meta keeps the
-    norms' statistics in fp32 (CUDA's dtype; CPU's is bf16)."""
-    import json
-
-    from tests.conftest import run_ranks
-    model, x = _real_width_flux_1_1()
-    one = memory_plan.activation_bytes(model, x, [], False)
-    with torch.device("meta"):
-        quarter = memory_plan._meta_inputs("flux_kontext", model, 1, CP_RES // 2, torch.bfloat16, 8, CP_TEXT // 4)
-    whole = (4 * memory_plan.activation_bytes(model, quarter, [], False) - one) // 3  # 40 tokens: L / 4
-    planned = whole + (one - whole) // 2
-    stats = [0]
-
-    def count_stats(t):
-        if t.dim() > 1 and t.shape[-1] == 1:
-            stats[0] += t.numel() * t.element_size()
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
-        model(**x)
-    tokens, width, heads = 160, 3072, 24
-    out_and_lse = 2 * (tokens * width * 2 + heads * tokens * 4) // 2  # 2 attention calls, half per rank
-    copy = tokens * width * 2 // 2
-    run_ranks(_cp_saved_bytes, 2, str(tmp_path / "saved.json"))
-    real = json.loads((tmp_path / "saved.json").read_text())
-    assert planned - out_and_lse - copy - stats[0] <= real <= planned
+    assert 0 <= whole < 16 * 2**20 and whole < 0.002 * large   # under 16 MiB of 4.7 GiB at 64 px
 
 
 @pytest.mark.parametrize(
@@ -661,7 +554,7 @@ def test_cp_share_on_meta_matches_a_real_width_cp2_run_on_cpu(tmp_path):
 def test_context_parallel_checks_fail_with_one_line_before_any_work(settings, message, monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("built models before checking --context_parallel")
-    monkeypatch.setattr(memory_plan, "build_components", no_work)
+    monkeypatch.setattr(tools.planner.plan, "build_components", no_work)  # where plan looks it up
     with pytest.raises(SystemExit, match=message) as e:
         memory_plan.plan("flux-kontext-dev", Settings(**{**SMALL, **settings}))
     assert "\n" not in str(e.value)
@@ -674,13 +567,7 @@ def test_context_parallel_is_flux_only(capsys):
         memory_plan.plan("sd15-dmd", Settings(**SMALL, context_parallel=2))
     with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
         memory_plan.cp_table("sdxl-dmd")
-    # the CLI: one line on stderr, exit status 1, before any model is built
-    r = subprocess.run([sys.executable, "tools/memory_plan.py", "--model=sd15-dmd", "--world_size=2",
-                        "--context_parallel=2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 1 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [
-        "plan: --context_parallel=2: context parallelism is train_flux_kontext.py's (FLUX layout); sd15-dmd is "
-        "planned for train_dmd.py, which has none"]
+    # the CLI in a fresh interpreter, one line on stderr: test_cli_prints_no_import_noise_before_its_plan
     with pytest.raises(SystemExit, match="--context_parallel=2 x --dp_replicate=1 does not divide --world_size=3"):
         memory_plan.main(["--model=flux-kontext-dev", "--fit_table", "--world_sizes=2,3", "--context_parallel=2"])
     with pytest.raises(SystemExit, match="--context_parallels: 0: must be >= 1"):
@@ -885,7 +772,8 @@ QWEN_PARAMS = 20_430_401_088  # REFERENCE: Qwen/Qwen-Image-Edit-2509 transformer
 
 @pytest.mark.slow  # over 5 s on 2 cores: a 20 B and an 8 B meta model, then three 20 B ones for DMD2
 def test_qwen_image_edit_plans_the_2509_transformer():
-    p = memory_plan.plan("qwen-image-edit", Settings(world_size=8, resolution=256))
+    # at 1024 px, whose activation profile test_docs_carry_the_qwen_image_edit_rows measures for its rows too
+    p = memory_plan.plan("qwen-image-edit", Settings(world_size=8, resolution=1024))
     assert (p["script"], p["kind"]) == ("train_flux_kontext.py", "qwen_image_edit")
     assert list(p["rows"]) == ["transformer", "vae", "text_encoder"]
     row = p["rows"]["transformer"]
@@ -896,7 +784,7 @@ def test_qwen_image_edit_plans_the_2509_transformer():
     assert p["rows"]["vae"]["note"] == "replicated"
     # the native resolution is the pipeline's 1024^2 area; the DMD2 name plans the same transformer in 3 roles
     assert memory_plan.native_resolution(memory_plan.model_folder("qwen-image-edit"), "qwen_image_edit") == 1024
-    dmd = memory_plan.plan("qwen-image-edit-dmd", Settings(world_size=8, resolution=256, fake_score_fp32=False))
+    dmd = memory_plan.plan("qwen-image-edit-dmd", Settings(world_size=8, resolution=1024, fake_score_fp32=False))
     assert (dmd["script"], dmd["kind"]) == ("train_dmd.py", "qwen_image_edit_dmd")
     assert list(dmd["rows"]) == ["generator", "fake_score", "teacher", "vae", "text_encoder"]
     assert dmd["units"]["teacher"] == units and dmd["activations"] == p["activations"]
@@ -917,228 +805,6 @@ def test_qwen_sequence_is_the_target_two_references_and_the_vl_prompt():
     with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is planned for FLUX "
                                          r"Kontext only; qwen-image-edit is qwen_image_edit$"):
         memory_plan.check_context_parallel(folder, Settings(world_size=2, context_parallel=2))
-
-
-QWEN_WIDTH_BLOCKS, QWEN_WIDTH_RES, QWEN_WIDTH_TEXT = 2, 64, 16  # 3 x (64 / 16)^2 = 48 image + 16 text tokens
-
-
-def _qwen_width_folder(tmp_path) -> str:
-    """The built-in qwen-image-edit configs with QWEN_WIDTH_BLOCKS blocks: real width (3072, 24 heads,
-    3584-wide text), ~0.7 B parameters."""
-    import json
-    import shutil
-    folder = tmp_path / "qwen_width"
-    shutil.copytree(memory_plan.model_folder("qwen-image-edit"), folder)
-    cfg = json.loads((folder / "transformer" / "config.json").read_text())
-    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, "num_layers": QWEN_WIDTH_BLOCKS}))
-    return str(folder)
-
-
-def _fill_random(model, rank):
-    """Each local shard filled with values tiled from one draw: the values do not matter to the bytes."""
-    pool = torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)) * 0.02
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.to_local().view(-1)
-            for i in range(0, flat.numel(), pool.numel()):
-                flat[i:i + pool.numel()].copy_(pool[:flat.numel() - i])
-
-
-def _lora_step_bytes(model, x, rank, out):
-    """A forward whose saved tensors are counted once per storage (the gathered parameters excluded), backward, an
-    AdamW step over the adapters; rank 0 writes this rank's bytes (base, adapters, grads, AdamW moments, saves)."""
-    import json
-
-    def storage(t):
-        return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
-    saved = {}
-
-    def pack(t):  # FSDP2 registers a unit's gathered parameters while it runs: those are weights, not saves
-        ptr = storage(t)
-        if ptr not in saved and ptr not in {storage(p) for p in model.parameters()}:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = model(**x)[0]
-    y.square().mean().backward()
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=1e-4)
-    opt.step()
-
-    def local_bytes(ts):
-        return sum(t.to_local().numel() * t.to_local().element_size() for t in ts)
-    got = dict(base=local_bytes(p for p in model.parameters() if not p.requires_grad), adapters=local_bytes(trained),
-               grads=local_bytes(p.grad for p in trained),
-               optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
-               saved=sum(saved.values()))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(got, f)
-
-
-def _qwen_width_rank(rank, world, folder, out):
-    """One rank of a LoRA r16 fine-tune step at Qwen width as the scripts build it: meta model in bf16,
-    adapters, the Qwen recipe (fully_shard per block, then the root) on the 2-rank gloo mesh, weights
-    materialised on CPU (random, tiled from one draw: the values do not matter here), a forward whose
-    saved tensors are counted once per storage (the gathered parameters excluded), backward, an AdamW
-    step over the adapters. Rank 0 writes its bytes."""
-    import fsdp_utils
-    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
-    from parallel.parallelize import parallelize
-    from precision import get_precision
-    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
-    with torch.device("meta"):
-        lora.add_lora(model, lora.Lora(16))
-        x = memory_plan._meta_inputs("qwen_image_edit", model, 1, QWEN_WIDTH_RES, torch.bfloat16, 8, QWEN_WIDTH_TEXT)
-    mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
-    # kept gathered from forward to backward: neither the shards nor the saves depend on it, and it spares
-    # backward's re-gather over gloo (~4 s per 0.68 GB block on 2 CPU ranks)
-    parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
-                fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
-    model.to_empty(device="cpu")
-    _fill_random(model, rank)
-    # QwenEmbedRope keeps its frequencies in plain attributes, not buffers: a meta build leaves them on meta
-    model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
-    x = {k: torch.randn(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v for k, v in x.items()}
-    _lora_step_bytes(model, x, rank, out)
-
-
-@pytest.mark.slow  # launches 2 ranks, each with a 0.7 B model materialised on CPU
-def test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu(tmp_path):
-    """The planner on Qwen-Image-Edit at real width (2 blocks, LoRA r16 on the default targets, bf16-mixed,
-    world size 2) against a rank of the same run on 2 CPU ranks with gloo: the base's and the adapters'
-    shards, the adapter grads and AdamW's two moments exactly; the activations as autograd saves them
-    within the planner's known terms: meta keeps the norms' statistics in fp32 (CUDA's dtype; CPU's is
-    bf16) and copies the joint attention output (tokens x 3072 per block) where the kernels' layout
-    gives a view, so it never counts less, and more by at most those."""
-    import json
-
-    from tests.conftest import run_ranks
-    folder = _qwen_width_folder(tmp_path)
-    p = memory_plan.plan(folder, Settings(world_size=2, resolution=QWEN_WIDTH_RES, lora_rank=16))
-    rows = p["rows"]
-    names = tuple(n for n, _ in p["units"]["transformer"][:-1])
-    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
-    with torch.device("meta"):
-        lora.add_lora(model, lora.Lora(16))
-    model.to(torch.bfloat16)
-    with torch.device("meta"):
-        x = memory_plan._meta_inputs("qwen_image_edit", model, 1, QWEN_WIDTH_RES, torch.bfloat16, 8, QWEN_WIDTH_TEXT)
-    x["hidden_states"].requires_grad_(False)
-    planned = memory_plan._activations(folder, "transformer", "qwen_image_edit", names, torch.bfloat16, 1,
-                                       QWEN_WIDTH_RES, lora.Lora(16), QWEN_WIDTH_TEXT).total(False)
-    stats = [0]
-
-    def count_stats(t):  # the (..., 1) norm statistics meta saves in fp32
-        if t.dim() > 1 and t.shape[-1] == 1:
-            stats[0] += t.numel() * t.element_size()
-        return t
-    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
-        model(**x)
-    run_ranks(_qwen_width_rank, 2, folder, str(tmp_path / "got.json"))
-    got = json.loads((tmp_path / "got.json").read_text())
-    assert got["base"] == rows["transformer"]["params"]
-    assert (got["adapters"], got["grads"], got["optim"]) == tuple(rows["transformer.lora"][k] for k in
-                                                                  ("params", "grads", "optim"))
-    copies = QWEN_WIDTH_BLOCKS * (3 * (QWEN_WIDTH_RES // 16) ** 2 + QWEN_WIDTH_TEXT) * 3072 * 2
-    assert copies - stats[0] // 2 <= planned - got["saved"] <= copies + stats[0] // 2
-    print(f"\nQwen width, 2 blocks, LoRA r16, 2 ranks: saved {got['saved']} bytes, planned {planned}, "
-          f"measured / planned {got['saved'] / planned:.4f}")
-
-
-NF4_SPLIT = 1e-3  # the planner's NF4 shard over the measured one, relative, at most
-QWEN_DMD_WIDTH = {  # name: (train_dmd.py's settings, the planner's)
-    "lightning": (dict(BASE_DTYPE="", FAKE_LORA=False), dict(lora_rank=64, lora_alpha=8)),
-    "nf4": (dict(BASE_DTYPE="nf4", FAKE_LORA=True), dict(lora_rank=64, lora_alpha=8, fake_lora=True, base_dtype="nf4")),
-}
-
-
-def _qwen_dmd_width_rank(rank, world, folder, out):
-    """One rank of train_dmd.py's three Qwen-Image transformers at real width, built by the script's own
-    build_flow_transformers (meta -> LoRA / NF4 -> the Qwen recipe -> each rank's slices allocated) for
-    each QWEN_DMD_WIDTH setting, then an AdamW step over what each model trains. Rank 0 writes each
-    role's bytes on this rank."""
-    import json
-    from types import SimpleNamespace
-
-    import train_dmd
-    from families import qwen_image
-    from parallel import loading, lowbit
-    from precision import get_precision
-    # every build step but reading the weights: each rank allocates its slices (the values do not matter here)
-    loading.materialize_and_load = lambda model, _folder, home, *_: model.to_empty(device=home)
-    train_dmd.MODEL_PATH = folder
-    config = {k: getattr(train_dmd, k) for k in ("DP_REPLICATE", "PARALLELISM", "RESHARD_AFTER_FORWARD",
-                                                 "CPU_OFFLOAD", "PREFETCH", "COMPILE")}
-    config["ACTIVATION_CHECKPOINTING"] = True
-
-    def local_bytes(ts):  # NF4: its inner tensors (codes, scales)
-        return sum(lowbit.state_bytes(t.to_local()) for t in ts)
-    got = {}
-    for name, (script, planner) in QWEN_DMD_WIDTH.items():
-        for k, v in script.items():
-            setattr(train_dmd, k, v)
-        run = SimpleNamespace(d=SimpleNamespace(device=torch.device("cpu")), config=config,
-                              lora=lora.Lora(planner["lora_rank"], planner["lora_alpha"]))
-        _, generator, fake, teacher, ema, _, _ = train_dmd.build_flow_transformers(run, qwen_image,
-                                                                                   get_precision("bf16-mixed"))
-        assert ema is None
-        got[name] = {"teacher": local_bytes(teacher.parameters())}
-        for role, model in (("generator", generator), ("fake_score", fake)):
-            trained = [p for p in model.parameters() if p.requires_grad]
-            for p in trained:
-                p.grad = torch.zeros_like(p)
-            opt = torch.optim.AdamW(trained, lr=1e-4)
-            opt.step()
-            got[name][role] = dict(frozen=local_bytes(p for p in model.parameters() if not p.requires_grad),
-                                   trained=local_bytes(trained), grads=local_bytes(p.grad for p in trained),
-                                   optim=local_bytes(st[k] for st in opt.state.values()
-                                                     for k in ("exp_avg", "exp_avg_sq")))
-        del generator, fake, teacher
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(got, f)
-
-
-@pytest.mark.slow  # 2 ranks build three 0.38 B transformers twice
-def test_qwen_dmd_plan_matches_train_dmds_real_width_build_on_2_ranks(tmp_path):
-    """The planner's qwen-image-edit DMD2 rows against train_dmd.py's own build on 2 CPU ranks with gloo,
-    the transformer at real width (1 dual-stream block, 3072 wide, 0.38 B parameters): the Lightning
-    recipe (LoRA r64 alpha 8 generator, full fake score in bf16-mixed: fp32 master, bf16 teacher) and the
-    24 GB one (LoRA generator and fake score on NF4 bases, NF4 teacher). Each role's shard on rank 0, the
-    adapters, their grads and AdamW's moments equal the planner's rows to the byte; NF4 shards up to
-    NF4_SPLIT less (the planner gives each rank an even share of the quantised weights, the shards split
-    them at their blocks; measured: 0.023 %). The activations are one training forward's, the
-    fine-tune's: test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu holds those."""
-    import json
-    import shutil
-
-    from tests.conftest import run_ranks
-    folder = tmp_path / "qwen_width_1"
-    shutil.copytree(memory_plan.model_folder("qwen-image-edit"), folder)
-    cfg = json.loads((folder / "transformer" / "config.json").read_text())
-    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, "num_layers": 1}))
-    run_ranks(_qwen_dmd_width_rank, 2, str(folder), str(tmp_path / "got.json"))
-    got = json.loads((tmp_path / "got.json").read_text())
-    for name, (_, over) in QWEN_DMD_WIDTH.items():
-        rows = memory_plan.plan(str(folder), Settings(world_size=2, resolution=64, fake_score_fp32=False,
-                                                      activation_checkpointing=True, script="train_dmd.py",
-                                                      **over))["rows"]
-        g, nf4 = got[name], over.get("base_dtype") == "nf4"
-
-        def frozen_ok(measured, planned):  # NF4: the planner splits the quantised weights evenly over the ranks
-            return 0 <= planned - measured <= NF4_SPLIT * planned if nf4 else measured == planned
-        assert frozen_ok(g["teacher"], rows["teacher"]["params"]), (name, g["teacher"], rows["teacher"]["params"])
-        for role in ("generator", "fake_score"):
-            if f"{role}.lora" in rows:  # the frozen base, then the adapters with their grads and moments
-                assert frozen_ok(g[role]["frozen"], rows[role]["params"]), (name, role)
-                trained = rows[f"{role}.lora"]
-                assert g[role]["trained"] == trained["params"], (name, role)
-            else:  # all weights, the last block's unused text outputs frozen (qwen_image.freeze_unused)
-                trained = rows[role]
-                assert 0 < g[role]["frozen"] and g[role]["frozen"] + g[role]["trained"] == trained["params"]
-            assert (g[role]["grads"], g[role]["optim"]) == (trained["grads"], trained["optim"]), (name, role)
-        print(f"\nQwen width, 1 block, DMD2 {name}, 2 ranks: rank 0 holds {g}")
 
 
 QWEN_1024 = dict(resolution=1024, reshard_after_forward=None)  # the scripts' auto resharding
@@ -1293,80 +959,343 @@ def test_flux2_dmd_plans_three_transformers_and_the_fill():
         open(f"{ROOT}/docs/planner.md").read()
 
 
-# (32 / 16)^2 = 4 target + 4 reference + 16 text tokens: few, as backward's bf16 products with the untransposed
-# frozen weights (grad @ W) run ~35x slower than forward's on CPUs without AVX-512, in time linear in the tokens
-FLUX2_WIDTH_RES, FLUX2_WIDTH_TEXT = 32, 16
-FLUX2_WIDTH_REFS = ((2, 2),)  # one reference at 32^2: a 2 x 2 token grid
+# ----------------------------------------------------------------------------------------------
+# the planner against real-width runs on 2 CPU ranks with gloo: one launch (width_runs), checked several ways
+
+WIDTH_TEXT = 1  # text tokens of each LoRA run
+# {family: (built-in configuration, its transformer's blocks, resolution, reference token grids)}: the
+# transformer at real width (3072, 24 heads; 0.4-0.56 B parameters) with one block of each kind. At 16 px each
+# image is one token (2 x 2-packed latents at the VAE's factor 8): FLUX.1 target + context, Qwen target + its 2
+# references, FLUX.2 target + one reference; 3 or 4 tokens with the text. Few, as backward's bf16 products with
+# the untransposed frozen weights (grad @ W) run ~35x slower than forward's on CPUs without AVX-512, in time
+# linear in the tokens (~0.26 s per token and 3072 x 12288 weight); and every byte compared is per token or per
+# block, so a few tokens of each stream show each term as many would
+WIDTH = {
+    "flux_kontext": ("flux-kontext-dev", dict(num_layers=1, num_single_layers=1), 16, ()),
+    "qwen_image_edit": ("qwen-image-edit", dict(num_layers=1), 16, ()),
+    "flux2": ("flux2-klein-4b", dict(num_layers=1, num_single_layers=1), 16, ((1, 1),)),
+}
+CP_TEXT, CP_RES = 4, 32  # 4 text + 2 x (32 / 16)^2 = 8 image tokens: 12, 6 per rank at CP 2; a quarter: 1 + 2
 
 
-def _flux2_width_folder(tmp_path) -> str:
-    """The built-in flux2-klein-4b configs with 1 double + 1 single block: real width (3072, 24 heads,
-    7680-wide text), ~0.56 B parameters."""
+def _width_folder(root, family: str) -> str:
+    """The family's built-in configs with WIDTH's blocks: its transformer at real width."""
     import json
     import shutil
-    folder = tmp_path / "flux2_width"
-    shutil.copytree(memory_plan.model_folder("flux2-klein-4b"), folder)
+    name, blocks, _, _ = WIDTH[family]
+    folder = root / family
+    shutil.copytree(memory_plan.model_folder(name), folder)
     cfg = json.loads((folder / "transformer" / "config.json").read_text())
-    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, "num_layers": 1, "num_single_layers": 1}))
+    (folder / "transformer" / "config.json").write_text(json.dumps({**cfg, **blocks}))
     return str(folder)
 
 
-def _flux2_width_rank(rank, world, folder, out):
-    """_qwen_width_rank for FLUX.2 klein: the FLUX recipe (fully_shard per double and single block, then the
-    root), the target's, one reference's and the text's tokens with zero 4-D ids. Rank 0 writes its bytes."""
+def _width_inputs(model, family: str, resolution: int, text: int, refs: tuple = ()) -> dict:
+    """The forward inputs on meta, as the planner makes them (_meta_inputs)."""
+    with torch.device("meta"):
+        return memory_plan._meta_inputs(family, model, 1, resolution, torch.bfloat16, 8, text, None, refs)
+
+
+def _on_cpu(x: dict) -> dict:
+    """Meta inputs made real: floats drawn, the rest (FLUX.2's integer ids) zeros; the values do not matter here."""
+    return {k: (torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype))
+            if torch.is_tensor(v) else v for k, v in x.items()}
+
+
+def _fill_random(model, rank):
+    """Each local shard (or whole parameter) filled with values tiled from one draw: the values do not matter
+    to the bytes."""
+    pool = torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)) * 0.02
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = (p.to_local() if hasattr(p, "to_local") else p).view(-1)
+            for i in range(0, flat.numel(), pool.numel()):
+                flat[i:i + pool.numel()].copy_(pool[:flat.numel() - i])
+
+
+def _lora_step_bytes(model, x) -> dict:
+    """A forward whose saved tensors are counted once per storage (the gathered parameters excluded), backward, an
+    AdamW step over the adapters: this rank's bytes (base, adapters, grads, AdamW moments, saves) and how many
+    saved storages are rank-16 wide (the adapters' intermediates)."""
+    def storage(t):
+        return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+    saved, rank_r = {}, [0]
+
+    def pack(t):  # FSDP2 registers a unit's gathered parameters while it runs: those are weights, not saves
+        ptr = storage(t)
+        if ptr not in saved and ptr not in {storage(p) for p in model.parameters()}:
+            saved[ptr] = t.untyped_storage().nbytes()
+            rank_r[0] += t.shape[-1] == 16
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(**x)[0]
+    y.square().mean().backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4)
+    opt.step()
+
+    def local_bytes(ts):
+        return sum(t.to_local().numel() * t.to_local().element_size() for t in ts)
+    return dict(base=local_bytes(p for p in model.parameters() if not p.requires_grad), adapters=local_bytes(trained),
+                grads=local_bytes(p.grad for p in trained),
+                optim=local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
+                saved=sum(saved.values()), rank_r=rank_r[0])
+
+
+def _width_lora_step(rank, folder, family) -> dict:
+    """One rank of a LoRA r16 fine-tune step at real width as the scripts build it: meta model in bf16,
+    adapters, the family's recipe (fully_shard per block, then the root) on the 2-rank gloo mesh, weights
+    materialised on CPU (random, tiled from one draw), then _lora_step_bytes."""
     import fsdp_utils
     from parallel.parallelize import parallelize
     from precision import get_precision
+    _, _, resolution, refs = WIDTH[family]
     model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
     with torch.device("meta"):
         lora.add_lora(model, lora.Lora(16))
-        x = memory_plan._meta_inputs("flux2", model, 1, FLUX2_WIDTH_RES, torch.bfloat16, 8, FLUX2_WIDTH_TEXT, None,
-                                     FLUX2_WIDTH_REFS)
+    x = _width_inputs(model, family, resolution, WIDTH_TEXT, refs)
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
-    # kept gathered from forward to backward, as in _qwen_width_rank: no re-gather over gloo in backward
+    # kept gathered from forward to backward: neither the shards nor the saves depend on it, and it spares
+    # backward's re-gather over gloo (~4 s per 0.68 GB block on 2 CPU ranks)
     parallelize(model, mesh, get_precision("bf16-mixed").adapter_mp_policy(),
                 fsdp_utils.Sharding(reshard_after_forward=False), verbose=False)
     model.to_empty(device="cpu")
     _fill_random(model, rank)
-    # Flux2PosEmbed and the timestep projection hold no tensors: nothing left on meta but the inputs
-    x = {k: (torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype))
-         if torch.is_tensor(v) else v for k, v in x.items()}
-    _lora_step_bytes(model, x, rank, out)
+    if family == "qwen_image_edit":  # QwenEmbedRope keeps its frequencies in plain attributes: left on meta
+        from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+        model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
+    # FLUX's and FLUX.2's position embeddings and timestep projections hold no tensors: nothing else on meta
+    return _lora_step_bytes(model, _on_cpu(x))
 
 
-@pytest.mark.slow  # launches 2 ranks, each with a 0.56 B model materialised on CPU
-def test_flux2_lora_plan_matches_a_real_width_2_rank_run_on_cpu(tmp_path):
-    """test_qwen_lora_plan_matches_a_real_width_2_rank_run_on_cpu for FLUX.2 klein 4B (1 double + 1 single block
-    at real width, LoRA r16 on the default targets, bf16-mixed, world size 2, one reference): the shards, adapter
-    grads and AdamW moments exactly; the saves within the same two known terms. The copy: the double block's
-    joint attention output (tokens x 3072), one per double block as for Qwen; the single block's attention output
-    is concatenated with its MLP's before the fused to_out (a copy on every device), so it adds none. The
-    statistics: the LayerNorms' mean and rstd (fp32 on meta as on CUDA, bf16 on CPU) of the norms whose input
-    needs grad under LoRA: the double block's norm2 and norm2_context (its norm1s see the frozen embedders'
-    output), the single block's norm and norm_out. The q / k norms are torch.nn.RMSNorm, torch's composite in fp32
-    on meta and CPU alike: they add no term (CUDA runs a fused kernel instead, which this check cannot see)."""
+def _cp_saved_bytes(rank, world, folder) -> int:
+    """One rank of CP 2 as train_flux_kontext.py runs it (diffusers' Ulysses, enable_context_parallel) on the
+    FLUX.1 width folder, every weight trained: the bytes autograd saves in a forward on CPU, once per storage."""
+    import fsdp_utils
+    from parallel.context_parallel import enable_context_parallel
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    x = _width_inputs(model, "flux_kontext", CP_RES, CP_TEXT)
+    model = model.to_empty(device="cpu")
+    _fill_random(model, rank)
+    x = _on_cpu(x)
+    x["hidden_states"].requires_grad_(True)
+    enable_context_parallel(model, fsdp_utils.build_meshes(torch.device("cpu"), 1, world)[1])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(**x)[0]
+    y.float().square().mean().backward()  # the CP graph runs through (its recomputation is not a forward save)
+    return sum(saved.values())
+
+
+NF4_SPLIT = 1e-3  # the planner's NF4 shard over the measured one, relative, at most
+QWEN_DMD_WIDTH = {  # name: (train_dmd.py's settings, the planner's)
+    "lightning": (dict(BASE_DTYPE="", FAKE_LORA=False), dict(lora_rank=64, lora_alpha=8)),
+    "nf4": (dict(BASE_DTYPE="nf4", FAKE_LORA=True), dict(lora_rank=64, lora_alpha=8, fake_lora=True, base_dtype="nf4")),
+}
+
+
+def _qwen_dmd_builds(folder) -> dict:
+    """One rank of train_dmd.py's three Qwen-Image transformers at real width, built by the script's own
+    build_flow_transformers (meta -> LoRA / NF4 -> the Qwen recipe -> each rank's slices allocated) for
+    each QWEN_DMD_WIDTH setting, then an AdamW step over what each model trains: each role's bytes on
+    this rank. It replaces train_dmd's settings and the weights' loader: the launch's last step."""
+    from types import SimpleNamespace
+
+    import train_dmd
+    from families import qwen_image
+    from parallel import loading, lowbit
+    from precision import get_precision
+    # every build step but reading the weights: each rank allocates its slices (the values do not matter here)
+    loading.materialize_and_load = lambda model, _folder, home, *_: model.to_empty(device=home)
+    train_dmd.MODEL_PATH = folder
+    config = {k: getattr(train_dmd, k) for k in ("DP_REPLICATE", "PARALLELISM", "RESHARD_AFTER_FORWARD",
+                                                 "CPU_OFFLOAD", "PREFETCH", "COMPILE")}
+    config["ACTIVATION_CHECKPOINTING"] = True
+
+    def local_bytes(ts):  # NF4: its inner tensors (codes, scales)
+        return sum(lowbit.state_bytes(t.to_local()) for t in ts)
+    got = {}
+    for name, (script, planner) in QWEN_DMD_WIDTH.items():
+        for k, v in script.items():
+            setattr(train_dmd, k, v)
+        run = SimpleNamespace(d=SimpleNamespace(device=torch.device("cpu")), config=config,
+                              lora=lora.Lora(planner["lora_rank"], planner["lora_alpha"]))
+        _, generator, fake, teacher, ema, _, _ = train_dmd.build_flow_transformers(run, qwen_image,
+                                                                                   get_precision("bf16-mixed"))
+        assert ema is None
+        got[name] = {"teacher": local_bytes(teacher.parameters())}
+        for role, model in (("generator", generator), ("fake_score", fake)):
+            trained = [p for p in model.parameters() if p.requires_grad]
+            for p in trained:
+                p.grad = torch.zeros_like(p)
+            opt = torch.optim.AdamW(trained, lr=1e-4)
+            opt.step()
+            got[name][role] = dict(frozen=local_bytes(p for p in model.parameters() if not p.requires_grad),
+                                   trained=local_bytes(trained), grads=local_bytes(p.grad for p in trained),
+                                   optim=local_bytes(st[k] for st in opt.state.values()
+                                                     for k in ("exp_avg", "exp_avg_sq")))
+        del generator, fake, teacher
+    return got
+
+
+def _width_rank(rank, world, folders, out):
+    """One rank of the launch: each family's LoRA step, CP 2 on the FLUX.1 folder, then train_dmd.py's Qwen
+    builds on the Qwen folder. Rank 0 writes what it measured."""
+    import gc
+    import json
+    got = {}
+    for family in WIDTH:
+        got[family] = _width_lora_step(rank, folders[family], family)
+        gc.collect()
+    got["cp"] = _cp_saved_bytes(rank, world, folders["flux_kontext"])
+    gc.collect()
+    got["qwen_dmd"] = _qwen_dmd_builds(folders["qwen_image_edit"])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+@pytest.fixture(scope="module")
+def width_runs(tmp_path_factory):
+    """({family: its real-width folder}, what rank 0 measured) from one launch of _width_rank on 2 ranks."""
     import json
 
     from tests.conftest import run_ranks
-    folder = _flux2_width_folder(tmp_path)
-    s = Settings(world_size=2, resolution=FLUX2_WIDTH_RES, lora_rank=16, references=1,
-                 reference_area=FLUX2_WIDTH_RES ** 2)
-    assert memory_plan.reference_grids("flux2", s) == FLUX2_WIDTH_REFS
+    root = tmp_path_factory.mktemp("width")
+    folders = {family: _width_folder(root, family) for family in WIDTH}
+    run_ranks(_width_rank, 2, folders, str(root / "got.json"))
+    return folders, json.loads((root / "got.json").read_text())
+
+
+def _meta_stats(model, x) -> int:
+    """The bytes of the (..., 1) norm statistics a forward on meta saves (fp32, as CUDA keeps them)."""
+    stats = [0]
+
+    def count_stats(t):
+        if t.dim() > 1 and t.shape[-1] == 1:
+            stats[0] += t.numel() * t.element_size()
+        return t
+    with memory_plan.flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(count_stats, lambda t: t):
+        model(**x)
+    return stats[0]
+
+
+@pytest.mark.slow  # one 2-rank launch for the file (width_runs), each model 0.4-0.56 B materialised on CPU
+@pytest.mark.parametrize("family", list(WIDTH))
+def test_lora_plan_matches_a_real_width_2_rank_run_on_cpu(family, width_runs):
+    """The planner on each family's transformer at real width (WIDTH: one block of each kind, LoRA r16 on the
+    default targets, bf16-mixed, world size 2) against a rank of the same run on 2 CPU ranks with gloo: the
+    base's and the adapters' shards, the adapter grads and AdamW's two moments exactly; the activations as
+    autograd saves them within the planner's two known terms, so it never counts less. The copy: meta copies
+    the double (dual-stream) block's joint attention output (tokens x 3072) where the kernels' layout gives a
+    view; FLUX.2's single block concatenates its attention output with its MLP's before the fused to_out (a
+    copy on every device), so it adds none. The statistics: meta keeps the norms' statistics in fp32 (CUDA's
+    dtype; CPU's is bf16). FLUX.1 bounds them by all that meta saves; Qwen by half of them (the bf16 CPU
+    keeps); FLUX.2 by the LayerNorms' mean and rstd of the norms whose input needs grad under LoRA: the double
+    block's norm2 and norm2_context (its norm1s see the frozen embedders' output), the single block's norm
+    and norm_out. FLUX.2's q / k norms are torch.nn.RMSNorm, torch's composite in fp32 on meta and CPU alike:
+    they add no term (CUDA runs a fused kernel instead, which this check cannot see). FLUX.1 also counts the
+    adapters' rank-r intermediates, one per adapted Linear."""
+    folders, runs = width_runs
+    folder, got = folders[family], runs[family]
+    _, _, res, refs = WIDTH[family]
+    s = Settings(world_size=2, resolution=res, lora_rank=16,
+                 **(dict(references=len(refs), reference_area=res ** 2) if refs else {}))
+    assert memory_plan.reference_grids(family, s) == refs
     p = memory_plan.plan(folder, s)
     rows = p["rows"]
     names = tuple(n for n, _ in p["units"]["transformer"][:-1])
-    assert names == ("transformer_blocks.0", "single_transformer_blocks.0")
-    planned = memory_plan._activations(folder, "transformer", "flux2", names, torch.bfloat16, 1, FLUX2_WIDTH_RES,
-                                       lora.Lora(16), FLUX2_WIDTH_TEXT, FLUX2_WIDTH_REFS).total(False)
-    run_ranks(_flux2_width_rank, 2, folder, str(tmp_path / "got.json"))
-    got = json.loads((tmp_path / "got.json").read_text())
+    assert names == (("transformer_blocks.0",) if family == "qwen_image_edit" else
+                     ("transformer_blocks.0", "single_transformer_blocks.0"))
+    planned = memory_plan._activations(folder, "transformer", family, names, torch.bfloat16, 1, res,
+                                       lora.Lora(16), WIDTH_TEXT, refs).total(False)
     assert got["base"] == rows["transformer"]["params"]
     assert (got["adapters"], got["grads"], got["optim"]) == tuple(rows["transformer.lora"][k] for k in
                                                                   ("params", "grads", "optim"))
-    image, text = (1 + len(FLUX2_WIDTH_REFS)) * (FLUX2_WIDTH_RES // 16) ** 2, FLUX2_WIDTH_TEXT
-    copy = (image + text) * 3072 * 2
-    stats = 2 * (image + text + (image + text) + image) * (4 - 2)  # mean + rstd per token of those four norms
-    assert copy <= planned - got["saved"] <= copy + stats
-    print(f"\nFLUX.2 klein width, 1 + 1 blocks, LoRA r16, 2 ranks: saved {got['saved']} bytes, planned {planned}, "
-          f"planned - saved {planned - got['saved']} (copy {copy} + statistics {stats}), "
-          f"measured / planned {got['saved'] / planned:.4f}; base shard {got['base']}")
+    model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
+    with torch.device("meta"):
+        lora.add_lora(model, lora.Lora(16))
+    model.to(torch.bfloat16)
+    x = _width_inputs(model, family, res, WIDTH_TEXT, refs)
+    x["hidden_states"].requires_grad_(False)  # as the planner measures LoRA: the latents need no grad
+    image, text = x["hidden_states"].shape[1], WIDTH_TEXT
+    copy = (image + text) * 3072 * 2  # one double (dual-stream) block
+    diff = planned - got["saved"]
+    if family == "flux_kontext":
+        stats = _meta_stats(model, x)
+        assert got["rank_r"] == 6 + 6 + 4  # every adapted Linear's rank-r intermediate: 6 per stream + 4 single
+        assert 0 <= diff <= stats + copy and diff >= copy - stats
+    elif family == "qwen_image_edit":
+        stats = _meta_stats(model, x)
+        assert copy - stats // 2 <= diff <= copy + stats // 2
+    else:
+        stats = 2 * (image + text + (image + text) + image) * (4 - 2)  # mean + rstd per token of those four norms
+        assert copy <= diff <= copy + stats
+    print(f"\n{family} width, LoRA r16, 2 ranks: saved {got['saved']} bytes, planned {planned}, planned - saved "
+          f"{diff} (copy {copy}, statistics {stats}), measured / planned {got['saved'] / planned:.4f}; "
+          f"base shard {got['base']}")
+
+
+@pytest.mark.slow  # the CP 2 run of width_runs' launch
+def test_cp_share_on_meta_matches_a_real_width_cp2_run_on_cpu(width_runs):
+    """The planner's per-rank share of the activations under CP 2 (held whole: the constant of the linear
+    fit; the rest halved) against what autograd saves on a rank of a real CP 2 forward of the FLUX.1 width
+    folder (CP_TEXT + CP_RES: 12 tokens), on 2 CPU ranks. The planner never counts less; it counts more by
+    known terms: diffusers' Ulysses op saves q, k, v and recomputes the attention output in backward (no
+    output, no logsumexp), meta copies the double block's attention output where the kernels' layout gives a
+    view, and meta keeps the norms' statistics in fp32 (CUDA's dtype; CPU's is bf16)."""
+    folders, runs = width_runs
+    model = memory_plan.meta_model(f"{folders['flux_kontext']}/transformer").to(torch.bfloat16)
+    x = _width_inputs(model, "flux_kontext", CP_RES, CP_TEXT)
+    one = memory_plan.activation_bytes(model, x, [], False)
+    quarter = _width_inputs(model, "flux_kontext", CP_RES // 2, CP_TEXT // 4)
+    whole = (4 * memory_plan.activation_bytes(model, quarter, [], False) - one) // 3  # 3 tokens: L / 4
+    planned = whole + (one - whole) // 2
+    stats = _meta_stats(model, x)
+    tokens, width, heads = x["hidden_states"].shape[1] + CP_TEXT, 3072, 24
+    out_and_lse = 2 * (tokens * width * 2 + heads * tokens * 4) // 2  # 2 attention calls, half per rank
+    copy = tokens * width * 2 // 2
+    real = runs["cp"]
+    assert planned - out_and_lse - copy - stats <= real <= planned
+    print(f"\nCP 2 width, {tokens} tokens: a rank saves {real} bytes, the planner's share {planned} ({whole} without a "
+          f"sequence dimension whole, the rest halved), measured / planned {real / planned:.4f}")
+
+
+@pytest.mark.slow  # train_dmd.py's builds of width_runs' launch
+def test_qwen_dmd_plan_matches_train_dmds_real_width_build_on_2_ranks(width_runs):
+    """The planner's qwen-image-edit DMD2 rows against train_dmd.py's own build on 2 CPU ranks with gloo,
+    the transformer at real width (WIDTH's: 1 dual-stream block, 3072 wide, 0.38 B parameters): the Lightning
+    recipe (LoRA r64 alpha 8 generator, full fake score in bf16-mixed: fp32 master, bf16 teacher) and the
+    24 GB one (LoRA generator and fake score on NF4 bases, NF4 teacher). Each role's shard on rank 0, the
+    adapters, their grads and AdamW's moments equal the planner's rows to the byte; NF4 shards up to
+    NF4_SPLIT less (the planner gives each rank an even share of the quantised weights, the shards split
+    them at their blocks; measured: 0.023 %). The activations are one training forward's, the
+    fine-tune's: test_lora_plan_matches_a_real_width_2_rank_run_on_cpu holds those."""
+    folders, runs = width_runs
+    folder, got = folders["qwen_image_edit"], runs["qwen_dmd"]
+    for name, (_, over) in QWEN_DMD_WIDTH.items():
+        rows = memory_plan.plan(folder, Settings(world_size=2, resolution=64, fake_score_fp32=False,
+                                                 activation_checkpointing=True, script="train_dmd.py",
+                                                 **over))["rows"]
+        g, nf4 = got[name], over.get("base_dtype") == "nf4"
+
+        def frozen_ok(measured, planned):  # NF4: the planner splits the quantised weights evenly over the ranks
+            return 0 <= planned - measured <= NF4_SPLIT * planned if nf4 else measured == planned
+        assert frozen_ok(g["teacher"], rows["teacher"]["params"]), (name, g["teacher"], rows["teacher"]["params"])
+        for role in ("generator", "fake_score"):
+            if f"{role}.lora" in rows:  # the frozen base, then the adapters with their grads and moments
+                assert frozen_ok(g[role]["frozen"], rows[role]["params"]), (name, role)
+                trained = rows[f"{role}.lora"]
+                assert g[role]["trained"] == trained["params"], (name, role)
+            else:  # all weights, the last block's unused text outputs frozen (qwen_image.freeze_unused)
+                trained = rows[role]
+                assert 0 < g[role]["frozen"] and g[role]["frozen"] + g[role]["trained"] == trained["params"]
+            assert (g[role]["grads"], g[role]["optim"]) == (trained["grads"], trained["optim"]), (name, role)
+        print(f"\nQwen width, 1 block, DMD2 {name}, 2 ranks: rank 0 holds {g}")
