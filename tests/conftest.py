@@ -597,9 +597,10 @@ def copy_checkpoint(out, step: int, to) -> None:
 
 def start_all(runs: dict, timeout: float = TIMEOUT):
     """launch_all's launches started now and waited for later, so that what the caller does meanwhile (other
-    launches, in-process tests) overlaps them. Returns (wait, kill): wait() waits for them as launch_all does
-    (`timeout` counted from the start; a later call returns the first one's answer), kill() ends whatever
-    still runs (a fixture's teardown)."""
+    launches, in-process tests) overlaps them. Returns (wait, kill): wait(*names) waits for those launches
+    (none named: all) as launch_all does, `timeout` counted from the start, and returns {name:
+    CompletedProcess} of all waited for so far; a failure kills the rest. kill() ends whatever still runs (a
+    fixture's teardown)."""
     procs = {name: start(**kwargs) for name, kwargs in runs.items()}
     deadline = time.monotonic() + timeout
     done: dict = {}
@@ -613,20 +614,44 @@ def start_all(runs: dict, timeout: float = TIMEOUT):
                     pass
                 proc.communicate()
 
-    def wait() -> dict:
-        if len(done) < len(procs):
+    def wait(*names) -> dict:
+        for name in names or procs:
+            if name in done:
+                continue
+            proc = procs[name]
             try:
-                for name, proc in procs.items():
-                    if name in done:
-                        continue
-                    rc, out = finish(proc, max(deadline - time.monotonic(), 1.0))
-                    if rc != 0:
-                        pytest.fail(f"{name}: {' '.join(proc.args[-6:])} exited {rc}:\n{out[-3000:]}")
-                    done[name] = subprocess.CompletedProcess(proc.args, rc, out)
-            finally:
+                rc, out = finish(proc, max(deadline - time.monotonic(), 1.0))
+            except BaseException:
                 kill()
+                raise
+            if rc != 0:
+                kill()
+                pytest.fail(f"{name}: {' '.join(proc.args[-6:])} exited {rc}:\n{out[-3000:]}")
+            done[name] = subprocess.CompletedProcess(proc.args, rc, out)
         return done
     return wait, kill
+
+
+def output_dir(args) -> str:
+    """The OUTPUT_DIR a launch's arguments give (the last --output_dir=)."""
+    return [a for a in map(str, args) if a.startswith("--output_dir=")][-1].split("=", 1)[1]
+
+
+def launch_all_resuming(runs: dict, straight: str, resumed: dict, step: int = 2, timeout: float = TIMEOUT) -> dict:
+    """launch_all(runs) and, as soon as run `straight` is done, `resumed` (start()'s arguments, RESUME=auto, its
+    own OUTPUT_DIR) from a copy of `straight`'s step-`step` checkpoint (copy_checkpoint), beside the runs still
+    going. {name: CompletedProcess}, the resumed run's under "resumed"."""
+    wait, kill = start_all(runs, timeout)
+    try:
+        wait(straight)
+        copy_checkpoint(output_dir(runs[straight]["args"]), step, output_dir(resumed["args"]))
+        wait_resumed, kill_resumed = start_all({"resumed": resumed}, timeout)
+        try:
+            return {**wait(), **wait_resumed()}
+        finally:
+            kill_resumed()
+    finally:
+        kill()
 
 
 # ----------------------------------------------------------------------------------------------

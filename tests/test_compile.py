@@ -40,8 +40,8 @@ import re
 import pytest
 import torch
 
-from tests.conftest import (assert_trains_as_eager, copy_checkpoint, launch, launch_env, read_metrics, run_ranks,
-                            start_all, tiny_default)
+from tests.conftest import (assert_trains_as_eager, copy_checkpoint, launch_env, read_metrics, run_ranks, start_all,
+                            tiny_default)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -134,11 +134,18 @@ def started(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(started):
     """{group: {name: (OUTPUT_DIR, log)}} of started's launches, and the compiled Kontext run resumed from the
-    eager one's step-2 checkpoint (hitting the compiled run's inductor cache)."""
-    done, roots, jobs = started["wait"](), started["roots"], started["jobs"]
-    out = {g: {name: (str(roots[g] / name), done[f"{g}/{name}"].stdout) for name in jobs[g]} for g in jobs}
+    eager one's step-2 checkpoint, started once that run is done (beside the others still running; it hits
+    the compiled run's inductor cache where that run got there first)."""
+    roots, jobs = started["roots"], started["jobs"]
+    started["wait"]("flux/eager")
     copy_checkpoint(roots["flux"] / "eager", 2, roots["flux"] / "resumed")
-    out["flux"]["resumed"] = (str(roots["flux"] / "resumed"), launch(**started["resume"], timeout=900).stdout)
+    wait_resumed, kill_resumed = start_all({"resumed": started["resume"]}, timeout=1800)
+    try:
+        done, resumed = started["wait"](), wait_resumed()["resumed"]
+    finally:
+        kill_resumed()
+    out = {g: {name: (str(roots[g] / name), done[f"{g}/{name}"].stdout) for name in jobs[g]} for g in jobs}
+    out["flux"]["resumed"] = (str(roots["flux"] / "resumed"), resumed.stdout)
     return out
 
 

@@ -4,10 +4,10 @@ FSDP2 over dp x cp. CPU, gloo, the tiny Kontext model, fp32.
 
     python -m pytest tests/test_context_parallel.py -q
 
-Runs (module-scoped, shared by the tests; ref beside cp):
+Runs (module-scoped, shared by the tests; side by side):
     ref      python, BATCH_SIZE=2                       (one process, no CP)
     cp       torchrun 2, CONTEXT_PARALLEL=2, BATCH_SIZE=2 (one DP group of 2 ranks: the same samples)
-    resumed  the cp settings, RESUME=auto from a copy of cp's step-2 checkpoint to step 3
+    resumed  the cp settings, RESUME=auto from a copy of cp's step-2 checkpoint to step 3, once cp is done
 Both ref and cp keep an EMA and compute validation losses and samples, so every forward path
 (training, validation, the FluxKontextPipeline samples) runs under CP.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ import torch
 from tests.conftest import (
     assert_kontext_resumed_bit_exact,
     kontext_run,
-    launch_all,
+    launch_all_resuming,
     launch_kontext,
     load_export,
     read_metrics,
@@ -40,17 +39,13 @@ COMMON = ["--batch_size=2", "--ema_decay=0.5", "--val_every=1", "--sample_every=
 
 @pytest.fixture(scope="module")
 def runs(kontext_setup):
-    root, out = kontext_setup["root"], {}
-    done = launch_all({"ref": kontext_run(kontext_setup, root / "cp_ref", COMMON, ranks=1),
-                       "cp": kontext_run(kontext_setup, root / "cp", COMMON + ["--context_parallel=2"])})
-    out["ref"], out["cp"] = (str(root / "cp_ref"), done["ref"].stdout), (str(root / "cp"), done["cp"].stdout)
-    os.makedirs(root / "cp_resumed" / "checkpoints")
-    shutil.copytree(root / "cp" / "checkpoints" / "step_000002", root / "cp_resumed" / "checkpoints" / "step_000002")
-    out["resumed"] = (
-        str(root / "cp_resumed"),
-        launch_kontext(kontext_setup, root / "cp_resumed", COMMON + ["--context_parallel=2", "--resume=auto"]).stdout,
-    )
-    return out
+    root = kontext_setup["root"]
+    dirs = {"ref": root / "cp_ref", "cp": root / "cp", "resumed": root / "cp_resumed"}
+    done = launch_all_resuming(
+        {"ref": kontext_run(kontext_setup, dirs["ref"], COMMON, ranks=1),
+         "cp": kontext_run(kontext_setup, dirs["cp"], COMMON + ["--context_parallel=2"])},
+        "cp", kontext_run(kontext_setup, dirs["resumed"], COMMON + ["--context_parallel=2", "--resume=auto"]))
+    return {name: (str(folder), done[name].stdout) for name, folder in dirs.items()}
 
 
 @pytest.mark.slow

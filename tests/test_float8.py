@@ -17,8 +17,7 @@ import torch.nn as nn
 
 from core.errors import ConfigError
 from parallel import float8
-from tests.conftest import (copy_checkpoint, launch, launch_all, launch_env, read_checkpoint, read_metrics,
-                            tiny_default)
+from tests.conftest import launch_all_resuming, launch_env, read_checkpoint, read_metrics, tiny_default
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(HERE, "..", "tools", "real_size_configs")
@@ -98,7 +97,7 @@ def runs(tmp_path_factory):
     tune = common + ["--max_steps=4", "--save_every=2", "--sample_every=0", "--val_every=0", "--lr=1e-3"]
     out = {k: root / k for k in ("bf16", "tensorwise", "rowwise", "stopped", "dmd", "one_rank")}
     job = functools.partial(dict, script="train_flux_kontext.py", ranks=2, env=env)
-    done = launch_all({
+    done = launch_all_resuming({
         "bf16": job(args=tune + [f"--output_dir={out['bf16']}"]),
         "tensorwise": job(args=tune + [f"--output_dir={out['tensorwise']}", "--fp8=tensorwise"]),
         "rowwise": job(args=tune + [f"--output_dir={out['rowwise']}", "--fp8=rowwise"]),
@@ -107,10 +106,8 @@ def runs(tmp_path_factory):
             "--dfake_gen_update_ratio=1", "--denoising_steps=999,749,499,249"]),
         # one rank: FSDP2 leaves weights with an all-gather extension unsharded there, so no float8 all-gather
         "one_rank": job(ranks=1, args=tune + [f"--output_dir={out['one_rank']}", "--fp8=tensorwise", "--max_steps=2",
-                                              "--save_every=0"])})
-    copy_checkpoint(out["tensorwise"], 2, out["stopped"])
-    launch("train_flux_kontext.py", tune + [f"--output_dir={out['stopped']}", "--fp8=tensorwise", "--resume=auto"],
-           env=env)
+                                              "--save_every=0"])},
+        "tensorwise", job(args=tune + [f"--output_dir={out['stopped']}", "--fp8=tensorwise", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "model": model}
 
 

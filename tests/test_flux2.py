@@ -24,8 +24,8 @@ from PIL import Image
 
 from core.errors import ConfigError
 from families import flux2
-from tests.conftest import (assert_trains_as_eager, copy_checkpoint, launch, launch_all, launch_env, read_checkpoint,
-                            read_metrics, run_ranks, start_all, tiny_default)
+from tests.conftest import (assert_trains_as_eager, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
+                            run_ranks, start_all, tiny_default)
 
 STEPS = 4
 LR = 1e-3
@@ -278,11 +278,10 @@ def runs(klein, compiled_run):
             "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1", "--optimizer=adamw8bit"],
             env=klein["env"]),
     }
-    done = launch_all(jobs, timeout=900)  # beside the compiled run: slower than alone
-    copy_checkpoint(out["full"], 2, out["stopped"])
-    resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
-                     env=klein["env"])
-    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
+    resumed = dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}", "--resume=auto"],
+                   env=klein["env"])
+    done = launch_all_resuming(jobs, "full", resumed, timeout=900)  # beside the compiled run: slower than alone
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": done["resumed"].stdout}
 
 
 @pytest.mark.slow
@@ -425,7 +424,7 @@ def dmd_runs(klein, dev):
     gan = ["--use_gan=1", "--gen_cls_loss_weight=0.1", "--guidance_cls_loss_weight=0.1"]
     out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora", "t2i", "dev")}
     job = functools.partial(dict, script="train_dmd.py", env=klein["env"])
-    done = launch_all({
+    done = launch_all_resuming({
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
                                    "--base_dtype=nf4", "--save_every=0"]),
@@ -433,11 +432,9 @@ def dmd_runs(klein, dev):
                                   "--save_every=0", "--sample_every=2"]),
         "dev": job(args=common + [f"--output_dir={out['dev']}", f"--model_path={dev}", "--flux_guidance=3.5",
                                   f"--max_sequence_length={DEV_LENGTH}", "--lora_rank=4", "--fake_lora=1",
-                                  "--save_every=0"])}, timeout=600)
-    copy_checkpoint(out["full"], 2, out["stopped"])
-    resumed = launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"],
-                     env=klein["env"])
-    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout}
+                                  "--save_every=0"])},
+        "full", job(args=common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"]), timeout=600)
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": done["resumed"].stdout}
 
 
 @pytest.mark.slow

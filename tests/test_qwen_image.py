@@ -28,7 +28,7 @@ from PIL import Image
 from algorithms import dmd2 as dm
 from families import qwen_image as qi
 from tests.numerics import gamma
-from tests.conftest import (copy_checkpoint, launch, launch_all, launch_env, read_checkpoint, read_metrics,
+from tests.conftest import (launch, launch_all, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
                             tiny_default)
 
 AREA = 64 * 64
@@ -271,11 +271,10 @@ def runs(qwen):
             "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1", "--optimizer=adamw8bit"],
             ranks=2, env=qwen["env"]),
     }
-    done = launch_all(jobs)
-    copy_checkpoint(out["two"], 2, out["stopped"])
-    resumed = launch("train_flux_kontext.py", common + [f"--output_dir={out['stopped']}", "--resume=auto"],
-                     env=qwen["env"])
-    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": resumed.stdout,
+    resumed = dict(script="train_flux_kontext.py", args=common + [f"--output_dir={out['stopped']}", "--resume=auto"],
+                   env=qwen["env"])
+    done = launch_all_resuming(jobs, "two", resumed)
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": done["resumed"].stdout,
             "model": qwen["model"]}
 
 
@@ -499,13 +498,12 @@ def dmd_runs(qwen):
     gan = ["--use_gan=1", "--gen_cls_loss_weight=0.1", "--guidance_cls_loss_weight=0.1"]  # weights that show
     out = {k: root / ("dmd_" + k) for k in ("full", "one", "stopped", "lora")}
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=qwen["env"])
-    done = launch_all({
+    done = launch_all_resuming({
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
         "one": job(args=common + gan + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1),
         "lora": job(args=common + [f"--output_dir={out['lora']}", f"--data_path={data}", "--lora_rank=4",
-                                   "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--shift=auto"])})
-    copy_checkpoint(out["full"], 2, out["stopped"])
-    launch("train_dmd.py", common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"], env=qwen["env"])
+                                   "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--shift=auto"])},
+        "full", job(args=common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
 
