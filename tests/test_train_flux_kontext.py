@@ -4,17 +4,18 @@ and text-cache helpers.
     python -m pytest tests/test_train_flux_kontext.py -q
 
 The script is launched as users launch it (`torchrun --nproc_per_node=2` and plain `python`), on a
-small edit dataset with two aspect ratios (so steps switch between 64x64 and 48x96 buckets). Each
-launch costs ~10 s of imports, so the runs are module-scoped fixtures shared by several tests:
+small edit dataset with two aspect ratios (so steps switch between 64x64 and 48x96 buckets). The
+runs are module-scoped fixtures shared by several tests:
 
-    ref     python, BATCH_SIZE=4                                   (the 1-process reference)
     hsdp    torchrun 2, BATCH_SIZE=2, DP_REPLICATE=2, no reshard after forward
+    ref     python, BATCH_SIZE=4                                   (the 1-process reference)
     combo   torchrun 2, BATCH_SIZE=1, GRAD_ACCUM=2, activation checkpointing, CPU offload, EMA,
             samples every 2 steps                                  (3 steps straight)
     resumed the combo settings, RESUME=auto from a copy of combo's step-2 checkpoint to step 3
             (a fresh process; must equal combo's step 3 bit for bit)
 
-All runs share one text-embedding cache: the first run fills it, the others must reuse it.
+All runs share one text-embedding cache: the first run (hsdp) fills it, the others must reuse it;
+ref and combo then train side by side (a one-process run fills the core a 2-rank run leaves idle).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import (KONTEXT_STEPS, assert_kontext_resumed_bit_exact, assert_loads_with_automodel, free_port,
-                            launch_kontext, load_export, read_metrics)
+                            kontext_run, launch_all, launch_kontext, load_export, read_metrics, tensorboard_scalars)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import fsdp_utils
@@ -57,12 +58,13 @@ COMBO = ["--batch_size=1", "--grad_accum=2", "--activation_checkpointing=1", "--
 
 @pytest.fixture(scope="module")
 def runs(kontext_setup):
-    root, out = kontext_setup["root"], {}
-    for name, ranks, args in (("ref", 1, ["--batch_size=4", "--sample_every=0"]),
-                              ("hsdp", 2, ["--batch_size=2", "--dp_replicate=2", "--reshard_after_forward=0",
-                                           "--sample_every=0"]),
-                              ("combo", 2, COMBO)):
-        out[name] = (str(root / name), launch_kontext(kontext_setup, root / name, args, ranks).stdout)
+    root = kontext_setup["root"]
+    hsdp = ["--batch_size=2", "--dp_replicate=2", "--reshard_after_forward=0", "--sample_every=0"]
+    out = {"hsdp": (str(root / "hsdp"), launch_kontext(kontext_setup, root / "hsdp", hsdp).stdout)}
+    ref = ["--batch_size=4", "--sample_every=0"]
+    side_by_side = launch_all({"ref": kontext_run(kontext_setup, root / "ref", ref, 1),
+                               "combo": kontext_run(kontext_setup, root / "combo", COMBO)})
+    out.update({name: (str(root / name), done.stdout) for name, done in side_by_side.items()})
     # resume: a new run whose OUTPUT_DIR holds the straight run's step-2 checkpoint continues to step 3
     os.makedirs(root / "resumed" / "checkpoints")
     shutil.copytree(root / "combo" / "checkpoints" / "step_000002", root / "resumed" / "checkpoints" / "step_000002")
@@ -112,7 +114,7 @@ def test_resume_is_bit_exact(runs):
 @pytest.mark.slow
 def test_text_cache_filled_once_then_reused(runs, kontext_setup):
     unique = len({r["prompt"] for r in kontext_setup["rows"]})
-    counts = [computed_reused(stdout) for _, stdout in (runs[k] for k in ("ref", "hsdp", "combo"))]
+    counts = [computed_reused(stdout) for _, stdout in (runs[k] for k in ("hsdp", "ref", "combo"))]
     assert counts[0] == (unique, 0)  # the first run fills the shared cache
     assert all(c == (0, unique) for c in counts[1:])
     assert computed_reused(runs["resumed"][1]) == (0, unique)
@@ -280,20 +282,13 @@ def test_fsdp_transformer_matches_plain_model(kontext_setup, tmp_path):
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def tensorboard_scalars(out):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    files = os.listdir(os.path.join(out, "tensorboard"))
-    assert len(files) == 1, files  # one event file per run
-    acc = EventAccumulator(os.path.join(out, "tensorboard"))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 @pytest.mark.slow
 def test_tensorboard_equals_metrics_and_validation_loss_is_logged(runs):
     pytest.importorskip("tensorboard")
     for name, steps in (("combo", [1, 2, 3]), ("resumed", [3])):  # the resumed run continues at step 3
         rows = read_metrics(runs[name][0])
+        files = os.listdir(os.path.join(runs[name][0], "tensorboard"))
+        assert len(files) == 1, files  # one event file per run
         scalars = tensorboard_scalars(runs[name][0])
         assert [s for s, _ in scalars["loss"]] == steps
         for r in rows:
@@ -420,16 +415,18 @@ def test_latent_cache_key_holds_every_images_size(tmp_path):
 @pytest.mark.slow
 def test_cached_latents_train_exactly_as_the_vae_in_the_step(kontext_setup, tmp_path):
     """At one pair per micro-batch the cache's one-image encodes are the step's own: the losses
-    and grad norms are bit-identical. The second run (2 ranks, the same cache) encodes nothing."""
+    and grad norms are bit-identical. The second run (2 ranks, the same cache) encodes nothing.
+    It trains beside the plain run, once the cached run has filled both caches."""
     cache = [f"--text_cache_dir={tmp_path / 'tc'}", "--batch_size=1", "--sample_every=0", "--val_every=0"]
-    plain = launch_kontext(kontext_setup, tmp_path / "plain", cache, ranks=1)
     cached = launch_kontext(kontext_setup, tmp_path / "cached", cache + ["--cache_latents=1"], ranks=1)
+    side_by_side = launch_all({"plain": kontext_run(kontext_setup, tmp_path / "plain", cache, 1),
+                               "again": kontext_run(kontext_setup, tmp_path / "again", cache + ["--cache_latents=1"])})
+    plain, again = side_by_side["plain"], side_by_side["again"]
     n = len(kontext_setup["rows"]) - 2  # the last NUM_SAMPLE_PAIRS rows are held out
     assert _latent_counts(cached.stdout) == (n, n, 0), cached.stdout[-3000:]
     assert _latent_counts(plain.stdout) is None
     a, b = read_metrics(tmp_path / "plain", timing=False), read_metrics(tmp_path / "cached", timing=False)
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
-    again = launch_kontext(kontext_setup, tmp_path / "again", cache + ["--cache_latents=1"], ranks=2)
     assert _latent_counts(again.stdout) == (n, 0, n), again.stdout[-3000:]
     assert len(read_metrics(tmp_path / "again")) == KONTEXT_STEPS
 

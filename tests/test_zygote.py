@@ -37,11 +37,18 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def probe(tmp_path, ranks, fast: bool, **env):
+def start_probe(tmp_path, ranks, fast: bool, **env):
+    """The probe launched by the fast launcher or by torchrun, not waited for: launches side by side
+    (a torchrun launch leaves a core idle while its launcher imports, then while its ranks start)."""
     path = tmp_path / "probe.py"
-    path.write_text(PROBE)
+    if not path.exists():  # written once: a launch may be reading it
+        path.write_text(PROBE)
     proc = start(str(path), ["--a=1", "b c"], ranks=ranks, env=launch_env(**env), torchrun=not fast)
     assert isinstance(proc, ZygoteLaunch) == fast
+    return proc
+
+
+def finish_probe(proc):
     rc, out = finish(proc, timeout=120)
     lines = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("PROBE ")]
     return rc, sorted(lines, key=lambda r: int(r["RANK"] or 0)), out
@@ -55,24 +62,29 @@ def fast_launches_on(monkeypatch):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_ranks_see_what_torchrun_gives_them(tmp_path, ranks):
-    rc_fast, fast, _ = probe(tmp_path, ranks, True, PROBE_VALUE="x")
-    rc_ref, ref, log = probe(tmp_path, ranks, False, PROBE_VALUE="x")
+    procs = [start_probe(tmp_path, ranks, True, PROBE_VALUE="x"), start_probe(tmp_path, ranks, False, PROBE_VALUE="x"),
+             start_probe(tmp_path, 2, True)]
+    (rc_fast, fast, _), (rc_ref, ref, log), (_, seeds, _) = [finish_probe(proc) for proc in procs]  # side by side
     assert rc_fast == rc_ref == 0, log
     assert len(fast) == len(ref) == ranks
     for a, b in zip(fast, ref):
         assert a.pop("seed") and b.pop("seed")
         assert a == b
-    assert len({r["seed"] for r in probe(tmp_path, 2, True)[1]}) == 2  # each rank its own fresh seed
+    assert len({r["seed"] for r in seeds}) == 2  # each rank its own fresh seed
 
 
 def test_a_failing_rank_ends_the_launch_like_torchrun(tmp_path):
     """Rank 1 exits 3 while rank 0 sleeps: both launchers stop rank 0 and exit 1; one rank alone
     exits with its own code."""
-    for fast in (True, False):
-        rc, lines, log = probe(tmp_path, 2, fast, PROBE_FAIL_RANK="1")
-        assert rc == 1 and len(lines) == 2, (fast, log[-2000:])
-        rc, lines, log = probe(tmp_path, 1, fast, PROBE_FAIL_RANK="0", PROBE_CODE="2")
-        assert rc == 2, (fast, log[-2000:])
+    cases = {2: dict(PROBE_FAIL_RANK="1"), 1: dict(PROBE_FAIL_RANK="0", PROBE_CODE="2")}
+    procs = {(fast, ranks): start_probe(tmp_path, ranks, fast, **env) for fast in (True, False)
+             for ranks, env in cases.items()}
+    done = {case: finish_probe(proc) for case, proc in procs.items()}  # all of them, before any assertion
+    for (fast, ranks), (rc, lines, log) in done.items():
+        if ranks == 2:
+            assert rc == 1 and len(lines) == 2, (fast, log[-2000:])
+        else:
+            assert rc == 2, (fast, log[-2000:])
 
 
 def test_import_time_environment_goes_through_torchrun():
