@@ -16,6 +16,7 @@ pipeline. Two real launches (slow) check the same on what the scripts write.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -59,9 +60,11 @@ def sources():
             "kontext": os.path.join(ROOT, "assets", "kontext_base")}
 
 
+@functools.cache
 def trained_model(folder: str, model: str, kind: str, mode: str, seed: int = 0):
     """The source's trainable model as training leaves it: stored as PRECISION stores it, every
-    weight moved a little (so the export is not the source), LoRA adapters nonzero."""
+    weight moved a little (so the export is not the source), LoRA adapters nonzero. Built once for
+    every export dtype and test that asks for it: the exports only read it."""
     import diffusers
     prec = get_precision(mode)
     component = TRAINED[model]
