@@ -1,4 +1,4 @@
-"""The FLUX.2 room (families/flux2.py) and train_flux_kontext.py on it.
+"""The FLUX.2 room (families/flux2/) and train_flux_kontext.py on it.
 
 Conditioning equals Flux2KleinPipeline's own tensors (the text through its encode_prompt and the cache, each
 reference by its resize-and-cut rule, the latents' patchify and BatchNorm statistics, the 4-D ids with a time

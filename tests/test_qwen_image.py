@@ -1,4 +1,4 @@
-"""The Qwen-Image-Edit room (families/qwen_image.py) and train_flux_kontext.py on it.
+"""The Qwen-Image-Edit room (families/qwen_image/) and train_flux_kontext.py on it.
 
 Conditioning equals QwenImageEditPlusPipeline's own tensors (text with its reference images, the
 references' packed latents, img_shapes), the room's sampling loop equals the pipeline's output, and

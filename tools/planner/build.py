@@ -67,7 +67,7 @@ QWEN_TEXT_TOKENS = QWEN_REFERENCES * (QWEN_CONDITION_TOKENS + 7) + 64 + 5
 
 # FLUX.2's sequence, per sample: the target's (RESOLUTION / 16)^2 tokens, then each reference's: the pipeline
 # downsizes a reference to its REFERENCE_AREA (1024^2) only if larger, so one at least that large gives
-# REFERENCE_AREA / 16^2 tokens whatever the target's size (families/flux2.py, pipeline_size); then 512 text tokens.
+# REFERENCE_AREA / 16^2 tokens whatever the target's size (families/flux2/, pipeline_size); then 512 text tokens.
 # The built-in configs (tools/real_size_configs/flux2-*): [dev]'s transformer is diffusers'
 # Flux2Transformer2DModel defaults, klein's as BFL's flux2 src/flux2/model.py (Klein4BParams, Klein9BParams;
 # mirrored in kohya-ss/musubi-tuner src/musubi_tuner/flux_2/flux2_models.py); [dev]'s text encoder is the
