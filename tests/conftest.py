@@ -510,13 +510,8 @@ def make_kontext_setup(root):
     return {"root": root, "env": env, "common": common, "model_path": model_path, "rows": rows, "data": data}
 
 
-def launch_dmd(args, env: dict, out_dir, ranks: int = 2) -> str:
-    """train_dmd.py with `args` into `out_dir`; its output."""
-    return launch(**dmd_run(args, env, out_dir, ranks)).stdout
-
-
 def dmd_run(args, env: dict, out_dir, ranks: int = 2) -> dict:
-    """launch_dmd's run as launch_all takes it."""
+    """train_dmd.py with `args` into `out_dir`, as launch_all takes it."""
     return dict(script="train_dmd.py", args=list(args) + [f"--output_dir={out_dir}"], ranks=ranks, env=env)
 
 
