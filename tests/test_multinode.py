@@ -59,10 +59,11 @@ def start_node(script, args, node_rank: int, port: int, env: dict, **extra) -> s
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}  # not the test's own allocation
     env.update(NNODES="2", NODE_RANK=str(node_rank), NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), **extra)
-    cpus = node_cpus(node_rank)
-    return subprocess.Popen(["bash", os.path.join(ROOT, "run_fsdp.sh"), script, *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    # pinned by a python that execs bash (not preexec_fn: unsafe beside the stand-ins' thread)
+    pin = f"import os, sys; os.sched_setaffinity(0, {sorted(node_cpus(node_rank))}); os.execvp('bash', sys.argv[1:])"
+    return subprocess.Popen([sys.executable, "-c", pin, "bash", os.path.join(ROOT, "run_fsdp.sh"), script,
+                             *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def start_nodes(script, args, env: dict, **extra) -> list[subprocess.Popen]:
