@@ -563,7 +563,9 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 # ----------------------------------------------------------------------------------------------
-# the rooms' shared checks (test_compile.py, test_flux2.py)
+# the rooms' files (test_compile, test_flux2, test_qwen_image, test_float8, test_context_parallel): one
+# compiled-vs-eager check, and launches that overlap (a resume from a copy of a checkpoint, started as soon as
+# that exists; a slow launch started early and waited for last)
 
 def assert_trains_as_eager(eager, compiled, *, lr: float, steps: int, component: str = "transformer") -> None:
     """A COMPILE=1 run (OUTPUT_DIR `compiled`) trains as its eager twin (`eager`): steps 1..`steps` logged by

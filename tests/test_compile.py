@@ -26,10 +26,13 @@ fully_shard, against eager.
   the inductor path's; inductor's own numerics on the UNet are measured by
   `python tools/benchmarks.py compile` (compiled vs eager train_dmd.py, side by side).
 
-Runtime: the inductor compile dominates. With an empty inductor cache (TORCHINDUCTOR_CACHE_DIR,
-by default /tmp/torchinductor_$USER) the file took 183 s on 2 cores shared with other jobs: the
-three FLUX launches 139 s (eager, compiled, and the resumed compiled run, which reuses the compiled
-run's cache), the UNet check 39 s. With a warm cache, about 100 s.
+Runtime: the inductor compile dominates, g++ building each graph's kernels in one process at a time
+while its other rank waits. So every launch starts at once, before the in-process UNet checks, which
+run meanwhile, and the compiled Kontext run that resumes the eager one's checkpoint starts when that
+run is done. With an empty inductor cache (TORCHINDUCTOR_CACHE_DIR, by default
+/tmp/torchinductor_$USER), emulating the CI machine (ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2) on 2 cores shared with other jobs (load 13), the file took 237 s; with a
+warm cache, not emulated, about 140 s.
 """
 from __future__ import annotations
 
