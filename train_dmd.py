@@ -87,7 +87,8 @@ from precision import Precision, component_row, get_precision, parse_dtype
 
 # models and data
 MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1, Qwen-Image-Edit or FLUX.2 folder (model_index.json says which); "" = shapes
-TEACHER_LORA = ""  # flow teachers: a LoRA export of MODEL_PATH (a fine-tune's export/): the teacher is base + it
+TEACHER_LORA = ""  # flow teachers: a LoRA of MODEL_PATH (an export/, or kohya / ai-toolkit / musubi / ComfyUI keys that
+# the pipeline's lora_state_dict converts): the teacher is base + it
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
 # (an editing teacher: rows as train_flux_kontext.py reads them, "control"(s) + "prompt"; "target" for the GAN)
 CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' folder(s); "" = DATA_PATH/control
@@ -295,7 +296,8 @@ def check_flow_settings(room, pipeline: str) -> None:
     float8.check_fp8(FP8, base_dtype=BASE_DTYPE if LORA_RANK else "")
     if TEACHER_LORA:  # before any work: a LoRA of this transformer, tensor for tensor
         transformer = os.path.join(MODEL_PATH, "transformer")
-        lora_merge.read_lora(TEACHER_LORA).check_base(tensor_shapes(transformer), f"TEACHER_LORA: {transformer}")
+        lora_merge.read_lora(TEACHER_LORA, pipeline=pipeline).check_base(tensor_shapes(transformer),
+                                                                        f"TEACHER_LORA: {transformer}")
 
 
 def check_generator_init(path: str, teacher_unet: str) -> None:
@@ -692,7 +694,8 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
 
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
     factor = room.vae_factor(MODEL_PATH)
-    base_lora = lora_merge.read_lora(TEACHER_LORA) if TEACHER_LORA else None  # read once: the builds and the export
+    # read once (the builds and the export); another tool's key form through the pipeline's lora_state_dict
+    base_lora = lora_merge.read_lora(TEACHER_LORA, pipeline=run.pipeline) if TEACHER_LORA else None
     mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec,
                                                                                                base_lora)
     models, head, guidance = flow_models(generator, fake, ema, mesh, min(data.shapes[0][0]) // factor, prec,

@@ -8,6 +8,12 @@ LoraConfig in the header's `lora_adapter_metadata`; the weight is W + scale · B
 lora_alpha / r (peft tuners/lora/layer.py update_layer; / sqrt(r) with use_rslora), per module by
 rank_pattern / alpha_pattern. A file without metadata scales by 1, as diffusers' load does (alpha = r).
 
+Any other key form (kohya / sd-scripts `lora_unet_` with `lora_down` / `lora_up` / `.alpha`, ai-toolkit,
+musubi-tuner, ComfyUI and LightX2V `diffusion_model.`, peft's `base_model.model.`) goes through the base
+pipeline's own `lora_state_dict` (diffusers' converters, loaders/lora_conversion_utils.py), as its
+`load_lora_weights` reads the file; what is not a plain B @ A delta (DoRA, LoKr / LoHa, norm `.diff`,
+biases, LoCon's mid) is refused in one line naming the key, before diffusers would drop it with a warning.
+
     python -m pytest tests/test_lora_merge.py -q
 """
 from __future__ import annotations
@@ -74,15 +80,55 @@ def scale_of(module: str, config: dict) -> float:
     return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def read_lora(path: str, component: str = "transformer") -> LoraDelta:
-    """The adapters of `component` in a LoRA export (folder or file), each with its scale; anything
-    other than plain LoRA pairs (DoRA, biases, other key forms) refused in one line."""
+# key parts of adapters that are not a B @ A delta, and what they are
+NOT_LORA = {"dora_scale": "DoRA's magnitude", "lokr_": "a LoKr factor", "hada_": "a LoHa factor",
+            "lora_mid": "LoCon's mid (Tucker) factor", ".diff": "a full-weight difference (.diff / .diff_b)",
+            ".bias": "a bias"}
+
+
+def _pair_key(component: str) -> str:
+    return rf"{re.escape(component)}\.(.+)\.lora_([AB])\.weight"
+
+
+def convert_foreign(file: str, tensors: dict, pipeline: str) -> tuple[dict, dict]:
+    """A LoRA file in another tool's key form, as `pipeline`'s `load_lora_weights` reads it: ({diffusers
+    key: tensor}, {module key prefix: alpha}). The converters fold alpha / r into the tensors; FLUX.1's
+    files with `.alpha` beside diffusers-named pairs keep it apart (network_alphas), scaled here as
+    diffusers' load does."""
+    import inspect
+
+    import diffusers
+    for key in tensors:
+        for part, what in NOT_LORA.items():
+            if part in key:
+                raise ConfigError(f"{file}: tensor {key!r} is {what}, not a LoRA pair's: only plain B @ A "
+                                  "adapters merge into the base")
+    loader = getattr(diffusers, pipeline, None)
+    if loader is None or not hasattr(loader, "lora_state_dict"):
+        raise ConfigError(f"{file}: not in diffusers' LoRA format, and {pipeline or 'the base'} has no "
+                          "lora_state_dict to convert it")
+    alphas_too = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters
+    try:
+        out = loader.lora_state_dict(file, **({"return_alphas": True} if alphas_too else {}))
+    except (ValueError, KeyError, AssertionError, IndexError) as e:
+        raise ConfigError(f"{file}: {pipeline}.lora_state_dict could not read its keys: {e}") from None
+    state, alphas = out if isinstance(out, tuple) else (out, None)
+    return state, {k[:-len(".alpha")]: float(v) for k, v in (alphas or {}).items()}
+
+
+def read_lora(path: str, component: str = "transformer", pipeline: str = "") -> LoraDelta:
+    """The adapters of `component` in a LoRA export (folder or file), each with its scale. A file in another
+    tool's key form is converted by `pipeline`'s (the base's model_index.json `_class_name`) lora_state_dict;
+    anything other than plain LoRA pairs refused in one line."""
     from safetensors import safe_open
     file = lora_file(path)
     with safe_open(file, framework="pt") as f:
         meta = (f.metadata() or {}).get("lora_adapter_metadata")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    config = {}
+    config, alphas = {}, {}
+    if pipeline and not all(re.fullmatch(_pair_key(component), k) for k in tensors):
+        tensors, alphas = convert_foreign(file, tensors, pipeline)
+        meta = None  # a converted file's scales are in its tensors (or its alphas)
     if meta:
         config = {k[len(component) + 1:]: v for k, v in json.loads(meta).items() if k.startswith(component + ".")}
         if config.get("use_dora"):
@@ -90,7 +136,7 @@ def read_lora(path: str, component: str = "transformer") -> LoraDelta:
     prefix = component + "."
     pairs: dict[str, dict] = {}
     for key, t in tensors.items():
-        m = re.fullmatch(rf"{re.escape(prefix)}(.+)\.lora_([AB])\.weight", key)
+        m = re.fullmatch(_pair_key(component), key)
         if m is None:
             raise ConfigError(f"{file}: tensor {key!r} is not a {component} LoRA pair's "
                               f"({prefix}<module>.lora_A.weight / .lora_B.weight, diffusers' format)")
@@ -101,7 +147,10 @@ def read_lora(path: str, component: str = "transformer") -> LoraDelta:
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"} or ab["A"].dim() != 2 or ab["B"].shape[1] != ab["A"].shape[0]:
             raise ConfigError(f"{file}: {module} has no matching lora_A / lora_B pair of 2-D tensors")
-        layers[module] = (ab["A"], ab["B"], scale_of(module, config) if config.get("r") else 1.0)
+        scale = scale_of(module, config) if config.get("r") else 1.0
+        if f"{prefix}{module}" in alphas:  # diffusers' load: lora_alpha / r of this module
+            scale = alphas[f"{prefix}{module}"] / ab["A"].shape[0]
+        layers[module] = (ab["A"], ab["B"], scale)
     return LoraDelta(file, layers)
 
 

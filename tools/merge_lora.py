@@ -33,7 +33,8 @@ def merge(base: str, lora: str, out: str, component: str = "transformer") -> Non
     if os.path.exists(out):
         raise ConfigError(f"{out} exists: name a new folder")
     folder = os.path.join(base, component)
-    delta = lora_merge.read_lora(lora, component)
+    with open(os.path.join(base, "model_index.json")) as f:  # its lora_state_dict reads other tools' key forms
+        delta = lora_merge.read_lora(lora, component, json.load(f)["_class_name"])
     delta.check_base(tensor_shapes(folder), f"{folder}")  # before anything is written
     partial = out.rstrip("/") + PARTIAL
     shutil.rmtree(partial, ignore_errors=True)
