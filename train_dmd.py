@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -60,6 +60,7 @@ from algorithms import dmd2_flow as flow_dm
 from algorithms import dmd2_unet as unet_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
+from components import validation as val
 from components.config import check_settings, script_constants
 from core.dist import print0
 from core.dist import rank as d_rank
@@ -70,7 +71,7 @@ from data.batches import micro_batch_positions
 from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices, stretched
 from data.images import save_image_grid
 from data.prefetch import Prefetcher
-from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
+from data.randomness import SAMPLE_NOISE_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
 from families import dit
 from families import sd_unet as unet
@@ -192,6 +193,13 @@ WANDB_RUN_NAME = ""  # W&B run name ("" = the OUTPUT_DIR folder name)
 SAMPLE_EVERY = 25  # steps between sample grids, and one at MAX_STEPS; 0 = no samples
 SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "control"); "" = from the data
 SAMPLE_COUNT = 8  # fixed prompts (the first distinct ones of SAMPLE_PROMPTS or the data) and seeds in every grid
+VAL_EVERY = 0  # steps between validations: the student against the teacher (variety, distance, colour); 0 = none
+VAL_PROMPTS = ""  # validation rows (as DATA_PATH reads them); "" = the data's last VAL_COUNT distinct ones
+VAL_COUNT = 4  # validation prompts (rows)
+VAL_SEEDS = 4  # seeds per validation prompt: the variety across seeds needs 2 or more
+VAL_TEACHER_STEPS = 28  # the teacher's reference: its steps (flow: Euler, the pipeline's shift; UNets: DDIM)
+COLLAPSE_WARN = 0.5  # a variety ratio (student / teacher) below this: one warning line naming the step; 0 = none
+COLLAPSE_STOP = False  # at that warning: stop the run (its checkpoints before that step kept)
 
 _DEFAULTS = script_constants(globals())  # before any override: what changed_settings compares with
 
@@ -215,7 +223,15 @@ def validate_config() -> list[int]:
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": REGRESSION_STEPS >= 1,
         "SHIFT > 0 or auto": km.valid_shift(SHIFT),
+        "VAL_EVERY >= 0": VAL_EVERY >= 0, "VAL_COUNT >= 1": VAL_COUNT >= 1,
+        "VAL_SEEDS >= 2 (the variety across seeds)": VAL_SEEDS >= 2, "VAL_TEACHER_STEPS >= 1": VAL_TEACHER_STEPS >= 1,
+        "COLLAPSE_WARN >= 0": COLLAPSE_WARN >= 0,
     })
+    for name, given in (("VAL_PROMPTS", VAL_PROMPTS), ("COLLAPSE_STOP", COLLAPSE_STOP)):
+        if given and not VAL_EVERY:
+            raise ConfigError(f"{name}={given} without VAL_EVERY: validation is off, so it would do nothing")
+    if COLLAPSE_STOP and not COLLAPSE_WARN:
+        raise ConfigError("COLLAPSE_STOP=1 with COLLAPSE_WARN=0: nothing would ever warn, so nothing would stop")
     if REGRESSION_WEIGHT > 0 and DENOISING_STEPS:
         raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with DENOISING_STEPS={DENOISING_STEPS}: the "
                           "regression target is the teacher's ODE from the generator's noise: a 1-step generator")
@@ -388,6 +404,36 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
 # the loop
 
 
+def validation_rows(rows: list, key: Callable, read_own: Callable) -> list:
+    """VAL_EVERY's rows: VAL_PROMPTS' first VAL_COUNT distinct ones (by `key`), else the data's last
+    VAL_COUNT distinct ones. Those stay in training: DMD2 trains on prompts without targets, and a run
+    with validation trains exactly as one without; VAL_PROMPTS holds prompts it never trains on."""
+    if not VAL_EVERY:
+        return []
+    own = bool(VAL_PROMPTS)
+    seen: dict = {}
+    for r in (read_own() if own else reversed(rows)):
+        seen.setdefault(key(r), r)
+    picked = list(seen.values())[:VAL_COUNT]
+    print0(f"validation: {len(picked)} prompts x {VAL_SEEDS} seeds every {VAL_EVERY} steps ("
+           + (f"VAL_PROMPTS={VAL_PROMPTS}" if own else "the data's last distinct rows, still trained on")
+           + f"); the teacher's reference at {VAL_TEACHER_STEPS} steps")
+    return picked if own else picked[::-1]
+
+
+def make_validator(teacher_samples: Callable, student_samples: Callable, labels: list, extra: dict):
+    """The run's validator (components/validation.py): grids and the teacher's cache in OUTPUT_DIR/validation,
+    the cache keyed by everything the teacher's samples depend on."""
+    lora = os.path.realpath(TEACHER_LORA) if TEACHER_LORA else ""
+    identity = {"model": os.path.realpath(MODEL_PATH), "teacher_lora": lora,
+                "teacher_lora_size": os.path.getsize(lora_merge.lora_file(lora)) if lora else 0,
+                "rows": labels, "seeds": VAL_SEEDS, "seed": SEED, "steps": VAL_TEACHER_STEPS,
+                "precision": PRECISION, "teacher_dtype": TEACHER_DTYPE, "vae": VAE_PATH, "vae_dtype": VAE_DTYPE,
+                **extra}
+    return val.Validator(teacher_samples, student_samples, os.path.join(OUTPUT_DIR, "validation"), identity,
+                         COLLAPSE_WARN, COLLAPSE_STOP)
+
+
 @dataclass(frozen=True)
 class StepFns:
     """What the loop asks of a model family (the UNets or a flow teacher), each holding its models and settings."""
@@ -404,7 +450,7 @@ def add_logs(total: dict, logs: dict, weight: float) -> None:
 
 
 def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, trained: tuple, optimizers: tuple,
-             schedulers: tuple, sample, skipped: int) -> None:
+             schedulers: tuple, sample, skipped: int, validator=None) -> None:
     """The two-time-scale loop, the same for every model family. `trained` = (the generator and the
     fake score as their training forwards see them (DDP-wrapped under PARALLELISM=ddp), the guidance
     side: fake score (+ head)); step s (1-based, as in both scripts) is the official code's
@@ -454,8 +500,10 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                 ema_lib.ema_update(ema, generator, EMA_DECAY)
             sched_g.step()  # both every iteration, as published (make_optimizer)
             sched_d.step()
+            validate = (functools.partial(validator, step) if validator is not None and trainer.due(step, VAL_EVERY)
+                        else None)
             trainer.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
-                             sample=sample, work={"images": global_batch})
+                             validate=validate, sample=sample, work={"images": global_batch})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,6 +546,9 @@ def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precisio
     if SAMPLE_PROMPTS:
         sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
                                    setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
+    val_rows = validation_rows(rows, lambda r: r["prompt"], lambda: read_rows(
+        VAL_PROMPTS, ("prompt",), ("prompt",), skip_bad=False, setting="VAL_PROMPTS", columns=columns,
+        split=DATASET_SPLIT)[0])
 
     shapes = unet.attention_shapes(MODEL_PATH, RESOLUTION, BATCH_SIZE, VAE_PATH)
     trainer.check_attention(run, *shapes, precision.compute_dtype)
@@ -542,15 +593,16 @@ def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precisio
         encode = unet.PromptCache(encode, PROMPT_CACHE)
     inputs = functools.partial(unet_inputs, d=d, encode=encode, sdxl=sdxl, vae=vae, teacher=teacher, head=head,
                                alphas=alphas, rows=rows, real_rows=real_rows, sample_rows=sample_rows,
-                               resolution=resolution, latent_shape=latent_shape, step_list=step_list)
+                               val_rows=val_rows, resolution=resolution, latent_shape=latent_shape, step_list=step_list)
     return Setup(models, teacher, (train_gen, train_fake), guidance, audit + [component_row("vae", vae, vae.dtype)],
                  f"{resolution} px, latents {latent_shape}", len(step_list), skipped, inputs)
 
 
 def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, rows, real_rows, sample_rows,
-                resolution, latent_shape, step_list) -> tuple[StepFns, Callable, Callable]:
+                val_rows, resolution, latent_shape, step_list) -> tuple[StepFns, Callable, Callable, Callable | None]:
     """The UNet family's step: fixed inputs (the unconditional embedding of the teacher's CFG, sample
-    prompts and noise), batches (prompt embeddings, real latents, per-sample draws) and losses."""
+    prompts and noise), batches (prompt embeddings, real latents, per-sample draws), losses, and with
+    VAL_EVERY the validator (the teacher's reference by DDIM under the DM loss's CFG)."""
     uncond = unet.unconditional(encode, sdxl)
     sample_prompts, sample_noise, sample_sim = unet.dmd_sample_inputs(sample_rows, SAMPLE_COUNT, latent_shape,
                                                                       len(step_list) - 1, SEED)
@@ -562,6 +614,34 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
             unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, REAL_GUIDANCE_SCALE,
                        REAL_GUIDANCE_NORM)
+    validator = None
+    if VAL_EVERY:  # per prompt: its VAL_SEEDS seeds in one batch, the same noise for the teacher and the student
+        prompts = val_rows
+        g = step_generator(SEED, 0, stream=VALIDATION_STREAM)
+        draws = [(encode([r["prompt"]] * VAL_SEEDS), torch.randn((VAL_SEEDS, *latent_shape), generator=g),
+                  torch.randn((VAL_SEEDS, len(step_list) - 1, *latent_shape), generator=g)) for r in prompts]
+        draws = [(text, noise.to(d.device), sim.to(d.device)) for text, noise, sim in draws]
+
+        def side(latents_of, model):
+            latents = [latents_of(model, text, noise, sim) for text, noise, sim in draws]
+            fsdp_utils.reshard_all(model)
+            pixels = [unet.decode(vae, x).float().cpu() for x in latents] if d_rank() == 0 else None
+            return val.Samples(pixels, [x.float().cpu() for x in latents] if pixels is not None else None)
+
+        @torch.no_grad()
+        def teacher_samples():
+            return side(lambda m, text, noise, _: dm.ddim_teacher(m, noise, text, uncond, losses.real_guidance_scale,
+                                                                  alphas, VAL_TEACHER_STEPS, losses.real_guidance_norm),
+                        teacher)
+
+        @torch.no_grad()
+        def student_samples():
+            with final_weights() as model:
+                return side(lambda m, text, noise, sim: unet.generator_latents(m, text, noise, sim, step_list, alphas),
+                            model)
+        validator = make_validator(teacher_samples, student_samples, [r["prompt"] for r in prompts],
+                                   {"resolution": resolution, "scale": losses.real_guidance_scale,
+                                    "norm": losses.real_guidance_norm})
     draw = functools.partial(unet_dm.draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
@@ -574,7 +654,7 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     load = functools.partial(unet.load_dmd_step, rows=rows, batch_size=BATCH_SIZE, grad_accum=GRAD_ACCUM, seed=SEED,
                              d=d, real_size=resolution if USE_GAN else None, real_rows=real_rows,
                              caption_dropout=CAPTION_DROPOUT)
-    return steps, load, sample
+    return steps, load, sample, validator
 
 
 def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=None) -> tuple:
@@ -641,6 +721,8 @@ class FlowData:
     sample_shapes: list  # each sample row's shape
     edits: bool = True  # rows with references (else prompts alone: text to image)
     loader: Callable | None = None  # how the family's pipeline reads an image (room.image_loader; None: stretched)
+    val_rows: list = field(default_factory=list)  # VAL_EVERY's rows (validation_rows)
+    val_shapes: list = field(default_factory=list)  # each validation row's shape
 
 
 def flow_data(room, settings: dict) -> FlowData:
@@ -662,12 +744,15 @@ def flow_data(room, settings: dict) -> FlowData:
     shapes, shape_of = row_shapes(room, rows, buckets, settings, seeded=False)
     members, schedule = bucket_schedule(shape_of, MAX_STEPS, SEED)
     sample_shapes = [s[i] for s, of in [row_shapes(room, sample_rows, buckets, settings, seeded=False)] for i in of]
+    val_rows = validation_rows(rows, lambda r: (str(references(r)), r["prompt"]), lambda: read(
+        VAL_PROMPTS, required=required, skip_bad=False, setting="VAL_PROMPTS")[0])
+    val_shapes = [s[i] for s, of in [row_shapes(room, val_rows, buckets, settings, seeded=False)] for i in of]
     print0(f"data: {len(rows)} {'rows' if edits else 'prompts'} from {DATA_PATH}"
            + (f", {skipped} bad rows skipped" if skipped else "") + f"; {len(sample_rows)} sample rows; shapes "
            + ", ".join(f"{h}x{w}" + "".join(f" + {a}x{b}" for a, b in refs) + f": {len(m)}"
                        for ((h, w), refs), m in zip(shapes, members)))
     return FlowData(rows, skipped, shapes, members, schedule, sample_rows, sample_shapes, edits,
-                    room.image_loader(settings))
+                    room.image_loader(settings), val_rows, val_shapes)
 
 
 def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) -> Setup:
@@ -686,9 +771,9 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     # the text cache (the encoders loaded only where entries are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
     guide = room.dmd_guidance(settings)  # an embedded guidance value, or the teacher's CFG pair and its negative
-    texts = [(r["prompt"], r) for r in data.rows + data.sample_rows]
+    texts = [(r["prompt"], r) for r in data.rows + data.sample_rows + data.val_rows]
     texts += [(room.UNCONDITIONAL_PROMPT, r) for r in data.rows] if CAPTION_DROPOUT > 0 else []
-    texts += [(guide.negative, r) for r in data.rows] if guide.negative is not None else []
+    texts += [(guide.negative, r) for r in data.rows + data.val_rows] if guide.negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
                                       d.device)
 
@@ -741,10 +826,10 @@ def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: s
 
 
 def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity,
-                guide: dm.Guidance, factor, channels, edits) -> tuple[StepFns, Callable, Callable]:
+                guide: dm.Guidance, factor, channels, edits) -> tuple[StepFns, Callable, Callable, Callable | None]:
     """A flow teacher's step: fixed sample inputs (per sample shape, in order of first appearance: its
     rows' text and references, noise of the whole σ list), batches (cached text, packed references
-    and real tokens, per-sample draws at the step's shape) and losses."""
+    and real tokens, per-sample draws at the step's shape), losses, and with VAL_EVERY the validator."""
     guidance = 1.0 if guide.embedded is None else guide.embedded  # all three transformers' input; CFG in Losses
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     groups = []
@@ -764,6 +849,9 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
     def sample(path):
         with final_weights() as model:
             write_flow_samples(room, model, vae, groups, sigmas, guidance, edits, path)
+    validator = flow_validator(final_weights, room=room, d=d, vae=vae, teacher=teacher, data=data, sigmas=sigmas,
+                               cache_dir=cache_dir, identity=identity, guide=guide, factor=factor,
+                               channels=channels) if data.val_rows else None
 
     shifts = {s[0]: flow_shift(s[0], factor) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
@@ -792,7 +880,57 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
         guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, guidance, losses))
     load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity,
                              negative=guide.negative, d=d)
-    return steps, load, sample
+    return steps, load, sample, validator
+
+
+def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigmas, cache_dir, identity,
+                   guide: dm.Guidance, factor, channels) -> val.Validator:
+    """VAL_EVERY's validator for a flow teacher: per validation row, VAL_SEEDS noises in one batch; the
+    teacher's reference is its ODE from each noise (Euler, VAL_TEACHER_STEPS steps on the pipeline's shifted
+    σ at the row's size) under the DM loss's guidance (its CFG pair against the negative prompt where it has
+    one), the student's the whole σ list as the export samples."""
+    guidance = 1.0 if guide.embedded is None else guide.embedded
+    g = step_generator(SEED, 0, stream=VALIDATION_STREAM)
+    draws = []
+    for row, shape in zip(data.val_rows, data.val_shapes):
+        (h, w), n = shape[0], VAL_SEEDS
+        latent = (channels, h // factor, w // factor)
+        refs, _ = load_pairs([row] * n, shape, [False] * n, target=False, loader=data.loader)
+        refs = [x.to(d.device) for x in refs]
+        text = room.load_text([(row["prompt"], row)] * n, cache_dir, identity, d.device)
+        negative = (room.load_text([(guide.negative, row)] * n, cache_dir, identity, d.device)
+                    if guide.negative is not None else None)
+        tokens = (latent[1] // 2) * (latent[2] // 2)
+        shift = (room.sampling_shift(MODEL_PATH, tokens, VAL_TEACHER_STEPS) if hasattr(room, "sampling_shift")
+                 else km.pipeline_shift(dit.scheduler_config(MODEL_PATH), tokens))
+        draws.append((room.dmd_cond(text, None, vae, refs, latent[1:]), room.dmd_cond(text, negative, vae, refs,
+                                                                                     latent[1:]),
+                       km.pack_latents(torch.randn((n, *latent), generator=g)).to(d.device),
+                       flow_dm.pack_steps(torch.randn((n, len(sigmas) - 1, *latent), generator=g)).to(d.device), shift))
+
+    def side(tokens_of, model):
+        tokens = [tokens_of(model, *draw) for draw in draws]
+        fsdp_utils.reshard_all(model)
+        if d_rank() != 0:
+            return val.Samples(None, None)
+        pixels = [room.decode_tokens(vae, t, cond.size).float().cpu() for t, (cond, *_) in zip(tokens, draws)]
+        return val.Samples(pixels, [t.float().cpu() for t in tokens])
+    scale = guide.scale
+
+    @torch.no_grad()
+    def teacher_samples():
+        return side(lambda m, _, cond, noise, __, shift: dm.fm_teacher_ode(
+            cond.velocity(m, guidance if scale == 1 else scale, guide.norm), noise, VAL_TEACHER_STEPS, shift), teacher)
+
+    @torch.no_grad()
+    def student_samples():
+        with final_weights() as model:
+            return side(lambda m, cond, _, noise, sim, __: flow_dm.sample_tokens(m, cond, noise, sim, sigmas, guidance),
+                        model)
+    return make_validator(teacher_samples, student_samples, [(str(references(r)), r["prompt"]) for r in data.val_rows],
+                          {"shapes": data.val_shapes, "scale": scale, "norm": guide.norm, "guidance": guidance,
+                           "negative": guide.negative, "reference_area": REFERENCE_AREA,
+                           "condition_area": CONDITION_AREA, "max_sequence_length": MAX_SEQUENCE_LENGTH})
 
 
 @torch.no_grad()
@@ -876,9 +1014,11 @@ def main() -> None:
 
     # the loop, on the family's fixed inputs, batches and losses
     final_weights = functools.partial(ema_lib.output_weights, generator, ema)  # what samples show, export writes
-    steps, load, sample = family.inputs(final_weights)
+    steps, load, sample, validator = family.inputs(final_weights)
+    if validator is not None:
+        validator.before_stop = run.ckpt.wait  # COLLAPSE_STOP: a save in flight is finished first
     run_loop(run, start, steps, load, family.n_steps, family.models, (*family.trained, family.guidance),
-             (opt_g, opt_d), (sched_g, sched_d), sample, family.skipped)
+             (opt_g, opt_d), (sched_g, sched_d), sample, family.skipped, validator)
 
     # export
     if family.export_note:

@@ -193,6 +193,39 @@ def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float, norm: st
 
 # ---------------------------------------------------------------------------- DM loss
 
+def real_eps(real_unet, z_t: torch.Tensor, t: torch.Tensor, text_emb, uncond_emb, guidance_scale: float,
+             cfg_norm: str = "none") -> torch.Tensor:
+    """The teacher's ε under CFG: one batched call on [uncond; cond] (the conditional batch alone at s == 1),
+    combined by cfg_combine per pixel (`t`: per-sample (B,))."""
+    if guidance_scale == 1:
+        return predict_eps(real_unet, z_t, t, text_emb)
+    if uncond_emb is None:
+        raise ValueError("guidance_scale != 1 needs uncond_emb")
+    uncond_emb = expand_cond(uncond_emb, z_t.shape[0])
+    eps_u, eps_c = predict_eps(real_unet, torch.cat([z_t, z_t]), torch.cat([t, t]),
+                               cat_cond(uncond_emb, text_emb)).chunk(2)
+    return cfg_combine(eps_c, eps_u, guidance_scale, cfg_norm, dim=1)  # (B, C, h, w): a pixel's channels
+
+
+@torch.no_grad()
+def ddim_teacher(real_unet, noise: torch.Tensor, text_emb, uncond_emb, guidance_scale: float,
+                 alphas_cumprod: torch.Tensor, steps: int, cfg_norm: str = "none") -> torch.Tensor:
+    """The teacher's deterministic sample (DDIM, η = 0) from `noise` at the last train timestep, under the
+    DM loss's CFG: `steps` timesteps spaced as diffusers' DDIMScheduler spaces them for SD-1.5 / SDXL
+    ("leading", steps_offset 1: 1 + k·(T / steps)), each x̂0 from ε in float64, the last step to ᾱ = 1
+    (the sample is x̂0 of the last timestep). Returns fp32 latents."""
+    n = len(alphas_cumprod)
+    timesteps = [k * (n // steps) + 1 for k in range(steps)][::-1]
+    z = noise.float()
+    for i, t in enumerate(timesteps):
+        tt = torch.full((z.shape[0],), t, dtype=torch.long, device=z.device)
+        eps = real_eps(real_unet, z, tt, text_emb, uncond_emb, guidance_scale, cfg_norm)
+        x0 = x0_from_eps(z, eps, tt, alphas_cumprod, out_dtype=torch.float64)
+        if i + 1 == len(timesteps):
+            return x0.float()
+        z = add_noise(x0, eps.double(), timesteps[i + 1], alphas_cumprod, out_dtype=torch.float32)
+    return z
+
 @torch.no_grad()
 def dm_grad(x: torch.Tensor, t, noise: torch.Tensor, real_unet, fake_unet,
             text_emb: torch.Tensor, uncond_emb: torch.Tensor | None, guidance_scale: float,
@@ -216,16 +249,7 @@ def dm_grad(x: torch.Tensor, t, noise: torch.Tensor, real_unet, fake_unet,
     z_t = add_noise(x, noise, t, alphas_cumprod, out_dtype=torch.float32)
 
     eps_fake = predict_eps(fake_unet, z_t, t, text_emb)
-    if guidance_scale == 1:
-        eps_real = predict_eps(real_unet, z_t, t, text_emb)
-    else:
-        if uncond_emb is None:
-            raise ValueError("guidance_scale != 1 needs uncond_emb")
-        uncond_emb = expand_cond(uncond_emb, batch)
-        eps_u, eps_c = predict_eps(real_unet, torch.cat([z_t, z_t]), torch.cat([t, t]),
-                                   cat_cond(uncond_emb, text_emb)).chunk(2)
-        eps_real = cfg_combine(eps_c, eps_u, guidance_scale, cfg_norm, dim=1)  # (B, C, h, w): a pixel's channels
-
+    eps_real = real_eps(real_unet, z_t, t, text_emb, uncond_emb, guidance_scale, cfg_norm)
     x0_real = x0_from_eps(z_t, eps_real, t, alphas_cumprod, out_dtype=torch.float64)
     x0_fake = x0_from_eps(z_t, eps_fake, t, alphas_cumprod, out_dtype=torch.float64)
     p_real = x.double() - x0_real
@@ -519,13 +543,15 @@ def fm_fake_score_loss(fake_velocity, x_detached: torch.Tensor, noise: torch.Ten
 
 
 @torch.no_grad()
-def fm_teacher_ode(teacher_velocity, noise: torch.Tensor, steps: int) -> torch.Tensor:
+def fm_teacher_ode(teacher_velocity, noise: torch.Tensor, steps: int, shift: float = 1.0) -> torch.Tensor:
     """The teacher's deterministic sample from `noise` (σ = 1): Euler over `steps` uniform σ steps to σ = 0,
     in fp32. The target of DMD's regression loss (Yin et al., "One-step Diffusion with Distribution
     Matching Distillation", CVPR 2024: the teacher's ODE output for the same noise, which pins the
     generator's noise-to-mode map to the teacher's), computed here for each generator step's own noise
-    instead of from a precomputed set of pairs."""
-    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+    instead of from a precomputed set of pairs. `shift` s maps each σ to s·σ / (1 + (s − 1)·σ), the
+    pipelines' schedule at their resolution (DMD2 validation's teacher reference)."""
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    sigmas = (shift * sigmas / (1 + (shift - 1) * sigmas)).tolist()  # the pipelines' shifted schedule; 1: uniform
     x = noise.float()
     for hi, lo in zip(sigmas[:-1], sigmas[1:]):
         s = torch.full((x.shape[0],), hi, device=x.device)

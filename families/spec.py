@@ -29,6 +29,8 @@ OPTIONAL = {
     "NEGATIVE_PROMPT": "true CFG in train_flux_kontext.py's samples: its `sample` then takes `negative`",
     "SHARDED_TEXT_FILL": "SHARD_TEXT_ENCODER=1 accepted (components/trainer.check_text_sharding)",
     "prepare": "what a meta build of the trained model leaves unset (tools/memory_plan.py reads it)",
+    "sampling_shift": "(model_path, tokens, steps) -> the pipeline's σ shift where its scheduler config does not "
+                      "say it (DMD2 validation's teacher reference)",
 }
 
 
@@ -152,6 +154,10 @@ class UnetDistillationRoom(DistillationRoom, Protocol):
     def dmd_sample_inputs(self, rows, count, shape, n_sim, seed) -> tuple: ...
 
     def write_samples(self, model, vae, text, noise, sim_noise, step_list, alphas, path) -> None: ...
+
+    def generator_latents(self, model, text, noise, sim_noise, step_list, alphas) -> torch.Tensor: ...
+
+    def decode(self, vae, latents) -> torch.Tensor: ...
 
     def dmd_micro_batches(self, it, loaded, seed, device, draw, encode, vae) -> list: ...
 

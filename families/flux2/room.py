@@ -424,6 +424,14 @@ def sample_pipeline(scheduler, vae, transformer):
     return scheduler, transformer
 
 
+def sampling_shift(model_path: str, tokens: int, steps: int) -> float:
+    """The shift s of the pipelines' σ at `steps` steps for `tokens` packed target tokens: their exponential
+    time shift by compute_empirical_mu (pipeline_flux2_klein.py) is s·σ / (1 + (s − 1)·σ) with s = e^mu on
+    linspace(1, 1/steps), which is the uniform grid's first `steps` points."""
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    return math.exp(compute_empirical_mu(image_seq_len=tokens, num_steps=steps))
+
+
 @torch.no_grad()
 def sample(pipe, vae, references, text, size, steps, guidance, generator, negative=None) -> torch.Tensor:
     """One edit (3, h, w) on CPU by the pipeline's denoising loop (:770-890) on latents: its noise drawn as it

@@ -272,14 +272,23 @@ def encode_images(vae, pixels: torch.Tensor, generators: list) -> torch.Tensor:
 def write_samples(model, vae, text, noise, sim_noise, step_list, alphas, path: str) -> None:
     """Every rank runs the sharded generator (the same forwards everywhere); rank 0 decodes and
     writes the grid. Few-step mode runs the whole step list, as inference does."""
+    latents = generator_latents(model, text, noise, sim_noise, step_list, alphas)
+    fsdp_utils.reshard_all(model)  # no gathered copy left behind until the next grid
+    if rank() == 0:
+        save_image_grid(decode(vae, latents), path, nrow=4)
+
+
+def generator_latents(model, text, noise, sim_noise, step_list, alphas) -> torch.Tensor:
+    """The generator's sample latents over the whole step list, as inference runs it (every rank)."""
     last = len(step_list) - 1
     fresh = [sim_noise[:, i] for i in range(last)]
     z, _ = dm.backward_simulation(model, noise, step_list, last, text, alphas, fresh_noise=fresh)
-    latents = dm.generator_forward(model, z, step_list[last], text, alphas)
-    fsdp_utils.reshard_all(model)  # no gathered copy left behind until the next grid
-    if rank() == 0:
-        images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
-        save_image_grid(images, path, nrow=4)
+    return dm.generator_forward(model, z, step_list[last], text, alphas)
+
+
+def decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents -> images in about [-1, 1], as the pipelines decode them."""
+    return vae.decode((latents / vae.config.scaling_factor).to(vae.dtype)).sample
 
 
 # ----------------------------------------------------------------------------------------------
