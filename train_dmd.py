@@ -15,8 +15,8 @@ algorithms/dmd2_unet.py; flow matching: algorithms/dmd2_flow.py); what both scri
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
-VAE), FluxKontextPipeline or FluxPipeline (docs/dmd2_kontext.md), QwenImageEditPlusPipeline, Flux2KleinPipeline
-or Flux2Pipeline (docs/flux2.md); its setup
+VAE), FluxKontextPipeline or FluxPipeline, QwenImageEditPlusPipeline, Flux2KleinPipeline or Flux2Pipeline
+(docs/dmd2.md; each family's page in docs/families/); its setup
 here (the UNets', or the one of every flow-matching room, which asks the room what differs) builds the
 models, VAE, batches and losses, and one story (main) runs them through the same loop.
 

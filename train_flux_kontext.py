@@ -150,7 +150,7 @@ EXPORT_SYMLINKS = False  # the export's frozen parts: hard-linked (copied across
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel)
 BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
 DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
-CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses attention); 1 = off; see docs/kontext.md
+CONTEXT_PARALLEL = 1  # ranks that split each sample's token sequence (Ulysses); 1 = off; see docs/parallelism.md
 RESHARD_AFTER_FORWARD = "auto"  # 1: free gathered params after each forward (ZeRO-3); 0: keep them; auto: see docs
 CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations

@@ -9,7 +9,7 @@
 # --gpu_memory_gb=24` plans 13.0 GiB for training and 14.6 for the text-cache fill before it on one 24 GB GPU;
 # NPROC=8 (8 x 24 GB): 6.4 and 9.1 (docs/planner.md, "FLUX.2"; planned, not measured). The export is a
 # Flux2KleinPipeline LoRA: from_pretrained(MODEL, is_distilled=True), load_lora_weights(export), the export's
-# scheduler, num_inference_steps=4 (docs/flux2.md).
+# scheduler, num_inference_steps=4 (docs/families/flux2.md).
 #
 #   MODEL=/models/FLUX.2-klein-base-4B DATA=/data/edits.jsonl bash recipes/dmd_flux2_klein_4step_lora.sh
 #   NPROC=8 MODEL=/models/FLUX.2-klein-base-4B DATA=/data/prompts.txt bash recipes/dmd_flux2_klein_4step_lora.sh

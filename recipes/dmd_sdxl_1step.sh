@@ -14,7 +14,7 @@
 # sdxl_lr1e-5_8node_ode_pretraining_10k_cond399_checkpoint_model_002000.bin, 2k iterations of
 # experiments/sdxl/sdxl_lr1e-5_8node_ode_pretraining_10k_cond399.sh) is a pickled .bin: convert it
 # once to .safetensors (train_dmd.py prints the one-line command if given the .bin). This suite
-# does not implement the ODE pre-training itself (docs/dmd2.md, "SDXL in 1 step"). GENERATOR_INIT=
+# does not implement the ODE pre-training itself (docs/families/sd_unet.md, "SDXL in 1 step"). GENERATOR_INIT=
 # (set but empty) starts the generator from the teacher instead: that is not the published run, and
 # no published number applies to it.
 #

@@ -154,7 +154,8 @@ def test_the_names_in_the_usage_and_the_docs_are_the_cli_s():
     listed = set(re.findall(r"python tools/benchmarks\.py (\w+)", cli.__doc__))
     assert listed == names
     docs = set()
-    for path in glob.glob(os.path.join(ROOT, "docs", "*.md")) + [os.path.join(ROOT, "README.md")]:
+    pages = glob.glob(os.path.join(ROOT, "docs", "*.md")) + glob.glob(os.path.join(ROOT, "docs", "families", "*.md"))
+    for path in pages + [os.path.join(ROOT, "README.md")]:
         with open(path) as f:
             docs |= set(re.findall(r"python tools/benchmarks\.py\s+(\w+)", f.read()))
     assert docs and docs <= names, docs - names

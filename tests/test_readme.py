@@ -78,14 +78,49 @@ def test_readme_names_files_that_exist():
         assert os.path.exists(os.path.join(ROOT, name.rstrip("/"))), name
 
 
+def doc_pages():
+    """Every docs page: docs/*.md and the family pages docs/families/*.md (paths relative to ROOT)."""
+    import glob
+    return sorted(os.path.relpath(f, ROOT) for pattern in ("docs/*.md", "docs/families/*.md")
+                  for f in glob.glob(os.path.join(ROOT, pattern)))
+
+
 def test_docs_links_resolve():
-    for name in os.listdir(os.path.join(ROOT, "docs")):
-        if not name.endswith(".md"):
-            continue
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", read(f"docs/{name}")):
+    for page in doc_pages():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", read(page)):
             if target.startswith("http"):
                 continue
-            assert os.path.exists(os.path.join(ROOT, "docs", target)), f"docs/{name}: {target}"
+            assert os.path.exists(os.path.join(ROOT, os.path.dirname(page), target)), f"{page}: {target}"
+
+
+FAMILY_PAGE_HEADINGS = ["what it is", "which checkpoint to fine-tune", "data", "commands and recipes", "what fits",
+                        "fine-tune, then dmd2", "loading the exports", "demo"]
+
+
+def test_every_family_has_its_page_with_the_fixed_headings():
+    """docs/families/<name>.md for every name in families.NAMES, no page for a family that is not one, and each
+    page's sections (## headings) the same, in the same order (docs/architecture.md, "Adding a family")."""
+    import families
+    pages = sorted(n[:-3] for n in os.listdir(os.path.join(ROOT, "docs", "families")) if n.endswith(".md"))
+    assert pages == sorted(families.NAMES), pages
+    for name in families.NAMES:
+        sections, fenced = [], False
+        for line in read(f"docs/families/{name}.md").splitlines():
+            fenced ^= line.startswith("```")
+            if not fenced and line.startswith("## "):
+                sections.append(line[3:].strip().lower())
+        assert sections == FAMILY_PAGE_HEADINGS, (name, sections)
+
+
+def test_family_pages_show_every_export_kind():
+    """Each family page's loading lines: a full export (from_pretrained of an export folder), a LoRA export
+    (load_lora_weights) and the merged LoRA export (export_merged)."""
+    import families
+    for name in families.NAMES:
+        text = read(f"docs/families/{name}.md")
+        loading = text.split("## Loading the exports", 1)[1].split("\n## ", 1)[0]
+        for kind in ("export\")", "load_lora_weights(", "export_merged"):
+            assert kind in loading, (name, kind)
 
 
 def test_recipes_pass_what_the_readme_says():
@@ -118,7 +153,7 @@ def tracked_text_files():
 
 
 # `docs/x.md, "Section"`, `README's "Section"`, or unquoted inside brackets: `(README, Section)`
-SECTION_REF = re.compile(r"\b(README|docs/\w+\.md)(?:(?:, |'s )[\"“]([^\"”]+)[\"”]|, ([A-Z][\w ]+)\))")
+SECTION_REF = re.compile(r"\b(README|docs/(?:families/)?\w+\.md)(?:(?:, |'s )[\"“]([^\"”]+)[\"”]|, ([A-Z][\w ]+)\))")
 
 
 def test_sections_named_in_code_and_docs_exist():
@@ -152,17 +187,14 @@ def test_section_reference_pattern_catches_a_missing_section():
 
 def test_readme_tables_name_every_family_and_doc():
     """The README's Files line for families/ names every room (families.FAMILIES, by its NAME), its Docs table
-    links every docs/*.md, and its Files block every folder of the repository: the next family or page
-    cannot be left out."""
-    import glob
-
+    links every docs/*.md and docs/families/*.md, and its Files block every folder of the repository: the next
+    family or page cannot be left out."""
     import families
     text = read("README.md")
     rooms = [line for line in text.splitlines() if line.startswith("families/")]
     assert len(rooms) == 1 and all(room.NAME in rooms[0] for room in set(families.FAMILIES.values())), rooms
     docs = text[text.index("## Docs"):text.index("## Tests")]
-    assert [f for f in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-            if f"({os.path.relpath(f, ROOT)})" not in docs] == []
+    assert [f for f in doc_pages() if f"({f})" not in docs] == []
     files = text[text.index("## Files"):text.index("## Docs")]
     import subprocess
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout

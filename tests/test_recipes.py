@@ -174,3 +174,10 @@ def test_a_batch_size_override_keeps_the_published_global_batch(recipe, total):
         timeout=60,
     )
     assert r.returncode == 2 and "--batch_size=abc is not a positive integer" in r.stderr
+
+
+def test_every_recipe_is_listed_in_the_recipes_doc():
+    """docs/recipes.md names every recipes/*.sh and *.sbatch, each under its family's heading (or SLURM's)."""
+    doc = open(os.path.join(ROOT, "docs", "recipes.md"), encoding="utf-8").read()
+    shipped = sorted(f for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith((".sh", ".sbatch")))
+    assert shipped and [f for f in shipped if f"recipes/{f}" not in doc] == []

@@ -306,7 +306,7 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
          "the GAN's real images are Kontext pairs' targets; a text-to-image teacher has none"),
         (f"REAL_GUIDANCE_SCALE={settings['REAL_GUIDANCE_SCALE']:g}", settings["REAL_GUIDANCE_SCALE"] not in (0, 1),
          "FLUX.1 is guidance-distilled, its guidance is the embedded value FLUX_GUIDANCE, not a CFG pair; "
-         "set FLUX_GUIDANCE and leave REAL_GUIDANCE_SCALE at 0 (docs/dmd2_kontext.md)"),
+         "set FLUX_GUIDANCE and leave REAL_GUIDANCE_SCALE at 0 (docs/families/flux.md)"),
         *[(name, name in changed, "a Qwen-Image-Edit setting; FLUX.1 Kontext's context image enters at the "
            "target's size (RESOLUTION, BUCKET_ASPECTS)") for name in ("REFERENCE_AREA", "CONDITION_AREA")],
         *[(name, name in changed and not kontext, "a setting of editing rows; a text-to-image teacher reads prompts")
