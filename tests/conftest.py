@@ -439,6 +439,10 @@ def assert_kontext_resumed_bit_exact(straight, resumed, step, models=("model.tra
     return a
 
 
+def without_validation(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("val_")}
+
+
 def assert_dmd_resumed_bit_exact(straight, resumed, step: int = 4) -> None:
     """Two DMD2 runs' checkpoints of `step` hold the same generator, fake score, GAN head, EMA and both
     AdamW states bit for bit, and the resumed run logged what the straight one did after the resume."""
@@ -448,8 +452,30 @@ def assert_dmd_resumed_bit_exact(straight, resumed, step: int = 4) -> None:
         assert any(k.startswith("." + part) for k in a), part
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    after = read_metrics(resumed, timing=False)
-    assert read_metrics(straight, timing=False)[-len(after):] == after
+    after = read_metrics(resumed, timing=False)  # validation (VAL_EVERY) left out: it changes no training number
+    assert [without_validation(r) for r in read_metrics(straight, timing=False)[-len(after):]] == \
+        [without_validation(r) for r in after]
+
+
+VALIDATE = ["--val_every=2", "--val_count=1", "--val_seeds=2", "--val_teacher_steps=2"]  # train_dmd.py's, small
+VAL_FIGURES = ("val_variety_ratio", "val_variety_ratio_latent", "val_teacher_distance", "val_saturation_drift",
+               "val_colour_drift")
+
+
+def assert_validated(out, steps, log: str = "") -> None:
+    """A train_dmd.py run with VALIDATE: every figure logged at exactly `steps`, finite, with a grid each, the
+    teacher's samples drawn once (one cache file); the run's log names the validation rows."""
+    import math
+    rows = read_metrics(out, timing=False)
+    assert [r["step"] for r in rows if "val_variety_ratio" in r] == list(steps)
+    for r in rows:
+        if r["step"] in steps:
+            assert all(math.isfinite(r[k]) for k in VAL_FIGURES), r
+            assert r["val_variety_ratio"] > 0 and r["val_teacher_distance"] >= 0, r
+    folder = os.path.join(str(out), "validation")
+    assert sorted(n for n in os.listdir(folder) if n.endswith(".png")) == [f"step_{s:06d}.png" for s in steps]
+    assert len([n for n in os.listdir(folder) if n.startswith("teacher_")]) == 1
+    assert not log or "validation: 1 prompts x 2 seeds every 2 steps" in log, log[-3000:]
 
 
 def write_pair(folder, name, size, colour, new_colour):

@@ -24,8 +24,8 @@ from PIL import Image
 
 from core.errors import ConfigError
 from families import flux2
-from tests.conftest import (assert_trains_as_eager, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
-                            run_ranks, start_all, tiny_default)
+from tests.conftest import (VALIDATE, assert_trains_as_eager, assert_validated, launch_all_resuming, launch_env,
+                            read_checkpoint, read_metrics, run_ranks, start_all, tiny_default)
 
 STEPS = 4
 LR = 1e-3
@@ -427,7 +427,7 @@ def dmd_runs(klein, dev):
     done = launch_all_resuming({
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
-                                   "--base_dtype=nf4", "--save_every=0"]),
+                                   "--base_dtype=nf4", "--save_every=0", *VALIDATE]),
         "t2i": job(args=common + [f"--output_dir={out['t2i']}", f"--data_path={prompts}", "--max_steps=2",
                                   "--save_every=0", "--sample_every=2"]),
         "dev": job(args=common + [f"--output_dir={out['dev']}", f"--model_path={dev}", "--flux_guidance=3.5",
@@ -449,6 +449,8 @@ def test_dmd_resumes_bit_exact_with_the_teachers_cfg(dmd_runs):
     for k in ("full", "t2i"):
         assert any(name.endswith(".png") for name in os.listdir(dmd_runs["out"][k] / "samples")), k
     assert "data: 32 prompts from" in dmd_runs["logs"]["t2i"]
+    # validation on 2 ranks, NF4: the teacher's reference on the pipelines' shift (sampling_shift), true CFG
+    assert_validated(dmd_runs["out"]["lora"], [2, 4], dmd_runs["logs"]["lora"])
 
 
 @pytest.mark.slow

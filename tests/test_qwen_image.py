@@ -28,8 +28,8 @@ from PIL import Image
 from algorithms import dmd2 as dm
 from families import qwen_image as qi
 from tests.numerics import gamma
-from tests.conftest import (launch, launch_all, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
-                            tiny_default)
+from tests.conftest import (VALIDATE, assert_validated, launch, launch_all, launch_all_resuming, launch_env,
+                            read_checkpoint, read_metrics, tiny_default)
 
 AREA = 64 * 64
 STEPS = 4
@@ -502,7 +502,8 @@ def dmd_runs(qwen):
         "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
         "one": job(args=common + gan + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1),
         "lora": job(args=common + [f"--output_dir={out['lora']}", f"--data_path={data}", "--lora_rank=4",
-                                   "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--shift=auto"])},
+                                   "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--shift=auto",
+                                   *VALIDATE])},
         "full", job(args=common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -569,6 +570,8 @@ def test_dmd_runs_resume_bit_exact_and_log_the_teacher_cfg(dmd_runs):
     assert sum("loss_gen_cls" in r for r in rows) == 2
     assert "teacher true CFG 4" in dmd_runs["logs"]["full"]
     assert "σ shift of the DM loss and the fake score at 64x64: " in dmd_runs["logs"]["lora"]  # SHIFT=auto
+    # validation on 2 ranks, NF4 teacher, LoRA students; the teacher's reference under its true CFG
+    assert_validated(dmd_runs["out"]["lora"], [2, 4], dmd_runs["logs"]["lora"])
     assert os.path.exists(dmd_runs["out"]["full"] / "samples" / "step_000004.png")
 
 

@@ -26,8 +26,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (DmdRuns, assert_dmd_resumed_bit_exact, assert_loads_with_automodel, launch,
-                            load_export, read_checkpoint, read_metrics)
+from tests.conftest import (VALIDATE, DmdRuns, assert_dmd_resumed_bit_exact, assert_loads_with_automodel,
+                            assert_validated, launch, load_export, read_checkpoint, read_metrics, without_validation)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the pipeline test loads a local folder; never the hub
 
@@ -55,7 +55,7 @@ def dmd(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_runs(dmd):
     """run_a and run_b, side by side."""
-    done = dmd.launch_all({"a": (COMMON,), "b": (COMMON + ["--grad_accum=2", "--profile_steps=[2,3]"], 1)})
+    done = dmd.launch_all({"a": (COMMON + VALIDATE,), "b": (COMMON + ["--grad_accum=2", "--profile_steps=[2,3]"], 1)})
     return done["a"][0], done["b"][0], done["b"][1]
 
 
@@ -71,7 +71,8 @@ def run_b(first_runs):
 
 @pytest.fixture(scope="module")
 def run_resumed(dmd, run_a):
-    """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4."""
+    """Stopped after step 2 (run_a's own step-2 checkpoint, so one launch fewer), resumed to 4 without run_a's
+    validation (VAL_EVERY 0): the same numbers show that validation changes none."""
     return dmd.resumed("resumed", run_a, 2, COMMON)[0]
 
 
@@ -169,9 +170,16 @@ def test_resume_is_bit_exact(run_a, run_resumed):
     assert_dmd_resumed_bit_exact(run_a, run_resumed)
     ua, ur = load_export(run_a, "unet"), load_export(run_resumed, "unet")
     assert ua.keys() == ur.keys() and all(torch.equal(ua[k], ur[k]) for k in ua)
-    la = read_metrics(run_a, timing=False)
+    la = [without_validation(r) for r in read_metrics(run_a, timing=False)]
     lr = read_metrics(run_resumed, timing=False)
     assert la[2:] == lr and [r["step"] for r in lr] == [3, 4]
+
+
+@pytest.mark.slow
+def test_validation_scores_the_student_against_the_teacher(run_a):
+    """VAL_EVERY=2 on 2 FSDP ranks: the figures at steps 2 and 4 with their grids, the teacher's reference
+    drawn once (test_resume_is_bit_exact: a run without validation trains to the same numbers)."""
+    assert_validated(run_a, [2, 4])
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ Launches, shared through module-scoped fixtures (the first three side by side):
              every 2nd step, samples at steps 2 and 4, checkpoints at 2 and 4
   run_b      1 process, the same global batch (2 micro-batches of 1)
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
-  run_lora   1 process, 2 steps, LoRA generator and fake score on NF4 bases, NF4 teacher
+  run_lora   1 process, 2 steps, LoRA generator and fake score on NF4 bases, NF4 teacher, validation at step 2
   run_merged 1 process, 1 step, LoRA generator with LORA_EXPORT_MERGED (an NF4 base refuses the merged export)
 (the 1-step generator's draws and step: test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree)
 Settings a FLUX teacher refuses (prompt-only data, USE_GAN) are checked in tests/test_fault_tolerance.py,
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DmdRuns, assert_dmd_resumed_bit_exact, read_metrics, tiny_flux
+from tests.conftest import VALIDATE, DmdRuns, assert_dmd_resumed_bit_exact, assert_validated, read_metrics, tiny_flux
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,7 +60,7 @@ def first_runs(dmd):
     done = dmd.launch_all({
         "a": (), "b": (["--grad_accum=2"], 1),
         "lora": (["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4", "--fake_lora=1",
-                  "--base_dtype=nf4"], 1),
+                  "--base_dtype=nf4", *VALIDATE], 1),
         "merged": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--lora_rank=4",
                     "--lora_export_merged=1"], 1),
         "reg": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--denoising_steps=",
@@ -165,6 +165,7 @@ def test_export_samples_in_the_distilled_steps(run_a, pairs):
 def test_lora_nf4_run_exports_adapters_the_base_pipeline_loads(run_lora, pairs):
     out, log = run_lora
     assert "nf4" in log  # the dtype table shows the NF4 bases and teacher
+    assert_validated(out, [2], log)  # one process, NF4 teacher, LoRA students, the guidance-embedded teacher
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss_fake"])) for r in rows)
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
