@@ -901,7 +901,8 @@ def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigm
         negative = (room.load_text([(guide.negative, row)] * n, cache_dir, identity, d.device)
                     if guide.negative is not None else None)
         tokens = (latent[1] // 2) * (latent[2] // 2)
-        shift = (room.sampling_shift(MODEL_PATH, tokens, VAL_TEACHER_STEPS) if hasattr(room, "sampling_shift")
+        own = getattr(room, "sampling_shift", None)  # FLUX.2's depends on the step count too
+        shift = (own(MODEL_PATH, tokens, VAL_TEACHER_STEPS) if own is not None
                  else km.pipeline_shift(dit.scheduler_config(MODEL_PATH), tokens))
         draws.append((room.dmd_cond(text, None, vae, refs, latent[1:]), room.dmd_cond(text, negative, vae, refs,
                                                                                      latent[1:]),
