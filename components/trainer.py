@@ -38,9 +38,8 @@ from parallel import attention
 from parallel import compile as compiling
 from parallel import lora as lora_lib
 from parallel import lowbit
-from families import pipelines
+from families import MODELS, pipelines
 from parallel import memory
-from parallel.model_facts import MODELS
 
 # ----------------------------------------------------------------------------------------------
 # the start
@@ -141,9 +140,10 @@ def start(namespace: dict, validate, resolve) -> tuple[Run, object]:
     check_model_folder(model_path, pipeline, pipelines.folder_layout(pipeline))
     lora = lora_lib.Lora.from_settings(config)
     trained = pipelines.trained_component(pipeline)
+    facts = MODELS[trained.class_name]  # its family's (families/<name>/parallelism.py)
     if lora:  # unknown target modules fail here, on the meta skeleton, before any work
-        lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora)
-    dispatcher = MODELS[trained.class_name].attention_dispatcher
+        lora_lib.check_lora_targets(trained.class_name, os.path.join(model_path, trained.subfolder), lora, facts)
+    dispatcher = facts.attention_dispatcher
     attention.check_backend(config["ATTENTION_BACKEND"], dispatcher)
     for setting, folder in shared_folders(config).items():
         check_output_dir(folder, setting)

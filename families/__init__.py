@@ -12,7 +12,8 @@ training stories. The scripts pick the room from model_index.json's `_class_name
     tiny/         what the families' tiny test folders share (tokenizers, synthetic data)
 
 A family's package holds room.py (what the scripts ask of it; the package exposes its names), spec.py
-(its FamilySpec) and tiny.py (its tiny test folders); a new family is one more name in NAMES
+(its FamilySpec), parallelism.py (its model classes' facts for parallel/: FSDP units, default LoRA targets,
+attention dispatch) and tiny.py (its tiny test folders); a new family is one more name in NAMES
 (docs/architecture.md, "Adding a family"). Rooms import parallel/, data/, algorithms/, precision and
 fsdp_utils; the scripts import the rooms, never the other way (tests/test_layout.py checks it).
 """
@@ -22,12 +23,16 @@ import importlib
 
 from families import pipelines
 from families.spec import FamilySpec
+from parallel import model_facts
 
 NAMES = ("sd_unet", "flux", "qwen_image", "flux2")  # the families, in the order of the tables (the packages)
 
 SPECS: tuple[FamilySpec, ...] = tuple(importlib.import_module(f"families.{name}.spec").SPEC for name in NAMES)
 FAMILIES = {p.name: spec.room for spec in SPECS for p in spec.pipelines}  # pipeline -> its room
 pipelines.gather(SPECS)
+# model class -> its facts (parallel/model_facts.ModelFacts), from the specs' `models`: what the rooms and components
+# pass to parallel/; registered there too (the same dict) for the callers that hold a model but not its family
+MODELS = model_facts.register({cls: facts for spec in SPECS for cls, facts in spec.models.items()})
 
 
 def spec_of(pipeline: str) -> FamilySpec:

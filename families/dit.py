@@ -1,7 +1,7 @@
 """What the flow-matching transformer rooms (families/flux/, families/qwen_image/, families/flux2/) share: a
-transformer built on meta, adapted (LoRA, NF4 base), sharded by its recipe (parallel/parallelize.py)
-and loaded slice by slice, in every role the scripts hold one (trained, EMA copy, frozen teacher);
-and the FlowMatchEulerDiscreteScheduler a distilled generator's export carries.
+transformer built on meta, adapted (LoRA, NF4 base), sharded by the recipe (parallel/parallelize.py) with its
+family's model facts (families/<name>/parallelism.py) and loaded slice by slice, in every role the scripts hold
+one (trained, EMA copy, frozen teacher); and the FlowMatchEulerDiscreteScheduler a distilled generator's export carries.
 """
 from __future__ import annotations
 
@@ -14,15 +14,18 @@ import fsdp_utils
 from parallel import attention, float8, lowbit
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.lora import Lora, add_lora
+from parallel.model_facts import ModelFacts
+from parallel.parallelize import parallelize
 from precision import Precision
 
 
-def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(),
-                      seed=0, base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
-                      frozen_dtype=None, weights="", prepare=None, merge=None, fp8=""):
-    """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> `recipe` (fully_shard
-    per block, then the root) -> each rank loads its slices (load=False: allocate only, e.g. for the
-    EMA copy that is then filled from the model); families/flux/room.py's build_transformer says what each
+def build_transformer(model_class, facts: ModelFacts, folder, mesh, prec, device, *, load, sharding, block_classes,
+                      lora=Lora(), seed=0, base_dtype="", attention_backend=attention.DEFAULT, trainable=True,
+                      compute=None, frozen_dtype=None, weights="", prepare=None, merge=None, fp8=""):
+    """`model_class` on meta -> (LoRA: adapters added, see parallel/lora.py) -> the recipe by its `facts`
+    (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its slices (load=False:
+    allocate only, e.g. for the EMA copy that is then filled from the model); `facts`: its family's model facts
+    (LoRA's default targets, FP8's Linears, the units); families/flux/room.py's build_transformer says what each
     argument does; `prepare(model)` runs on the meta skeleton (what a meta build leaves unset); `merge`: a
     LoRA (parallel/lora_merge.LoraDelta) added into the base weights as they load; `fp8`: FP8's recipe for the
     blocks' Linears (parallel/float8.py; the trained weights of a full model gathered in float8)."""
@@ -36,21 +39,21 @@ def build_transformer(model_class, recipe, folder, mesh, prec, device, *, load, 
         model.to(dtype).requires_grad_(False).eval()
         if base_dtype == "nf4":
             lowbit.quantize_base(model, shards)
-        float8.convert(model, fp8, float8_all_gather=False, emulate=device.type != "cuda")
+        float8.convert(model, fp8, float8_all_gather=False, emulate=device.type != "cuda", facts=facts)
         frozen = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
-        recipe(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False)
+        parallelize(model, mesh, Precision.frozen_mp_policy(dtype), frozen, block_classes, verbose=False, facts=facts)
         return fill_built_model(model, weights or folder, mesh, device, True, merge=merge)
     storage = prec.compute_dtype if lora else prec.param_dtype
     if storage != torch.float32:  # storage dtype of the params (on meta: free)
         model.to(storage)
     if lora:
-        add_lora(model, lora)
+        add_lora(model, lora, facts)
         if base_dtype == "nf4":
             lowbit.quantize_base(model, shards)
     gather = float8.gathers_in_float8(bool(lora), fsdp_utils.shard_group_size(mesh) if mesh is not None else 1)
-    float8.convert(model, fp8, float8_all_gather=gather, emulate=device.type != "cuda")
+    float8.convert(model, fp8, float8_all_gather=gather, emulate=device.type != "cuda", facts=facts)
     policy = prec.adapter_mp_policy(compute) if lora else prec.mp_policy(compute)
-    recipe(model, mesh, policy, sharding, block_classes, verbose=load)
+    parallelize(model, mesh, policy, sharding, block_classes, verbose=load, facts=facts)
     home = torch.device("cpu") if sharding.cpu_offload else device
     return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed, merge=merge)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from families.pipelines import Component
+from parallel.model_facts import ModelFacts
 
 SCRIPTS = ("train_dmd.py", "train_flux_kontext.py")  # the scripts a family's pipelines may name
 # what a script reads with getattr and a default: a room that has it says so
@@ -180,7 +181,7 @@ class PipelineSpec:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """A model family: families/<name>/ (room.py, spec.py, tiny.py), listed in families/__init__.py."""
+    """A model family: families/<name>/ (room.py, spec.py, parallelism.py, tiny.py), listed in families/__init__.py."""
     name: str  # its package under families/: one name per family
     room: ModuleType  # the package, whose names are the room's (families.FAMILIES' values)
     pipelines: tuple[PipelineSpec, ...]
@@ -193,6 +194,9 @@ class FamilySpec:
     # the context-parallel check before any work (the room's); None: the family takes no context parallelism
     check_context_parallel: Callable | None
     tiny: Mapping[str, Callable] = field(default_factory=dict)  # tiny default kind -> build(root): model/, data/
+    # parallelism: model class -> what parallel/ needs to know of it (its FSDP units, default LoRA targets,
+    # attention dispatch: ModelFacts), from families/<name>/parallelism.py; the trained classes at least
+    models: Mapping[str, ModelFacts] = field(default_factory=dict)
 
     @property
     def pipeline_names(self) -> tuple[str, ...]:

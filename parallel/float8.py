@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from core.dist import print0
 from core.errors import ConfigError
+from parallel.model_facts import ModelFacts, facts_of
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -52,12 +53,12 @@ def check_fp8(recipe: str, *, base_dtype: str, device: torch.device | None = Non
                           "sm_89 or later (L4, L40S, H100, H200, B200)")
 
 
-def fp8_linears(model: nn.Module) -> list[str]:
-    """The full names of the Linears FP8 converts (module docstring)."""
+def fp8_linears(model: nn.Module, facts: ModelFacts | None = None) -> list[str]:
+    """The full names of the Linears FP8 converts (module docstring), by the model's facts (`facts`, or those
+    registered for its class: parallel/model_facts.py)."""
     from parallel.lora import block_linears
-    from parallel.model_facts import MODELS
-    facts = MODELS.get(type(model).__name__)
-    unused = facts.unused(model) if facts is not None and facts.unused is not None else []
+    facts = facts_of(model, facts)
+    unused = facts.unused_modules(model) if facts is not None else []
     # a LoRA-wrapped layer lists its base_layer (the frozen Linear) and its adapters' Linears: the adapters stay
     names = [n for n in block_linears(model, facts, unused) if ".lora_" not in n]
     return [n for n in names if model.get_submodule(n).in_features % 16 == 0
@@ -72,15 +73,16 @@ def gathers_in_float8(lora: bool, shard_ranks: int) -> bool:
     return not lora and shard_ranks > 1
 
 
-def convert(model: nn.Module, recipe: str, *, float8_all_gather: bool, emulate: bool) -> int:
-    """Swap the chosen Linears (fp8_linears) for torchao Float8Linear, in place, on the meta skeleton
-    before the parallelize recipe. `float8_all_gather` (tensorwise, trained weights): FSDP2 gathers them in
-    float8. Returns how many were converted."""
+def convert(model: nn.Module, recipe: str, *, float8_all_gather: bool, emulate: bool,
+            facts: ModelFacts | None = None) -> int:
+    """Swap the chosen Linears (fp8_linears, by `facts`) for torchao Float8Linear, in place, on the meta
+    skeleton before the parallelize recipe. `float8_all_gather` (tensorwise, trained weights): FSDP2 gathers
+    them in float8. Returns how many were converted."""
     if not recipe:
         return 0
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     check_fp8(recipe, base_dtype="", device=None if emulate else torch.device("cuda", torch.cuda.current_device()))
-    chosen = set(fp8_linears(model))
+    chosen = set(fp8_linears(model, facts))
     if not chosen:
         return 0
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from core.errors import ConfigError
 from fsdp_utils import fill_local, local_tensor
-from parallel.model_facts import LORA_PRESETS, MODELS
+from parallel.model_facts import LORA_PRESETS, ModelFacts, facts_of
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Lora:
     """The scripts' LORA_* settings. rank 0 = no adapters (full fine-tuning)."""
     rank: int = 0
     alpha: float = 0.0  # scaling = alpha / rank; 0 = alpha equal to rank (scaling 1)
-    # module-name suffixes (peft's target_modules); () = the model's in parallel.model_facts.MODELS
+    # module-name suffixes (peft's target_modules); () = the model's defaults (its ModelFacts.lora_targets)
     targets: tuple[str, ...] = ()
     dropout: float = 0.0
     init: str = "gaussian"  # lora_A's init (lora_B = 0 either way): "gaussian" or peft's "default" (kaiming-uniform)
@@ -62,17 +62,17 @@ def check_lora(lora: Lora) -> None:
         raise ConfigError(f"LORA_INIT={lora.init!r}: choose one of {', '.join(INITS)}")
 
 
-def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
+def lora_targets(model: nn.Module, lora: Lora, facts: ModelFacts | None = None) -> list[str]:
     """The target suffixes, each checked to name at least one Linear/Conv of `model` (peft's rule:
     a module whose full name equals the target or ends with "." + target); a target that matches
-    nothing is a ConfigError naming it (peft alone would ignore it when another one matches)."""
-    default = getattr(MODELS.get(type(model).__name__), "lora_targets", ())
-    targets = list(lora.targets or (default(model) if callable(default) else default))
+    nothing is a ConfigError naming it (peft alone would ignore it when another one matches). No
+    targets: the model's defaults (`facts`, or those registered for its class: parallel.model_facts)."""
+    facts = facts_of(model, facts)
+    targets = list(lora.targets) or (facts.default_targets(model) if facts is not None else [])
     if not targets:
         raise ConfigError(f"LORA_TARGET_MODULES is empty and {type(model).__name__} has no default targets")
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    facts = MODELS.get(type(model).__name__)
-    unused = facts.unused(model) if facts is not None and facts.unused is not None else []
+    unused = facts.unused_modules(model) if facts is not None else []
     if targets == ["blocks"]:
         return block_linears(model, facts, unused)
     if any(t in LORA_PRESETS for t in targets):
@@ -90,7 +90,7 @@ def lora_targets(model: nn.Module, lora: Lora) -> list[str]:
     return targets
 
 
-def block_linears(model: nn.Module, facts, unused: list[str]) -> list[str]:
+def block_linears(model: nn.Module, facts: ModelFacts | None, unused: list[str]) -> list[str]:
     """The "blocks" preset: the full names of the Linears inside the model's FSDP units (its blocks), but
     their modulation and the modules nothing reads."""
     if facts is None:
@@ -103,22 +103,22 @@ def block_linears(model: nn.Module, facts, unused: list[str]) -> list[str]:
     return [n for n in out if not any(n == u or n.startswith(u + ".") for u in unused)]
 
 
-def check_lora_targets(class_name: str, folder: str, lora: Lora) -> list[str]:
+def check_lora_targets(class_name: str, folder: str, lora: Lora, facts: ModelFacts | None = None) -> list[str]:
     """lora_targets on the diffusers model `class_name` of `folder`, built on the meta device (no
     memory, a second or two for 12 B): bad targets fail before any work."""
     import diffusers
     cls = getattr(diffusers, class_name)
     with torch.device("meta"):
-        return lora_targets(cls.from_config(cls.load_config(folder)), lora)
+        return lora_targets(cls.from_config(cls.load_config(folder)), lora, facts)
 
 
-def add_lora(model: nn.Module, lora: Lora) -> nn.Module:
+def add_lora(model: nn.Module, lora: Lora, facts: ModelFacts | None = None) -> nn.Module:
     """peft LoRA adapters (diffusers' `add_adapter` with a `LoraConfig`) on the targets of `model`
-    (on the meta device before sharding, or materialised): the base frozen, the adapters trainable
-    and stored in fp32. Call before the parallelize recipe, so each adapter lands in its block's
-    FSDP unit, and after casting the base to its storage dtype."""
+    (lora_targets; `facts`: the model's, for its defaults) (on the meta device before sharding, or
+    materialised): the base frozen, the adapters trainable and stored in fp32. Call before the parallelize
+    recipe, so each adapter lands in its block's FSDP unit, and after casting the base to its storage dtype."""
     from peft import LoraConfig
-    targets = lora_targets(model, lora)
+    targets = lora_targets(model, lora, facts)
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha or lora.rank, lora_dropout=lora.dropout,
                                  target_modules=targets, init_lora_weights=lora.peft_init))

@@ -21,6 +21,7 @@ import fsdp_utils
 from core.errors import ConfigError
 from components.export import export_model, export_pipeline
 from data.batches import rank_slice
+from families import MODELS
 from parallel.parallelize import parallelize
 from precision import get_precision
 
@@ -207,7 +208,7 @@ def _export(rank, world, src, out, dtype_name):
     with torch.no_grad():  # "training" changed the weights
         for p in model.parameters():
             p.add_(0.01)
-    parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
+    parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False, facts=MODELS["UNet2DConditionModel"])
     trained = full(model)
     export_pipeline(src, out, {"unet": model}, parse_dtype(dtype_name))
     if rank == 0:

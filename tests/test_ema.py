@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from families import MODELS
 from parallel import ema as ema_lib
 from parallel import lora
 from tests.conftest import tiny_unet
@@ -46,7 +47,7 @@ def test_full_copy_starts_equal_and_moves_by_one_minus_decay():
 
 def test_lora_ema_holds_only_the_adapters_and_swaps_them_in():
     unet = tiny_unet()
-    lora.add_lora(unet, lora.Lora(rank=2))
+    lora.add_lora(unet, lora.Lora(rank=2), MODELS["UNet2DConditionModel"])
     lora.init_lora(unet, seed=0)
     adapters = [p for p in unet.parameters() if p.requires_grad]
     ema = ema_lib.build_ema(unet, 0.75, lambda: None)
@@ -77,9 +78,10 @@ def _sharded_ema(rank, world, lora_rank):
         torch.manual_seed(0)
         model = tiny_unet() if lora_rank else TinyNet()
         if lora_rank:
-            lora.add_lora(model, lora.Lora(rank=lora_rank))
+            lora.add_lora(model, lora.Lora(rank=lora_rank), MODELS["UNet2DConditionModel"])
             lora.init_lora(model, seed=0)
-        parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)
+        parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False,
+                    facts=MODELS.get(type(model).__name__))
         return model
     model = build()
     ema = ema_lib.build_ema(model, 0.9, build)

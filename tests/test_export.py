@@ -27,6 +27,7 @@ from tests.conftest import ROOT, launch, launch_env, tiny_default
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from components.export import export_lora, export_pipeline, _weight_dtypes
+from families import MODELS
 from parallel import lora as lora_lib
 from precision import get_precision, parse_dtype
 
@@ -74,7 +75,7 @@ def trained_model(folder: str, model: str, kind: str, mode: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if lora:
-            lora_lib.add_lora(net, lora_lib.Lora(rank=4, alpha=8))
+            lora_lib.add_lora(net, lora_lib.Lora(rank=4, alpha=8), MODELS[cls.__name__])
         for name, p in net.named_parameters():
             noise = 0.01 * torch.randn(p.shape, generator=g).to(p.dtype)
             if lora_lib.is_adapter(name):

@@ -19,7 +19,7 @@ import torch
 
 import families
 from families import spec as fs
-from parallel.model_facts import MODELS
+from parallel.model_facts import ModelFacts
 from tests.conftest import ROOT, tiny_default
 
 ROLES = (fs.EditingRoom, fs.FlowDistillationRoom, fs.UnetDistillationRoom)
@@ -203,13 +203,15 @@ def test_each_spec_is_well_formed(spec):
     scripts = set()
     for p in spec.pipelines:
         trained = [c for c in p.components if c.role == "trainable"]
-        assert p.name.endswith("Pipeline") and trained and all(c.class_name in MODELS for c in trained), p.name
+        # its trained model's facts are the family's own (families/<name>/parallelism.py)
+        assert p.name.endswith("Pipeline") and trained and all(c.class_name in spec.models for c in trained), p.name
         assert p.scripts and set(p.scripts) <= set(fs.SCRIPTS), p.name
         assert len({c.subfolder for c in p.components if c.role != "trainable"}) == len(
             [c for c in p.components if c.role != "trainable"]), p.name  # one component per folder
         assert p.resolution is None or (p.resolution > 0 and p.resolution % 16 == 0)
         scripts |= set(p.scripts)
     assert set(spec.protocols) == scripts and all(v in ROLES for v in spec.protocols.values())
+    assert all(isinstance(f, ModelFacts) and families.MODELS[c] is f for c, f in spec.models.items())
     assert isinstance(spec.default_resolution, int) and spec.default_resolution % 16 == 0 < spec.default_resolution
     assert isinstance(spec.text_len, int) and spec.text_len > 0
     assert list(inspect.signature(spec.example_inputs).parameters) == ["config", "batch", "shapes", "text_len",

@@ -295,7 +295,7 @@ def test_the_blocks_preset_is_every_linear_of_the_blocks_but_modulation(kontext_
     """LORA_TARGET_MODULES=blocks on FLUX.1 and Qwen-Image: every Linear inside an FSDP unit (the blocks),
     none of their modulation Linears, nothing outside the blocks, none that nothing reads."""
     import diffusers
-    from parallel.model_facts import MODELS
+    from families import MODELS
     qwen_model, _ = tiny_default("qwen_image_edit")
     for cls, folder in (("FluxTransformer2DModel", os.path.join(kontext_setup["model_path"], "transformer")),
                         ("QwenImageTransformer2DModel", os.path.join(qwen_model, "transformer"))):

@@ -1,7 +1,7 @@
-"""parallel/execution_order.py, parallel/model_facts.py, families/pipelines.py and parallel/parallelize.py:
-a model's FSDP units come in execution order (diffusers' UNets register up_blocks before mid_block and
-attentions before resnets), the last-executed unit is the one kept gathered after forward, explicit
-prefetch follows that order, and the table is what the recipes read.
+"""parallel/execution_order.py, parallel/model_facts.py, families/<name>/parallelism.py, families/pipelines.py and
+parallel/parallelize.py: a model's FSDP units come in execution order (diffusers' UNets register up_blocks before
+mid_block and attentions before resnets), the last-executed unit is the one kept gathered after forward, explicit
+prefetch follows that order, and the facts the families give are what the recipe reads.
 
     python -m pytest tests/test_parallelize.py -q
 """
@@ -15,11 +15,11 @@ from PIL import Image
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_utils
-from families import FAMILIES
+from families import FAMILIES, MODELS
 from families.pipelines import PIPELINES, SCRIPTS, folder_layout
 from parallel.execution_order import units_in_order
-from parallel.model_facts import MODELS
-from parallel.parallelize import RECIPES, parallelize, parallelize_flux, parallelize_qwen_image, parallelize_unet
+from parallel import model_facts
+from parallel.parallelize import parallelize
 from precision import get_precision
 from tests.conftest import finish, run_ranks, start, tiny_flux, tiny_unet
 
@@ -59,9 +59,31 @@ def test_unet_units_come_in_execution_order(sdxl):
 
 def test_flux_units_are_the_double_then_the_single_blocks():
     model = tiny_flux(num_layers=2, num_single_layers=2)
-    facts = MODELS["FluxTransformer2DModel"].units
-    assert units_in_order(model, facts) == [*model.transformer_blocks, *model.single_transformer_blocks]
-    assert parallelize_flux(model, None, get_precision("fp32").mp_policy()) == units_in_order(model, facts)
+    facts = MODELS["FluxTransformer2DModel"]
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    assert units_in_order(model, facts.units) == blocks
+    assert parallelize(model, None, get_precision("fp32").mp_policy(), facts=facts) == blocks
+
+
+def test_flux2_units_are_the_double_then_the_single_blocks():
+    from diffusers import Flux2Transformer2DModel
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                    timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    assert parallelize(model, None, get_precision("fp32").mp_policy(),
+                       facts=MODELS["Flux2Transformer2DModel"]) == blocks
+
+
+def test_the_families_give_the_facts_parallel_reads():
+    """families.MODELS: each spec's model classes, each in one family, the very registry parallel/ reads for a
+    caller that passes none; a model class without facts gets the detected units."""
+    from families import SPECS
+    assert MODELS is model_facts.MODELS and len(MODELS) == sum(len(s.models) for s in SPECS)
+    assert all(MODELS[cls] is facts for s in SPECS for cls, facts in s.models.items())
+    model = tiny_flux(num_layers=1, num_single_layers=1)
+    assert model_facts.facts_of(model) is MODELS["FluxTransformer2DModel"]
+    assert model_facts.facts_of(torch.nn.Linear(2, 2)) is None
 
 
 def test_qwen_image_units_are_its_dual_stream_blocks():
@@ -75,10 +97,11 @@ def test_qwen_image_units_are_its_dual_stream_blocks():
     facts = MODELS["QwenImageTransformer2DModel"]
     assert list(facts.units) == model._no_split_modules and facts.attention_dispatcher
     assert units_in_order(model, facts.units) == list(model.transformer_blocks)
-    assert RECIPES["QwenImageTransformer2DModel"] is parallelize_qwen_image
-    assert parallelize(model, None, get_precision("fp32").mp_policy(), verbose=False) == list(model.transformer_blocks)
+    for given in (facts, None):  # passed, or looked up by its class
+        assert parallelize(model, None, get_precision("fp32").mp_policy(), verbose=False,
+                           facts=given) == list(model.transformer_blocks)
     names = {n for n, _ in model.named_modules()}
-    for target in lora.lora_targets(model, lora.Lora(4)):
+    for target in lora.lora_targets(model, lora.Lora(4), facts):
         assert any(n.endswith("." + target) for n in names), target
 
 
@@ -98,8 +121,9 @@ def test_the_table_names_each_scripts_pipelines():
 def test_without_a_mesh_the_recipe_only_checkpoints_and_compiles():
     unet = tiny_unet()
     plain = _forward(unet).sample
-    units = parallelize_unet(unet, None, get_precision("fp32").mp_policy(),
-                             fsdp_utils.Sharding(activation_checkpointing=True), verbose=False)
+    units = parallelize(unet, None, get_precision("fp32").mp_policy(),
+                        fsdp_utils.Sharding(activation_checkpointing=True), verbose=False,
+                        facts=MODELS["UNet2DConditionModel"])
     assert not any(isinstance(m, FSDPModule) for m in unet.modules())
     assert all("forward" in vars(u) for u in units)  # the checkpoint wrapper, patched on the instance
     torch.testing.assert_close(_forward(unet).sample, plain, rtol=0, atol=0)
@@ -109,7 +133,8 @@ def _gathered_after_forward(rank, world):
     unet = tiny_unet()
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     in_order = units_in_order(unet, UNET_UNITS)
-    units = parallelize(unet, mesh, get_precision("fp32").mp_policy(), fsdp_utils.Sharding(prefetch=1), verbose=False)
+    units = parallelize(unet, mesh, get_precision("fp32").mp_policy(), fsdp_utils.Sharding(prefetch=1), verbose=False,
+                        facts=MODELS["UNet2DConditionModel"])
     assert units == in_order
     for i, u in enumerate(units):  # explicit prefetch: the next unit in execution order, and the one before
         state = u._get_fsdp_state()

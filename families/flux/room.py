@@ -25,12 +25,12 @@ from core.errors import ConfigError
 from data.buckets import references
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
+from families.flux.parallelism import TRANSFORMER
 from families.dit import NEUTRAL_SIGMAS, distilled_scheduler, distilled_scheduler_config  # noqa: F401 - FLUX's too
 from families.pipelines import vae_scale_factor
 from precision import dtype_name
 from parallel import attention
 from parallel.lora import Lora
-from parallel.parallelize import parallelize_flux
 
 NAME = "FLUX.1"  # how the README and docs name the family
 MAX_REFERENCES = 1  # Kontext: one context image
@@ -51,9 +51,9 @@ def edits(pipeline: str) -> bool:
 def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
-    """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the FLUX
-    recipe (parallel/parallelize.py: fully_shard per block, then the root) -> each rank loads its
-    slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
+    """FluxTransformer2DModel on meta -> (LoRA: adapters added, see parallel/lora.py) -> the recipe
+    by its model facts (parallelism.py; parallel/parallelize.py: fully_shard per block, then the root) -> each
+    rank loads its slices (load=False: allocate only, e.g. for the EMA copy that is then filled from the model).
     With CPU offload the shards are materialised in host memory, where FSDP keeps them. mesh=None
     (DDP): the recipe's AC and compile only, every rank loads the whole model (the caller wraps it
     in DDP).
@@ -66,7 +66,7 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     every forward. `weights`: another transformer folder to load from ("" = `folder`). `merge`: a LoRA export
     (parallel/lora_merge.LoraDelta) added into the base weights as they load (a DMD2 teacher's fine-tune)."""
     from diffusers import FluxTransformer2DModel
-    return build_dit(FluxTransformer2DModel, parallelize_flux, folder, mesh, prec, device, load=load,
+    return build_dit(FluxTransformer2DModel, TRANSFORMER, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
                        compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8)

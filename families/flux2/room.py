@@ -39,12 +39,12 @@ from data.images import image_size, load_pil, pil_tensor
 from data.buckets import references as controls
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
+from families.flux2.parallelism import TRANSFORMER
 from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
 from families.dit import reference_attention_shapes
 from families.pipelines import vae_scale_factor
 from parallel import attention
 from parallel.lora import Lora
-from parallel.parallelize import parallelize
 from precision import dtype_name
 
 NAME = "FLUX.2"  # how the README and docs name the family
@@ -90,9 +90,9 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
     """Flux2Transformer2DModel, as families/flux/room.py builds FLUX.1's (families/dit.py), sharded one unit per
-    double- and single-stream block by parallel/parallelize.py's FLUX recipe."""
+    double- and single-stream block by its model facts (parallelism.py)."""
     from diffusers import Flux2Transformer2DModel
-    return build_dit(Flux2Transformer2DModel, parallelize, folder, mesh, prec, device, load=load,
+    return build_dit(Flux2Transformer2DModel, TRANSFORMER, folder, mesh, prec, device, load=load,
                      sharding=sharding, block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
                      attention_backend=attention_backend, trainable=trainable, compute=compute,
                      frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8)

@@ -33,12 +33,11 @@ from data.images import image_size, load_pil
 from data.references import PIPELINE_MULTIPLE, VAE_REFERENCE_AREA, VL_REFERENCE_AREA, reference_size
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
+from families.qwen_image.parallelism import TRANSFORMER
 from families.dit import distilled_scheduler  # noqa: F401 - this family's export scheduler too
 from families.dit import reference_attention_shapes
 from parallel import attention
 from parallel.lora import Lora
-from parallel.model_facts import MODELS
-from parallel.parallelize import parallelize
 from precision import dtype_name
 
 NAME = "Qwen-Image-Edit"  # how the README and docs name the family
@@ -68,9 +67,9 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
     """QwenImageTransformer2DModel, as families/flux/room.py builds FLUX's (families/dit.py), sharded one
-    unit per dual-stream block by parallel/parallelize.py's recipe for its class."""
+    unit per dual-stream block by its model facts (parallelism.py)."""
     from diffusers import QwenImageTransformer2DModel
-    return build_dit(QwenImageTransformer2DModel, parallelize, folder, mesh, prec, device, load=load,
+    return build_dit(QwenImageTransformer2DModel, TRANSFORMER, folder, mesh, prec, device, load=load,
                        sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
                        base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
                        compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8,
@@ -85,10 +84,10 @@ def prepare(model) -> None:
 
 
 def freeze_unused(model) -> None:
-    """The modules nothing reads (parallel/model_facts.py: the last block's text stream after attention)
+    """The modules nothing reads (parallelism.unused: the last block's text stream after attention)
     never get a grad, so they are frozen: no optimizer state that exists in one run and not in its
     resume, no unused parameter for DDP. LoRA refuses to adapt them (parallel/lora.lora_targets)."""
-    for name in MODELS[type(model).__name__].unused(model):
+    for name in TRANSFORMER.unused(model):
         model.get_submodule(name).requires_grad_(False)
 
 

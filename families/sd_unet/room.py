@@ -1,6 +1,6 @@
 """The SD UNet family (SD-1.5's StableDiffusionPipeline, SDXL's StableDiffusionXLPipeline): how its
-UNet is built and sharded (the UNet recipe of parallel/parallelize.py), its conditioning (CLIP text
-embeddings; SDXL: two encoders and the added time/text conditions), its latent layout and VAE
+UNet is built and sharded (parallel/parallelize.py by its model facts, parallelism.py), its conditioning (CLIP
+text embeddings; SDXL: two encoders and the added time/text conditions), its latent layout and VAE
 scaling, its training target (ε-prediction on the DDPM schedule's alphas) and its samples; for
 train_dmd.py's UNet setup also DMD2's refusals, the teacher's CFG, the models in their roles, the
 prompt rows and real images, and the micro-batches on the device.
@@ -27,11 +27,12 @@ from data.randomness import (POSTERIOR_STREAM, SAMPLE_NOISE_STREAM, drop_caption
                              step_generator)
 from data.sources import read_rows, source_kind
 from families.pipelines import vae_scale_factor
+from families.sd_unet.parallelism import UNET
 from parallel import attention, lowbit
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel.loading import build_on_meta, fill_built_model
-from parallel.parallelize import parallelize_unet
+from parallel.parallelize import parallelize
 
 NAME = "SD UNets"  # how the README and docs name the family
 
@@ -58,7 +59,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
                base_dtype: str = "", attention_dtype: torch.dtype | None = None,
                channels_last: bool = False) -> nn.Module:
     """A UNet2DConditionModel built on the meta device from `folder`'s config, stored in `dtype`,
-    sharded by the UNet recipe, then each rank reads only its slices from `weights` (a UNet folder or
+    sharded by its units (parallelism.py), then each rank reads only its slices from `weights` (a UNet folder or
     one .safetensors file; "" = `folder`) (load=False: allocated, unfilled and without grads, for
     the EMA). Trainable: `policy` is the precision's mixed-precision policy and
     `sharding` applies; with `lora`, peft adapters (fp32, initialised from `seed`) train on the
@@ -77,7 +78,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     if channels_last:
         to_channels_last(model)
     if trainable and lora:
-        lora_lib.add_lora(model, lora)
+        lora_lib.add_lora(model, lora, UNET)
         if base_dtype == "nf4":
             lowbit.quantize_base(model, mesh.size() if mesh is not None else 1)
     if not load or not trainable:
@@ -85,7 +86,7 @@ def build_unet(folder: str, mesh, dtype: torch.dtype, device: torch.device, *, p
     if not trainable:
         model.eval()
         sharding = fsdp_utils.Sharding(compile=sharding.compile, frozen=True)
-    parallelize_unet(model, mesh, policy, sharding, block_classes)
+    parallelize(model, mesh, policy, sharding, block_classes, facts=UNET)
     home = torch.device("cpu") if sharding.cpu_offload else device
     return fill_built_model(model, weights or folder, mesh, home, load, lora_seed=seed)
 

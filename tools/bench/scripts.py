@@ -17,13 +17,14 @@ def worker_save(width: str, repeats: str, out: str) -> None:
     import checkpoint
     import fsdp_utils
     from parallel.memory import local_state_bytes
+    from families import MODELS
     from parallel.parallelize import parallelize
     from precision import get_precision
     d = fsdp_utils.init_distributed()
     mesh = fsdp_utils.build_meshes(d.device)[0]
     model = medium_unet(int(width))
     n_params = sum(p.numel() for p in model.parameters())
-    parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False)  # the UNet recipe
+    parallelize(model, mesh, get_precision("fp32").mp_policy(), verbose=False, facts=MODELS["UNet2DConditionModel"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

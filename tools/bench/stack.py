@@ -59,6 +59,7 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import fsdp_utils
+    from families import MODELS
     from parallel.parallelize import parallelize
     from precision import get_precision
     prec = get_precision("bf16" if dtype == torch.bfloat16 else "fp32")  # pure: params, compute, reduce alike
@@ -87,7 +88,7 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
     if not trainable:  # the scripts' frozen teacher: prepare_frozen, then sharded by its recipe
         fsdp_utils.prepare_frozen(model, dtype)
         parallelize(model, mesh, prec.frozen_mp_policy(dtype), fsdp_utils.Sharding(frozen=True), knob.get("blocks"),
-                    verbose=False)
+                    verbose=False, facts=MODELS.get(type(model).__name__))
         return model.to(device)
     policy = prec.mp_policy()
     if knob.get("reduce") == "fp32":
@@ -95,7 +96,8 @@ def _wrap(model, mode: str, mesh, device, trainable: bool, dtype):
         policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
     sharding = fsdp_utils.Sharding(reshard_after_forward=knob.get("reshard_after_forward", True),
                                    prefetch=knob.get("prefetch", 0))
-    parallelize(model, mesh, policy, sharding, knob.get("blocks"), verbose=False)
+    parallelize(model, mesh, policy, sharding, knob.get("blocks"), verbose=False,
+                facts=MODELS.get(type(model).__name__))
     return model
 
 

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_utils
 from families import pipelines  # what each pipeline holds, in which role
-from parallel.model_facts import MODELS  # FSDP units and LoRA targets per model class
+from families import MODELS  # FSDP units and LoRA targets per model class (the families' specs)
 from precision import dtype_name, get_precision
 from tools.planner.activations import (ActivationProfile, _activations, _builtin_activations, _cp_activations,
                                         check_context_parallel, reference_grids)
