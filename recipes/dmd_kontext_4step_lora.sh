@@ -8,7 +8,7 @@
 # --base_dtype=nf4 --gpu_memory_gb=24` plans 8.6 GiB per GPU (docs/planner.md); with bf16 bases
 # (--base_dtype=) it plans 15.5 GiB, also within 24 GB and faster per step, with less headroom.
 # LoRA as the published DMD2 LoRA run (recipes/dmd_sdxl_4step_lora.sh): rank 64, alpha 8, peft's
-# default init, generator and guidance LR 5e-5, on FLUX's default targets (parallel/model_facts.py);
+# default init, generator and guidance LR 5e-5, on FLUX's default targets (families/flux/parallelism.py);
 # the published run trains its fake score fully, which does not fit 24 GB here.
 # NF4 takes no HSDP (lowbit.check_lowbit): on several nodes this recipe shards over all GPUs.
 #

@@ -6,7 +6,7 @@
 # `python tools/memory_plan.py --model=flux2-dev --world_size=8 --lora_rank=16 --base_dtype=nf4 --resolution=1024
 # --activation_checkpointing=1 --gpu_memory_gb=24` plans 18.0 GiB per GPU for training and 18.4 for the text-cache
 # fill before it (Mistral-Small 3, 24 B, sharded over the 8 ranks); on fewer 24 GB cards the fill needs an NF4
-# text encoder or the training CPU offload. Targets: diffusers' FLUX.2 LoRA example's (parallel/model_facts.py).
+# text encoder or the training CPU offload. Targets: diffusers' FLUX.2 LoRA example's (families/flux2/parallelism.py).
 #
 #   MODEL=/models/FLUX.2-dev DATA=/data/edits.jsonl bash recipes/flux2_dev_lora.sh
 # DATA: rows {"control": ["a.png", "b.png"], "target", "prompt"}, or the folder layouts (docs/data.md).

@@ -3,7 +3,7 @@
 # (examples/dreambooth/train_dreambooth_lora_flux_kontext.py): --learning_rate 1e-4, --adam_weight_decay
 # 1e-4, constant LR after warmup, the image-to-image command's rank 16, and its fixed alpha 4 (scaling
 # 0.25; this project's default alpha would be the rank, scaling 1: docs/lora_lowbit.md, "LoRA").
-# The targets are the example's attention + MLP projections (parallel/model_facts.py), lora_A drawn gaussian as diffusers does.
+# The targets are the example's attention + MLP projections (families/flux/parallelism.py), lora_A drawn gaussian as diffusers does.
 # The frozen 12 B base is sharded in bf16 (6 GB per rank on 4 GPUs) with the fp32 adapters in the
 # same FSDP units; activation checkpointing on, no CPU offload needed.
 #

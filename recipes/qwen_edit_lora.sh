@@ -5,7 +5,7 @@
 # `python tools/memory_plan.py --model=qwen-image-edit --world_size=1 --resolution=1024
 # --activation_checkpointing=1 --lora_rank=16 --base_dtype=nf4 --gpu_memory_gb=24` plans 17.9 GiB;
 # rank 64 on a bf16 base 47.8 GiB of 80 (docs/planner.md); neither fits without AC. Targets: diffusers'
-# Qwen-Image LoRA example's (parallel/model_facts.py). More GPUs: NPROC=N shards the base over them.
+# Qwen-Image LoRA example's (families/qwen_image/parallelism.py). More GPUs: NPROC=N shards the base over them.
 #
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl bash recipes/qwen_edit_lora.sh
 # DATA: rows {"control": ["a.png", "b.png"], "target", "prompt"}, or musubi-tuner's / ai-toolkit's folder
