@@ -126,7 +126,7 @@ def plain_reference(kind: str, folder: str, resolution: int, batch: int, text_le
     def mfu(ms):
         return sum(n / (peaks[k] * 1e12) for k, n in flops.items()) / (ms / 1000) if peaks else float("nan")
     out["mfu"] = mfu(out["fwd_bwd_ms"])
-    if kind not in ("flux", "flux2"):  # the UNet as CHANNELS_LAST runs it (sd_unet.to_channels_last): NHWC conv inputs
+    if kind == "sd15":  # the UNet as CHANNELS_LAST runs it (sd_unet.to_channels_last): NHWC conv inputs
         from families.sd_unet import to_channels_last
         to_channels_last(model)
         out["cl_fwd_bwd_ms"] = _timed(fwd_bwd, device)
