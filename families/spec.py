@@ -187,6 +187,8 @@ class FamilySpec:
     # the context-parallel check before any work (the room's); None: the family takes no context parallelism
     check_context_parallel: Callable | None
     tiny: Mapping[str, Callable] = field(default_factory=dict)  # tiny default kind -> build(root): model/, data/
+    # the GPU check (tools/gpu/)
+    gpu: Any = None  # its families/gpu.GpuCheck (families/<name>/gpu.py's GPU); None: no GPU check rows
 
     @property
     def pipeline_names(self) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ import torch
 
 import families.flux as room
 from families.flux import tiny
+from families.flux import gpu  # the GPU check's facts
 from algorithms import flux_kontext as km
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
@@ -44,4 +45,5 @@ SPEC = FamilySpec(
     text_len=512,  # T5's MAX_SEQUENCE_LENGTH
     example_inputs=example_inputs,
     check_context_parallel=room.check_context_parallel,
-    tiny={"flux_kontext": tiny.build_flux_kontext})  # tools/tiny_models.BUILDERS
+    tiny={"flux_kontext": tiny.build_flux_kontext},  # tools/tiny_models.BUILDERS
+    gpu=gpu.GPU)

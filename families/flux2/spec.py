@@ -5,6 +5,7 @@ import torch
 
 import families.flux2 as room
 from families.flux2 import tiny
+from families.flux2 import gpu  # the GPU check's facts
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 
@@ -39,4 +40,5 @@ SPEC = FamilySpec(
     text_len=512,  # MAX_SEQUENCE_LENGTH, the pipelines' padded length
     example_inputs=example_inputs,
     check_context_parallel=room.check_context_parallel,
-    tiny={"flux2_klein": tiny.build_flux2_klein, "flux2_dev": tiny.build_flux2_dev})  # tools/tiny_models.BUILDERS
+    tiny={"flux2_klein": tiny.build_flux2_klein, "flux2_dev": tiny.build_flux2_dev},  # tools/tiny_models.BUILDERS
+    gpu=gpu.GPU)

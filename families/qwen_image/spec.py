@@ -5,6 +5,7 @@ import torch
 
 import families.qwen_image as room
 from families.qwen_image import tiny
+from families.qwen_image import gpu  # the GPU check's facts
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 
@@ -41,4 +42,5 @@ SPEC = FamilySpec(
     text_len=TEXT_LEN,
     example_inputs=example_inputs,
     check_context_parallel=room.check_context_parallel,
-    tiny={"qwen_image_edit": tiny.build_qwen_image_edit})  # tools/tiny_models.BUILDERS
+    tiny={"qwen_image_edit": tiny.build_qwen_image_edit},  # tools/tiny_models.BUILDERS
+    gpu=gpu.GPU)

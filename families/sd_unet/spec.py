@@ -5,6 +5,7 @@ import torch
 
 import families.sd_unet as room
 from families.sd_unet import tiny
+from families.sd_unet import gpu  # the GPU check's facts
 from families.pipelines import Component
 from families.spec import FamilySpec, PipelineSpec, UnetDistillationRoom
 
@@ -44,4 +45,5 @@ SPEC = FamilySpec(
     text_len=77,  # CLIP's context
     example_inputs=example_inputs,
     check_context_parallel=None,  # train_dmd.py has no context parallelism
-    tiny={"sd15": tiny.build_sd15, "sdxl": tiny.build_sdxl})  # tools/tiny_models.BUILDERS
+    tiny={"sd15": tiny.build_sd15, "sdxl": tiny.build_sdxl},  # tools/tiny_models.BUILDERS
+    gpu=gpu.GPU)
