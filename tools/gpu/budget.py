@@ -151,16 +151,19 @@ def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: dict[str, t
             unwritten[model] = 0 if written else folder_bytes(name, folder(name, size))
         return unwritten[model]
 
-    def smallest(row, size):
+    def smallest(size):
         while smaller_blocks(size) is not None:
             size = smaller_blocks(size)
         return size
 
+    def smaller(row, model):  # the same family with fewer blocks
+        half = smaller_blocks(model[1])
+        return (model[0], half) if half else None
+
     path, free, total = disk_usage(out)
     keyed = [{**r, "size": (r["family"], r["size"])} for r in runs]  # fit_to_disk's sizes: (family, size)
-    choice = fit_to_disk(keyed, free, lambda r, model: need(r, model[1]), folder_cost,
-                         lambda r, model: (model[0], smaller_blocks(model[1])) if smaller_blocks(model[1]) else None)
-    peaks = {r["run"]: need(r, (choice[r["run"]] or (None, smallest(r, r["size"])))[1]) for r in runs}
+    choice = fit_to_disk(keyed, free, lambda r, model: need(r, model[1]), folder_cost, smaller)
+    peaks = {r["run"]: need(r, choice[r["run"]][1] if choice[r["run"]] else smallest(r["size"])) for r in runs}
     to_write = sum(folder_cost(z) for z in set(choice.values()) if z is not None)
     for r in runs:
         r["size"] = choice[r["run"]] and choice[r["run"]][1]
