@@ -197,6 +197,8 @@ class FamilySpec:
     # parallelism: model class -> what parallel/ needs to know of it (its FSDP units, default LoRA targets,
     # attention dispatch: ModelFacts), from families/<name>/parallelism.py; the trained classes at least
     models: Mapping[str, ModelFacts] = field(default_factory=dict)
+    # the GPU check (tools/gpu/)
+    gpu: Any = None  # its families/gpu.GpuCheck (families/<name>/gpu.py's GPU); None: no GPU check rows
 
     @property
     def pipeline_names(self) -> tuple[str, ...]:

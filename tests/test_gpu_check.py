@@ -27,14 +27,14 @@ from tools import gpu
 # the tests that read a launch of the CPU check -> its arguments (--tiny --cpu --skip_tests and an --out of its
 # own added), longest first: two run side by side, each next one starting where one ends
 CLI_RUNS = {
-    "test_qwen_rows_on_cpu_train_resume_export_and_load": ["--suite=qwen"],
+    "test_qwen_rows_on_cpu_train_resume_export_and_load": ["--suite=qwen_image"],
     "test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
         ["--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac"],
     "test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row":
         ["--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last"],
     "test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0": ["--runs=cudnn_attention_probe"],
 }
-CLI_TIMEOUT = 900  # seconds one launch may take, the slowest (--suite=qwen: 5 trainings) under a loaded machine
+CLI_TIMEOUT = 900  # seconds one launch may take, the slowest (--suite=qwen_image: 5 trainings) under a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +75,46 @@ def test_smaller_blocks_halve_to_one_of_each():
     assert sizes == [(19, 38), (9, 19), (4, 9), (2, 4), (1, 2), (1, 1)]
 
 
-def test_smaller_qwen_blocks_halve_to_one():
-    sizes, size = [], 4
+def test_smaller_blocks_halve_one_kind_to_one_and_leave_whole_and_tiny_models():
+    sizes, size = [], (4,)
     while size:
         sizes.append(size)
-        size = gpu.budget.smaller_qwen_blocks(size)
-    assert sizes == [4, 2, 1]
+        size = gpu.budget.smaller_blocks(size)
+    assert sizes == [(4,), (2,), (1,)]  # Qwen-Image-Edit's dual-stream blocks
+    assert gpu.budget.smaller_blocks(()) is None and gpu.budget.smaller_blocks("tiny") is None
 
 
-def test_smaller_size_halves_each_family_by_its_own_rule():
-    assert gpu.budget.smaller_size(("klein", 2, 4)) == ("klein", 1, 2)
-    assert gpu.budget.smaller_size(("klein", 1, 1)) is None
-    assert gpu.budget.smaller_size((2, 4)) == (1, 2) and gpu.budget.smaller_size(4) == 2
-    assert gpu.budget.smaller_size("sd15") is None
+def test_each_family_gives_the_check_its_facts():
+    """Every family's GpuCheck: its block keys are its trained model's config keys, its default counts one per
+    key, its tiny rows on spec.tiny's first folder, its label the table's; the check's core names no family."""
+    import families
+    for spec in families.SPECS:
+        g = spec.gpu
+        sub = gpu.folders.trained_subfolder(spec.name)
+        with open(os.path.join(gpu.folders.REAL, g.configs, sub, "config.json")) as f:
+            config = json.load(f)
+        assert all(k in config for k in g.blocks) and len(g.default_blocks) == len(g.blocks), spec.name
+        assert gpu.folders.default_size(spec.name, True) == "tiny" and spec.tiny, spec.name
+        assert gpu.folders.model_label(spec.name, "tiny") == f"tiny {g.label}"
+        assert all(sub_name in {c.subfolder for p in spec.pipelines for c in p.components} for sub_name, _ in g.parts)
+    assert [gpu.folders.model_label(n, gpu.folders.default_size(n, False)) for n in families.NAMES] == [
+        "SD-1.5", "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "FLUX.2 klein 2+4 blocks"]
+    assert gpu.folders.model_label(None, None) == "-"
+    core = ("folders", "budget", "reference", "run", "report", "cli")  # rows.py's rows name their family as data
+    for module in core:
+        source = open(os.path.join(os.path.dirname(gpu.__file__), f"{module}.py")).read()
+        assert not [n for n in families.NAMES if f'"{n}"' in source], module
+
+
+def test_a_renamed_suite_or_option_is_refused_in_one_line_naming_the_new_one(monkeypatch):
+    from tools.gpu import cli
+    for args, said in ((["--suite=qwen"], "--suite=qwen_image"), (["--qwen_blocks=2"], "--qwen_image_blocks"),
+                       (["--suite=nope"], "choose one of acceptance, speed, qwen_image, flux2, fp8, fp8_qwen"),
+                       (["--flux2_blocks=2"], "give 2 block count(s) (num_layers, num_single_layers)")):
+        monkeypatch.setattr("sys.argv", ["gpu_check.py", *args])
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        assert said in str(stop.value) and "\n" not in str(stop.value), stop.value
 
 
 def _rows(*specs):
@@ -120,13 +147,13 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     second checkpoint its resume writes. Sized before the rows (that row's output not yet written,
     nor the 2+4 transformer folder), the check gives that row 1+2 blocks and keeps every other row."""
     rows = gpu.rows.plan_runs(tiny=False)
-    folders = {"sd15": os.path.join(gpu.folders.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
+    folders = {(): os.path.join(gpu.folders.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
     for r in rows:
-        r["size"] = "sd15" if r["kind"] == "sd15" else (2, 4)
+        r["size"] = () if r["family"] == "sd_unet" else (2, 4)
 
     def folder(size):
         if size not in folders:
-            folders[size] = gpu.folders.flux_skeleton(str(tmp_path), size, None)
+            folders[size] = gpu.folders.skeleton("flux", str(tmp_path), size, None)
         return folders[size]
 
     sizes = {}
@@ -140,7 +167,7 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
 
     def folder_bytes(size):
         if size not in written:
-            written[size] = gpu.budget.folder_bytes(folder(size))
+            written[size] = gpu.budget.folder_bytes("flux", folder(size))
         return written[size]
 
     dmd = next(r for r in rows if r["run"] == "dmd_kontext_512px_4step_ac")
@@ -149,8 +176,7 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     free = int(23.4e9) + one + export + folder_bytes((2, 4))
     choice = gpu.budget.fit_to_disk(
         rows, free, lambda r, z: gpu.budget.peak_disk(*row_bytes(r, z), r["resume"]),
-        lambda z: folder_bytes(z) if isinstance(z, tuple) else 0,
-        lambda r, z: gpu.budget.smaller_blocks(z) if isinstance(z, tuple) else None)
+        lambda z: folder_bytes(z) if z else 0, lambda r, z: gpu.budget.smaller_blocks(z))
     assert choice == {r["run"]: (1, 2) if r is dmd else r["size"] for r in rows}
 
 
@@ -161,39 +187,41 @@ def test_the_qwen_rows_are_sized_by_the_scripts_arithmetic_and_halved_to_fit(tmp
     no transformer written yet, the full row gets 2 blocks and the LoRA row keeps 4. The DMD2 row
     (LoRA r64 generator, full fake score: 16.9 GB at 4 blocks, resumed) gets 2 blocks too. Each row's bytes at
     each size and each folder's are computed once (fit_to_disk asks again on every round, as build() memoizes)."""
-    rows = gpu.rows.plan_runs(tiny=False, suite="qwen")
+    rows = gpu.rows.plan_runs(tiny=False, suite="qwen_image")
     assert [r["run"] for r in rows] == ["qwen_edit_1024px_lora16_2refs", "qwen_edit_512px_full",
                                         "dmd_qwen_edit_512px_4step_lora64_ac"]
     lora, full, dmd = rows
     for r in rows:
-        r["size"] = 4
+        r["size"] = (4,)
     assert lora["settings"]["extra"]["reference_area"] == 1024 ** 2  # the pipeline's VAE_IMAGE_SIZE
     assert full["resume"] and full["settings"]["extra"]["condition_area"] == 384 ** 2  # its CONDITION_IMAGE_SIZE
     sizes, folders = {}, {}
 
     def row_bytes(r, blocks):
         if (r["run"], blocks) not in sizes:
-            sizes[r["run"], blocks] = gpu.budget.row_bytes(r, gpu.folders.qwen_skeleton(str(tmp_path), blocks, None))
+            sizes[r["run"], blocks] = gpu.budget.row_bytes(r, gpu.folders.skeleton("qwen_image", str(tmp_path),
+                                                                                    blocks, None))
         return sizes[r["run"], blocks]
 
-    one, export = row_bytes(full, 4)
+    one, export = row_bytes(full, (4,))
     assert (_gb(one), _gb(export)) == ("16.8 GB", "2.8 GB")
-    assert row_bytes(lora, 4)[0] < 0.1 * gpu.budget.GB
+    assert row_bytes(lora, (4,))[0] < 0.1 * gpu.budget.GB
 
     def need(r, blocks):
         return gpu.budget.peak_disk(*row_bytes(r, blocks), r["resume"])
 
     def folder_cost(blocks):
         if blocks not in folders:
-            folders[blocks] = gpu.budget.folder_bytes(gpu.folders.qwen_skeleton(str(tmp_path), blocks, None))
+            folders[blocks] = gpu.budget.folder_bytes("qwen_image",
+                                                      gpu.folders.skeleton("qwen_image", str(tmp_path), blocks, None))
         return folders[blocks]
 
     choice = gpu.budget.fit_to_disk(rows, 40 * gpu.budget.GB + gpu.budget.HEADROOM, need, folder_cost,
-                                   lambda r, z: gpu.budget.smaller_qwen_blocks(z))
-    assert choice == {lora["run"]: 4, full["run"]: 2, dmd["run"]: 2}
+                                   lambda r, z: gpu.budget.smaller_blocks(z))
+    assert choice == {lora["run"]: (4,), full["run"]: (2,), dmd["run"]: (2,)}
     assert dmd["resume"] and dmd["settings"]["lora_rank"] == 64 and dmd["settings"]["extra"]["lora_alpha"] == 8
-    assert _gb(row_bytes(dmd, 4)[0]) == "16.9 GB"
-    assert gpu.folders.model_label(2) == "Qwen-Image-Edit 2 blocks"
+    assert _gb(row_bytes(dmd, (4,))[0]) == "16.9 GB"
+    assert gpu.folders.model_label("qwen_image", (2,)) == "Qwen-Image-Edit 2 blocks"
 
 
 def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
@@ -203,6 +231,7 @@ def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
     import torch
 
     from families import qwen_image as qi
+    from families.qwen_image.gpu import text_tokens
     model, data = tiny_default("qwen_image_edit")
     data = os.path.join(data, "data.jsonl")
     with open(data) as f:
@@ -211,7 +240,7 @@ def test_the_qwen_reference_reads_as_many_text_tokens_as_the_run():
     area = 384 * 384
     images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)], area)
     embeds, _ = pipe.encode_prompt(prompt=[row["prompt"]], image=images, device=torch.device("cpu"))
-    assert gpu.reference.qwen_text_tokens(str(model), data, area) == embeds.shape[1]
+    assert text_tokens(str(model), data, area) == embeds.shape[1]
 
 
 def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
@@ -224,12 +253,12 @@ def test_deadline_starts_a_row_only_where_its_scaled_expectation_fits():
 
 
 def test_the_acceptance_rows_and_the_qwen_rows_each_fit_one_device_call():
-    """The rows of each call (the acceptance suite; --suite=qwen): their expected seconds on an H100, the
+    """The rows of each call (the acceptance suite; --suite=qwen_image): their expected seconds on an H100, the
     start-up and the plain references fit the deadline with the end's reserve kept, and the deadline
     plus that reserve fit the 9.5 minutes of one call."""
     rows = gpu.rows.plan_runs(tiny=False)
-    for call in (rows, gpu.rows.plan_runs(tiny=False, suite="qwen")):
-        refs = {(r["kind"], r["settings"]["resolution"], r["settings"]["batch_size"]) for r in call if r["ref"]}
+    for call in (rows, gpu.rows.plan_runs(tiny=False, suite="qwen_image")):
+        refs = {(r["family"], r["settings"]["resolution"], r["settings"]["batch_size"]) for r in call if r["ref"]}
         expected = (gpu.rows.STARTUP_EXPECT_S + gpu.rows.REF_EXPECT_S * len(refs)
                     + sum(r["expect_s"] for r in call))
         assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
@@ -291,7 +320,8 @@ def test_dmd_bound_counts_the_network_calls_of_the_timed_steps():
     slow = gpu.report.table([{**row, "step_ms": 800.0}], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
     assert "| 620 | 800 | 1.29 | not met |" in slow
     # a flow teacher's backward simulation adds generator calls the bound does not count: no line
-    qwen = {**row, "run": "dmd_qwen_edit_512px_4step_lora64_ac_profiled", "model": "Qwen-Image-Edit 4 blocks"}
+    qwen = {**row, "run": "dmd_qwen_edit_512px_4step_lora64_ac_profiled", "model": "Qwen-Image-Edit 4 blocks",
+            "flow": True}
     assert "network calls" not in gpu.report.table([qwen], {"SD-1.5, 512 px, batch 32": ref}, ["head"])
 
 
@@ -312,7 +342,7 @@ def test_flux2_dmd_bound_counts_backward_simulation_the_cfg_pair_and_a_lora_gene
     row = {**gpu.run.blank_result({"run": "dmd_flux2_klein_512px_4step_lora64_ac", "world": 1, "expect_s": 170},
                                     "pass", True),
            "model": "FLUX.2 klein 2+4 blocks", "step_ms": 770.0, "timed_steps": steps, "step_indices": indices,
-           "ref": "klein", "ratio": 5, "ac": False, "lora_generator": True, "cfg_pair": True}
+           "ref": "klein", "ratio": 5, "ac": False, "lora_generator": True, "cfg_pair": True, "flow": True}
     assert "| dmd_flux2_klein_512px_4step_lora64_ac | 1 + 2 | 703 | 770 | 1.09 | met |" in \
         gpu.report.table([row], {"klein": ref}, ["head"])
     # without the logged σ indices the step's calls are unknown: no line
@@ -330,11 +360,11 @@ def test_the_flux2_rows_are_sized_by_the_scripts_arithmetic_and_fit_one_device_c
     assert all(r["ref"] and r["settings"]["lora_rank"] == 64 and r["settings"]["ac"] for r in rows)
     assert rows[0]["resume"] and not rows[1]["resume"]
     assert rows[0]["settings"]["extra"]["real_guidance_scale"] == 4.0
-    folder = gpu.folders.flux2_skeleton(str(tmp_path), (2, 4), None)
+    folder = gpu.folders.skeleton("flux2", str(tmp_path), (2, 4), None)
     one, export = gpu.budget.row_bytes(rows[0], folder)
     assert (_gb(one), _gb(gpu.budget.peak_disk(one, export, True))) == ("14.3 GB", "28.7 GB")
     assert export < 0.1 * gpu.budget.GB  # the generator's adapters
-    assert gpu.folders.model_label(("klein", 2, 4)) == "FLUX.2 klein 2+4 blocks"
+    assert gpu.folders.model_label("flux2", (2, 4)) == "FLUX.2 klein 2+4 blocks"
     expected = gpu.rows.STARTUP_EXPECT_S + 2 * gpu.rows.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
     assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
 
@@ -416,7 +446,7 @@ def test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row(c
 
 @pytest.mark.slow
 def test_qwen_rows_on_cpu_train_resume_export_and_load(cli, request):
-    """The tiny Qwen-Image-Edit rows (--suite=qwen): LoRA with two references, the full fine-tune
+    """The tiny Qwen-Image-Edit rows (--suite=qwen_image): LoRA with two references, the full fine-tune
     saved, resumed, exported and loaded with QwenImageEditPlusPipeline, each beside its plain reference;
     DMD2 with the Lightning settings saved, resumed and exported."""
     rc, stdout, out = cli[request.node.name]

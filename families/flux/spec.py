@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import families.flux as room
-from families.flux import parallelism, tiny
+from families.flux import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
 from algorithms import flux_kontext as km
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
@@ -45,4 +45,5 @@ SPEC = FamilySpec(
     example_inputs=example_inputs,
     check_context_parallel=room.check_context_parallel,
     tiny={"flux_kontext": tiny.build_flux_kontext},  # tools/tiny_models.BUILDERS
-    models=parallelism.MODELS)
+    models=parallelism.MODELS,
+    gpu=gpu.GPU)

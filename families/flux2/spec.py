@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import families.flux2 as room
-from families.flux2 import parallelism, tiny
+from families.flux2 import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 
@@ -40,4 +40,5 @@ SPEC = FamilySpec(
     example_inputs=example_inputs,
     check_context_parallel=room.check_context_parallel,
     tiny={"flux2_klein": tiny.build_flux2_klein, "flux2_dev": tiny.build_flux2_dev},  # tools/tiny_models.BUILDERS
-    models=parallelism.MODELS)
+    models=parallelism.MODELS,
+    gpu=gpu.GPU)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import families.qwen_image as room
-from families.qwen_image import parallelism, tiny
+from families.qwen_image import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 
@@ -42,4 +42,5 @@ SPEC = FamilySpec(
     example_inputs=example_inputs,
     check_context_parallel=room.check_context_parallel,
     tiny={"qwen_image_edit": tiny.build_qwen_image_edit},  # tools/tiny_models.BUILDERS
-    models=parallelism.MODELS)
+    models=parallelism.MODELS,
+    gpu=gpu.GPU)

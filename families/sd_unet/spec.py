@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import families.sd_unet as room
-from families.sd_unet import parallelism, tiny
+from families.sd_unet import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
 from families.pipelines import Component
 from families.spec import FamilySpec, PipelineSpec, UnetDistillationRoom
 
@@ -45,4 +45,5 @@ SPEC = FamilySpec(
     example_inputs=example_inputs,
     check_context_parallel=None,  # train_dmd.py has no context parallelism
     tiny={"sd15": tiny.build_sd15, "sdxl": tiny.build_sdxl},  # tools/tiny_models.BUILDERS
-    models=parallelism.MODELS)
+    models=parallelism.MODELS,
+    gpu=gpu.GPU)

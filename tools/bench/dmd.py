@@ -123,7 +123,7 @@ H100_STEP_MS = {"fp32": 1697, "bf16": 765}
 
 def bench_fake_fp32() -> str:
     """FAKE_SCORE_FP32 on and off, side by side: two 2-rank CPU runs of train_dmd.py on SD-1.5's
-    real architecture (random weights, tools/gpu/folders.sd15_folder), PRECISION=bf16, 128 px, batch 1
+    real architecture (random weights, tools/gpu/folders.real_folder), PRECISION=bf16, 128 px, batch 1
     per rank, a generator step every step (DFAKE_GEN_UPDATE_RATIO=1), LoRA rank 64 on the generator
     and the fake score (FAKE_LORA: the two runs fit in 6 GiB per rank beside other work; the price
     is in the fake score's fp32 gathers, compute and activations, which LoRA does not change); then the
@@ -132,7 +132,7 @@ def bench_fake_fp32() -> str:
     from tools import memory_plan
     from tools.gpu import folders
     root = _root()
-    folder = folders.sd15_folder(os.path.join(root, "gpu_check_models"), tiny=False)
+    folder = folders.real_folder("sd_unet", os.path.join(root, "gpu_check_models"))
     data = os.path.join(root, "fake_fp32_prompts.txt")
     with open(data, "w") as f:
         f.write("a red circle on a white background\na blue square on a black background\n")

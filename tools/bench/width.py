@@ -13,9 +13,7 @@ def flux_width_folder(root: str, blocks: tuple[int, int]) -> str:
     transformer skeleton of that size with its weights written, beside its real-width parts (VAE, CLIP-L, a
     one-layer T5 of the real width; written once under `root`)."""
     from tools.gpu import folders
-    folder = folders.flux_skeleton(root, blocks, folders.flux_parts(root))
-    folders.transformer_weights(folder)
-    return folder
+    return folders.real_folder("flux", root, blocks)
 
 
 def bench_nf4_width() -> str:
@@ -27,7 +25,7 @@ def bench_nf4_width() -> str:
     from tools.gpu import folders
     root = _root()
     folder = flux_width_folder(os.path.join(root, "gpu_check_models"), (1, 1))
-    data = folders.datasets(os.path.join(root, "gpu_check_models"), 256)[1]
+    data = folders.dataset(os.path.join(root, "gpu_check_models"), "flux", 256)
     runs = {}
     for base in ("", "nf4"):
         out = os.path.join(root, f"nf4_width_{base or 'bf16'}")
@@ -65,7 +63,7 @@ def bench_kontext_dmd_width() -> str:
     from tools.gpu import folders
     root = _root()
     folder = flux_width_folder(os.path.join(root, "gpu_check_models"), (0, 1))
-    data = folders.datasets(os.path.join(root, "gpu_check_models"), 256)[1]
+    data = folders.dataset(os.path.join(root, "gpu_check_models"), "flux", 256)
     out = os.path.join(root, "kontext_dmd_width")
     t0 = time.perf_counter()
     mem = _two_rank_memory("train_dmd.py", [

@@ -8,7 +8,7 @@ What it does, in order, under one deadline (--deadline_s; gpu_check.sh counts it
 tests/test_gpu.py starts in the background (three at a time where pytest-xdist is installed) while the
 models are built (random weights: SD-1.5's UNet, VAE and CLIP at their real configs; FLUX.1 Kontext's
 transformer at real width with --flux_blocks double + single blocks, its real VAE, CLIP-L and a
-one-layer T5 of the real width; Qwen-Image-Edit-2509's transformer at real width with --qwen_blocks
+one-layer T5 of the real width; Qwen-Image-Edit-2509's transformer at real width with --qwen_image_blocks
 blocks, its real VAE and a one-layer Qwen2.5-VL of the real width). Then every row is sized to the
 disk: one checkpoint of its trained models and optimizers (checkpoint.checkpoint_bytes, the models
 built on meta as tools/memory_plan.py builds them) and its export (components.export.export_bytes),
@@ -22,7 +22,7 @@ rows in order of value (plan_runs): Kontext 1024 px full fine-tune (save -> resu
 DMD2 SD-1.5 512 px, Kontext LoRA 512 px (resume), a cuDNN-attention probe, Kontext NF4 LoRA +
 adamw8bit, DMD2 with a Kontext teacher (resume), Kontext LoRA under COMPILE=1, Qwen-Image-Edit LoRA at
 1024 px with two references, its 512 px full fine-tune (resume, export loaded as the pipeline); the
-Qwen-Image-Edit rows are a second call (--suite=qwen), FLUX.2 klein-base DMD2 a third (--suite=flux2: a LoRA
+Qwen-Image-Edit rows are a second call (--suite=qwen_image), FLUX.2 klein-base DMD2 a third (--suite=flux2: a LoRA
 r64 generator and a full fake score at 512 px saved, resumed, exported and the export sampled in 4 steps by
 Flux2KleinPipeline, and the same timed at 1024 px; klein-base-4B's transformer at --flux2_blocks of real width,
 its real VAE, a narrow Qwen3 of the real width)

@@ -8,9 +8,8 @@ import os
 import shutil
 import time
 
-from tools.gpu.folders import (
-    flux2_parts, flux2_skeleton, flux_parts, flux_skeleton, qwen_parts, qwen_skeleton, sd15_folder, tiny_default,
-    transformer_weights)
+import families
+from tools.gpu.folders import default_size, parts_folder, skeleton, tiny_default, trained_subfolder, trained_weights
 
 
 GIB = 2**30
@@ -77,34 +76,21 @@ def peak_disk(one: int, export: int, resume: bool) -> int:
     return max(2 * one + export, one + 2 * export) if resume else one + export
 
 
-def folder_bytes(folder: str) -> int:
-    """What writing a skeleton's transformer takes: its parameters in fp32, as save_pretrained writes them."""
+def folder_bytes(name: str, folder: str) -> int:
+    """What writing a skeleton's trained model takes: its parameters in fp32, as save_pretrained writes them."""
     from tools import memory_plan
-    model = memory_plan.meta_model(os.path.join(folder, "transformer"))
+    model = memory_plan.meta_model(os.path.join(folder, trained_subfolder(name)))
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def smaller_blocks(blocks: tuple[int, int]) -> tuple[int, int] | None:
-    """Half the FLUX blocks of each kind, one of each at least (19+38 -> 9+19 -> 4+9 -> 2+4 -> 1+2 -> 1+1:
-    a LoRA row targets modules of both kinds); None past 1+1."""
-    half = (max(blocks[0] // 2, 1), max(blocks[1] // 2, 1))
+def smaller_blocks(blocks):
+    """Half the blocks of each kind, one of each at least (FLUX 19+38 -> 9+19 -> 4+9 -> 2+4 -> 1+2 -> 1+1: a LoRA
+    row targets modules of both kinds; Qwen-Image-Edit 4 -> 2 -> 1); None past that, or for a model built whole
+    (()) or a tiny one."""
+    if not isinstance(blocks, tuple):
+        return None
+    half = tuple(max(n // 2, 1) for n in blocks)
     return half if half != blocks else None
-
-
-def smaller_qwen_blocks(blocks: int) -> int | None:
-    """Half the Qwen-Image-Edit blocks (4 -> 2 -> 1); None past 1."""
-    return blocks // 2 or None
-
-
-def smaller_size(size):
-    """The next smaller model of a row (smaller_qwen_blocks, smaller_blocks; a FLUX.2 size ("klein", D, S)
-    halves as FLUX does); None: no smaller one."""
-    if isinstance(size, int):
-        return smaller_qwen_blocks(size)
-    if isinstance(size, tuple) and size[0] == "klein":
-        half = smaller_blocks(size[1:])
-        return ("klein", *half) if half else None
-    return smaller_blocks(size) if isinstance(size, tuple) else None
 
 
 def fit_to_disk(rows: list[dict], free: int, need, folder_cost, smaller) -> dict:
@@ -124,72 +110,70 @@ def fit_to_disk(rows: list[dict], free: int, need, folder_cost, smaller) -> dict
         choice[row["run"]] = smaller(row, choice[row["run"]])
 
 
-def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: tuple[int, int],
-          qwen_blocks: int = 4, flux2_blocks: tuple[int, int] = (2, 4)) -> tuple[dict, dict, dict]:
-    """Model folders for the rows, each row sized to the disk (row["size"]: FLUX blocks as a tuple,
-    FLUX.2 klein's as ("klein", D, S), Qwen-Image-Edit blocks as an int, else a name; None: not run). Returns
-    ({size: folder}, {run: peak disk bytes at its size; not run: at its smallest}, the disk as measured)."""
-    folders = {}
-    if any(r["kind"] == "sd15" for r in runs):
-        folders["tiny_sd15" if tiny else "sd15"] = sd15_folder(work, tiny)
-    parts = {}  # per transformer family: its folder's other parts at real width (a tiny run: its tiny folder)
-    for kind, parts_of in (("flux", flux_parts), ("qwen", qwen_parts), ("flux2", flux2_parts)):
-        if any(r["kind"] == kind for r in runs):
-            if tiny:
-                folders["tiny_" + kind] = tiny_default(kind)
-            else:
-                parts[kind] = parts_of(work)
-    sizes = {"sd15": "sd15", "qwen": qwen_blocks, "flux2": ("klein", *flux2_blocks), "flux": blocks}
+def build(runs: list[dict], work: str, out: str, tiny: bool, blocks: dict[str, tuple[int, ...]]
+          ) -> tuple[dict, dict, dict]:
+    """Model folders for the rows, each row sized to the disk (row["size"]: its family's block counts at real width,
+    `blocks`[family] or its default, halved where the disk is short; () for a family built whole; "tiny"; None:
+    not run). Returns ({(family, size): folder}, {run: peak disk bytes at its size; not run: at its smallest}, the
+    disk as measured)."""
+    folders, parts = {}, {}  # parts: per family, its folder but the trained model at real width
+    for name in (s.name for s in families.SPECS if any(r["family"] == s.name for r in runs)):  # in NAMES' order
+        if tiny:
+            folders[name, "tiny"] = tiny_default(name)
+        else:
+            parts[name] = parts_folder(name, work)
     for r in runs:
-        r["size"] = "tiny_" + r["kind"] if tiny else sizes[r["kind"]]
+        r["size"] = "tiny" if tiny else tuple(blocks.get(r["family"], default_size(r["family"], False)))
 
-    def folder(size):
-        if size not in folders:
-            folders[size] = (qwen_skeleton(work, size, parts.get("qwen")) if isinstance(size, int)
-                             else flux2_skeleton(work, size[1:], parts.get("flux2")) if size[0] == "klein"
-                             else flux_skeleton(work, size, parts.get("flux")))
-        return folders[size]
+    def folder(name, size):
+        if (name, size) not in folders:
+            folders[name, size] = skeleton(name, work, size, parts.get(name)) if size else parts[name]
+        return folders[name, size]
 
     needs = {}
 
     def need(row, size):
         if (row["run"], size) not in needs:
-            one, export = row_bytes(row, folder(size))
+            one, export = row_bytes(row, folder(row["family"], size))
             needs[row["run"], size] = peak_disk(one, export, row["resume"])
         return needs[row["run"], size]
 
     same_disk = os.stat(disk_usage(work)[0]).st_dev == os.stat(disk_usage(out)[0]).st_dev
-    unwritten = {}  # a transformer still to write costs its fp32 bytes where the runs write too
+    unwritten = {}  # a trained model still to write costs its fp32 bytes where the runs write too
 
-    def folder_cost(size):
-        if not isinstance(size, (tuple, int)) or not same_disk:
+    def folder_cost(model):
+        name, size = model
+        if not isinstance(size, tuple) or not size or not same_disk:
             return 0
-        if size not in unwritten:
-            written = any(n.endswith(".safetensors") for n in os.listdir(os.path.join(folder(size), "transformer")))
-            unwritten[size] = 0 if written else folder_bytes(folder(size))
-        return unwritten[size]
+        if model not in unwritten:
+            sub = os.path.join(folder(name, size), trained_subfolder(name))
+            written = any(n.endswith(".safetensors") for n in os.listdir(sub))
+            unwritten[model] = 0 if written else folder_bytes(name, folder(name, size))
+        return unwritten[model]
 
-    def smaller(row, size):
-        return smaller_size(size)
-
-    def smallest(row, size):
-        while smaller(row, size) is not None:
-            size = smaller(row, size)
+    def smallest(size):
+        while smaller_blocks(size) is not None:
+            size = smaller_blocks(size)
         return size
 
+    def smaller(row, model):  # the same family with fewer blocks
+        half = smaller_blocks(model[1])
+        return (model[0], half) if half else None
+
     path, free, total = disk_usage(out)
-    choice = fit_to_disk(runs, free, need, folder_cost, smaller)
-    peaks = {r["run"]: need(r, choice[r["run"]] or smallest(r, r["size"])) for r in runs}
+    keyed = [{**r, "size": (r["family"], r["size"])} for r in runs]  # fit_to_disk's sizes: (family, size)
+    choice = fit_to_disk(keyed, free, lambda r, model: need(r, model[1]), folder_cost, smaller)
+    peaks = {r["run"]: need(r, choice[r["run"]][1] if choice[r["run"]] else smallest(r["size"])) for r in runs}
     to_write = sum(folder_cost(z) for z in set(choice.values()) if z is not None)
     for r in runs:
-        r["size"] = choice[r["run"]]
-    for size, f in list(folders.items()):
-        if isinstance(size, (tuple, int)):
-            if size in choice.values():
-                transformer_weights(f)
+        r["size"] = choice[r["run"]] and choice[r["run"]][1]
+    for (name, size), f in list(folders.items()):
+        if isinstance(size, tuple) and size:
+            if (name, size) in choice.values():
+                trained_weights(name, f)
             else:  # a size tried and not taken: its config and links only
                 shutil.rmtree(f)
-                del folders[size]
+                del folders[name, size]
     return folders, peaks, {"path": path, "free": free, "total": total, "to_write": to_write}
 
 

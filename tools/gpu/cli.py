@@ -13,15 +13,18 @@ import subprocess
 import sys
 import time
 
+import families
+from families.spec import FlowDistillationRoom
 from tools import gpu as package
 from tools.gpu.budget import CALL_S, GB, GIB, HEADROOM, Deadline, build, disk_usage, plan_all
-from tools.gpu.folders import ROOT, datasets, model_label, qwen_pairs
-from tools.gpu.reference import plain_reference, qwen_text_tokens
+from tools.gpu.folders import REAL, ROOT, dataset, model_label, spec, trained_subfolder
+from tools.gpu.reference import plain_reference
 from tools.gpu.report import disk_line, table
-from tools.gpu.rows import REF_EXPECT_S, plan_runs, select_runs
+from tools.gpu.rows import REF_EXPECT_S, RENAMED, SUITES, plan_runs, select_runs
 from tools.gpu.run import blank_result, one_run
 
 
+RENAMED_OPTIONS = {"qwen_blocks": "qwen_image_blocks"}  # an option renamed: refused in one line naming its name
 TEST_WORKERS = 3  # tests/test_gpu.py's launches side by side (pytest-xdist): ~100 s instead of ~280 s
 
 
@@ -48,6 +51,13 @@ def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tu
     return tests.returncode == 0, f"{last[0].strip('= ')} (rc {tests.returncode})"
 
 
+def blocks_help(f) -> str:
+    """--<family>_blocks' help: the config keys counted and the real model's counts."""
+    with open(os.path.join(REAL, f.gpu.configs, trained_subfolder(f.name), "config.json")) as file:
+        real = json.load(file)
+    return f"{','.join(f.gpu.blocks)}; all: {','.join(str(real[k]) for k in f.gpu.blocks)}"
+
+
 def main() -> None:
     # counted from gpu_check.sh's start where it set GPU_CHECK_T0 (the wheels' install included)
     started = time.monotonic() - max(time.time() - float(os.environ.get("GPU_CHECK_T0", time.time())), 0)
@@ -56,32 +66,39 @@ def main() -> None:
     ap.add_argument("--work", default="", help="where models go; '' = --out/work (removed at the end)")
     ap.add_argument("--tiny", action="store_true", help="the tiny models (a plumbing check, minutes on CPU)")
     ap.add_argument("--cpu", action="store_true", help="allow a machine without CUDA (rows that need CUDA: skipped)")
-    ap.add_argument("--flux_blocks", default="2,4", help="double,single FLUX blocks at real width (all: 19,38); "
-                                                         "rows that do not fit the disk get fewer")
-    ap.add_argument("--flux2_blocks", default="2,4",
-                    help="double,single FLUX.2 klein blocks at real width (klein-base-4B: 5,20); rows that do not "
-                         "fit the disk get fewer")
-    ap.add_argument("--qwen_blocks", type=int, default=4, help="Qwen-Image-Edit dual-stream blocks at real width "
-                                                              "(all: 60); rows that do not fit the disk get fewer")
+    sized = [f for f in families.SPECS if f.gpu and f.gpu.blocks]  # the families built in blocks at real width
+    for f in sized:
+        ap.add_argument(f"--{f.name}_blocks", default=",".join(map(str, f.gpu.default_blocks)),
+                        help=f"{f.gpu.label} blocks at real width ({blocks_help(f)}); rows that do not fit the disk "
+                             "get fewer")
+    for old in RENAMED_OPTIONS:
+        ap.add_argument(f"--{old}", help=argparse.SUPPRESS)
     ap.add_argument("--deadline_s", type=float, default=0,
                     help=f"seconds for everything from the start; rows that do not fit are not started, runs "
                          f"past it are cut (0: {CALL_S} with CUDA, 1800 without)")
     ap.add_argument("--skip_tests", action="store_true", help="do not run tests/test_gpu.py")
     ap.add_argument("--runs", default="", help="comma-separated run names, or parts of names, to keep ('' = all)")
     ap.add_argument("--suite", default="acceptance",
-                    choices=("acceptance", "speed", "qwen", "flux2", "fp8", "fp8_qwen"),
-                    help="acceptance: every script and mode once; speed: step-time rows (kernels, AC, compile); "
-                         "qwen: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, fp8 / fp8_qwen: FP8 "
-                         "against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's 1024 px LoRA (each a "
-                         "call of its own)")
+                    help=f"one of {', '.join(SUITES)}. acceptance: every script and mode once; speed: step-time rows "
+                         "(kernels, AC, compile); qwen_image: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, "
+                         "fp8 / fp8_qwen: FP8 against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's "
+                         "1024 px LoRA (each a call of its own)")
     a = ap.parse_args()
-    blocks, flux2_blocks = (tuple(int(x) for x in v.split(",") if x.strip().isdigit())
-                            for v in (a.flux_blocks, a.flux2_blocks))
-    for name, value, got in (("flux_blocks", a.flux_blocks, blocks), ("flux2_blocks", a.flux2_blocks, flux2_blocks)):
-        if len(got) != 2 or min(got) < 1:
-            sys.exit(f"gpu_check: --{name}={value}: give double,single block counts, each >= 1 (e.g. 2,4)")
-    if a.qwen_blocks < 1:
-        sys.exit(f"gpu_check: --qwen_blocks={a.qwen_blocks}: give a block count >= 1 (e.g. 4)")
+    for old, new in RENAMED_OPTIONS.items():
+        if getattr(a, old) is not None:
+            sys.exit(f"gpu_check: --{old}: the option is named by its family: --{new}")
+    if a.suite in RENAMED:
+        sys.exit(f"gpu_check: --suite={a.suite}: the suite is named by its family: --suite={RENAMED[a.suite]}")
+    if a.suite not in SUITES:
+        sys.exit(f"gpu_check: --suite={a.suite}: choose one of {', '.join(SUITES)}")
+    blocks = {}
+    for f in sized:
+        value = getattr(a, f"{f.name}_blocks")
+        got = tuple(int(x) for x in value.split(",") if x.strip().isdigit())
+        if len(got) != len(f.gpu.blocks) or min(got) < 1:
+            sys.exit(f"gpu_check: --{f.name}_blocks={value}: give {len(f.gpu.blocks)} block count(s) "
+                     f"({', '.join(f.gpu.blocks)}), each >= 1 (e.g. {','.join(map(str, f.gpu.default_blocks))})")
+        blocks[f.name] = got
     import torch
 
     from components.warnings import quiet_known_warnings
@@ -105,12 +122,8 @@ def main() -> None:
     if not cuda:  # a CPU without native bf16 emulates it (~80x slower); on CPU the rows check plumbing, not dtypes
         for r in runs:
             r["settings"]["precision"] = "fp32"
-    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks, a.qwen_blocks, flux2_blocks)
-    data = {}
-    for r in runs:
-        prompts, pairs = datasets(work, r["settings"]["resolution"], a.tiny)
-        data[r["run"]] = (prompts if r["kind"] == "sd15" else
-                          qwen_pairs(work, r["settings"]["resolution"], a.tiny) if r["kind"] == "qwen" else pairs)
+    folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks)
+    data = {r["run"]: dataset(work, r["family"], r["settings"]["resolution"], a.tiny) for r in runs}
     with open(os.path.join(a.out, "build.log"), "w") as log:
         log.write(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}\n")
     print(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}", flush=True)
@@ -120,40 +133,29 @@ def main() -> None:
     if os.path.exists(plans):  # an earlier check's, in a kept --work
         os.remove(plans)
     if cuda:  # the planner's GPU totals, all CPU work, beside the reference and the runs
-        jobs = [(r["run"], (folders[r["size"]], r["world"], r["settings"], r["script"], gpu_gb))
+        jobs = [(r["run"], (folders[r["family"], r["size"]], r["world"], r["settings"], r["script"], gpu_gb))
                 for r in runs if r["size"] is not None]
         planner = multiprocessing.get_context("spawn").Process(target=plan_all, args=(jobs, plans), daemon=True)
         planner.start()
 
     # the plain reference of the rows that compare with it, while the rows would still fit after it
-    from transformers import AutoTokenizer
     refs = {}
     runnable = [r for r in runs if r["size"] is not None and (cuda or not r["gpu_only"])]
     for r in runs:
         s = r["settings"]
-        r["ref"] = (f"{model_label(r['size'])}, {s['resolution']} px, batch {s['batch_size']}"
-                    + {"qwen": ", target + 2 references", "flux2": ", target + 1 reference"}.get(r["kind"], "")
-                    if r["ref"] and r in runnable else "")
+        r["ref"] = (f"{model_label(r['family'], r['size'])}, {s['resolution']} px, batch {s['batch_size']}"
+                    + spec(r["family"]).gpu.reference_note if r["ref"] and r in runnable else "")
         r["full"] = not s.get("lora_rank") and r["script"] == "train_flux_kontext.py"
     for r in runnable:
-        s, folder = r["settings"], folders[r["size"]]
+        s, folder = r["settings"], folders[r["family"], r["size"]]
         if not r["ref"] or r["ref"] in refs:
             continue
         if deadline.left() - REF_EXPECT_S < sum(q["expect_s"] for q in runnable):
             refs[r["ref"]] = {"error": "left out: the rows would not fit after it"}
             continue
-        references = ()
-        if r["kind"] == "flux2":  # the pairs' one context at the target's size; the text padded to the run's length
-            text_len, references = int(s["extra"].get("max_sequence_length", 512)), (s["resolution"],)
-        else:
-            tokenizer = "tokenizer_2" if r["kind"] == "flux" else "tokenizer"
-            text_len = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer)).model_max_length)
-        if r["kind"] == "qwen":  # the row's two references, each at its reference area (square images)
-            text_len = qwen_text_tokens(folder, data[r["run"]], s["extra"]["condition_area"])
-            # train_dmd.py reads its references at the target's size
-            references = (round(s["extra"].get("reference_area", s["resolution"] ** 2) ** 0.5),) * 2
         try:
-            refs[r["ref"]] = plain_reference(r["kind"], folder, s["resolution"], s["batch_size"], text_len, device,
+            text_len, references = spec(r["family"]).gpu.reference_shape(folder, data[r["run"]], s)
+            refs[r["ref"]] = plain_reference(r["family"], folder, s["resolution"], s["batch_size"], text_len, device,
                                              references)
         except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
             refs[r["ref"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -178,17 +180,18 @@ def main() -> None:
                                          f"{free / GB:.1f} GB free", False)
             else:
                 t = time.monotonic()
-                result = one_run(r, folders[r["size"]], data[r["run"]], a.out, log, deadline)
+                result = one_run(r, folders[r["family"], r["size"]], data[r["run"]], a.out, log, deadline)
                 result["wall_s"] = time.monotonic() - t
                 if result["ok"]:
                     deadline.record(r["expect_s"], result["wall_s"])
             result["disk_free_gb"] = free / GB
         result["disk_need_gb"] = peaks[r["run"]] / GB
-        extra = r["settings"]["extra"]
+        extra, family = r["settings"]["extra"], spec(r["family"])
         rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
                      "ratio": extra.get("dfake_gen_update_ratio"),
                      "lora_generator": bool(r["settings"].get("lora_rank")),
-                     "cfg_pair": r["kind"] == "flux2" and float(extra.get("real_guidance_scale", 0)) > 1})
+                     "flow": family.protocols.get("train_dmd.py") is FlowDistillationRoom,
+                     "cfg_pair": family.gpu.true_cfg and float(extra.get("real_guidance_scale", 0)) > 1})
         print(f"{r['run']}: {result}", flush=True)
 
     tests_ok, tests_line = finish_tests(tests, a.out, deadline.left())

@@ -57,7 +57,7 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
         if "frozen_fwd_bwd_ms" in ref and len(r.get("step_indices", [])) == len(r["timed_steps"]):  # FLUX.2
             ms, gen = dmd_flow_network_ms(ref, r["timed_steps"], r["step_indices"], int(r["ratio"]),
                                           r.get("ac", False), r.get("lora_generator", False), r.get("cfg_pair", False))
-        elif any(k in r["model"].lower() for k in ("flux", "qwen")):
+        elif r.get("flow"):
             continue  # a flow row without the plain calls of its backward simulation and teacher: no bound
         else:
             ms, gen = dmd_network_ms(ref, r["timed_steps"], int(r["ratio"]), r.get("ac", False))

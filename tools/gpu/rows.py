@@ -17,6 +17,11 @@ KLEIN_DMD = {**KONTEXT_DMD, "lora_alpha": 64, "generator_lr": 5e-5, "guidance_lr
              "real_guidance_norm": "token"}
 
 
+# --suite's choices: the checks across families, and a family's own rows named by the family
+SUITES = ("acceptance", "speed", "qwen_image", "flux2", "fp8", "fp8_qwen")
+RENAMED = {"qwen": "qwen_image"}  # a suite renamed: refused in one line naming its name
+
+
 def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     """The rows in order of value: what users hit first runs first. Each row's expect_s: its seconds
     on one H100 with its 64 GB disk (launches, steps, checkpoint writes and reads, export, the load
@@ -26,7 +31,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     sd, lo, hi = (32, 32, 64) if tiny else (512, 512, 1024)
     base = {"precision": "bf16-mixed", "batch_size": 1}
 
-    def row(name, script, kind, res, expect_s, warmup=2, **s):
+    def row(name, script, family, res, expect_s, warmup=2, **s):
         extra, steps = s.pop("extra", {}), s.pop("steps", 6)
         if script == "train_dmd.py":  # two whole cycles timed after the warm-up (COMPILE: one)
             extra, steps = {"dfake_gen_update_ratio": 5, **extra}, warmup + (5 if extra.get("compile") else 10)
@@ -35,7 +40,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
             extra, steps = {**extra, "profile_steps": f"[{profile[0]},{profile[1]}]"}, profile[1]
         probe = s.pop("probe", False)
         export_dtype = s.pop("export_dtype", "bf16" if script == "train_flux_kontext.py" else "fp32")
-        return {"run": name, "script": script, "kind": kind, "world": 1, "resume": s.pop("resume", False),
+        return {"run": name, "script": script, "family": family, "world": 1, "resume": s.pop("resume", False),
                 "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "warmup": warmup,
                 "expect_s": expect_s,
                 # the x-plain columns: the Kontext rows (their plain model is the trained transformer)
@@ -46,13 +51,14 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
     def qwen_dmd():  # the Qwen DMD2 rows' settings (qwen_areas reads the pipeline's constants: only when asked)
         return {**QWEN_DMD, **qwen_areas(tiny, lo)}  # references at the target's size, as planned
 
-    if suite == "qwen":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
-        return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen", hi, 40, lora_rank=16,
+    if suite == "qwen_image":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
+        return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen_image", hi, 40, lora_rank=16,
                     extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
-                row(f"qwen_edit_{lo}px_full", kontext, "qwen", lo, 190, resume=True, extra=qwen_areas(tiny, lo)),
+                row(f"qwen_edit_{lo}px_full", kontext, "qwen_image", lo, 190, resume=True,
+                    extra=qwen_areas(tiny, lo)),
                 # recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings: LoRA r64 alpha 8 generator, full
                 # fake score, AC; references at the target's size (as the planner plans them), teacher true CFG 4
-                row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen", lo, 160, ac=True, lora_rank=64,
+                row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen_image", lo, 160, ac=True, lora_rank=64,
                     resume=True, extra=qwen_dmd())]
     if suite == "flux2":  # FLUX.2 [klein]-base DMD2 (recipes/dmd_flux2_klein_4step_lora.sh without NF4): a call of
         # its own; a LoRA r64 generator, the full fake score, the teacher's true CFG 4 with the token rescale, AC;
@@ -67,10 +73,10 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
         # (the losses side by side): Kontext's 1024 px full fine-tune with CACHE_LATENTS (the transformer's step:
         # FP8 does not touch the VAE), or Qwen-Image-Edit's 1024 px LoRA with two references (a call of its own)
         if suite == "fp8":
-            name, kind, s = f"kontext_{hi}px_full_cached", "flux", {"extra": {"cache_latents": 1}}
+            name, family, s = f"kontext_{hi}px_full_cached", "flux", {"extra": {"cache_latents": 1}}
             expect = (50, 55, 85, 95)  # eager bf16 / fp8, compiled bf16 / fp8 (guesses until a GPU has run them)
         else:
-            name, kind = f"qwen_edit_{hi}px_lora16_2refs", "qwen"
+            name, family = f"qwen_edit_{hi}px_lora16_2refs", "qwen_image"
             s = {"lora_rank": 16, "extra": {"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}}
             expect = (45, 50, 80, 90)
         rows = []
@@ -78,7 +84,7 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
             for recipe in ("", "tensorwise", "rowwise"):
                 extra = {**s["extra"], **({"compile": 1} if compiled else {}), **({"fp8": recipe} if recipe else {})}
                 rows.append(row(name + ("_compile" if compiled else "") + (f"_fp8_{recipe}" if recipe else ""),
-                                kontext, kind, hi, expect[2 * compiled + bool(recipe)], steps=FP8_STEPS,
+                                kontext, family, hi, expect[2 * compiled + bool(recipe)], steps=FP8_STEPS,
                                 **{**s, "extra": extra}))
         return rows
     if suite == "speed":
@@ -93,34 +99,34 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
                    row(f"kontext_{hi}px_full_ac_compile", kontext, "flux", hi, 80, ac=True, extra={"compile": 1}),
                    row(f"kontext_{hi}px_full_cache_latents", kontext, "flux", hi, 50, extra={"cache_latents": 1}),
                    # the default: the fake score in the compute dtype (FAKE_SCORE_FP32=0)
-                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd15", sd, 105, batch_size=b32, ac=True),
-                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_attention", dmd, "sd15", sd, 120, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac", dmd, "sd_unet", sd, 105, batch_size=b32, ac=True),
+                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_attention", dmd, "sd_unet", sd, 120, batch_size=b32, ac=True,
                        extra={"fake_score_fp32": 1, "fake_score_attention_dtype": "fp32"}),  # the published pass
                    # the fp32 fake score with its attention in bf16 (FAKE_SCORE_ATTENTION_DTYPE's default)
-                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_fake", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac_fp32_fake", dmd, "sd_unet", sd, 110, batch_size=b32, ac=True,
                        extra={"fake_score_fp32": 1}),
-                   row(f"dmd_sd15_{sd}px_b32_ac_channels_last", dmd, "sd15", sd, 110, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac_channels_last", dmd, "sd_unet", sd, 110, batch_size=b32, ac=True,
                        extra={"channels_last": 1}),
                    # a generator step (6: iteration 5 at ratio 5) and a fake-score step, profiled: profile_*.txt
-                   row(f"dmd_sd15_{sd}px_b32_ac_profiled", dmd, "sd15", sd, 70, batch_size=b32, ac=True,
+                   row(f"dmd_sd15_{sd}px_b32_ac_profiled", dmd, "sd_unet", sd, 70, batch_size=b32, ac=True,
                        profile=(6, 7)),
                    # COMPILE: the first 2 steps (a generator and a fake-score step) compile every graph and are
                    # not timed; their seconds and the compile report's are columns apart. One call each:
                    # --runs=dmd_sd15_512px_b32_ac_compile (the expectation is a guess until a GPU has run it)
-                   row(f"dmd_sd15_{sd}px_b32_ac_compile", dmd, "sd15", sd, COMPILE_DMD_EXPECT_S, batch_size=b32,
+                   row(f"dmd_sd15_{sd}px_b32_ac_compile", dmd, "sd_unet", sd, COMPILE_DMD_EXPECT_S, batch_size=b32,
                        ac=True, extra={"compile": 1}),
-                   row(f"dmd_sd15_{sd}px_b32_ac_compile_channels_last", dmd, "sd15", sd, COMPILE_DMD_EXPECT_S,
+                   row(f"dmd_sd15_{sd}px_b32_ac_compile_channels_last", dmd, "sd_unet", sd, COMPILE_DMD_EXPECT_S,
                        batch_size=b32, ac=True, extra={"compile": 1, "channels_last": 1}),
-                   row(f"dmd_sd15_{sd}px_b4_ddp_bf16", dmd, "sd15", sd, 60, batch_size=4, precision="bf16",
+                   row(f"dmd_sd15_{sd}px_b4_ddp_bf16", dmd, "sd_unet", sd, 60, batch_size=4, precision="bf16",
                        extra={"parallelism": "ddp"}),
                    row(f"dmd_kontext_{hi}px_4step_ac", dmd, "flux", hi, 70, ac=True, export_dtype="bf16",
                        extra=KONTEXT_DMD),
                    # the Qwen-Image-Edit DMD2 row's generator step and the fake-score step after it, profiled
-                   row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac_profiled", dmd, "qwen", lo, 70, ac=True,
+                   row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac_profiled", dmd, "qwen_image", lo, 70, ac=True,
                        lora_rank=64, profile=(6, 7), extra=qwen_dmd())])
     return [
         row(f"kontext_{hi}px_full", kontext, "flux", hi, 85, resume=True),
-        row(f"dmd_sd15_{sd}px_b4", dmd, "sd15", sd, 65, batch_size=4),
+        row(f"dmd_sd15_{sd}px_b4", dmd, "sd_unet", sd, 65, batch_size=4),
         row(f"kontext_{lo}px_lora16", kontext, "flux", lo, 50, lora_rank=16, resume=True, extra={"lora_alpha": 16}),
         # LoRA: the kernel's forward + backward at FLUX's 1024 px shapes without a full checkpoint to write
         row(f"kontext_{hi}px_lora16_cudnn_attention_probe", kontext, "flux", hi, 30, probe=True, lora_rank=16,

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from tools.gpu.budget import Deadline
-from tools.gpu.folders import ROOT, model_label
+from tools.gpu.folders import ROOT, model_label, spec, trained_subfolder
 
 
 def launch(script: str, args: list[str], world: int, log: str, timeout: float) -> int:
@@ -50,14 +50,14 @@ METRICS = ("step_ms", "mfu", "hfu", "model_tflop", "allocated_gib", "reserved_gi
 
 def blank_result(row: dict, status: str, ok: bool) -> dict:
     """A row's result before (or without) running it; `ok`: whether it counts as passed."""
-    return {"run": row["run"], "model": model_label(row.get("size")), "world": row["world"], "status": status,
-            "ok": ok, "resume_export": "-", "wall_s": float("nan"), "expect_s": row["expect_s"],
+    return {"run": row["run"], "model": model_label(row.get("family"), row.get("size")), "world": row["world"],
+            "status": status, "ok": ok, "resume_export": "-", "wall_s": float("nan"), "expect_s": row["expect_s"],
             "disk_need_gb": float("nan"), "disk_free_gb": float("nan"), "warmup_s": float("nan"),
             "compile_s": float("nan"), "timed_steps": [], **{k: float("nan") for k in METRICS}}
 
 
 def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Deadline) -> dict:
-    name, script, kind, world, s = row["run"], row["script"], row["kind"], row["world"], row["settings"]
+    name, script, family, world, s = row["run"], row["script"], row["family"], row["world"], row["settings"]
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     args = run_args(script, s, folder, data, run_dir)
@@ -96,7 +96,7 @@ def one_run(row: dict, folder: str, data: str, out: str, log: str, deadline: Dea
         else:
             rc2 = launch(script, args + [f"--max_steps={steps + 1}", "--resume=auto"], world, log, deadline.left())
             resumed = rc2 == 0 and "resumed from" in open(log).read().rsplit("=====", 1)[-1]
-            result["resume_export"] = "pass" if resumed and export_loads(run_dir, kind, s, folder, data) else \
+            result["resume_export"] = "pass" if resumed and export_loads(run_dir, family, s, folder, data) else \
                 ("cut at the deadline" if rc2 == 124 else "FAIL (runs.log)")
             result["ok"] = result["resume_export"] == "pass"
     table_path = os.path.join(run_dir, "profile", "ops_rank0.txt")
@@ -124,65 +124,14 @@ def compile_seconds(log: str) -> float:
     return float(found[-1]) if found else float("nan")
 
 
-def export_loads(run_dir: str, kind: str, s: dict, base: str = "", data: str = "") -> bool:
+def export_loads(run_dir: str, family: str, s: dict, base: str = "", data: str = "") -> bool:
+    """The row's export as a user loads it (the family's GpuCheck.export_loads; else a LoRA export's weights file,
+    a full export's trained model through diffusers.AutoModel)."""
     import diffusers
     export = os.path.join(run_dir, "export")
-    if kind == "flux2":
-        return flux2_export_samples(export, base, s, data)
+    check = spec(family).gpu.export_loads
+    if check:
+        return check(export, base, s, data)
     if s.get("lora_rank"):
         return os.path.exists(os.path.join(export, "pytorch_lora_weights.safetensors"))
-    if kind == "qwen":
-        return qwen_export_loads(export)
-    sub = "transformer" if kind == "flux" else "unet"
-    return diffusers.AutoModel.from_pretrained(os.path.join(export, sub)) is not None
-
-
-def flux2_export_samples(export: str, base: str, s: dict, data: str) -> bool:
-    """A klein DMD2 export sampled as BFL's distilled klein is: the full export's Flux2KleinPipeline, or the base
-    folder with is_distilled=True, load_lora_weights and the export's scheduler; 4 steps at the row's size on the
-    first pair's context and prompt. Passes when the image is finite and the transformer saw the trained σ list."""
-    import numpy as np
-    import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from PIL import Image
-
-    from algorithms.dmd2_flow import timestep_sigmas
-    from parallel import attention
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if s.get("lora_rank"):
-        pipe = Flux2KleinPipeline.from_pretrained(base, is_distilled=True, torch_dtype=dtype)
-        pipe.load_lora_weights(export)
-        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
-    else:
-        pipe = Flux2KleinPipeline.from_pretrained(export, torch_dtype=dtype)
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    attention.sdpa_flags(attention.DEFAULT)  # the kernel chosen, not torch's default (cuDNN first on Hopper)
-    attention.set_backend(pipe.transformer, attention.DEFAULT)
-    seen = []
-    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
-                                               with_kwargs=True)
-    with open(data) as f:
-        row = json.loads(f.readline())
-    context = Image.open(os.path.join(os.path.dirname(data), row["image"])).convert("RGB")
-    side = s["resolution"]
-    images = pipe(image=[context], prompt=row["prompt"], num_inference_steps=4, height=side, width=side,
-                  output_type="np", generator=torch.Generator().manual_seed(0),
-                  max_sequence_length=int(s["extra"].get("max_sequence_length", 512))).images
-    trained = timestep_sigmas(str(s["extra"]["denoising_steps"]).split(","))
-    finite = bool(np.isfinite(images).all())
-    print(f"export sampled in 4 steps: σ seen {seen}, trained {trained}, finite {finite}", flush=True)
-    return finite and len(seen) == len(trained) and all(abs(a - b) < 1e-3 for a, b in zip(seen, trained))
-
-
-def qwen_export_loads(export: str) -> bool:
-    """The full export as a user loads it: the whole QwenImageEditPlusPipeline (its processor through
-    families.qwen_image.load_processor, which needs no torchvision)."""
-    import torch
-    from diffusers import QwenImageEditPlusPipeline
-
-    from families.qwen_image import load_processor
-    processor = load_processor(os.path.join(export, "processor"))
-    pipe = QwenImageEditPlusPipeline.from_pretrained(export, processor=processor, torch_dtype=torch.bfloat16)
-    return pipe.transformer is not None and pipe.text_encoder is not None
+    return diffusers.AutoModel.from_pretrained(os.path.join(export, trained_subfolder(family))) is not None

@@ -1,0 +1,133 @@
+"""The FLUX.2 family in the GPU check (families/gpu.GpuCheck): klein-base-4B's transformer at real width with fewer
+double + single blocks beside its real VAE and a narrow Qwen3 of the real width (random weights), DMD2 on edits
+with one reference, the teacher's true-CFG pair timed apart, the export sampled in 4 steps.
+
+    python -m pytest tests/test_gpu_check.py -q -m "not slow"
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from families.gpu import GpuCheck
+
+
+def text_encoder_config(tiny: dict, real: str) -> dict:
+    """The tiny klein's Qwen3 config (its vocabulary, special token ids and 28 layers: the pipeline stacks the
+    hidden states of layers 9, 18 and 27) at the real hidden width (`real`: the configs' folder), each layer narrow
+    (2 heads of the real 128 dims, an MLP of 256): the text cache gets embeddings of the real width (3 x 2560, the
+    transformer's joint_attention_dim) from ~0.1 B parameters instead of 4 B."""
+    with open(os.path.join(real, "text_encoder", "config.json")) as f:
+        real = json.load(f)
+    return {**tiny, "hidden_size": real["hidden_size"], "head_dim": real["head_dim"], "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 256}
+
+
+def _vae(tiny: str, real: str):
+    from diffusers import AutoencoderKLFlux2
+    return AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(os.path.join(real, "vae")))
+
+
+def _text_encoder(tiny: str, real: str):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
+        return Qwen3ForCausalLM(Qwen3Config.from_dict(text_encoder_config(json.load(f), real)))
+
+
+def reference_shape(folder, data, settings):
+    """(the text padded to the run's length, the pairs' one context at the target's size)."""
+    return int(settings["extra"].get("max_sequence_length", 512)), (settings["resolution"],)
+
+
+def reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
+    """(Flux2Transformer2DModel, its forward's inputs, images a step encodes) as families/flux2.forward calls it:
+    the target's and each reference's packed tokens (square images of those sides) with the room's 4-D ids,
+    timestep σ, the text's hidden states with their ids, no guidance (klein). A DMD2 step encodes its references
+    (the generator makes the target)."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    from families import flux2
+    from parallel import attention
+    model = Flux2Transformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
+    attention.set_backend(model, attention.DEFAULT)
+    c, cell = model.config, 2 * flux2.vae_factor(folder)  # pixels per token: the VAE's factor, then 2x2 packing
+    grids = [(side // cell, side // cell) for side in (resolution, *references)]
+    tokens = sum(h * w for h, w in grids)
+    text = torch.randn(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype, generator=g)
+    args = dict(hidden_states=torch.randn(batch, tokens, c.in_channels, device=device, dtype=dtype, generator=g),
+                encoder_hidden_states=text, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
+                img_ids=flux2.image_ids(grids, device).expand(batch, -1, -1), txt_ids=flux2.text_ids(text),
+                guidance=None)
+    return model, args, len(references) * batch
+
+
+def dmd_calls(model, args: dict, batch: int, device, timed) -> dict:
+    """The plain calls a klein DMD2 step makes beyond forward and forward + backward (dmd_flow_network_ms), each
+    `timed(fn, device)`: the teacher's true-CFG pair, one forward without grad of a batch of 2B
+    (families/flux2.Flux2Cond.velocity batches prompt and negative), and a LoRA generator's forward + backward, whose
+    frozen weights pass gradients to their inputs only (the adapters' own matmuls are not counted)."""
+    import torch
+    pair = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in args.items()}
+
+    def pair_fwd():
+        with torch.no_grad():
+            model(**pair, return_dict=False)
+
+    def frozen_fwd_bwd():
+        x = args["hidden_states"].detach().requires_grad_()
+        model(**{**args, "hidden_states": x}, return_dict=False)[0].float().square().mean().backward()
+
+    out = {"fwd_pair_ms": timed(pair_fwd, device)}
+    model.requires_grad_(False)
+    try:
+        out["frozen_fwd_bwd_ms"] = timed(frozen_fwd_bwd, device)
+    finally:
+        model.requires_grad_(True)
+    return out
+
+
+def export_samples(export: str, base: str, s: dict, data: str) -> bool:
+    """A klein DMD2 export sampled as BFL's distilled klein is: the full export's Flux2KleinPipeline, or the base
+    folder with is_distilled=True, load_lora_weights and the export's scheduler; 4 steps at the row's size on the
+    first pair's context and prompt. Passes when the image is finite and the transformer saw the trained σ list."""
+    import numpy as np
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from PIL import Image
+
+    from algorithms.dmd2_flow import timestep_sigmas
+    from parallel import attention
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if s.get("lora_rank"):
+        pipe = Flux2KleinPipeline.from_pretrained(base, is_distilled=True, torch_dtype=dtype)
+        pipe.load_lora_weights(export)
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
+    else:
+        pipe = Flux2KleinPipeline.from_pretrained(export, torch_dtype=dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    attention.sdpa_flags(attention.DEFAULT)  # the kernel chosen, not torch's default (cuDNN first on Hopper)
+    attention.set_backend(pipe.transformer, attention.DEFAULT)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                               with_kwargs=True)
+    with open(data) as f:
+        row = json.loads(f.readline())
+    context = Image.open(os.path.join(os.path.dirname(data), row["image"])).convert("RGB")
+    side = s["resolution"]
+    images = pipe(image=[context], prompt=row["prompt"], num_inference_steps=4, height=side, width=side,
+                  output_type="np", generator=torch.Generator().manual_seed(0),
+                  max_sequence_length=int(s["extra"].get("max_sequence_length", 512))).images
+    trained = timestep_sigmas(str(s["extra"]["denoising_steps"]).split(","))
+    finite = bool(np.isfinite(images).all())
+    print(f"export sampled in 4 steps: σ seen {seen}, trained {trained}, finite {finite}", flush=True)
+    return finite and len(seen) == len(trained) and all(abs(a - b) < 1e-3 for a, b in zip(seen, trained))
+
+
+GPU = GpuCheck(label="FLUX.2 klein", configs="flux2-klein-4b",
+               parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "scheduler"),
+               reference_inputs=reference_inputs, reference_shape=reference_shape,
+               blocks=("num_layers", "num_single_layers"), default_blocks=(2, 4),
+               reference_note=", target + 1 reference", dmd_calls=dmd_calls, true_cfg=True, export_loads=export_samples)

@@ -1,0 +1,40 @@
+"""What the GPU check (tools/gpu/) asks of a family: a `GpuCheck`, its spec's `gpu` (families/<name>/gpu.py's GPU).
+The check builds the family's models at real width with random weights (its `parts` beside a skeleton of its
+trained model with fewer blocks), sizes them to the disk, times its plain reference and loads its exports by
+these facts alone; a family without one has no rows there.
+
+    python -m pytest tests/test_gpu_check.py -q -m "not slow"
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class GpuCheck:
+    label: str  # the table's model: "FLUX" -> "FLUX 2+4 blocks" at real width, "tiny FLUX" on the tiny folder
+    configs: str  # its real configs' folder under tools/real_size_configs/
+    # (subfolder, build(tiny, real)) in build order: the parts at real width with random weights, each a model
+    # with save_pretrained (`tiny`: the family's first tiny folder, whose tokenizers it may read; `real`: configs)
+    parts: tuple[tuple[str, Callable], ...]
+    keep: tuple[str, ...]  # what the real folder copies from the tiny one beside model_index.json (tokenizers...)
+    # (folder, resolution, reference sides, batch, text_len, device, dtype, generator) -> (the trained model,
+    # its forward's kwargs, the images a step encodes): the plain reference's forward as the room calls it
+    reference_inputs: Callable
+    # (folder, data, settings) -> (text tokens, reference sides in px): what the plain reference sizes to a row
+    reference_shape: Callable
+    # the trained model's config keys of its block counts (its skeleton keeps the real width, fewer blocks),
+    # with the check's default counts; (): the real model built whole
+    blocks: tuple[str, ...] = ()
+    default_blocks: tuple[int, ...] = ()
+    data_references: int = 1  # the rows' data: edits with this many references (0: a prompts file)
+    reference_note: str = ""  # what the reference's label adds ("target + 2 references")
+    vae_frames: int = 0  # a video VAE: the pixels it encodes have this many frames (0: an image VAE)
+    # (model, kwargs, batch, device, timed) -> {name: ms}: a DMD2 step's further plain calls, each timed(fn, device)
+    dmd_calls: Callable | None = None
+    channels_last: Callable | None = None  # model -> model with NHWC conv inputs: a reference row of its own
+    true_cfg: bool = False  # its DMD2 teacher pairs prompt and negative in one batch when REAL_GUIDANCE_SCALE > 1
+    # (export, base folder, settings, data) -> bool: the export loaded as a user loads it; None: a LoRA export's
+    # weights file exists, a full one's trained model loads (diffusers.AutoModel)
+    export_loads: Callable | None = None

@@ -1,0 +1,115 @@
+"""The Qwen-Image-Edit family in the GPU check (families/gpu.GpuCheck): Qwen-Image-Edit-2509's transformer at real
+width with fewer dual-stream blocks beside its real VAE and a one-layer Qwen2.5-VL of the real width (random
+weights), edits with two references, the full export loaded as the pipeline.
+
+    python -m pytest tests/test_gpu_check.py -q -m "not slow"
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from families.gpu import GpuCheck
+
+
+def text_encoder_config(tiny: dict, real: str) -> dict:
+    """The tiny folder's Qwen2.5-VL config (its vocabulary and special token ids: the tiny tokenizer's)
+    at the real text and vision widths (`real`: the configs' folder), one layer of each: the text cache gets
+    embeddings of the real width, computed at the real per-layer cost."""
+    with open(os.path.join(real, "text_encoder", "config.json")) as f:
+        real = json.load(f)
+    text = {k: real[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                 "rms_norm_eps", "hidden_act", "max_position_embeddings")}
+    section = real["rope_scaling"]["mrope_section"]
+    text.update(num_hidden_layers=1, max_window_layers=1, layer_types=["full_attention"],
+                rope_parameters={**tiny["text_config"]["rope_parameters"], "mrope_section": section})
+    vision = {k: v for k, v in real["vision_config"].items() if k in tiny["vision_config"] and k != "model_type"}
+    # one block, attending fully (the real tower's last of each 8 does); its merger to the text width
+    vision.update(depth=1, fullatt_block_indexes=[0], out_hidden_size=real["hidden_size"])
+    return {**tiny, "text_config": {**tiny["text_config"], **text},
+            "vision_config": {**tiny["vision_config"], **vision}}
+
+
+def _vae(tiny: str, real: str):
+    from diffusers import AutoencoderKLQwenImage
+    return AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(os.path.join(real, "vae")))
+
+
+def _text_encoder(tiny: str, real: str):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
+        config = Qwen2_5_VLConfig.from_dict(text_encoder_config(json.load(f), real))
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def text_tokens(folder: str, data: str, condition_area: int) -> int:
+    """The length of the prompt embeddings the run trains on: the first sample's prompt with its
+    references (each at `condition_area`) through the pipeline's template and processor, less the
+    system prompt's tokens it drops (encode_prompt without the encoder; the samples' prompts differ
+    by a word at most)."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2Tokenizer
+
+    from families import qwen_image as qi
+    with open(data) as f:
+        row = json.loads(f.readline())
+    pipe = QwenImageEditPlusPipeline(scheduler=None, vae=None, transformer=None, text_encoder=None,
+                                     tokenizer=Qwen2Tokenizer.from_pretrained(os.path.join(folder, "tokenizer")),
+                                     processor=qi.load_processor(os.path.join(folder, "processor")))
+    images = qi.condition_images(pipe, [os.path.join(os.path.dirname(data), c) for c in qi.controls(row)],
+                                 condition_area)
+    # the pipeline's _get_qwen_prompt_embeds: "Picture i: " and the image's tokens before the prompt
+    pictures = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(len(images)))
+    ids = pipe.processor(text=[pipe.prompt_template_encode.format(pictures + row["prompt"])], images=images,
+                         return_tensors="pt")["input_ids"]
+    return ids.shape[1] - pipe.prompt_template_encode_start_idx
+
+
+def reference_shape(folder, data, settings):
+    """(the run's prompt length: text_tokens at the row's condition area, the row's two references at its
+    reference area: square images; train_dmd.py reads its references at the target's size)."""
+    extra = settings["extra"]
+    side = round(extra.get("reference_area", settings["resolution"] ** 2) ** 0.5)
+    return text_tokens(folder, data, extra["condition_area"]), (side,) * 2
+
+
+def reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
+    """(QwenImageTransformer2DModel, its forward's inputs, images a step encodes) as the room's forward calls it:
+    the target's and each reference's 2x2-packed tokens with their img_shapes, timestep σ, the prompt's hidden
+    states without a mask (no padding in a batch of equal prompts)."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    from parallel import attention
+    model = QwenImageTransformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
+    attention.set_backend(model, attention.DEFAULT)
+    c = model.config
+    shapes = [(1, side // 16, side // 16) for side in (resolution, *references)]
+    tokens = sum(h * w for _, h, w in shapes)
+    args = dict(hidden_states=torch.randn(batch, tokens, c.in_channels, device=device, dtype=dtype, generator=g),
+                encoder_hidden_states=torch.randn(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype,
+                                                  generator=g),
+                encoder_hidden_states_mask=None, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
+                img_shapes=[shapes] * batch, guidance=None)
+    return model, args, (1 + len(references)) * batch
+
+
+def export_loads(export: str, base: str, settings: dict, data: str) -> bool:
+    """A LoRA export's weights file; a full export as a user loads it: the whole QwenImageEditPlusPipeline (its
+    processor through families.qwen_image.load_processor, which needs no torchvision)."""
+    if settings.get("lora_rank"):
+        return os.path.exists(os.path.join(export, "pytorch_lora_weights.safetensors"))
+    import torch
+    from diffusers import QwenImageEditPlusPipeline
+
+    from families.qwen_image import load_processor
+    processor = load_processor(os.path.join(export, "processor"))
+    pipe = QwenImageEditPlusPipeline.from_pretrained(export, processor=processor, torch_dtype=torch.bfloat16)
+    return pipe.transformer is not None and pipe.text_encoder is not None
+
+
+GPU = GpuCheck(label="Qwen-Image-Edit", configs="qwen-image-edit",
+               parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "processor", "scheduler"),
+               reference_inputs=reference_inputs, reference_shape=reference_shape, blocks=("num_layers",),
+               default_blocks=(4,), data_references=2, reference_note=", target + 2 references", vae_frames=1,
+               export_loads=export_loads)
