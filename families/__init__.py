@@ -10,10 +10,12 @@ training stories. The scripts pick the room from model_index.json's `_class_name
     dit.py        what the transformer rooms share: the build (meta, LoRA / NF4, recipe, load)
     pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it
     tiny/         what the families' tiny test folders share (tokenizers, synthetic data)
+    gpu.py        GpuCheck: what the GPU check (tools/gpu/) needs of a family
 
 A family's package holds room.py (what the scripts ask of it; the package exposes its names), spec.py
 (its FamilySpec), parallelism.py (its model classes' facts for parallel/: FSDP units, default LoRA targets,
-attention dispatch) and tiny.py (its tiny test folders); a new family is one more name in NAMES
+attention dispatch), tiny.py (its tiny test folders) and gpu.py (its GPU-check facts: real-width parts,
+reference inputs, rows' data); a new family is one more name in NAMES
 (docs/architecture.md, "Adding a family"). Rooms import parallel/, data/, algorithms/, precision and
 fsdp_utils; the scripts import the rooms, never the other way (tests/test_layout.py checks it).
 """

@@ -181,7 +181,8 @@ class PipelineSpec:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """A model family: families/<name>/ (room.py, spec.py, parallelism.py, tiny.py), listed in families/__init__.py."""
+    """A model family: families/<name>/ (room.py, spec.py, parallelism.py, tiny.py, gpu.py), listed in
+    families/__init__.py."""
     name: str  # its package under families/: one name per family
     room: ModuleType  # the package, whose names are the room's (families.FAMILIES' values)
     pipelines: tuple[PipelineSpec, ...]
