@@ -275,7 +275,12 @@ def cached_texts(room, pipeline, train, held_out, sample_rows) -> tuple[list, st
         print0(f"RANDOM_FLIP: {pipeline}'s text encoder reads the reference images, so the text cache also "
                f"holds the {len(trained)} training entries with their references mirrored")
         texts += [(p, {**r, "mirror": True}) for p, r in trained]
-    negative = getattr(room, "NEGATIVE_PROMPT", None) if SAMPLE_GUIDANCE > 1 else None  # true CFG in samples
+    distilled = getattr(room, "is_distilled", lambda _: False)(MODEL_PATH)  # its pipeline skips CFG
+    if distilled and SAMPLE_GUIDANCE > 1:
+        print0(f"samples: {pipeline} is step-wise distilled (model_index.json is_distilled): sampled without CFG, "
+               f"as its pipeline does; SAMPLE_GUIDANCE={SAMPLE_GUIDANCE} is not used")
+    cfg = SAMPLE_GUIDANCE > 1 and not distilled
+    negative = getattr(room, "NEGATIVE_PROMPT", None) if cfg else None  # true CFG in samples
     return texts + ([(negative, r) for r in sample_rows] if negative is not None else []), negative
 
 

@@ -223,6 +223,44 @@ def test_refusals_are_one_line(klein):
         assert "\n" not in str(e.value)
 
 
+def distilled_klein(klein, root):
+    """The tiny klein-base with model_index.json's is_distilled set, as the step-wise distilled klein ships."""
+    folder = root / "distilled"
+    folder.mkdir()
+    for name in os.listdir(klein["model"]):
+        if name != "model_index.json":
+            os.symlink(os.path.join(klein["model"], name), folder / name)
+    index = json.load(open(os.path.join(klein["model"], "model_index.json")))
+    (folder / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    return str(folder)
+
+
+def test_a_distilled_klein_is_sampled_without_cfg_refused_as_a_teacher_and_stays_distilled(klein, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """A step-wise distilled klein (is_distilled): fine-tuning's samples take no negative prompt whatever
+    SAMPLE_GUIDANCE (its pipeline skips CFG); as a DMD2 teacher it is refused in one line naming klein-base; its
+    export's model_index.json keeps is_distilled. klein-base samples with its CFG pair."""
+    import train_flux_kontext
+    from components.export import portable_json
+    distilled = distilled_klein(klein, tmp_path)
+    assert flux2.is_distilled(distilled) and not flux2.is_distilled(klein["model"])
+    rows = [{"prompt": "make it blue", "control": ["a.png"]}]
+    monkeypatch.setattr(train_flux_kontext, "SAMPLE_GUIDANCE", 4.0)
+    for folder, negative in ((klein["model"], flux2.NEGATIVE_PROMPT), (distilled, None)):
+        monkeypatch.setattr(train_flux_kontext, "MODEL_PATH", folder)
+        texts, got = train_flux_kontext.cached_texts(flux2, "Flux2KleinPipeline", rows, [], rows)
+        assert got == negative and len(texts) == 2 + (negative is not None)
+    assert "is step-wise distilled (model_index.json is_distilled): sampled without CFG" in capsys.readouterr().out
+    settings = {"MODEL_PATH": distilled, "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "", "FLUX_GUIDANCE": 3.5}
+    with pytest.raises(ConfigError, match="step-wise distilled klein .* distil klein-base") as e:
+        flux2.check_dmd_settings("Flux2KleinPipeline", settings, set(), "jsonl")
+    assert "\n" not in str(e.value)
+    export = tmp_path / "model_index.json"
+    export.write_text(open(os.path.join(distilled, "model_index.json")).read())
+    portable_json(str(export))  # the export's rewrite of the source's model_index.json
+    assert json.loads(export.read_text())["is_distilled"] is True
+
+
 def test_context_parallel_shapes_are_checked_before_any_work(klein):
     flux2.check_context_parallel(klein["model"], 2, SETTINGS, [((64, 64), ((64, 64), (32, 32)))])
     for c, settings, shapes in ((2, {**SETTINGS, "MAX_SEQUENCE_LENGTH": 31}, [((64, 64), ())]),

@@ -73,6 +73,14 @@ def pipeline_class(model_path):
         return getattr(diffusers, json.load(f)["_class_name"])
 
 
+def is_distilled(model_path) -> bool:
+    """A step-wise distilled klein (FLUX.2-klein-4B / -9B, not their -base): model_index.json's is_distilled, by
+    which Flux2KleinPipeline samples without CFG whatever guidance_scale it gets (pipeline_flux2_klein.py,
+    do_classifier_free_guidance)."""
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        return bool(json.load(f).get("is_distilled", False))
+
+
 def transformer_config(model_path) -> dict:
     with open(os.path.join(model_path, "transformer", "config.json")) as f:
         return json.load(f)
@@ -556,6 +564,11 @@ def distilled_index(model_path) -> dict:
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
     """What a FLUX.2 teacher refuses, in one line before any work."""
+    if is_distilled(settings["MODEL_PATH"]):  # DMD2 needs the teacher's score at every σ, under its CFG
+        raise ConfigError(f"MODEL_PATH={settings['MODEL_PATH']} is a step-wise distilled klein (model_index.json "
+                          "is_distilled): its few steps were distilled without CFG, so it is no score to match and "
+                          "CFG on it is a wrong target; distil klein-base (FLUX.2-klein-base-4B / -9B, or a "
+                          "fine-tune of it)")
     dev = guided(settings["MODEL_PATH"])
     refused = [
         ("BUCKET_ASPECTS", "BUCKET_ASPECTS" in changed,
