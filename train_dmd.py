@@ -976,13 +976,13 @@ def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index
     call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
     kwargs = "".join(f", {k}={v}" for k, v in index.items())  # what the export's model_index.json sets
+    if MAX_SEQUENCE_LENGTH != _DEFAULTS["MAX_SEQUENCE_LENGTH"]:  # the pipelines' default: the text it trained with
+        call += f", max_sequence_length={MAX_SEQUENCE_LENGTH}"
     how = (f"{run.pipeline}.from_pretrained(export)" if not run.lora else
            f"{run.pipeline}.from_pretrained(MODEL_PATH{kwargs}) + load_lora_weights(export) + its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
     return f"sampling the export: {how}; pipe(..., {call}{', ' + guide.export_call if guide.export_call else ''})"
-
-
 
 
 # ----------------------------------------------------------------------------------------------

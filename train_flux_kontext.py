@@ -673,6 +673,10 @@ def main():
                              sample=sample if sample_rows else None,
                              work={"images": global_batch, "tokens": global_batch * tokens})
 
+    length = _DEFAULTS["MAX_SEQUENCE_LENGTH"]  # the pipelines' own default (FLUX pads to it: no text mask)
+    if MAX_SEQUENCE_LENGTH != length:
+        print0(f"sampling the export: pipe(..., max_sequence_length={MAX_SEQUENCE_LENGTH}), the length it trained "
+               f"with (the pipeline's default {length} changes the text it reads)")
     trainer.finish(run, final_weights)
 
 

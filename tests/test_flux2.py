@@ -331,6 +331,8 @@ def test_resume_is_bit_exact(runs):
     assert any("val_loss" in r for r in read_metrics(runs["out"]["full"]))
     assert os.path.exists(runs["out"]["full"] / "samples" / f"step_{STEPS:06d}.png")
     assert "(step 2)" in runs["resumed"]
+    # trained at MAX_SEQUENCE_LENGTH 32, not the pipeline's 512: the loading line passes it (no text mask)
+    assert "sampling the export: pipe(..., max_sequence_length=32)" in runs["logs"]["full"]
 
 
 @pytest.mark.slow
@@ -483,6 +485,7 @@ def test_dmd_resumes_bit_exact_with_the_teachers_cfg(dmd_runs):
     assert read_metrics(dmd_runs["out"]["full"], timing=False)[-1] == \
         read_metrics(dmd_runs["out"]["stopped"], timing=False)[-1]
     assert "teacher true CFG 4 (token rescale)" in dmd_runs["logs"]["full"]
+    assert "pipe(..., num_inference_steps=4, max_sequence_length=32)" in dmd_runs["logs"]["full"]
     assert "(step 2)" in dmd_runs["resumed"]
     for k in ("full", "t2i"):
         assert any(name.endswith(".png") for name in os.listdir(dmd_runs["out"][k] / "samples")), k
