@@ -126,7 +126,7 @@ CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the tex
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen, klein 4
 REAL_GUIDANCE_NORM = ""  # its combination's rescale: none | token (the pipeline's per token) | scalar; "" = per teacher
-FLUX_GUIDANCE = 2.5  # FLUX teachers (guidance-distilled, no CFG): the guidance value all three transformers get
+FLUX_GUIDANCE = 0.0  # guidance-distilled teachers' embedded value for all three; 0 = FLUX.1 2.5, FLUX.2 [dev] 4
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
@@ -350,13 +350,15 @@ def default_paths(use_gan: bool = False) -> tuple[str, str]:
 def resolve_defaults() -> dict:
     """Fill the "" settings (the embedded default) and return the resolved config, which is what
     the run prints and every checkpoint records."""
-    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM
+    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM, FLUX_GUIDANCE
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
     room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_dmd.py")]
     guidance = room.dmd_guidance(script_constants(globals()))  # 0 and "": the family's teacher CFG
     REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM = guidance.scale, guidance.norm
+    if guidance.embedded is not None:  # 0: the guidance-distilled teacher's own value
+        FLUX_GUIDANCE = guidance.embedded
     return script_constants(globals())
 
 

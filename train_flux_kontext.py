@@ -122,7 +122,7 @@ EMA_DECAY = 0.0  # > 0: an EMA of the trained model (LoRA: of its adapters), sho
 # flow matching (the diffusers Kontext example's settings)
 MAX_SEQUENCE_LENGTH = 512  # T5 tokens (FLUX uses 512; capped at the tokenizer's model_max_length)
 CONDITION_AREA = 0  # Qwen-Image-Edit: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
-GUIDANCE = 1.0  # guidance-embedding value during training (Kontext [dev] is guidance-distilled)
+GUIDANCE = 0.0  # guidance-embedding value during training; 0 = the family's: Kontext 1, FLUX.2 [dev] 4 (its sampling)
 WEIGHTING_SCHEME = "uniform"  # sigma density: uniform | logit_normal | mode (SD3 paper, sec. 3.1)
 LOGIT_MEAN = 0.0  # logit_normal mean
 LOGIT_STD = 1.0  # logit_normal std
@@ -174,7 +174,7 @@ SAMPLE_EVERY = 100  # steps between sample grids, and one at MAX_STEPS; 0 = no s
 SAMPLE_PROMPTS = ""  # the sample grids' own prompts (Kontext: rows with "control"); "" = from the data
 NUM_SAMPLE_PAIRS = 4  # held-out pairs, never trained on, for samples and validation
 SAMPLE_STEPS = 28  # inference steps for samples (FluxKontextPipeline's default)
-SAMPLE_GUIDANCE = 2.5  # guidance for samples (BFL's Kontext examples; the pipeline's default is 3.5)
+SAMPLE_GUIDANCE = 2.5  # guidance for samples (BFL's Kontext examples; FLUX.2's pipelines sample at 4, its recipes too)
 VAL_EVERY = 50  # steps between validation losses on the held-out pairs (fixed sigmas and noise); 0 = none
 VAL_SIGMAS = [0.25, 0.5, 0.75]  # noise levels each held-out pair is scored at
 
@@ -229,7 +229,7 @@ def default_paths() -> tuple[str, str]:
 def resolve_defaults() -> dict:
     """Fill the "" / 0 settings (the embedded default, resolution, cache dir) and return the
     resolved config, which is what the run prints and every checkpoint records."""
-    global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR
+    global MODEL_PATH, DATA_PATH, RESOLUTION, TEXT_CACHE_DIR, GUIDANCE
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths()
         DATA_PATH = DATA_PATH or default_data
@@ -237,6 +237,7 @@ def resolve_defaults() -> dict:
     room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_flux_kontext.py")]
     trainer.check_text_sharding(SHARD_TEXT_ENCODER, room)
     RESOLUTION = RESOLUTION or room.DEFAULT_RESOLUTION
+    GUIDANCE = GUIDANCE or getattr(room, "default_guidance", lambda _: 1.0)(MODEL_PATH)
     TEXT_CACHE_DIR = TEXT_CACHE_DIR or os.path.join(OUTPUT_DIR, "text_cache")
     return script_constants(globals())
 

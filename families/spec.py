@@ -30,6 +30,8 @@ OPTIONAL = {
     "NEGATIVE_PROMPT": "true CFG in train_flux_kontext.py's samples: its `sample` then takes `negative`",
     "SHARDED_TEXT_FILL": "SHARD_TEXT_ENCODER=1 accepted (components/trainer.check_text_sharding)",
     "prepare": "what a meta build of the trained model leaves unset (tools/memory_plan.py reads it)",
+    "default_guidance": "(model_path) -> GUIDANCE 0's value (train_flux_kontext.py): the guidance embedding's "
+                        "training value; else 1",
     "is_distilled": "(model_path) -> True where the pipeline samples without CFG whatever its guidance "
                     "(train_flux_kontext.py's samples then take no negative prompt)",
     "sampling_shift": "(model_path, tokens, steps) -> the pipeline's σ shift where its scheduler config does not "

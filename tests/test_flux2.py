@@ -533,6 +533,9 @@ def test_dmd_guidance_sides_and_refusals(klein, dev):
     settings["MODEL_PATH"] = dev
     g = flux2.dmd_guidance(settings)
     assert (g.scale, g.negative, g.embedded, g.export_call) == (1.0, None, 3.5, "guidance_scale=3.5")
+    # FLUX_GUIDANCE and GUIDANCE 0: [dev]'s one value, Flux2Pipeline's default 4; klein has no embedding
+    assert flux2.dmd_guidance({**settings, "FLUX_GUIDANCE": 0.0}).export_call == "guidance_scale=4.0"
+    assert (flux2.default_guidance(dev), flux2.default_guidance(klein["model"])) == (4.0, 1.0)
     assert flux2.distilled_index(dev) == {}
     with pytest.raises(ConfigError, match="REAL_GUIDANCE_SCALE=4.0 with a Flux2Pipeline teacher") as e:
         flux2.check_dmd_settings("Flux2Pipeline", {**settings, "REAL_GUIDANCE_SCALE": 4.0}, set(), "jsonl")

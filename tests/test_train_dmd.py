@@ -288,6 +288,7 @@ def test_every_room_resolves_its_teachers_guidance():
     assert qwen_image.dmd_guidance(unset) == Guidance(4.0, "token", negative=" ", export_call="true_cfg_scale=1")
     assert [r.dmd_guidance(unset).words() for r in (flux, qwen_image)] == [
         "guidance 2.5", "teacher true CFG 4 (token rescale)"]
+    assert flux.dmd_guidance({**unset, "FLUX_GUIDANCE": 0.0}).embedded == 2.5  # 0: BFL's Kontext value
     plain = qwen_image.dmd_guidance({**unset, "REAL_GUIDANCE_SCALE": 1.0, "REAL_GUIDANCE_NORM": "none"})
     assert plain.negative is None and plain.words() == "teacher without CFG"
 

@@ -321,10 +321,13 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
                           "train_flux_kontext.py reads them)")
 
 
+DMD_GUIDANCE = 2.5  # FLUX_GUIDANCE 0: BFL's Kontext examples sample at 2.5 (the pipeline's default is 3.5)
+
+
 def dmd_guidance(settings) -> Guidance:
     """Guidance-distilled: every transformer takes FLUX_GUIDANCE as an embedded input, the teacher no CFG pair
     (check_dmd_settings refuses a REAL_GUIDANCE_SCALE other than 1, validate_config a REAL_GUIDANCE_NORM)."""
-    guidance = settings["FLUX_GUIDANCE"]
+    guidance = settings["FLUX_GUIDANCE"] or DMD_GUIDANCE
     return Guidance(settings["REAL_GUIDANCE_SCALE"] or 1.0, settings["REAL_GUIDANCE_NORM"] or "none",
                     embedded=guidance, export_call=f"guidance_scale={guidance}")
 

@@ -73,6 +73,11 @@ def pipeline_class(model_path):
         return getattr(diffusers, json.load(f)["_class_name"])
 
 
+def default_guidance(model_path) -> float:
+    """GUIDANCE 0's value for fine-tuning: [dev]'s DEV_GUIDANCE; klein (no guidance embedding) 1, unused."""
+    return DEV_GUIDANCE if guided(model_path) else 1.0
+
+
 def is_distilled(model_path) -> bool:
     """A step-wise distilled klein (FLUX.2-klein-4B / -9B, not their -base): model_index.json's is_distilled, by
     which Flux2KleinPipeline samples without CFG whatever guidance_scale it gets (pipeline_flux2_klein.py,
@@ -369,7 +374,7 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
         raise ConfigError("SHIFT=auto: FLUX.2's pipeline shift (compute_empirical_mu) depends on the sampling step "
                           "count as well as the size; give a number (1 = none)")
     guided = transformer_config(model_path).get("guidance_embeds", True)
-    if settings["GUIDANCE"] != 1.0 and not guided:
+    if settings["GUIDANCE"] not in (0, 1.0) and not guided:
         raise ConfigError(f"GUIDANCE={settings['GUIDANCE']}: this FLUX.2 transformer has no guidance embedding "
                           "(klein's guidance is true CFG: SAMPLE_GUIDANCE for samples); leave GUIDANCE at 1")
 
@@ -485,6 +490,9 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
 # refusals, the distilled export
 
 TRUE_CFG_SCALE = 4.0  # Flux2KleinPipeline's default guidance_scale: klein-base samples with true CFG at it
+# [dev]'s embedded guidance wherever it is not given (GUIDANCE and FLUX_GUIDANCE 0): Flux2Pipeline's default
+# guidance_scale, the value it is sampled at, so a fine-tune learns at the value it is used with
+DEV_GUIDANCE = 4.0
 # DMD2's real score for klein-base: its CFG pair rescaled per token (algorithms/dmd2.cfg_combine), the
 # normalisation docs/demos.md measured on Qwen-Image-Edit (it kept the teacher's variety and saturation where
 # plain CFG did not) and LightX2V's klein choice; the pipeline itself samples with plain CFG (REAL_GUIDANCE_NORM=none)
@@ -502,7 +510,7 @@ def dmd_guidance(settings):
     the generator and the fake score without guidance; the export is a distilled klein, which ignores guidance."""
     from algorithms.dmd2 import Guidance
     if guided(settings["MODEL_PATH"]):
-        value = settings["FLUX_GUIDANCE"]
+        value = settings["FLUX_GUIDANCE"] or DEV_GUIDANCE
         return Guidance(settings["REAL_GUIDANCE_SCALE"] or 1.0, settings["REAL_GUIDANCE_NORM"] or "none",
                         embedded=value, export_call=f"guidance_scale={value}")
     scale, norm = settings["REAL_GUIDANCE_SCALE"] or TRUE_CFG_SCALE, settings["REAL_GUIDANCE_NORM"] or CFG_NORM

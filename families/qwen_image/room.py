@@ -312,7 +312,7 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
     if settings["CONTEXT_PARALLEL"] > 1:
         raise ConfigError(f"CONTEXT_PARALLEL={settings['CONTEXT_PARALLEL']}: not for Qwen-Image-Edit here (its text "
                           "is a padded, masked sequence of varying length per sample); use CONTEXT_PARALLEL=1")
-    if settings["GUIDANCE"] != 1.0:
+    if settings["GUIDANCE"] not in (0, 1.0):
         raise ConfigError(f"GUIDANCE={settings['GUIDANCE']}: Qwen-Image-Edit has no guidance embedding (its guidance "
                           "is true CFG: SAMPLE_GUIDANCE for samples); leave GUIDANCE at 1")
 
