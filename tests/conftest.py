@@ -478,6 +478,27 @@ def assert_validated(out, steps, log: str = "") -> None:
     assert not log or "validation: 1 prompts x 2 seeds every 2 steps" in log, log[-3000:]
 
 
+def chain(model, data, tuned_lora, root, env, args):
+    """The path from a user's edits to a few-step editor, after the fine-tune that wrote `tuned_lora` (a
+    LoRA export of `model`, trained on its NF4 base): DMD2 with base + that LoRA as the teacher (TEACHER_LORA,
+    no merge; NF4 base, LoRA students), and beside it the same run on the folder tools/merge_lora.py
+    writes. Any family's base runs it (FLUX.1 Kontext, FLUX.2: the same arguments but their own `args`)."""
+    merged = root / "chain_merged"
+    if not merged.exists():
+        launch("tools/merge_lora.py", [model, tuned_lora, merged], ranks=1, env=env)
+    common = args + [f"--data_path={data}", "--max_steps=2", "--denoising_steps=999,749,499,249", "--lora_rank=4",
+                     "--fake_lora=1", "--base_dtype=nf4", "--save_every=0", "--sample_every=0", "--log_every=1",
+                     "--dfake_gen_update_ratio=1", "--export_dtype=fp32"]
+    out = {k: root / f"chain_{k}" for k in ("lora", "merged")}
+    def job(args):
+        return dict(script="train_dmd.py", ranks=2, env=env, args=args)
+    done = launch_all({
+        "lora": job(args=common + [f"--model_path={model}", f"--teacher_lora={tuned_lora}",
+                                   f"--output_dir={out['lora']}"]),
+        "merged": job(args=common + [f"--model_path={merged}", f"--output_dir={out['merged']}"])})
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
 def write_pair(folder, name, size, colour, new_colour):
     """A context/target pair of `size` (w, h): one rectangle, recoloured in the target."""
     from PIL import Image, ImageDraw

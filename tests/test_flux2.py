@@ -24,8 +24,8 @@ from PIL import Image
 
 from core.errors import ConfigError
 from families import flux2
-from tests.conftest import (VALIDATE, assert_trains_as_eager, assert_validated, launch_all_resuming, launch_env,
-                            read_checkpoint, read_metrics, run_ranks, start_all, tiny_default)
+from tests.conftest import (VALIDATE, assert_trains_as_eager, assert_validated, chain, launch_all_resuming,
+                            launch_env, read_checkpoint, read_metrics, run_ranks, start_all, tiny_default)
 
 STEPS = 4
 LR = 1e-3
@@ -516,6 +516,37 @@ def test_dmd_exports_sample_in_four_steps_at_the_trained_sigmas(klein, dmd_runs,
         assert np.isfinite(pipe(**call, generator=torch.Generator().manual_seed(0)).images).all()
         assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25], abs=1e-6)
     assert "Flux2KleinPipeline.from_pretrained(MODEL_PATH, is_distilled=True)" in dmd_runs["logs"]["lora"]
+
+
+@pytest.mark.slow
+def test_a_klein_lora_fine_tune_is_the_teacher_and_its_4_step_student_loads_on_the_base(klein, runs, tmp_path):
+    """klein-base from edits to a 4-step editor: the LoRA fine-tune on its NF4 base (runs' lora) -> DMD2 on base +
+    that LoRA (TEACHER_LORA, recipes/dmd_flux2_klein_4step_lora.sh) equals the run on the folder
+    tools/merge_lora.py writes step for step -> the 4-step LoRA export, holding the fine-tune's adapters and the
+    student's, loads on the plain base with is_distilled and samples at the trained σ."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+
+    from parallel import lora_merge
+    args = [f"--text_cache_dir={klein['root'] / 'dmd_text_cache'}", "--precision=fp32", "--resolution=64",
+            "--max_sequence_length=32", "--batch_size=1"]
+    tuned = runs["out"]["lora"] / "export"
+    done = chain(klein["model"], klein["root"] / "mixed.jsonl", tuned, klein["root"], klein["env"], args)
+    a, b = (read_metrics(done["out"][k], timing=False) for k in ("lora", "merged"))
+    assert [(r["loss_dm"], r["loss_fake"]) for r in a] == [(r["loss_dm"], r["loss_fake"]) for r in b]
+    teacher, exported = lora_merge.read_lora(str(tuned)), lora_merge.read_lora(str(done["out"]["lora"] / "export"))
+    assert set(teacher.layers) <= set(exported.layers)
+    pipe = Flux2KleinPipeline.from_pretrained(klein["model"], is_distilled=True)
+    pipe.load_lora_weights(str(done["out"]["lora"] / "export"))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(done["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                               with_kwargs=True)
+    paths = images(tmp_path, [(64, 64), (64, 64)])
+    out = pipe(image=[Image.open(p) for p in paths], prompt="make it blue", num_inference_steps=4, output_type="np",
+               max_sequence_length=32, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(out).all() and seen == pytest.approx([1.0, 0.75, 0.5, 0.25], abs=1e-6)
 
 
 def test_dmd_guidance_sides_and_refusals(klein, dev):
