@@ -93,11 +93,11 @@ TEACHER_LORA = ""  # flow teachers: a LoRA of MODEL_PATH (an export/, or kohya /
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
 # (an editing teacher: rows as train_flux_kontext.py reads them, "control"(s) + "prompt"; "target" for the GAN)
 CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' folder(s); "" = DATA_PATH/control
-MAX_REFERENCES = 0  # editing teachers: reference images per row at most; 0 = the family's (Kontext 1, Qwen 3)
+MAX_REFERENCES = 0  # editing teachers: reference images per row at most; 0 = the family's (Kontext 1, Qwen 3, FLUX.2 4)
 REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
-RESOLUTION = 0  # target area RESOLUTION^2 px (UNets: the side); 0 = the family's: SD-1.5 512, FLUX and Qwen 1024
-REFERENCE_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
+RESOLUTION = 0  # target area RESOLUTION^2 px (UNets: the side); 0 = the family's: SD-1.5 512, FLUX, Qwen, FLUX.2 1024
+REFERENCE_AREA = 0  # Qwen-Image-Edit, FLUX.2: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
 PROMPT_COLUMN = ""  # datasets sources: the prompt column; "" = the first of prompt, caption, text, instruction

@@ -8,6 +8,7 @@
 # NPROC=2: 43.2 (fill sharded, 35.2); NPROC=8: 22.4 (18.4). Planned, not measured; docs/planner.md.
 #
 #   MODEL=/models/FLUX.2-dev DATA=/data/edits.jsonl NPROC=2 bash recipes/dmd_flux2_dev_4step_lora.sh
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a FLUX.2 [dev] diffusers folder (Flux2Pipeline layout)}

@@ -25,6 +25,7 @@
 # instruction, optionally "target" (paths relative to the file).
 #
 #   MODEL=/models/FLUX.1-Kontext-dev DATA=/data/edits.jsonl bash recipes/dmd_kontext_4step.sh
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a FLUX.1-Kontext diffusers folder (FluxKontextPipeline layout)}

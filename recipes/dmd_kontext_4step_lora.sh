@@ -13,6 +13,7 @@
 # NF4 takes no HSDP (lowbit.check_lowbit): on several nodes this recipe shards over all GPUs.
 #
 #   MODEL=/models/FLUX.1-Kontext-dev DATA=/data/edits.jsonl bash recipes/dmd_kontext_4step_lora.sh
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a FLUX.1-Kontext diffusers folder (FluxKontextPipeline layout)}

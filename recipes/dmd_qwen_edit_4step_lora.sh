@@ -20,6 +20,7 @@
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl bash recipes/dmd_qwen_edit_4step_lora.sh
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl TEACHER_LORA=out/qwen_edit_lora/export \
 #       bash recipes/dmd_qwen_edit_4step_lora.sh
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a Qwen-Image-Edit-2509/2511 diffusers folder (QwenImageEditPlusPipeline layout)}

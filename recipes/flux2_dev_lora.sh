@@ -10,6 +10,7 @@
 #
 #   MODEL=/models/FLUX.2-dev DATA=/data/edits.jsonl bash recipes/flux2_dev_lora.sh
 # DATA: rows {"control": ["a.png", "b.png"], "target", "prompt"}, or the folder layouts (docs/data.md).
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a FLUX.2 [dev] diffusers folder (Flux2Pipeline layout)}

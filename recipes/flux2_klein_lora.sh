@@ -8,6 +8,7 @@
 # (docs/planner.md, "FLUX.2"; planned, not measured).
 #
 #   MODEL=/models/FLUX.2-klein-base-4B DATA=/data/edits.jsonl bash recipes/flux2_klein_lora.sh
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a FLUX.2 [klein] diffusers folder (Flux2KleinPipeline layout)}

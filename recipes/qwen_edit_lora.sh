@@ -10,6 +10,7 @@
 #   MODEL=/models/Qwen-Image-Edit-2509 DATA=/data/edits.jsonl bash recipes/qwen_edit_lora.sh
 # DATA: rows {"control": ["a.png", "b.png"], "target", "prompt"}, or musubi-tuner's / ai-toolkit's folder
 # layouts (docs/data.md, "Several reference images").
+# NF4 (BASE_DTYPE=nf4) needs torchao: pip install torchao (requirements-dev.txt pins the tested version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:?set MODEL to a Qwen-Image-Edit-2509/2511 diffusers folder (QwenImageEditPlusPipeline layout)}
