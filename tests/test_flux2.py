@@ -35,8 +35,9 @@ SETTINGS = {"RESOLUTION": 64, "REFERENCE_AREA": 0, "MAX_SEQUENCE_LENGTH": 32, "C
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
-    """The tiny FLUX.2 [klein] base folder and its two-reference rows (a 64 px scene, a 32 px swatch), mixed: every
-    other row with the scene alone, every fourth with the swatch as a 32 x 128 strip (three id layouts)."""
+    """The tiny FLUX.2 [klein] base folder and its two-reference rows (a 64 px scene, a 64 px swatch: the pipelines'
+    smallest side), mixed: every other row with the scene alone, every fourth with the swatch as a 64 x 256 strip
+    (three id layouts)."""
     root = tmp_path_factory.mktemp("flux2")
     model_path, data_dir = tiny_default("flux2_klein")
     rows = [json.loads(line) for line in open(os.path.join(data_dir, "data.jsonl"))]
@@ -46,7 +47,7 @@ def klein(tmp_path_factory):
         if i % 2:
             row["control"] = row["control"][:1]
         elif i % 4 == 0:
-            Image.open(row["control"][1]).convert("RGB").resize((128, 32)).save(root / f"strip{i}.png")
+            Image.open(row["control"][1]).convert("RGB").resize((256, 64)).save(root / f"strip{i}.png")
             row["control"][1] = str(root / f"strip{i}.png")
     (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = launch_env()
@@ -213,6 +214,34 @@ def test_dev_sampling_loop_is_the_pipelines(dev, tmp_path):
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
     flux2.forward(transformer, inputs, torch.ones(1), 3.5, embeds)
     assert torch.equal(seen[0]["guidance"], torch.full((1,), 3.5))  # GUIDANCE, as [dev]'s pipeline passes it
+
+
+def test_references_the_pipelines_refuse_are_refused_in_one_line(klein, tmp_path):
+    """A reference with a side under 64 px or an aspect ratio over 8 is refused naming the image, exactly where
+    Flux2ImageProcessor.check_image_input refuses it; REFERENCE_AREA above the pipelines' hard-coded 1024^2 is
+    refused for both scripts."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    for size in [(64, 64), (63, 64), (64, 512), (64, 513), (640, 80), (648, 80), (2048, 1024)]:
+        path = tmp_path / f"{size[0]}x{size[1]}.png"
+        Image.new("RGB", size).save(path)
+        try:
+            Flux2ImageProcessor.check_image_input(Image.open(path))
+            refused = False
+        except ValueError:
+            refused = True
+        row = {"control": str(path), "prompt": "p"}
+        if refused:
+            with pytest.raises(ConfigError, match=rf"{path.name}: a {size[0]}x{size[1]} px reference") as e:
+                flux2.reference_sizes((64, 64), row, SETTINGS)
+            assert "\n" not in str(e.value)
+        else:
+            flux2.reference_sizes((64, 64), row, SETTINGS)
+        assert refused == (min(size) < 64 or max(size) / min(size) > 8), size
+    big = {**SETTINGS, "REFERENCE_AREA": 1024 * 1024 + 1}
+    with pytest.raises(ConfigError, match="REFERENCE_AREA=1048577: FLUX.2's pipelines downsize every reference"):
+        flux2.check_edit_settings(klein["model"], big, {"REFERENCE_AREA"})
+    with pytest.raises(ConfigError, match="REFERENCE_AREA=1048577"):
+        flux2.check_dmd_settings("Flux2KleinPipeline", {**big, "MODEL_PATH": klein["model"]}, set(), "jsonl")
 
 
 def test_refusals_are_one_line(klein):

@@ -57,6 +57,8 @@ TEXT_READS_IMAGES = False  # Qwen3 / Mistral read the prompt alone
 DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipelines' area (default_sample_size 128 x the VAE factor 8)
 REFERENCE_AREA = 1024 * 1024  # references larger than this are downsized to it (:748)
 MULTIPLE = 16  # both sides cut to a multiple of the VAE factor x the 2x2 patch (:751)
+# what the pipelines refuse in a reference before anything else (Flux2ImageProcessor.check_image_input, :769)
+MIN_SIDE, MAX_ASPECT = 64, 8
 TIME_OFFSET = 10  # reference i's ids have T = TIME_OFFSET * (i + 1) (_prepare_image_ids' scale)
 TEXT_PARTS = ("text_encoder", "tokenizer")
 
@@ -234,7 +236,18 @@ def reference_sizes(size, row, settings) -> tuple | None:
     if row is None:
         return None
     sizes = row.get("control_sizes") or [image_size(c) for c in controls(row)]
+    for source, (h, w) in zip(controls(row), sizes):
+        check_reference(source, h, w)
     return tuple(pipeline_size(h, w, reference_area(settings))[1] for h, w in sizes)
+
+
+def check_reference(source, height: int, width: int) -> None:
+    """A reference the pipelines would refuse (a side under MIN_SIDE px, an aspect ratio over MAX_ASPECT),
+    refused in one line naming the image: training on it would teach an input the pipelines never take."""
+    if min(height, width) < MIN_SIDE or max(height / width, width / height) > MAX_ASPECT:
+        raise ConfigError(f"{source}: a {width}x{height} px reference, which FLUX.2's pipelines refuse (sides of "
+                          f"{MIN_SIDE} px or more, aspect ratio at most {MAX_ASPECT}: "
+                          "Flux2ImageProcessor.check_image_input); resize or drop that row")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,6 +375,15 @@ def image_ids(sizes, device) -> torch.Tensor:
 # editing fine-tuning (train_flux_kontext.py; families/spec.EditingRoom lists what the script asks of a room)
 
 
+def check_reference_area(settings) -> None:
+    """REFERENCE_AREA above the pipelines' 1024^2: they downsize every larger reference to 1024^2 (hard-coded,
+    :774), so the transformer would train on references they never produce."""
+    if settings.get("REFERENCE_AREA", 0) > REFERENCE_AREA:
+        raise ConfigError(f"REFERENCE_AREA={settings['REFERENCE_AREA']}: FLUX.2's pipelines downsize every "
+                          f"reference to at most {REFERENCE_AREA} px (1024^2, not a setting of theirs), so larger "
+                          "references are never what they feed the transformer; use 0 (1024^2) or less")
+
+
 def check_edit_settings(model_path, settings, changed: set) -> None:
     """What this family refuses, in one line before any work (`changed`: the settings given a value other
     than the script's default)."""
@@ -370,6 +392,7 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
                       ("CONDITION_AREA", "FLUX.2's text encoder reads the prompt alone")):
         if name in changed:
             raise ConfigError(f"{name}={settings[name]}: not used by FLUX.2: {why}")
+    check_reference_area(settings)
     if settings["SHIFT"] == "auto":
         raise ConfigError("SHIFT=auto: FLUX.2's pipeline shift (compute_empirical_mu) depends on the sampling step "
                           "count as well as the size; give a number (1 = none)")
@@ -572,6 +595,7 @@ def distilled_index(model_path) -> dict:
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
     """What a FLUX.2 teacher refuses, in one line before any work."""
+    check_reference_area(settings)
     if is_distilled(settings["MODEL_PATH"]):  # DMD2 needs the teacher's score at every σ, under its CFG
         raise ConfigError(f"MODEL_PATH={settings['MODEL_PATH']} is a step-wise distilled klein (model_index.json "
                           "is_distilled): its few steps were distilled without CFG, so it is no score to match and "

@@ -174,7 +174,7 @@ def make_tiny_flux2_dev(folder, seed=0):
 
 
 def _build_flux2_data(root):
-    make_two_reference_edit_dataset(root / "data", 32)
+    make_two_reference_edit_dataset(root / "data", 32, swatch=64)  # the pipelines refuse a side under 64 px
 
 
 def build_flux2_klein(root):

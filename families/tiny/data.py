@@ -74,10 +74,10 @@ def make_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
     return folder / "data.jsonl"
 
 
-def make_two_reference_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
+def make_two_reference_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0, swatch=0):
     """Write `n` edits with two reference images (Qwen-Image-Edit-2509's multi-image input):
     folder/control/i.png (a shape on a plain background, size px), folder/swatch/i.png (a plain
-    size/2 px square of a new colour), folder/target/i.png (the first with the shape in the swatch's
+    `swatch` px (0: size/2) square of a new colour), folder/target/i.png (the first with the shape in the swatch's
     colour), and folder/data.jsonl with rows {"control": [control path, swatch path], "target":
     target path, "prompt": "make the circle the colour of picture 2"} (paths relative to folder).
     Returns the data.jsonl path."""
@@ -90,7 +90,8 @@ def make_two_reference_edit_dataset(folder, n, size=IMAGE_SIZE, seed=0):
         shape, colour, background, box = random_scene(rng, size)
         new_colour = str(rng.choice([c for c in COLOURS if c not in (colour, background)]))
         draw_shape(size, shape, COLOURS[colour], COLOURS[background], box).save(folder / "control" / f"{i:05d}.png")
-        Image.new("RGB", (size // 2, size // 2), COLOURS[new_colour]).save(folder / "swatch" / f"{i:05d}.png")
+        side = swatch or size // 2
+        Image.new("RGB", (side, side), COLOURS[new_colour]).save(folder / "swatch" / f"{i:05d}.png")
         draw_shape(size, shape, COLOURS[new_colour], COLOURS[background], box).save(
             folder / "target" / f"{i:05d}.png")
         rows.append({"control": [f"control/{i:05d}.png", f"swatch/{i:05d}.png"], "target": f"target/{i:05d}.png",
