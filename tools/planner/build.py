@@ -162,9 +162,9 @@ BUILTINS = _builtins()
 
 
 def pipeline_of(folder: str) -> str:
-    """The pipeline a folder holds: model_index.json's `_class_name`; without one, the pipeline of the
-    families whose trained model's class the folder's has and whose weighted parts it holds (the most of them:
-    SDXL's second text encoder tells it from SD-1.5; the first listed of equals)."""
+    """The pipeline a folder holds: model_index.json's `_class_name`; without one, of the pipelines whose trained
+    model's class the folder's has, the one of which it holds the most weighted parts (SDXL's second text encoder
+    tells it from SD-1.5; a transformer's config alone, the first listed)."""
     index = os.path.join(folder, "model_index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -176,15 +176,24 @@ def pipeline_of(folder: str) -> str:
         for p in spec.pipelines:
             parts = [c for c in p.components if c.role != "files"]
             trained = next(c for c in parts if c.role == "trainable")
-            if _config(folder, trained.subfolder).get("_class_name") != trained.class_name or not all(
-                    os.path.isdir(os.path.join(folder, c.subfolder)) for c in parts):
+            if _config(folder, trained.subfolder).get("_class_name") != trained.class_name:
                 continue
-            if best is None or len(parts) > best[0]:
-                best = (len(parts), p.name)
+            held = sum(_holds(folder, c) for c in parts)
+            if best is None or held > best[0]:
+                best = (held, p.name)
     if best is None:
         raise SystemExit(f"plan: {folder}: no model_index.json naming a pipeline of families/ "
-                         f"({', '.join(FAMILIES)}), nor the parts of one")
+                         f"({', '.join(FAMILIES)}), nor the trained model of one")
     return best[1]
+
+
+def _holds(folder: str, c) -> bool:
+    """The folder has component `c` (its subfolder, of its class where both say one)."""
+    if not os.path.isdir(os.path.join(folder, c.subfolder)):
+        return False
+    cfg = _config(folder, c.subfolder)
+    cls = cfg.get("_class_name") or (cfg.get("architectures") or [None])[0]
+    return c.class_name is None or cls is None or cls == c.class_name
 
 
 def _pipeline_spec(pipeline: str):
