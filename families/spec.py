@@ -204,6 +204,17 @@ class FamilySpec:
     models: Mapping[str, ModelFacts] = field(default_factory=dict)
     # the GPU check (tools/gpu/)
     gpu: Any = None  # its families/gpu.GpuCheck (families/<name>/gpu.py's GPU); None: no GPU check rows
+    # the memory planner (tools/planner/): its built-in --model= names, and what it plans that differs by family
+    builtins: Mapping[str, Builtin] = field(default_factory=dict)  # name -> tools/real_size_configs/<name>/
+    plan_names: Mapping[str, str] = field(default_factory=dict)  # pipeline -> the plan's label (DMD2 of it: + _dmd)
+    plan_resolution: int = 0  # the planner's default side where a model has no sample_size (0: the pipeline's)
+    text_tokenizer: str = ""  # the tokenizer whose model_max_length caps text_len ("": text_len as is)
+    # (resolution, vae factor, count or None, area or 0) -> the reference latents' (h, w) planned beside the target
+    plan_references: Callable | None = None
+    references: int = 0  # reference images per sample the planner plans by default
+    reference_area: int = 0  # > 0: references planned at this pixel area (--references / --reference_area apply)
+    nf4_teacher: bool = False  # train_dmd.py's frozen teacher in NF4 like the LoRA bases with BASE_DTYPE=nf4
+    fp32_components: Mapping[str, tuple] = field(default_factory=dict)  # pipeline -> parts the scripts keep fp32
 
     @property
     def pipeline_names(self) -> tuple[str, ...]:
@@ -212,3 +223,12 @@ class FamilySpec:
     def resolution(self, pipeline: str) -> int:
         """The native side of `pipeline` in pixels."""
         return next(p.resolution or self.default_resolution for p in self.pipelines if p.name == pipeline)
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A real model the memory planner plans by name (--model=), from its configs in tools/real_size_configs/<name>/
+    (no weights). Where train_dmd.py distils it besides the pipeline's own script, `<name>-dmd` (or `dmd`) plans
+    that."""
+    pipeline: str  # its model_index.json's _class_name
+    dmd: str = ""  # the DMD2 plan's name where it is not <name>-dmd

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 import subprocess
 import sys
 
@@ -148,7 +149,7 @@ def test_cli_prints_no_import_noise_before_its_plan():
     assert not [line for line in err.splitlines() if any(n in line for n in noise)], err
     assert runs[1].returncode == 1 and cp_out == ""
     assert cp_err.strip().splitlines() == [
-        "plan: --context_parallel=2: context parallelism is train_flux_kontext.py's (FLUX layout); sd15-dmd is "
+        "plan: --context_parallel=2: context parallelism is train_flux_kontext.py's; sd15-dmd is "
         "planned for train_dmd.py, which has none"]
 
 
@@ -215,7 +216,9 @@ def test_unit_parameter_counts_sum_to_the_model(name):
     p = memory_plan.plan(name, Settings(**SMALL))
     assert p["units"]
     for comp, units in p["units"].items():
-        spec = next(c for c in memory_plan.pipeline_components(p["kind"]) if c.name == comp)
+        folder = memory_plan.model_folder(name)
+        spec = next(c for c in memory_plan.pipeline_components(memory_plan.pipeline_of(folder), p["script"])
+                    if c.name == comp)
         model = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/{name}/{spec.subfolder}")
         total = sum(q.numel() for q in model.parameters())
         assert sum(n for _, n in units) == total == p["rows"][comp]["count"]
@@ -257,18 +260,22 @@ def test_sdxl_unet_shards_to_an_eighth_at_world_size_8(capsys):
 
 def test_native_resolution_is_the_default():
     folder = memory_plan.model_folder
-    assert memory_plan.native_resolution(folder("sd15-dmd"), "sd15") == 512
-    assert memory_plan.native_resolution(folder("sdxl-dmd"), "sdxl") == 1024
-    assert memory_plan.native_resolution(folder("flux-kontext-dev"), "flux_kontext") == 512
+    assert memory_plan.native_resolution(folder("sd15-dmd")) == 512
+    assert memory_plan.native_resolution(folder("sdxl-dmd")) == 1024
+    assert memory_plan.native_resolution(folder("flux-kontext-dev")) == 512
     assert Settings(world_size=2).resolution is None  # plan() fills in the native one
 
 
 def test_sdxl_meta_inputs_carry_the_added_conditioning():
-    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sdxl-dmd/unet")
-    pooled = memory_plan._pooled_dim(memory_plan.model_folder("sdxl-dmd"), unet.config)
-    x = memory_plan._meta_inputs("sdxl", unet, 2, 1024, torch.bfloat16, 8, 77, pooled)
+    folder = memory_plan.model_folder("sdxl-dmd")
+    unet = memory_plan.meta_model(f"{folder}/unet")
+    shapes = memory_plan.latent_shapes(folder, Settings(world_size=1, resolution=1024))
+    x = memory_plan._meta_inputs(folder, unet, 2, shapes, torch.bfloat16, memory_plan.text_length(folder))
     assert x["sample"].shape == (2, 4, 128, 128) and x["encoder_hidden_states"].shape == (2, 77, 2048)
-    assert x["added_cond_kwargs"]["text_embeds"].shape == (2, 1280)
+    assert x["sample"].requires_grad and not x["encoder_hidden_states"].requires_grad  # the latents' grad only
+    # the pooled width: what text_encoder_2 projects to
+    pooled = memory_plan._config(folder, "text_encoder_2")["projection_dim"]
+    assert x["added_cond_kwargs"]["text_embeds"].shape == (2, pooled) == (2, 1280)
     assert x["added_cond_kwargs"]["time_ids"].shape == (2, 6)
 
 
@@ -515,11 +522,12 @@ def test_activations_are_almost_all_along_the_sequence(flux_cp):
     folder = memory_plan.model_folder("flux-kontext-dev")
     names = tuple(n for n, _ in flux_cp[1]["units"]["transformer"][:-1])
 
-    def acts(*args, **kwargs):  # all that autograd saves in the forward (no checkpointing)
-        return memory_plan._builtin_activations(folder, "transformer", "flux_kontext", names, torch.bfloat16, 1,
-                                                *args, **kwargs).total(False)
+    def acts(resolution, *args):  # all that autograd saves in the forward (no checkpointing)
+        shapes = memory_plan.latent_shapes(folder, Settings(world_size=1, resolution=resolution))
+        return memory_plan._builtin_activations(folder, "transformer", names, torch.bfloat16, 1, shapes,
+                                                *args).total(False)
     small = acts(32, lora.Lora(), 128)  # 32 px, 128 text tokens
-    large = acts(64, lora.Lora(), references=())  # 64 px, the folder's 512 text tokens
+    large = acts(64, lora.Lora())  # 64 px, the folder's 512 text tokens
     assert large == flux_cp[1]["activations"]
     whole = (4 * small - large) / 3
     assert 0 <= whole < 16 * 2**20 and whole < 0.002 * large   # under 16 MiB of 4.7 GiB at 64 px
@@ -539,15 +547,18 @@ def test_activations_are_almost_all_along_the_sequence(flux_cp):
         ),
         (
             dict(world_size=16, context_parallel=16),
-            r"^plan: --context_parallel=16: the transformer's 24 attention heads do not divide",
+            r"^plan: --context_parallel=16: the transformer's 24 attention heads \(transformer/config.json\) do not "
+            r"divide by it",
         ),
         (
             dict(world_size=3, context_parallel=3),
-            r"^plan: --context_parallel=3: the 512 text tokens \(T5 length\) do not divide",
+            r"^plan: --context_parallel=3: 512 T5 tokens \(MAX_SEQUENCE_LENGTH, capped by the tokenizer\) do not "
+            r"divide by it",
         ),
         (
             dict(world_size=4, context_parallel=4, resolution=48),
-            r"^plan: --context_parallel=4: 48 px has 18 image tokens",
+            r"^plan: --context_parallel=4: the 48x48 bucket has 18 image tokens \(target \+ context\), not "
+            r"divisible by it",
         ),
     ],
 )
@@ -759,10 +770,66 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
         memory_plan.plan("flux-kontext-dmd", Settings(**SMALL, context_parallel=2))
     with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
         memory_plan.cp_table("flux-kontext-dmd")
-    with pytest.raises(SystemExit, match=r"^plan: --script=train_flux_kontext.py: a unet/ folder is planned for "
-                                         r"train_dmd.py only$"):
+    with pytest.raises(SystemExit, match=r"^plan: --script=train_flux_kontext.py: StableDiffusionPipeline is trained "
+                                         r"by train_dmd.py only$"):
         memory_plan.plan("sd15-dmd", Settings(**SMALL, script="train_flux_kontext.py"))
 
+
+
+# ----------------------------------------------------------------------------------------------
+# the family specs: the planner's names, folders and per-family facts come from them
+
+BUILTIN_NAMES = ("flux-kontext-dev", "flux-kontext-dmd", "flux2-dev", "flux2-dev-dmd", "flux2-klein-4b",
+                 "flux2-klein-4b-dmd", "flux2-klein-9b", "flux2-klein-9b-dmd", "qwen-image-edit", "qwen-image-edit-dmd",
+                 "sd15-dmd", "sdxl-dmd")  # what docs, recipes and README commands name
+
+
+def test_builtin_names_are_the_specs():
+    """Every --model= name is declared once, in its family's spec (FamilySpec.builtins; the DMD2 names derived),
+    its folder the pipeline that Builtin names, planned for the script its name says; nothing else is built in."""
+    from families import SPECS
+    assert sorted(memory_plan.BUILTINS) == sorted(BUILTIN_NAMES)
+    declared = [name for spec in SPECS for name in spec.builtins]
+    assert len(declared) == len(set(declared)) == len(os.listdir(f"{ROOT}/tools/real_size_configs"))
+    for spec in SPECS:
+        for name, builtin in spec.builtins.items():
+            folder = memory_plan.model_folder(name)
+            assert memory_plan.pipeline_of(folder) == builtin.pipeline
+            assert memory_plan.layout(folder)[0] == memory_plan.default_script(
+                next(p for p in spec.pipelines if p.name == builtin.pipeline))
+    for name in BUILTIN_NAMES:
+        script = memory_plan.with_script(name, Settings(1)).script
+        assert memory_plan.layout(memory_plan.model_folder(name), script)[1].endswith("_dmd") == (
+            name.endswith("-dmd") and script == "train_dmd.py" and name not in ("sd15-dmd", "sdxl-dmd"))
+
+
+def test_planner_core_names_no_family():
+    """No per-family branch in the planner's core: no string constant of its code (docstrings aside) is a
+    family's name, one of its pipelines or a plan label; what differs is read from the specs."""
+    import ast
+    from families import SPECS
+    names = {n for spec in SPECS for n in (spec.name, *spec.pipeline_names, *spec.plan_names.values())}
+    for module in ("build", "activations", "plan", "shard", "fit"):
+        tree = ast.parse(open(f"{ROOT}/tools/planner/{module}.py").read())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(
+            node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body and isinstance(node.body[0], ast.Expr)}
+        found = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and isinstance(node.value, str) and id(node) not in docstrings} & names
+        assert not found, (module, found)
+
+
+def test_flux2_context_parallelism_is_checked_by_its_room():
+    """FLUX.2's CP (its trainer's): planned, checked by the room's check_context_parallel at the planned shapes
+    (target + 2 references at the pipeline's area, 512 text tokens), its refusal in one line before any work."""
+    folder = memory_plan.model_folder("flux2-klein-4b")
+    s = Settings(world_size=8, resolution=1024, context_parallel=2)
+    assert memory_plan.check_context_parallel(folder, s) == dict(heads=24, text=512, image=3 * 4096)
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=5: the transformer's 24 attention heads "):
+        memory_plan.check_context_parallel(folder, dataclasses.replace(s, world_size=5, context_parallel=5))
+    # DMD2 has no context parallelism, whatever the family
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext"):
+        memory_plan.check_context_parallel(memory_plan.model_folder("flux2-klein-4b-dmd"), dataclasses.replace(
+            s, script="train_dmd.py"))
 
 # ----------------------------------------------------------------------------------------------
 # Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): train_flux_kontext.py's and train_dmd.py's third family
@@ -783,7 +850,7 @@ def test_qwen_image_edit_plans_the_2509_transformer():
     assert p["rows"]["text_encoder"]["params"] == 0  # Qwen2.5-VL: its embeddings cached, then freed
     assert p["rows"]["vae"]["note"] == "replicated"
     # the native resolution is the pipeline's 1024^2 area; the DMD2 name plans the same transformer in 3 roles
-    assert memory_plan.native_resolution(memory_plan.model_folder("qwen-image-edit"), "qwen_image_edit") == 1024
+    assert memory_plan.native_resolution(memory_plan.model_folder("qwen-image-edit")) == 1024
     dmd = memory_plan.plan("qwen-image-edit-dmd", Settings(world_size=8, resolution=1024, fake_score_fp32=False))
     assert (dmd["script"], dmd["kind"]) == ("train_dmd.py", "qwen_image_edit_dmd")
     assert list(dmd["rows"]) == ["generator", "fake_score", "teacher", "vae", "text_encoder"]
@@ -795,15 +862,18 @@ def test_qwen_sequence_is_the_target_two_references_and_the_vl_prompt():
     latents, 64 channels), each image its own RoPE frame; the text stream: 2 x (196 image + 7 template)
     tokens of the references at 384^2 (392^2 in 28 px cells) + 64 instruction + 5 closing tokens."""
     folder = memory_plan.model_folder("qwen-image-edit")
-    assert memory_plan._folder_shapes(folder, "qwen_image_edit") == (8, 2 * (196 + 7) + 64 + 5)
+    assert (memory_plan.vae_factor(folder), memory_plan.text_length(folder)) == (8, 2 * (196 + 7) + 64 + 5)
     model = memory_plan.meta_model(f"{folder}/transformer")
-    x = memory_plan._meta_inputs("qwen_image_edit", model, 1, 1024, torch.bfloat16, 8, 475)
+    shapes = memory_plan.latent_shapes(folder, Settings(world_size=1, resolution=1024))
+    x = memory_plan._meta_inputs(folder, model, 1, shapes, torch.bfloat16, 475)
     assert tuple(x["hidden_states"].shape) == (1, 3 * 64 * 64, 64)
     assert tuple(x["encoder_hidden_states"].shape) == (1, 475, 3584)
     assert x["img_shapes"] == [[(1, 64, 64)] * 3]
-    # context parallelism is planned for FLUX Kontext only: one line, before any model is built
-    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is planned for FLUX "
-                                         r"Kontext only; qwen-image-edit is qwen_image_edit$"):
+    # the family's room refuses context parallelism (its check, as train_flux_kontext.py's): one line, before
+    # any model is built
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: not for Qwen-Image-Edit here \(its text is "
+                                         r"a padded, masked sequence of varying length per sample\); use "
+                                         r"CONTEXT_PARALLEL=1$"):
         memory_plan.check_context_parallel(folder, Settings(world_size=2, context_parallel=2))
 
 
@@ -876,12 +946,12 @@ def test_flux2_folders_are_planned_by_their_pipeline(name):
     pipeline, _, encoder, _ = FLUX2[name]
     folder = memory_plan.model_folder(name)
     assert memory_plan.layout(folder) == ("train_flux_kontext.py", "flux2")
-    assert memory_plan.pipeline_of(folder, "flux2") == pipeline
+    assert memory_plan.pipeline_of(folder) == pipeline
     script, kind, parts = memory_plan.build_components(folder, memory_plan.get_precision("bf16-mixed"), build=False)
     assert [(p.name, p.spec.role, p.spec.class_name) for p in parts] == [
         ("transformer", "trainable", "Flux2Transformer2DModel"), ("vae", "replicated", "AutoencoderKLFlux2"),
         ("text_encoder", "offline", encoder)]
-    assert memory_plan.native_resolution(folder, kind) == 1024
+    assert memory_plan.native_resolution(folder) == 1024
 
 
 def test_flux2_sequence_is_the_target_the_references_and_512_text_tokens():
@@ -890,16 +960,19 @@ def test_flux2_sequence_is_the_target_the_references_and_512_text_tokens():
     hidden size wide; [dev] embeds the guidance, klein has none. A smaller REFERENCE_AREA shrinks the references
     only; --references is FLUX.2's."""
     s = Settings(world_size=1, resolution=1024)
-    refs = memory_plan.reference_grids("flux2", s)
+    refs = memory_plan.reference_grids(memory_plan.model_folder("flux2-dev"), s)
     assert refs == ((64, 64), (64, 64))
-    assert memory_plan.reference_grids("flux2", dataclasses.replace(s, references=3, reference_area=512 * 512)) == \
-        ((32, 32),) * 3
+    assert memory_plan.reference_grids(memory_plan.model_folder("flux2-dev"), dataclasses.replace(
+        s, references=3, reference_area=512 * 512)) == ((32, 32),) * 3
     for name, joint, guided in (("flux2-klein-4b", 3 * 2560, False), ("flux2-dev", 3 * 5120, True)):
-        model = memory_plan.meta_model(f"{memory_plan.model_folder(name)}/transformer")
-        x = memory_plan._meta_inputs("flux2", model, 1, 1024, torch.bfloat16, 8, 512, None, refs)
+        folder = memory_plan.model_folder(name)
+        model = memory_plan.meta_model(f"{folder}/transformer")
+        assert memory_plan.text_length(folder) == 512
+        x = memory_plan._meta_inputs(folder, model, 1, memory_plan.latent_shapes(folder, s), torch.bfloat16, 512)
         assert tuple(x["hidden_states"].shape) == (1, 3 * 4096, 128) and tuple(x["img_ids"].shape) == (1, 12288, 4)
         assert tuple(x["encoder_hidden_states"].shape) == (1, 512, joint) and (x["guidance"] is not None) == guided
-    with pytest.raises(SystemExit, match=r"^plan: --references / --reference_area: FLUX.2's; qwen-image-edit is "):
+    with pytest.raises(SystemExit, match=r"^plan: --references / --reference_area: for families that plan "
+                                         r"references by area; qwen-image-edit is "):
         memory_plan.plan("qwen-image-edit", Settings(world_size=1, references=1))
 
 
@@ -990,10 +1063,16 @@ def _width_folder(root, family: str) -> str:
     return str(folder)
 
 
-def _width_inputs(model, family: str, resolution: int, text: int, refs: tuple = ()) -> dict:
-    """The forward inputs on meta, as the planner makes them (_meta_inputs)."""
-    with torch.device("meta"):
-        return memory_plan._meta_inputs(family, model, 1, resolution, torch.bfloat16, 8, text, None, refs)
+def _width_settings(resolution: int, refs: tuple = ()) -> Settings:
+    """LoRA r16 on 2 ranks at `resolution`; `refs`: FLUX.2's reference token grids, each at resolution^2."""
+    return Settings(world_size=2, resolution=resolution, lora_rank=16,
+                    **(dict(references=len(refs), reference_area=resolution ** 2) if refs else {}))
+
+
+def _width_inputs(model, folder: str, resolution: int, text: int, refs: tuple = ()) -> dict:
+    """The forward inputs on meta, as the planner makes them (_meta_inputs at latent_shapes)."""
+    shapes = memory_plan.latent_shapes(folder, _width_settings(resolution, refs))
+    return memory_plan._meta_inputs(folder, model, 1, shapes, torch.bfloat16, text)
 
 
 def _on_cpu(x: dict) -> dict:
@@ -1053,7 +1132,7 @@ def _width_lora_step(rank, folder, family) -> dict:
     model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
     with torch.device("meta"):
         lora.add_lora(model, lora.Lora(16))
-    x = _width_inputs(model, family, resolution, WIDTH_TEXT, refs)
+    x = _width_inputs(model, folder, resolution, WIDTH_TEXT, refs)
     mesh = fsdp_utils.build_meshes(torch.device("cpu"))[0]
     # kept gathered from forward to backward: neither the shards nor the saves depend on it, and it spares
     # backward's re-gather over gloo (~4 s per 0.68 GB block on 2 CPU ranks)
@@ -1074,7 +1153,7 @@ def _cp_saved_bytes(rank, world, folder) -> int:
     import fsdp_utils
     from parallel.context_parallel import enable_context_parallel
     model = memory_plan.meta_model(f"{folder}/transformer").to(torch.bfloat16)
-    x = _width_inputs(model, "flux_kontext", CP_RES, CP_TEXT)
+    x = _width_inputs(model, folder, CP_RES, CP_TEXT)
     model = model.to_empty(device="cpu")
     _fill_random(model, rank)
     x = _on_cpu(x)
@@ -1206,16 +1285,15 @@ def test_lora_plan_matches_a_real_width_2_rank_run_on_cpu(family, width_runs):
     folders, runs = width_runs
     folder, got = folders[family], runs[family]
     _, _, res, refs = WIDTH[family]
-    s = Settings(world_size=2, resolution=res, lora_rank=16,
-                 **(dict(references=len(refs), reference_area=res ** 2) if refs else {}))
-    assert memory_plan.reference_grids(family, s) == refs
+    s = _width_settings(res, refs)
+    assert memory_plan.reference_grids(folder, s) == refs
     p = memory_plan.plan(folder, s)
     rows = p["rows"]
     names = tuple(n for n, _ in p["units"]["transformer"][:-1])
     assert names == (("transformer_blocks.0",) if family == "qwen_image_edit" else
                      ("transformer_blocks.0", "single_transformer_blocks.0"))
-    planned = memory_plan._activations(folder, "transformer", family, names, torch.bfloat16, 1, res,
-                                       lora.Lora(16), WIDTH_TEXT, refs).total(False)
+    planned = memory_plan._activations(folder, "transformer", names, torch.bfloat16, 1,
+                                       memory_plan.latent_shapes(folder, s), lora.Lora(16), WIDTH_TEXT).total(False)
     assert got["base"] == rows["transformer"]["params"]
     assert (got["adapters"], got["grads"], got["optim"]) == tuple(rows["transformer.lora"][k] for k in
                                                                   ("params", "grads", "optim"))
@@ -1223,7 +1301,7 @@ def test_lora_plan_matches_a_real_width_2_rank_run_on_cpu(family, width_runs):
     with torch.device("meta"):
         lora.add_lora(model, lora.Lora(16))
     model.to(torch.bfloat16)
-    x = _width_inputs(model, family, res, WIDTH_TEXT, refs)
+    x = _width_inputs(model, folder, res, WIDTH_TEXT, refs)
     x["hidden_states"].requires_grad_(False)  # as the planner measures LoRA: the latents need no grad
     image, text = x["hidden_states"].shape[1], WIDTH_TEXT
     copy = (image + text) * 3072 * 2  # one double (dual-stream) block
@@ -1253,9 +1331,9 @@ def test_cp_share_on_meta_matches_a_real_width_cp2_run_on_cpu(width_runs):
     view, and meta keeps the norms' statistics in fp32 (CUDA's dtype; CPU's is bf16)."""
     folders, runs = width_runs
     model = memory_plan.meta_model(f"{folders['flux_kontext']}/transformer").to(torch.bfloat16)
-    x = _width_inputs(model, "flux_kontext", CP_RES, CP_TEXT)
+    x = _width_inputs(model, folders["flux_kontext"], CP_RES, CP_TEXT)
     one = memory_plan.activation_bytes(model, x, [], False)
-    quarter = _width_inputs(model, "flux_kontext", CP_RES // 2, CP_TEXT // 4)
+    quarter = _width_inputs(model, folders["flux_kontext"], CP_RES // 2, CP_TEXT // 4)
     whole = (4 * memory_plan.activation_bytes(model, quarter, [], False) - one) // 3  # 3 tokens: L / 4
     planned = whole + (one - whole) // 2
     stats = _meta_stats(model, x)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 import families.flux as room
-from families.flux import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
+from families.flux import gpu, parallelism, tiny  # gpu: the GPU check's facts
 from algorithms import flux_kontext as km
 from families.pipelines import Component
-from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
+from families.spec import Builtin, EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 
 _PARTS = (Component("transformer", "transformer", "trainable", "FluxTransformer2DModel"),
           Component("vae", "vae", "replicated", "AutoencoderKL"),
@@ -35,6 +35,11 @@ def example_inputs(config, batch: int, shapes, text_len: int, device, dtype) -> 
                 guidance=torch.ones(batch, device=device, dtype=torch.float32) if guided else None, return_dict=False)
 
 
+def plan_references(resolution: int, factor: int, count, area: int) -> tuple:
+    """Kontext's one context image, planned at the target's square size (the memory planner)."""
+    return ((resolution // factor, resolution // factor),)
+
+
 SPEC = FamilySpec(
     name="flux", room=room,
     pipelines=(PipelineSpec("FluxKontextPipeline", _PARTS, ("train_dmd.py", "train_flux_kontext.py")),
@@ -46,4 +51,10 @@ SPEC = FamilySpec(
     check_context_parallel=room.check_context_parallel,
     tiny={"flux_kontext": tiny.build_flux_kontext},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
-    gpu=gpu.GPU)
+    gpu=gpu.GPU,
+    builtins={"flux-kontext-dev": Builtin("FluxKontextPipeline", dmd="flux-kontext-dmd")},
+    plan_names={"FluxKontextPipeline": "flux_kontext", "FluxPipeline": "flux"},
+    plan_resolution=512,
+    text_tokenizer="tokenizer_2",  # T5's
+    plan_references=plan_references, references=1,
+    nf4_teacher=True)

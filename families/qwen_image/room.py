@@ -309,16 +309,17 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
                       ("MAX_SEQUENCE_LENGTH", "the text is as long as the prompt and its image tokens")):
         if name in changed:
             raise ConfigError(f"{name}={settings[name]}: not used by Qwen-Image-Edit: {why}")
-    if settings["CONTEXT_PARALLEL"] > 1:
-        raise ConfigError(f"CONTEXT_PARALLEL={settings['CONTEXT_PARALLEL']}: not for Qwen-Image-Edit here (its text "
-                          "is a padded, masked sequence of varying length per sample); use CONTEXT_PARALLEL=1")
+    check_context_parallel(model_path, settings["CONTEXT_PARALLEL"], settings, ())
     if settings["GUIDANCE"] not in (0, 1.0):
         raise ConfigError(f"GUIDANCE={settings['GUIDANCE']}: Qwen-Image-Edit has no guidance embedding (its guidance "
                           "is true CFG: SAMPLE_GUIDANCE for samples); leave GUIDANCE at 1")
 
 
 def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
-    """check_edit_settings refuses CONTEXT_PARALLEL > 1 for this family."""
+    """CONTEXT_PARALLEL > 1 is refused for this family (check_edit_settings asks it too; so does the planner)."""
+    if context_parallel > 1:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: not for Qwen-Image-Edit here (its text is a padded, "
+                          "masked sequence of varying length per sample); use CONTEXT_PARALLEL=1")
 
 
 def reference_area(settings) -> int:

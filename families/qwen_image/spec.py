@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 import families.qwen_image as room
-from families.qwen_image import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
+from families.qwen_image import gpu, parallelism, tiny  # gpu: the GPU check's facts
 from families.pipelines import Component
-from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
+from families.spec import Builtin, EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 
 _PARTS = (Component("transformer", "transformer", "trainable", "QwenImageTransformer2DModel"),
           Component("vae", "vae", "replicated", "AutoencoderKLQwenImage"),
@@ -33,6 +33,12 @@ def example_inputs(config, batch: int, shapes, text_len: int, device, dtype) -> 
                 encoder_hidden_states_mask=None, img_shapes=[grids] * batch, return_dict=False)
 
 
+def plan_references(resolution: int, factor: int, count, area: int) -> tuple:
+    """The memory planner's references: `count` (default 2) at the target's square size (the pipeline encodes
+    references at its 1024^2 VAE_IMAGE_SIZE: the same tokens at 1024 px)."""
+    return ((resolution // factor, resolution // factor),) * (2 if count is None else count)
+
+
 SPEC = FamilySpec(
     name="qwen_image", room=room,
     pipelines=(PipelineSpec("QwenImageEditPlusPipeline", _PARTS, ("train_dmd.py", "train_flux_kontext.py")),),
@@ -43,4 +49,8 @@ SPEC = FamilySpec(
     check_context_parallel=room.check_context_parallel,
     tiny={"qwen_image_edit": tiny.build_qwen_image_edit},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
-    gpu=gpu.GPU)
+    gpu=gpu.GPU,
+    builtins={"qwen-image-edit": Builtin("QwenImageEditPlusPipeline")},
+    plan_names={"QwenImageEditPlusPipeline": "qwen_image_edit"},
+    plan_references=plan_references, references=2,
+    nf4_teacher=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 import families.sd_unet as room
-from families.sd_unet import gpu, parallelism, tiny  # gpu: the GPU check\'s facts
+from families.sd_unet import gpu, parallelism, tiny  # gpu: the GPU check's facts
 from families.pipelines import Component
-from families.spec import FamilySpec, PipelineSpec, UnetDistillationRoom
+from families.spec import Builtin, FamilySpec, PipelineSpec, UnetDistillationRoom
 
 _SD15 = (Component("generator", "unet", "trainable", "UNet2DConditionModel"),
          Component("fake_score", "unet", "trainable", "UNet2DConditionModel"),
@@ -46,4 +46,9 @@ SPEC = FamilySpec(
     check_context_parallel=None,  # train_dmd.py has no context parallelism
     tiny={"sd15": tiny.build_sd15, "sdxl": tiny.build_sdxl},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
-    gpu=gpu.GPU)
+    gpu=gpu.GPU,
+    builtins={"sd15-dmd": Builtin("StableDiffusionPipeline"), "sdxl-dmd": Builtin("StableDiffusionXLPipeline")},
+    plan_names={"StableDiffusionPipeline": "sd15", "StableDiffusionXLPipeline": "sdxl"},
+    text_tokenizer="tokenizer",
+    # train_dmd.py keeps SDXL's VAE in fp32 by default (it overflows in fp16/bf16; so does the official DMD2 code)
+    fp32_components={"StableDiffusionXLPipeline": ("vae",)})

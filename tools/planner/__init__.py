@@ -22,18 +22,20 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
         --resolution=1024 --activation_checkpointing=1 --gpu_memory_gb=24   # FLUX.2 [dev], 2 references
     python tools/memory_plan.py --flux2_table   # FLUX.2 [dev] / klein: the fewest GPUs per run of docs/planner.md
 
-NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights) or a
-local diffusers folder (SD-1.5 / SDXL layout with unet/ -> train_dmd.py's models; FLUX layout with
-transformer/ -> train_flux_kontext.py's, or with --script=train_dmd.py DMD2's; the built-in
-flux-kontext-dmd is flux-kontext-dev so planned; a transformer/ holding a QwenImageTransformer2DModel is
-Qwen-Image-Edit's, planned the same two ways, qwen-image-edit-dmd the built-in qwen-image-edit for DMD2;
-flux2-dev-dmd, flux2-klein-4b-dmd and flux2-klein-9b-dmd the FLUX.2 built-ins for DMD2).
-Optional components of the table (SDXL's text_encoder_2) are counted when the folder has them. Without
---resolution: the model's native resolution (UNet sample_size x VAE factor: 512 for SD-1.5, 1024 for SDXL;
-512 for FLUX; 1024 for Qwen-Image-Edit, its pipeline's 1024^2 area). Qwen-Image-Edit's sequence: the target's
-tokens and QWEN_REFERENCES (2) references' at the same resolution, and the Qwen2.5-VL prompt's QWEN_TEXT_TOKENS
-(475: its reference images at 384^2 and the template); its text encoder is cached, then freed before the
-transformer is built. What is counted, per rank:
+The planner reads the family specs (families/<name>/spec.py, FamilySpec), with no per-family branch of its own.
+NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights; the names are the
+specs' `builtins`) or a local diffusers folder. A folder's pipeline is model_index.json's _class_name (without
+one: the pipeline whose trained model and parts the folder holds), its family families.spec_of's; it is planned
+for the pipeline's fine-tune script (train_flux_kontext.py), or train_dmd.py where that is its only one, or
+--script; train_dmd.py on a pipeline that trains one model holds it in DMD2's three roles (DMD_ROLES), and a
+built-in of such a pipeline has a DMD2 name (<name>-dmd, or its Builtin's `dmd`: flux-kontext-dmd). The plan's
+label ("kind") is the spec's plan_names' (+ "_dmd"). Without --resolution: the model's native resolution (its
+sample_size x VAE factor where its config has one: 512 for SD-1.5, 1024 for SDXL; else the spec's
+plan_resolution or the pipeline's side: 512 for FLUX.1, 1024 for Qwen-Image-Edit and FLUX.2). The trained
+model's forward inputs are its spec's example_inputs at the latents of latent_shapes (the target, then the
+spec's plan_references: Kontext's context, Qwen-Image-Edit's 2 references at the target's size, FLUX.2's at
+their area) and its text_length (the spec's text_len capped by its text_tokenizer: CLIP 77, T5 512, the
+Qwen2.5-VL prompt's 475 with its reference images at 384^2 and the template). What is counted, per rank:
   params / grads / optimizer  the local shards (AdamW: 2 states), in the precision mode's dtypes;
                               frozen parts in their own dtype (SDXL's VAE: fp32, as train_dmd.py holds
                               it); with CPU offload these live on the host
@@ -53,19 +55,18 @@ The text-cache fill, before training, is a phase of its own (fill_phase): the of
 cached then freed) sharded over the ranks in units of their _no_split_modules, units in flight, one no-grad
 forward of a batch measured on meta, the runtime reserve. A plan fits only if both phases fit; where only the
 fill does not, the fit takes the encoders in NF4 (--text_encoder_dtype=nf4).
-FLUX.2 (flux2-dev, flux2-klein-4b, flux2-klein-9b; Flux2Pipeline / Flux2KleinPipeline by model_index.json): the
-target's tokens, --references (2) references' at --reference_area (the pipeline's 1024^2), 512 text tokens.
+A family that plans its references at an area (FamilySpec.reference_area; FLUX.2: flux2-dev, flux2-klein-4b,
+flux2-klein-9b): the target's tokens, --references (2) references' at --reference_area (the pipeline's 1024^2).
 DMD2's fake score is counted as train_dmd.py runs it (FAKE_SCORE_FP32, default off): in the mode's compute
 dtype; --fake_score_fp32=1 (as published): its units gathered and its training forward's activations in fp32,
 whatever the precision mode.
 
-DMD2 with a FLUX.1 Kontext teacher (flux-kontext-dmd; train_dmd.py on a FLUX folder): the FLUX
-pipeline's transformer in the DMD2 roles of the SD entries of families.pipelines.PIPELINES (generator and
-fake score trainable, teacher frozen-sharded), each sharded by the FLUX recipe; the VAE replicated,
-the text encoders offline. The activations are the larger of the generator's and the fake score's
-training forwards over Kontext's text + target + context tokens (the generator's backward runs before
-the fake score's forward). With --base_dtype=nf4 the frozen teacher is stored in NF4 like the LoRA
-bases (NF4_TEACHER_KINDS); the UNet teacher is not.
+DMD2 with a transformer teacher (e.g. flux-kontext-dmd; train_dmd.py on a FLUX folder): the pipeline's
+transformer in DMD_ROLES (generator and fake score trainable, teacher frozen-sharded), each sharded by its
+recipe; the VAE replicated, the text encoders offline. The activations are the larger of the generator's and
+the fake score's training forwards (the generator's backward runs before the fake score's forward). With
+--base_dtype=nf4 the frozen teacher is stored in NF4 like the LoRA bases where its spec says so (nf4_teacher);
+the UNet teacher is not.
 
 LoRA (--lora_rank=R > 0; --lora_alpha, --lora_target_modules as the scripts' LORA_*): the adapters are added
 with parallel.lora.add_lora to the meta model before its recipe shards it, as the scripts do, so the
@@ -84,20 +85,21 @@ the last unit, the one prefetched), not the two largest. With CPU offload the ba
 the host too (FSDP offloads every parameter of a unit). bf16 states change nothing under LoRA (the
 base is already in the compute dtype, add_lora keeps adapters in fp32), so the fit search skips them.
 
-Context parallelism (--context_parallel=C, train_flux_kontext.py's CONTEXT_PARALLEL; FLUX layout only):
-the C ranks of a CP group take the same samples and each holds 1/C of the joint sequence (text +
-target + context image tokens), with Ulysses attention (each rank attends over the full sequence for
-H/C heads). The components are sharded on the script's mesh (fsdp_utils.build_meshes: FSDP over all
+Context parallelism (--context_parallel=C, train_flux_kontext.py's CONTEXT_PARALLEL; the families whose
+room checks it: FLUX.1 Kontext, FLUX.2): the C ranks of a CP group take the same samples and each holds 1/C of
+the joint sequence (text + target + reference image tokens), with Ulysses attention (each rank attends over the
+full sequence for H/C heads). The components are sharded on the script's mesh (fsdp_utils.build_meshes: FSDP over all
 dp x cp ranks), so the state rows and the gathered units are as without CP. A rank's activations
 (_cp_activations): one forward over the full sequence is measured, as without CP; token-wise tensors
 and attention's flash saves (q, k, v, out over all tokens for H/C heads, logsumexp) are 1/C of it on
 each rank, and what has no sequence dimension (timestep, guidance and pooled embeddings, each block's
 modulation vectors: 3.2 MiB at batch 1, against 8.8 MiB per token) is whole on every rank: that part
-is the constant of A(L) = a + b L, from a second meta forward at a quarter of the tokens. Added: the
+is the constant of A(L) = a + b L, from a second meta forward at half the side and a quarter of the text. Added: the
 all-to-all buffers of one attention call (q, k, v and the output, sent and received) and the final
 output all-gathered for the loss. The global batch is batch x world / C.
-Checked before any work, one line each: C >= 1, C x dp_replicate divides the world, C divides the
-transformer's attention heads, the text tokens and the image tokens (target + context).
+Checked before any work, one line each: C >= 1, C x dp_replicate divides the world, then the family's own
+check (FamilySpec.check_context_parallel, its room's, as the script calls it): e.g. C divides the transformer's
+attention heads, the text tokens and the image tokens.
 --cp_table: for resolutions x GPU memory, per world size, the smallest CP that fits and the
 cheapest settings (cheapest_fit) it needs, then any larger CP that needs fewer.
 

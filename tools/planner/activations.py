@@ -1,20 +1,21 @@
-"""What one forward saves for backward, measured on meta: flash SDPA's saves, the forward inputs per
-kind, and context parallelism's per-rank share."""
+"""What one forward saves for backward, measured on meta: flash SDPA's saves, the forward inputs (each
+family spec's example_inputs), and context parallelism's per-rank share."""
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from core.errors import ConfigError
+from families import SPECS, pipelines, spec_of
 from parallel import lora as lora_lib
-from families import FAMILIES  # the rooms
-from tools.planner.build import (DMD_KINDS, FLUX2_REFERENCES, QWEN_REFERENCES, Part, Settings, _config,
-                                  _folder_shapes, _size, layout, meta_model, native_resolution)
+from tools.planner.build import (Part, Settings, _config, _size, latent_shapes, layout, meta_model,
+                                  native_resolution, pipeline_of, text_length, vae_factor)
 from tools.planner.shard import _add_lora_on_meta
 
 # ----------------------------------------------------------------------------------------------
@@ -164,119 +165,93 @@ def activation_bytes(model: nn.Module, inputs: dict, unit_names: list[str], chec
     return activation_profile(model, inputs, unit_names, flash_attention).total(checkpointing)
 
 
-def _pooled_dim(folder: str, unet_config) -> int:
-    """SDXL's pooled text embedding width: text_encoder_2's projection_dim (1280), else what the
-    UNet's add embedding takes besides the time ids (projection_class_embeddings_input_dim - 6 x
-    addition_time_embed_dim)."""
-    dim = _config(folder, "text_encoder_2").get("projection_dim")
-    if dim:
-        return int(dim)
-    return unet_config.projection_class_embeddings_input_dim - 6 * unet_config.addition_time_embed_dim
+def _meta_inputs(folder: str, model: nn.Module, batch: int, shapes: tuple, dtype: torch.dtype, text: int,
+                 trained_input: bool = True) -> dict:
+    """The trained model's forward inputs on meta, as its family's spec builds them (FamilySpec.example_inputs):
+    `shapes` the latents' (h, w), the target first, then each reference; `text` tokens. `trained_input`: the
+    first tensor (the noisy latents) requires grad, as the latents of a full fine-tune's forward do."""
+    inputs = spec_of(pipeline_of(folder)).example_inputs(model.config, batch, shapes, text, device="meta",
+                                                          dtype=dtype)
+    if trained_input:
+        next(x for x in inputs.values() if torch.is_tensor(x)).requires_grad_(True)
+    return inputs
 
 
-def _meta_inputs(kind: str, model: nn.Module, batch: int, resolution: int, dtype: torch.dtype,
-                 factor: int = 8, text: int | None = None, pooled: int | None = None, references: tuple = ()) -> dict:
-    """The trainable model's forward inputs on meta. SDXL: encoder_hidden_states (B, 77, 2048) and
-    added_cond_kwargs text_embeds (B, pooled) + time_ids (B, 6), as train_dmd.py passes them.
-    Qwen-Image-Edit: the target's and QWEN_REFERENCES references' tokens and their img_shapes, the
-    prompt's hidden states without a mask (the pipeline drops an all-ones one). FLUX.2: the target's
-    tokens and those of `references` (their (h, w) token grids, reference_grids), 4-D ids, the padded
-    text, [dev]'s guidance."""
-    cfg = model.config
-    text = text or (77 if kind in ("sd15", "sdxl") else 512)
-    with torch.device("meta"):
-        if kind in ("sd15", "sdxl"):
-            lat = resolution // factor
-            inputs = dict(sample=torch.empty(batch, cfg.in_channels, lat, lat, dtype=dtype, requires_grad=True),
-                          timestep=torch.zeros(batch, dtype=torch.long),
-                          encoder_hidden_states=torch.empty(batch, text, cfg.cross_attention_dim, dtype=dtype),
-                          return_dict=False)
-            if kind == "sdxl":
-                pooled = pooled or cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-                n_time = (cfg.projection_class_embeddings_input_dim - pooled) // cfg.addition_time_embed_dim
-                inputs["added_cond_kwargs"] = {"text_embeds": torch.empty(batch, pooled, dtype=dtype),
-                                               "time_ids": torch.empty(batch, n_time, dtype=dtype)}
-            return inputs
-        if kind == "qwen_image_edit":  # target + QWEN_REFERENCES references, each its own (frame, h, w) for RoPE
-            side = resolution // (2 * factor)
-            shapes = [(1, side, side)] * (1 + QWEN_REFERENCES)
-            return dict(hidden_states=torch.empty(batch, len(shapes) * side * side, cfg.in_channels, dtype=dtype,
-                                                  requires_grad=True),
-                        encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
-                        timestep=torch.empty(batch, dtype=dtype), img_shapes=[shapes] * batch, return_dict=False)
-        if kind == "flux2":  # [target ; references], as families/flux2.model_inputs packs them
-            side = resolution // (2 * factor)
-            tokens = side * side + sum(h * w for h, w in references)
-            return dict(hidden_states=torch.empty(batch, tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
-                        encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
-                        timestep=torch.empty(batch, dtype=dtype),
-                        img_ids=torch.zeros(batch, tokens, 4, dtype=torch.long),
-                        txt_ids=torch.zeros(batch, text, 4, dtype=torch.long),
-                        guidance=torch.empty(batch) if cfg.guidance_embeds else None, return_dict=False)
-        tokens = _image_tokens(resolution, factor)  # target + context: VAE factor, 2x2 packing
-        return dict(hidden_states=torch.empty(batch, tokens, cfg.in_channels, dtype=dtype, requires_grad=True),
-                    encoder_hidden_states=torch.empty(batch, text, cfg.joint_attention_dim, dtype=dtype),
-                    pooled_projections=torch.empty(batch, cfg.pooled_projection_dim, dtype=dtype),
-                    timestep=torch.empty(batch, dtype=dtype), img_ids=torch.zeros(tokens, 3),
-                    txt_ids=torch.zeros(text, 3), guidance=torch.empty(batch), return_dict=False)
+def _image_tokens(folder: str, shapes: tuple) -> int:
+    """The trained model's image tokens per sample for these latents: its example inputs' first tensor's
+    sequence dimension."""
+    cfg = _config(folder, next(c.subfolder for c in _trained_parts(folder)))
+    inputs = spec_of(pipeline_of(folder)).example_inputs(cfg, 1, shapes, 1, device="meta", dtype=torch.bfloat16)
+    return next(x for x in inputs.values() if torch.is_tensor(x)).shape[1]
+
+
+def _trained_parts(folder: str) -> list:
+    return [c for c in pipelines.PIPELINES[pipeline_of(folder)] if c.role == "trainable"]
 
 
 # ----------------------------------------------------------------------------------------------
 # context parallelism (train_flux_kontext.py's CONTEXT_PARALLEL)
 
 def check_context_parallel(folder: str, s: Settings) -> dict:
-    """The checks train_flux_kontext.py makes before any work (fsdp_utils.check_context_parallel,
-    families/flux.check_context_parallel), on the planner's flags: SystemExit with one line if one fails.
-    Returns the sequence CP splits: {"heads", "text", "image"} (image: target + context tokens at
-    s.resolution, the model's native one if None); {} without CP (nothing is read)."""
+    """The checks the script makes before any work (fsdp_utils.check_context_parallel's mesh, then the family's
+    FamilySpec.check_context_parallel, its room's, at the planned shapes), on the planner's flags: SystemExit
+    with one line if one fails. Returns the sequence CP splits: {"heads", "text", "image"} (image: all the
+    image tokens of a sample at s.resolution, the model's native one if None); {} without CP."""
     c = s.context_parallel
     if not isinstance(c, int) or c < 1:
         raise SystemExit(f"plan: --context_parallel={c}: must be >= 1 (1 = off)")
     if c == 1:
         return {}
     script, kind = layout(folder, s.script)
-    if kind != "flux_kontext":
-        raise SystemExit(_no_cp(f"--context_parallel={c}", os.path.basename(os.path.normpath(folder)), script, kind))
+    refusal = _no_cp(f"--context_parallel={c}", os.path.basename(os.path.normpath(folder)), folder, script, kind)
+    if refusal:
+        raise SystemExit(refusal)
     if s.world_size % (c * s.dp_replicate):
         raise SystemExit(f"plan: --context_parallel={c} x --dp_replicate={s.dp_replicate} does not divide "
                          f"--world_size={s.world_size}")
-    heads = _config(folder, "transformer")["num_attention_heads"]
-    if heads % c:
-        raise SystemExit(f"plan: --context_parallel={c}: the transformer's {heads} attention heads do not divide "
-                         f"by it (Ulysses splits the heads)")
-    factor, text = _folder_shapes(folder, kind)
-    if text % c:
-        raise SystemExit(f"plan: --context_parallel={c}: the {text} text tokens (T5 length) do not divide by it")
-    resolution = s.resolution or native_resolution(folder, kind)
-    image = _image_tokens(resolution, factor)
-    if image % c:
-        raise SystemExit(f"plan: --context_parallel={c}: {resolution} px has {image} image tokens (target + context, "
-                         f"2 x ({resolution}/{2 * factor})^2), not divisible by it; change --resolution")
-    return dict(heads=heads, text=text, image=image)
+    resolution = s.resolution or native_resolution(folder)
+    shapes = latent_shapes(folder, dataclasses.replace(s, resolution=resolution))
+    factor, text = vae_factor(folder), text_length(folder)
+    pixels = tuple((h * factor, w * factor) for h, w in shapes)
+    settings = {"CONTEXT_PARALLEL": c, "MAX_SEQUENCE_LENGTH": text, "RESOLUTION": resolution,
+                "REFERENCE_AREA": s.reference_area}
+    try:
+        spec_of(pipeline_of(folder)).check_context_parallel(folder, c, settings, [(pixels[0], pixels[1:])])
+    except ConfigError as e:
+        raise SystemExit(f"plan: {str(e).replace(f'CONTEXT_PARALLEL={c}', f'--context_parallel={c}', 1)}") from None
+    trained = next(p for p in _trained_parts(folder))
+    return dict(heads=_config(folder, trained.subfolder)["num_attention_heads"], text=text,
+                image=_image_tokens(folder, shapes))
 
 
-def _no_cp(flag: str, name: str, script: str, kind: str) -> str:
-    """The one line refusing context parallelism for a layout other than FLUX Kontext's fine-tune."""
-    if script == "train_flux_kontext.py":  # another family of the script: its CP is not planned
-        return f"plan: {flag}: context parallelism is planned for FLUX Kontext only; {name} is {kind}"
-    return (f"plan: {flag}: context parallelism is train_flux_kontext.py's (FLUX layout); {name} is planned for "
-            f"{script}, which has none")
+def _no_cp(flag: str, name: str, folder: str, script: str, kind: str) -> str:
+    """The one line refusing context parallelism where the script or the family has none ("" where both do):
+    a script has it where the room's Protocol for it asks check_context_parallel."""
+    spec = spec_of(pipeline_of(folder))
+    protocol = spec.protocols.get(script)
+    if protocol is None or not hasattr(protocol, "check_context_parallel"):
+        scripts = sorted({s for sp in SPECS for s, p in sp.protocols.items() if hasattr(p, "check_context_parallel")})
+        return (f"plan: {flag}: context parallelism is {' / '.join(scripts)}'s; {name} is planned for {script}, "
+                f"which has none")
+    if spec.check_context_parallel is None:
+        return f"plan: {flag}: {name} is {kind}, whose family takes no context parallelism"
+    return ""
 
 
-def _cp_activations(folder: str, trainable: Part, kind: str, unit_names: tuple, dtype: torch.dtype, s: Settings,
+def _cp_activations(folder: str, trainable: Part, unit_names: tuple, dtype: torch.dtype, s: Settings,
                     sequence: dict, one_forward: int, activations) -> dict:
     """A CP rank's activations: {"per_rank", "whole", "buffers"}. Ulysses keeps on each rank the
     token-wise tensors of its 1/C of the sequence, and attention's flash saves over all tokens for
     H/C heads (1/C too); what has no sequence dimension (timestep, guidance and pooled embeddings,
     the modulation vectors) is whole on every rank. With flash saves every saved tensor is linear in
-    the tokens, A(L) = a + b L: a second meta forward at a quarter of the text and image tokens gives
+    the tokens, A(L) = a + b L: a second meta forward at half the side and a quarter of the text tokens gives
     a. Added: the all-to-all buffers of one attention call (q, k, v and the output, each sent and
     received: 8 x L/C x inner width) and the final output all-gathered for the loss (fp32)."""
     ac, c, text, image = s.activation_checkpointing, s.context_parallel, sequence["text"], sequence["image"]
-    factor = _folder_shapes(folder, kind)[0]
-    small_res, small_text = s.resolution // 2, max(1, text // 4)
-    n1, n2 = text + image, small_text + _image_tokens(small_res, factor)
-    small = activations(folder, trainable.spec.subfolder, kind, unit_names, dtype, s.batch_size, small_res,
+    small_shapes = latent_shapes(folder, dataclasses.replace(s, resolution=s.resolution // 2))
+    small_text = max(1, text // 4)
+    n1, n2 = text + image, small_text + _image_tokens(folder, small_shapes)
+    small = activations(folder, trainable.spec.subfolder, unit_names, dtype, s.batch_size, small_shapes,
                         trainable.lora, small_text).total(ac)
     whole = min(one_forward, max(0, (n1 * small - n2 * one_forward) // (n1 - n2)))
     cfg = _config(folder, trainable.spec.subfolder)
@@ -287,45 +262,28 @@ def _cp_activations(folder: str, trainable: Part, kind: str, unit_names: tuple, 
     return dict(per_rank=whole + -(-(one_forward - whole) // c) + buffers, whole=whole, buffers=buffers)
 
 
-def reference_grids(kind: str, s: Settings) -> tuple:
-    """FLUX.2's references as (h, w) token grids: s.references (FLUX2_REFERENCES) images at least
-    s.reference_area (the pipeline's REFERENCE_AREA) large, so each downsized to it and cut to multiples of 16
-    by the pipeline's rule (families/flux2.pipeline_size), square; () for other kinds."""
-    if DMD_KINDS.get(kind, kind) != "flux2":
+def reference_grids(folder: str, s: Settings) -> tuple:
+    """The references a family plans at an area (FamilySpec.reference_area: FLUX.2's), as (h, w) token grids
+    of their 2x2-packed latents (latent_shapes); () for the others."""
+    if not spec_of(pipeline_of(folder)).reference_area:
         return ()
-    room = FAMILIES["Flux2Pipeline"]
-    area = s.reference_area or room.REFERENCE_AREA
-    side = math.isqrt(area)
-    h, w = room.pipeline_size(side, side, area)[1]
-    return ((h // room.MULTIPLE, w // room.MULTIPLE),) * (FLUX2_REFERENCES if s.references is None else s.references)
-
-
-def _image_tokens(resolution: int, factor: int) -> int:
-    """FLUX Kontext's image tokens at a square resolution: target + context, 2x2-packed latents."""
-    return 2 * (resolution // (2 * factor)) ** 2
+    return tuple((h // 2, w // 2) for h, w in latent_shapes(folder, s)[1:])
 
 
 @functools.lru_cache(maxsize=None)
-def _activations(folder: str, subfolder: str, kind: str, unit_names: tuple, dtype: torch.dtype, batch: int,
-                 resolution: int, lora: lora_lib.Lora = lora_lib.Lora(), text: int = 0,
-                 references: tuple = ()) -> ActivationProfile:
+def _activations(folder: str, subfolder: str, unit_names: tuple, dtype: torch.dtype, batch: int, shapes: tuple,
+                 lora: lora_lib.Lora = lora_lib.Lora(), text: int = 0) -> ActivationProfile:
     """What one forward of the trainable model (folder/subfolder) saves, by unit (activation_profile),
-    its blocks being the units of `unit_names`: those its recipe made. With `lora`: of the model with
-    its adapters (computed in `dtype`, as FSDP all-gathers them) on a frozen base, its inputs not
-    requiring grad (the latents do not), so autograd saves what LoRA keeps: each adapted Linear's
-    input (lora_A's grad) and its rank-r intermediate (lora_B's), and of the frozen layers only what
-    the input grads need. `text`: the text tokens (0: the folder's); `references`: FLUX.2's reference grids."""
+    its blocks being the units of `unit_names`: those its recipe made; `shapes` its latents (latent_shapes).
+    With `lora`: of the model with its adapters (computed in `dtype`, as FSDP all-gathers them) on a frozen
+    base, its inputs not requiring grad (the latents do not), so autograd saves what LoRA keeps: each adapted
+    Linear's input (lora_A's grad) and its rank-r intermediate (lora_B's), and of the frozen layers only what
+    the input grads need. `text`: the text tokens (0: the folder's, text_length)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     if lora:
         _add_lora_on_meta(model, lora)
         model.to(dtype)
-    factor, folder_text = _folder_shapes(folder, kind)
-    pooled = _pooled_dim(folder, model.config) if kind == "sdxl" else None
-    inputs = _meta_inputs(kind, model, batch, resolution, dtype, factor, text or folder_text, pooled, references)
-    if lora:
-        for x in inputs.values():
-            if torch.is_tensor(x):
-                x.requires_grad_(False)
+    inputs = _meta_inputs(folder, model, batch, shapes, dtype, text or text_length(folder), trained_input=not lora)
     return activation_profile(model, inputs, list(unit_names))
 
 

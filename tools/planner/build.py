@@ -14,66 +14,17 @@ import torch.nn as nn
 
 from data.text_cache import fill_text_cache  # the text-cache fill's batch
 from parallel import lora as lora_lib
-from families import FAMILIES, pipelines  # the rooms; what each pipeline holds, in which role
+from families import FAMILIES, SPECS, pipelines, spec_of  # the rooms, the specs; what each pipeline holds
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/: its real_size_configs/
 
 GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
 
-# Which training script a folder is planned for, by its layout: {subfolder: (script, kind)}. The
-# pipeline's entry in families.pipelines.PIPELINES says what it builds; kind picks the forward inputs.
-# A unet/ folder is SD-1.5 unless it is SDXL (is_sdxl): then the kind is "sdxl".
-LAYOUTS = {"unet": ("train_dmd.py", "sd15"), "transformer": ("train_flux_kontext.py", "flux_kontext")}
-# a transformer/ folder whose model is not FLUX's: {transformer class: kind} (train_flux_kontext.py's too)
-TRANSFORMER_KINDS = {"QwenImageTransformer2DModel": "qwen_image_edit", "Flux2Transformer2DModel": "flux2"}
-# kinds whose pipelines differ in their other parts (FLUX.2 [dev]: Mistral-Small 3; klein: Qwen3): the one
-# model_index.json names, else the first
-KIND_PIPELINES = {"flux2": ("Flux2Pipeline", "Flux2KleinPipeline")}
-# a layout planned for another script (Settings.script): {(kind, script): kind}. train_dmd.py distils a
-# FLUX Kontext or Qwen-Image-Edit folder with DMD2: its trained model in DMD2's three roles (pipeline_components)
-OTHER_SCRIPTS = {("flux_kontext", "train_dmd.py"): "flux_kontext_dmd",
-                 ("qwen_image_edit", "train_dmd.py"): "qwen_image_edit_dmd", ("flux2", "train_dmd.py"): "flux2_dmd"}
-# built-in names that plan a built-in configuration for another script: {name: (configuration, script)}
-BUILTIN_SCRIPTS = {"flux-kontext-dmd": ("flux-kontext-dev", "train_dmd.py"),
-                   "qwen-image-edit-dmd": ("qwen-image-edit", "train_dmd.py"),
-                   **{f"{m}-dmd": (m, "train_dmd.py") for m in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")}}
-# DMD2 on a pipeline whose table entry trains one model: {kind: the kind whose pipeline and forward it has}
-DMD_KINDS = {"flux_kontext_dmd": "flux_kontext", "qwen_image_edit_dmd": "qwen_image_edit", "flux2_dmd": "flux2"}
-# kinds whose frozen teacher BASE_DTYPE=nf4 (with LoRA) stores in NF4 like the LoRA bases: train_dmd.py's
-# transformer teachers (its UNet teacher stays in TEACHER_DTYPE)
-NF4_TEACHER_KINDS = ("flux_kontext_dmd", "qwen_image_edit_dmd", "flux2_dmd")
-
-# components a kind holds in fp32 whatever the precision: train_dmd.py keeps SDXL's VAE in fp32 by
-# default (it overflows in fp16/bf16; the official DMD2 SDXL code does the same)
-FP32_COMPONENTS = {"sdxl": ("vae",)}
-
-# the resolution when none is given, for kinds without a UNet sample_size to take it from; Qwen-Image-Edit's
-# pipeline works at a 1024^2 area (pipeline_qwenimage_edit_plus.py's VAE_IMAGE_SIZE)
-DEFAULT_RESOLUTION = 512
-NATIVE_RESOLUTION = {"qwen_image_edit": 1024, "flux2": FAMILIES["Flux2Pipeline"].DEFAULT_RESOLUTION}
-
-# Qwen-Image-Edit-2509's sequence, per sample: the target's tokens, then each reference image's at the training
-# resolution (the pipeline encodes references at its 1024^2 VAE_IMAGE_SIZE: the same tokens at 1024 px), all
-# 2x2-packed 16-channel latents (64-channel tokens) at the VAE's factor 8; the text stream is the Qwen2.5-VL
-# prompt's hidden states less the 64 system-prompt tokens the pipeline drops (prompt_template_encode_start_idx).
-# The prompt holds per reference "Picture i: <|vision_start|>", its image tokens and "<|vision_end|>" (~7
-# template tokens): the image, resized to the 384^2 CONDITION_IMAGE_SIZE, then by the Qwen2-VL processor to
-# multiples of 28 (14 px patches, 2x2 merged: 392^2), gives (392 / 28)^2 = 196 tokens; then the instruction
-# (planned at 64 tokens) and "<|im_end|>\n<|im_start|>assistant\n" (5).
-QWEN_REFERENCES = 2
-QWEN_CONDITION_TOKENS = round(384 / 28) ** 2  # 14 x 14 merged 28 px cells
-QWEN_TEXT_TOKENS = QWEN_REFERENCES * (QWEN_CONDITION_TOKENS + 7) + 64 + 5
-
-# FLUX.2's sequence, per sample: the target's (RESOLUTION / 16)^2 tokens, then each reference's: the pipeline
-# downsizes a reference to its REFERENCE_AREA (1024^2) only if larger, so one at least that large gives
-# REFERENCE_AREA / 16^2 tokens whatever the target's size (families/flux2/, pipeline_size); then 512 text tokens.
-# The built-in configs (tools/real_size_configs/flux2-*): [dev]'s transformer is diffusers'
-# Flux2Transformer2DModel defaults, klein's as BFL's flux2 src/flux2/model.py (Klein4BParams, Klein9BParams;
-# mirrored in kohya-ss/musubi-tuner src/musubi_tuner/flux_2/flux2_models.py); [dev]'s text encoder is the
-# Mistral-Small-3.1-24B config musubi-tuner's flux_2/flux2_utils.py builds (M3_CONFIG_JSON), klein's Qwen3-4B /
-# Qwen3-8B as its zimage/zimage_utils.py load_qwen3; the VAE is AutoencoderKLFlux2's defaults.
-FLUX2_REFERENCES = 2
+DMD_SCRIPT = "train_dmd.py"  # the script that distils any family's pipeline (DMD2); the others fine-tune
+# train_dmd.py's roles of a pipeline's one trained model (DMD2 on a transformer family): generator and fake
+# score trained, the teacher frozen and sharded; the pipeline's other parts as its fine-tune holds them
+DMD_ROLES = (("generator", "trainable"), ("fake_score", "trainable"), ("teacher", "frozen-sharded"))
 
 # the text-cache fill (before training, the "offline" components of families.pipelines.PIPELINES): each rank
 # embeds its prompts in batches of data.text_cache.fill_text_cache's size, at the planned text length
@@ -151,10 +102,10 @@ class Settings:
     optimizer: str = "adamw"   # the scripts' OPTIMIZER: adamw | adamw8bit | adamw4bit
     ema: bool = False          # the scripts' EMA_DECAY > 0: a copy of the trained model (LoRA: of its adapters)
     fp8: str = ""              # the scripts' FP8: "" | tensorwise (trained weights gathered in float8) | rowwise
-    script: str = ""           # the script planned: "" = the layout's (LAYOUTS), or the name's (BUILTIN_SCRIPTS)
+    script: str = ""           # the script planned: "" = the pipeline's (default_script), or the name's (BUILTINS)
     gpu_memory_gb: float = 0.0  # the GPU planned for, where auto resharding asks (0: unknown)
-    references: int | None = None  # FLUX.2: reference images per sample (None: FLUX2_REFERENCES)
-    reference_area: int = 0    # FLUX.2: the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's)
+    references: int | None = None  # reference images per sample (None: the family's, FamilySpec.references)
+    reference_area: int = 0    # the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's)
     text_encoder_dtype: str = ""  # the text-cache fill's encoders: "" = compute dtype, nf4 = their Linears in NF4
 
     @property
@@ -171,14 +122,27 @@ class Settings:
 # ----------------------------------------------------------------------------------------------
 # building the real-size models on meta, as the scripts hold them
 
+def _builtins() -> dict:
+    """{--model= name: (its folder under real_size_configs/, the script it plans)}: each family spec's built-in
+    models, and the DMD2 plan of those whose pipeline train_dmd.py distils besides its own script."""
+    out = {}
+    for spec in SPECS:
+        for name, b in spec.builtins.items():
+            out[name] = (name, "")
+            pipeline = next(p for p in spec.pipelines if p.name == b.pipeline)
+            if DMD_SCRIPT in pipeline.scripts and default_script(pipeline) != DMD_SCRIPT:
+                out[b.dmd or f"{name}-dmd"] = (name, DMD_SCRIPT)
+    return out
+
+
 def model_folder(name: str) -> str:
-    builtin = os.path.join(HERE, "real_size_configs", BUILTIN_SCRIPTS.get(name, (name,))[0])
-    if os.path.isdir(builtin):
+    builtin = os.path.join(HERE, "real_size_configs", BUILTINS.get(name, (name,))[0])
+    if name in BUILTINS and os.path.isdir(builtin):
         return builtin
     if os.path.isdir(name):
         return name
-    choices = sorted(os.listdir(os.path.join(HERE, "real_size_configs")) + list(BUILTIN_SCRIPTS))
-    raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(choices)}) nor a folder")
+    raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(sorted(BUILTINS))}) "
+                     f"nor a folder")
 
 
 def _config(folder: str, subfolder: str) -> dict:
@@ -189,103 +153,132 @@ def _config(folder: str, subfolder: str) -> dict:
         return json.load(f)
 
 
-def is_sdxl(folder: str) -> bool:
-    """An SDXL pipeline folder: its UNet takes SDXL's micro-conditioning (addition_embed_type
-    "text_time"), or it has the second text encoder, or its model_index.json says so."""
+def default_script(pipeline) -> str:
+    """The script a pipeline's folder is planned for (a PipelineSpec): its fine-tune, else train_dmd.py."""
+    return next((s for s in pipeline.scripts if s != DMD_SCRIPT), DMD_SCRIPT)
+
+
+BUILTINS = _builtins()
+
+
+def pipeline_of(folder: str) -> str:
+    """The pipeline a folder holds: model_index.json's `_class_name`; without one, of the pipelines whose trained
+    model's class the folder's has, the one of which it holds the most weighted parts (SDXL's second text encoder
+    tells it from SD-1.5; a transformer's config alone, the first listed)."""
     index = os.path.join(folder, "model_index.json")
     if os.path.exists(index):
         with open(index) as f:
-            if "StableDiffusionXL" in json.load(f).get("_class_name", ""):
-                return True
-    return (_config(folder, "unet").get("addition_embed_type") == "text_time"
-            or os.path.isdir(os.path.join(folder, "text_encoder_2")))
+            name = json.load(f).get("_class_name", "")
+        if name in FAMILIES:
+            return name
+    best = None
+    for spec in SPECS:
+        for p in spec.pipelines:
+            parts = [c for c in p.components if c.role != "files"]
+            trained = next(c for c in parts if c.role == "trainable")
+            if _config(folder, trained.subfolder).get("_class_name") != trained.class_name:
+                continue
+            held = sum(_holds(folder, c) for c in parts)
+            if best is None or held > best[0]:
+                best = (held, p.name)
+    if best is None:
+        raise SystemExit(f"plan: {folder}: no model_index.json naming a pipeline of families/ "
+                         f"({', '.join(FAMILIES)}), nor the trained model of one")
+    return best[1]
+
+
+def _holds(folder: str, c) -> bool:
+    """The folder has component `c` (its subfolder, of its class where both say one)."""
+    if not os.path.isdir(os.path.join(folder, c.subfolder)):
+        return False
+    cfg = _config(folder, c.subfolder)
+    cls = cfg.get("_class_name") or (cfg.get("architectures") or [None])[0]
+    return c.class_name is None or cls is None or cls == c.class_name
+
+
+def _pipeline_spec(pipeline: str):
+    return next(p for p in spec_of(pipeline).pipelines if p.name == pipeline)
+
+
+def _one_model(pipeline: str) -> bool:
+    """The pipeline's parts train one model (train_dmd.py then holds it in DMD_ROLES)."""
+    return sum(c.role == "trainable" for c in pipelines.PIPELINES[pipeline]) == 1
 
 
 def layout(folder: str, script: str = "") -> tuple[str, str]:
-    """(training script, kind) for a pipeline folder, by which trained model's subfolder it has (and
-    for transformer/, which model: TRANSFORMER_KINDS); `script`: plan it for that one (OTHER_SCRIPTS)
-    instead of the layout's."""
-    for sub, (default, kind) in LAYOUTS.items():
-        if not os.path.isdir(os.path.join(folder, sub)):
-            continue
-        if kind == "sd15" and is_sdxl(folder):
-            kind = "sdxl"
-        if sub == "transformer":
-            kind = TRANSFORMER_KINDS.get(_config(folder, sub).get("_class_name", ""), kind)
-        if script and script != default:
-            if (kind, script) not in OTHER_SCRIPTS:
-                raise SystemExit(f"plan: --script={script}: a {sub}/ folder is planned for {default} only")
-            return script, OTHER_SCRIPTS[kind, script]
-        return default, kind
-    raise SystemExit(f"plan: {folder}: neither an SD-1.5/SDXL layout (unet/) nor a FLUX layout (transformer/)")
+    """(training script, kind) for a pipeline folder: the script its pipeline is planned for (default_script)
+    or `script`, one that trains it; the kind is the plan's label, its family spec's plan_names (DMD2 of a
+    pipeline that trains one model: + "_dmd")."""
+    pipeline = pipeline_of(folder)
+    p, spec = _pipeline_spec(pipeline), spec_of(pipeline)
+    if script and script not in p.scripts:
+        raise SystemExit(f"plan: --script={script}: {pipeline} is trained by {', '.join(p.scripts)} only")
+    script = script or default_script(p)
+    kind = spec.plan_names.get(pipeline, spec.name)
+    return script, kind + ("_dmd" if script == DMD_SCRIPT and _one_model(pipeline) else "")
 
 
 def with_script(name: str, s: Settings) -> Settings:
-    """`s` with the script a built-in name plans for (BUILTIN_SCRIPTS) when it names none."""
-    return dataclasses.replace(s, script=BUILTIN_SCRIPTS[name][1]) if name in BUILTIN_SCRIPTS and not s.script else s
+    """`s` with the script a built-in name plans for (BUILTINS) when it names none."""
+    script = BUILTINS.get(name, ("", ""))[1]
+    return dataclasses.replace(s, script=script) if script and not s.script else s
 
 
-PIPELINE_OF_KIND = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
-                    "flux_kontext": "FluxKontextPipeline", "qwen_image_edit": "QwenImageEditPlusPipeline",
-                    "flux2": KIND_PIPELINES["flux2"][0]}
+def pipeline_components(pipeline: str, script: str = "") -> list:
+    """The components with weights that `script` (default: the pipeline's, default_script) builds for
+    `pipeline` (its table entry's, in its order; tokenizers and schedulers, role "files", hold no memory the
+    planner counts). train_dmd.py on a pipeline that trains one model: that model in DMD_ROLES, then the
+    pipeline's other components."""
+    parts = [c for c in pipelines.PIPELINES[pipeline] if c.role != "files"]
+    if (script or default_script(_pipeline_spec(pipeline))) != DMD_SCRIPT or not _one_model(pipeline):
+        return parts
+    trained = next(c for c in parts if c.role == "trainable")
+    roles = [dataclasses.replace(trained, name=name, role=role) for name, role in DMD_ROLES]
+    return roles + [c for c in parts if c != trained]
 
 
-def pipeline_of(folder: str, kind: str) -> str:
-    """The pipeline (families.pipelines.PIPELINES key) whose table entry plans a folder of this kind: for
-    a kind of several (KIND_PIPELINES), the one model_index.json names."""
-    kind = DMD_KINDS.get(kind, kind)
-    index = os.path.join(folder, "model_index.json")
-    if kind in KIND_PIPELINES and os.path.exists(index):
-        with open(index) as f:
-            name = json.load(f).get("_class_name")
-        if name in KIND_PIPELINES[kind]:
-            return name
-    return PIPELINE_OF_KIND[kind]
-
-
-def pipeline_components(kind: str, pipeline: str | None = None) -> list:
-    """The components with weights that the script builds for a pipeline kind (the table's, in its
-    order; tokenizers and schedulers, role "files", hold no memory the planner counts), of `pipeline`
-    (default: the kind's). A DMD_KINDS kind: the SD-1.5 entry's DMD2 roles (generator, fake score,
-    teacher) of its pipeline's trained model, then that pipeline's other components."""
-    if kind not in DMD_KINDS:
-        return [c for c in pipelines.PIPELINES[pipeline or PIPELINE_OF_KIND[kind]] if c.role != "files"]
-    pipeline = pipelines.PIPELINES[pipeline or PIPELINE_OF_KIND[DMD_KINDS[kind]]]
-    dmd = pipelines.PIPELINES[PIPELINE_OF_KIND["sd15"]]
-    trained, dmd_trained = (next(c for c in p if c.role == "trainable") for p in (pipeline, dmd))
-    roles = [dataclasses.replace(c, subfolder=trained.subfolder, class_name=trained.class_name)
-             for c in dmd if c.subfolder == dmd_trained.subfolder]
-    return roles + [c for c in pipeline if c != trained and c.role != "files"]
-
-
-def native_resolution(folder: str, kind: str) -> int:
-    """The side the script trains at by default: UNet sample_size x VAE factor (train_dmd.py's
-    RESOLUTION=0: 512 for SD-1.5, 1024 for SDXL); NATIVE_RESOLUTION's for Qwen-Image-Edit (1024),
-    DEFAULT_RESOLUTION for FLUX."""
-    size = _config(folder, "unet").get("sample_size") if kind in ("sd15", "sdxl") else None
-    if not isinstance(size, int):
-        return NATIVE_RESOLUTION.get(DMD_KINDS.get(kind, kind), DEFAULT_RESOLUTION)
-    return size * _folder_shapes(folder, kind)[0]
-
-
-def _folder_shapes(folder: str, kind: str) -> tuple[int, int]:
-    """(pixels per latent, text tokens) as the scripts see them: the VAE's downsampling factor
-    (8 for the real models; AutoencoderKLQwenImage's is 2 ** its temporal downsamplings, as its
-    pipelines compute it) and the tokenizer length (CLIP 77 / T5 512, capped at the tokenizer's
-    model_max_length when the folder has tokenizers, e.g. 32 for the tiny defaults; Qwen-Image-Edit:
-    QWEN_TEXT_TOKENS, the prompt with its reference images, not padded to a length)."""
+def vae_factor(folder: str) -> int:
+    """Pixels per latent side: the room's vae_factor where it has one, else the AutoencoderKL rule."""
+    room = FAMILIES[pipeline_of(folder)]
+    if hasattr(room, "vae_factor"):
+        return room.vae_factor(folder)
     with open(os.path.join(folder, "vae", "config.json")) as f:
-        vae = json.load(f)
-    if kind.startswith("qwen_image_edit"):
-        return 2 ** len(vae["temperal_downsample"]), QWEN_TEXT_TOKENS
-    factor = 2 ** (len(vae["block_out_channels"]) - 1)
-    clip = kind in ("sd15", "sdxl")
-    text = 77 if clip else 512
-    tok = os.path.join(folder, "tokenizer" if clip else "tokenizer_2", "tokenizer_config.json")
-    if os.path.exists(tok):
+        return pipelines.vae_scale_factor(json.load(f))
+
+
+def text_length(folder: str) -> int:
+    """The text tokens the trained model reads: its spec's text_len, capped at its text_tokenizer's
+    model_max_length when the folder has that tokenizer (e.g. 32 for the tiny defaults)."""
+    spec = spec_of(pipeline_of(folder))
+    text = spec.text_len
+    tok = os.path.join(folder, spec.text_tokenizer, "tokenizer_config.json")
+    if spec.text_tokenizer and os.path.exists(tok):
         with open(tok) as f:
             text = int(min(text, json.load(f).get("model_max_length", text)))
-    return factor, text
+    return text
+
+
+def native_resolution(folder: str) -> int:
+    """The side the script trains at by default: the trained model's sample_size x the VAE factor where its
+    config has one (the UNets: train_dmd.py's RESOLUTION=0, 512 for SD-1.5, 1024 for SDXL); else its spec's
+    plan_resolution or the pipeline's native side."""
+    pipeline = pipeline_of(folder)
+    trained = next(c for c in pipelines.PIPELINES[pipeline] if c.role == "trainable")
+    size = _config(folder, trained.subfolder).get("sample_size")
+    if isinstance(size, int):
+        return size * vae_factor(folder)
+    spec = spec_of(pipeline)
+    return spec.plan_resolution or spec.resolution(pipeline)
+
+
+def latent_shapes(folder: str, s: Settings) -> tuple:
+    """The trained model's latents per sample at s.resolution: the target's (h, w), then each reference's (its
+    spec's plan_references: s.references of them at s.reference_area where it plans them by area)."""
+    factor, spec = vae_factor(folder), spec_of(pipeline_of(folder))
+    target = (s.resolution // factor, s.resolution // factor)
+    if spec.plan_references is None:
+        return (target,)
+    return (target, *spec.plan_references(s.resolution, factor, s.references, s.reference_area))
 
 
 def meta_model(folder: str) -> nn.Module:
@@ -315,18 +308,19 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     """(script, kind, components): what families.pipelines.PIPELINES says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
-    FP32_COMPONENTS). Optional components the folder lacks are skipped. build=False: the specs and
+    its spec's fp32_components). Optional components the folder lacks are skipped. build=False: the specs and
     dtypes only (module None). With `lora`, the first trainable component (the script's model) and,
     with `fake_lora`, the other trainable ones get adapters (Part.lora, added when sharded) and
     their base is stored in the compute dtype, as the scripts store it. `script`: as layout's."""
     script, kind = layout(folder, script)
     # what the family's room does to its transformer's meta skeleton in every role before the cast, the
     # adapters and the recipe (families/dit.py's `prepare`; Qwen-Image: freezing outputs that feed nothing)
-    pipeline = pipeline_of(folder, kind)
+    pipeline = pipeline_of(folder)
     prepare = getattr(FAMILIES[pipeline], "prepare", None)
     trained_sub = next(c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable")
+    fp32 = spec_of(pipeline).fp32_components.get(pipeline, ())
     parts = []
-    for spec in pipeline_components(kind, pipeline):
+    for spec in pipeline_components(pipeline, script):
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
         if build and prepare is not None and spec.subfolder == trained_sub:
             prepare(part.module)
@@ -334,7 +328,7 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
             part.lora = lora  # the base keeps the compute dtype
         elif part.holding.trained:
             part.dtype = precision.param_dtype
-        elif spec.name in FP32_COMPONENTS.get(kind, ()):
+        elif spec.name in fp32:
             part.dtype = torch.float32
         parts.append(part)
     if fake_lora and sum(1 for q in parts if q.lora) < 2:

@@ -9,10 +9,10 @@ from core.errors import ConfigError
 from components.warnings import quiet_known_warnings
 from parallel import lora as lora_lib
 from parallel import lowbit
-from families import pipelines  # what each pipeline holds, in which role
+from families import SPECS, pipelines  # the family specs; what each pipeline holds, in which role
 import tools.planner
 from tools.planner.activations import check_context_parallel
-from tools.planner.build import FLUX2_REFERENCES, GIB, Settings, model_folder, with_script
+from tools.planner.build import GIB, Settings, model_folder, with_script
 from tools.planner.fit import (cheapest_fit, check_lora_targets, cp_table, fit_table, flux2_table, format_plan,
                                 lowbit_tables)
 from tools.planner.plan import peak_bytes, plan
@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
                     help="FLUX Kontext: markdown tables of BASE_DTYPE x OPTIMIZER on 1/2/4 x 24 GB at 512 and "
                          "1024 px, and BF16/NF4-base LoRA under DDP and FSDP2 with their largest batch")
     ap.add_argument("--references", type=int, default=None,
-                    help=f"FLUX.2: reference images per sample (default {FLUX2_REFERENCES}), each planned at "
+                    help=f"FLUX.2: reference images per sample (default "
+                         f"{next(s.references for s in SPECS if s.reference_area)}), each planned at "
                          "--reference_area")
     ap.add_argument("--reference_area", type=int, default=0,
                     help="FLUX.2: the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's 1024^2)")

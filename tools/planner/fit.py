@@ -10,7 +10,6 @@ import re
 from core.errors import ConfigError
 from parallel import lora as lora_lib
 from parallel import lowbit
-from families import FAMILIES  # the rooms
 from precision import dtype_name, get_precision
 from tools.planner.activations import ATTENTION_NOTE, _no_cp, check_context_parallel
 from tools.planner.build import (GIB, HOLDING, Settings, layout, meta_model, model_folder, pipeline_components,
@@ -104,15 +103,16 @@ def format_plan(name: str, p: dict) -> str:
 
 
 def _reference_lines(p: dict) -> list[str]:
-    """format_plan's words on FLUX.2's sequence (none for other kinds)."""
+    """format_plan's words on the sequence of a family that plans its references by area (FLUX.2's; none for
+    the others)."""
     if "references" not in p:
         return []
     s, refs = p["settings"], p["references"]
-    area = s.reference_area or FAMILIES["Flux2Pipeline"].REFERENCE_AREA
+    area, patch = p["reference_area"], p["patch"]
     side = math.isqrt(area)
-    return [f"sequence per sample: {(s.resolution // 16) ** 2} target tokens ({s.resolution}^2 / 16^2) + "
+    return [f"sequence per sample: {(s.resolution // patch) ** 2} target tokens ({s.resolution}^2 / {patch}^2) + "
             f"{len(refs)} reference(s) x {refs[0][0] * refs[0][1] if refs else 0} tokens (each downsized to "
-            f"{f'{side}^2' if side * side == area else area} px if larger) + 512 text tokens"]
+            f"{f'{side}^2' if side * side == area else area} px if larger) + {p['text']} text tokens"]
 
 
 def _fill_lines(p: dict) -> list[str]:
@@ -273,8 +273,9 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
     (cp_frontier). `planner`: plan, or a stand-in (default: memo_planner()). `lora`: as fit_table's."""
     folder = model_folder(name)
     script, kind = layout(folder, with_script(name, Settings(1, **lora)).script)
-    if kind != "flux_kontext":
-        raise SystemExit(_no_cp("--cp_table", name, script, kind))
+    refusal = _no_cp("--cp_table", name, folder, script, kind)
+    if refusal:
+        raise SystemExit(refusal)
     for c in context_parallels:  # the other checks are per cell: a CP size they rule out is skipped there
         if c < 1:
             raise SystemExit(f"plan: --context_parallels: {c}: must be >= 1 (1 = off)")
@@ -313,8 +314,8 @@ def check_lora_targets(name: str, lora: lora_lib.Lora, script: str = "") -> list
     """The LoRA targets of the model a configuration trains (its first trainable component), each
     checked to name a layer of it (parallel.lora.lora_targets; SystemExit naming a bad one)."""
     folder = model_folder(name)
-    _, kind = layout(folder, with_script(name, Settings(1, script=script)).script)
-    spec = next(c for c in pipeline_components(kind, pipeline_of(folder, kind)) if HOLDING[c.role].trained)
+    script = layout(folder, with_script(name, Settings(1, script=script)).script)[0]
+    spec = next(c for c in pipeline_components(pipeline_of(folder), script) if HOLDING[c.role].trained)
     try:
         return lora_lib.lora_targets(meta_model(os.path.join(folder, spec.subfolder)), lora)
     except ConfigError as e:
@@ -421,7 +422,7 @@ FLUX2_ROWS += [("[dev] full fine-tune", "flux2-dev", {}, 80, (8,)),
 
 
 def flux2_table(planner=None) -> str:
-    """Markdown: for each FLUX.2 run of FLUX2_ROWS at 1024 px with FLUX2_REFERENCES references, bf16-mixed,
+    """Markdown: for each FLUX.2 run of FLUX2_ROWS at 1024 px with the family's references, bf16-mixed,
     batch 1, auto resharding, the fewest GPUs that fit (fewest_gpus) with the cheapest settings, and the fewest
     without CPU offload or an NF4 text encoder; each with its training and text-cache fill peaks in GiB."""
     planner = planner or memo_planner()

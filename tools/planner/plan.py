@@ -12,15 +12,14 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_utils
-from families import pipelines  # what each pipeline holds, in which role
-from families import MODELS  # FSDP units and LoRA targets per model class (the families' specs)
+from families import MODELS, pipelines, spec_of  # FSDP units and LoRA targets per model class; the family specs
 from precision import dtype_name, get_precision
 from tools.planner.activations import (ActivationProfile, _activations, _builtin_activations, _cp_activations,
                                         check_context_parallel, reference_grids)
-from tools.planner.build import (ADAPTER_DTYPE, DMD_KINDS, FP32_COMPONENTS, GIB, HERE, NF4_BYTES,
-                                  NF4_LOAD_BYTES_PER_PARAM, NF4_TEACHER_KINDS, RUNTIME_BYTES, STATE_BYTES,
-                                  TEXT_FILL_BATCH, Part, Settings, _config, _folder_shapes, _size, build_components,
-                                  layout, meta_model, model_folder, native_resolution, with_script)
+from tools.planner.build import (ADAPTER_DTYPE, DMD_SCRIPT, GIB, HERE, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM,
+                                  RUNTIME_BYTES, STATE_BYTES, TEXT_FILL_BATCH, Part, Settings, _config, _size,
+                                  build_components, latent_shapes, layout, meta_model, model_folder,
+                                  native_resolution, pipeline_of, text_length, vae_factor, with_script)
 from tools.planner.shard import fill_sharded, shard_components
 
 # ----------------------------------------------------------------------------------------------
@@ -40,12 +39,12 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     a built-in configuration always keeps them in one dict for the process (_BUILTIN_SHARDS).
     LoRA (s.lora_rank > 0): see the module's docstring; the LoRA components' rows are their frozen
     base (name) and their adapters (name + ".lora"), and the plan says what is trainable (`lora`).
-    Context parallelism (s.context_parallel = C > 1, FLUX only; checked first, check_context_parallel):
+    Context parallelism (s.context_parallel = C > 1, where the family has it; checked first, check_context_parallel):
     sharded on the script's dp x cp mesh; the activations are a rank's share of one forward's over the
     full sequence (_cp_activations), and the plan has `cp`: the degree, the sequence it splits, that
-    one forward's activations, the part held whole and the buffers. DMD2 on FLUX Kontext (s.script
-    train_dmd.py on a FLUX folder, or the name flux-kontext-dmd): the three transformers of
-    pipeline_components, the teacher in NF4 with BASE_DTYPE=nf4 under LoRA (NF4_TEACHER_KINDS).
+    one forward's activations, the part held whole and the buffers. DMD2 on a transformer family (s.script
+    train_dmd.py on its folder, or a name like flux-kontext-dmd): the three transformers of
+    pipeline_components, the teacher in NF4 with BASE_DTYPE=nf4 under LoRA (FamilySpec.nf4_teacher).
     s.ema: an "ema" row, a copy of the trained model's shards in its storage dtype (LoRA: of its
     adapters, fp32), wherever they live."""
     s = with_script(name, s)
@@ -57,13 +56,14 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     activations = _builtin_activations if builtin else _activations
     sequence = check_context_parallel(folder, s)
     kind = layout(folder, s.script)[1]
-    if (s.references is not None or s.reference_area) and DMD_KINDS.get(kind, kind) != "flux2":
-        raise SystemExit(f"plan: --references / --reference_area: FLUX.2's; {name} is {kind}, planned with its "
-                         f"pipeline's references")
+    pipeline = pipeline_of(folder)
+    family = spec_of(pipeline)
+    if (s.references is not None or s.reference_area) and not family.reference_area:
+        raise SystemExit(f"plan: --references / --reference_area: for families that plan references by area; "
+                         f"{name} is {kind}, planned with its pipeline's references")
     # resharding after forward, like checkpointing and offload, changes what fully_shard keeps, not its shards
     key = (os.path.abspath(folder), s.world_size, s.dp_replicate, tuple(s.block_classes))
-    if kind in DMD_KINDS:  # the same folder, other components
-        key += (kind,)
+    key += (kind,)  # the same folder, other components (DMD2's roles)
     if s.lora:  # the adapters change the counts (alpha does not); a full fine-tune keeps its key
         key += (s.lora_rank, tuple(s.lora_targets), s.fake_lora)
     if s.context_parallel > 1:  # another mesh (same shards: FSDP spans dp x cp), so sharded again
@@ -72,9 +72,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     cached = shard_cache is not None and key in shard_cache
     script, kind, comps = build_components(folder, precision, build=not cached, lora=s.lora, fake_lora=s.fake_lora,
                                            script=s.script)
-    forward = DMD_KINDS.get(kind, kind)  # the forward's inputs (DMD2 on FLUX: Kontext's, measured once for both)
     if s.resolution is None:
-        s = dataclasses.replace(s, resolution=native_resolution(folder, kind))
+        s = dataclasses.replace(s, resolution=native_resolution(folder))
     trainable = next(c for c in comps if c.holding.trained)
     sharded = shard_cache[key] if cached else shard_components(comps, s, precision)
     if shard_cache is not None:
@@ -82,25 +81,25 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     # the outermost units are the blocks the recipe checkpoints; the root (listed last) is not a block
     unit_names = tuple(n for n, _ in sharded[trainable.name]["units"][:-1])
     ac = s.activation_checkpointing
-    refs = reference_grids(kind, s)
-    profile = activations(folder, trainable.spec.subfolder, forward, unit_names, precision.compute_dtype,
-                          s.batch_size, s.resolution, trainable.lora, references=refs)
+    refs, shapes = reference_grids(folder, s), latent_shapes(folder, s)
+    profile = activations(folder, trainable.spec.subfolder, unit_names, precision.compute_dtype, s.batch_size,
+                          shapes, trainable.lora)
     acts = profile.total(ac)
     for c in comps:  # LoRA: a trained model without adapters (DMD's full fake score) may save more
         if s.lora and c.holding.trained and c is not trainable:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
-            acts = max(acts, activations(folder, c.spec.subfolder, forward, names, precision.compute_dtype,
-                                         s.batch_size, s.resolution, c.lora, references=refs).total(ac))
+            acts = max(acts, activations(folder, c.spec.subfolder, names, precision.compute_dtype,
+                                         s.batch_size, shapes, c.lora).total(ac))
     # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
     fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
-            acts = max(acts, activations(folder, c.spec.subfolder, forward, names, torch.float32, s.batch_size,
-                                         s.resolution, c.lora, references=refs).total(ac))
+            acts = max(acts, activations(folder, c.spec.subfolder, names, torch.float32, s.batch_size,
+                                         shapes, c.lora).total(ac))
     one_forward = acts
-    if s.context_parallel > 1:  # FLUX Kontext only (check_context_parallel): one trained model
-        cp = _cp_activations(folder, trainable, forward, unit_names, precision.compute_dtype, s, sequence, one_forward,
+    if s.context_parallel > 1:  # the fine-tunes only (check_context_parallel): one trained model
+        cp = _cp_activations(folder, trainable, unit_names, precision.compute_dtype, s, sequence, one_forward,
                              activations)
         acts = cp["per_rank"]
     p_size, c_size, r_size = _size(precision.param_dtype), _size(precision.compute_dtype), _size(precision.reduce_dtype)
@@ -116,7 +115,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         fp8 = sharded[c.name]["fp8_units"] if float8_gather else [0] * len(sharded[c.name]["units"])
         return [u * compute_size(c) - f * (compute_size(c) - 1) for (_, u), f in zip(sharded[c.name]["units"], fp8)]
     rows, gathered_units, result_load, lora_units = {}, [], [], {}
-    nf4_teacher = kind in NF4_TEACHER_KINDS and s.base_dtype == "nf4" and s.lora_rank > 0
+    nf4_teacher = family.nf4_teacher and script == DMD_SCRIPT and s.base_dtype == "nf4" and s.lora_rank > 0
     for c in comps:
         info, h = sharded[c.name], c.holding
         if not h.resident:
@@ -124,7 +123,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                                 sharded=False)
             continue
         local = info["local"] if h.sharded else info["global"]
-        note = c.spec.role + (" (fp32)" if c.name in FP32_COMPONENTS.get(kind, ()) else "") + \
+        note = c.spec.role + (" (fp32)" if c.name in family.fp32_components.get(pipeline, ()) else "") + \
             (" (fp32 compute)" if c.name in fp32_compute and c_size != _size(torch.float32) else "")
         if c.lora:  # the frozen base, then its adapters: only they have grads and optimizer state
             n, a = info["trainable_local"], _size(ADAPTER_DTYPE)
@@ -207,9 +206,10 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
         result["lora"] = {c.name: (sharded[c.name]["trainable_global"], sharded[c.name]["global"])
                           for c in comps if c.lora}
         result["lora_targets"] = tuple(s.lora_targets) or default_lora_targets(folder, trainable.spec.subfolder)
-    if refs:
-        result["references"] = refs
-    fill = fill_phase(folder, kind, comps, sharded, s, precision)
+    if refs:  # the sequence of a family that plans its references by area (format_plan's words)
+        result.update(references=refs, reference_area=s.reference_area or family.reference_area,
+                      patch=2 * vae_factor(folder), text=text_length(folder))
+    fill = fill_phase(folder, comps, sharded, s, precision)
     if fill:
         result["fill"] = fill
     return result
@@ -273,7 +273,7 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
     return live.peak
 
 
-def fill_phase(folder: str, kind: str, comps: list[Part], sharded: dict, s: Settings, precision) -> dict | None:
+def fill_phase(folder: str, comps: list[Part], sharded: dict, s: Settings, precision) -> dict | None:
     """The text-cache fill's per-rank peak, before training (None without offline components): every offline
     component loaded at once in the compute dtype (s.text_encoder_dtype nf4: its Linear weights in NF4), sharded
     over the ranks in units of its own _no_split_modules (fill_sharded), run one at a time on TEXT_FILL_BATCH
@@ -283,7 +283,7 @@ def fill_phase(folder: str, kind: str, comps: list[Part], sharded: dict, s: Sett
     offline = [c for c in comps if not c.holding.resident]
     if not offline:
         return None
-    text, size = _folder_shapes(folder, kind)[1], _size(precision.compute_dtype)
+    text, size = text_length(folder), _size(precision.compute_dtype)
     params = gathered = acts = 0
     for c in offline:
         info = sharded[c.name]

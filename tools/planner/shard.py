@@ -85,7 +85,7 @@ def shard_components(parts: list[Part], s: Settings, precision) -> dict:
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in c.module.parameters())
             out[c.name] = {"local": local, "global": total, "units": units}
             # what BASE_DTYPE=nf4 would quantise: the frozen Linear weights lowbit accepts, of a LoRA base or
-            # of a frozen sharded model (a teacher: NF4_TEACHER_KINDS)
+            # of a frozen sharded model (a teacher: FamilySpec.nf4_teacher)
             if c.lora or (c.holding.sharded and not c.holding.trained) or not c.holding.resident:
                 weights = [m.weight for m in c.module.modules() if isinstance(m, nn.Linear)
                            and not m.weight.requires_grad and lowbit.nf4_blocks(m.weight.shape) is not None]
