@@ -25,7 +25,7 @@ FAMILY_WORDS = (("flux2", ("flux2", "klein")), ("qwen_image", ("qwen",)), ("flux
                 ("sd_unet", ("sdxl", "sd15", "unet")))
 # the shared areas, by file
 AREA_FILES = {
-    "dmd2": ("test_dmd2.py", "test_train_dmd.py"),
+    "dmd2": ("test_dmd2.py", "test_train_dmd.py", "test_validation.py"),
     "planner": ("test_memory_plan.py", "test_memory.py"),
     "gpu tools": ("test_gpu_check.py", "test_gpu.py", "test_benchmarks.py", "test_host_work.py", "test_identity.py",
                   "test_profiling.py"),
