@@ -94,7 +94,7 @@ class Settings:
     block_classes: tuple = ()  # the scripts' BLOCK_CLASSES: () = each model's recipe decides
     lora_rank: int = 0         # the scripts' LORA_RANK: 0 = full fine-tuning
     lora_alpha: float = 0.0    # LORA_ALPHA: 0 = the rank
-    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = the model's in parallel.model_facts.MODELS
+    lora_targets: tuple = ()   # LORA_TARGET_MODULES: () = the model's (families.MODELS)
     fake_lora: bool = False    # DMD's FAKE_LORA: the fake score (every trainable part after the first) too
     context_parallel: int = 1  # train_flux_kontext.py's CONTEXT_PARALLEL: ranks splitting each sample's sequence
     fake_score_fp32: bool = False  # train_dmd.py's FAKE_SCORE_FP32: the fake score gathers and computes in fp32

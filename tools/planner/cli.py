@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--lora_alpha", type=float, default=0.0, help="the scripts' LORA_ALPHA (0: the rank)")
     ap.add_argument("--lora_target_modules", default="",
                     help="comma-separated module-name suffixes to adapt, as the scripts' LORA_TARGET_MODULES "
-                         "(default: the model's in parallel/model_facts.py)")
+                         "(default: the model's, families/<name>/parallelism.py)")
     ap.add_argument("--fake_lora", type=int, default=0,
                     help="DMD with --lora_rank: the fake score trains LoRA adapters too (train_dmd.py's FAKE_LORA)")
     ap.add_argument("--fake_score_fp32", type=int, default=0,

@@ -217,8 +217,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def default_lora_targets(folder: str, subfolder: str) -> tuple:
-    """The model's default LoRA targets (parallel.model_facts.MODELS); a callable default is asked of the
-    model, built on meta."""
+    """The model's default LoRA targets (families.MODELS, from each family's parallelism.py); a callable default
+    is asked of the model, built on meta."""
     default = getattr(MODELS.get(_config(folder, subfolder).get("_class_name", "")), "lora_targets", ())
     return tuple(default(meta_model(os.path.join(folder, subfolder))) if callable(default) else default)
 

@@ -112,7 +112,7 @@ def fill_sharded(c: Part, s: Settings) -> bool:
 
 def _fp8_names(model: nn.Module) -> list[str]:
     """The Linears FP8 converts (parallel/float8.py), read off the model before it is sharded (its block
-    classes' names); none for a model FP8 does not know (no blocks in parallel/model_facts.py)."""
+    classes' names); none for a model FP8 does not know (no model facts in its family's parallelism.py)."""
     from parallel import float8
     try:
         return float8.fp8_linears(model)
