@@ -14,7 +14,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class GpuCheck:
     label: str  # the table's model: "FLUX" -> "FLUX 2+4 blocks" at real width, "tiny FLUX" on the tiny folder
-    configs: str  # its real configs' folder under tools/real_size_configs/
+    configs: str  # the built-in whose real configs its rows take (FamilySpec.builtin_folder)
     # (subfolder, build(tiny, real)) in build order: the parts at real width with random weights, each a model
     # with save_pretrained (`tiny`: the family's first tiny folder, whose tokenizers it may read; `real`: configs)
     parts: tuple[tuple[str, Callable], ...]

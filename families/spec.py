@@ -15,6 +15,7 @@ every room against the Protocols its spec names and that these Protocols hold ev
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping, Protocol
@@ -205,7 +206,7 @@ class FamilySpec:
     # the GPU check (tools/gpu/)
     gpu: Any = None  # its families/gpu.GpuCheck (families/<name>/gpu.py's GPU); None: no GPU check rows
     # the memory planner (tools/planner/): its built-in --model= names, and what it plans that differs by family
-    builtins: Mapping[str, Builtin] = field(default_factory=dict)  # name -> tools/real_size_configs/<name>/
+    builtins: Mapping[str, Builtin] = field(default_factory=dict)  # name -> its configs: builtin_folder(name)
     plan_names: Mapping[str, str] = field(default_factory=dict)  # pipeline -> the plan's label (DMD2 of it: + _dmd)
     plan_resolution: int = 0  # the planner's default side where a model has no sample_size (0: the pipeline's)
     text_tokenizer: str = ""  # the tokenizer whose model_max_length caps text_len ("": text_len as is)
@@ -215,6 +216,10 @@ class FamilySpec:
     reference_area: int = 0  # > 0: references planned at this pixel area (--references / --reference_area apply)
     nf4_teacher: bool = False  # train_dmd.py's frozen teacher in NF4 like the LoRA bases with BASE_DTYPE=nf4
     fp32_components: Mapping[str, tuple] = field(default_factory=dict)  # pipeline -> parts the scripts keep fp32
+
+    def builtin_folder(self, name: str) -> str:
+        """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""
+        return os.path.join(os.path.dirname(os.path.abspath(self.room.__file__)), "configs", name)
 
     @property
     def pipeline_names(self) -> tuple[str, ...]:
@@ -227,8 +232,8 @@ class FamilySpec:
 
 @dataclass(frozen=True)
 class Builtin:
-    """A real model the memory planner plans by name (--model=), from its configs in tools/real_size_configs/<name>/
-    (no weights). Where train_dmd.py distils it besides the pipeline's own script, `<name>-dmd` (or `dmd`) plans
-    that."""
+    """A real model the memory planner plans by name (--model=), from its configs in the family's
+    configs/<name>/ (FamilySpec.builtin_folder; no weights). Where train_dmd.py distils it besides the
+    pipeline's own script, `<name>-dmd` (or `dmd`) plans that."""
     pipeline: str  # its model_index.json's _class_name
     dmd: str = ""  # the DMD2 plan's name where it is not <name>-dmd

@@ -20,12 +20,13 @@ from parallel import float8
 from tests.conftest import launch_all_resuming, launch_env, read_checkpoint, read_metrics, tiny_default
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(HERE, "..", "tools", "real_size_configs")
 
 
 def real_size(name: str) -> nn.Module:
+    from families import SPECS
     from tools.memory_plan import meta_model
-    return meta_model(os.path.join(CONFIGS, name, "transformer"))
+    folder = next(s.builtin_folder(name) for s in SPECS if name in s.builtins)
+    return meta_model(os.path.join(folder, "transformer"))
 
 
 # FLUX: 12 Linears in each of 19 double blocks, 5 in each of 38 single ones; Qwen-Image: 12 in each of 60 blocks

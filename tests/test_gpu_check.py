@@ -91,7 +91,7 @@ def test_each_family_gives_the_check_its_facts():
     for spec in families.SPECS:
         g = spec.gpu
         sub = gpu.folders.trained_subfolder(spec.name)
-        with open(os.path.join(gpu.folders.REAL, g.configs, sub, "config.json")) as f:
+        with open(os.path.join(gpu.folders.real_configs(spec.name), sub, "config.json")) as f:
             config = json.load(f)
         assert all(k in config for k in g.blocks) and len(g.default_blocks) == len(g.blocks), spec.name
         assert gpu.folders.default_size(spec.name, True) == "tiny" and spec.tiny, spec.name
@@ -147,7 +147,7 @@ def test_the_dmd_kontext_row_is_sized_down_to_fit_a_64_gb_disk(tmp_path):
     second checkpoint its resume writes. Sized before the rows (that row's output not yet written,
     nor the 2+4 transformer folder), the check gives that row 1+2 blocks and keeps every other row."""
     rows = gpu.rows.plan_runs(tiny=False)
-    folders = {(): os.path.join(gpu.folders.REAL, "sd15-dmd")}  # configs only: all the arithmetic needs
+    folders = {(): gpu.folders.real_configs("sd_unet")}  # configs only: all the arithmetic needs
     for r in rows:
         r["size"] = () if r["family"] == "sd_unet" else (2, 4)
 

@@ -170,7 +170,7 @@ def test_planner_follows_the_recipes_and_the_table(monkeypatch):
     src = "".join(open(f).read() for f in glob.glob(f"{ROOT}/tools/planner/*.py") + [memory_plan.__file__])
     for facts in MODELS.values():  # no wrapping decision repeated in the planner
         assert not any(f'"{c}"' in src for c in facts.units)
-    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
+    unet = memory_plan.meta_model(f"{ROOT}/families/sd_unet/configs/sd15-dmd/unet")
     base = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=False))
     default = _unit_params(unet, MODELS["UNet2DConditionModel"].units)
     assert dict(base["units"]["generator"]) == default
@@ -200,7 +200,7 @@ def test_fake_score_fp32_is_counted_in_fp32():
     fp32 and its training forward saves fp32 activations; states are the same."""
     on = memory_plan.plan("sd15-dmd", Settings(**SMALL, fake_score_fp32=True))
     off = memory_plan.plan("sd15-dmd", Settings(**SMALL))
-    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet")
+    unet = memory_plan.meta_model(f"{ROOT}/families/sd_unet/configs/sd15-dmd/unet")
     biggest = max(_unit_params(unet, MODELS["UNet2DConditionModel"].units).values())
     assert on["largest_unit"] == biggest * 4 and off["largest_unit"] == biggest * 2
     assert (
@@ -219,7 +219,7 @@ def test_unit_parameter_counts_sum_to_the_model(name):
         folder = memory_plan.model_folder(name)
         spec = next(c for c in memory_plan.pipeline_components(memory_plan.pipeline_of(folder), p["script"])
                     if c.name == comp)
-        model = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/{name}/{spec.subfolder}")
+        model = memory_plan.meta_model(os.path.join(folder, spec.subfolder))
         total = sum(q.numel() for q in model.parameters())
         assert sum(n for _, n in units) == total == p["rows"][comp]["count"]
         assert len({n for n, _ in units}) == len(units) and units[-1][0] == "<root>"
@@ -344,7 +344,7 @@ SD15_LORA = dict(lora_rank=4, lora_alpha=8, lora_targets=("to_q", "to_v"))
 
 
 def test_lora_counts_the_adapters_add_lora_creates_and_only_they_train():
-    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
+    unet = memory_plan.meta_model(f"{ROOT}/families/sd_unet/configs/sd15-dmd/unet").to(torch.bfloat16)
     base = sum(p.numel() for p in unet.parameters())
     adapters, adapters_local = _adapters(unet, Settings(1, **SD15_LORA).lora)
     full = memory_plan.plan("sd15-dmd", Settings(**SMALL))
@@ -390,7 +390,7 @@ def test_fake_lora_puts_adapters_on_the_fake_score_too():
 
 
 def _lora_unet(rank):
-    unet = memory_plan.meta_model(f"{ROOT}/tools/real_size_configs/sd15-dmd/unet").to(torch.bfloat16)
+    unet = memory_plan.meta_model(f"{ROOT}/families/sd_unet/configs/sd15-dmd/unet").to(torch.bfloat16)
     return memory_plan.lora_lib.add_lora(unet, memory_plan.lora_lib.Lora(rank))
 
 
@@ -790,7 +790,10 @@ def test_builtin_names_are_the_specs():
     from families import SPECS
     assert sorted(memory_plan.BUILTINS) == sorted(BUILTIN_NAMES)
     declared = [name for spec in SPECS for name in spec.builtins]
-    assert len(declared) == len(set(declared)) == len(os.listdir(f"{ROOT}/tools/real_size_configs"))
+    folders = [os.path.join(s.builtin_folder(""), n) for s in SPECS if os.path.isdir(s.builtin_folder(""))
+               for n in os.listdir(s.builtin_folder(""))]  # every configs/ folder a family ships
+    assert len(declared) == len(set(declared)) == len(folders)
+    assert sorted(folders) == sorted(s.builtin_folder(n) for s in SPECS for n in s.builtins)
     for spec in SPECS:
         for name, builtin in spec.builtins.items():
             folder = memory_plan.model_folder(name)

@@ -19,7 +19,7 @@ from tools.planner.activations import (activation_bytes, activation_profile, Act
                                        flash_attention_saves, _flash_sdpa, _FlashSDPA, _image_tokens, _meta_inputs,
                                        _no_cp, _ORIGINAL_SDPA, reference_grids)
 from tools.planner.build import (ADAPTER_DTYPE, build_components, BUILTINS, _config, default_script, DMD_ROLES,
-                                 DMD_SCRIPT, GIB, HERE, HOLDING, Holding, latent_shapes, layout, meta_model,
+                                 DMD_SCRIPT, GIB, HOLDING, Holding, latent_shapes, layout, meta_model,
                                  model_folder, native_resolution, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM, Part,
                                  pipeline_components, pipeline_of, RUNTIME_BYTES, Settings, _size, STATE_BYTES,
                                  TEXT_FILL_BATCH, text_length, vae_factor, with_script)
@@ -42,7 +42,7 @@ __all__ = ["activation_bytes", "activation_profile", "ActivationProfile", "_acti
            "_fill_lines", "fill_phase", "fill_sharded", "FIT_ORDER", "fit_table", "_fit_without_offload",
            "flash_attention_saves", "_flash_sdpa", "_FlashSDPA", "FLUX2_ROWS", "flux2_table",
            "format_plan", "_fp8_names", "_fp8_per_unit", "get_precision", "GIB",
-           "HERE", "HOLDING", "Holding", "_image_tokens", "in_flight_at_peak", "latent_shapes",
+           "HOLDING", "Holding", "_image_tokens", "in_flight_at_peak", "latent_shapes",
            "_largest_batch", "layout", "_LiveBytes", "_lora_caption", "lora_lib", "_lora_lines",
            "lowbit_tables", "main", "memo_planner", "_meta_inputs", "meta_model", "model_folder",
            "native_resolution", "_nf4_base", "NF4_BYTES", "NF4_LOAD_BYTES_PER_PARAM", "_no_cp",

@@ -17,7 +17,7 @@ import families
 from families.spec import FlowDistillationRoom
 from tools import gpu as package
 from tools.gpu.budget import CALL_S, GB, GIB, HEADROOM, Deadline, build, disk_usage, plan_all
-from tools.gpu.folders import REAL, ROOT, dataset, model_label, spec, trained_subfolder
+from tools.gpu.folders import ROOT, dataset, model_label, real_configs, spec, trained_subfolder
 from tools.gpu.reference import plain_reference
 from tools.gpu.report import disk_line, table
 from tools.gpu.rows import REF_EXPECT_S, RENAMED, SUITES, plan_runs, select_runs
@@ -53,7 +53,7 @@ def finish_tests(tests: subprocess.Popen | None, out: str, timeout: float) -> tu
 
 def blocks_help(f) -> str:
     """--<family>_blocks' help: the config keys counted and the real model's counts."""
-    with open(os.path.join(REAL, f.gpu.configs, trained_subfolder(f.name), "config.json")) as file:
+    with open(os.path.join(real_configs(f.name), trained_subfolder(f.name), "config.json")) as file:
         real = json.load(file)
     return f"{','.join(f.gpu.blocks)}; all: {','.join(str(real[k]) for k in f.gpu.blocks)}"
 

@@ -12,12 +12,17 @@ import families
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/
 ROOT = os.path.dirname(HERE)
-REAL = os.path.join(HERE, "real_size_configs")
 
 
 def spec(name: str):
     """The FamilySpec of the family `name` (families.NAMES)."""
     return next(s for s in families.SPECS if s.name == name)
+
+
+def real_configs(name: str) -> str:
+    """The real model's configs the family's rows are built from (GpuCheck.configs, one of its built-ins)."""
+    f = spec(name)
+    return f.builtin_folder(f.gpu.configs)
 
 
 def trained_subfolder(name: str) -> str:
@@ -56,7 +61,7 @@ def parts_folder(name: str, root: str) -> str:
         return out
     partial = out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    tiny, real = tiny_default(name), os.path.join(REAL, gpu.configs)
+    tiny, real = tiny_default(name), real_configs(name)
     _copy_small_parts(tiny, partial, gpu.keep)
     with _init_device():
         for sub, make in gpu.parts:
@@ -70,7 +75,7 @@ def skeleton(name: str, root: str, blocks: tuple[int, ...], parts: str | None) -
     weights yet (trained_weights writes them), beside links to `parts`' components (None: config only, enough
     to size a run)."""
     gpu, sub = spec(name).gpu, trained_subfolder(name)
-    with open(os.path.join(REAL, gpu.configs, sub, "config.json")) as f:
+    with open(os.path.join(real_configs(name), sub, "config.json")) as f:
         config = {**json.load(f), **dict(zip(gpu.blocks, blocks))}
     out = os.path.join(root, f"{name}_real_" + "_".join(map(str, blocks)))
     os.makedirs(os.path.join(out, sub), exist_ok=True)

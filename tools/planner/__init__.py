@@ -23,7 +23,7 @@ sharded model (fsdp_utils.fsdp_units): the planner repeats no wrapping decision.
     python tools/memory_plan.py --flux2_table   # FLUX.2 [dev] / klein: the fewest GPUs per run of docs/planner.md
 
 The planner reads the family specs (families/<name>/spec.py, FamilySpec), with no per-family branch of its own.
-NAME is a built-in configuration (tools/real_size_configs/<NAME>/: configs only, no weights; the names are the
+NAME is a built-in configuration (families/<family>/configs/<NAME>/: configs only, no weights; the names are the
 specs' `builtins`) or a local diffusers folder. A folder's pipeline is model_index.json's _class_name (without
 one: the pipeline whose trained model and parts the folder holds), its family families.spec_of's; it is planned
 for the pipeline's fine-tune script (train_flux_kontext.py), or train_dmd.py where that is its only one, or

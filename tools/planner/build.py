@@ -16,7 +16,6 @@ from data.text_cache import fill_text_cache  # the text-cache fill's batch
 from parallel import lora as lora_lib
 from families import FAMILIES, SPECS, pipelines, spec_of  # the rooms, the specs; what each pipeline holds
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/: its real_size_configs/
 
 GIB = 2**30
 RUNTIME_BYTES = 1 * GIB
@@ -123,22 +122,22 @@ class Settings:
 # building the real-size models on meta, as the scripts hold them
 
 def _builtins() -> dict:
-    """{--model= name: (its folder under real_size_configs/, the script it plans)}: each family spec's built-in
-    models, and the DMD2 plan of those whose pipeline train_dmd.py distils besides its own script."""
+    """{--model= name: (its configs' folder, the script it plans)}: each family spec's built-in models
+    (FamilySpec.builtin_folder), and the DMD2 plan of those whose pipeline train_dmd.py distils besides its own
+    script."""
     out = {}
     for spec in SPECS:
         for name, b in spec.builtins.items():
-            out[name] = (name, "")
+            out[name] = (spec.builtin_folder(name), "")
             pipeline = next(p for p in spec.pipelines if p.name == b.pipeline)
             if DMD_SCRIPT in pipeline.scripts and default_script(pipeline) != DMD_SCRIPT:
-                out[b.dmd or f"{name}-dmd"] = (name, DMD_SCRIPT)
+                out[b.dmd or f"{name}-dmd"] = (spec.builtin_folder(name), DMD_SCRIPT)
     return out
 
 
 def model_folder(name: str) -> str:
-    builtin = os.path.join(HERE, "real_size_configs", BUILTINS.get(name, (name,))[0])
-    if name in BUILTINS and os.path.isdir(builtin):
-        return builtin
+    if name in BUILTINS and os.path.isdir(BUILTINS[name][0]):
+        return BUILTINS[name][0]
     if os.path.isdir(name):
         return name
     raise SystemExit(f"plan: --model={name}: not a built-in configuration ({', '.join(sorted(BUILTINS))}) "

@@ -16,7 +16,7 @@ from families import MODELS, pipelines, spec_of  # FSDP units and LoRA targets p
 from precision import dtype_name, get_precision
 from tools.planner.activations import (ActivationProfile, _activations, _builtin_activations, _cp_activations,
                                         check_context_parallel, reference_grids)
-from tools.planner.build import (ADAPTER_DTYPE, DMD_SCRIPT, GIB, HERE, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM,
+from tools.planner.build import (ADAPTER_DTYPE, BUILTINS, DMD_SCRIPT, GIB, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM,
                                   RUNTIME_BYTES, STATE_BYTES, TEXT_FILL_BATCH, Part, Settings, _config, _size,
                                   build_components, latent_shapes, layout, meta_model, model_folder,
                                   native_resolution, pipeline_of, text_length, vae_factor, with_script)
@@ -50,7 +50,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     s = with_script(name, s)
     precision = get_precision(s.precision)
     folder = model_folder(name)
-    builtin = os.path.dirname(os.path.abspath(folder)) == os.path.join(HERE, "real_size_configs")
+    builtin = os.path.abspath(folder) in {os.path.abspath(f) for f, _ in BUILTINS.values()}
     if builtin:  # whoever plans them (memo_planner too): the built-in configs are sharded once per process
         shard_cache = _BUILTIN_SHARDS
     activations = _builtin_activations if builtin else _activations
