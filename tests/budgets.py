@@ -11,18 +11,21 @@ from __future__ import annotations
 import os
 import re
 
+from families import NAMES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# files that test one family alone
-FAMILY_FILES = {
-    "flux2": ("test_flux2.py",),
-    "qwen_image": ("test_qwen_image.py", "test_qwen_edit_eval.py"),
-    "flux": ("test_flux_kontext.py", "test_train_flux_kontext.py", "test_train_dmd_kontext.py", "test_kontext_eval.py"),
-    "sd_unet": ("test_train_dmd_sdxl.py",),
-}
-# a shared file's test whose name names a family counts for it (first match wins: flux2 before flux)
-FAMILY_WORDS = (("flux2", ("flux2", "klein")), ("qwen_image", ("qwen",)), ("flux", ("kontext", "flux")),
-                ("sd_unet", ("sdxl", "sd15", "unet")))
+# A family's own file is tests/test_<family>.py, and a shared file's test counts for it where its name holds the
+# family's name: a new family needs no line here. The families' older files and words, beside those:
+EXTRA_FILES = {"qwen_image": ("test_qwen_edit_eval.py",),
+               "flux": ("test_flux_kontext.py", "test_train_flux_kontext.py", "test_train_dmd_kontext.py",
+                        "test_kontext_eval.py"),
+               "sd_unet": ("test_train_dmd_sdxl.py",)}
+EXTRA_WORDS = {"flux2": ("klein",), "qwen_image": ("qwen",), "flux": ("kontext",), "sd_unet": ("sdxl", "sd15", "unet")}
+FAMILY_FILES = {name: (f"test_{name}.py", *EXTRA_FILES.get(name, ())) for name in NAMES}
+# (word, family), the longest word first: flux2 before flux
+FAMILY_WORDS = sorted(((w, name) for name in NAMES for w in (name, *EXTRA_WORDS.get(name, ()))),
+                      key=lambda pair: -len(pair[0]))
 # the shared areas, by file
 AREA_FILES = {
     "dmd2": ("test_dmd2.py", "test_train_dmd.py", "test_validation.py"),
@@ -48,8 +51,8 @@ def area_of(nodeid: str) -> str:
     path, _, name = nodeid.partition("::")
     file = os.path.basename(path)
     if file not in sum(FAMILY_FILES.values(), ()):
-        for family, words in FAMILY_WORDS:
-            if any(w in name.lower() for w in words):
+        for word, family in FAMILY_WORDS:
+            if word in name.lower():
                 return family
     return _BY_FILE.get(file, "other")
 
