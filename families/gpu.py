@@ -38,3 +38,6 @@ class GpuCheck:
     # (export, base folder, settings, data) -> bool: the export loaded as a user loads it; None: a LoRA export's
     # weights file exists, a full one's trained model loads (diffusers.AutoModel)
     export_loads: Callable | None = None
+    # (row, tiny) -> the family's own suite (--suite=<family>), `row` the check's row builder
+    # row(name, script, family, resolution, expect_s, **settings); None: no suite of its own
+    suite: Callable | None = None

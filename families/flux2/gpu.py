@@ -126,7 +126,24 @@ def export_samples(export: str, base: str, s: dict, data: str) -> bool:
     return finite and len(seen) == len(trained) and all(abs(a - b) < 1e-3 for a, b in zip(seen, trained))
 
 
-GPU = GpuCheck(label="FLUX.2 klein", configs="flux2-klein-4b",
+# DMD2 with a klein-base teacher as recipes/dmd_flux2_klein_4step_lora.sh runs it, with bf16 bases and a full fake
+# score (the recipe's NF4 bases and LoRA fake score are the 24 GB card's choice)
+KLEIN_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0, "lora_alpha": 64, "generator_lr": 5e-5,
+             "guidance_lr": 5e-5, "real_guidance_scale": 4.0, "real_guidance_norm": "token"}
+
+
+def suite(row, tiny: bool) -> list:
+    """--suite=flux2: klein-base DMD2, a LoRA r64 generator, the full fake score, the teacher's true CFG 4 with
+    the token rescale, AC; saved, resumed and exported at 512 px (the export sampled in 4 steps), timed at 1024."""
+    klein = {**KLEIN_DMD, **({"max_sequence_length": 32} if tiny else {})}
+    lo, hi = (64, 64) if tiny else (512, 1024)  # Flux2ImageProcessor refuses a reference under 64 px
+    return [row(f"dmd_flux2_klein_{lo}px_4step_lora64_ac", "train_dmd.py", "flux2", lo, 170, ac=True, lora_rank=64,
+                resume=True, export_dtype="bf16", extra=klein),
+            row(f"dmd_flux2_klein_{hi}px_4step_lora64_ac_timed", "train_dmd.py", "flux2", hi, 120, ac=True,
+                lora_rank=64, export_dtype="bf16", extra=klein)]
+
+
+GPU = GpuCheck(suite=suite, label="FLUX.2 klein", configs="flux2-klein-4b",
                parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "scheduler"),
                reference_inputs=reference_inputs, reference_shape=reference_shape,
                blocks=("num_layers", "num_single_layers"), default_blocks=(2, 4),

@@ -108,7 +108,37 @@ def export_loads(export: str, base: str, settings: dict, data: str) -> bool:
     return pipe.transformer is not None and pipe.text_encoder is not None
 
 
-GPU = GpuCheck(label="Qwen-Image-Edit", configs="qwen-image-edit",
+# DMD2 with a Qwen-Image-Edit teacher as recipes/dmd_qwen_edit_4step_lora.sh runs it
+DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0, "lora_alpha": 8, "generator_lr": 5e-5,
+       "guidance_lr": 4e-7}
+TINY_AREA = 64 * 64  # the tiny rows' reference and condition areas (tests/test_qwen_image.py's)
+
+
+def areas(tiny: bool, resolution: int, pipeline: bool = False) -> dict:
+    """A row's REFERENCE_AREA and CONDITION_AREA: the pipeline's module constants (`pipeline`: VAE_IMAGE_SIZE
+    too, 1024^2), else references at the target's RESOLUTION^2 as the memory planner plans them; tiny: TINY_AREA
+    for the text encoder, RESOLUTION^2 for the VAE."""
+    if tiny:
+        return {"reference_area": resolution ** 2, "condition_area": TINY_AREA}
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    return {"reference_area": plus.VAE_IMAGE_SIZE if pipeline else resolution ** 2,
+            "condition_area": plus.CONDITION_IMAGE_SIZE}
+
+
+def suite(row, tiny: bool) -> list:
+    """--suite=qwen_image: Qwen-Image-Edit-2509, two references per sample: LoRA at the pipeline's areas, a full
+    fine-tune saved and resumed, and recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings (LoRA r64 alpha 8
+    generator, full fake score, AC; references at the target's size, as planned; teacher true CFG 4)."""
+    lo, hi = (32, 64) if tiny else (512, 1024)
+    edit, dmd = "train_flux_kontext.py", "train_dmd.py"
+    return [row(f"qwen_edit_{hi}px_lora16_2refs", edit, "qwen_image", hi, 40, lora_rank=16,
+                extra={"lora_alpha": 16, **areas(tiny, hi, pipeline=True)}),
+            row(f"qwen_edit_{lo}px_full", edit, "qwen_image", lo, 190, resume=True, extra=areas(tiny, lo)),
+            row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen_image", lo, 160, ac=True, lora_rank=64,
+                resume=True, extra={**DMD, **areas(tiny, lo)})]
+
+
+GPU = GpuCheck(suite=suite, label="Qwen-Image-Edit", configs="qwen-image-edit",
                parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "processor", "scheduler"),
                reference_inputs=reference_inputs, reference_shape=reference_shape, blocks=("num_layers",),
                default_blocks=(4,), data_references=2, reference_note=", target + 2 references", vae_frames=1,

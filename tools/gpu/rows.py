@@ -1,5 +1,10 @@
-"""The rows of each suite, in order of value, with their expected seconds on an H100, and --runs' pick."""
+"""The rows of each suite, in order of value, with their expected seconds on an H100, and --runs' pick: the
+suites across families here, a family's own suite in its GpuCheck.suite (families/<name>/gpu.py).
+"""
 from __future__ import annotations
+
+from families import SPECS
+from families.qwen_image import gpu as qwen  # the Qwen-Image-Edit rows of the suites across families
 
 
 # before the first row on an H100: wheels, imports, the build (~17 s), sizing, the planner's start
@@ -9,16 +14,8 @@ COMPILE_DMD_EXPECT_S = 300  # DMD2 SD-1.5 under COMPILE=1: ~27 graphs (docs/gpu.
 
 # DMD2 with a Kontext teacher as recipes/dmd_kontext_4step.sh runs it (three transformers of the FLUX folder)
 KONTEXT_DMD = {"denoising_steps": "999,749,499,249", "fake_score_fp32": 0}
-# DMD2 with a Qwen-Image-Edit teacher as recipes/dmd_qwen_edit_4step_lora.sh runs it
-QWEN_DMD = {**KONTEXT_DMD, "lora_alpha": 8, "generator_lr": 5e-5, "guidance_lr": 4e-7}
-# DMD2 with a FLUX.2 klein-base teacher as recipes/dmd_flux2_klein_4step_lora.sh runs it, with bf16 bases and a
-# full fake score (the recipe's NF4 bases and LoRA fake score are the 24 GB card's choice)
-KLEIN_DMD = {**KONTEXT_DMD, "lora_alpha": 64, "generator_lr": 5e-5, "guidance_lr": 5e-5, "real_guidance_scale": 4.0,
-             "real_guidance_norm": "token"}
-
-
-# --suite's choices: the checks across families, and a family's own rows named by the family
-SUITES = ("acceptance", "speed", "qwen_image", "flux2", "fp8", "fp8_qwen")
+# --suite's choices: the checks across families, and a family's own rows named by the family (its GpuCheck.suite)
+SUITES = ("acceptance", "speed", *(s.name for s in SPECS if s.gpu is not None and s.gpu.suite), "fp8", "fp8_qwen")
 RENAMED = {"qwen": "qwen_image"}  # a suite renamed: refused in one line naming its name
 
 
@@ -49,26 +46,11 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
     def qwen_dmd():  # the Qwen DMD2 rows' settings (qwen_areas reads the pipeline's constants: only when asked)
-        return {**QWEN_DMD, **qwen_areas(tiny, lo)}  # references at the target's size, as planned
+        return {**qwen.DMD, **qwen_areas(tiny, lo)}  # references at the target's size, as planned
 
-    if suite == "qwen_image":  # Qwen-Image-Edit-2509, two references per sample: a call of its own
-        return [row(f"qwen_edit_{hi}px_lora16_2refs", kontext, "qwen_image", hi, 40, lora_rank=16,
-                    extra={"lora_alpha": 16, **qwen_areas(tiny, hi, pipeline=True)}),
-                row(f"qwen_edit_{lo}px_full", kontext, "qwen_image", lo, 190, resume=True,
-                    extra=qwen_areas(tiny, lo)),
-                # recipes/dmd_qwen_edit_4step_lora.sh's Lightning settings: LoRA r64 alpha 8 generator, full
-                # fake score, AC; references at the target's size (as the planner plans them), teacher true CFG 4
-                row(f"dmd_qwen_edit_{lo}px_4step_lora64_ac", dmd, "qwen_image", lo, 160, ac=True, lora_rank=64,
-                    resume=True, extra=qwen_dmd())]
-    if suite == "flux2":  # FLUX.2 [klein]-base DMD2 (recipes/dmd_flux2_klein_4step_lora.sh without NF4): a call of
-        # its own; a LoRA r64 generator, the full fake score, the teacher's true CFG 4 with the token rescale, AC;
-        # saved, resumed and exported at 512 px (the export sampled in 4 steps), timed at 1024 px
-        klein = {**KLEIN_DMD, **({"max_sequence_length": 32} if tiny else {})}
-        k_lo, k_hi = (64, 64) if tiny else (512, 1024)  # Flux2ImageProcessor refuses a reference under 64 px
-        return [row(f"dmd_flux2_klein_{k_lo}px_4step_lora64_ac", dmd, "flux2", k_lo, 170, ac=True, lora_rank=64,
-                    resume=True, export_dtype="bf16", extra=klein),
-                row(f"dmd_flux2_klein_{k_hi}px_4step_lora64_ac_timed", dmd, "flux2", k_hi, 120, ac=True,
-                    lora_rank=64, export_dtype="bf16", extra=klein)]
+    own = next((s.gpu.suite for s in SPECS if s.name == suite and s.gpu is not None and s.gpu.suite), None)
+    if own is not None:  # a family's own rows: a call of their own
+        return own(row, tiny)
     if suite in ("fp8", "fp8_qwen"):  # FP8 against bf16, eager and compiled, FP8_STEPS steps each from one seed
         # (the losses side by side): Kontext's 1024 px full fine-tune with CACHE_LATENTS (the transformer's step:
         # FP8 does not touch the VAE), or Qwen-Image-Edit's 1024 px LoRA with two references (a call of its own)
@@ -152,15 +134,4 @@ def select_runs(rows: list[dict], spec: str) -> list[dict]:
     return [r for r in rows if not keys or any(k == r["run"] or (k not in names and k in r["run"]) for k in keys)]
 
 
-TINY_AREA = 64 * 64  # the tiny rows' reference and condition areas (tests/test_qwen_image.py's)
-
-
-def qwen_areas(tiny: bool, resolution: int, pipeline: bool = False) -> dict:
-    """A Qwen-Image-Edit row's REFERENCE_AREA and CONDITION_AREA: the pipeline's module constants
-    (`pipeline`: VAE_IMAGE_SIZE too, 1024^2), else references at the target's RESOLUTION^2 as
-    tools/memory_plan.py plans them; tiny: TINY_AREA for the text encoder, RESOLUTION^2 for the VAE."""
-    if tiny:
-        return {"reference_area": resolution ** 2, "condition_area": TINY_AREA}
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
-    return {"reference_area": plus.VAE_IMAGE_SIZE if pipeline else resolution ** 2,
-            "condition_area": plus.CONDITION_IMAGE_SIZE}
+qwen_areas = qwen.areas  # the cross-family rows' Qwen-Image-Edit areas (fp8_qwen, speed)
