@@ -71,7 +71,8 @@ from data.batches import micro_batch_positions
 from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices, stretched
 from data.images import save_image_grid
 from data.prefetch import Prefetcher
-from data.randomness import SAMPLE_NOISE_STREAM, VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
+from data import randomness
+from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
 from families import dit
 from families import sd_unet as unet
@@ -619,7 +620,7 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
     validator = None
     if VAL_EVERY:  # per prompt: its VAL_SEEDS seeds in one batch, the same noise for the teacher and the student
         prompts = val_rows
-        g = step_generator(SEED, 0, stream=VALIDATION_STREAM)
+        g = step_generator(SEED, 0, stream=randomness.VALIDATION_STREAM)
         draws = [(encode([r["prompt"]] * VAL_SEEDS), torch.randn((VAL_SEEDS, *latent_shape), generator=g),
                   torch.randn((VAL_SEEDS, len(step_list) - 1, *latent_shape), generator=g)) for r in prompts]
         draws = [(text, noise.to(d.device), sim.to(d.device)) for text, noise, sim in draws]
@@ -892,7 +893,7 @@ def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigm
     σ at the row's size) under the DM loss's guidance (its CFG pair against the negative prompt where it has
     one), the student's the whole σ list as the export samples."""
     guidance = 1.0 if guide.embedded is None else guide.embedded
-    g = step_generator(SEED, 0, stream=VALIDATION_STREAM)
+    g = step_generator(SEED, 0, stream=randomness.VALIDATION_STREAM)
     draws = []
     for row, shape in zip(data.val_rows, data.val_shapes):
         (h, w), n = shape[0], VAL_SEEDS
