@@ -254,6 +254,24 @@ def kontext_transformer():
     return FluxTransformer2DModel.from_pretrained(KONTEXT, low_cpu_mem_usage=False)
 
 
+def diffusers_adapter(model, scale: float, seed: int, targets: str):
+    """A rank-2 peft adapter of `targets` (a regex) on `model` with lora_alpha = scale * r and random lora_B:
+    ({module: (A, B)}, its LoraDelta as a diffusers-form file of it reads)."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2 * scale, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    state = get_peft_model_state_dict(model)
+    pairs = {k[:-len(".lora_A.weight")]: (v, state[k.replace("lora_A", "lora_B")]) for k, v in state.items()
+             if k.endswith(".lora_A.weight")}
+    return pairs, lora_merge.LoraDelta("diffusers form", {m: (a.float(), b.float(), scale)
+                                                          for m, (a, b) in pairs.items()})
+
+
 def block_diag_pair(pairs):
     """One fused Linear's adapter (A stacked, B block-diagonal) whose split by rows is each pair's B @ A:
     how a fused-qkv tool's file holds separate q, k and v adapters."""
@@ -264,21 +282,9 @@ def test_flux_kontext_lora_in_kohya_and_alpha_forms_merges_as_the_pipeline_loads
     """FLUX.1 Kontext: sd-scripts / kohya (BFL's module names, q, k and v fused into one `qkv` adapter,
     lora_down / lora_up / .alpha) and diffusers-named pairs with `.alpha` keys (network_alphas), each made from
     a diffusers-form adapter with scale 2."""
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    model = kontext_transformer()
-    model.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=(
+    pairs, reference = diffusers_adapter(kontext_transformer(), 2.0, 3, (
         r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-        r"|ff\.net\.0\.proj)|single_transformer_blocks\.\d+\.proj_out")))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    state = get_peft_model_state_dict(model)
-    pairs = {k[:-len(".lora_A.weight")]: (v, state[k.replace("lora_A", "lora_B")]) for k, v in state.items()
-             if k.endswith(".lora_A.weight")}
-    reference = lora_merge.LoraDelta("diffusers form", {m: (a.float(), b.float(), 2.0) for m, (a, b) in pairs.items()})
+        r"|ff\.net\.0\.proj)|single_transformer_blocks\.\d+\.proj_out"))
     kohya = {}
 
     def put(stem, a, b):
@@ -310,27 +316,15 @@ def test_flux2_lora_in_ai_toolkit_form_merges_as_the_pipeline_loads_it(tmp_path)
     """FLUX.2: ai-toolkit / ComfyUI (`diffusion_model.` + BFL's names: q, k and v fused into `qkv`, the single
     blocks' `linear1` / `linear2`), made from a diffusers-form adapter (scale 1: the converter reads no alpha)."""
     from diffusers import Flux2Transformer2DModel
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
 
     from tests.conftest import tiny_default
     folder = os.path.join(tiny_default("flux2_klein")[0], "transformer")
 
     def build():
         return Flux2Transformer2DModel.from_pretrained(folder, low_cpu_mem_usage=False)
-    model = build()
-    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=(
+    pairs, reference = diffusers_adapter(build(), 1.0, 4, (
         r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-        r"|ff\.linear_in)|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")))
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    state = get_peft_model_state_dict(model)
-    pairs = {k[:-len(".lora_A.weight")]: (v, state[k.replace("lora_A", "lora_B")]) for k, v in state.items()
-             if k.endswith(".lora_A.weight")}
-    reference = lora_merge.LoraDelta("diffusers form", {m: (a.float(), b.float(), 1.0) for m, (a, b) in pairs.items()})
+        r"|ff\.linear_in)|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)"))
     tool = {}
 
     def put(name, a, b):
