@@ -19,9 +19,6 @@ class GpuCheck:
     # with save_pretrained (`tiny`: the family's first tiny folder, whose tokenizers it may read; `real`: configs)
     parts: tuple[tuple[str, Callable], ...]
     keep: tuple[str, ...]  # what the real folder copies from the tiny one beside model_index.json (tokenizers...)
-    # (folder, resolution, reference sides, batch, text_len, device, dtype, generator) -> (the trained model,
-    # its forward's kwargs, the images a step encodes): the plain reference's forward as the room calls it
-    reference_inputs: Callable
     # (folder, data, settings) -> (text tokens, reference sides in px): what the plain reference sizes to a row
     reference_shape: Callable
     # the trained model's config keys of its block counts (its skeleton keeps the real width, fewer blocks),
@@ -30,6 +27,7 @@ class GpuCheck:
     default_blocks: tuple[int, ...] = ()
     data_references: int = 1  # the rows' data: edits with this many references (0: a prompts file)
     reference_note: str = ""  # what the reference's label adds ("target + 2 references")
+    encodes_target: bool = True  # a step's VAE encode takes its target beside its references (DMD2: references only)
     vae_frames: int = 0  # a video VAE: the pixels it encodes have this many frames (0: an image VAE)
     # (model, kwargs, batch, device, timed) -> {name: ms}: a DMD2 step's further plain calls, each timed(fn, device)
     dmd_calls: Callable | None = None

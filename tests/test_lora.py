@@ -116,16 +116,16 @@ def test_export_loads_with_load_lora_weights_and_matches_merged(runs, kontext_se
     merged = FluxTransformer2DModel.from_pretrained(os.path.join(out, "export_merged", "transformer"))
     inputs = transformer_inputs(merged.config)
     with torch.no_grad():
-        torch.testing.assert_close(pipe.transformer(**inputs).sample, merged(**inputs).sample, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pipe.transformer(**inputs)[0], merged(**inputs)[0], rtol=1e-4, atol=1e-5)
 
 
-def transformer_inputs(cfg, tokens=16, text=8):
-    g = torch.Generator().manual_seed(0)
-    return dict(hidden_states=torch.randn(1, 2 * tokens, cfg.in_channels, generator=g),
-                encoder_hidden_states=torch.randn(1, text, cfg.joint_attention_dim, generator=g),
-                pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g),
-                timestep=torch.tensor([0.5]), img_ids=torch.randn(2 * tokens, 3, generator=g),
-                txt_ids=torch.zeros(text, 3), guidance=torch.tensor([1.0]) if cfg.guidance_embeds else None)
+def transformer_inputs(cfg):
+    """FLUX.1 Kontext's forward inputs as its spec lays them out: a 8 x 8 latent target and context, 8 text
+    tokens (the same draws every call)."""
+    from families.flux.spec import SPEC
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return SPEC.example_inputs(cfg, 1, [(8, 8), (8, 8)], 8, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-mixed"])
@@ -151,7 +151,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
         opt = torch.optim.AdamW(trainable, lr=1e-2)
         inputs = transformer_inputs(model.config)
         for _ in range(3):
-            model(**inputs).sample.square().mean().backward()
+            model(**inputs)[0].square().mean().backward()
             assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
             opt.step()
             opt.zero_grad()
@@ -167,7 +167,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
                 assert torch.equal(p.full_tensor(), want), name
         assert any(p.full_tensor().abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
         with torch.no_grad():
-            trained_out = model(**inputs).sample.float()
+            trained_out = model(**inputs)[0].float()
         export_lora(model, str(tmp_path / "export"), "FluxKontextPipeline", "transformer", torch.float32)
     finally:
         dist.destroy_process_group()
@@ -177,7 +177,7 @@ def test_sharded_lora_dtypes_frozen_base_and_export(kontext_setup, tmp_path, mod
         k: v.to(prec.compute_dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
     }
     with torch.no_grad():
-        out = pipe.transformer(**cast).sample.float()
+        out = pipe.transformer(**cast)[0].float()
     atol = 1e-5 if mode == "fp32" else 3e-2
     torch.testing.assert_close(out, trained_out, rtol=0, atol=atol)
 

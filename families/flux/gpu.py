@@ -32,35 +32,14 @@ def _t5(tiny: str, real: str):
                                    eos_token_id=1))
 
 
-def reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
-    """(FluxTransformer2DModel, its forward's inputs, images a step encodes): the target's and Kontext's context's
-    packed tokens, the T5 embeddings and the pooled CLIP vector, σ, the embedded guidance."""
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    from parallel import attention
-    model = FluxTransformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
-    attention.set_backend(model, attention.DEFAULT)
-    c, side = model.config, resolution // 16
-    image = 2 * side * side  # target + context tokens
-    ids = torch.zeros(image, 3, device=device)
-    args = dict(hidden_states=torch.randn(batch, image, c.in_channels, device=device, dtype=dtype, generator=g),
-                encoder_hidden_states=torch.randn(batch, text_len, c.joint_attention_dim, device=device,
-                                                  dtype=dtype, generator=g),
-                pooled_projections=torch.randn(batch, c.pooled_projection_dim, device=device, dtype=dtype,
-                                               generator=g),
-                timestep=torch.full((batch,), 0.5, device=device), guidance=torch.ones(batch, device=device),
-                txt_ids=torch.zeros(text_len, 3, device=device), img_ids=ids)
-    return model, args, 2 * batch
-
-
 def reference_shape(folder, data, settings):
-    """(T5's length, no further references: the context is the reference's own)."""
+    """(T5's length, Kontext's one context at the target's size)."""
     from transformers import AutoTokenizer
-    return min(512, AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer_2")).model_max_length), ()
+    length = min(512, AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer_2")).model_max_length)
+    return length, (settings["resolution"],)
 
 
 GPU = GpuCheck(label="FLUX", configs="flux-kontext-dev",
                parts=(("vae", _vae), ("text_encoder", _clip), ("text_encoder_2", _t5)),
-               keep=("tokenizer", "tokenizer_2", "scheduler"), reference_inputs=reference_inputs,
+               keep=("tokenizer", "tokenizer_2", "scheduler"),
                reference_shape=reference_shape, blocks=("num_layers", "num_single_layers"), default_blocks=(2, 4))

@@ -39,29 +39,6 @@ def reference_shape(folder, data, settings):
     return int(settings["extra"].get("max_sequence_length", 512)), (settings["resolution"],)
 
 
-def reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
-    """(Flux2Transformer2DModel, its forward's inputs, images a step encodes) as families/flux2.forward calls it:
-    the target's and each reference's packed tokens (square images of those sides) with the room's 4-D ids,
-    timestep σ, the text's hidden states with their ids, no guidance (klein). A DMD2 step encodes its references
-    (the generator makes the target)."""
-    import torch
-    from diffusers import Flux2Transformer2DModel
-
-    from families import flux2
-    from parallel import attention
-    model = Flux2Transformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
-    attention.set_backend(model, attention.DEFAULT)
-    c, cell = model.config, 2 * flux2.vae_factor(folder)  # pixels per token: the VAE's factor, then 2x2 packing
-    grids = [(side // cell, side // cell) for side in (resolution, *references)]
-    tokens = sum(h * w for h, w in grids)
-    text = torch.randn(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype, generator=g)
-    args = dict(hidden_states=torch.randn(batch, tokens, c.in_channels, device=device, dtype=dtype, generator=g),
-                encoder_hidden_states=text, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
-                img_ids=flux2.image_ids(grids, device).expand(batch, -1, -1), txt_ids=flux2.text_ids(text),
-                guidance=None)
-    return model, args, len(references) * batch
-
-
 def dmd_calls(model, args: dict, batch: int, device, timed) -> dict:
     """The plain calls a klein DMD2 step makes beyond forward and forward + backward (dmd_flow_network_ms), each
     `timed(fn, device)`: the teacher's true-CFG pair, one forward without grad of a batch of 2B
@@ -145,6 +122,7 @@ def suite(row, tiny: bool) -> list:
 
 GPU = GpuCheck(suite=suite, label="FLUX.2 klein", configs="flux2-klein-4b",
                parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "scheduler"),
-               reference_inputs=reference_inputs, reference_shape=reference_shape,
+               reference_shape=reference_shape,
                blocks=("num_layers", "num_single_layers"), default_blocks=(2, 4),
-               reference_note=", target + 1 reference", dmd_calls=dmd_calls, true_cfg=True, export_loads=export_samples)
+               reference_note=", target + 1 reference", dmd_calls=dmd_calls, true_cfg=True, export_loads=export_samples,
+               encodes_target=False)  # the rows are DMD2's: the generator makes the target

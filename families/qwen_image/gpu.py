@@ -73,27 +73,6 @@ def reference_shape(folder, data, settings):
     return text_tokens(folder, data, extra["condition_area"]), (side,) * 2
 
 
-def reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
-    """(QwenImageTransformer2DModel, its forward's inputs, images a step encodes) as the room's forward calls it:
-    the target's and each reference's 2x2-packed tokens with their img_shapes, timestep σ, the prompt's hidden
-    states without a mask (no padding in a batch of equal prompts)."""
-    import torch
-    from diffusers import QwenImageTransformer2DModel
-
-    from parallel import attention
-    model = QwenImageTransformer2DModel.from_pretrained(os.path.join(folder, "transformer"), torch_dtype=dtype)
-    attention.set_backend(model, attention.DEFAULT)
-    c = model.config
-    shapes = [(1, side // 16, side // 16) for side in (resolution, *references)]
-    tokens = sum(h * w for _, h, w in shapes)
-    args = dict(hidden_states=torch.randn(batch, tokens, c.in_channels, device=device, dtype=dtype, generator=g),
-                encoder_hidden_states=torch.randn(batch, text_len, c.joint_attention_dim, device=device, dtype=dtype,
-                                                  generator=g),
-                encoder_hidden_states_mask=None, timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
-                img_shapes=[shapes] * batch, guidance=None)
-    return model, args, (1 + len(references)) * batch
-
-
 def export_loads(export: str, base: str, settings: dict, data: str) -> bool:
     """A LoRA export's weights file; a full export as a user loads it: the whole QwenImageEditPlusPipeline (its
     processor through families.qwen_image.load_processor, which needs no torchvision)."""
@@ -140,6 +119,6 @@ def suite(row, tiny: bool) -> list:
 
 GPU = GpuCheck(suite=suite, label="Qwen-Image-Edit", configs="qwen-image-edit",
                parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "processor", "scheduler"),
-               reference_inputs=reference_inputs, reference_shape=reference_shape, blocks=("num_layers",),
+               reference_shape=reference_shape, blocks=("num_layers",),
                default_blocks=(4,), data_references=2, reference_note=", target + 2 references", vae_frames=1,
                export_loads=export_loads)

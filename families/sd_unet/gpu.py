@@ -26,20 +26,6 @@ def _clip(tiny: str, real: str):
     return CLIPTextModel(CLIPTextConfig.from_pretrained(os.path.join(real, "text_encoder")))
 
 
-def reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g):
-    """(UNet2DConditionModel, its forward's inputs, images a step encodes) as algorithms/dmd2 calls it: the
-    latents of one image, integer timesteps, the CLIP embeddings."""
-    import torch
-    from diffusers import UNet2DConditionModel
-    model = UNet2DConditionModel.from_pretrained(os.path.join(folder, "unet"), torch_dtype=dtype)
-    c, side = model.config, resolution // 8
-    args = dict(sample=torch.randn(batch, c.in_channels, side, side, device=device, dtype=dtype, generator=g),
-                timestep=torch.full((batch,), 500, device=device),
-                encoder_hidden_states=torch.randn(batch, text_len, c.cross_attention_dim, device=device,
-                                                  dtype=dtype, generator=g))
-    return model, args, batch
-
-
 def reference_shape(folder, data, settings):
     """(CLIP's context, no references)."""
     from transformers import AutoTokenizer
@@ -47,5 +33,5 @@ def reference_shape(folder, data, settings):
 
 
 GPU = GpuCheck(label="SD-1.5", configs="sd15-dmd", parts=(("unet", _unet), ("vae", _vae), ("text_encoder", _clip)),
-               keep=("tokenizer", "scheduler"), reference_inputs=reference_inputs, reference_shape=reference_shape,
+               keep=("tokenizer", "scheduler"), reference_shape=reference_shape,
                data_references=0, channels_last=to_channels_last)

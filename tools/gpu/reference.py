@@ -1,6 +1,6 @@
 """The plain-PyTorch reference: the model alone (bf16 weights on a GPU, fp32 on CPU), forward + backward
-without FSDP or an optimizer, and apart the fused AdamW step and the VAE encode; its inputs as each
-family's forward builds them."""
+without FSDP or an optimizer, and apart the fused AdamW step and the VAE encode; its inputs the family spec's
+example_inputs, as its room's forward lays them out."""
 from __future__ import annotations
 
 import json
@@ -41,20 +41,35 @@ def _model_flops(fn) -> dict:
 
 def plain_reference(name: str, folder: str, resolution: int, batch: int, text_len: int, device,
                     references: tuple[int, ...] = ()) -> dict:
-    """Forward + backward of the bare model of the family `name` (ms, MFU; its GpuCheck.reference_inputs), and apart
-    the fused AdamW step over fp32 copies of its parameters and the VAE encode of one step's images (square images
-    of `resolution` px: Kontext's target + context, Qwen-Image-Edit's target + `references`, ...)."""
+    """Forward + backward of the bare trained model of the family `name` (ms, MFU) on its spec's example_inputs
+    (square images: the target of `resolution` px, then each of `references` px), and apart the fused AdamW step
+    over fp32 copies of its parameters and the VAE encode of one step's images (GpuCheck.encodes_target: the
+    target too, then every reference)."""
     import diffusers
     import torch
 
+    import families
     from parallel import attention
     from components.metrics import peak_tflops
-    from tools.gpu.folders import spec
-    gpu = spec(name).gpu
+    from tools.gpu.folders import spec, trained_subfolder
+    family = spec(name)
+    gpu = family.gpu
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attention.sdpa_flags(attention.DEFAULT)
     g = torch.Generator(device=device).manual_seed(0)
-    model, args, images = gpu.reference_inputs(folder, resolution, references, batch, text_len, device, dtype, g)
+    trained = os.path.join(folder, trained_subfolder(name))
+    with open(os.path.join(trained, "config.json")) as f:
+        class_name = json.load(f)["_class_name"]
+    model = getattr(diffusers, class_name).from_pretrained(trained, torch_dtype=dtype)
+    if families.MODELS[class_name].attention_dispatcher:
+        attention.set_backend(model, attention.DEFAULT)
+    factor = (family.room.vae_factor(folder) if hasattr(family.room, "vae_factor") else
+              2 ** (len(json.load(open(os.path.join(folder, "vae", "config.json")))["block_out_channels"]) - 1))
+    torch.manual_seed(0)  # example_inputs draws from the default generator
+    args = family.example_inputs(model.config, batch, [(s // factor, s // factor) for s in (resolution, *references)],
+                                 text_len, device, dtype)
+    args.pop("return_dict", None)
+    images = (gpu.encodes_target + len(references)) * batch
     model.to(device).train()
 
     def fwd_bwd():
