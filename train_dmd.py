@@ -424,6 +424,15 @@ def validation_rows(rows: list, key: Callable, read_own: Callable) -> list:
     return picked if own else picked[::-1]
 
 
+def reference_guidance(room) -> dm.Guidance:
+    """The guidance the teacher's validation reference samples with: its family's own (the settings' "" / 0 for
+    REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM and FLUX_GUIDANCE: the pipeline's CFG and its rescale, or the embedded
+    value), whatever the run trains with, so that a run trained at another CFG shows against the teacher as it is
+    used."""
+    return room.dmd_guidance({**script_constants(globals()), "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "",
+                              "FLUX_GUIDANCE": 0.0})
+
+
 def make_validator(teacher_samples: Callable, student_samples: Callable, labels: list, extra: dict):
     """The run's validator (components/validation.py): grids and the teacher's cache in OUTPUT_DIR/validation,
     the cache keyed by everything the teacher's samples depend on."""
@@ -619,7 +628,7 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
                        REAL_GUIDANCE_NORM)
     validator = None
     if VAL_EVERY:  # per prompt: its VAL_SEEDS seeds in one batch, the same noise for the teacher and the student
-        prompts = val_rows
+        prompts, reference = val_rows, reference_guidance(unet)
         g = step_generator(SEED, 0, stream=randomness.VALIDATION_STREAM)
         draws = [(encode([r["prompt"]] * VAL_SEEDS), torch.randn((VAL_SEEDS, *latent_shape), generator=g),
                   torch.randn((VAL_SEEDS, len(step_list) - 1, *latent_shape), generator=g)) for r in prompts]
@@ -633,8 +642,8 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
 
         @torch.no_grad()
         def teacher_samples():
-            return side(lambda m, text, noise, _: dm.ddim_teacher(m, noise, text, uncond, losses.real_guidance_scale,
-                                                                  alphas, VAL_TEACHER_STEPS, losses.real_guidance_norm),
+            return side(lambda m, text, noise, _: dm.ddim_teacher(m, noise, text, uncond, reference.scale, alphas,
+                                                                  VAL_TEACHER_STEPS, reference.norm),
                         teacher)
 
         @torch.no_grad()
@@ -643,8 +652,7 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
                 return side(lambda m, text, noise, sim: unet.generator_latents(m, text, noise, sim, step_list, alphas),
                             model)
         validator = make_validator(teacher_samples, student_samples, [r["prompt"] for r in prompts],
-                                   {"resolution": resolution, "scale": losses.real_guidance_scale,
-                                    "norm": losses.real_guidance_norm})
+                                   {"resolution": resolution, "scale": reference.scale, "norm": reference.norm})
     draw = functools.partial(unet_dm.draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
@@ -776,7 +784,9 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     guide = room.dmd_guidance(settings)  # an embedded guidance value, or the teacher's CFG pair and its negative
     texts = [(r["prompt"], r) for r in data.rows + data.sample_rows + data.val_rows]
     texts += [(room.UNCONDITIONAL_PROMPT, r) for r in data.rows] if CAPTION_DROPOUT > 0 else []
-    texts += [(guide.negative, r) for r in data.rows + data.val_rows] if guide.negative is not None else []
+    texts += [(guide.negative, r) for r in data.rows] if guide.negative is not None else []
+    reference = reference_guidance(room)  # the validation teacher's
+    texts += [(reference.negative, r) for r in data.val_rows] if reference.negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
                                       d.device)
 
@@ -890,9 +900,13 @@ def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigm
                    guide: dm.Guidance, factor, channels) -> val.Validator:
     """VAL_EVERY's validator for a flow teacher: per validation row, VAL_SEEDS noises in one batch; the
     teacher's reference is its ODE from each noise (Euler, VAL_TEACHER_STEPS steps on the pipeline's shifted
-    σ at the row's size) under the DM loss's guidance (its CFG pair against the negative prompt where it has
-    one), the student's the whole σ list as the export samples."""
+    σ at the row's size) under its family's own guidance (reference_guidance: its pipeline's CFG pair against the
+    negative prompt, or its embedded value), the student's the whole σ list as the export samples, at the run's
+    guidance input."""
     guidance = 1.0 if guide.embedded is None else guide.embedded
+    reference = reference_guidance(room)
+    scale = reference.scale
+    teacher_guidance = guidance if reference.embedded is None else reference.embedded
     g = step_generator(SEED, 0, stream=randomness.VALIDATION_STREAM)
     draws = []
     for row, shape in zip(data.val_rows, data.val_shapes):
@@ -901,8 +915,8 @@ def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigm
         refs, _ = load_pairs([row] * n, shape, [False] * n, target=False, loader=data.loader)
         refs = [x.to(d.device) for x in refs]
         text = room.load_text([(row["prompt"], row)] * n, cache_dir, identity, d.device)
-        negative = (room.load_text([(guide.negative, row)] * n, cache_dir, identity, d.device)
-                    if guide.negative is not None else None)
+        negative = (room.load_text([(reference.negative, row)] * n, cache_dir, identity, d.device)
+                    if reference.negative is not None else None)
         tokens = (latent[1] // 2) * (latent[2] // 2)
         own = getattr(room, "sampling_shift", None)  # FLUX.2's depends on the step count too
         shift = (own(MODEL_PATH, tokens, VAL_TEACHER_STEPS) if own is not None
@@ -919,12 +933,12 @@ def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigm
             return val.Samples(None, None)
         pixels = [room.decode_tokens(vae, t, cond.size).float().cpu() for t, (cond, *_) in zip(tokens, draws)]
         return val.Samples(pixels, [t.float().cpu() for t in tokens])
-    scale = guide.scale
 
     @torch.no_grad()
     def teacher_samples():
         return side(lambda m, _, cond, noise, __, shift: dm.fm_teacher_ode(
-            cond.velocity(m, guidance if scale == 1 else scale, guide.norm), noise, VAL_TEACHER_STEPS, shift), teacher)
+            cond.velocity(m, teacher_guidance if scale == 1 else scale, reference.norm), noise, VAL_TEACHER_STEPS,
+            shift), teacher)
 
     @torch.no_grad()
     def student_samples():
@@ -932,9 +946,10 @@ def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigm
             return side(lambda m, cond, _, noise, sim, __: flow_dm.sample_tokens(m, cond, noise, sim, sigmas, guidance),
                         model)
     return make_validator(teacher_samples, student_samples, [(str(references(r)), r["prompt"]) for r in data.val_rows],
-                          {"shapes": data.val_shapes, "scale": scale, "norm": guide.norm, "guidance": guidance,
-                           "negative": guide.negative, "reference_area": REFERENCE_AREA,
-                           "condition_area": CONDITION_AREA, "max_sequence_length": MAX_SEQUENCE_LENGTH})
+                          {"shapes": data.val_shapes, "scale": scale, "norm": reference.norm,
+                           "guidance": teacher_guidance, "negative": reference.negative,
+                           "reference_area": REFERENCE_AREA, "condition_area": CONDITION_AREA,
+                           "max_sequence_length": MAX_SEQUENCE_LENGTH})
 
 
 @torch.no_grad()
