@@ -199,7 +199,7 @@ VAL_PROMPTS = ""  # validation rows (as DATA_PATH reads them); "" = the data's l
 VAL_COUNT = 4  # validation prompts (rows)
 VAL_SEEDS = 4  # seeds per validation prompt: the variety across seeds needs 2 or more
 VAL_TEACHER_STEPS = 28  # the teacher's reference: its steps (flow: Euler, the pipeline's shift; UNets: DDIM)
-COLLAPSE_WARN = 0.5  # a variety ratio (student / teacher) below this: one warning line naming the step; 0 = none
+COLLAPSE_WARN = 0.75  # the variety ratio (student / teacher) under this times its best so far: one warning line; 0 off
 COLLAPSE_STOP = False  # at that warning: stop the run (its checkpoints before that step kept)
 
 _DEFAULTS = script_constants(globals())  # before any override: what changed_settings compares with

@@ -14,7 +14,10 @@ them); every VAL_EVERY steps the student's, and figures that need no downloaded 
     val_colour_drift          the distance between the two mean RGB colours (in [0, 1] units)
 
 and a grid per validation (each row one prompt: the teacher's seeds, then the student's). A variety
-ratio below COLLAPSE_WARN prints one warning line naming the step and the figure; with COLLAPSE_STOP the
+ratio fallen below COLLAPSE_WARN times its best so far in the run prints one warning line naming the step and
+the figures (an absolute floor cannot tell a collapsing student from a healthy one's first steps: on the shapes
+demo a healthy run started at 0.62 and rose to 0.83, one collapsing onto a colour fell from 1.16 to 0.64, and a
+run at the wrong CFG stayed near 0.71; docs/dmd2.md); with COLLAPSE_STOP the
 run stops there (core/errors.RunError: one line, exit 1 on every rank), keeping the checkpoints saved
 before it: this step's is not written, a save still in flight is finished first.
 
@@ -111,6 +114,7 @@ class Validator:
     def __init__(self, teacher: Callable[[], Samples], student: Callable[[], Samples], folder: str,
                  identity: dict, warn: float, stop: bool, before_stop: Callable[[], None] = lambda: None):
         self.student, self.folder, self.warn, self.stop, self.before_stop = student, folder, warn, stop, before_stop
+        self.best = 0.0  # the run's best variety ratio so far (a resumed process starts it again)
         self.cache = os.path.join(folder, f"teacher_{reference_key(identity)}.pt")
         self._teacher_fn, self.reference = teacher, None
 
@@ -143,9 +147,11 @@ class Validator:
             save_grid(mine.pixels, reference.pixels, os.path.join(self.folder, f"step_{step:06d}.png"))
         out = broadcast_from_rank0(out)
         ratio = out["val_variety_ratio"]
-        if self.warn > 0 and ratio < self.warn:
+        self.best = max(self.best, ratio)
+        if self.warn > 0 and ratio < self.warn * self.best:
             line = (f"collapse warning at step {step}: the student's variety across seeds is {ratio:.3f} of the "
-                    f"teacher's (COLLAPSE_WARN={self.warn}); grid: {self.folder}/step_{step:06d}.png")
+                    f"teacher's, down from {self.best:.3f} (COLLAPSE_WARN={self.warn}: below {self.warn} of its best); "
+                    f"colour drift {out['val_colour_drift']:.3f}; grid: {self.folder}/step_{step:06d}.png")
             if self.stop:  # every rank has the same figures: all stop here, together
                 self.before_stop()
                 raise RunError(f"{line}; COLLAPSE_STOP=1: stopped before this step's checkpoint")

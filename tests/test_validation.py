@@ -74,25 +74,39 @@ def test_teacher_reference_is_drawn_once_per_identity_and_read_back(tmp_path):
 
 
 def test_collapse_warns_in_one_line_and_stops_after_the_saves_in_flight(tmp_path, capsys):
+    """The warning fires when the variety ratio falls under COLLAPSE_WARN times its best so far in the run (not on a
+    low first value: a healthy student starts low too), names the step and the figures; COLLAPSE_STOP raises the
+    run's one-line stop after the saves in flight."""
     def collapsed():
         s = samples(0)
         return val.Samples([p[:1].expand_as(p) * 0.9 for p in s.pixels], s.latents)
-    warn = val.Validator(lambda: samples(0), collapsed, str(tmp_path), {}, warn=0.5, stop=False)
+
+    def students(*sides):  # the student over successive validations
+        it = iter(sides)
+        return lambda: next(it)()
+    warn = val.Validator(lambda: samples(0), students(lambda: samples(1), collapsed, collapsed), str(tmp_path), {},
+                         warn=0.75, stop=False)
+    first = warn(5)["val_variety_ratio"]
+    assert first > 0 and "collapse warning" not in capsys.readouterr().out
     assert warn(7)["val_variety_ratio"] == 0.0
     out = capsys.readouterr().out
-    assert "collapse warning at step 7: the student's variety across seeds is 0.000 of the teacher's" in out
-    assert "COLLAPSE_WARN=0.5" in out and "step_000007.png" in out
-    healthy = val.Validator(lambda: samples(0), lambda: samples(1), str(tmp_path), {}, warn=0.5, stop=True)
-    healthy(8)
+    assert f"collapse warning at step 7: the student's variety across seeds is 0.000 of the teacher's, down from " \
+           f"{first:.3f} (COLLAPSE_WARN=0.75: below 0.75 of its best)" in out
+    assert "colour drift" in out and "step_000007.png" in out
+    low_from_the_start = val.Validator(lambda: samples(0), collapsed, str(tmp_path), {}, warn=0.75, stop=False)
+    low_from_the_start(3)
     assert "collapse warning" not in capsys.readouterr().out
     waited = []
-    stop = val.Validator(lambda: samples(0), collapsed, str(tmp_path), {}, warn=0.5, stop=True,
-                         before_stop=lambda: waited.append(True))
+    stop = val.Validator(lambda: samples(0), students(lambda: samples(1), collapsed), str(tmp_path), {}, warn=0.75,
+                         stop=True, before_stop=lambda: waited.append(True))
+    stop(8)
+    assert waited == []
     with pytest.raises(RunError, match="collapse warning at step 9.*COLLAPSE_STOP=1: stopped before this step's"):
         stop(9)
     assert waited == [True]
-    off = val.Validator(lambda: samples(0), collapsed, str(tmp_path), {}, warn=0.0, stop=False)
-    off(10)
+    off = val.Validator(lambda: samples(0), students(lambda: samples(1), collapsed), str(tmp_path), {}, warn=0.0,
+                        stop=False)
+    off(10), off(11)
     assert "collapse warning" not in capsys.readouterr().out
 
 
