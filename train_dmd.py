@@ -60,7 +60,7 @@ from algorithms import dmd2_flow as flow_dm
 from algorithms import dmd2_unet as unet_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
-from components import validation as val
+from components import dmd_validation as dmd_val
 from components.config import check_settings, script_constants
 from core.dist import print0
 from core.dist import rank as d_rank
@@ -71,7 +71,6 @@ from data.batches import micro_batch_positions
 from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices, stretched
 from data.images import save_image_grid
 from data.prefetch import Prefetcher
-from data import randomness
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
 from families import dit
@@ -407,43 +406,10 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
 # the loop
 
 
-def validation_rows(rows: list, key: Callable, read_own: Callable) -> list:
-    """VAL_EVERY's rows: VAL_PROMPTS' first VAL_COUNT distinct ones (by `key`), else the data's last
-    VAL_COUNT distinct ones. Those stay in training: DMD2 trains on prompts without targets, and a run
-    with validation trains exactly as one without; VAL_PROMPTS holds prompts it never trains on."""
-    if not VAL_EVERY:
-        return []
-    own = bool(VAL_PROMPTS)
-    seen: dict = {}
-    for r in (read_own() if own else reversed(rows)):
-        seen.setdefault(key(r), r)
-    picked = list(seen.values())[:VAL_COUNT]
-    print0(f"validation: {len(picked)} prompts x {VAL_SEEDS} seeds every {VAL_EVERY} steps ("
-           + (f"VAL_PROMPTS={VAL_PROMPTS}" if own else "the data's last distinct rows, still trained on")
-           + f"); the teacher's reference at {VAL_TEACHER_STEPS} steps")
-    return picked if own else picked[::-1]
-
-
-def reference_guidance(room) -> dm.Guidance:
-    """The guidance the teacher's validation reference samples with: its family's own (the settings' "" / 0 for
-    REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM and FLUX_GUIDANCE: the pipeline's CFG and its rescale, or the embedded
-    value), whatever the run trains with, so that a run trained at another CFG shows against the teacher as it is
-    used."""
-    return room.dmd_guidance({**script_constants(globals()), "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "",
-                              "FLUX_GUIDANCE": 0.0})
-
-
-def make_validator(teacher_samples: Callable, student_samples: Callable, labels: list, extra: dict):
-    """The run's validator (components/validation.py): grids and the teacher's cache in OUTPUT_DIR/validation,
-    the cache keyed by everything the teacher's samples depend on."""
-    lora = os.path.realpath(TEACHER_LORA) if TEACHER_LORA else ""
-    identity = {"model": os.path.realpath(MODEL_PATH), "teacher_lora": lora,
-                "teacher_lora_size": os.path.getsize(lora_merge.lora_file(lora)) if lora else 0,
-                "rows": labels, "seeds": VAL_SEEDS, "seed": SEED, "steps": VAL_TEACHER_STEPS,
-                "precision": PRECISION, "teacher_dtype": TEACHER_DTYPE, "vae": VAE_PATH, "vae_dtype": VAE_DTYPE,
-                **extra}
-    return val.Validator(teacher_samples, student_samples, os.path.join(OUTPUT_DIR, "validation"), identity,
-                         COLLAPSE_WARN, COLLAPSE_STOP)
+def val_settings() -> dmd_val.ValSettings:
+    """VAL_EVERY's settings as components/dmd_validation.py reads them."""
+    return dmd_val.ValSettings(VAL_EVERY, VAL_PROMPTS, VAL_COUNT, VAL_SEEDS, VAL_TEACHER_STEPS, COLLAPSE_WARN,
+                               COLLAPSE_STOP, SEED, os.path.join(OUTPUT_DIR, "validation"), script_constants(globals()))
 
 
 @dataclass(frozen=True)
@@ -558,7 +524,7 @@ def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precisio
     if SAMPLE_PROMPTS:
         sample_rows, _ = read_rows(SAMPLE_PROMPTS, ("prompt",), ("prompt",), skip_bad=False,
                                    setting="SAMPLE_PROMPTS", columns=columns, split=DATASET_SPLIT)
-    val_rows = validation_rows(rows, lambda r: r["prompt"], lambda: read_rows(
+    val_rows = dmd_val.validation_rows(val_settings(), rows, lambda r: r["prompt"], lambda: read_rows(
         VAL_PROMPTS, ("prompt",), ("prompt",), skip_bad=False, setting="VAL_PROMPTS", columns=columns,
         split=DATASET_SPLIT)[0])
 
@@ -626,33 +592,10 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
             unet.write_samples(model, vae, sample_text, sample_noise, sample_sim, step_list, alphas, path)
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN, REAL_GUIDANCE_SCALE,
                        REAL_GUIDANCE_NORM)
-    validator = None
-    if VAL_EVERY:  # per prompt: its VAL_SEEDS seeds in one batch, the same noise for the teacher and the student
-        prompts, reference = val_rows, reference_guidance(unet)
-        g = step_generator(SEED, 0, stream=randomness.VALIDATION_STREAM)
-        draws = [(encode([r["prompt"]] * VAL_SEEDS), torch.randn((VAL_SEEDS, *latent_shape), generator=g),
-                  torch.randn((VAL_SEEDS, len(step_list) - 1, *latent_shape), generator=g)) for r in prompts]
-        draws = [(text, noise.to(d.device), sim.to(d.device)) for text, noise, sim in draws]
-
-        def side(latents_of, model):
-            latents = [latents_of(model, text, noise, sim) for text, noise, sim in draws]
-            fsdp_utils.reshard_all(model)
-            pixels = [unet.decode(vae, x).float().cpu() for x in latents] if d_rank() == 0 else None
-            return val.Samples(pixels, [x.float().cpu() for x in latents] if pixels is not None else None)
-
-        @torch.no_grad()
-        def teacher_samples():
-            return side(lambda m, text, noise, _: dm.ddim_teacher(m, noise, text, uncond, reference.scale, alphas,
-                                                                  VAL_TEACHER_STEPS, reference.norm),
-                        teacher)
-
-        @torch.no_grad()
-        def student_samples():
-            with final_weights() as model:
-                return side(lambda m, text, noise, sim: unet.generator_latents(m, text, noise, sim, step_list, alphas),
-                            model)
-        validator = make_validator(teacher_samples, student_samples, [r["prompt"] for r in prompts],
-                                   {"resolution": resolution, "scale": reference.scale, "norm": reference.norm})
+    validator = dmd_val.unet_validator(
+        val_settings(), final_weights, room=unet, rows=val_rows, encode=encode, uncond=uncond,
+        latent_shape=latent_shape, step_list=step_list, alphas=alphas, teacher=teacher, vae=vae,
+        resolution=resolution, device=d.device) if val_rows else None
     draw = functools.partial(unet_dm.draw_sample_noise, shape=latent_shape, n_sim=len(step_list) - 1,
                              num_train_timesteps=len(alphas), step_percent=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                              gan_max_t=DIFFUSION_GAN_MAX_TIMESTEP if USE_GAN else None)
@@ -755,7 +698,7 @@ def flow_data(room, settings: dict) -> FlowData:
     shapes, shape_of = row_shapes(room, rows, buckets, settings, seeded=False)
     members, schedule = bucket_schedule(shape_of, MAX_STEPS, SEED)
     sample_shapes = [s[i] for s, of in [row_shapes(room, sample_rows, buckets, settings, seeded=False)] for i in of]
-    val_rows = validation_rows(rows, lambda r: (str(references(r)), r["prompt"]), lambda: read(
+    val_rows = dmd_val.validation_rows(val_settings(), rows, lambda r: (str(references(r)), r["prompt"]), lambda: read(
         VAL_PROMPTS, required=required, skip_bad=False, setting="VAL_PROMPTS")[0])
     val_shapes = [s[i] for s, of in [row_shapes(room, val_rows, buckets, settings, seeded=False)] for i in of]
     print0(f"data: {len(rows)} {'rows' if edits else 'prompts'} from {DATA_PATH}"
@@ -785,7 +728,7 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     texts = [(r["prompt"], r) for r in data.rows + data.sample_rows + data.val_rows]
     texts += [(room.UNCONDITIONAL_PROMPT, r) for r in data.rows] if CAPTION_DROPOUT > 0 else []
     texts += [(guide.negative, r) for r in data.rows] if guide.negative is not None else []
-    reference = reference_guidance(room)  # the validation teacher's
+    reference = dmd_val.reference_guidance(room, settings)  # the validation teacher's
     texts += [(reference.negative, r) for r in data.val_rows] if reference.negative is not None else []
     identity = room.prepare_edit_text(texts, MODEL_PATH, cache_dir, settings, prec.frozen_dtype(TEXT_ENCODER_DTYPE),
                                       d.device)
@@ -862,9 +805,10 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
     def sample(path):
         with final_weights() as model:
             write_flow_samples(room, model, vae, groups, sigmas, guidance, edits, path)
-    validator = flow_validator(final_weights, room=room, d=d, vae=vae, teacher=teacher, data=data, sigmas=sigmas,
-                               cache_dir=cache_dir, identity=identity, guide=guide, factor=factor,
-                               channels=channels) if data.val_rows else None
+    validator = dmd_val.flow_validator(
+        val_settings(), final_weights, room=room, rows=data.val_rows, shapes=data.val_shapes, loader=data.loader,
+        guide=guide, sigmas=sigmas, cache_dir=cache_dir, identity=identity, teacher=teacher, vae=vae, factor=factor,
+        channels=channels, device=d.device) if data.val_rows else None
 
     shifts = {s[0]: flow_shift(s[0], factor) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
@@ -894,62 +838,6 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
     load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity,
                              negative=guide.negative, d=d)
     return steps, load, sample, validator
-
-
-def flow_validator(final_weights, *, room, d, vae, teacher, data: FlowData, sigmas, cache_dir, identity,
-                   guide: dm.Guidance, factor, channels) -> val.Validator:
-    """VAL_EVERY's validator for a flow teacher: per validation row, VAL_SEEDS noises in one batch; the
-    teacher's reference is its ODE from each noise (Euler, VAL_TEACHER_STEPS steps on the pipeline's shifted
-    σ at the row's size) under its family's own guidance (reference_guidance: its pipeline's CFG pair against the
-    negative prompt, or its embedded value), the student's the whole σ list as the export samples, at the run's
-    guidance input."""
-    guidance = 1.0 if guide.embedded is None else guide.embedded
-    reference = reference_guidance(room)
-    scale = reference.scale
-    teacher_guidance = guidance if reference.embedded is None else reference.embedded
-    g = step_generator(SEED, 0, stream=randomness.VALIDATION_STREAM)
-    draws = []
-    for row, shape in zip(data.val_rows, data.val_shapes):
-        (h, w), n = shape[0], VAL_SEEDS
-        latent = (channels, h // factor, w // factor)
-        refs, _ = load_pairs([row] * n, shape, [False] * n, target=False, loader=data.loader)
-        refs = [x.to(d.device) for x in refs]
-        text = room.load_text([(row["prompt"], row)] * n, cache_dir, identity, d.device)
-        negative = (room.load_text([(reference.negative, row)] * n, cache_dir, identity, d.device)
-                    if reference.negative is not None else None)
-        tokens = (latent[1] // 2) * (latent[2] // 2)
-        own = getattr(room, "sampling_shift", None)  # FLUX.2's depends on the step count too
-        shift = (own(MODEL_PATH, tokens, VAL_TEACHER_STEPS) if own is not None
-                 else km.pipeline_shift(dit.scheduler_config(MODEL_PATH), tokens))
-        draws.append((room.dmd_cond(text, None, vae, refs, latent[1:]), room.dmd_cond(text, negative, vae, refs,
-                                                                                     latent[1:]),
-                       km.pack_latents(torch.randn((n, *latent), generator=g)).to(d.device),
-                       flow_dm.pack_steps(torch.randn((n, len(sigmas) - 1, *latent), generator=g)).to(d.device), shift))
-
-    def side(tokens_of, model):
-        tokens = [tokens_of(model, *draw) for draw in draws]
-        fsdp_utils.reshard_all(model)
-        if d_rank() != 0:
-            return val.Samples(None, None)
-        pixels = [room.decode_tokens(vae, t, cond.size).float().cpu() for t, (cond, *_) in zip(tokens, draws)]
-        return val.Samples(pixels, [t.float().cpu() for t in tokens])
-
-    @torch.no_grad()
-    def teacher_samples():
-        return side(lambda m, _, cond, noise, __, shift: dm.fm_teacher_ode(
-            cond.velocity(m, teacher_guidance if scale == 1 else scale, reference.norm), noise, VAL_TEACHER_STEPS,
-            shift), teacher)
-
-    @torch.no_grad()
-    def student_samples():
-        with final_weights() as model:
-            return side(lambda m, cond, _, noise, sim, __: flow_dm.sample_tokens(m, cond, noise, sim, sigmas, guidance),
-                        model)
-    return make_validator(teacher_samples, student_samples, [(str(references(r)), r["prompt"]) for r in data.val_rows],
-                          {"shapes": data.val_shapes, "scale": scale, "norm": reference.norm,
-                           "guidance": teacher_guidance, "negative": reference.negative,
-                           "reference_area": REFERENCE_AREA, "condition_area": CONDITION_AREA,
-                           "max_sequence_length": MAX_SEQUENCE_LENGTH})
 
 
 @torch.no_grad()

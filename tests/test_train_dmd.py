@@ -293,18 +293,17 @@ def test_every_room_resolves_its_teachers_guidance():
     assert plain.negative is None and plain.words() == "teacher without CFG"
 
 
-def test_validation_reference_samples_the_teacher_at_its_own_guidance(monkeypatch):
+def test_validation_reference_samples_the_teacher_at_its_own_guidance():
     """VAL_EVERY's teacher reference takes the family's own guidance whatever the run trains with: a run at CFG 8
     (or without CFG, or another FLUX_GUIDANCE) is compared with the teacher as its pipeline samples it."""
-    import train_dmd
+    from components.dmd_validation import reference_guidance
     from families import qwen_image
-    monkeypatch.setattr(train_dmd, "REAL_GUIDANCE_SCALE", 8.0)
-    monkeypatch.setattr(train_dmd, "REAL_GUIDANCE_NORM", "none")
-    monkeypatch.setattr(train_dmd, "FLUX_GUIDANCE", 3.5)
-    assert (train_dmd.reference_guidance(sd_unet).scale, train_dmd.reference_guidance(sd_unet).norm) == (1.75, "none")
-    q = train_dmd.reference_guidance(qwen_image)
+    run = {"REAL_GUIDANCE_SCALE": 8.0, "REAL_GUIDANCE_NORM": "none", "FLUX_GUIDANCE": 3.5, "MODEL_PATH": ""}
+    unet = reference_guidance(sd_unet, run)
+    assert (unet.scale, unet.norm) == (1.75, "none")
+    q = reference_guidance(qwen_image, run)
     assert (q.scale, q.norm, q.negative) == (4.0, "token", " ")
-    assert train_dmd.reference_guidance(flux).embedded == 2.5
+    assert reference_guidance(flux, run).embedded == 2.5
 
 
 def test_contradictory_settings_rejected_before_any_work(monkeypatch):
