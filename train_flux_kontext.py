@@ -556,6 +556,15 @@ def sample_grid(room, transformer, vae, scheduler, pairs, shapes, text, steps, g
 # and after the loop)
 
 
+def print_sampling_length() -> None:
+    """The export's loading line's max_sequence_length, where the run trained with another than the pipelines' own
+    default (FLUX pads the text to it without a mask, so the length changes the text the model reads)."""
+    length = _DEFAULTS["MAX_SEQUENCE_LENGTH"]
+    if MAX_SEQUENCE_LENGTH != length:
+        print0(f"sampling the export: pipe(..., max_sequence_length={MAX_SEQUENCE_LENGTH}), the length it trained "
+               f"with (the pipeline's default {length} changes the text it reads)")
+
+
 def main():
     run, prec = trainer.start(globals(), validate_config, resolve_defaults)
     d = run.d
@@ -674,10 +683,7 @@ def main():
                              sample=sample if sample_rows else None,
                              work={"images": global_batch, "tokens": global_batch * tokens})
 
-    length = _DEFAULTS["MAX_SEQUENCE_LENGTH"]  # the pipelines' own default (FLUX pads to it: no text mask)
-    if MAX_SEQUENCE_LENGTH != length:
-        print0(f"sampling the export: pipe(..., max_sequence_length={MAX_SEQUENCE_LENGTH}), the length it trained "
-               f"with (the pipeline's default {length} changes the text it reads)")
+    print_sampling_length()
     trainer.finish(run, final_weights)
 
 

@@ -153,7 +153,8 @@ def tracked_text_files():
 
 
 # `docs/x.md, "Section"`, `README's "Section"`, or unquoted inside brackets: `(README, Section)`
-SECTION_REF = re.compile(r"\b(README|docs/(?:families/)?\w+\.md)(?:(?:, |'s )[\"“]([^\"”]+)[\"”]|, ([A-Z][\w ]+)\))")
+SECTION_REF = re.compile(r"\b(README|docs/(?:families/)?\w+\.md)"
+                         r"(?:(?:, |'s )[\"“]([^\"”]+)[\"”]|, ([A-Z][\w ]+)\))")
 
 
 def test_sections_named_in_code_and_docs_exist():
