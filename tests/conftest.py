@@ -141,14 +141,19 @@ def launch_all(runs: dict, timeout: float = TIMEOUT, check: bool = True) -> dict
                 pytest.fail(f"{name}: {' '.join(proc.args[-6:])} exited {rc}:\n{out[-3000:]}")
             done[name] = subprocess.CompletedProcess(proc.args, rc, out)
     finally:
-        for proc in procs.values():
-            if proc.returncode is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.communicate()
+        kill_groups(procs.values())
     return done
+
+
+def kill_groups(procs) -> None:
+    """SIGKILL the process group of every launch still running, and reap it."""
+    for proc in procs:
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
 
 
 # environment variables the server's imports read at import time: a launch whose values differ
@@ -650,13 +655,7 @@ def start_all(runs: dict, timeout: float = TIMEOUT):
     done: dict = {}
 
     def kill():
-        for proc in procs.values():
-            if proc.returncode is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.communicate()
+        kill_groups(procs.values())
 
     def wait(*names) -> dict:
         for name in names or procs:

@@ -63,8 +63,11 @@ def plain_reference(name: str, folder: str, resolution: int, batch: int, text_le
     model = getattr(diffusers, class_name).from_pretrained(trained, torch_dtype=dtype)
     if families.MODELS[class_name].attention_dispatcher:
         attention.set_backend(model, attention.DEFAULT)
-    factor = (family.room.vae_factor(folder) if hasattr(family.room, "vae_factor") else
-              2 ** (len(json.load(open(os.path.join(folder, "vae", "config.json")))["block_out_channels"]) - 1))
+    if hasattr(family.room, "vae_factor"):
+        factor = family.room.vae_factor(folder)
+    else:  # an AutoencoderKL: a factor of 2 per down block after the first
+        with open(os.path.join(folder, "vae", "config.json")) as f:
+            factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
     torch.manual_seed(0)  # example_inputs draws from the default generator
     args = family.example_inputs(model.config, batch, [(s // factor, s // factor) for s in (resolution, *references)],
                                  text_len, device, dtype)
