@@ -73,7 +73,7 @@ from data.images import save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
-from families import dit
+from families import dit, pipelines
 from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
@@ -90,6 +90,8 @@ from precision import Precision, component_row, get_precision, parse_dtype
 MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1, Qwen-Image-Edit or FLUX.2 folder (model_index.json says which); "" = shapes
 TEACHER_LORA = ""  # flow teachers: a LoRA of MODEL_PATH (an export/, or kohya / ai-toolkit / musubi / ComfyUI keys that
 # the pipeline's lora_state_dict converts): the teacher is base + it
+GENERATOR_LORA = ""  # flow teachers, LORA_RANK > 0: a LoRA file (the forms TEACHER_LORA reads) whose adapters start the
+# generator and its EMA, e.g. a few-step LoRA to continue (its rank LORA_RANK, its modules among the targets)
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
 # (an editing teacher: rows as train_flux_kontext.py reads them, "control"(s) + "prompt"; "target" for the GAN)
 CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' folder(s); "" = DATA_PATH/control
@@ -266,6 +268,11 @@ def validate_config() -> list[int]:
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
                           + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
                              f"(a {pipeline} teacher's guidance is FLUX_GUIDANCE)"))
+    if GENERATOR_LORA and (room is unet or not LORA_RANK or INIT_FROM):
+        raise ConfigError(f"GENERATOR_LORA={GENERATOR_LORA} " + (
+            "with a UNet teacher: GENERATOR_INIT starts its generator" if room is unet else
+            "without LORA_RANK: it starts LoRA adapters" if not LORA_RANK else
+            "and INIT_FROM both set: INIT_FROM's checkpoint already holds the generator"))
     if room is unet:
         unet.check_dmd_settings(script_constants(globals()), changed_settings())
     else:
@@ -314,6 +321,13 @@ def check_flow_settings(room, pipeline: str) -> None:
         transformer = os.path.join(MODEL_PATH, "transformer")
         lora_merge.read_lora(TEACHER_LORA, pipeline=pipeline).check_base(tensor_shapes(transformer),
                                                                         f"TEACHER_LORA: {transformer}")
+    if GENERATOR_LORA:  # its adapters are the generator's, module for module
+        start = lora_merge.read_lora(GENERATOR_LORA, pipeline=pipeline)
+        trained = pipelines.trained_component(pipeline)
+        lora = lora_lib.Lora.from_settings(script_constants(globals()))
+        lora_merge.check_adapters(start, lora_lib.check_lora_targets(
+            trained.class_name, os.path.join(MODEL_PATH, trained.subfolder), lora, families.MODELS[trained.class_name]),
+            LORA_RANK, "GENERATOR_LORA")
 
 
 def check_generator_init(path: str, teacher_unet: str) -> None:
@@ -480,8 +494,10 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
             sched_d.step()
             validate = (functools.partial(validator, step) if validator is not None and trainer.due(step, VAL_EVERY)
                         else None)
-            trainer.end_step(run, step, logs, lrs, {"samples_seen": step * global_batch, "skipped_samples": skipped},
-                             validate=validate, sample=sample, work={"images": global_batch})
+            state = {"samples_seen": step * global_batch, "skipped_samples": skipped,
+                     **({"val_best": validator.best} if validator is not None else {})}  # COLLAPSE_WARN's best
+            trainer.end_step(run, step, logs, lrs, state, validate=validate, sample=sample,
+                             work={"images": global_batch})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -627,6 +643,9 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=N
                               attention_backend=ATTENTION_BACKEND,
                               merge=base_lora, fp8=FP8)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
+    if GENERATOR_LORA:  # before the EMA copies it
+        lora_merge.load_adapters(generator, lora_merge.read_lora(GENERATOR_LORA, pipeline=run.pipeline))
+        print0(f"generator: its adapters from GENERATOR_LORA={GENERATOR_LORA}")
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
     fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
                  base_dtype=BASE_DTYPE if fake_lora else "")
@@ -924,6 +943,8 @@ def main() -> None:
     steps, load, sample, validator = family.inputs(final_weights)
     if validator is not None:
         validator.before_stop = run.ckpt.wait  # COLLAPSE_STOP: a save in flight is finished first
+        if run.resume_path:  # the collapse warning goes on from the first run's best variety ratio
+            validator.best = checkpoint.read_meta(run.resume_path).get("val_best", 0.0)
     run_loop(run, start, steps, load, family.n_steps, family.models, (*family.trained, family.guidance),
              (opt_g, opt_d), (sched_g, sched_d), sample, family.skipped, validator)
 

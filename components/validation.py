@@ -114,7 +114,7 @@ class Validator:
     def __init__(self, teacher: Callable[[], Samples], student: Callable[[], Samples], folder: str,
                  identity: dict, warn: float, stop: bool, before_stop: Callable[[], None] = lambda: None):
         self.student, self.folder, self.warn, self.stop, self.before_stop = student, folder, warn, stop, before_stop
-        self.best = 0.0  # the run's best variety ratio so far (a resumed process starts it again)
+        self.best = 0.0  # the run's best variety ratio so far (a resume sets it from its checkpoint: val_best)
         self.cache = os.path.join(folder, f"teacher_{reference_key(identity)}.pt")
         self._teacher_fn, self.reference = teacher, None
 

@@ -154,6 +154,37 @@ def read_lora(path: str, component: str = "transformer", pipeline: str = "") -> 
     return LoraDelta(file, layers)
 
 
+def check_adapters(delta: LoraDelta, targets: list[str], rank: int, setting: str) -> None:
+    """`delta` can start a LoRA model whose adapters are `targets` (peft's target_modules: module names or their
+    suffixes) at `rank`: every module it adapts is a target, at that rank, else one line naming the first that is
+    not (before any work)."""
+    for module, (a, _, _) in sorted(delta.layers.items()):
+        if not any(module == t or module.endswith("." + t) for t in targets):
+            raise ConfigError(f"{setting}={delta.path}: adapts {module}, which LORA_TARGET_MODULES does not target "
+                              f"({', '.join(targets[:4])}{', ...' if len(targets) > 4 else ''}): set "
+                              "LORA_TARGET_MODULES to cover the file's modules")
+        if a.shape[0] != rank:
+            raise ConfigError(f"{setting}={delta.path}: {module} has rank {a.shape[0]}, LORA_RANK={rank}: "
+                              f"set LORA_RANK={a.shape[0]}")
+
+
+@torch.no_grad()
+def load_adapters(model: torch.nn.Module, delta: LoraDelta) -> None:
+    """Start `model`'s peft adapters (parallel/lora.add_lora, sharded or whole, already initialised) as `delta`'s:
+    each adapted module's lora_A is the file's A and its lora_B the file's B times the file's scale over the
+    model's, so that the model's scale · B @ A is the file's delta (check_adapters first). Modules the file does
+    not adapt keep their init (lora_B = 0: no change)."""
+    from fsdp_utils import fill_local
+    config = model.peft_config["default"]
+    own = {"r": config.r, "lora_alpha": config.lora_alpha, "use_rslora": config.use_rslora,
+           "rank_pattern": config.rank_pattern, "alpha_pattern": config.alpha_pattern}
+    params = dict(model.named_parameters())
+    for module, (a, b, scale) in delta.layers.items():
+        b = b * (scale / scale_of(module, own))
+        fill_local(params[f"{module}.lora_A.default.weight"], lambda index: a[index])
+        fill_local(params[f"{module}.lora_B.default.weight"], lambda index: b[index])
+
+
 def joined(student: dict, scales: dict, teacher: LoraDelta) -> tuple[dict, dict]:
     """One adapter set equal to a teacher's adapters plus a student's: ({`<module>.lora_A.weight` /
     `.lora_B.weight`: tensor}, the LoraConfig fields r, lora_alpha, rank_pattern, alpha_pattern,

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import finish, launch_env, start, tiny_default
+from tests.conftest import VALIDATE, assert_validated, finish, launch_env, start, tiny_default
 
 import fsdp_utils
 from components.config import script_constants
@@ -122,7 +122,7 @@ def test_bf16_replicas_run_samples_ema_and_validation(tmp_path):
            "--save_every=0", "--log_every=1"]
     runs = {f"dmd_{p}": ("train_dmd.py", dmd + [f"--precision={p}", "--fake_score_fp32=1"])
             for p in ("bf16-mixed", "bf16")}
-    runs["dmd_lora"] = ("train_dmd.py", dmd + ["--lora_rank=4", "--fake_lora=1"])
+    runs["dmd_lora"] = ("train_dmd.py", dmd + ["--lora_rank=4", "--fake_lora=1", *VALIDATE])  # validation too
     runs["kontext_lora"] = (
         "train_flux_kontext.py",
         [
@@ -142,6 +142,7 @@ def test_bf16_replicas_run_samples_ema_and_validation(tmp_path):
         rc, logs[name] = finish(proc)
         assert rc == 0, f"{name}:\n{logs[name][-3000:]}"
         assert os.path.exists(tmp_path / name / "samples" / "step_000002.png"), name
+    assert_validated(tmp_path / "dmd_lora", [2])  # DMD2's validation on DDP replicas
     records = [json.loads(line) for line in open(tmp_path / "kontext_lora" / "metrics.jsonl")]
     assert [r["step"] for r in records if "val_loss" in r] == [1, 2]
     fake = next(line.split() for line in logs["dmd_bf16"].splitlines() if line.startswith("fake "))

@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from core.errors import ConfigError
 from parallel import float8
-from tests.conftest import launch_all_resuming, launch_env, read_checkpoint, read_metrics, tiny_default
+from tests.conftest import (VALIDATE, assert_validated, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
+                            tiny_default)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -104,7 +105,7 @@ def runs(tmp_path_factory):
         "rowwise": job(args=tune + [f"--output_dir={out['rowwise']}", "--fp8=rowwise"]),
         "dmd": job(script="train_dmd.py", args=common + [
             f"--output_dir={out['dmd']}", "--fp8=tensorwise", "--max_steps=2", "--save_every=0", "--sample_every=0",
-            "--dfake_gen_update_ratio=1", "--denoising_steps=999,749,499,249"]),
+            "--dfake_gen_update_ratio=1", "--denoising_steps=999,749,499,249", *VALIDATE]),
         # one rank: FSDP2 leaves weights with an all-gather extension unsharded there, so no float8 all-gather
         "one_rank": job(ranks=1, args=tune + [f"--output_dir={out['one_rank']}", "--fp8=tensorwise", "--max_steps=2",
                                               "--save_every=0"])},
@@ -151,12 +152,14 @@ def test_float8_export_holds_plain_weights_the_pipeline_loads(runs):
 
 @pytest.mark.slow
 def test_dmd_runs_its_transformers_in_float8(runs):
-    """train_dmd.py: generator and fake score with float8 all-gather, the frozen teacher converted without it."""
+    """train_dmd.py: generator and fake score with float8 all-gather, the frozen teacher converted without it;
+    its validation (VAL_EVERY) runs on them."""
     log = runs["logs"]["dmd"]
     assert log.count("Linears in float8, trained weights all-gathered in float8") == 2, log[-3000:]
     assert log.count("Linears in float8 (emulated") == 1
     rows = read_metrics(runs["out"]["dmd"], timing=False)
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss_fake"])) for r in rows)
+    assert_validated(runs["out"]["dmd"], [2])  # validation samples the float8 generator and the teacher
     assert json.load(open(runs["out"]["dmd"] / "export" / "transformer" / "config.json"))
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+import checkpoint
 from core.errors import ConfigError
 from families import flux2
 from tests.conftest import (VALIDATE, assert_trains_as_eager, assert_validated, chain, launch_all_resuming,
@@ -494,7 +495,7 @@ def dmd_runs(klein, dev):
     out = {k: root / ("dmd_" + k) for k in ("full", "stopped", "lora", "t2i", "dev")}
     job = functools.partial(dict, script="train_dmd.py", env=klein["env"])
     done = launch_all_resuming({
-        "full": job(args=common + gan + [f"--output_dir={out['full']}"]),
+        "full": job(args=common + gan + [f"--output_dir={out['full']}", *VALIDATE]),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1",
                                    "--base_dtype=nf4", "--save_every=0", *VALIDATE]),
         "t2i": job(args=common + [f"--output_dir={out['t2i']}", f"--data_path={prompts}", "--max_steps=2",
@@ -502,7 +503,7 @@ def dmd_runs(klein, dev):
         "dev": job(args=common + [f"--output_dir={out['dev']}", f"--model_path={dev}", "--flux_guidance=3.5",
                                   f"--max_sequence_length={DEV_LENGTH}", "--lora_rank=4", "--fake_lora=1",
                                   "--save_every=0"])},
-        "full", job(args=common + gan + [f"--output_dir={out['stopped']}", "--resume=auto"]), timeout=600)
+        "full", job(args=common + gan + [f"--output_dir={out['stopped']}", "--resume=auto", *VALIDATE]), timeout=600)
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "resumed": done["resumed"].stdout}
 
 
@@ -511,8 +512,14 @@ def test_dmd_resumes_bit_exact_with_the_teachers_cfg(dmd_runs):
     a, b = read_checkpoint(dmd_runs["out"]["full"], 4), read_checkpoint(dmd_runs["out"]["stopped"], 4)
     for name in ("model.generator", "model.fake", "model.ema", "model.head"):
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    # the last record holds step 4's validation too: the resumed run's curve continues the first one's, and
+    # the collapse warning's best so far came back with the checkpoint
     assert read_metrics(dmd_runs["out"]["full"], timing=False)[-1] == \
         read_metrics(dmd_runs["out"]["stopped"], timing=False)[-1]
+    assert_validated(dmd_runs["out"]["full"], [2, 4])
+    best = [checkpoint.read_meta(dict(checkpoint.list_checkpoints(str(dmd_runs["out"][k])))[4])["val_best"]
+            for k in ("full", "stopped")]
+    assert best[0] == best[1] > 0
     assert "teacher true CFG 4 (token rescale)" in dmd_runs["logs"]["full"]
     assert "pipe(..., num_inference_steps=4, max_sequence_length=32)" in dmd_runs["logs"]["full"]
     assert "(step 2)" in dmd_runs["resumed"]

@@ -10,6 +10,7 @@ Launches, shared through module-scoped fixtures (the first three side by side):
   run_resumed  RESUME=auto from a copy of run_a's step-2 checkpoint, to step 4
   run_lora   1 process, 2 steps, LoRA generator and fake score on NF4 bases, NF4 teacher, validation at step 2
   run_merged 1 process, 1 step, LoRA generator with LORA_EXPORT_MERGED (an NF4 base refuses the merged export)
+  run_started 2 ranks, 1 step at generator LR 0, the LoRA generator started from a file in another tool's form
 (the 1-step generator's draws and step: test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree)
 Settings a FLUX teacher refuses (prompt-only data, USE_GAN) are checked in tests/test_fault_tolerance.py,
 REAL_GUIDANCE_SCALE here.
@@ -55,8 +56,28 @@ def dmd(pairs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def first_runs(dmd):
-    """run_a, run_b, run_lora and run_merged, side by side (and a 1-step step with the regression loss)."""
+def started_lora(tmp_path_factory):
+    """A rank-4 LoRA of the base's double blocks' to_q / to_k in the form with `.alpha` keys (diffusers names,
+    lora_A / lora_B; FluxKontextPipeline.lora_state_dict reads it), alpha 12 (scale 3), random B."""
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(5)
+    base = load_file(os.path.join(BASE, "transformer", "diffusion_pytorch_model.safetensors"))
+    tensors = {}
+    for key, w in base.items():
+        if key.startswith("transformer_blocks.") and key.endswith(("attn.to_q.weight", "attn.to_k.weight")):
+            m = key[:-len(".weight")]
+            tensors[f"transformer.{m}.lora_A.weight"] = torch.randn(4, w.shape[1], generator=g) / 4
+            tensors[f"transformer.{m}.lora_B.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
+            tensors[f"transformer.{m}.alpha"] = torch.tensor(12.0)
+    path = tmp_path_factory.mktemp("started") / "alpha_form.safetensors"
+    save_file(tensors, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def first_runs(dmd, started_lora):
+    """run_a, run_b, run_lora, run_merged and run_started, side by side (and a 1-step step with the regression
+    loss)."""
     done = dmd.launch_all({
         "a": (), "b": (["--grad_accum=2"], 1),
         "lora": (["--max_steps=2", "--ema_decay=0", "--use_gan=0", "--lora_rank=4", "--fake_lora=1",
@@ -64,11 +85,14 @@ def first_runs(dmd):
         "merged": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--lora_rank=4",
                     "--lora_export_merged=1"], 1),
         "reg": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--denoising_steps=",
-                 "--regression_weight=0.5", "--regression_steps=2"], 1)})
+                 "--regression_weight=0.5", "--regression_steps=2"], 1),
+        "started": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--lora_rank=4",
+                     "--lora_alpha=8", "--generator_lr=0", f"--generator_lora={started_lora}", "--export_dtype=fp32",
+                     "--save_every=0"], 2)})
     assert "FluxKontextPipeline" in done["a"][1] and "num_inference_steps=4, guidance_scale=2.5" in done["a"][1]
     # the regression loss reaches the generator's step (its math: tests/test_dmd2.py, test_dm_gradient_is_zero...)
     assert read_metrics(done["reg"][0])[0]["loss_reg"] > 0, done["reg"][1][-2000:]
-    return done["a"][0], done["b"][0], done["lora"], done["merged"]
+    return done["a"][0], done["b"][0], done["lora"], done["merged"], done["started"]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +200,25 @@ def test_lora_nf4_run_exports_adapters_the_base_pipeline_loads(run_lora, pairs):
     assert "num_inference_steps=4, guidance_scale=2.5" in log
     assert torch.isfinite(_edit(pipe, pairs)).all()
     assert pipe.scheduler.sigmas.tolist() == pytest.approx(SIGMAS + [0.0])
+
+
+@pytest.mark.slow
+def test_generator_lora_starts_the_adapters_from_a_file_in_another_form(first_runs, started_lora):
+    """GENERATOR_LORA on 2 ranks: after a step at generator LR 0 the exported adapters make the file's deltas
+    (read through the pipeline's converter, its scale 3 against the run's 2: B rescaled), and every other targeted
+    module none (its lora_B still 0)."""
+    from parallel import lora_merge
+    out, log = first_runs[4]
+    assert f"generator: its adapters from GENERATOR_LORA={started_lora}" in log, log[-3000:]
+    file = lora_merge.read_lora(started_lora, pipeline="FluxKontextPipeline")
+    exported = lora_merge.read_lora(str(out / "export"))
+    assert set(file.layers) < set(exported.layers)
+    for m, (a, b, s) in exported.layers.items():
+        if m in file.layers:
+            fa, fb, fs = file.layers[m]
+            torch.testing.assert_close((b @ a) * s, (fb @ fa) * fs, msg=m)
+        else:
+            assert not b.any(), m
 
 
 @pytest.mark.slow
@@ -314,5 +357,28 @@ def test_flux_teacher_refuses_teacher_cfg_before_any_work(monkeypatch, pairs, tm
                                    DATA_PATH=pairs if model else "")
             train_dmd.validate_config()
             assert train_dmd.resolve_defaults()["REAL_GUIDANCE_SCALE"] == resolved, (model, scale)
+    finally:
+        vars(train_dmd).update(saved)
+
+
+@pytest.mark.slow  # ~1.3 s: the file read through diffusers' converter five times
+def test_generator_lora_it_cannot_start_is_one_line_before_any_work(started_lora, pairs):
+    """GENERATOR_LORA without LORA_RANK, at another rank, beyond the targets, or with a UNet teacher: one line."""
+    import train_dmd
+    from components.config import script_constants
+    from core.errors import ConfigError
+    saved = script_constants(vars(train_dmd))
+    cases = [({}, "without LORA_RANK"), ({"LORA_RANK": 8}, "has rank 4, LORA_RANK=8: set LORA_RANK=4"),
+             ({"LORA_RANK": 4, "LORA_TARGET_MODULES": ["to_v"]}, "which LORA_TARGET_MODULES does not target"),
+             ({"LORA_RANK": 4, "MODEL_PATH": "", "DATA_PATH": ""}, "with a UNet teacher")]
+    try:
+        for change, words in cases:
+            vars(train_dmd).update(saved, **{"MODEL_PATH": BASE, "DATA_PATH": pairs, "GENERATOR_LORA": started_lora,
+                                             **change})
+            with pytest.raises(ConfigError, match=words) as e:
+                train_dmd.validate_config()
+            assert "\n" not in str(e.value)
+        vars(train_dmd).update(saved, MODEL_PATH=BASE, DATA_PATH=pairs, GENERATOR_LORA=started_lora, LORA_RANK=4)
+        train_dmd.validate_config()
     finally:
         vars(train_dmd).update(saved)
