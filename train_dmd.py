@@ -492,12 +492,19 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                 ema_lib.ema_update(ema, generator, EMA_DECAY)
             sched_g.step()  # both every iteration, as published (make_optimizer)
             sched_d.step()
-            validate = (functools.partial(validator, step) if validator is not None and trainer.due(step, VAL_EVERY)
-                        else None)
             state = {"samples_seen": step * global_batch, "skipped_samples": skipped,
-                     **({"val_best": validator.best} if validator is not None else {})}  # COLLAPSE_WARN's best
+                     **({"val_best": validator.best} if validator is not None else {})}
+            validate = (functools.partial(validated, validator, step, state)
+                        if validator is not None and trainer.due(step, VAL_EVERY) else None)
             trainer.end_step(run, step, logs, lrs, state, validate=validate, sample=sample,
                              work={"images": global_batch})
+
+
+def validated(validator, step: int, state: dict) -> dict:
+    """The step's validation figures; the checkpoint written after them holds COLLAPSE_WARN's best so far."""
+    figures = validator(step)
+    state["val_best"] = validator.best
+    return figures
 
 
 # ----------------------------------------------------------------------------------------------
