@@ -96,8 +96,7 @@ CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' fold
 MAX_REFERENCES = 0  # editing teachers: reference images per row at most; 0 = the family's (Kontext 1, Qwen 3, FLUX.2 4)
 REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
-RESOLUTION = 0  # target area RESOLUTION^2 px (UNets: the side; Wan: the height); 0 = the family's: SD-1.5 512, FLUX,
-# Qwen, FLUX.2 1024, Wan 480 (x 832)
+RESOLUTION = 0  # area RESOLUTION^2 px (UNets: side; Wan: height); 0 = the family's: SD-1.5 512, Wan 480, else 1024
 NUM_FRAMES = 0  # video teachers (Wan): frames per clip, 4k + 1; 0 = the pipeline's 81
 REFERENCE_AREA = 0  # Qwen-Image-Edit, FLUX.2: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
