@@ -1,5 +1,5 @@
-"""DMD2 distillation of an SD-1.5 / SDXL UNet, a FLUX.1 (Kontext or text-to-image), Qwen-Image-Edit-2509 / 2511
-or FLUX.2 ([klein] base, [dev]) transformer into a 1-step (or few-step) generator, on FSDP2.
+"""DMD2 distillation of an SD-1.5 / SDXL UNet, a FLUX.1 (Kontext or text-to-image), Qwen-Image-Edit-2509 / 2511,
+FLUX.2 ([klein] base, [dev]) or Wan 2.1 text-to-video transformer into a 1-step (or few-step) generator, on FSDP2.
 
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
 Three copies of the teacher start from the same weights: the generator G (trained), the frozen
@@ -15,8 +15,8 @@ algorithms/dmd2_unet.py; flow matching: algorithms/dmd2_flow.py); what both scri
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
-VAE), FluxKontextPipeline or FluxPipeline, QwenImageEditPlusPipeline, Flux2KleinPipeline or Flux2Pipeline
-(docs/dmd2.md; each family's page in docs/families/); its setup
+VAE), FluxKontextPipeline or FluxPipeline, QwenImageEditPlusPipeline, Flux2KleinPipeline or Flux2Pipeline,
+WanPipeline (docs/dmd2.md; each family's page in docs/families/); its setup
 here (the UNets', or the one of every flow-matching room, which asks the room what differs) builds the
 models, VAE, batches and losses, and one story (main) runs them through the same loop.
 
@@ -87,7 +87,7 @@ from precision import Precision, component_row, get_precision, parse_dtype
 # settings are in the same order in train_flux_kontext.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1, Qwen-Image-Edit or FLUX.2 folder (model_index.json says which); "" = shapes
+MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1, Qwen-Image-Edit, FLUX.2 or Wan folder (model_index.json says); "" = shapes
 TEACHER_LORA = ""  # flow teachers: a LoRA of MODEL_PATH (an export/, or kohya / ai-toolkit / musubi / ComfyUI keys that
 # the pipeline's lora_state_dict converts): the teacher is base + it
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's

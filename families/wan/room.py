@@ -364,7 +364,10 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
     for name, hit, why in refused:
         if hit:
             raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")
-    steps = [int(t) for t in settings.get("DENOISING_STEPS") or []]
+    try:
+        steps = [int(t) for t in settings.get("DENOISING_STEPS") or []]
+    except ValueError:  # train_dmd.py's own check says what it expects
+        return
     if len(steps) > 1 and any(abs(t - (999 - i * (999 - steps[-1]) / (len(steps) - 1))) > 1
                               for i, t in enumerate(steps)):
         raise ConfigError(f"DENOISING_STEPS={steps} with a {pipeline} teacher: WanPipeline passes no σ, so the "
