@@ -208,7 +208,7 @@ def unpack_latents(tokens: torch.Tensor, grid) -> torch.Tensor:
 def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
     """The run's attention calls for the start-up kernel check: per shape the transformer's self-attention over
     its video tokens and cross-attention to the text (MAX_SEQUENCE_LENGTH tokens), and the VAE mid-block's one
-    head per frame (forward only)."""
+    head over a latent frame (forward only)."""
     with open(os.path.join(model_path, "transformer", "config.json")) as f:
         t = json.load(f)
     v = vae_config(model_path)
@@ -219,8 +219,9 @@ def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel)
         tokens = grid[0] * (grid[1] // 2) * (grid[2] // 2)
         trained += [attention.Shape(f"self-attention at {size[0]}x{size[1]}", batch, tokens, tokens, heads, dim),
                     attention.Shape(f"cross-attention at {size[0]}x{size[1]}", batch, tokens, text, heads, dim)]
-        vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch * grid[0], grid[1] * grid[2], 1,
-                                   v["base_dim"] * v["dim_mult"][-1], 1, backward=False))
+        cells = grid[1] * grid[2]  # the decoder's mid-block attends within one latent frame at a time
+        vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch, cells, cells, 1,
+                                   v["base_dim"] * v["dim_mult"][-1], backward=False))
     return trained, vae
 
 
