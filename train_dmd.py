@@ -1,5 +1,5 @@
-"""DMD2 distillation of an SD-1.5 / SDXL UNet, a FLUX.1 (Kontext or text-to-image), Qwen-Image-Edit-2509 / 2511
-or FLUX.2 ([klein] base, [dev]) transformer into a 1-step (or few-step) generator, on FSDP2.
+"""DMD2 distillation of an SD-1.5 / SDXL UNet, a FLUX.1 (Kontext or text-to-image), Qwen-Image-Edit-2509 / 2511,
+FLUX.2 ([klein] base, [dev]) or Wan 2.1 text-to-video transformer into a 1-step (or few-step) generator, on FSDP2.
 
 DMD2 = Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image Synthesis".
 Three copies of the teacher start from the same weights: the generator G (trained), the frozen
@@ -15,8 +15,8 @@ algorithms/dmd2_unet.py; flow matching: algorithms/dmd2_flow.py); what both scri
 the loop in components/trainer.py; what is true of a model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
-VAE), FluxKontextPipeline or FluxPipeline, QwenImageEditPlusPipeline, Flux2KleinPipeline or Flux2Pipeline
-(docs/dmd2.md; each family's page in docs/families/); its setup
+VAE), FluxKontextPipeline or FluxPipeline, QwenImageEditPlusPipeline, Flux2KleinPipeline or Flux2Pipeline,
+WanPipeline (docs/dmd2.md; each family's page in docs/families/); its setup
 here (the UNets', or the one of every flow-matching room, which asks the room what differs) builds the
 models, VAE, batches and losses, and one story (main) runs them through the same loop.
 
@@ -87,7 +87,7 @@ from precision import Precision, component_row, get_precision, parse_dtype
 # settings are in the same order in train_flux_kontext.py, and mean the same: components/trainer.py)
 
 # models and data
-MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1, Qwen-Image-Edit or FLUX.2 folder (model_index.json says which); "" = shapes
+MODEL_PATH = ""  # SD-1.5, SDXL, FLUX.1, Qwen-Image-Edit, FLUX.2 or Wan folder (model_index.json says); "" = shapes
 TEACHER_LORA = ""  # flow teachers: a LoRA of MODEL_PATH (an export/, or kohya / ai-toolkit / musubi / ComfyUI keys that
 # the pipeline's lora_state_dict converts): the teacher is base + it
 GENERATOR_LORA = ""  # flow teachers, LORA_RANK > 0: a LoRA file (the forms TEACHER_LORA reads) whose adapters start the
@@ -98,7 +98,8 @@ CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' fold
 MAX_REFERENCES = 0  # editing teachers: reference images per row at most; 0 = the family's (Kontext 1, Qwen 3, FLUX.2 4)
 REAL_DATA_PATH = ""  # GAN real images apart from the prompts (folder, .jsonl, datasets); "" = DATA_PATH's "image"
 OUTPUT_DIR = "out/dmd"  # metrics.jsonl, samples/, checkpoints/, export/
-RESOLUTION = 0  # target area RESOLUTION^2 px (UNets: the side); 0 = the family's: SD-1.5 512, FLUX, Qwen, FLUX.2 1024
+RESOLUTION = 0  # area RESOLUTION^2 px (UNets: side; Wan: height); 0 = the family's: SD-1.5 512, Wan 480, else 1024
+NUM_FRAMES = 0  # video teachers (Wan): frames per clip, 4k + 1; 0 = the pipeline's 81
 REFERENCE_AREA = 0  # Qwen-Image-Edit, FLUX.2: pixels of each reference the transformer sees; 0 = the pipeline's 1024^2
 SKIP_BAD_SAMPLES = False  # bad data rows: False = stop with file:line, True = skip and count
 DATASET_SPLIT = "train"  # datasets sources: the split to read (a save_to_disk DatasetDict or a hub dataset)
@@ -263,6 +264,8 @@ def validate_config() -> list[int]:
     pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
     room = families.FAMILIES.get(pipeline, unet)
     trainer.check_text_sharding(SHARD_TEXT_ENCODER, room)
+    if NUM_FRAMES and not hasattr(room, "latent_grid"):
+        raise ConfigError(f"NUM_FRAMES={NUM_FRAMES} with a {pipeline or 'SD-1.5'} teacher: it makes images, not videos")
     embedded = room.dmd_guidance(script_constants(globals())).embedded  # a guidance-distilled teacher's value
     if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
@@ -741,9 +744,10 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     fills (with the negative prompt's, for a teacher that samples with true CFG), every reference is read
     as fine-tuning reads it, and the step is algorithms/dmd2_flow.py's, in the same loop as the UNets'."""
     d = run.d
-    sigmas = flow_dm.timestep_sigmas(timesteps)
     settings = {**script_constants(globals()), "RESOLUTION": RESOLUTION or room.DEFAULT_RESOLUTION,
                 "PIPELINE": run.pipeline}
+    # the student's σ: DENOISING_STEPS' (t + 1) / 1000, or the list a video room's export scheduler makes itself
+    sigmas = getattr(room, "generator_sigmas", lambda _, s: s)(MODEL_PATH, flow_dm.timestep_sigmas(timesteps))
     data = flow_data(room, settings)
     trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, data.shapes, BATCH_SIZE, 1),
                             prec.compute_dtype)
@@ -774,15 +778,18 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     audit = [component_row(n, m, computes.get(n, prec.compute_dtype)) for n, m in models.items()]
     audit += [component_row("teacher", teacher, teacher_dtype), component_row("vae", vae, vae.dtype)]
     (h, w), refs = data.shapes[0]
-    tokens = [(a // factor // 2) * (b // factor // 2) for a, b in ((h, w), *refs)]
-    caption = (f"{h}x{w} px ({len(data.shapes)} shape(s)), {tokens[0]} target"
+    grid = functools.partial(flow_dm.latent_grid, room, factor=factor, settings=settings)  # (size px) -> latent grid
+    tokens = [flow_dm.token_count(grid(s)) for s in ((h, w), *refs)]
+    frames = f" x {grid((h, w))[0]} latent frames" if len(grid((h, w))) > 2 else ""  # a video room's
+    caption = (f"{h}x{w} px{frames} ({len(data.shapes)} shape(s)), {tokens[0]} target"
                + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, " + guide.words())
     inputs = functools.partial(flow_inputs, room=room, d=d, vae=vae, teacher=teacher, head=head, data=data,
-                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, factor=factor,
+                               sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, grid=grid,
                                channels=room.latent_channels(vae), edits=data.edits)
     index = room.distilled_index(MODEL_PATH)
+    note = export_note(run, guide, sigmas, index, own_sigmas=hasattr(room, "generator_sigmas"))
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
-                 room.distilled_scheduler(MODEL_PATH), export_note(run, guide, sigmas, index), index, base_lora)
+                 room.distilled_scheduler(MODEL_PATH, sigmas), note, index, base_lora)
 
 
 def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, negative: str | None,
@@ -808,24 +815,26 @@ def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: s
 
 
 def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity,
-                guide: dm.Guidance, factor, channels, edits) -> tuple[StepFns, Callable, Callable, Callable | None]:
+                guide: dm.Guidance, grid, channels, edits) -> tuple[StepFns, Callable, Callable, Callable | None]:
     """A flow teacher's step: fixed sample inputs (per sample shape, in order of first appearance: its
     rows' text and references, noise of the whole σ list), batches (cached text, packed references
-    and real tokens, per-sample draws at the step's shape), losses, and with VAL_EVERY the validator."""
+    and real tokens, per-sample draws at the step's shape), losses, and with VAL_EVERY the validator. `grid`: a
+    target's latent grid (its size px -> (h/f, w/f), a video's (T, h, w)); tokens by the room's pack_latents."""
+    pack = getattr(room, "pack_latents", km.pack_latents)
     guidance = 1.0 if guide.embedded is None else guide.embedded  # all three transformers' input; CFG in Losses
     g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
     groups = []
     for shape in dict.fromkeys(data.sample_shapes):
         rows = [r for r, s in zip(data.sample_rows, data.sample_shapes) if s == shape]
-        (h, w), latent = shape[0], (channels, shape[0][0] // factor, shape[0][1] // factor)
+        (h, w), latent = shape[0], (channels, *grid(shape[0]))
         refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False, loader=data.loader)
         read = data.loader or stretched
         targets = [read(r["target"], (h, w), False, "target") if "target" in r else torch.zeros(3, h, w) for r in rows]
         cond = room.dmd_cond(room.load_text([(r["prompt"], r) for r in rows], cache_dir, identity, d.device), None,
                              vae, [x.to(d.device) for x in refs], latent[1:])
         # drawn on the host (the same on every device), moved once
-        noise = km.pack_latents(torch.randn((len(rows), *latent), generator=g)).to(d.device)
-        sim = flow_dm.pack_steps(torch.randn((len(rows), len(sigmas) - 1, *latent), generator=g)).to(d.device)
+        noise = pack(torch.randn((len(rows), *latent), generator=g)).to(d.device)
+        sim = flow_dm.pack_steps(torch.randn((len(rows), len(sigmas) - 1, *latent), generator=g), pack).to(d.device)
         groups.append((cond, noise, sim, [([x[i] for x in refs], targets[i]) for i in range(len(rows))]))
 
     def sample(path):
@@ -833,24 +842,24 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
             write_flow_samples(room, model, vae, groups, sigmas, guidance, edits, path)
     validator = dmd_val.flow_validator(
         val_settings(), final_weights, room=room, rows=data.val_rows, shapes=data.val_shapes, loader=data.loader,
-        guide=guide, sigmas=sigmas, cache_dir=cache_dir, identity=identity, teacher=teacher, vae=vae, factor=factor,
-        channels=channels, device=d.device) if data.val_rows else None
+        guide=guide, sigmas=sigmas, cache_dir=cache_dir, identity=identity, teacher=teacher, vae=vae, grid=grid,
+        pack=pack, channels=channels, device=d.device) if data.val_rows else None
 
-    shifts = {s[0]: flow_shift(s[0], factor) for s in data.shapes}
+    shifts = {s[0]: flow_shift(s[0], flow_dm.token_count(grid(s[0]))) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
                        real_guidance_scale=guide.scale, real_guidance_norm=guide.norm, fake_target=FAKE_SCORE_TARGET,
                        regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
 
     def batches(it, loaded):
         (h, w), _ = loaded["shape"]
-        size = (h // factor, w // factor)
+        size = grid((h, w))
         draw = functools.partial(flow_dm.draw_sample_noise, shape=(channels, *size), n_sim=len(sigmas) - 1,
                                  sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                                  gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
                                  shift=shifts[(h, w)])
         out = []
         for host in loaded["batches"]:
-            mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw))
+            mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw), pack)
             mb["cond"] = room.dmd_cond(host["text"], host["negative"], vae, host["references"], size)
             if host["target"] is not None:  # the GAN's real images: the rows' targets, encoded as the references are
                 mb["real"] = room.image_tokens(vae, host["target"])
@@ -891,9 +900,8 @@ def write_flow_samples(room, model, vae, groups, sigmas, guidance, edits: bool, 
     save_image_grid(torch.stack(grid), path, nrow=most + 2)
 
 
-def flow_shift(size: tuple[int, int], factor: int) -> float:
-    """SHIFT's value for a target of `size` px (SHIFT=auto: the teacher pipeline's own at its token count)."""
-    tokens = (size[0] // factor // 2) * (size[1] // factor // 2)
+def flow_shift(size: tuple[int, int], tokens: int) -> float:
+    """SHIFT's value for a target of `size` px, `tokens` tokens (SHIFT=auto: the teacher pipeline's own there)."""
     shift = km.sigma_shift(SHIFT, dit.scheduler_config(MODEL_PATH), tokens)
     if SHIFT != "1":
         print0(f"σ shift of the DM loss and the fake score at {size[0]}x{size[1]}: {shift:.3f} ({tokens} target "
@@ -901,11 +909,11 @@ def flow_shift(size: tuple[int, int], factor: int) -> float:
     return shift
 
 
-def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index: dict) -> str:
+def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index: dict, own_sigmas=False) -> str:
     """How to sample the export: every export carrying the generator samples in len(sigmas) steps with
-    the scheduler made for it, without the teacher's guidance pair."""
+    the scheduler made for it (`own_sigmas`: which makes the list itself), without the teacher's guidance pair."""
     n = len(sigmas)
-    call = (f"num_inference_steps={n}" if sigmas == [1 - i / n for i in range(n)] else
+    call = (f"num_inference_steps={n}" if own_sigmas or sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
     kwargs = "".join(f", {k}={v}" for k, v in index.items())  # what the export's model_index.json sets
     if MAX_SEQUENCE_LENGTH != _DEFAULTS["MAX_SEQUENCE_LENGTH"]:  # the pipelines' default: the text it trained with

@@ -25,6 +25,7 @@ diffusers pipeline_flux_kontext.py:965) when its scheduler does not shift.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -141,18 +142,31 @@ def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range:
     return r
 
 
-def pack_draws(r: dict) -> dict:
-    """draw_sample_noise's latents of a micro-batch (B, C, h, w) -> packed tokens (B, N, 4C)."""
+def pack_draws(r: dict, pack=km.pack_latents) -> dict:
+    """draw_sample_noise's latents of a micro-batch (B, C, *grid) -> packed tokens (B, N, D) by `pack` (the room's
+    pack_latents: images (B, C, h, w) -> 2x2 patches (B, N, 4C))."""
     out = dict(r)
     for k in ("noise", "dm_noise", "fake_noise", *(n + "_noise" for n in dm.GAN_INPUTS if n + "_noise" in r)):
-        out[k] = km.pack_latents(r[k])
-    out["sim_noise"] = pack_steps(r["sim_noise"])
+        out[k] = pack(r[k])
+    out["sim_noise"] = pack_steps(r["sim_noise"], pack)
     return out
 
 
-def pack_steps(sim: torch.Tensor) -> torch.Tensor:
-    """(B, n_sim, C, h, w) -> (B, n_sim, N, 4C); n_sim may be 0 (a 1-step generator)."""
-    return km.pack_latents(sim.flatten(0, 1)).unflatten(0, sim.shape[:2])
+def pack_steps(sim: torch.Tensor, pack=km.pack_latents) -> torch.Tensor:
+    """(B, n_sim, C, *grid) -> (B, n_sim, N, D); n_sim may be 0 (a 1-step generator)."""
+    return pack(sim.flatten(0, 1)).unflatten(0, sim.shape[:2])
+
+
+def latent_grid(room, size: tuple[int, int], factor: int, settings: dict) -> tuple:
+    """A target of `size` px as its latent grid: the room's latent_grid where it has one (a video room's (T, h,
+    w)), else (h/f, w/f)."""
+    own = getattr(room, "latent_grid", None)
+    return tuple(own(size, settings)) if own is not None else (size[0] // factor, size[1] // factor)
+
+
+def token_count(grid: tuple) -> int:
+    """The tokens of a latent grid (..., h, w) in 2x2 patches of each frame: (h/2)(w/2) per frame."""
+    return math.prod(grid[:-2]) * (grid[-2] // 2) * (grid[-1] // 2)
 
 
 @torch.no_grad()

@@ -237,10 +237,10 @@ def pipeline_shift(config, image_seq_len: int) -> float:
     calculate_shift(image_seq_len, ...) (linear between base_shift at base_image_seq_len and max_shift
     at max_image_seq_len, the pipelines' own defaults where a key is missing: pipeline_flux_kontext.py
     :103-112 and :967, pipeline_qwenimage_edit_plus.py:71-80 and :766), then e^mu (time_shift_type
-    exponential) or mu (linear); without it, the static `shift`. The terminal stretch (shift_terminal)
-    and other respacings are sampling devices, not part of the density."""
+    exponential) or mu (linear); without it, the static `shift` (UniPC with flow sigmas, Wan's: `flow_shift`).
+    The terminal stretch (shift_terminal) and other respacings are sampling devices, not part of the density."""
     if not config.get("use_dynamic_shifting", False):
-        return float(config.get("shift", 1.0))
+        return float(config.get("flow_shift" if config.get("use_flow_sigmas") else "shift", 1.0))
     base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
     base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
     m = (max_shift - base_shift) / (max_len - base_len)

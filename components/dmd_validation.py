@@ -112,11 +112,12 @@ def unet_validator(s: ValSettings, final_weights, *, room, rows, encode, uncond,
 
 
 def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader, guide: dm.Guidance, sigmas,
-                   cache_dir, identity, teacher, vae, factor, channels, device) -> val.Validator:
+                   cache_dir, identity, teacher, vae, grid, pack, channels, device) -> val.Validator:
     """A flow teacher's: per validation row, its seeds' noises in one batch; the teacher's reference is its ODE
     from each noise (Euler, s.teacher_steps on the pipeline's shifted σ at the row's size) under its family's own
     guidance (its CFG pair against the negative prompt, or its embedded value), the student's the whole σ list as
-    the export samples, at the run's guidance input (`guide`)."""
+    the export samples, at the run's guidance input (`guide`). `grid`: a row's latent grid from its size in px;
+    `pack`: the room's latents -> tokens."""
     model_path = s.run["MODEL_PATH"]
     guidance = 1.0 if guide.embedded is None else guide.embedded
     reference = reference_guidance(room, s.run)
@@ -127,19 +128,20 @@ def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader,
     draws = []
     for row, shape in zip(rows, shapes):
         (h, w), n = shape[0], s.seeds
-        latent = (channels, h // factor, w // factor)
+        latent = (channels, *grid((h, w)))
         refs, _ = load_pairs([row] * n, shape, [False] * n, target=False, loader=loader)
         refs = [x.to(device) for x in refs]
         text = room.load_text([(row["prompt"], row)] * n, cache_dir, identity, device)
         negative = (room.load_text([(reference.negative, row)] * n, cache_dir, identity, device)
                     if reference.negative is not None else None)
-        tokens = (latent[1] // 2) * (latent[2] // 2)
+        tokens = flow_dm.token_count(latent[1:])
         shift = (own_shift(model_path, tokens, s.teacher_steps) if own_shift is not None
                  else km.pipeline_shift(dit.scheduler_config(model_path), tokens))
         draws.append((room.dmd_cond(text, None, vae, refs, latent[1:]),
                       room.dmd_cond(text, negative, vae, refs, latent[1:]),
-                      km.pack_latents(torch.randn((n, *latent), generator=g)).to(device),
-                      flow_dm.pack_steps(torch.randn((n, len(sigmas) - 1, *latent), generator=g)).to(device), shift))
+                      pack(torch.randn((n, *latent), generator=g)).to(device),
+                      flow_dm.pack_steps(torch.randn((n, len(sigmas) - 1, *latent), generator=g), pack).to(device),
+                      shift))
 
     def side(tokens_of, model):
         tokens = [tokens_of(model, *draw) for draw in draws]

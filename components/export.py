@@ -337,7 +337,8 @@ def export_pipeline(model_path: str, out_dir: str, trained: dict[str, nn.Module]
                 converted.append(name)
             if name in text_models and _pin_fp32_load(dst):
                 pinned.append(name)
-        portable_json(os.path.join(partial, "model_index.json"), updates=index)
+        named = {"scheduler": ["diffusers", scheduler["_class_name"]]} if scheduler else {}  # the class it loads as
+        portable_json(os.path.join(partial, "model_index.json"), updates={**named, **(index or {})})
         if scheduler:
             write_scheduler(partial, scheduler)
     barrier()

@@ -100,7 +100,8 @@ def scheduler_config(model_path: str) -> dict:
         return json.load(f)
 
 
-def distilled_scheduler(model_path: str) -> dict:
+def distilled_scheduler(model_path: str, sigmas=None) -> dict:
     """The scheduler config every export of the distilled generator carries (export/, export_merged/):
-    the teacher's made to sample the trained σ list (distilled_scheduler_config)."""
+    the teacher's made to sample the trained σ list (distilled_scheduler_config), whatever it is: these
+    pipelines pass their σ list to set_timesteps themselves."""
     return distilled_scheduler_config(scheduler_config(model_path))

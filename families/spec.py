@@ -37,6 +37,13 @@ OPTIONAL = {
                     "(train_flux_kontext.py's samples then take no negative prompt)",
     "sampling_shift": "(model_path, tokens, steps) -> the pipeline's σ shift where its scheduler config does not "
                       "say it (DMD2 validation's teacher reference)",
+    # a video room (train_dmd.py's flow setup; the image rooms' defaults in algorithms/dmd2_flow.py)
+    "latent_grid": "(size, settings) -> the latent grid of a target of `size` px ((T, h, w) for a video); else "
+                   "(h/f, w/f)",
+    "pack_latents": "(latents (B, C, *grid)) -> tokens (B, N, D), the order its model reads; else 2x2 patches "
+                    "row by row (algorithms/flux_kontext.pack_latents)",
+    "generator_sigmas": "(model_path, sigmas) -> the student's σ list where its export's scheduler makes its own "
+                        "(a pipeline that passes no σ); else DENOISING_STEPS' (t + 1) / 1000",
 }
 
 
@@ -120,7 +127,7 @@ class FlowDistillationRoom(TransformerRoom, DistillationRoom, Protocol):
 
     def decode_tokens(self, vae, tokens, size) -> torch.Tensor: ...
 
-    def distilled_scheduler(self, model_path) -> dict: ...
+    def distilled_scheduler(self, model_path, sigmas) -> dict: ...
 
     def distilled_index(self, model_path) -> dict: ...
 

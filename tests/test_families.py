@@ -230,7 +230,7 @@ def test_each_spec_is_well_formed(spec):
 # tiny kind -> the (h, w) latents of one sample's images (64 px at the VAE's factor; a 32 px second reference)
 TINY_SHAPES = {"sd15": ((16, 16),), "sdxl": ((16, 16),), "flux_kontext": ((8, 8), (8, 8)),
                "qwen_image_edit": ((8, 8), (8, 8), (4, 4)), "flux2_klein": ((8, 8), (8, 8), (4, 4)),
-               "flux2_dev": ((8, 8), (8, 8), (4, 4))}
+               "flux2_dev": ((8, 8), (8, 8), (4, 4)), "wan_t2v": ((3, 4, 4),)}
 BATCH, TEXT = 2, 7
 
 
@@ -260,6 +260,12 @@ def _room_call(spec, model, inputs, shapes):
             text = dmd2.Cond(inputs["encoder_hidden_states"], added) if added else inputs["encoder_hidden_states"]
             out = dmd2.predict_eps(model, inputs["sample"], 500, text)
             return seen, out, out.shape
+        if spec.name == "wan":  # a video room: its velocity on the packed latents, unpacked back to the latents'
+            x = inputs["hidden_states"]
+            cond = spec.room.dmd_cond(inputs["encoder_hidden_states"], None, None, [], x.shape[2:])
+            out = spec.room.unpack_latents(cond.velocity(model, 1.0)(spec.room.pack_latents(x), torch.rand(BATCH)),
+                                           x.shape[2:])
+            return seen, out, x.shape
         c = model.config.in_channels // 4  # the latents' channels: tokens are 2x2 patches of them
         x0, *refs = [torch.randn(BATCH, c, h, w) for h, w in shapes]
         step = spec.room.model_inputs(x0, refs, torch.randn_like(x0), torch.rand(BATCH))

@@ -1,0 +1,413 @@
+"""The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B), for train_dmd.py's flow setup: its transformer built and
+sharded through parallel/'s generic recipe (one FSDP unit per WanTransformerBlock), its VAE (AutoencoderKLWan,
+per-channel latents_mean / latents_std), its conditioning, its video tokens and the distilled export's scheduler.
+
+Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.py):
+- the text: UMT5 through the pipeline's encode_prompt (_get_t5_prompt_embeds: prompt_clean, tokenized to
+  MAX_SEQUENCE_LENGTH, the hidden states cut to the prompt's real length and zero-padded back to it). The trained
+  length is MAX_SEQUENCE_LENGTH, 512 as the pipeline's __call__ (encode_prompt's own default is 226); the cache
+  keeps the cut embeddings and load_text pads them, so the tensors are encode_prompt's;
+- the latents (B, C, T, H/8, W/8), T = (frames - 1) / 4 + 1: the posterior's mode normalised as the pipeline
+  does, (mu - latents_mean) * (1 / latents_std) (encode_latents; a text-to-video teacher's DMD2 reads prompts only);
+- frames 4k + 1 (NUM_FRAMES; the pipeline rounds others with a warning, here they are refused), height and width
+  multiples of 16 (the pipeline's check_inputs);
+- the transformer's timestep is sigma * 1000 as a float; its target the flow n - x0;
+- the teacher's CFG as the pipeline computes it, uncond + g (cond - uncond), at its guidance_scale 5.0, against
+  the negative prompt "" (diffusers' default, encode_prompt's `negative_prompt or ""`; Wan's own long negative
+  prompt is not used). FastVideo's cond + w (cond - uncond) is w = g - 1;
+- the flow shift is the UniPC scheduler's flow_shift (3.0 for Wan 2.1), algorithms/flux_kontext.pipeline_shift.
+
+Tokens: the transformer's own (1, 2, 2) patches in its order (frame, row, column), each patch's channels (c, dy,
+dx) as its patch embedding reads them (pack_latents). Sizes: RESOLUTION is the height (480p, 720p; 0 = 480), the
+width the Wan repos' for it (480 -> 832, 720 -> 1280; else 16:9), or height x BUCKET_ASPECTS' one ratio.
+
+    python -m pytest tests/test_wan.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.dmd2 import Guidance, cfg_combine
+from algorithms.flux_kontext import pipeline_shift, shift_sigmas
+from core.dist import print0
+from core.errors import ConfigError
+from data.text_cache import fill_text_cache, folder_identity, load_entries
+from families.dit import build_transformer as build_dit
+from families.dit import scheduler_config
+from families.wan.parallelism import TRANSFORMER
+from parallel import attention
+from parallel.lora import Lora
+from precision import dtype_name
+
+NAME = "Wan"  # how the README and docs name the family
+MAX_REFERENCES = 0  # text to video: no reference image
+NEGATIVE_PROMPT = ""  # diffusers' default negative prompt (encode_prompt: negative_prompt or "")
+UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's CFG pairs with
+TEXT_READS_IMAGES = False
+DEFAULT_RESOLUTION = 480  # RESOLUTION 0: the pipeline's default height (480 x 832)
+PIPELINE_WIDTHS = {480: 832, 720: 1280}  # the Wan repos' landscape sizes (480P, 720P) by height
+DEFAULT_FRAMES = 81  # NUM_FRAMES 0: the pipeline's default
+GUIDANCE_SCALE = 5.0  # the pipeline's default guidance_scale: the teacher's in DMD2 (REAL_GUIDANCE_SCALE 0)
+MULTIPLE = 16  # height and width: multiples of the VAE's 8 x the patch's 2 (check_inputs)
+TEXT_PARTS = ("text_encoder", "tokenizer")
+
+
+def edits(pipeline: str) -> bool:
+    """A text-to-video row is a prompt alone."""
+    return False
+
+
+def vae_config(model_path) -> dict:
+    with open(os.path.join(model_path, "vae", "config.json")) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+def build_transformer(folder, mesh, prec, device, *, load, sharding, block_classes, lora=Lora(), seed=0,
+                      base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
+                      frozen_dtype=None, weights="", merge=None, fp8=""):
+    """WanTransformer3DModel, as families/flux/room.py builds FLUX's (families/dit.py), sharded one unit per
+    WanTransformerBlock by its model facts (parallelism.py)."""
+    from diffusers import WanTransformer3DModel
+    return build_dit(WanTransformer3DModel, TRANSFORMER, folder, mesh, prec, device, load=load, sharding=sharding,
+                     block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
+                     attention_backend=attention_backend, trainable=trainable, compute=compute,
+                     frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8, prepare=prepare)
+
+
+def prepare(model) -> None:
+    """What the meta skeleton needs before it is sharded and loaded: the RoPE tables (WanRotaryPosEmbed's
+    non-persistent buffers, which a meta build leaves empty and no file holds) made on the host as plain
+    attributes, moved to the input's device at the first call (a forward pre-hook)."""
+    rope = model.rope
+    with torch.device("cpu"):
+        fresh = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
+    for name in ("freqs_cos", "freqs_sin"):
+        del rope._buffers[name]
+        rope._non_persistent_buffers_set.discard(name)
+        setattr(rope, name, getattr(fresh, name))
+
+    def follow(module, args):
+        device = args[0].device
+        if module.freqs_cos.device != device:
+            module.freqs_cos, module.freqs_sin = module.freqs_cos.to(device), module.freqs_sin.to(device)
+    rope.register_forward_pre_hook(follow)
+
+
+def load_vae(folder, dtype, device):
+    """The frozen AutoencoderKLWan, replicated on every rank in its own dtype."""
+    import fsdp_utils
+    from diffusers import AutoencoderKLWan
+    vae = AutoencoderKLWan.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=False)
+    return fsdp_utils.prepare_frozen(vae, dtype, device)
+
+
+def vae_factor(model_path) -> int:
+    """Pixels per latent side, the pipeline's vae_scale_factor_spatial: 8."""
+    return int(vae_config(model_path).get("scale_factor_spatial", 8))
+
+
+def temporal_factor(model_path) -> int:
+    """Frames per latent frame after the first, the pipeline's vae_scale_factor_temporal: 4."""
+    return int(vae_config(model_path).get("scale_factor_temporal", 4))
+
+
+def latent_channels(vae) -> int:
+    return vae.config.z_dim
+
+
+def _mean_inv_std(vae, like):
+    """latents_mean and 1 / latents_std as (1, C, 1, 1, 1), in `like`'s device and dtype (the pipeline's)."""
+    c = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(like.device, like.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(like.device, like.dtype)
+    return mean, inv_std
+
+
+def encode_latents(vae, video: torch.Tensor) -> torch.Tensor:
+    """Videos (B, 3, F, H, W) in [-1, 1] -> normalised latents (B, C, T, H/8, W/8) in fp32: the posterior's mode
+    (sample_mode="argmax"), (mu - latents_mean) * (1 / latents_std)."""
+    param = next(vae.parameters())
+    with torch.no_grad():
+        mu = vae.encode(video.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+    mean, inv_std = _mean_inv_std(vae, mu)
+    return (mu - mean) * inv_std
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents (B, C, T, h, w) -> videos (B, 3, F, H, W) in [-1, 1], fp32 on CPU, by the pipeline's
+    arithmetic (cast to the VAE's dtype, / (1 / latents_std) + latents_mean)."""
+    z = latents.to(next(vae.parameters()).dtype)
+    mean, inv_std = _mean_inv_std(vae, z)
+    return vae.decode(z / inv_std + mean, return_dict=False)[0].float().cpu()
+
+
+# ----------------------------------------------------------------------------------------------
+# sizes and tokens
+
+
+def num_frames(settings) -> int:
+    return int(settings.get("NUM_FRAMES") or DEFAULT_FRAMES)
+
+
+def video_size(settings) -> tuple[int, int]:
+    """(height, width) px of every clip: RESOLUTION the height (0: 480), the width the Wan repos' for it (else
+    16:9), or height x BUCKET_ASPECTS' ratio where it holds one; either may come out refused (check_sizes)."""
+    h = int(settings.get("RESOLUTION") or DEFAULT_RESOLUTION)
+    aspects = settings.get("BUCKET_ASPECTS") or []
+    if len(aspects) == 1:
+        return h, round(h * float(aspects[0]))
+    return h, PIPELINE_WIDTHS.get(h, round(h * 16 / 9 / MULTIPLE) * MULTIPLE)
+
+
+def target_size(size, row, settings) -> tuple[int, int]:
+    """Every clip at video_size, whatever the bucket."""
+    return video_size(settings)
+
+
+def reference_sizes(size, row, settings) -> tuple | None:
+    """No references: text to video."""
+    return None if row is None else ()
+
+
+def image_loader(settings):
+    return None
+
+
+def latent_grid(size, settings) -> tuple[int, int, int]:
+    """A clip of `size` px and NUM_FRAMES frames as its latent grid (T, h, w), as the pipeline's prepare_latents."""
+    model_path = settings["MODEL_PATH"]
+    f = vae_factor(model_path)
+    return (num_frames(settings) - 1) // temporal_factor(model_path) + 1, size[0] // f, size[1] // f
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, T, h, w) -> (B, T * h/2 * w/2, 4C): the transformer's (1, 2, 2) patches in its order (frame, row,
+    column), channels (c, dy, dx) as its patch embedding's weights read them."""
+    b, c, t, h, w = latents.shape
+    x = latents.reshape(b, c, t, h // 2, 2, w // 2, 2).permute(0, 2, 3, 5, 1, 4, 6)
+    return x.reshape(b, t * (h // 2) * (w // 2), 4 * c)
+
+
+def unpack_latents(tokens: torch.Tensor, grid) -> torch.Tensor:
+    """pack_latents' inverse: (B, N, 4C) -> (B, C, T, h, w) of the latent grid (T, h, w)."""
+    t, h, w = grid
+    b, _, d = tokens.shape
+    x = tokens.reshape(b, t, h // 2, w // 2, d // 4, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
+    return x.reshape(b, d // 4, t, h, w)
+
+
+def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
+    """The run's attention calls for the start-up kernel check: per shape the transformer's self-attention over
+    its video tokens and cross-attention to the text (MAX_SEQUENCE_LENGTH tokens), and the VAE mid-block's one
+    head over a latent frame (forward only)."""
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        t = json.load(f)
+    v = vae_config(model_path)
+    heads, dim, text = t["num_attention_heads"], t["attention_head_dim"], int(settings["MAX_SEQUENCE_LENGTH"])
+    trained, vae = [], []
+    for size, _ in dict.fromkeys(shapes):
+        grid = latent_grid(size, settings)
+        tokens = grid[0] * (grid[1] // 2) * (grid[2] // 2)
+        trained += [attention.Shape(f"self-attention at {size[0]}x{size[1]}", batch, tokens, tokens, heads, dim),
+                    attention.Shape(f"cross-attention at {size[0]}x{size[1]}", batch, tokens, text, heads, dim)]
+        cells = grid[1] * grid[2]  # the decoder's mid-block attends within one latent frame at a time
+        vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch, cells, cells, 1,
+                                   v["base_dim"] * v["dim_mult"][-1], backward=False))
+    return trained, vae
+
+
+# ----------------------------------------------------------------------------------------------
+# conditioning: the pipeline's UMT5 embeddings, cached at their real length
+
+
+def text_length(settings) -> int:
+    return int(settings["MAX_SEQUENCE_LENGTH"])
+
+
+def load_text_encoder(model_path, dtype, device):
+    """A WanPipeline holding only its UMT5 encoder and tokenizer: its encode_prompt is the pipeline's text path."""
+    from diffusers import WanPipeline
+    pipe = WanPipeline.from_pretrained(model_path, transformer=None, vae=None, scheduler=None, dtype=dtype)
+    pipe.text_encoder.to(device).eval()
+    return pipe
+
+
+def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> str:
+    """Fill the text cache for the (prompt, row) pairs' prompts (each rank its share, the encoder freed after):
+    encode_prompt's embeddings at MAX_SEQUENCE_LENGTH, kept cut to each prompt's real length (its tokens,
+    with </s>, after prompt_clean; the rest is the pipeline's zeros). Returns the encoder identity."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+    length = text_length(settings)
+    identity = folder_identity(model_path, TEXT_PARTS, length, dtype_name(dtype))
+
+    def encode(pipe, part):
+        embeds, _ = pipe.encode_prompt(prompt=list(part), do_classifier_free_guidance=False,
+                                       max_sequence_length=length, device=device)
+        real = pipe.tokenizer([prompt_clean(p) for p in part], max_length=length, truncation=True,
+                              add_special_tokens=True).input_ids
+        return [{"prompt": p, "prompt_embeds": e[:len(ids)].cpu().clone(), "length": length}
+                for p, e, ids in zip(part, embeds, real)]
+
+    computed, reused = fill_text_cache({p: p for p, _ in texts}, cache_dir, identity,
+                                       lambda: load_text_encoder(model_path, dtype, device), encode)
+    print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} ({cache_dir}; "
+           f"{length} tokens, {dtype_name(dtype)})")
+    return identity
+
+
+def load_text(texts, cache_dir, identity, device):
+    """(B, L, D) embeddings of the pairs' prompts, zero-padded to the length they were encoded at: the tensor
+    encode_prompt returns."""
+    if not texts:
+        return None
+    entries = load_entries([p for p, _ in texts], cache_dir, identity)
+    e0 = entries[0]["prompt_embeds"]
+    out = torch.zeros(len(entries), int(entries[0]["length"]), e0.shape[1], dtype=e0.dtype)
+    for i, e in enumerate(entries):
+        out[i, :e["prompt_embeds"].shape[0]] = e["prompt_embeds"]
+    return out.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# DMD2 (train_dmd.py's flow setup): a micro-batch's conditioning, the guidance, samples, refusals, the export
+
+
+@dataclass
+class WanCond:
+    """One micro-batch's conditioning, shared by generator, teacher and fake score: its text and the negative
+    prompt's (the teacher's CFG pair), and the latent grid its tokens unpack to."""
+    text: torch.Tensor  # (B, L, D) UMT5 embeddings, zero-padded as encode_prompt pads them
+    negative: torch.Tensor | None  # (B, L, D) of NEGATIVE_PROMPT, for the teacher's CFG; None: no pair
+    size: tuple[int, int, int]  # the latent grid (T, h, w)
+
+    def velocity(self, model, guidance: float, norm: str = "none"):
+        """v(x_sigma, sigma) of `model`: the tokens (B, N, 4C) unpacked to (B, C, T, h, w), the transformer called
+        as the pipeline calls it (timestep sigma * 1000, the text), the prediction packed back. guidance > 1 (the
+        teacher): CFG uncond + g (cond - uncond), the pair as one batch of 2B, rescaled by `norm`."""
+        pair = guidance > 1 and self.negative is not None
+
+        def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            b = x.shape[0]
+            latents = unpack_latents(x, self.size)
+            timestep = (torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b) * 1000).float()
+            if pair:
+                out = model(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([timestep, timestep]),
+                            encoder_hidden_states=torch.cat([self.text, self.negative]), return_dict=False)[0]
+                out = pack_latents(out).float()
+                return cfg_combine(out[:b], out[b:], guidance, norm)
+            out = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.text,
+                        return_dict=False)[0]
+            return pack_latents(out).float()
+        return v
+
+
+def dmd_cond(text, negative, vae, references: list, size) -> WanCond:
+    """WanCond of a micro-batch: `size` the latent grid (latent_grid)."""
+    return WanCond(text, negative, tuple(size))
+
+
+def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Videos (B, 3, F, H, W) (or images (B, 3, H, W), one frame) in [-1, 1] -> packed clean latent tokens."""
+    return pack_latents(encode_latents(vae, pixels if pixels.ndim == 5 else pixels[:, :, None]))
+
+
+@torch.no_grad()
+def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
+    """Packed tokens of a latent grid (T, h, w) -> each clip's first, middle and last frames side by side, images
+    (B, 3, H, 3W) in [-1, 1], fp32 on CPU: what the sample grids and the validation's figures show."""
+    video = decode_latents(vae, unpack_latents(tokens.float(), size))
+    frames = video.shape[2]
+    return torch.cat([video[:, :, i] for i in (0, frames // 2, frames - 1)], dim=-1)
+
+
+def dmd_guidance(settings) -> Guidance:
+    """No guidance embedding: the teacher's CFG against NEGATIVE_PROMPT (REAL_GUIDANCE_SCALE, 0: the pipeline's
+    GUIDANCE_SCALE; REAL_GUIDANCE_NORM, "": none, the pipeline's plain CFG); the export samples without it."""
+    scale, norm = settings["REAL_GUIDANCE_SCALE"] or GUIDANCE_SCALE, settings["REAL_GUIDANCE_NORM"] or "none"
+    return Guidance(scale, norm, negative=NEGATIVE_PROMPT if scale > 1 else None, export_call="guidance_scale=1.0")
+
+
+def check_sizes(settings) -> None:
+    """The clip's frames and sides as the pipeline takes them, refused in one line where it would round them."""
+    frames, (h, w) = num_frames(settings), video_size(settings)
+    if frames < 1 or (frames - 1) % 4:
+        raise ConfigError(f"NUM_FRAMES={frames}: Wan takes 4k + 1 frames (the VAE keeps the first and packs each 4 "
+                          f"after it); the pipeline would round it to {max(frames // 4 * 4 + 1, 1)}")
+    if h % MULTIPLE or w % MULTIPLE or h <= 0 or w <= 0:
+        raise ConfigError(f"a {h}x{w} px clip (RESOLUTION={settings.get('RESOLUTION')}, BUCKET_ASPECTS="
+                          f"{settings.get('BUCKET_ASPECTS')}): WanPipeline takes heights and widths that are "
+                          f"multiples of {MULTIPLE}")
+
+
+def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
+    """What a Wan teacher refuses, in one line before any work."""
+    check_sizes(settings)
+    refused = [
+        ("USE_GAN", settings.get("USE_GAN"), "the GAN's real videos are not read yet; distil without it"),
+        ("FLUX_GUIDANCE", "FLUX_GUIDANCE" in changed, "Wan has no guidance embedding; its teacher's guidance is "
+         "CFG (REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM)"),
+        ("BUCKET_ASPECTS", len(settings.get("BUCKET_ASPECTS") or []) > 1 and "BUCKET_ASPECTS" in changed,
+         "a Wan run has one clip size: give one ratio (width / height), or none for the pipeline's"),
+        ("CONDITIONING_TIMESTEP", settings.get("CONDITIONING_TIMESTEP") != 999,
+         "WanPipeline's first step is pure noise (999)"),
+    ]
+    refused += [(name, name in changed, "Wan reads no reference image") for name in ("REFERENCE_AREA",
+                                                                                     "CONDITION_AREA")]
+    for name, hit, why in refused:
+        if hit:
+            raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")
+    try:
+        steps = [int(t) for t in settings.get("DENOISING_STEPS") or []]
+    except ValueError:  # train_dmd.py's own check says what it expects
+        return
+    if len(steps) > 1 and any(abs(t - (999 - i * (999 - steps[-1]) / (len(steps) - 1))) > 1
+                              for i, t in enumerate(steps)):
+        raise ConfigError(f"DENOISING_STEPS={steps} with a {pipeline} teacher: WanPipeline passes no σ, so the "
+                          "export's scheduler samples its own even grid: give steps evenly spaced from 999 "
+                          "(e.g. [999,749,499,249])")
+
+
+def flow_shift(model_path) -> float:
+    """The teacher's flow shift: its UniPC scheduler's flow_shift (algorithms/flux_kontext.pipeline_shift)."""
+    return pipeline_shift(scheduler_config(model_path), 0)
+
+
+def distilled_scheduler(model_path, sigmas=None) -> dict:
+    """The export's scheduler: FlowMatchEulerDiscreteScheduler with stochastic sampling (x0 = x - sigma v, then
+    re-noised to the next sigma with fresh noise: the generator's few-step inference), shifted by the teacher's
+    flow_shift and, for several steps, stretched to the last trained sigma (shift_terminal): WanPipeline calls
+    set_timesteps(num_inference_steps) without sigmas, so this scheduler itself makes the trained list
+    (generator_sigmas) at the trained step count."""
+    n = len(sigmas or [1.0])
+    config = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+              "shift": flow_shift(model_path), "use_dynamic_shifting": False, "stochastic_sampling": True,
+              "shift_terminal": round(float(sigmas[-1]), 6) if n > 1 else None}
+    return config
+
+
+def generator_sigmas(model_path, sigmas: list[float]) -> list[float]:
+    """The student's sigma list: the one the export's scheduler (distilled_scheduler) samples at len(sigmas)
+    steps, from 1 to the last DENOISING_STEPS' sigma shifted by the teacher's flow_shift (its steps between
+    spaced as that scheduler spaces them), so the generator trains, re-noises and is sampled at the same sigmas."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    last = round(float(shift_sigmas(torch.tensor(sigmas[-1], dtype=torch.float64), flow_shift(model_path))), 6)
+    config = distilled_scheduler(model_path, [1.0] * (len(sigmas) - 1) + [last])
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    scheduler.set_timesteps(len(sigmas))
+    return [float(s) for s in scheduler.sigmas[:-1]]
+
+
+def distilled_index(model_path) -> dict:
+    """model_index.json entries a distilled generator's pipeline export sets: none (its scheduler's class is
+    written with its scheduler, components/export.export_pipeline)."""
+    return {}
+

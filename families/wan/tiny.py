@@ -1,0 +1,76 @@
+"""The Wan family's tiny test folder (its spec's `tiny`): a Wan 2.1 text-to-video layout (WanPipeline) with random
+weights, small enough that a 9-frame 32 px clip trains in seconds on CPU. Its dataset: the coloured-shapes prompts.
+
+wan_t2v: AutoencoderKLWan 8x down in space (3 levels) and 4x in time (the real temperal_downsample) to 4 latent
+channels with made-up per-channel latents_mean / latents_std (so the normalisation is visible), 9 frames of
+32 x 32 px -> 3 x 4 x 4 latents -> 12 tokens of (1, 2, 2) patches; WanTransformer3DModel of 2 blocks, 2 heads of 12
+(rope 4 / 4 / 4 for frames / height / width); UMT5EncoderModel 16 wide with a Unigram tokenizer made here in the
+UMT5 tokenizer's class (T5TokenizerFast: <pad> 0, </s> 1, <unk> 2, as google/umt5-xxl); the real repo's
+UniPCMultistepScheduler config (flow sigmas, flow_shift 3.0: Wan2.1-T2V-1.3B-Diffusers/scheduler).
+
+    python -m pytest tests/test_tiny_models.py tests/test_wan.py -q
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from families.tiny.data import make_prompts_file, write_jsonl
+from families.tiny.models import seeded
+from families.tiny.tokenizers import CHARS, WORDS
+
+TEXT_MAX_LENGTH = 512  # the UMT5 tokenizer's model_max_length in the Wan repos: WanPipeline's 512 text tokens
+LATENTS_MEAN = [0.1, -0.2, 0.05, 0.3]
+LATENTS_STD = [0.9, 1.1, 1.3, 0.7]
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (diffusers' UniPCMultistepScheduler)
+SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
+                 solver_order=2, prediction_type="flow_prediction", thresholding=False, predict_x0=True,
+                 solver_type="bh2", lower_order_final=True, disable_corrector=[], use_flow_sigmas=True,
+                 flow_shift=3.0, timestep_spacing="linspace", steps_offset=0, final_sigmas_type="zero")
+
+
+def write_umt5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
+    """A tiny UMT5 tokenizer (T5TokenizerFast, the class google/umt5-xxl's tokenizer loads as): a Unigram model of
+    `▁word` pieces for WORDS and single characters, <pad> 0, </s> 1, <unk> 2. Returns the reloaded tokenizer."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + word, -1.0) for word in WORDS]  # a whole word beats its characters
+    pieces += [(c, -3.0) for c in CHARS + CHARS[:26].upper()]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+    tokenizer.save_pretrained(folder)
+    return T5TokenizerFast.from_pretrained(folder)
+
+
+def make_tiny_wan_t2v(folder, seed=0):
+    """Write a Wan2.1-T2V-layout diffusers folder (WanPipeline: transformer, vae, text_encoder, tokenizer,
+    scheduler). Returns the folder."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    folder = Path(folder)
+    tokenizer = write_umt5_tokenizer(folder / "tokenizer")
+    config = UMT5Config(vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
+                        eos_token_id=1, decoder_start_token_id=0)
+    with seeded(seed):
+        text_encoder = UMT5EncoderModel(config).eval()
+    with seeded(seed + 1):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=config.d_model, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+    with seeded(seed + 2):
+        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], latents_mean=LATENTS_MEAN,
+                               latents_std=LATENTS_STD)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=UniPCMultistepScheduler(**SCHEDULER))
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_wan_t2v(root):
+    """tiny_wan_t2v: the Wan 2.1 T2V folder and 32 coloured-shapes prompts (data/prompts.txt, data/data.jsonl)."""
+    make_tiny_wan_t2v(root / "model")
+    path = make_prompts_file(root / "data" / "prompts.txt", 32)
+    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])

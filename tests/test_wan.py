@@ -1,0 +1,261 @@
+"""The Wan room (families/wan/) and train_dmd.py's DMD2 of a Wan 2.1 text-to-video teacher, on the tiny WanPipeline
+folder (9 frames of 32 x 32 px: 3 x 4 x 4 latents, 12 tokens).
+
+Conditioning equals WanPipeline's own tensors: the cached UMT5 text is encode_prompt's (prompt_clean, cut to the
+real length, zero-padded to MAX_SEQUENCE_LENGTH), the latents' normalisation is WanImageToVideoPipeline's, the
+tokens are the transformer's (1, 2, 2) patches in its own order, the teacher's CFG pair is uncond + g (cond -
+uncond), and the room's sampling loop (its velocity with the pipeline's scheduler, timestep sigma * 1000) is the
+pipeline's output. The student's sigma list is the one the export's scheduler makes itself at the trained step
+count. The runs: DMD2 on 2 ranks equals one process (GRAD_ACCUM=2), resume is bit-exact, LoRA and full students
+export, both load in WanPipeline (the LoRA with load_lora_weights) and sample in 4 steps at the trained sigmas.
+
+    python -m pytest tests/test_wan.py -q
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import families
+from core.errors import ConfigError
+from families import wan
+from tests.conftest import (VALIDATE, assert_validated, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
+                            tiny_default)
+
+SIZE, FRAMES = 32, 9
+SETTINGS = {"RESOLUTION": SIZE, "BUCKET_ASPECTS": [1.0], "NUM_FRAMES": FRAMES, "MAX_SEQUENCE_LENGTH": 512,
+            "USE_GAN": False, "CONDITIONING_TIMESTEP": 999, "DENOISING_STEPS": [999, 749, 499, 249],
+            "FLUX_GUIDANCE": 0.0, "REFERENCE_AREA": 0, "CONDITION_AREA": 0}
+PROMPTS = ["a red circle on a blue background", "  a green   square &amp; a yellow background "]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, data = tiny_default("wan_t2v")
+    return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
+
+
+@functools.lru_cache(maxsize=1)
+def pipeline(model):
+    from diffusers import WanPipeline
+    pipe = WanPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def cached_text(tiny, tmp_path, prompts, length=512):
+    settings = {**tiny["settings"], "MAX_SEQUENCE_LENGTH": length}
+    pairs = [(p, {}) for p in prompts]
+    identity = wan.prepare_edit_text(pairs, tiny["model"], str(tmp_path / "tc"), settings, torch.float32,
+                                     torch.device("cpu"))
+    return wan.load_text(pairs, str(tmp_path / "tc"), identity, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("length", [512, 8])
+def test_text_is_encode_prompts(tiny, tmp_path, length):
+    """The cache keeps each prompt cut to its real length; loaded, it is encode_prompt's tensor at the trained
+    length, prompt_clean'ed, zero-padded (8: cut as the tokenizer truncates), the negative "" too."""
+    pipe = pipeline(tiny["model"])
+    ours = cached_text(tiny, tmp_path, PROMPTS + [wan.NEGATIVE_PROMPT], length)
+    with torch.no_grad():  # the fill's batch: the prompts with the negative one
+        theirs, _ = pipe.encode_prompt(PROMPTS + [""], do_classifier_free_guidance=False, max_sequence_length=length)
+    assert torch.equal(ours, theirs)
+    assert ours.shape == (3, length, 16) and (ours[0, 8:] == 0).all() and (ours[0, :8] != 0).all()
+
+
+def test_tokens_are_the_transformers_patches_and_latents_normalise_as_the_pipeline(tiny):
+    """pack_latents is the patch embedding's own order (the Conv3d is a Linear on our tokens, its output tokens in
+    our order), unpack_latents its inverse; encode_latents is the I2V pipeline's argmax posterior, (mu - mean) *
+    (1 / std)."""
+    from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+    pipe = pipeline(tiny["model"])
+    x = torch.randn(2, 4, 3, 4, 6)
+    tokens = wan.pack_latents(x)
+    assert tokens.shape == (2, 3 * 2 * 3, 16) and torch.equal(wan.unpack_latents(tokens, (3, 4, 6)), x)
+    conv = pipe.transformer.patch_embedding
+    with torch.no_grad():
+        theirs = conv(x).flatten(2).transpose(1, 2)
+        ours = torch.nn.functional.linear(tokens, conv.weight.flatten(1), conv.bias)
+    torch.testing.assert_close(ours, theirs)
+    video = torch.rand(1, 3, FRAMES, SIZE, SIZE) * 2 - 1
+    with torch.no_grad():
+        mu = retrieve_latents(pipe.vae.encode(video), sample_mode="argmax")
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, 4, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, 4, 1, 1, 1)
+    assert torch.equal(wan.encode_latents(pipe.vae, video), (mu - mean) * inv_std)
+    assert wan.latent_grid((SIZE, SIZE), tiny["settings"]) == (3, 4, 4) == tuple(mu.shape[2:])
+
+
+def test_teacher_cfg_pair_and_guidance_are_the_pipelines(tiny):
+    """The teacher's pair in one batch is the pipeline's two calls, uncond + 5 (cond - uncond) at timestep sigma *
+    1000 (a float); diffusers' negative "" and guidance 5; the export samples at guidance_scale=1 (no pair)."""
+    pipe = pipeline(tiny["model"])
+    g = wan.dmd_guidance({"REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": ""})
+    assert (g.scale, g.norm, g.negative, g.embedded, g.export_call) == (5.0, "none", "", None, "guidance_scale=1.0")
+    assert wan.dmd_guidance({"REAL_GUIDANCE_SCALE": 1.0, "REAL_GUIDANCE_NORM": ""}).negative is None
+    grid = (3, 4, 4)
+    text, negative = torch.randn(1, 512, 16), torch.randn(1, 512, 16)
+    x, sigma = torch.randn(1, 4, *grid), torch.tensor([0.8])
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    with torch.no_grad():
+        ours = wan.dmd_cond(text, negative, None, [], grid).velocity(pipe.transformer, 5.0)(wan.pack_latents(x), sigma)
+        hook.remove()
+        cond, uncond = (pipe.transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=e,
+                                         return_dict=False)[0] for e in (text, negative))
+    torch.testing.assert_close(wan.unpack_latents(ours, grid), uncond + 5.0 * (cond - uncond))
+    assert seen[0].dtype == torch.float32 and seen[0].tolist() == pytest.approx([800.0] * 2)
+
+
+@pytest.mark.parametrize("steps", [[999], [999, 499], [999, 749, 499, 249]])
+def test_the_exports_scheduler_makes_the_trained_sigmas(tiny, steps):
+    """WanPipeline calls set_timesteps(N) without sigmas: the export's scheduler (stochastic FlowMatchEuler, the
+    teacher's flow_shift 3, stretched to the last step's shifted sigma) makes the student's list itself, bit for
+    bit, from 1 to shift(sigma_last)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    sigmas = wan.generator_sigmas(tiny["model"], [(t + 1) / 1000 for t in steps])
+    config = wan.distilled_scheduler(tiny["model"], sigmas)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    scheduler.set_timesteps(len(steps))
+    assert scheduler.sigmas[:-1].tolist() == sigmas and config["stochastic_sampling"] and config["shift"] == 3.0
+    last = 3 * (steps[-1] + 1) / 1000 / (1 + 2 * (steps[-1] + 1) / 1000)
+    assert sigmas[0] == 1.0 and sigmas[-1] == pytest.approx(last, abs=1e-6)
+    assert sigmas == sorted(sigmas, reverse=True)
+
+
+def test_refusals_are_one_line(tiny, monkeypatch):
+    """What WanPipeline would round (frames, sides), what Wan lacks (the GAN's real videos, a guidance embedding),
+    a sigma list its export could not sample, several sizes: refused in one line before any work; no context
+    parallelism (the spec says none); NUM_FRAMES with an image teacher."""
+    settings = tiny["settings"]
+    cases = [({"NUM_FRAMES": 8}, set(), "NUM_FRAMES=8: Wan takes 4k + 1 frames"),
+             ({"RESOLUTION": 40}, set(), "a 40x40 px clip"),
+             ({"BUCKET_ASPECTS": [1.25]}, set(), "a 32x40 px clip"),
+             ({"USE_GAN": True}, set(), "USE_GAN=True with a WanPipeline teacher"),
+             ({"FLUX_GUIDANCE": 3.5}, {"FLUX_GUIDANCE"}, "FLUX_GUIDANCE=3.5 with a WanPipeline teacher"),
+             ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "one clip size"),
+             ({"DENOISING_STEPS": [999, 500, 100]}, set(), "evenly spaced from 999")]
+    for change, changed, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            wan.check_dmd_settings("WanPipeline", {**settings, **change}, changed, "txt")
+        assert "\n" not in str(e.value)
+    wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
+    assert wan.video_size({"RESOLUTION": 0}) == (480, 832) and wan.video_size({"RESOLUTION": 720}) == (720, 1280)
+    assert families.spec_of("WanPipeline").check_context_parallel is None
+    import train_dmd
+    monkeypatch.setattr(train_dmd, "NUM_FRAMES", 9)
+    with pytest.raises(ConfigError, match="NUM_FRAMES=9 with a SD-1.5 teacher: it makes images"):
+        train_dmd.validate_config()
+    for name, value in (("MODEL_PATH", tiny["model"]), ("DATA_PATH", f"{tiny['data']}/prompts.txt"),
+                        ("NUM_FRAMES", 13), ("RESOLUTION", 24)):
+        monkeypatch.setattr(train_dmd, name, value)
+    with pytest.raises(ConfigError, match="a 24x48 px clip"):  # 24 px high, 16:9
+        train_dmd.validate_config()
+
+
+@pytest.mark.slow
+def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
+    """The room's teacher velocity (cached text and "", CFG 5, timestep sigma * 1000, the tokens unpacked) in the
+    pipeline's own scheduler loop, from the noise the pipeline draws, gives its latents, and decode_latents its
+    frames."""
+    from diffusers import UniPCMultistepScheduler
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe = pipeline(tiny["model"])
+    captured = {}
+
+    def keep(p, i, t, kw):
+        captured["latents"] = kw["latents"]
+        return kw
+    frames = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=3,
+                  generator=torch.Generator().manual_seed(0), output_type="np", callback_on_step_end=keep).frames
+    text = cached_text(tiny, tmp_path, [PROMPTS[0], ""])
+    grid = wan.latent_grid((SIZE, SIZE), tiny["settings"])
+    x = randn_tensor((1, 4, *grid), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(3)
+    scheduler.set_begin_index(0)
+    v = wan.dmd_cond(text[:1], text[1:], None, [], grid).velocity(pipe.transformer, 5.0)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), grid)
+            x = scheduler.step(pred, t, x, return_dict=False)[0]
+    torch.testing.assert_close(x, captured["latents"], rtol=1e-4, atol=1e-5)
+    video = wan.decode_latents(pipe.vae, captured["latents"])
+    ours = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
+    np.testing.assert_allclose(ours, frames, atol=1e-6)
+    strip = wan.decode_tokens(pipe.vae, wan.pack_latents(captured["latents"]), grid)
+    assert strip.shape == (1, 3, SIZE, 3 * SIZE) and torch.equal(strip[..., :SIZE], video[:, :, 0])
+
+
+@pytest.fixture(scope="module")
+def dmd_runs(tiny, tmp_path_factory):
+    """DMD2 of the tiny Wan teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
+    same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
+    score on 2 ranks with validation."""
+    root = tmp_path_factory.mktemp("wan")
+    common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
+              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
+              "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
+              "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
+              "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
+    out = {k: root / k for k in ("full", "one", "stopped", "lora")}
+    job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
+    done = launch_all_resuming({
+        "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
+        "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
+                                  "--save_every=0", "--sample_every=0"], ranks=1),
+        "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1", "--save_every=0",
+                                   "--max_steps=2", "--sample_every=2", *VALIDATE])},
+        "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
+    """2 ranks give one process's losses (GRAD_ACCUM=2), the run resumed at step 2 ends bit for bit as the straight
+    one, the log names the clip, its tokens, the teacher's CFG and the export's call; validation on the LoRA run."""
+    out, logs = dmd_runs["out"], dmd_runs["logs"]
+    two, one = read_metrics(out["full"], timing=False), read_metrics(out["one"], timing=False)
+    for key in ("loss_fake", "loss_dm"):
+        assert [r.get(key) is None for r in two] == [r.get(key) is None for r in one], key
+        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
+    a, b = read_checkpoint(out["full"], 4, flat=True), read_checkpoint(out["stopped"], 4, flat=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # models, EMA, both AdamW states
+    for part in ("model.generator.", "model.fake.", "model.ema.", "optim.generator.", "optim.guidance."):
+        assert any(k.startswith("." + part) for k in a), part
+    assert read_metrics(out["stopped"], timing=False)[-2:] == two[-2:]  # what it logged after the resume
+    assert "32x32 px x 3 latent frames (1 shape(s)), 12 target tokens" in logs["full"]
+    assert "teacher true CFG 5 (none rescale)" in logs["full"]
+    assert "pipe(..., num_inference_steps=4, guidance_scale=1.0)" in logs["full"]
+    assert (out["full"] / "samples" / "step_000004.png").exists()
+    assert_validated(out["lora"], [2], logs["lora"])
+
+
+@pytest.mark.slow
+def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dmd_runs):
+    """The full export (its scheduler named in model_index.json) and the LoRA export on the base (load_lora_weights,
+    the export's scheduler) sample at the pipeline's default call with 4 steps at the trained sigma list."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    trained = wan.generator_sigmas(tiny["model"], [1.0, 0.75, 0.5, 0.25])
+    full = WanPipeline.from_pretrained(str(dmd_runs["out"]["full"] / "export"))
+    lora = WanPipeline.from_pretrained(tiny["model"])
+    base = lora.transformer.blocks[0].attn1.to_q.weight.clone()
+    lora.load_lora_weights(str(dmd_runs["out"]["lora"] / "export"))
+    lora.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(dmd_runs["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    assert "lora" in type(lora.transformer.blocks[0].attn1.to_q).__module__ or \
+        not torch.equal(lora.transformer.blocks[0].attn1.to_q.weight, base)
+    for pipe in (full, lora):
+        assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+        pipe.set_progress_bar_config(disable=True)
+        seen = []
+        pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                                   with_kwargs=True)
+        video = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=4,
+                     guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
+        assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
+        assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
