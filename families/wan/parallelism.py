@@ -1,0 +1,25 @@
+"""The Wan family's model facts (parallel/model_facts.ModelFacts): what the generic sharding, LoRA and FP8 machinery
+needs to know of WanTransformer3DModel (Wan 2.1 T2V / I2V, Wan 2.2 TI2V-5B, each expert of the A14B pair). The
+spec's `models`; the room passes them to parallel/.
+
+    python -m pytest tests/test_parallelize.py -q
+"""
+from __future__ import annotations
+
+from parallel.model_facts import ModelFacts
+
+# Units: its `_no_split_modules`, each WanTransformerBlock (self-attention, cross-attention to the text (2.1 I2V:
+# and the CLIP image tokens, through attn2's add_k_proj / add_v_proj), the FFN), the last not resharded after
+# forward; the patch embedding, the condition embedder (time, text, 2.1 I2V's image projection), norm_out, proj_out
+# and the output scale_shift_table in the root unit. LoRA: the denoiser targets of diffusers' LoRA tests, which
+# test_lora_layers_wan.py runs on WanTransformer3DModel (tests/lora/utils.py, `denoiser_target_modules`): every
+# block's self- and cross-attention projections; the FFN (ffn.net.0.proj, ffn.net.2), which the 4-step
+# Lightning / LightX2V LoRAs adapt too, is LORA_TARGET_MODULES=blocks. Modulation: a block's is its
+# scale_shift_table (a Parameter, no Linear) plus the root's shared condition_embedder.time_proj, so the
+# "blocks" preset takes every Linear of the blocks. Attention: WanAttnProcessor calls dispatch_attention_fn
+# (diffusers models/transformers/transformer_wan.py, both the attention and 2.1 I2V's image attention).
+# Nothing is unused: the forward reads every module it builds (image_embedder only where image_dim is set)
+TRANSFORMER = ModelFacts(units=("WanTransformerBlock",), lora_targets=("to_q", "to_k", "to_v", "to_out.0"),
+                         attention_dispatcher=True)
+
+MODELS = {"WanTransformer3DModel": TRANSFORMER}
