@@ -63,7 +63,8 @@ def fewest_gpus(name: str, s: Settings, gpu_bytes: int, world_sizes=(1, 2, 4, 8)
 def format_plan(name: str, p: dict) -> str:
     s = p["settings"]
     head = (f"plan: {name} ({p['kind']}), world size {s.world_size} (dp_replicate {s.dp_replicate}), "
-            f"{s.precision}, batch {s.batch_size}/{'CP group' if 'cp' in p else 'rank'} at {s.resolution}px, "
+            f"{s.precision}, batch {s.batch_size}/{'CP group' if 'cp' in p else 'rank'} at {s.resolution}px"
+            + (f" x {s.frames} frames" if s.frames else "") + ", "
             f"activation_checkpointing={int(s.activation_checkpointing)}, cpu_offload={int(s.cpu_offload)}, "
             f"reshard_after_forward={int(not p['reshard_free'])}"
             + (f" (auto{': ' + ', '.join(p['reshard_free']) if p['reshard_free'] else ''})"

@@ -18,7 +18,7 @@ from tools.planner.activations import (ActivationProfile, _activations, _builtin
                                         check_context_parallel, reference_grids)
 from tools.planner.build import (ADAPTER_DTYPE, BUILTINS, DMD_SCRIPT, GIB, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM,
                                   RUNTIME_BYTES, STATE_BYTES, TEXT_FILL_BATCH, Part, Settings, _config, _size,
-                                  build_components, latent_shapes, layout, meta_model, model_folder,
+                                  build_components, frames, latent_shapes, layout, meta_model, model_folder,
                                   native_resolution, pipeline_of, text_length, vae_factor, with_script)
 from tools.planner.shard import fill_sharded, shard_components
 
@@ -74,6 +74,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                                            script=s.script)
     if s.resolution is None:
         s = dataclasses.replace(s, resolution=native_resolution(folder))
+    if s.frames is None:
+        s = dataclasses.replace(s, frames=frames(folder, s))
     trainable = next(c for c in comps if c.holding.trained)
     sharded = shard_cache[key] if cached else shard_components(comps, s, precision)
     if shard_cache is not None:
@@ -90,8 +92,10 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, names, precision.compute_dtype,
                                          s.batch_size, shapes, c.lora).total(ac))
-    # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
-    fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
+    # DMD's FAKE_SCORE_FP32: the fake score's units (its experts' too) are gathered and its training forward saves
+    # in fp32
+    fp32_compute = {c.name for c in comps if c.name.startswith("fake_score") and c.holding.trained
+                    and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
