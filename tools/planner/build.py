@@ -187,6 +187,15 @@ def pipeline_of(folder: str) -> str:
     return best[1]
 
 
+def _null_components(folder: str) -> set:
+    """The parts model_index.json names [null, null]: the pipeline's optional components this model has not."""
+    index = os.path.join(folder, "model_index.json")
+    if not os.path.exists(index):
+        return set()
+    with open(index) as f:
+        return {k for k, v in json.load(f).items() if isinstance(v, list) and not any(v)}
+
+
 def _holds(folder: str, c) -> bool:
     """The folder has component `c` (its subfolder, of its class where both say one)."""
     if not os.path.isdir(os.path.join(folder, c.subfolder)):
@@ -329,7 +338,8 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     """(script, kind, components): what families.pipelines.PIPELINES says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
-    its spec's fp32_components); an expert the folder lacks (Wan 2.1's transformer_2) is skipped. build=False:
+    its spec's fp32_components); a part model_index.json sets to null, or an expert the folder lacks, is skipped
+    (Wan 2.1's transformer_2, Wan 2.2 I2V's image encoder). build=False:
     the specs and dtypes only (module None). With `lora`, the first trainable component (the script's model, and
     its experts: generator_2) and, with `fake_lora`, the other trainable ones get adapters (Part.lora, added when
     sharded) and their base is stored in the compute dtype, as the scripts store it. `script`: as layout's."""
@@ -342,8 +352,9 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     fp32 = spec_of(pipeline).fp32_components.get(pipeline, ())
     parts, model = [], None  # model: the script's (the first trainable component), whose experts share its LoRA
     for spec in pipeline_components(pipeline, script):
-        if spec.subfolder in trained_subs[1:] and not os.path.isdir(os.path.join(folder, spec.subfolder)):
-            continue  # an expert the model has not (Wan 2.1's transformer_2)
+        if spec.subfolder in _null_components(folder) or (
+                spec.subfolder in trained_subs[1:] and not os.path.isdir(os.path.join(folder, spec.subfolder))):
+            continue  # a part this model has not (Wan 2.1's transformer_2, Wan 2.2 I2V's image encoder)
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
         if build and prepare is not None and spec.subfolder in trained_subs:
             prepare(part.module)

@@ -260,7 +260,8 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
     of `text` tokens (at most its positions), as the pipelines' encode_prompt runs it: a language model
     (Qwen2.5-VL, Mistral 3, Qwen3) keeps every layer's hidden states (they read middle layers) and its logits,
     without a KV cache; CLIP and T5 return their last state. The mask is given 4-D (the data-dependent checks
-    of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count."""
+    of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count. An image
+    encoder (no input_ids) reads `batch` images at its own size instead."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text = min(text, getattr(config, "max_position_embeddings", None) or text)
@@ -269,6 +270,9 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
         kw = dict(input_ids=torch.zeros(batch, text, dtype=torch.long),
                   attention_mask=torch.ones(batch, 1, text, text, dtype=torch.bool),
                   output_hidden_states=language_model)
+        if "input_ids" not in inspect.signature(model.forward).parameters:  # an image encoder (Wan 2.1 I2V's CLIP)
+            side = config.image_size
+            kw = dict(pixel_values=torch.zeros(batch, config.num_channels, side, side, dtype=dtype))
     if "use_cache" in inspect.signature(model.forward).parameters:
         kw["use_cache"] = False
     live = _LiveBytes()
