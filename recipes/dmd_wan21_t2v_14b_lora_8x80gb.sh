@@ -4,7 +4,7 @@
 # the planner needs no context parallelism here (CP 1 fits 80 GB at 480p):
 # `python tools/memory_plan.py --model=wan2.1-t2v-14b --world_size=8 --lora_rank=64 --fake_lora=1
 # --activation_checkpointing=1 --gpu_memory_gb=80` plans 34.4 GiB per GPU (the text-cache fill 9.4; planned,
-# not measured). At 720p CP 2 is the planner's (40.5 GiB), on 8 x 24 GB at 480p CP 4 (19.3).
+# not measured). At 720p: 61.7 with CP 1, 40.5 with CP 2; on 8 x 24 GB at 480p CP 4 fits (19.3).
 # The export is a WanPipeline LoRA: load_lora_weights(export) on MODEL, 4 steps (docs/families/wan.md).
 #
 #   MODEL=/models/Wan2.1-T2V-14B-Diffusers DATA=/data/prompts.txt bash recipes/dmd_wan21_t2v_14b_lora_8x80gb.sh

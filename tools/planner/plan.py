@@ -102,7 +102,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             acts = max(acts, activations(folder, c.spec.subfolder, names, torch.float32, s.batch_size,
                                          shapes, c.lora).total(ac))
     one_forward = acts
-    if s.context_parallel > 1:  # the fine-tunes only (check_context_parallel): one trained model
+    if s.context_parallel > 1:  # one forward's share (DMD2: of the larger of the trained roles' forwards)
         cp = _cp_activations(folder, trainable, unit_names, precision.compute_dtype, s, sequence, one_forward,
                              activations)
         acts = cp["per_rank"]
