@@ -92,6 +92,8 @@ def check_model_folder(path: str, pipeline: str, components: dict, setting: str 
     problems = []
     for name, cls in components.items():
         folder, entry = os.path.join(path, name), meta.get(name)
+        if entry == [None, None]:  # a part the pipeline leaves out (Wan 2.1's transformer_2): diffusers loads None
+            continue
         found = isinstance(entry, list) and len(entry) == 2 and entry[1] or None
         if not os.path.isdir(folder) or not any(os.path.isfile(os.path.join(folder, f)) for f in _COMPONENT_FILES):
             problems.append(f"{name}/")

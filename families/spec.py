@@ -202,7 +202,8 @@ class FamilySpec:
     default_resolution: int  # the real models' native side in pixels (RESOLUTION 0)
     text_len: int  # the text tokens the trained model reads by default (the planner's length)
     # (config, batch, shapes, text_len, device, dtype) -> the trained model's forward kwargs: `config` its
-    # config, `shapes` one latent size per image ((h, w): the target first, then each reference)
+    # config, `shapes` one latent size per image ((h, w): the target first, then each reference; a video's target:
+    # plan_target's latent shape, e.g. (frames, h, w))
     example_inputs: Callable[..., dict]
     # the context-parallel check before any work (the room's); None: the family takes no context parallelism
     check_context_parallel: Callable | None
@@ -223,6 +224,13 @@ class FamilySpec:
     reference_area: int = 0  # > 0: references planned at this pixel area (--references / --reference_area apply)
     nf4_teacher: bool = False  # train_dmd.py's frozen teacher in NF4 like the LoRA bases with BASE_DTYPE=nf4
     fp32_components: Mapping[str, tuple] = field(default_factory=dict)  # pipeline -> parts the scripts keep fp32
+    # video: the frames per sample the planner plans by default (--num_frames); 0: images
+    plan_frames: int = 0
+    # (resolution, vae factor, frames) -> (the target's (h, w) in pixels, its latent shape: example_inputs'
+    # shapes[0]); None: a square of `resolution`, latents (h // factor, w // factor)
+    plan_target: Callable | None = None
+    # (config, shapes) -> the trained model's image tokens per sample; None: its example inputs' first tensor's dim 1
+    plan_tokens: Callable | None = None
 
     def builtin_folder(self, name: str) -> str:
         """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""

@@ -21,6 +21,9 @@ from tools.memory_plan import Settings
 from families import pipelines
 from parallel import lora
 from parallel.model_facts import MODELS
+from precision import get_precision
+from families import spec_of
+from families.wan import plan_spec
 
 SMALL = dict(world_size=2, batch_size=1, resolution=64)
 
@@ -781,7 +784,8 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
 
 BUILTIN_NAMES = ("flux-kontext-dev", "flux-kontext-dmd", "flux2-dev", "flux2-dev-dmd", "flux2-klein-4b",
                  "flux2-klein-4b-dmd", "flux2-klein-9b", "flux2-klein-9b-dmd", "qwen-image-edit", "qwen-image-edit-dmd",
-                 "sd15-dmd", "sdxl-dmd")  # what docs, recipes and README commands name
+                 "sd15-dmd", "sdxl-dmd", "wan2.1-i2v-14b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-i2v-a14b",
+                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b")  # what docs, recipes and README commands name
 
 
 def test_builtin_names_are_the_specs():
@@ -800,10 +804,13 @@ def test_builtin_names_are_the_specs():
             assert memory_plan.pipeline_of(folder) == builtin.pipeline
             assert memory_plan.layout(folder)[0] == memory_plan.default_script(
                 next(p for p in spec.pipelines if p.name == builtin.pipeline))
-    for name in BUILTIN_NAMES:
-        script = memory_plan.with_script(name, Settings(1)).script
-        assert memory_plan.layout(memory_plan.model_folder(name), script)[1].endswith("_dmd") == (
-            name.endswith("-dmd") and script == "train_dmd.py" and name not in ("sd15-dmd", "sdxl-dmd"))
+    for name in BUILTIN_NAMES:  # DMD2's label: a -dmd name, or a pipeline only train_dmd.py trains (Wan)
+        script, kind = memory_plan.layout(memory_plan.model_folder(name),
+                                          memory_plan.with_script(name, Settings(1)).script)
+        assert kind.endswith("_dmd") == (script == "train_dmd.py" and name not in ("sd15-dmd", "sdxl-dmd"))
+        assert name.endswith("-dmd") or script == memory_plan.default_script(next(
+            p for spec in SPECS for p in spec.pipelines if p.name == memory_plan.pipeline_of(
+                memory_plan.model_folder(name))))
 
 
 def test_planner_core_names_no_family():
@@ -1380,3 +1387,88 @@ def test_qwen_dmd_plan_matches_train_dmds_real_width_build_on_2_ranks(width_runs
                 assert 0 < g[role]["frozen"] and g[role]["frozen"] + g[role]["trained"] == trained["params"]
             assert (g[role]["grads"], g[role]["optim"]) == (trained["grads"], trained["optim"]), (name, role)
         print(f"\nQwen width, 1 block, DMD2 {name}, 2 ranks: rank 0 holds {g}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Wan (families/wan/configs/): sizes, a clip's video tokens, DMD2 per expert, the forward inputs, the docs' rows
+
+def wan_folder(name: str) -> str:
+    return memory_plan.model_folder(name)
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: eight transformers of up to 16 B built on meta
+def test_wan_configs_build_at_the_published_sizes():
+    sizes = {"wan2.1-t2v-1.3b": 1.419e9, "wan2.1-t2v-14b": 14.288e9, "wan2.1-i2v-14b": 16.395e9,
+             "wan2.2-ti2v-5b": 5.000e9, "wan2.2-t2v-a14b": 14.288e9, "wan2.2-i2v-a14b": 14.289e9}
+    for name, size in sizes.items():
+        subs = ("transformer", "transformer_2") if "a14b" in name else ("transformer",)
+        for sub in subs:
+            model = memory_plan.meta_model(os.path.join(wan_folder(name), sub))
+            assert type(model).__name__ == "WanTransformer3DModel"
+            assert sum(p.numel() for p in model.parameters()) == pytest.approx(size, abs=0.001e9), (name, sub)
+
+
+def test_wan_builtins_are_planned_for_dmd2():
+    for name in (n for n in BUILTIN_NAMES if n.startswith("wan")):
+        assert memory_plan.BUILTINS[name][0] == wan_folder(name)
+        assert memory_plan.layout(wan_folder(name))[0] == "train_dmd.py"
+
+
+@pytest.mark.parametrize("name,resolution,tokens", [
+    ("wan2.1-t2v-1.3b", 480, 32760), ("wan2.1-t2v-14b", 720, 75600), ("wan2.2-ti2v-5b", 480, 8190),
+    ("wan2.2-ti2v-5b", 720, 18480), ("wan2.2-i2v-a14b", 480, 32760)])
+def test_wan_81_frames_make_the_pipelines_video_tokens(name, resolution, tokens):
+    """81 frames: 21 latent frames; 480p is 480 x 832, 720p 720 x 1280 (TI2V-5B: 704 x 1280, its 32 px patch)."""
+    s = Settings(world_size=1, resolution=resolution)
+    shapes = memory_plan.latent_shapes(wan_folder(name), s)
+    assert len(shapes) == 1 and shapes[0][0] == 21
+    assert memory_plan._image_tokens(wan_folder(name), shapes) == tokens
+
+
+def test_wan_frames_are_4k_plus_1():
+    s = Settings(world_size=1, resolution=480, frames=80)
+    with pytest.raises(SystemExit, match=r"--num_frames=80: Wan takes 4k \+ 1 frames"):
+        memory_plan.latent_shapes(wan_folder("wan2.1-t2v-1.3b"), s)
+    assert memory_plan.latent_shapes(wan_folder("wan2.1-t2v-1.3b"), dataclasses.replace(s, frames=1)) == ((1, 60, 104),)
+
+
+def test_wan_a14b_dmd_holds_each_role_per_expert():
+    """DMD2 of A14B: generator, fake score and teacher per expert; the LoRA on both experts' generators (and fake
+    scores with FAKE_LORA), none on the teachers. 2.1 has no transformer_2; 2.2 I2V no image encoder."""
+    prec = get_precision("bf16-mixed")
+    _, kind, parts = memory_plan.build_components(wan_folder("wan2.2-t2v-a14b"), prec, build=False, lora=lora.Lora(64))
+    assert kind == "wan_dmd"
+    assert [p.name for p in parts] == ["generator", "fake_score", "teacher", "generator_2", "fake_score_2",
+                                       "teacher_2", "vae", "text_encoder"]
+    assert [p.name for p in parts if p.lora] == ["generator", "generator_2"]
+    assert [p.spec.subfolder for p in parts[:6]] == ["transformer"] * 3 + ["transformer_2"] * 3
+    _, _, parts = memory_plan.build_components(wan_folder("wan2.2-i2v-a14b"), prec, build=False, lora=lora.Lora(64),
+                                               fake_lora=True)
+    assert [p.name for p in parts if p.lora] == ["generator", "fake_score", "generator_2", "fake_score_2"]
+    assert "image_encoder" not in [p.name for p in parts]
+    _, _, parts = memory_plan.build_components(wan_folder("wan2.1-i2v-14b"), prec, build=False)
+    assert [p.name for p in parts] == ["generator", "fake_score", "teacher", "vae", "text_encoder", "image_encoder"]
+
+
+def test_wan_example_inputs_are_the_pipelines():
+    """5-D latents; 2.1 I2V's 257 CLIP tokens; TI2V-5B's per-token timesteps (expand_timesteps)."""
+    def inputs(name, shape):
+        cfg = memory_plan._config(wan_folder(name), "transformer")
+        return spec_of("WanPipeline").example_inputs(cfg, 2, (shape,), 512, device="meta", dtype=torch.bfloat16)
+    x = inputs("wan2.1-i2v-14b", (21, 60, 104))
+    assert x["hidden_states"].shape == (2, 36, 21, 60, 104) and x["timestep"].shape == (2,)
+    assert x["encoder_hidden_states"].shape == (2, 512, 4096)
+    assert x["encoder_hidden_states_image"].shape == (2, plan_spec.IMAGE_TOKENS, 1280)
+    x = inputs("wan2.2-ti2v-5b", (21, 30, 52))
+    assert x["timestep"].shape == (2, 8190) and "encoder_hidden_states_image" not in x
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: three 1.4 B transformers at 32,760 tokens, the 5.7 B UMT5 fill
+def test_docs_carry_the_wan_rows():
+    doc = open(os.path.join(ROOT, "docs", "families", "wan.md"), encoding="utf-8").read()
+    run = dict(lora_rank=64, fake_lora=True, activation_checkpointing=True)
+    for world, gpus in ((1, "1 x 24 GB"), (8, "8 x 24 GB")):
+        p = memory_plan.plan("wan2.1-t2v-1.3b", Settings(world_size=world, **run))
+        fill = p["fill"]["total"] / 2**30
+        row = f"| Wan 2.1 T2V-1.3B | 480p | {gpus} | AC | {p['gpu_total'] / 2**30:.2f} / {fill:.2f} |"
+        assert row in doc, row

@@ -14,6 +14,8 @@ export, both load in WanPipeline (the LoRA with load_lora_weights) and sample in
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
 
 import numpy as np
@@ -155,6 +157,22 @@ def test_refusals_are_one_line(tiny, monkeypatch):
         monkeypatch.setattr(train_dmd, name, value)
     with pytest.raises(ConfigError, match="a 24x48 px clip"):  # 24 px high, 16:9
         train_dmd.validate_config()
+
+
+def test_teachers_not_built_yet_are_one_line(tiny, tmp_path):
+    """A14B (transformer_2, boundary_ratio), TI2V-5B (expand_timesteps) and image to video: one line each, from the
+    folder's model_index.json; Wan 2.1 text to video (transformer_2 null) passes."""
+    index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
+    assert index.get("transformer_2") in (None, [None, None])
+    cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875},
+              "A14B's two experts"), ("WanPipeline", {"expand_timesteps": True}, "per-token timesteps"),
+             ("WanImageToVideoPipeline", {}, "image to video")]
+    for pipeline, change, words in cases:
+        (tmp_path / "model_index.json").write_text(json.dumps({**index, **change}))
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            wan.check_model(pipeline, str(tmp_path))
+        assert "\n" not in str(e.value) and "Wan 2.1 T2V distils today" in str(e.value)
+    wan.check_model("WanPipeline", tiny["model"])
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ family spec's example_inputs), and context parallelism's per-rank share."""
 from __future__ import annotations
 
 import contextlib
+import math
 import functools
 import dataclasses
 import os
@@ -14,8 +15,8 @@ import torch.nn as nn
 from core.errors import ConfigError
 from families import SPECS, pipelines, spec_of
 from parallel import lora as lora_lib
-from tools.planner.build import (Part, Settings, _config, _size, latent_shapes, layout, meta_model,
-                                  native_resolution, pipeline_of, text_length, vae_factor)
+from tools.planner.build import (Part, Settings, _config, _size, frames, latent_shapes, layout, meta_model,
+                                  native_resolution, pipeline_of, target_size, text_length, vae_factor)
 from tools.planner.shard import _add_lora_on_meta
 
 # ----------------------------------------------------------------------------------------------
@@ -178,10 +179,12 @@ def _meta_inputs(folder: str, model: nn.Module, batch: int, shapes: tuple, dtype
 
 
 def _image_tokens(folder: str, shapes: tuple) -> int:
-    """The trained model's image tokens per sample for these latents: its example inputs' first tensor's
-    sequence dimension."""
-    cfg = _config(folder, next(c.subfolder for c in _trained_parts(folder)))
-    inputs = spec_of(pipeline_of(folder)).example_inputs(cfg, 1, shapes, 1, device="meta", dtype=torch.bfloat16)
+    """The trained model's image tokens per sample for these latents: its spec's plan_tokens, else its example
+    inputs' first tensor's sequence dimension."""
+    cfg, spec = _config(folder, next(c.subfolder for c in _trained_parts(folder))), spec_of(pipeline_of(folder))
+    if spec.plan_tokens is not None:
+        return spec.plan_tokens(cfg, shapes)
+    inputs = spec.example_inputs(cfg, 1, shapes, 1, device="meta", dtype=torch.bfloat16)
     return next(x for x in inputs.values() if torch.is_tensor(x)).shape[1]
 
 
@@ -212,9 +215,12 @@ def check_context_parallel(folder: str, s: Settings) -> dict:
     resolution = s.resolution or native_resolution(folder)
     shapes = latent_shapes(folder, dataclasses.replace(s, resolution=resolution))
     factor, text = vae_factor(folder), text_length(folder)
-    pixels = tuple((h * factor, w * factor) for h, w in shapes)
+    s = dataclasses.replace(s, resolution=resolution)
+    pixels = (target_size(folder, s)[0], *((h * factor, w * factor) for h, w in shapes[1:]))
     settings = {"CONTEXT_PARALLEL": c, "MAX_SEQUENCE_LENGTH": text, "RESOLUTION": resolution,
                 "REFERENCE_AREA": s.reference_area}
+    if frames(folder, s):
+        settings["NUM_FRAMES"] = frames(folder, s)
     try:
         spec_of(pipeline_of(folder)).check_context_parallel(folder, c, settings, [(pixels[0], pixels[1:])])
     except ConfigError as e:
@@ -257,6 +263,8 @@ def _cp_activations(folder: str, trainable: Part, unit_names: tuple, dtype: torc
     cfg = _config(folder, trainable.spec.subfolder)
     inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     out_channels = cfg.get("out_channels") or cfg["in_channels"]
+    if isinstance(cfg.get("patch_size"), list):  # a video model's (t, h, w) patch: unpatchified after the gather
+        out_channels *= math.prod(cfg["patch_size"])
     buffers = (8 * s.batch_size * n1 * inner // c * _size(dtype)
                + s.batch_size * image * out_channels * (c - 1) // c * _size(torch.float32))
     return dict(per_rank=whole + -(-(one_forward - whole) // c) + buffers, whole=whole, buffers=buffers)

@@ -106,6 +106,7 @@ class Settings:
     references: int | None = None  # reference images per sample (None: the family's, FamilySpec.references)
     reference_area: int = 0    # the scripts' REFERENCE_AREA, pixels of each reference (0: the pipeline's)
     text_encoder_dtype: str = ""  # the text-cache fill's encoders: "" = compute dtype, nf4 = their Linears in NF4
+    frames: int | None = None  # video frames per sample (None: the family's FamilySpec.plan_frames; 0: images)
 
     @property
     def lora(self) -> lora_lib.Lora:
@@ -186,6 +187,15 @@ def pipeline_of(folder: str) -> str:
     return best[1]
 
 
+def _null_components(folder: str) -> set:
+    """The parts model_index.json names [null, null]: the pipeline's optional components this model has not."""
+    index = os.path.join(folder, "model_index.json")
+    if not os.path.exists(index):
+        return set()
+    with open(index) as f:
+        return {k for k, v in json.load(f).items() if isinstance(v, list) and not any(v)}
+
+
 def _holds(folder: str, c) -> bool:
     """The folder has component `c` (its subfolder, of its class where both say one)."""
     if not os.path.isdir(os.path.join(folder, c.subfolder)):
@@ -200,8 +210,11 @@ def _pipeline_spec(pipeline: str):
 
 
 def _one_model(pipeline: str) -> bool:
-    """The pipeline's parts train one model (train_dmd.py then holds it in DMD_ROLES)."""
-    return sum(c.role == "trainable" for c in pipelines.PIPELINES[pipeline]) == 1
+    """The pipeline's parts train one model, or experts of one (Wan 2.2 A14B's transformer and transformer_2), each
+    trainable part its own subfolder: train_dmd.py then holds each in DMD_ROLES. (SD's generator and fake score
+    share the UNet's subfolder: their roles are the table's.)"""
+    trained = [c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable"]
+    return len(set(trained)) == len(trained)
 
 
 def layout(folder: str, script: str = "") -> tuple[str, str]:
@@ -227,13 +240,15 @@ def pipeline_components(pipeline: str, script: str = "") -> list:
     """The components with weights that `script` (default: the pipeline's, default_script) builds for
     `pipeline` (its table entry's, in its order; tokenizers and schedulers, role "files", hold no memory the
     planner counts). train_dmd.py on a pipeline that trains one model: that model in DMD_ROLES, then the
-    pipeline's other components."""
+    pipeline's other components; its experts too, each after the first in the roles named with its suffix
+    (transformer_2: generator_2, fake_score_2, teacher_2)."""
     parts = [c for c in pipelines.PIPELINES[pipeline] if c.role != "files"]
     if (script or default_script(_pipeline_spec(pipeline))) != DMD_SCRIPT or not _one_model(pipeline):
         return parts
-    trained = next(c for c in parts if c.role == "trainable")
-    roles = [dataclasses.replace(trained, name=name, role=role) for name, role in DMD_ROLES]
-    return roles + [c for c in parts if c != trained]
+    trained = [c for c in parts if c.role == "trainable"]
+    roles = [dataclasses.replace(t, name=name + t.name[len(trained[0].name):], role=role)
+             for t in trained for name, role in DMD_ROLES]
+    return roles + [c for c in parts if c not in trained]
 
 
 def vae_factor(folder: str) -> int:
@@ -270,11 +285,27 @@ def native_resolution(folder: str) -> int:
     return spec.plan_resolution or spec.resolution(pipeline)
 
 
-def latent_shapes(folder: str, s: Settings) -> tuple:
-    """The trained model's latents per sample at s.resolution: the target's (h, w), then each reference's (its
-    spec's plan_references: s.references of them at s.reference_area where it plans them by area)."""
+def frames(folder: str, s: Settings) -> int:
+    """The video frames per sample planned: s.frames, else the family's plan_frames (0: images)."""
+    return spec_of(pipeline_of(folder)).plan_frames if s.frames is None else s.frames
+
+
+def target_size(folder: str, s: Settings) -> tuple:
+    """(the target's (h, w) in pixels, its latent shape) at s.resolution: its spec's plan_target (a video's
+    (frames, h, w) latents), else a square of s.resolution and its (h, w) latents."""
     factor, spec = vae_factor(folder), spec_of(pipeline_of(folder))
-    target = (s.resolution // factor, s.resolution // factor)
+    if spec.plan_target is not None:
+        return spec.plan_target(s.resolution, factor, frames(folder, s))
+    latent = (s.resolution // factor, s.resolution // factor)
+    return tuple(x * factor for x in latent), latent
+
+
+def latent_shapes(folder: str, s: Settings) -> tuple:
+    """The trained model's latents per sample at s.resolution: the target's (target_size: (h, w), or a video's
+    (frames, h, w)), then each reference's (its spec's plan_references: s.references of them at s.reference_area
+    where it plans them by area)."""
+    factor, spec = vae_factor(folder), spec_of(pipeline_of(folder))
+    target = target_size(folder, s)[1]
     if spec.plan_references is None:
         return (target,)
     return (target, *spec.plan_references(s.resolution, factor, s.references, s.reference_area))
@@ -307,23 +338,29 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     """(script, kind, components): what families.pipelines.PIPELINES says the script for this
     folder's layout builds, each at real size on meta in its storage dtype (trainable: the
     precision's param dtype; everything frozen: its compute dtype, as the scripts' defaults, except
-    its spec's fp32_components). Optional components the folder lacks are skipped. build=False: the specs and
-    dtypes only (module None). With `lora`, the first trainable component (the script's model) and,
-    with `fake_lora`, the other trainable ones get adapters (Part.lora, added when sharded) and
-    their base is stored in the compute dtype, as the scripts store it. `script`: as layout's."""
+    its spec's fp32_components); a part model_index.json sets to null, or an expert the folder lacks, is skipped
+    (Wan 2.1's transformer_2, Wan 2.2 I2V's image encoder). build=False:
+    the specs and dtypes only (module None). With `lora`, the first trainable component (the script's model, and
+    its experts: generator_2) and, with `fake_lora`, the other trainable ones get adapters (Part.lora, added when
+    sharded) and their base is stored in the compute dtype, as the scripts store it. `script`: as layout's."""
     script, kind = layout(folder, script)
     # what the family's room does to its transformer's meta skeleton in every role before the cast, the
     # adapters and the recipe (families/dit.py's `prepare`; Qwen-Image: freezing outputs that feed nothing)
     pipeline = pipeline_of(folder)
     prepare = getattr(FAMILIES[pipeline], "prepare", None)
-    trained_sub = next(c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable")
+    trained_subs = list(dict.fromkeys(c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable"))
     fp32 = spec_of(pipeline).fp32_components.get(pipeline, ())
-    parts = []
+    parts, model = [], None  # model: the script's (the first trainable component), whose experts share its LoRA
     for spec in pipeline_components(pipeline, script):
+        if spec.subfolder in _null_components(folder) or (
+                spec.subfolder in trained_subs[1:] and not os.path.isdir(os.path.join(folder, spec.subfolder))):
+            continue  # a part this model has not (Wan 2.1's transformer_2, Wan 2.2 I2V's image encoder)
         part = Part(spec, meta_model(os.path.join(folder, spec.subfolder)) if build else None, precision.compute_dtype)
-        if build and prepare is not None and spec.subfolder == trained_sub:
+        if build and prepare is not None and spec.subfolder in trained_subs:
             prepare(part.module)
-        if part.holding.trained and lora and (fake_lora or not any(q.holding.trained for q in parts)):
+        if part.holding.trained and model is None:
+            model = spec.name
+        if part.holding.trained and lora and (fake_lora or spec.name.startswith(model)):
             part.lora = lora  # the base keeps the compute dtype
         elif part.holding.trained:
             part.dtype = precision.param_dtype

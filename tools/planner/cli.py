@@ -25,6 +25,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--resolution", type=int, default=None,
                     help="image side in px (default: the model's native one: 512 SD-1.5 and FLUX, 1024 SDXL)")
+    ap.add_argument("--num_frames", type=int, default=None,
+                    help="video: frames per sample, as train_dmd.py's NUM_FRAMES (default: the family's, Wan: 81)")
     ap.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "bf16"])
     ap.add_argument("--cpu_offload", type=int, default=0)
     ap.add_argument("--activation_checkpointing", type=int, default=0)
@@ -101,7 +103,7 @@ def main(argv: list[str]) -> int:
     lora = dict(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, fake_lora=bool(a.fake_lora),
                 fake_score_fp32=bool(a.fake_score_fp32), base_dtype=a.base_dtype, optimizer=a.optimizer,
                 ema=bool(a.ema), script=a.script, fp8=a.fp8, references=a.references,
-                reference_area=a.reference_area, text_encoder_dtype=a.text_encoder_dtype,
+                reference_area=a.reference_area, text_encoder_dtype=a.text_encoder_dtype, frames=a.num_frames,
                 lora_targets=tuple(t.strip() for t in a.lora_target_modules.split(",") if t.strip()))
     try:
         lora_lib.check_lora(Settings(1, **lora).lora)
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> int:
     for ws in ([] if a.cp_table else world_sizes if a.fit_table else [a.world_size]):
         check_context_parallel(model_folder(a.model), with_script(a.model, Settings(
             ws, dp_replicate=a.dp_replicate, resolution=a.resolution, context_parallel=a.context_parallel,
-            script=a.script)))
+            script=a.script, frames=a.num_frames)))
     from diffusers.utils import logging as dlogging
     dlogging.set_verbosity_error()
     if a.lora_rank:  # unknown targets fail here, on one meta model, as in the scripts, before any planning

@@ -63,7 +63,8 @@ def fewest_gpus(name: str, s: Settings, gpu_bytes: int, world_sizes=(1, 2, 4, 8)
 def format_plan(name: str, p: dict) -> str:
     s = p["settings"]
     head = (f"plan: {name} ({p['kind']}), world size {s.world_size} (dp_replicate {s.dp_replicate}), "
-            f"{s.precision}, batch {s.batch_size}/{'CP group' if 'cp' in p else 'rank'} at {s.resolution}px, "
+            f"{s.precision}, batch {s.batch_size}/{'CP group' if 'cp' in p else 'rank'} at {s.resolution}px"
+            + (f" x {s.frames} frames" if s.frames else "") + ", "
             f"activation_checkpointing={int(s.activation_checkpointing)}, cpu_offload={int(s.cpu_offload)}, "
             f"reshard_after_forward={int(not p['reshard_free'])}"
             + (f" (auto{': ' + ', '.join(p['reshard_free']) if p['reshard_free'] else ''})"
@@ -194,6 +195,7 @@ def fit_table(name: str, world_sizes=(2, 4, 8), gpu_memory_gbs=(24, 40, 80), bat
         if not lines:
             r = p["settings"]
             lines += [f"{name} ({p['kind']}), {precision}, batch {r.batch_size}/GPU at {r.resolution} px"
+                      + (f" x {r.frames} frames" if r.frames else "")
                       + (_lora_caption(p) if r.lora else "") + _cp_caption(p) + ". Per-rank GiB "
                       "as planned without checkpointing or offload (params: every component's local share); "
                       "per GPU memory (budget N GiB): the cheapest settings that fit, and their per-GPU total. "
@@ -288,6 +290,7 @@ def cp_table(name: str, resolutions=(1024, 2048), gpu_memory_gbs=(24, 80), world
         ac = planner(name, dataclasses.replace(base, activation_checkpointing=True))
         if not lines:
             lines += [f"{name} ({p['kind']}), {precision}, batch {batch_size} per CP group"
+                      + (f" of {p['settings'].frames} frames" if p["settings"].frames else "")
                       + (_lora_caption(p) if base.lora else "") + ". Per GPU count and GPU memory (budget N GiB): "
                       f"the smallest context parallelism (CP c: each rank holds 1/c of the sequence; global batch "
                       f"= batch x GPUs / c) that fits, with the cheapest settings it needs and its per-GPU total "

@@ -18,7 +18,7 @@ from tools.planner.activations import (ActivationProfile, _activations, _builtin
                                         check_context_parallel, reference_grids)
 from tools.planner.build import (ADAPTER_DTYPE, BUILTINS, DMD_SCRIPT, GIB, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM,
                                   RUNTIME_BYTES, STATE_BYTES, TEXT_FILL_BATCH, Part, Settings, _config, _size,
-                                  build_components, latent_shapes, layout, meta_model, model_folder,
+                                  build_components, frames, latent_shapes, layout, meta_model, model_folder,
                                   native_resolution, pipeline_of, text_length, vae_factor, with_script)
 from tools.planner.shard import fill_sharded, shard_components
 
@@ -74,6 +74,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
                                            script=s.script)
     if s.resolution is None:
         s = dataclasses.replace(s, resolution=native_resolution(folder))
+    if s.frames is None:
+        s = dataclasses.replace(s, frames=frames(folder, s))
     trainable = next(c for c in comps if c.holding.trained)
     sharded = shard_cache[key] if cached else shard_components(comps, s, precision)
     if shard_cache is not None:
@@ -90,15 +92,17 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, names, precision.compute_dtype,
                                          s.batch_size, shapes, c.lora).total(ac))
-    # DMD's FAKE_SCORE_FP32: the fake score's units are gathered and its training forward saves in fp32
-    fp32_compute = {c.name for c in comps if c.name == "fake_score" and c.holding.trained and s.fake_score_fp32}
+    # DMD's FAKE_SCORE_FP32: the fake score's units (its experts' too) are gathered and its training forward saves
+    # in fp32
+    fp32_compute = {c.name for c in comps if c.name.startswith("fake_score") and c.holding.trained
+                    and s.fake_score_fp32}
     for c in comps:
         if c.name in fp32_compute and precision.compute_dtype != torch.float32:
             names = tuple(n for n, _ in sharded[c.name]["units"][:-1])
             acts = max(acts, activations(folder, c.spec.subfolder, names, torch.float32, s.batch_size,
                                          shapes, c.lora).total(ac))
     one_forward = acts
-    if s.context_parallel > 1:  # the fine-tunes only (check_context_parallel): one trained model
+    if s.context_parallel > 1:  # one forward's share (DMD2: of the larger of the trained roles' forwards)
         cp = _cp_activations(folder, trainable, unit_names, precision.compute_dtype, s, sequence, one_forward,
                              activations)
         acts = cp["per_rank"]
@@ -256,7 +260,8 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
     of `text` tokens (at most its positions), as the pipelines' encode_prompt runs it: a language model
     (Qwen2.5-VL, Mistral 3, Qwen3) keeps every layer's hidden states (they read middle layers) and its logits,
     without a KV cache; CLIP and T5 return their last state. The mask is given 4-D (the data-dependent checks
-    of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count."""
+    of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count. An image
+    encoder (no input_ids) reads `batch` images at its own size instead."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text = min(text, getattr(config, "max_position_embeddings", None) or text)
@@ -265,6 +270,9 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
         kw = dict(input_ids=torch.zeros(batch, text, dtype=torch.long),
                   attention_mask=torch.ones(batch, 1, text, text, dtype=torch.bool),
                   output_hidden_states=language_model)
+        if "input_ids" not in inspect.signature(model.forward).parameters:  # an image encoder (Wan 2.1 I2V's CLIP)
+            side = config.image_size
+            kw = dict(pixel_values=torch.zeros(batch, config.num_channels, side, side, dtype=dtype))
     if "use_cache" in inspect.signature(model.forward).parameters:
         kw["use_cache"] = False
     live = _LiveBytes()
