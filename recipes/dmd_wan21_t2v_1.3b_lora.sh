@@ -2,11 +2,11 @@
 # Wan 2.1 T2V-1.3B to a 4-step Wan by DMD2: a LoRA generator and a LoRA fake score of rank 64 on the bf16
 # teacher, AC, 81 frames at 480p (the family's defaults), the teacher's CFG 5 (WanPipeline's guidance_scale:
 # uncond + 5 (cond - uncond)), the generator and the fake score without guidance, the 4 student steps at the
-# teacher's σ.
+# σ list the export's scheduler makes at 4 steps (docs/families/wan.md).
 # `python tools/memory_plan.py --model=wan2.1-t2v-1.3b --world_size=1 --lora_rank=64 --fake_lora=1
-# --activation_checkpointing=1 --gpu_memory_gb=24` plans 16.4 GiB for training and 16.0 for the text-cache
+# --activation_checkpointing=1 --gpu_memory_gb=24` plans 18.3 GiB for training and 16.0 for the text-cache
 # fill before it on one 24 GB GPU;
-# NPROC=8 (8 x 24 GB): 8.3 and 9.4 (docs/families/wan.md, "What fits"; planned, not measured).
+# NPROC=8 (8 x 24 GB): 9.1 and 9.4 (docs/families/wan.md, "What fits"; planned, not measured).
 # The export is a WanPipeline LoRA: from_pretrained(MODEL), load_lora_weights(export), the export's scheduler,
 # num_inference_steps=4 (docs/families/wan.md).
 #

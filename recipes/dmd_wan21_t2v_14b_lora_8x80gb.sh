@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Wan 2.1 T2V-14B to a 4-step Wan by DMD2 on 8 x 80 GB: a LoRA generator and a LoRA fake score of rank 64 on the
 # bf16 teacher, AC, 81 frames at 480p (32,760 video tokens), the teacher's CFG 5 (WanPipeline's guidance_scale),
-# the planner needs no context parallelism here (CP 1 fits 80 GB at 480p):
+# without context parallelism (train_dmd.py has none yet):
 # `python tools/memory_plan.py --model=wan2.1-t2v-14b --world_size=8 --lora_rank=64 --fake_lora=1
-# --activation_checkpointing=1 --gpu_memory_gb=80` plans 34.4 GiB per GPU (the text-cache fill 9.4; planned,
-# not measured). At 720p: 61.7 with CP 1, 40.5 with CP 2; on 8 x 24 GB at 480p CP 4 fits (19.3).
+# --activation_checkpointing=1 --gpu_memory_gb=80` plans 36.0 GiB per GPU (the text-cache fill 9.4; planned,
+# not measured); at 720p (--resolution=720) 64.8.
 # The export is a WanPipeline LoRA: load_lora_weights(export) on MODEL, 4 steps (docs/families/wan.md).
 #
 #   MODEL=/models/Wan2.1-T2V-14B-Diffusers DATA=/data/prompts.txt bash recipes/dmd_wan21_t2v_14b_lora_8x80gb.sh
