@@ -259,8 +259,14 @@ def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
 @pytest.mark.slow
 def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dmd_runs):
     """The full export and the LoRA export on the base (load_lora_weights, the export's scheduler) sample at
-    guidance_scale=0 in 4 steps at the trained σ list (the transformer gets 1 - σ)."""
+    guidance_scale=0 in 4 steps at the trained σ list (the transformer gets 1 - σ); TEACHER_LORA's reader takes the
+    LoRA export (through ZImagePipeline.lora_state_dict) as adapters of the base's attention projections."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from parallel.loading import tensor_shapes
+    from parallel.lora_merge import read_lora
+    delta = read_lora(str(dmd_runs["out"]["lora"] / "export"), pipeline="ZImagePipeline")
+    delta.check_base(tensor_shapes(f"{tiny['model']}/transformer"), "the base")
+    assert {k.rsplit(".", 2)[-2] for k in delta.weight_keys()} == {"to_q", "to_k", "to_v", "0"}
     full = ZImagePipeline.from_pretrained(str(dmd_runs["out"]["full"] / "export"))
     lora = ZImagePipeline.from_pretrained(tiny["model"])
     base = lora.transformer.layers[0].attention.to_q.weight.clone()
