@@ -1,0 +1,72 @@
+"""The Z-Image family's tiny test folder (its spec's `tiny`): a Z-Image layout (ZImagePipeline) with random weights,
+small enough that DMD2 of a 32 px target trains in seconds on CPU. Its dataset: the coloured-shapes prompts.
+
+z_image: AutoencoderKL as FLUX.1's (8x down, FLUX.1's shift_factor / scaling_factor) to 4 latent channels, 32 x 32
+px -> 4 x 4 latents -> 4 tokens of 2x2 patches (padded to 32 by the transformer); ZImageTransformer2DModel 32 wide
+(2 heads of 16, rope 4 / 6 / 6), 1 noise and 1 context refiner block, 2 main blocks; a Qwen3Model 16 wide with 2
+layers (the pipeline reads hidden_states[-2]) and a tiny Qwen3 tokenizer made here in the Qwen tokenizer's class
+(Qwen2Tokenizer) with Qwen3's chat template, which takes enable_thinking; the base model's scheduler config
+(FlowMatchEulerDiscreteScheduler, static shift 6.0, no dynamic shifting; Turbo's is 3.0).
+
+    python -m pytest tests/test_tiny_models.py tests/test_z_image.py -q
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from families.flux2.tiny import write_qwen3_tokenizer
+from families.tiny.data import make_prompts_file, write_jsonl
+from families.tiny.models import seeded
+
+LATENT_CHANNELS = 4
+# Tongyi-MAI/Z-Image scheduler/scheduler_config.json as the issue gives it: a static shift (6.0 for the base, 3.0
+# for Turbo) that the pipeline applies to its own linspace(1, 1/N, N); its mu goes unused
+SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
+
+
+def _qwen3_text_encoder(tokenizer, seed, hidden=16, layers=2):
+    """A Qwen3Model `hidden` wide with `layers` layers (Z-Image's text_encoder class; the pipeline reads the hidden
+    states of the layer before the last)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+        rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
+    with seeded(seed):
+        return Qwen3Model(config).eval()
+
+
+def make_tiny_z_image(folder, seed=0):
+    """Write a Z-Image-layout diffusers folder (ZImagePipeline: transformer, vae, text_encoder, tokenizer,
+    scheduler). Returns the folder."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    folder = Path(folder)
+    tokenizer = write_qwen3_tokenizer(folder / "tokenizer")
+    text_encoder = _qwen3_text_encoder(tokenizer, seed)
+    with seeded(seed + 1):
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=32, n_layers=2,
+            n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=text_encoder.config.hidden_size,
+            axes_dims=[4, 6, 6], axes_lens=[1024, 64, 64])
+    with seeded(seed + 2):
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS, sample_size=32,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 32, 32), layers_per_block=1, norm_num_groups=8,
+            shift_factor=0.1159, scaling_factor=0.3611,  # the FLUX.1 VAE's values, which Z-Image uses
+            use_quant_conv=False, use_post_quant_conv=False)
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_z_image(root):
+    """tiny_z_image: the Z-Image folder and 32 coloured-shapes prompts (data/prompts.txt, data/data.jsonl)."""
+    make_tiny_z_image(root / "model")
+    path = make_prompts_file(root / "data" / "prompts.txt", 32)
+    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])

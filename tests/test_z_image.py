@@ -1,0 +1,286 @@
+"""The Z-Image room (families/z_image/) and train_dmd.py's DMD2 of a Z-Image base teacher, on the tiny ZImagePipeline
+folder (32 x 32 px: 4 x 4 latents, 4 tokens of 2x2 patches).
+
+Conditioning equals ZImagePipeline's own tensors: the cached Qwen3 text is encode_prompt's list (the chat template
+with enable_thinking=True, hidden_states[-2], the unmasked tokens only), the latents are (mode - shift) * scale and
+decode as the pipeline decodes, the transformer gets a list of (C, 1, h, w) and the timestep 1 - σ, the velocity
+is the negated output, the teacher's CFG is the pipeline's pos + g (pos - neg) (g = w - 1) with its
+cfg_normalization as REAL_GUIDANCE_NORM=scalar, and the room's velocity in the pipeline's scheduler loop gives its
+output. The runs: DMD2 on 2 ranks equals one process (GRAD_ACCUM=2), resume is bit-exact, LoRA and full students
+export, both load in ZImagePipeline (the LoRA with load_lora_weights) and sample in 4 steps at the trained σ with
+guidance_scale=0.
+
+    python -m pytest tests/test_z_image.py -q
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import families
+from algorithms import flux_kontext as km
+from core.errors import ConfigError
+from families import z_image
+from tests.conftest import (VALIDATE, assert_validated, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
+                            tiny_default)
+
+SIZE = 32
+SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
+            "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "", "BUCKET_ASPECTS": [1.0]}
+PROMPTS = ["a red circle on a blue background", "a green square"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, data = tiny_default("z_image")
+    return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
+
+
+@functools.lru_cache(maxsize=1)
+def pipeline(model):
+    from diffusers import ZImagePipeline
+    pipe = ZImagePipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def cached_text(tiny, tmp_path, prompts, length=512):
+    settings = {**tiny["settings"], "MAX_SEQUENCE_LENGTH": length}
+    pairs = [(p, {}) for p in prompts]
+    identity = z_image.prepare_edit_text(pairs, tiny["model"], str(tmp_path / "tc"), settings, torch.float32,
+                                         torch.device("cpu"))
+    return z_image.load_text(pairs, str(tmp_path / "tc"), identity, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("length", [512, 12])
+def test_text_is_encode_prompts(tiny, tmp_path, length):
+    """The cache holds encode_prompt's list: each prompt under the chat template (enable_thinking=True: no empty
+    think block), hidden_states[-2] of its unmasked tokens, of its own length (12: cut as the tokenizer truncates,
+    the template counted); the negative "" too."""
+    pipe = pipeline(tiny["model"])
+    ours = cached_text(tiny, tmp_path, PROMPTS + [z_image.NEGATIVE_PROMPT], length)
+    with torch.no_grad():
+        theirs, _ = pipe.encode_prompt(PROMPTS + [""], do_classifier_free_guidance=False, max_sequence_length=length)
+        ids = [pipe.tokenizer(pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                                 add_generation_prompt=True,
+                                                                 enable_thinking=True)).input_ids
+               for p in PROMPTS + [""]]
+        hidden = pipe.text_encoder(input_ids=torch.tensor(ids[:1]), output_hidden_states=True).hidden_states
+    assert len(ours) == 3 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert "<think>" not in pipe.tokenizer.decode(ids[0]) and pipe.tokenizer.pad_token_id not in ids[0]
+    assert [len(e) for e in ours] == [min(len(i), length) for i in ids] and len(ids[1]) < len(ids[0])
+    if length == 512:
+        torch.testing.assert_close(ours[0], hidden[-2][0])
+
+
+def test_latents_and_decode_are_the_pipelines(tiny):
+    """encode_latents is (mode - shift_factor) * scaling_factor; decode_tokens unpacks the 2x2 tokens and decodes as
+    the pipeline does (/ scaling_factor + shift_factor); tokens and latents are each other's reshape."""
+    pipe = pipeline(tiny["model"])
+    vae = pipe.vae
+    image = torch.rand(1, 3, SIZE, SIZE) * 2 - 1
+    with torch.no_grad():
+        mode = vae.encode(image).latent_dist.mode()
+        pixels = vae.decode(mode, return_dict=False)[0]
+    latents = z_image.encode_latents(vae, image)
+    assert torch.equal(latents, (mode - vae.config.shift_factor) * vae.config.scaling_factor)
+    tokens = z_image.image_tokens(vae, image)
+    assert tokens.shape == (1, 4, 16) and torch.equal(km.unpack_latents(tokens, 4, 4), latents)
+    torch.testing.assert_close(z_image.decode_tokens(vae, tokens, (4, 4)), pixels, rtol=1e-5, atol=1e-5)
+    assert z_image.vae_factor(tiny["model"]) == 8 and z_image.latent_channels(vae) == 4
+
+
+def test_velocity_sign_timestep_and_cfg_are_the_pipelines(tiny):
+    """The transformer gets a list of (C, 1, h, w) and the timestep 1 - σ; the velocity is its output negated; the
+    teacher's pair in one call is the pipeline's pos + g (pos - neg) at g = w - 1, capped per sample at pos's norm
+    with norm "scalar" (cfg_normalization=True); diffusers' negative "" and guidance_scale 5 (w = 6); the export
+    samples at guidance_scale=0."""
+    pipe = pipeline(tiny["model"])
+    model = pipe.transformer
+    g = z_image.dmd_guidance({"REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": ""})
+    assert (g.scale, g.norm, g.negative, g.embedded, g.export_call) == (6.0, "none", "", None, "guidance_scale=0.0")
+    assert z_image.dmd_guidance({"REAL_GUIDANCE_SCALE": 1.0, "REAL_GUIDANCE_NORM": ""}).negative is None
+    gen = torch.Generator().manual_seed(0)
+    text = [torch.randn(9, 16, generator=gen), torch.randn(14, 16, generator=gen)]
+    negative = [torch.randn(5, 16, generator=gen)] * 2
+    x, sigma = torch.randn(2, 4, 4, 4, generator=gen), torch.tensor([0.8, 0.3])
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(a), with_kwargs=True)
+    with torch.no_grad():
+        cond = z_image.dmd_cond(text, negative, None, [], (4, 4))
+        plain = km.unpack_latents(cond.velocity(model, 1.0)(km.pack_latents(x), sigma), 4, 4)
+        paired = {n: km.unpack_latents(cond.velocity(model, 6.0, n)(km.pack_latents(x), sigma), 4, 4)
+                  for n in ("none", "scalar")}
+        hook.remove()
+        t = (1000 - sigma * 1000) / 1000
+        pos = torch.stack([o.squeeze(1) for o in model(list(x.unsqueeze(2).unbind(0)), t, text, return_dict=False)[0]])
+        neg = torch.stack([o.squeeze(1) for o in model(list(x.unsqueeze(2).unbind(0)), t, negative,
+                                                       return_dict=False)[0]])
+    latents, timestep, caps = seen[0]
+    assert [tuple(a.shape) for a in latents] == [(4, 1, 4, 4)] * 2 and caps == text
+    assert torch.equal(timestep, t) and timestep.tolist() == pytest.approx([0.2, 0.7])
+    torch.testing.assert_close(plain, -pos)
+    assert len(seen[1][0]) == 4 and seen[1][2] == text + negative  # the pair as the pipeline batches it
+    pred = pos + 5.0 * (pos - neg)
+    torch.testing.assert_close(paired["none"], -pred, rtol=1e-4, atol=1e-5)
+    cap = torch.stack([p * min(1.0, float(q.norm() / p.norm())) for p, q in zip(pred, pos)])
+    torch.testing.assert_close(paired["scalar"], -cap, rtol=1e-4, atol=1e-5)
+
+
+def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
+    """The room's teacher velocity (cached text and "", w = 6, the tokens unpacked) in the pipeline's own scheduler
+    loop (σ linspace(1, 1/3, 3) under the static shift 6), from the noise the pipeline draws, gives its latents,
+    and decode_tokens its image."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe = pipeline(tiny["model"])
+    captured = {}
+
+    def keep(p, i, t, kw):
+        captured["latents"] = kw["latents"]
+        return kw
+    image = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+                 output_type="pt", callback_on_step_end=keep).images
+    text = cached_text(tiny, tmp_path, [PROMPTS[0], ""])
+    x = randn_tensor((1, 4, 4, 4), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(3))
+    scheduler.set_begin_index(0)
+    shifted = [6 * s / (1 + 5 * s) for s in np.linspace(1.0, 1 / 3, 3)]
+    assert scheduler.sigmas[:-1].tolist() == pytest.approx(shifted, rel=1e-6)
+    v = z_image.dmd_cond(text[:1], text[1:], None, [], (4, 4)).velocity(pipe.transformer, 6.0)
+    with torch.no_grad():
+        for sigma, t in zip(scheduler.sigmas, scheduler.timesteps):
+            x = scheduler.step(km.unpack_latents(v(km.pack_latents(x), sigma.reshape(1)), 4, 4), t, x,
+                               return_dict=False)[0]
+    torch.testing.assert_close(x, captured["latents"], rtol=1e-5, atol=1e-6)
+    ours = (z_image.decode_tokens(pipe.vae, km.pack_latents(captured["latents"]), (4, 4)) / 2 + 0.5).clamp(0, 1)
+    torch.testing.assert_close(ours, image, rtol=0, atol=1e-6)
+
+
+def test_example_inputs_feed_the_model_as_the_velocity_does(tiny):
+    """The spec's example_inputs are the velocity's call (a list of (C, 1, h, w), the timestep (B,), a caption list),
+    on CPU and on a meta build, with the latents' shapes out; SHIFT=auto is the scheduler's static shift."""
+    from algorithms import dmd2_flow as flux_dm
+    from families.dit import scheduler_config
+    from parallel.loading import build_on_meta
+    spec, model = families.spec_of("ZImagePipeline"), pipeline(tiny["model"]).transformer
+    inputs = spec.example_inputs(model.config, 2, ((4, 6),), 7, torch.device("cpu"), torch.float32)
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(list(inspect.signature(m.forward).bind(*a, **kw).arguments.values())),
+        with_kwargs=True)
+    with torch.no_grad():
+        out = model(**inputs)[0]
+        cond = z_image.dmd_cond(inputs["cap_feats"], None, None, [], (4, 6))
+        cond.velocity(model, 1.0)(torch.randn(2, flux_dm.token_count((4, 6)), 16), torch.rand(2))
+    hook.remove()
+    assert [tuple(o.shape) for o in out] == [(4, 1, 4, 6)] * 2
+    assert [[tuple(x.shape) for x in a[0]] for a in seen] == [[(4, 1, 4, 6)] * 2] * 2
+    assert [tuple(a[1].shape) for a in seen] == [(2,)] * 2 and [len(a[2]) for a in seen] == [2, 2]
+    meta = build_on_meta(type(model), f"{tiny['model']}/transformer")
+    meta_inputs = spec.example_inputs(meta.config, 2, ((4, 6),), 7, torch.device("meta"), torch.float32)
+    assert [tuple(o.shape) for o in meta(**meta_inputs)[0]] == [(4, 1, 4, 6)] * 2
+    assert km.pipeline_shift(scheduler_config(tiny["model"]), 6) == 6.0
+
+
+def test_refusals_are_one_line(tiny):
+    """What Z-Image lacks (the GAN's real images, a guidance embedding, a per-token CFG rescale, editing rows'
+    settings, several aspects): refused in one line before any work; no context parallelism (the spec says none;
+    the planner refuses it in one line)."""
+    settings = tiny["settings"]
+    cases = [({"USE_GAN": True}, set(), "USE_GAN=True with a ZImagePipeline teacher"),
+             ({"FLUX_GUIDANCE": 3.5}, {"FLUX_GUIDANCE"}, "FLUX_GUIDANCE=3.5 with a ZImagePipeline teacher"),
+             ({"REAL_GUIDANCE_NORM": "token"}, set(), "no per-token rescale"),
+             ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "a prompt alone has no aspect"),
+             ({"REFERENCE_AREA": 4096}, {"REFERENCE_AREA"}, "a text-to-image teacher reads prompts")]
+    for change, changed, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            z_image.check_dmd_settings("ZImagePipeline", {**settings, **change}, changed, "txt")
+        assert "\n" not in str(e.value)
+    z_image.check_dmd_settings("ZImagePipeline", {**settings, "REAL_GUIDANCE_NORM": "scalar"}, set(), "txt")
+    spec = families.spec_of("ZImagePipeline")
+    assert spec.check_context_parallel is None and families.FAMILIES["ZImagePipeline"] is z_image
+    from tools.planner.activations import _no_cp
+    line = _no_cp("--context_parallel=2", "z_image", tiny["model"], "train_dmd.py", "ZImagePipeline")
+    assert "planned for train_dmd.py, which has none" in line and "\n" not in line
+
+
+@pytest.fixture(scope="module")
+def dmd_runs(tiny, tmp_path_factory):
+    """DMD2 of the tiny Z-Image teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
+    same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
+    score on 2 ranks with validation."""
+    root = tmp_path_factory.mktemp("z_image")
+    common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
+              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
+              "--max_steps=4", "--log_every=1", "--denoising_steps=999,749,499,249", "--batch_size=1",
+              "--sample_count=2", "--dfake_gen_update_ratio=2", "--save_every=2", "--sample_every=4",
+              "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
+    out = {k: root / k for k in ("full", "one", "stopped", "lora")}
+    job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
+    done = launch_all_resuming({
+        "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
+        "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
+                                  "--save_every=0", "--sample_every=0"], ranks=1),
+        "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1", "--save_every=0",
+                                   "--max_steps=2", "--sample_every=2", *VALIDATE])},
+        "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
+    """2 ranks give one process's losses (GRAD_ACCUM=2), the run resumed at step 2 ends bit for bit as the straight
+    one, the log names the image, its tokens, the teacher's CFG and the export's call; validation on the LoRA run."""
+    out, logs = dmd_runs["out"], dmd_runs["logs"]
+    two, one = read_metrics(out["full"], timing=False), read_metrics(out["one"], timing=False)
+    for key in ("loss_fake", "loss_dm"):
+        assert [r.get(key) is None for r in two] == [r.get(key) is None for r in one], key
+        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
+    a, b = read_checkpoint(out["full"], 4, flat=True), read_checkpoint(out["stopped"], 4, flat=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # models, EMA, both AdamW states
+    for part in ("model.generator.", "model.fake.", "model.ema.", "optim.generator.", "optim.guidance."):
+        assert any(k.startswith("." + part) for k in a), part
+    assert read_metrics(out["stopped"], timing=False)[-2:] == two[-2:]  # what it logged after the resume
+    assert "32x32 px (1 shape(s)), 4 target tokens" in logs["full"]
+    assert "teacher true CFG 6 (none rescale)" in logs["full"]
+    assert "pipe(..., num_inference_steps=4, guidance_scale=0.0)" in logs["full"]
+    assert (out["full"] / "samples" / "step_000004.png").exists()
+    assert_validated(out["lora"], [2], logs["lora"])
+
+
+@pytest.mark.slow
+def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dmd_runs):
+    """The full export and the LoRA export on the base (load_lora_weights, the export's scheduler) sample at
+    guidance_scale=0 in 4 steps at the trained σ list (the transformer gets 1 - σ); TEACHER_LORA's reader takes the
+    LoRA export (through ZImagePipeline.lora_state_dict) as adapters of the base's attention projections."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from parallel.loading import tensor_shapes
+    from parallel.lora_merge import read_lora
+    delta = read_lora(str(dmd_runs["out"]["lora"] / "export"), pipeline="ZImagePipeline")
+    delta.check_base(tensor_shapes(f"{tiny['model']}/transformer"), "the base")
+    assert {k.rsplit(".", 2)[-2] for k in delta.weight_keys()} == {"to_q", "to_k", "to_v", "0"}
+    full = ZImagePipeline.from_pretrained(str(dmd_runs["out"]["full"] / "export"))
+    lora = ZImagePipeline.from_pretrained(tiny["model"])
+    base = lora.transformer.layers[0].attention.to_q.weight.clone()
+    lora.load_lora_weights(str(dmd_runs["out"]["lora"] / "export"))
+    lora.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(dmd_runs["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    assert "lora" in type(lora.transformer.layers[0].attention.to_q).__module__ or \
+        not torch.equal(lora.transformer.layers[0].attention.to_q.weight, base)
+    for pipe in (full, lora):
+        assert pipe.scheduler.config.stochastic_sampling and pipe.scheduler.config.shift == 1.0
+        pipe.set_progress_bar_config(disable=True)
+        seen = []
+        pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(a[1][0])), with_kwargs=True)
+        image = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=0.0,
+                     generator=torch.Generator().manual_seed(0), output_type="np").images
+        assert np.isfinite(image).all() and image.shape == (1, SIZE, SIZE, 3)
+        assert seen == pytest.approx([1 - s for s in (1.0, 0.75, 0.5, 0.25)], abs=1e-6)
