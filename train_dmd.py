@@ -202,6 +202,7 @@ VAL_COUNT = 4  # validation prompts (rows)
 VAL_SEEDS = 4  # seeds per validation prompt: the variety across seeds needs 2 or more
 VAL_TEACHER_STEPS = 28  # the teacher's reference: its steps (flow: Euler, the pipeline's shift; UNets: DDIM)
 COLLAPSE_WARN = 0.75  # the variety ratio (student / teacher) under this times its best so far: one warning line; 0 off
+COLLAPSE_FLOOR = 0.4  # the variety ratio under this at any validation: the same warning (a collapse from the start)
 COLLAPSE_STOP = False  # at that warning: stop the run (its checkpoints before that step kept)
 
 _DEFAULTS = script_constants(globals())  # before any override: what changed_settings compares with
@@ -228,13 +229,14 @@ def validate_config() -> list[int]:
         "SHIFT > 0 or auto": km.valid_shift(SHIFT),
         "VAL_EVERY >= 0": VAL_EVERY >= 0, "VAL_COUNT >= 1": VAL_COUNT >= 1,
         "VAL_SEEDS >= 2 (the variety across seeds)": VAL_SEEDS >= 2, "VAL_TEACHER_STEPS >= 1": VAL_TEACHER_STEPS >= 1,
-        "COLLAPSE_WARN >= 0": COLLAPSE_WARN >= 0,
+        "COLLAPSE_WARN >= 0": COLLAPSE_WARN >= 0, "COLLAPSE_FLOOR >= 0": COLLAPSE_FLOOR >= 0,
     })
     for name, given in (("VAL_PROMPTS", VAL_PROMPTS), ("COLLAPSE_STOP", COLLAPSE_STOP)):
         if given and not VAL_EVERY:
             raise ConfigError(f"{name}={given} without VAL_EVERY: validation is off, so it would do nothing")
-    if COLLAPSE_STOP and not COLLAPSE_WARN:
-        raise ConfigError("COLLAPSE_STOP=1 with COLLAPSE_WARN=0: nothing would ever warn, so nothing would stop")
+    if COLLAPSE_STOP and not COLLAPSE_WARN and not COLLAPSE_FLOOR:
+        raise ConfigError("COLLAPSE_STOP=1 with COLLAPSE_WARN=0 and COLLAPSE_FLOOR=0: nothing would ever warn, so "
+                          "nothing would stop")
     if REGRESSION_WEIGHT > 0 and DENOISING_STEPS:
         raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with DENOISING_STEPS={DENOISING_STEPS}: the "
                           "regression target is the teacher's ODE from the generator's noise: a 1-step generator")
@@ -426,7 +428,8 @@ def make_optimizer(module: nn.Module, lr: float, warmup_steps: float):
 def val_settings() -> dmd_val.ValSettings:
     """VAL_EVERY's settings as components/dmd_validation.py reads them."""
     return dmd_val.ValSettings(VAL_EVERY, VAL_PROMPTS, VAL_COUNT, VAL_SEEDS, VAL_TEACHER_STEPS, COLLAPSE_WARN,
-                               COLLAPSE_STOP, SEED, os.path.join(OUTPUT_DIR, "validation"), script_constants(globals()))
+                               COLLAPSE_STOP, SEED, os.path.join(OUTPUT_DIR, "validation"), script_constants(globals()),
+                               floor=COLLAPSE_FLOOR)
 
 
 @dataclass(frozen=True)

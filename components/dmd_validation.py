@@ -40,6 +40,7 @@ class ValSettings:
     seed: int  # SEED
     folder: str  # OUTPUT_DIR/validation
     run: dict  # the run's settings (the script's constants)
+    floor: float = 0.0  # COLLAPSE_FLOOR
 
 
 def validation_rows(s: ValSettings, rows: list, key: Callable, read_own: Callable) -> list:
@@ -77,7 +78,7 @@ def make_validator(s: ValSettings, teacher_samples: Callable, student_samples: C
                 "rows": labels, "seeds": s.seeds, "seed": s.seed, "steps": s.teacher_steps,
                 "precision": r["PRECISION"], "teacher_dtype": r["TEACHER_DTYPE"], "vae": r["VAE_PATH"],
                 "vae_dtype": r["VAE_DTYPE"], **extra}
-    return val.Validator(teacher_samples, student_samples, s.folder, identity, s.warn, s.stop)
+    return val.Validator(teacher_samples, student_samples, s.folder, identity, s.warn, s.stop, floor=s.floor)
 
 
 def unet_validator(s: ValSettings, final_weights, *, room, rows, encode, uncond, latent_shape, step_list, alphas,

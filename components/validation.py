@@ -112,8 +112,10 @@ class Validator:
     and the teacher's cache go (OUTPUT_DIR/validation, shared by every rank)."""
 
     def __init__(self, teacher: Callable[[], Samples], student: Callable[[], Samples], folder: str,
-                 identity: dict, warn: float, stop: bool, before_stop: Callable[[], None] = lambda: None):
+                 identity: dict, warn: float, stop: bool, before_stop: Callable[[], None] = lambda: None,
+                 floor: float = 0.0):
         self.student, self.folder, self.warn, self.stop, self.before_stop = student, folder, warn, stop, before_stop
+        self.floor = floor  # COLLAPSE_FLOOR: a ratio under it warns whatever came before
         self.best = 0.0  # the run's best variety ratio so far (a resume sets it from its checkpoint: val_best)
         self.cache = os.path.join(folder, f"teacher_{reference_key(identity)}.pt")
         self._teacher_fn, self.reference = teacher, None
@@ -148,10 +150,13 @@ class Validator:
         out = broadcast_from_rank0(out)
         ratio = out["val_variety_ratio"]
         self.best = max(self.best, ratio)
-        if self.warn > 0 and ratio < self.warn * self.best:
+        fell, low = self.warn > 0 and ratio < self.warn * self.best, self.floor > 0 and ratio < self.floor
+        if fell or low:
+            why = (f"down from {self.best:.3f} (COLLAPSE_WARN={self.warn}: below {self.warn} of its best)" if fell else
+                   f"under COLLAPSE_FLOOR={self.floor}")
             line = (f"collapse warning at step {step}: the student's variety across seeds is {ratio:.3f} of the "
-                    f"teacher's, down from {self.best:.3f} (COLLAPSE_WARN={self.warn}: below {self.warn} of its best); "
-                    f"colour drift {out['val_colour_drift']:.3f}; grid: {self.folder}/step_{step:06d}.png")
+                    f"teacher's, {why}; colour drift {out['val_colour_drift']:.3f}; "
+                    f"grid: {self.folder}/step_{step:06d}.png")
             if self.stop:  # every rank has the same figures: all stop here, together
                 self.before_stop()
                 raise RunError(f"{line}; COLLAPSE_STOP=1: stopped before this step's checkpoint")

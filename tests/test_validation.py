@@ -75,8 +75,8 @@ def test_teacher_reference_is_drawn_once_per_identity_and_read_back(tmp_path):
 
 def test_collapse_warns_in_one_line_and_stops_after_the_saves_in_flight(tmp_path, capsys):
     """The warning fires when the variety ratio falls under COLLAPSE_WARN times its best so far in the run (not on a
-    low first value: a healthy student starts low too), names the step and the figures; COLLAPSE_STOP raises the
-    run's one-line stop after the saves in flight."""
+    low first value: a healthy student starts low too), or under COLLAPSE_FLOOR at any validation, names the step and
+    the figures; COLLAPSE_STOP raises the run's one-line stop after the saves in flight."""
     def collapsed():
         s = samples(0)
         return val.Samples([p[:1].expand_as(p) * 0.9 for p in s.pixels], s.latents)
@@ -96,6 +96,10 @@ def test_collapse_warns_in_one_line_and_stops_after_the_saves_in_flight(tmp_path
     low_from_the_start = val.Validator(lambda: samples(0), collapsed, str(tmp_path), {}, warn=0.75, stop=False)
     low_from_the_start(3)
     assert "collapse warning" not in capsys.readouterr().out
+    floor = val.Validator(lambda: samples(0), collapsed, str(tmp_path), {}, warn=0.75, stop=False, floor=0.4)
+    floor(4)  # COLLAPSE_FLOOR: a ratio under it warns at the first validation too
+    assert "collapse warning at step 4: the student's variety across seeds is 0.000 of the teacher's, under " \
+           "COLLAPSE_FLOOR=0.4" in capsys.readouterr().out
     waited = []
     stop = val.Validator(lambda: samples(0), students(lambda: samples(1), collapsed), str(tmp_path), {}, warn=0.75,
                          stop=True, before_stop=lambda: waited.append(True))
