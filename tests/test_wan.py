@@ -5,9 +5,11 @@ Conditioning equals WanPipeline's own tensors: the cached UMT5 text is encode_pr
 real length, zero-padded to MAX_SEQUENCE_LENGTH), the latents' normalisation is WanImageToVideoPipeline's, the
 tokens are the transformer's (1, 2, 2) patches in its own order, the teacher's CFG pair is uncond + g (cond -
 uncond), and the room's sampling loop (its velocity with the pipeline's scheduler, timestep sigma * 1000) is the
-pipeline's output. The student's sigma list is the one the export's scheduler makes itself at the trained step
-count. The runs: DMD2 on 2 ranks equals one process (GRAD_ACCUM=2), resume is bit-exact, LoRA and full students
-export, both load in WanPipeline (the LoRA with load_lora_weights) and sample in 4 steps at the trained sigmas.
+pipeline's output. TEACHER_LORA reads Wan LoRAs in Wan's own key forms (LightX2V, ComfyUI, musubi-tuner) as
+WanPipeline.load_lora_weights + fuse_lora does. The student's sigma list is the one the export's scheduler makes
+itself at the trained step count. The runs: DMD2 on 2 ranks equals one process (GRAD_ACCUM=2), resume is
+bit-exact, LoRA and full students export, both load in WanPipeline (the LoRA with load_lora_weights) and sample
+in 4 steps at the trained sigmas.
 
     python -m pytest tests/test_wan.py -q
 """
@@ -173,6 +175,46 @@ def test_teachers_not_built_yet_are_one_line(tiny, tmp_path):
             wan.check_model(pipeline, str(tmp_path))
         assert "\n" not in str(e.value) and "Wan 2.1 T2V distils today" in str(e.value)
     wan.check_model("WanPipeline", tiny["model"])
+
+
+# Wan's original module names (the LightX2V / ComfyUI / musubi-tuner files) of diffusers' (its converter's map)
+ORIGINAL_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+                  "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+                  "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0",
+                  "ffn.net.2": "ffn.2"}
+
+
+def test_teacher_lora_in_wans_own_key_forms_merges_as_the_pipeline_loads_it(tiny, tmp_path):
+    """TEACHER_LORA of a Wan LoRA in Wan's original names, made from a diffusers-form adapter of every block's
+    attention and FFN (scale 1.5 as alpha = 1.5 r): LightX2V (`diffusion_model.` + lora_down / lora_up / .alpha),
+    ComfyUI (`diffusion_model.` + lora_A / lora_B / .alpha) and musubi-tuner (`lora_unet_`, names flattened with
+    `_`) read through WanPipeline's lora_state_dict give the adapter's deltas, and the base merged as it loads
+    equals diffusers' load_lora_weights + fuse of the same file."""
+    from diffusers import WanTransformer3DModel
+
+    from parallel import lora_merge
+    from tests.test_lora_merge import assert_same_adapters, diffusers_adapter, write
+    folder = os.path.join(tiny["model"], "transformer")
+
+    def build():
+        return WanTransformer3DModel.from_pretrained(folder)
+    pairs, reference = diffusers_adapter(
+        build(), 1.5, 5, r"blocks\.\d+\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))")
+    assert len(pairs) == 2 * 10
+    forms = {"lightx2v": ("diffusion_model.{m}", "lora_down", "lora_up"),
+             "comfyui": ("diffusion_model.{m}", "lora_A", "lora_B"),
+             "musubi": ("lora_unet_{flat}", "lora_down", "lora_up")}
+    for form, (name, down, up) in forms.items():
+        tensors = {}
+        for m, (a, b) in pairs.items():
+            block, rest = re.fullmatch(r"(blocks\.\d+)\.(.+)", m).groups()
+            original = f"{block}.{ORIGINAL_NAMES[rest]}"
+            stem = name.format(m=original, flat=original.replace(".", "_"))
+            tensors.update({f"{stem}.{down}.weight": a, f"{stem}.{up}.weight": b,
+                            f"{stem}.alpha": torch.tensor(1.5 * a.shape[0])})
+        file = write(tmp_path, f"{form}.safetensors", tensors)
+        assert set(lora_merge.read_lora(file, pipeline="WanPipeline").layers) == set(pairs), form
+        assert_same_adapters(file, "WanPipeline", reference, build, folder)
 
 
 @pytest.mark.slow
