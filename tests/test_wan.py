@@ -37,13 +37,22 @@ SETTINGS = {"RESOLUTION": SIZE, "BUCKET_ASPECTS": [1.0], "NUM_FRAMES": FRAMES, "
 PROMPTS = ["a red circle on a blue background", "  a green   square &amp; a yellow background "]
 
 
+TI2V_SIZE = 64  # TI2V-5B's sides: multiples of its VAE's 16 x the patch's 2
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model, data = tiny_default("wan_t2v")
     return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
 
 
-@functools.lru_cache(maxsize=1)
+@pytest.fixture(scope="module")
+def ti2v():
+    model, data = tiny_default("wan_ti2v")
+    return {"model": model, "data": data, "settings": {**SETTINGS, "RESOLUTION": TI2V_SIZE, "MODEL_PATH": model}}
+
+
+@functools.lru_cache(maxsize=2)
 def pipeline(model):
     from diffusers import WanPipeline
     pipe = WanPipeline.from_pretrained(model)
@@ -161,20 +170,66 @@ def test_refusals_are_one_line(tiny, monkeypatch):
         train_dmd.validate_config()
 
 
-def test_teachers_not_built_yet_are_one_line(tiny, tmp_path):
-    """A14B (transformer_2, boundary_ratio), TI2V-5B (expand_timesteps) and image to video: one line each, from the
-    folder's model_index.json; Wan 2.1 text to video (transformer_2 null) passes."""
+def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
+    """A14B (transformer_2, boundary_ratio), image to video, and per-token timesteps (expand_timesteps) without
+    TI2V's 2.2 VAE or that VAE without them: one line each, from the folder's model_index.json and VAE config; Wan
+    2.1 text to video (transformer_2 null) and TI2V-5B pass."""
     index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
     assert index.get("transformer_2") in (None, [None, None])
+    (tmp_path / "vae").mkdir()
     cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875},
-              "A14B's two experts"), ("WanPipeline", {"expand_timesteps": True}, "per-token timesteps"),
-             ("WanImageToVideoPipeline", {}, "image to video")]
-    for pipeline, change, words in cases:
+              tiny, "A14B's two experts"), ("WanImageToVideoPipeline", {}, tiny, "image to video"),
+             ("WanPipeline", {"expand_timesteps": True}, tiny, "expand_timesteps=True with a 2.1 VAE"),
+             ("WanPipeline", {"expand_timesteps": False}, ti2v, "expand_timesteps=False with the 2.2 VAE")]
+    for pipeline, change, folder, words in cases:
         (tmp_path / "model_index.json").write_text(json.dumps({**index, **change}))
+        (tmp_path / "vae" / "config.json").write_text(open(os.path.join(folder["model"], "vae", "config.json")).read())
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_model(pipeline, str(tmp_path))
-        assert "\n" not in str(e.value) and "Wan 2.1 T2V distils today" in str(e.value)
+        assert "\n" not in str(e.value) and "Wan 2.1 T2V and Wan 2.2 TI2V-5B (text to video) distil" in str(e.value)
     wan.check_model("WanPipeline", tiny["model"])
+    wan.check_model("WanPipeline", ti2v["model"])
+
+
+def test_ti2v_velocity_latents_and_sizes_are_the_pipelines(tiny, ti2v):
+    """TI2V-5B: the room's velocity passes the pipeline's per-token timestep (B, tokens), (mask[0][0][:, ::2, ::2]
+    * t).flatten() at every token, and equals the transformer called with it (the teacher's CFG pair too); its 2.2
+    VAE (16x, 48 channels in the real one, 8 here) normalises as the pipeline does; sides are multiples of 32 and
+    the flow shift is 5."""
+    pipe = pipeline(ti2v["model"])
+    settings = ti2v["settings"]
+    grid = wan.latent_grid((TI2V_SIZE, TI2V_SIZE), settings)
+    assert grid == (3, 4, 4) and wan.side_multiple(ti2v["model"]) == 32 and wan.flow_shift(ti2v["model"]) == 5.0
+    x, t = torch.randn(2, 8, *grid), torch.tensor(700.0)
+    text, negative = torch.randn(2, 512, 16), torch.randn(2, 512, 16)
+    cond = wan.dmd_cond(text, negative, pipe.vae, [], grid)
+    assert cond.per_token and not wan.dmd_cond(text, negative, pipeline(tiny["model"]).vae, [], grid).per_token
+    mask = torch.ones(x.shape)
+    timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(2, -1)  # pipeline_wan.py's
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    with torch.no_grad():
+        ours = cond.velocity(pipe.transformer, 1.0)(wan.pack_latents(x), t / 1000)
+        pair = cond.velocity(pipe.transformer, 5.0)(wan.pack_latents(x), t / 1000)
+        hook.remove()
+        c, u = (pipe.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=e, return_dict=False)[0]
+                for e in (text, negative))
+    assert torch.equal(seen[0], timestep) and torch.equal(seen[1], torch.cat([timestep, timestep]))
+    torch.testing.assert_close(wan.unpack_latents(ours, grid), c)
+    torch.testing.assert_close(wan.unpack_latents(pair, grid), u + 5.0 * (c - u))
+    video = torch.rand(1, 3, FRAMES, TI2V_SIZE, TI2V_SIZE) * 2 - 1
+    with torch.no_grad():
+        mu = pipe.vae.encode(video).latent_dist.mode()
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, 8, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, 8, 1, 1, 1)
+    assert torch.equal(wan.encode_latents(pipe.vae, video), (mu - mean) * inv_std) and mu.shape[2:] == grid
+    for change, words in (({"RESOLUTION": 48}, "a 48x48 px clip"), ({"BUCKET_ASPECTS": [1.25]}, "a 64x80 px")):
+        with pytest.raises(ConfigError, match=re.escape(words) + ".+multiples of 32") as e:
+            wan.check_dmd_settings("WanPipeline", {**settings, **change}, set(), "txt")
+        assert "\n" not in str(e.value)
+    wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
+    assert wan.video_size({"RESOLUTION": 704, "MODEL_PATH": ti2v["model"]}) == (704, 1280)  # Wan's 1280*704
+    assert wan.video_size({"RESOLUTION": 544, "MODEL_PATH": ti2v["model"]}) == (544, 960)  # 16:9 in 32s
 
 
 # Wan's original module names (the LightX2V / ComfyUI / musubi-tuner files) of diffusers' (its converter's map)
@@ -218,27 +273,33 @@ def test_teacher_lora_in_wans_own_key_forms_merges_as_the_pipeline_loads_it(tiny
 
 
 @pytest.mark.slow
-def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
-    """The room's teacher velocity (cached text and "", CFG 5, timestep sigma * 1000, the tokens unpacked) in the
-    pipeline's own scheduler loop, from the noise the pipeline draws, gives its latents, and decode_latents its
-    frames."""
+@pytest.mark.parametrize("kind", ["tiny", "ti2v"])
+def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
+    """The room's teacher velocity (cached text and "", CFG 5, timestep sigma * 1000, per token for TI2V-5B, the
+    tokens unpacked) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives its latents,
+    and decode_latents its frames: Wan 2.1 T2V and TI2V-5B (its 2.2 VAE, flow_shift 5)."""
     from diffusers import UniPCMultistepScheduler
     from diffusers.utils.torch_utils import randn_tensor
+    tiny = request.getfixturevalue(kind)
+    size = tiny["settings"]["RESOLUTION"]
     pipe = pipeline(tiny["model"])
     captured = {}
 
     def keep(p, i, t, kw):
         captured["latents"] = kw["latents"]
         return kw
-    frames = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=3,
+    frames = pipe(PROMPTS[0], height=size, width=size, num_frames=FRAMES, num_inference_steps=3,
                   generator=torch.Generator().manual_seed(0), output_type="np", callback_on_step_end=keep).frames
     text = cached_text(tiny, tmp_path, [PROMPTS[0], ""])
-    grid = wan.latent_grid((SIZE, SIZE), tiny["settings"])
-    x = randn_tensor((1, 4, *grid), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    grid = wan.latent_grid((size, size), tiny["settings"])
+    channels = pipe.transformer.config.in_channels
+    x = randn_tensor((1, channels, *grid), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
     scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
     scheduler.set_timesteps(3)
     scheduler.set_begin_index(0)
-    v = wan.dmd_cond(text[:1], text[1:], None, [], grid).velocity(pipe.transformer, 5.0)
+    cond = wan.dmd_cond(text[:1], text[1:], pipe.vae, [], grid)
+    assert cond.per_token == (kind == "ti2v") and scheduler.config.flow_shift == (5.0 if kind == "ti2v" else 3.0)
+    v = cond.velocity(pipe.transformer, 5.0)
     with torch.no_grad():
         for t in scheduler.timesteps:
             pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), grid)
@@ -248,28 +309,32 @@ def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
     ours = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
     np.testing.assert_allclose(ours, frames, atol=1e-6)
     strip = wan.decode_tokens(pipe.vae, wan.pack_latents(captured["latents"]), grid)
-    assert strip.shape == (1, 3, SIZE, 3 * SIZE) and torch.equal(strip[..., :SIZE], video[:, :, 0])
+    assert strip.shape == (1, 3, size, 3 * size) and torch.equal(strip[..., :size], video[:, :, 0])
 
 
 @pytest.fixture(scope="module")
-def dmd_runs(tiny, tmp_path_factory):
+def dmd_runs(tiny, ti2v, tmp_path_factory):
     """DMD2 of the tiny Wan teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
-    score on 2 ranks with validation."""
+    score on 2 ranks with validation; the tiny TI2V-5B's full generator, 2 steps on one process."""
     root = tmp_path_factory.mktemp("wan")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v")}
+    ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
+                 f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
     done = launch_all_resuming({
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
         "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
                                   "--save_every=0", "--sample_every=0"], ranks=1),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1", "--save_every=0",
-                                   "--max_steps=2", "--sample_every=2", *VALIDATE])},
+                                   "--max_steps=2", "--sample_every=2", *VALIDATE]),
+        "ti2v": job(args=common + ti2v_args + [f"--output_dir={out['ti2v']}", "--max_steps=2", "--save_every=0",
+                                               "--sample_every=2", "--sample_count=1"], ranks=1)},
         "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -319,3 +384,25 @@ def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dm
                      guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
         assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
         assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_ti2v_dmd_export_loads_in_the_pipeline_and_samples_per_token(ti2v, dmd_runs):
+    """DMD2 of the tiny TI2V-5B: its export (model_index.json's expand_timesteps, the 2.2 VAE, the stochastic
+    FlowMatchEuler at shift 5) samples 4 steps in WanPipeline with per-token timesteps at the trained sigmas."""
+    from diffusers import WanPipeline
+    out, log = dmd_runs["out"]["ti2v"], dmd_runs["logs"]["ti2v"]
+    assert "64x64 px x 3 latent frames (1 shape(s)), 12 target tokens" in log
+    assert (out / "samples" / "step_000002.png").exists()
+    trained = wan.generator_sigmas(ti2v["model"], [1.0, 0.75, 0.5, 0.25])
+    assert trained == pytest.approx([1.0, 0.965293, 0.891341, 0.625], abs=1e-6)  # shift 5, to 5 * 0.25 / 2
+    pipe = WanPipeline.from_pretrained(str(out / "export"))
+    assert pipe.config.expand_timesteps and pipe.scheduler.config.shift == 5.0 and pipe.vae.config.is_residual
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    video = pipe(PROMPTS[0], height=TI2V_SIZE, width=TI2V_SIZE, num_frames=FRAMES, num_inference_steps=4,
+                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
+    assert np.isfinite(video).all() and video.shape == (1, FRAMES, TI2V_SIZE, TI2V_SIZE, 3)
+    assert all(t.shape == (1, 12) and (t == t[0, 0]).all() for t in seen)
+    assert [float(t[0, 0]) for t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)
