@@ -1,7 +1,8 @@
-"""The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B, Wan 2.2 TI2V-5B as text to video), for train_dmd.py's
-flow setup: its transformer built and sharded through parallel/'s generic recipe (one FSDP unit per
-WanTransformerBlock), its VAE (AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its
-conditioning, its video tokens and the distilled export's scheduler.
+"""The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B, Wan 2.2 TI2V-5B as text to video, Wan 2.2 T2V-A14B's
+two experts), for train_dmd.py's flow setup: its transformer built and sharded through parallel/'s generic recipe
+(one FSDP unit per WanTransformerBlock; A14B: each expert so, experts.py routing each sample), its VAE
+(AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its conditioning, its video tokens
+and the distilled export's scheduler.
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.py):
 - the text: UMT5 through the pipeline's encode_prompt (_get_t5_prompt_embeds: prompt_clean, tokenized to
@@ -30,6 +31,7 @@ width the Wan repos' for it (480 -> 832, 720 and 704 -> 1280; else 16:9), or hei
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from core.errors import ConfigError
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import scheduler_config
+from families.wan.experts import Experts
 from families.wan.parallelism import TRANSFORMER
 from parallel import attention
 from parallel.lora import Lora
@@ -79,12 +82,29 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
     """WanTransformer3DModel, as families/flux/room.py builds FLUX's (families/dit.py), sharded one unit per
-    WanTransformerBlock by its model facts (parallelism.py)."""
+    WanTransformerBlock by its model facts (parallelism.py); with Wan 2.2 A14B's transformer_2 beside `folder`,
+    both experts, each built so, as one model (experts.Experts: each sample to the expert its timestep picks)."""
     from diffusers import WanTransformer3DModel
-    return build_dit(WanTransformer3DModel, TRANSFORMER, folder, mesh, prec, device, load=load, sharding=sharding,
-                     block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
-                     attention_backend=attention_backend, trainable=trainable, compute=compute,
-                     frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8, prepare=prepare)
+    build = functools.partial(build_dit, WanTransformer3DModel, TRANSFORMER, mesh=mesh, prec=prec, device=device,
+                              load=load, sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
+                              base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
+                              compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8,
+                              prepare=prepare)
+    root = os.path.dirname(os.path.abspath(folder))
+    boundary = expert_boundary(root)
+    if boundary is None:
+        return build(folder)
+    return Experts(build(folder), build(os.path.join(root, "transformer_2")), boundary)
+
+
+def expert_boundary(model_path) -> float | None:
+    """Wan 2.2 A14B's expert boundary as a timestep (boundary_ratio x the scheduler's num_train_timesteps: the
+    pipeline's boundary_timestep); None for one transformer."""
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        index = json.load(f)
+    if index.get("transformer_2") in (None, [None, None]) or index.get("boundary_ratio") is None:
+        return None
+    return float(index["boundary_ratio"]) * scheduler_config(model_path).get("num_train_timesteps", 1000)
 
 
 def prepare(model) -> None:
@@ -374,21 +394,21 @@ def check_sizes(settings) -> None:
 
 
 def check_model(pipeline, model_path) -> None:
-    """The Wan teachers this room distils: WanPipeline's one-expert text to video (Wan 2.1 1.3B, 14B; Wan 2.2
-    TI2V-5B, whose per-token timesteps come with its 2.2 VAE); the others the pipelines sample differently, refused
-    in one line (the planner plans all six built-ins)."""
+    """The Wan teachers this room distils: WanPipeline's text to video (Wan 2.1 1.3B, 14B; Wan 2.2 TI2V-5B, whose
+    per-token timesteps come with its 2.2 VAE; Wan 2.2 T2V-A14B's two experts); image to video, which the
+    pipeline samples differently, refused in one line (the planner plans all six built-ins)."""
     with open(os.path.join(model_path, "model_index.json")) as f:
         index = json.load(f)
     expand, residual = bool(index.get("expand_timesteps")), bool(vae_config(model_path).get("is_residual"))
     why = ("image to video (the first-frame mask and latents, 2.1's CLIP image tokens) is not built yet"
            if pipeline == "WanImageToVideoPipeline" else
-           "Wan 2.2 A14B's two experts (transformer_2, boundary_ratio) are not built yet"
-           if index.get("transformer_2") not in (None, [None, None]) or index.get("boundary_ratio") is not None else
+           "transformer_2 and boundary_ratio come together (Wan 2.2 A14B's two experts)"
+           if (index.get("transformer_2") in (None, [None, None])) != (index.get("boundary_ratio") is None) else
            f"expand_timesteps={expand} with {'the 2.2' if residual else 'a 2.1'} VAE (is_residual={residual}): "
            "only TI2V-5B's per-token timesteps with its 2.2 VAE are known" if expand != residual else "")
     if why:
-        raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V and Wan 2.2 TI2V-5B "
-                          "(text to video) distil today")
+        raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V, Wan 2.2 TI2V-5B "
+                          "(text to video) and T2V-A14B distil today")
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
@@ -406,6 +426,9 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
     ]
     refused += [(name, name in changed, "Wan reads no reference image") for name in ("REFERENCE_AREA",
                                                                                      "CONDITION_AREA")]
+    if expert_boundary(settings["MODEL_PATH"]) is not None:  # one LoRA file adapts one expert
+        refused += [(name, bool(settings.get(name)), "A14B's two experts take two LoRA files, which it does not "
+                     "read yet") for name in ("TEACHER_LORA", "GENERATOR_LORA")]
     for name, hit, why in refused:
         if hit:
             raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")

@@ -15,10 +15,14 @@ out channels of a 2 x 2 pixel patch, a decoder wider than the encoder, scale_fac
 channels with made-up latents_mean / latents_std, and the real repo's scheduler (flow_shift 5.0): 9 frames of 64 x
 64 px -> 3 x 4 x 4 latents -> 12 tokens.
 
+wan_a14b: wan_t2v with Wan 2.2 T2V-A14B's layout: a second expert (transformer_2, the same config, other weights)
+and model_index.json's boundary_ratio 0.875.
+
     python -m pytest tests/test_tiny_models.py tests/test_wan.py -q
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from families.tiny.data import make_prompts_file, write_jsonl
@@ -50,9 +54,10 @@ def write_umt5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
     return T5TokenizerFast.from_pretrained(folder)
 
 
-def make_tiny_wan_t2v(folder, seed=0, ti2v=False):
+def make_tiny_wan_t2v(folder, seed=0, ti2v=False, a14b=False):
     """Write a Wan2.1-T2V-layout diffusers folder (WanPipeline: transformer, vae, text_encoder, tokenizer,
-    scheduler), or with `ti2v` Wan2.2-TI2V-5B's (its 2.2 VAE, expand_timesteps, flow_shift 5). Returns the
+    scheduler), or with `ti2v` Wan2.2-TI2V-5B's (its 2.2 VAE, expand_timesteps, flow_shift 5), or with `a14b`
+    Wan2.2-T2V-A14B's (a second expert, transformer_2, of other weights, boundary_ratio 0.875). Returns the
     folder."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -65,12 +70,16 @@ def make_tiny_wan_t2v(folder, seed=0, ti2v=False):
                         eos_token_id=1, decoder_start_token_id=0)
     with seeded(seed):
         text_encoder = UMT5EncoderModel(config).eval()
+    expert = functools.partial(
+        WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        in_channels=channels, out_channels=channels, text_dim=config.d_model, freq_dim=32, ffn_dim=48, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
     with seeded(seed + 1):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
-            out_channels=channels,
-            text_dim=config.d_model, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+        transformer = expert()
+    transformer_2 = None
+    if a14b:  # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts of one config
+        with seeded(seed + 3):
+            transformer_2 = expert()
     with seeded(seed + 2):
         vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                                temperal_downsample=[False, True, True], latents_mean=LATENTS_MEAN,
@@ -83,7 +92,7 @@ def make_tiny_wan_t2v(folder, seed=0, ti2v=False):
                                    latents_mean=TI2V_LATENTS_MEAN, latents_std=TI2V_LATENTS_STD)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=UniPCMultistepScheduler(**{**SCHEDULER, "flow_shift": 5.0 if ti2v else 3.0}),
-                       expand_timesteps=ti2v)
+                       expand_timesteps=ti2v, transformer_2=transformer_2, boundary_ratio=0.875 if a14b else None)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -98,5 +107,12 @@ def build_wan_t2v(root):
 def build_wan_ti2v(root):
     """tiny_wan_ti2v: the Wan 2.2 TI2V-5B folder and the same 32 prompts."""
     make_tiny_wan_t2v(root / "model", ti2v=True)
+    path = make_prompts_file(root / "data" / "prompts.txt", 32)
+    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+
+
+def build_wan_a14b(root):
+    """tiny_wan_a14b: the Wan 2.2 T2V-A14B folder (two experts) and the same 32 prompts."""
+    make_tiny_wan_t2v(root / "model", a14b=True)
     path = make_prompts_file(root / "data" / "prompts.txt", 32)
     write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
