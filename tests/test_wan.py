@@ -386,7 +386,7 @@ def dmd_runs(tiny, ti2v, a14b, tmp_path_factory):
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'a14b_text_cache'}", "--lora_rank=4", "--fake_lora=1", "--max_steps=3",
-                 "--save_every=0", "--sample_every=0"]
+                 "--save_every=3", "--sample_every=0", "--ema_decay=0.9"]
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
     done = launch_all_resuming({
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
@@ -483,6 +483,10 @@ def test_a14b_dmd_two_ranks_equal_one_and_exports_both_experts(a14b, dmd_runs):
     for key in ("loss_fake", "loss_dm"):
         assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
     assert "load_lora_weights(export/transformer_2, load_into_transformer_2=True)" in logs["a14b"]
+    state = read_checkpoint(out["a14b"], 3, flat=True)  # both experts of every trained role, the adapters' EMA
+    for part in ("model.generator.transformer.", "model.generator.transformer_2.", "model.fake.transformer_2.",
+                 "model.ema.shadow.", "optim.generator."):
+        assert any(k.startswith("." + part) for k in state), part
     trained = wan.generator_sigmas(a14b["model"], [1.0, 0.75, 0.5, 0.25])
     lora = WanPipeline.from_pretrained(a14b["model"])
     lora.load_lora_weights(str(out["a14b"] / "export"))
