@@ -790,7 +790,8 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
                                sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, grid=grid,
                                channels=room.latent_channels(vae), edits=data.edits)
     index = room.distilled_index(MODEL_PATH)
-    note = export_note(run, guide, sigmas, index, own_sigmas=hasattr(room, "generator_sigmas"))
+    note = export_note(run, guide, sigmas, index, own_sigmas=hasattr(room, "generator_sigmas"),
+                       more=list(getattr(generator, "pipeline_parts", dict)())[1:])
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
                  room.distilled_scheduler(MODEL_PATH, sigmas), note, index, base_lora)
 
@@ -912,9 +913,11 @@ def flow_shift(size: tuple[int, int], tokens: int) -> float:
     return shift
 
 
-def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index: dict, own_sigmas=False) -> str:
+def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index: dict, own_sigmas=False,
+                more=()) -> str:
     """How to sample the export: every export carrying the generator samples in len(sigmas) steps with
-    the scheduler made for it (`own_sigmas`: which makes the list itself), without the teacher's guidance pair."""
+    the scheduler made for it (`own_sigmas`: which makes the list itself), without the teacher's guidance pair;
+    `more`: the pipeline components the generator holds after its first (a LoRA of each in export/<name>)."""
     n = len(sigmas)
     call = (f"num_inference_steps={n}" if own_sigmas or sigmas == [1 - i / n for i in range(n)] else
             f"num_inference_steps={n}, sigmas={sigmas}")
@@ -922,7 +925,8 @@ def export_note(run: trainer.Run, guide: dm.Guidance, sigmas: list[float], index
     if MAX_SEQUENCE_LENGTH != _DEFAULTS["MAX_SEQUENCE_LENGTH"]:  # the pipelines' default: the text it trained with
         call += f", max_sequence_length={MAX_SEQUENCE_LENGTH}"
     how = (f"{run.pipeline}.from_pretrained(export)" if not run.lora else
-           f"{run.pipeline}.from_pretrained(MODEL_PATH{kwargs}) + load_lora_weights(export) + its scheduler "
+           f"{run.pipeline}.from_pretrained(MODEL_PATH{kwargs}) + load_lora_weights(export) + "
+           + "".join(f"load_lora_weights(export/{m}, load_into_{m}=True) + " for m in more) + "its scheduler "
            "FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder='scheduler')"
            + (f", or {run.pipeline}.from_pretrained(export_merged)" if LORA_EXPORT_MERGED else ""))
     return f"sampling the export: {how}; pipe(..., {call}{', ' + guide.export_call if guide.export_call else ''})"

@@ -355,11 +355,15 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
         print0(compiling.compile_report("compile, whole run"))
     component = pipelines.trained_component(run.pipeline).subfolder
     with final_weights() as final_model:
+        # a model of several pipeline components (Wan 2.2 A14B's experts) exports each; LoRA: the first's file in
+        # export/, each other's in export/<its name>/ (load_lora_weights(..., load_into_<its name>=True))
+        parts = final_model.pipeline_parts() if hasattr(final_model, "pipeline_parts") else {component: final_model}
         if run.lora:
-            export_lora(final_model, run.output("export"), run.pipeline, component, torch.float32, scheduler,
-                        base_lora=base_lora)
+            for i, (name, part) in enumerate(parts.items()):
+                export_lora(part, run.output("export", *([name] if i else [])), run.pipeline, component,
+                            torch.float32, scheduler if i == 0 else None, base_lora=base_lora)
         if not run.lora or c["LORA_EXPORT_MERGED"]:
             export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
-                            {component: final_model}, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen,
+                            parts, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen,
                             scheduler=scheduler, link_frozen=c["EXPORT_SYMLINKS"], index=index)
     fsdp_utils.cleanup_distributed()

@@ -1,18 +1,23 @@
 """The Wan room (families/wan/) and train_dmd.py's DMD2 of a Wan 2.1 text-to-video teacher, on the tiny WanPipeline
-folder (9 frames of 32 x 32 px: 3 x 4 x 4 latents, 12 tokens).
+folder (9 frames of 32 x 32 px: 3 x 4 x 4 latents, 12 tokens), and of the tiny Wan 2.2 TI2V-5B (per-token
+timesteps, the 2.2 VAE; 64 px) and T2V-A14B (two experts: each sample on the expert its timestep picks; 2 ranks
+against one process, two LoRA files and the merged export sampled in WanPipeline).
 
 Conditioning equals WanPipeline's own tensors: the cached UMT5 text is encode_prompt's (prompt_clean, cut to the
 real length, zero-padded to MAX_SEQUENCE_LENGTH), the latents' normalisation is WanImageToVideoPipeline's, the
 tokens are the transformer's (1, 2, 2) patches in its own order, the teacher's CFG pair is uncond + g (cond -
 uncond), and the room's sampling loop (its velocity with the pipeline's scheduler, timestep sigma * 1000) is the
-pipeline's output. The student's sigma list is the one the export's scheduler makes itself at the trained step
-count. The runs: DMD2 on 2 ranks equals one process (GRAD_ACCUM=2), resume is bit-exact, LoRA and full students
-export, both load in WanPipeline (the LoRA with load_lora_weights) and sample in 4 steps at the trained sigmas.
+pipeline's output. TEACHER_LORA reads Wan LoRAs in Wan's own key forms (LightX2V, ComfyUI, musubi-tuner) as
+WanPipeline.load_lora_weights + fuse_lora does. The student's sigma list is the one the export's scheduler makes
+itself at the trained step count. The runs: DMD2 on 2 ranks equals one process (GRAD_ACCUM=2), resume is
+bit-exact, LoRA and full students export, both load in WanPipeline (the LoRA with load_lora_weights) and sample
+in 4 steps at the trained sigmas.
 
     python -m pytest tests/test_wan.py -q
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -35,13 +40,28 @@ SETTINGS = {"RESOLUTION": SIZE, "BUCKET_ASPECTS": [1.0], "NUM_FRAMES": FRAMES, "
 PROMPTS = ["a red circle on a blue background", "  a green   square &amp; a yellow background "]
 
 
+TI2V_SIZE = 64  # TI2V-5B's sides: multiples of its VAE's 16 x the patch's 2
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model, data = tiny_default("wan_t2v")
     return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
 
 
-@functools.lru_cache(maxsize=1)
+@pytest.fixture(scope="module")
+def a14b():
+    model, data = tiny_default("wan_a14b")
+    return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
+
+
+@pytest.fixture(scope="module")
+def ti2v():
+    model, data = tiny_default("wan_ti2v")
+    return {"model": model, "data": data, "settings": {**SETTINGS, "RESOLUTION": TI2V_SIZE, "MODEL_PATH": model}}
+
+
+@functools.lru_cache(maxsize=3)
 def pipeline(model):
     from diffusers import WanPipeline
     pipe = WanPipeline.from_pretrained(model)
@@ -159,44 +179,184 @@ def test_refusals_are_one_line(tiny, monkeypatch):
         train_dmd.validate_config()
 
 
-def test_teachers_not_built_yet_are_one_line(tiny, tmp_path):
-    """A14B (transformer_2, boundary_ratio), TI2V-5B (expand_timesteps) and image to video: one line each, from the
-    folder's model_index.json; Wan 2.1 text to video (transformer_2 null) passes."""
+def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
+    """Image to video, a second expert without its boundary_ratio, and per-token timesteps (expand_timesteps)
+    without TI2V's 2.2 VAE or that VAE without them: one line each, from the folder's model_index.json and VAE
+    config; Wan 2.1 text to video (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for
+    its two experts."""
     index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
     assert index.get("transformer_2") in (None, [None, None])
-    cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875},
-              "A14B's two experts"), ("WanPipeline", {"expand_timesteps": True}, "per-token timesteps"),
-             ("WanImageToVideoPipeline", {}, "image to video")]
-    for pipeline, change, words in cases:
+    (tmp_path / "vae").mkdir()
+    cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, tiny,
+              "transformer_2 and boundary_ratio come together"),
+             ("WanImageToVideoPipeline", {}, tiny, "image to video"),
+             ("WanPipeline", {"expand_timesteps": True}, tiny, "expand_timesteps=True with a 2.1 VAE"),
+             ("WanPipeline", {"expand_timesteps": False}, ti2v, "expand_timesteps=False with the 2.2 VAE")]
+    for pipeline, change, folder, words in cases:
         (tmp_path / "model_index.json").write_text(json.dumps({**index, **change}))
+        (tmp_path / "vae" / "config.json").write_text(open(os.path.join(folder["model"], "vae", "config.json")).read())
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_model(pipeline, str(tmp_path))
-        assert "\n" not in str(e.value) and "Wan 2.1 T2V distils today" in str(e.value)
-    wan.check_model("WanPipeline", tiny["model"])
+        assert "\n" not in str(e.value) and "TI2V-5B (text to video) and T2V-A14B distil today" in str(e.value)
+    for folder in (tiny, ti2v):
+        wan.check_model("WanPipeline", folder["model"])
+    a14b = tmp_path / "a14b"  # the tiny Wan's parts with A14B's model_index.json (its second expert's entry)
+    a14b.mkdir()
+    for part in ("transformer", "vae", "scheduler"):
+        (a14b / part).symlink_to(os.path.join(tiny["model"], part))
+    (a14b / "model_index.json").write_text(json.dumps(
+        {**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}))
+    wan.check_model("WanPipeline", str(a14b))
+    for name in ("TEACHER_LORA", "GENERATOR_LORA"):
+        with pytest.raises(ConfigError, match=f"{name}=x.safetensors with a WanPipeline teacher: A14B's two experts"):
+            settings = {**tiny["settings"], "MODEL_PATH": str(a14b), name: "x.safetensors"}
+            wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
+    assert wan.expert_boundary(str(a14b)) == 875.0 and wan.expert_boundary(tiny["model"]) is None
+
+
+def test_ti2v_velocity_latents_and_sizes_are_the_pipelines(tiny, ti2v):
+    """TI2V-5B: the room's velocity passes the pipeline's per-token timestep (B, tokens), (mask[0][0][:, ::2, ::2]
+    * t).flatten() at every token, and equals the transformer called with it (the teacher's CFG pair too); its 2.2
+    VAE (16x, 48 channels in the real one, 8 here) normalises as the pipeline does; sides are multiples of 32 and
+    the flow shift is 5."""
+    pipe = pipeline(ti2v["model"])
+    settings = ti2v["settings"]
+    grid = wan.latent_grid((TI2V_SIZE, TI2V_SIZE), settings)
+    assert grid == (3, 4, 4) and wan.side_multiple(ti2v["model"]) == 32 and wan.flow_shift(ti2v["model"]) == 5.0
+    x, t = torch.randn(2, 8, *grid), torch.tensor(700.0)
+    text, negative = torch.randn(2, 512, 16), torch.randn(2, 512, 16)
+    cond = wan.dmd_cond(text, negative, pipe.vae, [], grid)
+    assert cond.per_token and not wan.dmd_cond(text, negative, pipeline(tiny["model"]).vae, [], grid).per_token
+    mask = torch.ones(x.shape)
+    timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(2, -1)  # pipeline_wan.py's
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    with torch.no_grad():
+        ours = cond.velocity(pipe.transformer, 1.0)(wan.pack_latents(x), t / 1000)
+        pair = cond.velocity(pipe.transformer, 5.0)(wan.pack_latents(x), t / 1000)
+        hook.remove()
+        c, u = (pipe.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=e, return_dict=False)[0]
+                for e in (text, negative))
+    assert torch.equal(seen[0], timestep) and torch.equal(seen[1], torch.cat([timestep, timestep]))
+    torch.testing.assert_close(wan.unpack_latents(ours, grid), c)
+    torch.testing.assert_close(wan.unpack_latents(pair, grid), u + 5.0 * (c - u))
+    video = torch.rand(1, 3, FRAMES, TI2V_SIZE, TI2V_SIZE) * 2 - 1
+    with torch.no_grad():
+        mu = pipe.vae.encode(video).latent_dist.mode()
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, 8, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, 8, 1, 1, 1)
+    assert torch.equal(wan.encode_latents(pipe.vae, video), (mu - mean) * inv_std) and mu.shape[2:] == grid
+    for change, words in (({"RESOLUTION": 48}, "a 48x48 px clip"), ({"BUCKET_ASPECTS": [1.25]}, "a 64x80 px")):
+        with pytest.raises(ConfigError, match=re.escape(words) + ".+multiples of 32") as e:
+            wan.check_dmd_settings("WanPipeline", {**settings, **change}, set(), "txt")
+        assert "\n" not in str(e.value)
+    wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
+    assert wan.video_size({"RESOLUTION": 704, "MODEL_PATH": ti2v["model"]}) == (704, 1280)  # Wan's 1280*704
+    assert wan.video_size({"RESOLUTION": 544, "MODEL_PATH": ti2v["model"]}) == (544, 960)  # 16:9 in 32s
+
+
+# Wan's original module names (the LightX2V / ComfyUI / musubi-tuner files) of diffusers' (its converter's map)
+ORIGINAL_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+                  "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+                  "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0",
+                  "ffn.net.2": "ffn.2"}
+
+
+def test_teacher_lora_in_wans_own_key_forms_merges_as_the_pipeline_loads_it(tiny, tmp_path):
+    """TEACHER_LORA of a Wan LoRA in Wan's original names, made from a diffusers-form adapter of every block's
+    attention and FFN (scale 1.5 as alpha = 1.5 r): LightX2V (`diffusion_model.` + lora_down / lora_up / .alpha),
+    ComfyUI (`diffusion_model.` + lora_A / lora_B / .alpha) and musubi-tuner (`lora_unet_`, names flattened with
+    `_`) read through WanPipeline's lora_state_dict give the adapter's deltas, and the base merged as it loads
+    equals diffusers' load_lora_weights + fuse of the same file."""
+    from diffusers import WanTransformer3DModel
+
+    from parallel import lora_merge
+    from tests.test_lora_merge import assert_same_adapters, diffusers_adapter, write
+    folder = os.path.join(tiny["model"], "transformer")
+
+    def build():
+        return WanTransformer3DModel.from_pretrained(folder)
+    pairs, reference = diffusers_adapter(
+        build(), 1.5, 5, r"blocks\.\d+\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))")
+    assert len(pairs) == 2 * 10
+    forms = {"lightx2v": ("diffusion_model.{m}", "lora_down", "lora_up"),
+             "comfyui": ("diffusion_model.{m}", "lora_A", "lora_B"),
+             "musubi": ("lora_unet_{flat}", "lora_down", "lora_up")}
+    for form, (name, down, up) in forms.items():
+        tensors = {}
+        for m, (a, b) in pairs.items():
+            block, rest = re.fullmatch(r"(blocks\.\d+)\.(.+)", m).groups()
+            original = f"{block}.{ORIGINAL_NAMES[rest]}"
+            stem = name.format(m=original, flat=original.replace(".", "_"))
+            tensors.update({f"{stem}.{down}.weight": a, f"{stem}.{up}.weight": b,
+                            f"{stem}.alpha": torch.tensor(1.5 * a.shape[0])})
+        file = write(tmp_path, f"{form}.safetensors", tensors)
+        assert set(lora_merge.read_lora(file, pipeline="WanPipeline").layers) == set(pairs), form
+        assert_same_adapters(file, "WanPipeline", reference, build, folder)
+
+
+@pytest.mark.slow  # the A14B folder's build; the fast loop's budget
+def test_a14b_experts_pick_each_samples_expert_by_its_timestep(a14b):
+    """A14B: each sample goes to the expert WanPipeline would use at its timestep (transformer at t >= 875, the
+    boundary itself included, transformer_2 below), the teacher's CFG pair too: the student's, the teacher's and
+    the fake score's calls all go through this; an expert none of the samples needs is not called."""
+    from families.wan.experts import Experts
+    pipe = pipeline(a14b["model"])
+    experts = Experts(pipe.transformer, pipe.transformer_2, wan.expert_boundary(a14b["model"]))
+    grid = (3, 4, 4)
+    x, text, negative = torch.randn(4, 4, *grid), torch.randn(4, 512, 16), torch.randn(4, 512, 16)
+    sigma = torch.tensor([0.95, 0.875, 0.8749, 0.3])
+    with torch.no_grad():
+        ours = wan.dmd_cond(text, negative, None, [], grid).velocity(experts, 5.0)(wan.pack_latents(x), sigma)
+        for i, expert in enumerate([pipe.transformer] * 2 + [pipe.transformer_2] * 2):
+            c, u = (expert(hidden_states=x[i:i + 1], timestep=sigma[i:i + 1] * 1000, encoder_hidden_states=e[i:i + 1],
+                           return_dict=False)[0] for e in (text, negative))
+            torch.testing.assert_close(wan.unpack_latents(ours[i:i + 1], grid), u + 5.0 * (c - u))
+        calls = []
+        hooks = [m.register_forward_pre_hook(lambda m, a, kw, n=n: calls.append(n), with_kwargs=True)
+                 for n, m in (("high", pipe.transformer), ("low", pipe.transformer_2))]
+        experts(hidden_states=x[:2], timestep=torch.tensor([1000.0, 875.0]), encoder_hidden_states=text[:2])
+        experts(hidden_states=x[:1], timestep=torch.tensor([874.9]), encoder_hidden_states=text[:1])
+        for h in hooks:
+            h.remove()
+    assert calls == ["high", "low"]
+    assert list(experts.pipeline_parts()) == ["transformer", "transformer_2"]
 
 
 @pytest.mark.slow
-def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
-    """The room's teacher velocity (cached text and "", CFG 5, timestep sigma * 1000, the tokens unpacked) in the
-    pipeline's own scheduler loop, from the noise the pipeline draws, gives its latents, and decode_latents its
-    frames."""
+@pytest.mark.parametrize("kind", ["tiny", "ti2v", "a14b"])
+def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
+    """The room's teacher velocity (cached text and "", CFG 5, timestep sigma * 1000, per token for TI2V-5B, the
+    tokens unpacked) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives its latents,
+    and decode_latents its frames: Wan 2.1 T2V, TI2V-5B (its 2.2 VAE, flow_shift 5) and T2V-A14B (its steps at
+    t 999 on transformer, 857 and 600 on transformer_2)."""
+    from families.wan.experts import Experts
     from diffusers import UniPCMultistepScheduler
     from diffusers.utils.torch_utils import randn_tensor
+    tiny = request.getfixturevalue(kind)
+    size = tiny["settings"]["RESOLUTION"]
     pipe = pipeline(tiny["model"])
     captured = {}
 
     def keep(p, i, t, kw):
         captured["latents"] = kw["latents"]
         return kw
-    frames = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=3,
+    frames = pipe(PROMPTS[0], height=size, width=size, num_frames=FRAMES, num_inference_steps=3,
                   generator=torch.Generator().manual_seed(0), output_type="np", callback_on_step_end=keep).frames
     text = cached_text(tiny, tmp_path, [PROMPTS[0], ""])
-    grid = wan.latent_grid((SIZE, SIZE), tiny["settings"])
-    x = randn_tensor((1, 4, *grid), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    grid = wan.latent_grid((size, size), tiny["settings"])
+    channels = pipe.transformer.config.in_channels
+    x = randn_tensor((1, channels, *grid), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
     scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
     scheduler.set_timesteps(3)
     scheduler.set_begin_index(0)
-    v = wan.dmd_cond(text[:1], text[1:], None, [], grid).velocity(pipe.transformer, 5.0)
+    cond = wan.dmd_cond(text[:1], text[1:], pipe.vae, [], grid)
+    assert cond.per_token == (kind == "ti2v") and scheduler.config.flow_shift == (5.0 if kind == "ti2v" else 3.0)
+    model = pipe.transformer
+    if kind == "a14b":
+        model = Experts(pipe.transformer, pipe.transformer_2, wan.expert_boundary(tiny["model"]))
+        assert [float(t) for t in scheduler.timesteps] == [999.0, 857.0, 600.0]  # both experts
+    v = cond.velocity(model, 5.0)
     with torch.no_grad():
         for t in scheduler.timesteps:
             pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), grid)
@@ -206,28 +366,38 @@ def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
     ours = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
     np.testing.assert_allclose(ours, frames, atol=1e-6)
     strip = wan.decode_tokens(pipe.vae, wan.pack_latents(captured["latents"]), grid)
-    assert strip.shape == (1, 3, SIZE, 3 * SIZE) and torch.equal(strip[..., :SIZE], video[:, :, 0])
+    assert strip.shape == (1, 3, size, 3 * size) and torch.equal(strip[..., :size], video[:, :, 0])
 
 
 @pytest.fixture(scope="module")
-def dmd_runs(tiny, tmp_path_factory):
+def dmd_runs(tiny, ti2v, a14b, tmp_path_factory):
     """DMD2 of the tiny Wan teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
-    score on 2 ranks with validation."""
+    score on 2 ranks with validation; the tiny TI2V-5B's full generator, 2 steps on one process; the tiny
+    T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2)."""
     root = tmp_path_factory.mktemp("wan")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one")}
+    ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
+                 f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
+    a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
+                 f"--text_cache_dir={root / 'a14b_text_cache'}", "--lora_rank=4", "--fake_lora=1", "--max_steps=3",
+                 "--save_every=3", "--sample_every=0", "--ema_decay=0.9"]
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
     done = launch_all_resuming({
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
         "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
                                   "--save_every=0", "--sample_every=0"], ranks=1),
         "lora": job(args=common + [f"--output_dir={out['lora']}", "--lora_rank=4", "--fake_lora=1", "--save_every=0",
-                                   "--max_steps=2", "--sample_every=2", *VALIDATE])},
+                                   "--max_steps=2", "--sample_every=2", *VALIDATE]),
+        "ti2v": job(args=common + ti2v_args + [f"--output_dir={out['ti2v']}", "--max_steps=2", "--save_every=0",
+                                               "--sample_every=2", "--sample_count=1"], ranks=1),
+        "a14b": job(args=common + a14b_args + [f"--output_dir={out['a14b']}", "--lora_export_merged=1"]),
+        "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1)},
         "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -277,3 +447,72 @@ def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dm
                      guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
         assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
         assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_ti2v_dmd_export_loads_in_the_pipeline_and_samples_per_token(ti2v, dmd_runs):
+    """DMD2 of the tiny TI2V-5B: its export (model_index.json's expand_timesteps, the 2.2 VAE, the stochastic
+    FlowMatchEuler at shift 5) samples 4 steps in WanPipeline with per-token timesteps at the trained sigmas."""
+    from diffusers import WanPipeline
+    out, log = dmd_runs["out"]["ti2v"], dmd_runs["logs"]["ti2v"]
+    assert "64x64 px x 3 latent frames (1 shape(s)), 12 target tokens" in log
+    assert (out / "samples" / "step_000002.png").exists()
+    trained = wan.generator_sigmas(ti2v["model"], [1.0, 0.75, 0.5, 0.25])
+    assert trained == pytest.approx([1.0, 0.965293, 0.891341, 0.625], abs=1e-6)  # shift 5, to 5 * 0.25 / 2
+    pipe = WanPipeline.from_pretrained(str(out / "export"))
+    assert pipe.config.expand_timesteps and pipe.scheduler.config.shift == 5.0 and pipe.vae.config.is_residual
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    video = pipe(PROMPTS[0], height=TI2V_SIZE, width=TI2V_SIZE, num_frames=FRAMES, num_inference_steps=4,
+                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
+    assert np.isfinite(video).all() and video.shape == (1, FRAMES, TI2V_SIZE, TI2V_SIZE, 3)
+    assert all(t.shape == (1, 12) and (t == t[0, 0]).all() for t in seen)
+    assert [float(t[0, 0]) for t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a14b_dmd_two_ranks_equal_one_and_exports_both_experts(a14b, dmd_runs):
+    """A14B's LoRA experts: 2 ranks (each sample to its expert, a rank with no sample for a needed expert calling
+    it on one token) give one process's losses (GRAD_ACCUM=2); the export is two LoRA files (the second loaded
+    with load_into_transformer_2=True) and the merged pipeline holds both experts; both sample 4 steps in
+    WanPipeline at the trained sigmas, transformer at t >= 875 (1000, 928), transformer_2 below (799, 500)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    out, logs = dmd_runs["out"], dmd_runs["logs"]
+    two, one = read_metrics(out["a14b"], timing=False), read_metrics(out["a14b_one"], timing=False)
+    for key in ("loss_fake", "loss_dm"):
+        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
+    assert "load_lora_weights(export/transformer_2, load_into_transformer_2=True)" in logs["a14b"]
+    state = read_checkpoint(out["a14b"], 3, flat=True)  # both experts of every trained role, the adapters' EMA
+    for part in ("model.generator.transformer.", "model.generator.transformer_2.", "model.fake.transformer_2.",
+                 "model.ema.shadow.", "optim.generator."):
+        assert any(k.startswith("." + part) for k in state), part
+    trained = wan.generator_sigmas(a14b["model"], [1.0, 0.75, 0.5, 0.25])
+    lora = WanPipeline.from_pretrained(a14b["model"])
+    lora.load_lora_weights(str(out["a14b"] / "export"))
+    lora.load_lora_weights(str(out["a14b"] / "export" / "transformer_2"), load_into_transformer_2=True)
+    lora.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(out["a14b"] / "export"), subfolder="scheduler")
+    merged = WanPipeline.from_pretrained(str(out["a14b"] / "export_merged"))
+    plain = WanPipeline.from_pretrained(a14b["model"])
+    used = {trained[int(r["step_index"])] * 1000 >= 875 for r in two if "loss_dm" in r}  # the generator steps' experts
+    for name, high in (("transformer", True), ("transformer_2", False)):  # each file adapts its own expert
+        fused = copy.deepcopy(getattr(lora, name))
+        fused.fuse_lora()
+        fused = {k.replace(".base_layer.", "."): v for k, v in fused.named_parameters() if ".lora_" not in k}
+        ours, before = dict(getattr(merged, name).named_parameters()), dict(getattr(plain, name).named_parameters())
+        assert fused.keys() == ours.keys()
+        for k, v in ours.items():
+            torch.testing.assert_close(fused[k], v, msg=k)
+        key = "blocks.0.attn1.to_q.weight"  # an expert moves only where a generator step used it
+        assert (not torch.equal(ours[key], before[key])) == (high in used), (name, used)
+    for pipe in (lora, merged):
+        pipe.set_progress_bar_config(disable=True)
+        seen = []
+        for name, m in (("high", pipe.transformer), ("low", pipe.transformer_2)):
+            m.register_forward_pre_hook(lambda m, a, kw, n=name: seen.append((n, float(kw["timestep"][0]))),
+                                        with_kwargs=True)
+        video = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=4,
+                     guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
+        assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
+        assert [n for n, _ in seen] == ["high", "high", "low", "low"]
+        assert [t for _, t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)

@@ -1,30 +1,37 @@
-"""The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B), for train_dmd.py's flow setup: its transformer built and
-sharded through parallel/'s generic recipe (one FSDP unit per WanTransformerBlock), its VAE (AutoencoderKLWan,
-per-channel latents_mean / latents_std), its conditioning, its video tokens and the distilled export's scheduler.
+"""The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B, Wan 2.2 TI2V-5B as text to video, Wan 2.2 T2V-A14B's
+two experts), for train_dmd.py's flow setup: its transformer built and sharded through parallel/'s generic recipe
+(one FSDP unit per WanTransformerBlock; A14B: each expert so, experts.py routing each sample), its VAE
+(AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its conditioning, its video tokens
+and the distilled export's scheduler.
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.py):
 - the text: UMT5 through the pipeline's encode_prompt (_get_t5_prompt_embeds: prompt_clean, tokenized to
   MAX_SEQUENCE_LENGTH, the hidden states cut to the prompt's real length and zero-padded back to it). The trained
   length is MAX_SEQUENCE_LENGTH, 512 as the pipeline's __call__ (encode_prompt's own default is 226); the cache
   keeps the cut embeddings and load_text pads them, so the tensors are encode_prompt's;
-- the latents (B, C, T, H/8, W/8), T = (frames - 1) / 4 + 1: the posterior's mode normalised as the pipeline
-  does, (mu - latents_mean) * (1 / latents_std) (encode_latents; a text-to-video teacher's DMD2 reads prompts only);
+- the latents (B, C, T, H/f, W/f), T = (frames - 1) / 4 + 1, f the VAE's scale_factor_spatial (2.1: 8 with 16
+  channels; TI2V-5B's 2.2 VAE: 16 with 48): the posterior's mode normalised as the pipeline does, (mu -
+  latents_mean) * (1 / latents_std) (encode_latents; a text-to-video teacher's DMD2 reads prompts only);
 - frames 4k + 1 (NUM_FRAMES; the pipeline rounds others with a warning, here they are refused), height and width
-  multiples of 16 (the pipeline's check_inputs);
-- the transformer's timestep is sigma * 1000 as a float; its target the flow n - x0;
+  multiples of f x the patch's 2 (16; TI2V-5B: 32), where the pipeline would round them;
+- the transformer's timestep is sigma * 1000 as a float, one per sample, or with TI2V-5B's expand_timesteps one
+  per token (B, tokens), all the step's (text to video: the pipeline's mask[0][0][:, ::2, ::2] * t is all ones);
+  its target the flow n - x0;
 - the teacher's CFG as the pipeline computes it, uncond + g (cond - uncond), at its guidance_scale 5.0, against
   the negative prompt "" (diffusers' default, encode_prompt's `negative_prompt or ""`; Wan's own long negative
   prompt is not used). FastVideo's cond + w (cond - uncond) is w = g - 1;
-- the flow shift is the UniPC scheduler's flow_shift (3.0 for Wan 2.1), algorithms/flux_kontext.pipeline_shift.
+- the flow shift is the UniPC scheduler's flow_shift (3.0 for Wan 2.1, 5.0 for TI2V-5B),
+  algorithms/flux_kontext.pipeline_shift.
 
 Tokens: the transformer's own (1, 2, 2) patches in its order (frame, row, column), each patch's channels (c, dy,
 dx) as its patch embedding reads them (pack_latents). Sizes: RESOLUTION is the height (480p, 720p; 0 = 480), the
-width the Wan repos' for it (480 -> 832, 720 -> 1280; else 16:9), or height x BUCKET_ASPECTS' one ratio.
+width the Wan repos' for it (480 -> 832, 720 and 704 -> 1280; else 16:9), or height x BUCKET_ASPECTS' one ratio.
 
     python -m pytest tests/test_wan.py -q
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ from core.errors import ConfigError
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import scheduler_config
+from families.wan.experts import Experts
 from families.wan.parallelism import TRANSFORMER
 from parallel import attention
 from parallel.lora import Lora
@@ -49,10 +57,10 @@ NEGATIVE_PROMPT = ""  # diffusers' default negative prompt (encode_prompt: negat
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's CFG pairs with
 TEXT_READS_IMAGES = False
 DEFAULT_RESOLUTION = 480  # RESOLUTION 0: the pipeline's default height (480 x 832)
-PIPELINE_WIDTHS = {480: 832, 720: 1280}  # the Wan repos' landscape sizes (480P, 720P) by height
+PIPELINE_WIDTHS = {480: 832, 720: 1280, 704: 1280}  # the Wan repos' landscape sizes by height (TI2V-5B's 720P: 704)
 DEFAULT_FRAMES = 81  # NUM_FRAMES 0: the pipeline's default
 GUIDANCE_SCALE = 5.0  # the pipeline's default guidance_scale: the teacher's in DMD2 (REAL_GUIDANCE_SCALE 0)
-MULTIPLE = 16  # height and width: multiples of the VAE's 8 x the patch's 2 (check_inputs)
+MULTIPLE = 16  # height and width without a model: multiples of 2.1's VAE 8 x the patch's 2 (side_multiple)
 TEXT_PARTS = ("text_encoder", "tokenizer")
 
 
@@ -74,12 +82,29 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
                       base_dtype="", attention_backend=attention.DEFAULT, trainable=True, compute=None,
                       frozen_dtype=None, weights="", merge=None, fp8=""):
     """WanTransformer3DModel, as families/flux/room.py builds FLUX's (families/dit.py), sharded one unit per
-    WanTransformerBlock by its model facts (parallelism.py)."""
+    WanTransformerBlock by its model facts (parallelism.py); with Wan 2.2 A14B's transformer_2 beside `folder`,
+    both experts, each built so, as one model (experts.Experts: each sample to the expert its timestep picks)."""
     from diffusers import WanTransformer3DModel
-    return build_dit(WanTransformer3DModel, TRANSFORMER, folder, mesh, prec, device, load=load, sharding=sharding,
-                     block_classes=block_classes, lora=lora, seed=seed, base_dtype=base_dtype,
-                     attention_backend=attention_backend, trainable=trainable, compute=compute,
-                     frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8, prepare=prepare)
+    build = functools.partial(build_dit, WanTransformer3DModel, TRANSFORMER, mesh=mesh, prec=prec, device=device,
+                              load=load, sharding=sharding, block_classes=block_classes, lora=lora, seed=seed,
+                              base_dtype=base_dtype, attention_backend=attention_backend, trainable=trainable,
+                              compute=compute, frozen_dtype=frozen_dtype, weights=weights, merge=merge, fp8=fp8,
+                              prepare=prepare)
+    root = os.path.dirname(os.path.abspath(folder))
+    boundary = expert_boundary(root)
+    if boundary is None:
+        return build(folder)
+    return Experts(build(folder), build(os.path.join(root, "transformer_2")), boundary)
+
+
+def expert_boundary(model_path) -> float | None:
+    """Wan 2.2 A14B's expert boundary as a timestep (boundary_ratio x the scheduler's num_train_timesteps: the
+    pipeline's boundary_timestep); None for one transformer."""
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        index = json.load(f)
+    if index.get("transformer_2") in (None, [None, None]) or index.get("boundary_ratio") is None:
+        return None
+    return float(index["boundary_ratio"]) * scheduler_config(model_path).get("num_train_timesteps", 1000)
 
 
 def prepare(model) -> None:
@@ -110,8 +135,22 @@ def load_vae(folder, dtype, device):
 
 
 def vae_factor(model_path) -> int:
-    """Pixels per latent side, the pipeline's vae_scale_factor_spatial: 8."""
+    """Pixels per latent side, the pipeline's vae_scale_factor_spatial: 8 (TI2V-5B's 2.2 VAE: 16)."""
     return int(vae_config(model_path).get("scale_factor_spatial", 8))
+
+
+def side_multiple(model_path) -> int:
+    """What height and width are multiples of: the VAE's factor x the patch's height, as the pipeline's __call__
+    rounds them (16; TI2V-5B: 32)."""
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        patch = json.load(f)["patch_size"]
+    return vae_factor(model_path) * int(patch[1])
+
+
+def expands_timesteps(vae) -> bool:
+    """Whether the transformer takes one timestep per token (the pipeline's expand_timesteps): TI2V-5B's, whose 2.2
+    VAE (is_residual) no other Wan reads; check_model refuses a folder where the two disagree. None: no VAE."""
+    return bool(vae is not None and vae.config.get("is_residual"))
 
 
 def temporal_factor(model_path) -> int:
@@ -165,7 +204,8 @@ def video_size(settings) -> tuple[int, int]:
     aspects = settings.get("BUCKET_ASPECTS") or []
     if len(aspects) == 1:
         return h, round(h * float(aspects[0]))
-    return h, PIPELINE_WIDTHS.get(h, round(h * 16 / 9 / MULTIPLE) * MULTIPLE)
+    m = side_multiple(settings["MODEL_PATH"]) if settings.get("MODEL_PATH") else MULTIPLE
+    return h, PIPELINE_WIDTHS.get(h, round(h * 16 / 9 / m) * m)
 
 
 def target_size(size, row, settings) -> tuple[int, int]:
@@ -207,8 +247,8 @@ def unpack_latents(tokens: torch.Tensor, grid) -> torch.Tensor:
 
 def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
     """The run's attention calls for the start-up kernel check: per shape the transformer's self-attention over
-    its video tokens and cross-attention to the text (MAX_SEQUENCE_LENGTH tokens), and the VAE mid-block's one
-    head over a latent frame (forward only)."""
+    its video tokens and cross-attention to the text (MAX_SEQUENCE_LENGTH tokens), and the VAE decoder mid-block's
+    one head over a latent frame (forward only)."""
     with open(os.path.join(model_path, "transformer", "config.json")) as f:
         t = json.load(f)
     v = vae_config(model_path)
@@ -220,8 +260,9 @@ def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel)
         trained += [attention.Shape(f"self-attention at {size[0]}x{size[1]}", batch, tokens, tokens, heads, dim),
                     attention.Shape(f"cross-attention at {size[0]}x{size[1]}", batch, tokens, text, heads, dim)]
         cells = grid[1] * grid[2]  # the decoder's mid-block attends within one latent frame at a time
-        vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch, cells, cells, 1,
-                                   v["base_dim"] * v["dim_mult"][-1], backward=False))
+        width = (v.get("decoder_base_dim") or v["base_dim"]) * v["dim_mult"][-1]  # TI2V's decoder is wider
+        vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch, cells, cells, 1, width,
+                                   backward=False))
     return trained, vae
 
 
@@ -284,21 +325,25 @@ def load_text(texts, cache_dir, identity, device):
 @dataclass
 class WanCond:
     """One micro-batch's conditioning, shared by generator, teacher and fake score: its text and the negative
-    prompt's (the teacher's CFG pair), and the latent grid its tokens unpack to."""
+    prompt's (the teacher's CFG pair), the latent grid its tokens unpack to, and how the timestep is passed."""
     text: torch.Tensor  # (B, L, D) UMT5 embeddings, zero-padded as encode_prompt pads them
     negative: torch.Tensor | None  # (B, L, D) of NEGATIVE_PROMPT, for the teacher's CFG; None: no pair
     size: tuple[int, int, int]  # the latent grid (T, h, w)
+    per_token: bool = False  # TI2V-5B's expand_timesteps: the timestep (B, tokens), else (B,)
 
     def velocity(self, model, guidance: float, norm: str = "none"):
         """v(x_sigma, sigma) of `model`: the tokens (B, N, 4C) unpacked to (B, C, T, h, w), the transformer called
-        as the pipeline calls it (timestep sigma * 1000, the text), the prediction packed back. guidance > 1 (the
-        teacher): CFG uncond + g (cond - uncond), the pair as one batch of 2B, rescaled by `norm`."""
+        as the pipeline calls it (timestep sigma * 1000, per sample or per token, the text), the prediction packed
+        back. guidance > 1 (the teacher): CFG uncond + g (cond - uncond), the pair as one batch of 2B, rescaled by
+        `norm`."""
         pair = guidance > 1 and self.negative is not None
 
         def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             b = x.shape[0]
             latents = unpack_latents(x, self.size)
             timestep = (torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b) * 1000).float()
+            if self.per_token:  # every token at its sample's t, in the tokens' order (the pipeline's mask * t)
+                timestep = timestep[:, None].expand(b, x.shape[1])
             if pair:
                 out = model(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([timestep, timestep]),
                             encoder_hidden_states=torch.cat([self.text, self.negative]), return_dict=False)[0]
@@ -311,8 +356,8 @@ class WanCond:
 
 
 def dmd_cond(text, negative, vae, references: list, size) -> WanCond:
-    """WanCond of a micro-batch: `size` the latent grid (latent_grid)."""
-    return WanCond(text, negative, tuple(size))
+    """WanCond of a micro-batch: `size` the latent grid (latent_grid); per-token timesteps with TI2V's VAE."""
+    return WanCond(text, negative, tuple(size), expands_timesteps(vae))
 
 
 def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
@@ -338,29 +383,32 @@ def dmd_guidance(settings) -> Guidance:
 
 def check_sizes(settings) -> None:
     """The clip's frames and sides as the pipeline takes them, refused in one line where it would round them."""
-    frames, (h, w) = num_frames(settings), video_size(settings)
+    frames, (h, w), m = num_frames(settings), video_size(settings), side_multiple(settings["MODEL_PATH"])
     if frames < 1 or (frames - 1) % 4:
         raise ConfigError(f"NUM_FRAMES={frames}: Wan takes 4k + 1 frames (the VAE keeps the first and packs each 4 "
                           f"after it); the pipeline would round it to {max(frames // 4 * 4 + 1, 1)}")
-    if h % MULTIPLE or w % MULTIPLE or h <= 0 or w <= 0:
+    if h % m or w % m or h <= 0 or w <= 0:
         raise ConfigError(f"a {h}x{w} px clip (RESOLUTION={settings.get('RESOLUTION')}, BUCKET_ASPECTS="
                           f"{settings.get('BUCKET_ASPECTS')}): WanPipeline takes heights and widths that are "
-                          f"multiples of {MULTIPLE}")
+                          f"multiples of {m} with this model (its VAE's {m // 2} x the patch's 2)")
 
 
 def check_model(pipeline, model_path) -> None:
-    """The Wan teachers this room distils: Wan 2.1 text to video (1.3B, 14B); the others the pipelines sample
-    differently, refused in one line (the planner plans all six built-ins)."""
+    """The Wan teachers this room distils: WanPipeline's text to video (Wan 2.1 1.3B, 14B; Wan 2.2 TI2V-5B, whose
+    per-token timesteps come with its 2.2 VAE; Wan 2.2 T2V-A14B's two experts); image to video, which the
+    pipeline samples differently, refused in one line (the planner plans all six built-ins)."""
     with open(os.path.join(model_path, "model_index.json")) as f:
         index = json.load(f)
+    expand, residual = bool(index.get("expand_timesteps")), bool(vae_config(model_path).get("is_residual"))
     why = ("image to video (the first-frame mask and latents, 2.1's CLIP image tokens) is not built yet"
            if pipeline == "WanImageToVideoPipeline" else
-           "Wan 2.2 A14B's two experts (transformer_2, boundary_ratio) are not built yet"
-           if index.get("transformer_2") not in (None, [None, None]) or index.get("boundary_ratio") is not None else
-           "TI2V-5B's per-token timesteps (expand_timesteps) are not built yet" if index.get("expand_timesteps")
-           else "")
+           "transformer_2 and boundary_ratio come together (Wan 2.2 A14B's two experts)"
+           if (index.get("transformer_2") in (None, [None, None])) != (index.get("boundary_ratio") is None) else
+           f"expand_timesteps={expand} with {'the 2.2' if residual else 'a 2.1'} VAE (is_residual={residual}): "
+           "only TI2V-5B's per-token timesteps with its 2.2 VAE are known" if expand != residual else "")
     if why:
-        raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V distils today")
+        raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V, Wan 2.2 TI2V-5B "
+                          "(text to video) and T2V-A14B distil today")
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
@@ -378,6 +426,9 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
     ]
     refused += [(name, name in changed, "Wan reads no reference image") for name in ("REFERENCE_AREA",
                                                                                      "CONDITION_AREA")]
+    if expert_boundary(settings["MODEL_PATH"]) is not None:  # one LoRA file adapts one expert
+        refused += [(name, bool(settings.get(name)), "A14B's two experts take two LoRA files, which it does not "
+                     "read yet") for name in ("TEACHER_LORA", "GENERATOR_LORA")]
     for name, hit, why in refused:
         if hit:
             raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")

@@ -1,5 +1,6 @@
-"""The Wan family's tiny test folder (its spec's `tiny`): a Wan 2.1 text-to-video layout (WanPipeline) with random
-weights, small enough that a 9-frame 32 px clip trains in seconds on CPU. Its dataset: the coloured-shapes prompts.
+"""The Wan family's tiny test folders (its spec's `tiny`): a Wan 2.1 text-to-video layout and a Wan 2.2 TI2V-5B one
+(both WanPipeline) with random weights, small enough that a 9-frame clip trains in seconds on CPU. Their dataset:
+the coloured-shapes prompts.
 
 wan_t2v: AutoencoderKLWan 8x down in space (3 levels) and 4x in time (the real temperal_downsample) to 4 latent
 channels with made-up per-channel latents_mean / latents_std (so the normalisation is visible), 9 frames of
@@ -8,10 +9,20 @@ channels with made-up per-channel latents_mean / latents_std (so the normalisati
 UMT5 tokenizer's class (T5TokenizerFast: <pad> 0, </s> 1, <unk> 2, as google/umt5-xxl); the real repo's
 UniPCMultistepScheduler config (flow sigmas, flow_shift 3.0: Wan2.1-T2V-1.3B-Diffusers/scheduler).
 
+wan_ti2v: the same text encoder and a transformer of 8 in / out channels with TI2V-5B's layout: model_index.json's
+expand_timesteps true, a 2.2-style AutoencoderKLWan as configs/wan2.2-ti2v-5b/vae holds it (is_residual, 12 in /
+out channels of a 2 x 2 pixel patch, a decoder wider than the encoder, scale_factor_spatial 16) to 8 latent
+channels with made-up latents_mean / latents_std, and the real repo's scheduler (flow_shift 5.0): 9 frames of 64 x
+64 px -> 3 x 4 x 4 latents -> 12 tokens.
+
+wan_a14b: wan_t2v with Wan 2.2 T2V-A14B's layout: a second expert (transformer_2, the same config, other weights)
+and model_index.json's boundary_ratio 0.875.
+
     python -m pytest tests/test_tiny_models.py tests/test_wan.py -q
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from families.tiny.data import make_prompts_file, write_jsonl
@@ -21,6 +32,8 @@ from families.tiny.tokenizers import CHARS, WORDS
 TEXT_MAX_LENGTH = 512  # the UMT5 tokenizer's model_max_length in the Wan repos: WanPipeline's 512 text tokens
 LATENTS_MEAN = [0.1, -0.2, 0.05, 0.3]
 LATENTS_STD = [0.9, 1.1, 1.3, 0.7]
+TI2V_LATENTS_MEAN = [0.1, -0.2, 0.05, 0.3, -0.1, 0.2, 0.0, -0.3]
+TI2V_LATENTS_STD = [0.9, 1.1, 1.3, 0.7, 0.5, 1.2, 0.8, 1.0]
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (diffusers' UniPCMultistepScheduler)
 SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
                  solver_order=2, prediction_type="flow_prediction", thresholding=False, predict_x0=True,
@@ -41,30 +54,45 @@ def write_umt5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
     return T5TokenizerFast.from_pretrained(folder)
 
 
-def make_tiny_wan_t2v(folder, seed=0):
+def make_tiny_wan_t2v(folder, seed=0, ti2v=False, a14b=False):
     """Write a Wan2.1-T2V-layout diffusers folder (WanPipeline: transformer, vae, text_encoder, tokenizer,
-    scheduler). Returns the folder."""
+    scheduler), or with `ti2v` Wan2.2-TI2V-5B's (its 2.2 VAE, expand_timesteps, flow_shift 5), or with `a14b`
+    Wan2.2-T2V-A14B's (a second expert, transformer_2, of other weights, boundary_ratio 0.875). Returns the
+    folder."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     folder = Path(folder)
+    channels = 8 if ti2v else 4
     tokenizer = write_umt5_tokenizer(folder / "tokenizer")
     config = UMT5Config(vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
                         relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
                         eos_token_id=1, decoder_start_token_id=0)
     with seeded(seed):
         text_encoder = UMT5EncoderModel(config).eval()
+    expert = functools.partial(
+        WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        in_channels=channels, out_channels=channels, text_dim=config.d_model, freq_dim=32, ffn_dim=48, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
     with seeded(seed + 1):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=config.d_model, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+        transformer = expert()
+    transformer_2 = None
+    if a14b:  # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts of one config
+        with seeded(seed + 3):
+            transformer_2 = expert()
     with seeded(seed + 2):
         vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                                temperal_downsample=[False, True, True], latents_mean=LATENTS_MEAN,
                                latents_std=LATENTS_STD)
+    if ti2v:  # Wan-AI/Wan2.2-TI2V-5B-Diffusers: vae/config.json's 2.2 layout, scheduler/ flow_shift 5
+        with seeded(seed + 2):
+            vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=12, z_dim=channels, dim_mult=[1, 2, 2, 2],
+                                   num_res_blocks=1, temperal_downsample=[False, True, True], is_residual=True,
+                                   in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+                                   latents_mean=TI2V_LATENTS_MEAN, latents_std=TI2V_LATENTS_STD)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=UniPCMultistepScheduler(**SCHEDULER))
+                       scheduler=UniPCMultistepScheduler(**{**SCHEDULER, "flow_shift": 5.0 if ti2v else 3.0}),
+                       expand_timesteps=ti2v, transformer_2=transformer_2, boundary_ratio=0.875 if a14b else None)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -72,5 +100,19 @@ def make_tiny_wan_t2v(folder, seed=0):
 def build_wan_t2v(root):
     """tiny_wan_t2v: the Wan 2.1 T2V folder and 32 coloured-shapes prompts (data/prompts.txt, data/data.jsonl)."""
     make_tiny_wan_t2v(root / "model")
+    path = make_prompts_file(root / "data" / "prompts.txt", 32)
+    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+
+
+def build_wan_ti2v(root):
+    """tiny_wan_ti2v: the Wan 2.2 TI2V-5B folder and the same 32 prompts."""
+    make_tiny_wan_t2v(root / "model", ti2v=True)
+    path = make_prompts_file(root / "data" / "prompts.txt", 32)
+    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+
+
+def build_wan_a14b(root):
+    """tiny_wan_a14b: the Wan 2.2 T2V-A14B folder (two experts) and the same 32 prompts."""
+    make_tiny_wan_t2v(root / "model", a14b=True)
     path = make_prompts_file(root / "data" / "prompts.txt", 32)
     write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
