@@ -462,6 +462,21 @@ def assert_dmd_resumed_bit_exact(straight, resumed, step: int = 4) -> None:
         [without_validation(r) for r in after]
 
 
+def assert_two_ranks_equal_one_and_resumed(two_ranks, one, resumed, step: int = 4) -> None:
+    """A family's DMD2 runs: 2 ranks log one process's losses (GRAD_ACCUM=2) within fp32 reduction-order rounding, and
+    the run resumed from its step-2 checkpoint holds the straight one's models, EMA and both AdamW states at `step`
+    bit for bit and logged what the straight one did after the resume."""
+    two, single = read_metrics(two_ranks, timing=False), read_metrics(one, timing=False)
+    for key in ("loss_fake", "loss_dm"):
+        assert [r.get(key) is None for r in two] == [r.get(key) is None for r in single], key
+        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in single if key in r], rel=1e-4), key
+    a, b = read_checkpoint(two_ranks, step, flat=True), read_checkpoint(resumed, step, flat=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for part in ("model.generator.", "model.fake.", "model.ema.", "optim.generator.", "optim.guidance."):
+        assert any(k.startswith("." + part) for k in a), part
+    assert read_metrics(resumed, timing=False)[-2:] == two[-2:]
+
+
 VALIDATE = ["--val_every=2", "--val_count=1", "--val_seeds=2", "--val_teacher_steps=2"]  # train_dmd.py's, small
 VAL_FIGURES = ("val_variety_ratio", "val_variety_ratio_latent", "val_teacher_distance", "val_saturation_drift",
                "val_colour_drift")

@@ -26,8 +26,8 @@ import families
 from algorithms import flux_kontext as km
 from core.errors import ConfigError
 from families import z_image
-from tests.conftest import (VALIDATE, assert_validated, launch_all_resuming, launch_env, read_checkpoint, read_metrics,
-                            tiny_default)
+from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, launch_all_resuming,
+                            launch_env, tiny_default)
 
 SIZE = 32
 SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
@@ -240,15 +240,7 @@ def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
     """2 ranks give one process's losses (GRAD_ACCUM=2), the run resumed at step 2 ends bit for bit as the straight
     one, the log names the image, its tokens, the teacher's CFG and the export's call; validation on the LoRA run."""
     out, logs = dmd_runs["out"], dmd_runs["logs"]
-    two, one = read_metrics(out["full"], timing=False), read_metrics(out["one"], timing=False)
-    for key in ("loss_fake", "loss_dm"):
-        assert [r.get(key) is None for r in two] == [r.get(key) is None for r in one], key
-        assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
-    a, b = read_checkpoint(out["full"], 4, flat=True), read_checkpoint(out["stopped"], 4, flat=True)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # models, EMA, both AdamW states
-    for part in ("model.generator.", "model.fake.", "model.ema.", "optim.generator.", "optim.guidance."):
-        assert any(k.startswith("." + part) for k in a), part
-    assert read_metrics(out["stopped"], timing=False)[-2:] == two[-2:]  # what it logged after the resume
+    assert_two_ranks_equal_one_and_resumed(out["full"], out["one"], out["stopped"])
     assert "32x32 px (1 shape(s)), 4 target tokens" in logs["full"]
     assert "teacher true CFG 6 (none rescale)" in logs["full"]
     assert "pipe(..., num_inference_steps=4, guidance_scale=0.0)" in logs["full"]
