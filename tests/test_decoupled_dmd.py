@@ -187,9 +187,10 @@ def test_refusals_are_one_line(script, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_decoupled_run_logs_both_terms(tmp_path):
+def test_a_decoupled_klein_run_logs_both_terms(tmp_path):
     """Two steps of train_dmd.py with DMD_LOSS=decoupled on the tiny klein-base teacher (its true CFG at 4, a
-    4-step student, the generator stepping every step): both terms logged, finite, and G's loss moves."""
+    4-step student, the generator stepping every step): both terms logged and finite; at step 1 the fake score is
+    the teacher, so the DM term is 0 and the CA term alone moves G; at step 2 the fake score has stepped."""
     model, data = tiny_default("flux2_klein")
     out = tmp_path / "run"
     launch("train_dmd.py", [f"--model_path={model}", f"--data_path={data}/data.jsonl",
@@ -202,5 +203,5 @@ def test_a_decoupled_run_logs_both_terms(tmp_path):
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in records if "loss_ca" in r]
     assert len(steps) == 2, records
-    for r in steps:
-        assert r["loss_ca"] > 0 and r["loss_dm"] > 0 and r["loss_ca"] < 1e6 and r["loss_dm"] < 1e6
+    assert all(0 < r["loss_ca"] < 1e6 for r in steps), steps
+    assert steps[0]["loss_dm"] == 0 and 0 < steps[1]["loss_dm"] < 1e6, steps
