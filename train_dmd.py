@@ -7,7 +7,8 @@ teacher ("real score") and the fake score (trained to follow G's output distribu
 sharded by its family's recipe (a `fully_shard` unit per block, in execution order) and loaded
 straight into its shards. Per step (two time scales, as published):
   - every DFAKE_GEN_UPDATE_RATIO steps, G steps on the distribution-matching loss `loss_dm`
-    (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
+    (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head); DMD_LOSS=decoupled (flow teachers with a CFG
+    pair): on `loss_ca` + `loss_dm`, Decoupled DMD's two terms (docs/dmd2.md)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:

@@ -86,7 +86,8 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     fake at the same guidance value, no CFG pair (losses.real_guidance_scale 1); a family whose teacher
     takes true CFG (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at
     `guidance`, its pair combined by losses.real_guidance_norm. loss_reg's target is the teacher's ODE from
-    the same noise, under the same guidance."""
+    the same noise, under the same guidance. losses.dmd_loss "decoupled": loss_ca + loss_dm of decoupled_loss
+    in loss_dm's place (the conditional teacher is the teacher at `guidance`, the pair's other half)."""
     cond, scale = mb["cond"], losses.real_guidance_scale
     teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale, losses.real_guidance_norm)
     if losses.dmd_loss == "decoupled":
