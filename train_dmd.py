@@ -7,7 +7,8 @@ teacher ("real score") and the fake score (trained to follow G's output distribu
 sharded by its family's recipe (a `fully_shard` unit per block, in execution order) and loaded
 straight into its shards. Per step (two time scales, as published):
   - every DFAKE_GEN_UPDATE_RATIO steps, G steps on the distribution-matching loss `loss_dm`
-    (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head)
+    (+ GEN_CLS_LOSS_WEIGHT · `loss_gen_cls` with the GAN head); DMD_LOSS=decoupled (flow teachers with a CFG
+    pair): on `loss_ca` + `loss_dm`, Decoupled DMD's two terms (docs/dmd2.md)
   - every step, the fake score (+ GAN head) steps on its denoising loss `loss_fake` of the same
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:
@@ -129,6 +130,9 @@ CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the tex
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen, klein 4
 REAL_GUIDANCE_NORM = ""  # its combination's rescale: none | token (the pipeline's per token) | scalar; "" = per teacher
+DMD_LOSS = "dmd2"  # G's objective: dmd2 | decoupled (flow teachers with a CFG pair: loss_ca + loss_dm, docs/dmd2.md)
+DMD_CA_WEIGHT = 1.0  # decoupled: the CFG-augmentation term's weight (CFG'd teacher − conditional teacher)
+DMD_DM_WEIGHT = 1.0  # decoupled: the distribution-matching term's weight (conditional teacher − fake score, no CFG)
 FLUX_GUIDANCE = 0.0  # guidance-distilled teachers' embedded value for all three; 0 = FLUX.1 2.5, FLUX.2 [dev] 4
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
@@ -227,6 +231,8 @@ def validate_config() -> list[int]:
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": REGRESSION_STEPS >= 1,
         "SHIFT > 0 or auto": km.valid_shift(SHIFT),
+        f"DMD_LOSS in ({', '.join(dm.DMD_LOSSES)})": DMD_LOSS in dm.DMD_LOSSES,
+        "DMD_CA_WEIGHT >= 0": DMD_CA_WEIGHT >= 0, "DMD_DM_WEIGHT >= 0": DMD_DM_WEIGHT >= 0,
         "VAL_EVERY >= 0": VAL_EVERY >= 0, "VAL_COUNT >= 1": VAL_COUNT >= 1,
         "VAL_SEEDS >= 2 (the variety across seeds)": VAL_SEEDS >= 2, "VAL_TEACHER_STEPS >= 1": VAL_TEACHER_STEPS >= 1,
         "COLLAPSE_WARN >= 0": COLLAPSE_WARN >= 0, "COLLAPSE_FLOOR >= 0": COLLAPSE_FLOOR >= 0,
@@ -273,6 +279,7 @@ def validate_config() -> list[int]:
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
                           + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
                              f"(a {pipeline} teacher's guidance is FLUX_GUIDANCE)"))
+    check_dmd_loss(room, pipeline)
     if GENERATOR_LORA and (room is unet or not LORA_RANK or INIT_FROM):
         raise ConfigError(f"GENERATOR_LORA={GENERATOR_LORA} " + (
             "with a UNet teacher: GENERATOR_INIT starts its generator" if room is unet else
@@ -294,6 +301,26 @@ def validate_config() -> list[int]:
         raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
                           "the first step must be the conditioning timestep (pure noise in)")
     return steps
+
+
+def check_dmd_loss(room, pipeline: str) -> None:
+    """DMD_LOSS=decoupled needs a flow teacher that samples with a CFG pair (its CA term is that pair's
+    difference); its weights alone do nothing. One line before any work."""
+    for name in ("DMD_CA_WEIGHT", "DMD_DM_WEIGHT"):
+        if DMD_LOSS != "decoupled" and name in changed_settings():
+            raise ConfigError(f"{name}={globals()[name]} with DMD_LOSS={DMD_LOSS}: it weighs a term of "
+                              "DMD_LOSS=decoupled")
+    if DMD_LOSS != "decoupled":
+        return
+    teacher = pipeline or "SD-1.5"
+    guide = room.dmd_guidance(script_constants(globals()))
+    why = ("a UNet teacher: the CA term is a flow teacher's CFG pair" if room is unet else
+           f"its guidance is an embedded value (FLUX_GUIDANCE {guide.embedded:g}), not a CFG pair"
+           if guide.embedded is not None else
+           f"REAL_GUIDANCE_SCALE={guide.scale:g}: no CFG pair, so no CA term"
+           if guide.negative is None or guide.scale == 1 else "")
+    if why:
+        raise ConfigError(f"DMD_LOSS=decoupled with a {teacher} teacher: {why}; use DMD_LOSS=dmd2")
 
 
 def changed_settings() -> set[str]:
@@ -852,15 +879,17 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
     shifts = {s[0]: flow_shift(s[0], flow_dm.token_count(grid(s[0]))) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
                        real_guidance_scale=guide.scale, real_guidance_norm=guide.norm, fake_target=FAKE_SCORE_TARGET,
-                       regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS)
+                       regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS, dmd_loss=DMD_LOSS,
+                       ca_weight=DMD_CA_WEIGHT, dm_weight=DMD_DM_WEIGHT)
 
     def batches(it, loaded):
         (h, w), _ = loaded["shape"]
         size = grid((h, w))
+        index = dm.choose_step_index(it, SEED, len(sigmas)) if len(sigmas) > 1 else 0  # run_loop's, for the CA σ
         draw = functools.partial(flow_dm.draw_sample_noise, shape=(channels, *size), n_sim=len(sigmas) - 1,
                                  sigma_range=(MIN_STEP_PERCENT, MAX_STEP_PERCENT),
                                  gan_max_sigma=DIFFUSION_GAN_MAX_TIMESTEP / 1000 if USE_GAN else None,
-                                 shift=shifts[(h, w)])
+                                 shift=shifts[(h, w)], ca_max_sigma=sigmas[index] if DMD_LOSS == "decoupled" else None)
         out = []
         for host in loaded["batches"]:
             mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw), pack)

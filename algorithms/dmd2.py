@@ -299,6 +299,12 @@ class Losses:
     fake_target: str = "flow"  # flow-matching fake scores: their loss, on the velocity (flow) or on x̂0 (x0)
     regression_weight: float = 0.0  # > 0: DMD's regression loss on the teacher's ODE output from G's noise (1-step)
     regression_steps: int = 28  # the teacher ODE's Euler steps for that target
+    dmd_loss: str = "dmd2"  # flow teachers with a CFG pair: dmd2 | decoupled (dmd2_flow.decoupled_loss)
+    ca_weight: float = 1.0  # decoupled: loss_ca's weight in G's loss
+    dm_weight: float = 1.0  # decoupled: loss_dm's weight in G's loss
+
+
+DMD_LOSSES = ("dmd2", "decoupled")  # DMD_LOSS: the generator's distribution-matching objective
 
 
 # the head's three inputs, each with its own draw (σ or t, and noise): G's turn on fake, guidance turn on fake and real

@@ -86,12 +86,17 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     fake at the same guidance value, no CFG pair (losses.real_guidance_scale 1); a family whose teacher
     takes true CFG (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at
     `guidance`, its pair combined by losses.real_guidance_norm. loss_reg's target is the teacher's ODE from
-    the same noise, under the same guidance."""
+    the same noise, under the same guidance. losses.dmd_loss "decoupled": loss_ca + loss_dm of decoupled_loss
+    in loss_dm's place (the conditional teacher is the teacher at `guidance`, the pair's other half)."""
     cond, scale = mb["cond"], losses.real_guidance_scale
     teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale, losses.real_guidance_norm)
-    grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], teacher_v, cond.velocity(fake, guidance))
-    loss = dm.dm_loss(x, grad)
-    logs = {"loss_dm": loss.detach()}
+    if losses.dmd_loss == "decoupled":
+        loss, logs = decoupled_loss(x, mb, teacher_v, cond.velocity(teacher, guidance), cond.velocity(fake, guidance),
+                                    losses)
+    else:
+        grad, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], teacher_v, cond.velocity(fake, guidance))
+        loss = dm.dm_loss(x, grad)
+        logs = {"loss_dm": loss.detach()}
     if losses.regression_weight > 0:  # a 1-step generator: x = G(mb["noise"]), the ODE's start
         loss_reg = dm.regression_loss(x, dm.fm_teacher_ode(teacher_v, mb["noise"], losses.regression_steps))
         logs["loss_reg"] = loss_reg.detach()
@@ -101,6 +106,38 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     loss_cls = dm.gen_cls_loss(cls_logits(fake, losses.head, x, mb, "gan_gen", losses.diffusion_gan, guidance))
     logs["loss_gen_cls"] = loss_cls.detach()
     return loss + losses.gen_cls_weight * loss_cls, logs
+
+
+def decoupled_loss(x: torch.Tensor, mb: dict, teacher_cfg, teacher_cond, fake_cond,
+                   losses: Losses = Losses()) -> tuple[torch.Tensor, dict]:
+    """Decoupled DMD (Liu et al. 2025, "Decoupled DMD: CFG Augmentation as the Spear, Distribution Matching as
+    the Shield", arXiv 2511.22677; Z-Image-Turbo's distillation): DMD's CFG'd direction split in two terms, each
+    at its own re-noising, each normalised as DMD2 normalises (dm.fm_dm_grad), G's loss their weighted sum
+    ("the final loss is the sum of ca_loss and dm_loss": github.com/Tongyi-MAI/Z-Image/issues/56):
+
+        loss_ca  the teacher's CFG'd x̂0 against its conditional x̂0 at x_τ (mb["ca_sigma"], mb["ca_noise"]), i.e.
+                 G pulled along (w − 1)(x̂0_cond − x̂0_uncond) / mean|x − x̂0_cfg|
+        loss_dm  the conditional teacher against the fake score, no CFG, at DMD2's σ (mb["dm_sigma"], mb["dm_noise"])
+
+    Our choices (the sources do not say them): the CA term is teacher_cfg − teacher_cond, the family's own CFG
+    combination minus its conditional prediction, so REAL_GUIDANCE_NORM's rescale applies to it (with "none"
+    it is exactly (w − 1)(cond − uncond); at one σ and noise the two unnormalised terms add up to DMD2's
+    direction); each term's normaliser is mean|x − x̂0| of its own first prediction (CA: the CFG'd teacher, as
+    DMD2's; DM: the conditional teacher); the CA term has its own noise draw. Signs as dm.fm_dm_grad: −grad is
+    where G moves. Costs 3 teacher batch-forwards at τ (the pair, then the conditional) + 1 at σ."""
+    grad_ca, _ = dm.fm_dm_grad(x, mb["ca_sigma"], mb["ca_noise"], teacher_cfg, teacher_cond)
+    grad_dm, _ = dm.fm_dm_grad(x, mb["dm_sigma"], mb["dm_noise"], teacher_cond, fake_cond)
+    loss_ca, loss_dm = dm.dm_loss(x, grad_ca), dm.dm_loss(x, grad_dm)
+    loss = losses.ca_weight * loss_ca + losses.dm_weight * loss_dm
+    return loss, {"loss_ca": loss_ca.detach(), "loss_dm": loss_dm.detach()}
+
+
+def ca_sigma(u: torch.Tensor, student_sigma: float, shift: float = 1.0) -> torch.Tensor:
+    """The CA term's re-noising σ from u ~ U[0, 1): uniform between clean and the student's current σ before the
+    shift, then shifted as the run shifts (github.com/Tongyi-MAI/Z-Image/issues/78: "we use the pre-shift t value
+    ... as the lower bound, and uniformly sample τ ... After that, we timeshift the sampled tau"; its t = 1 − σ).
+    Ours: the bound is the student's σ as its list gives it (the generator's σ list is not shifted by SHIFT)."""
+    return km.shift_sigmas(u * student_sigma, shift)
 
 
 def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float,
@@ -122,12 +159,15 @@ def guidance_loss(x: torch.Tensor, mb: dict, fake, guidance: float,
 
 
 def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range: tuple[float, float],
-                      gan_max_sigma: float | None = None, shift: float = 1.0) -> dict:
+                      gan_max_sigma: float | None = None, shift: float = 1.0,
+                      ca_max_sigma: float | None = None) -> dict:
     """All randomness of one sample at one iteration, from its own generator on the run's device, in
     a fixed order; latents unpacked (C, h, w), as the pipeline draws them before packing.
     gan_max_sigma: the diffusion GAN's σ range [0, gan_max_sigma) when the GAN is on, else None.
     shift: the DM loss's and the fake score's σ, drawn uniformly, are then shifted (flux_kontext.shift_sigmas:
-    SHIFT); the generator's σ list and the GAN's draws are not."""
+    SHIFT); the generator's σ list and the GAN's draws are not.
+    ca_max_sigma (DMD_LOSS=decoupled): the student's σ this iteration; the CA term's σ (ca_sigma) and noise are
+    drawn last, so that every other draw is the same as without them."""
     dev = g.device
     r = {"noise": torch.randn(shape, generator=g, device=dev),
          "dm_sigma": km.shift_sigmas(dm.sample_dm_sigmas(1, g, *sigma_range), shift)[0],
@@ -139,6 +179,9 @@ def draw_sample_noise(g: torch.Generator, shape: tuple, n_sim: int, sigma_range:
         for name in dm.GAN_INPUTS:
             r[name + "_sigma"] = torch.rand((), generator=g, device=dev) * gan_max_sigma
             r[name + "_noise"] = torch.randn(shape, generator=g, device=dev)
+    if ca_max_sigma is not None:
+        r["ca_sigma"] = ca_sigma(torch.rand((), generator=g, device=dev), ca_max_sigma, shift)
+        r["ca_noise"] = torch.randn(shape, generator=g, device=dev)
     return r
 
 
@@ -146,7 +189,7 @@ def pack_draws(r: dict, pack=km.pack_latents) -> dict:
     """draw_sample_noise's latents of a micro-batch (B, C, *grid) -> packed tokens (B, N, D) by `pack` (the room's
     pack_latents: images (B, C, h, w) -> 2x2 patches (B, N, 4C))."""
     out = dict(r)
-    for k in ("noise", "dm_noise", "fake_noise", *(n + "_noise" for n in dm.GAN_INPUTS if n + "_noise" in r)):
+    for k in ("noise", "dm_noise", "fake_noise", *(n + "_noise" for n in (*dm.GAN_INPUTS, "ca") if n + "_noise" in r)):
         out[k] = pack(r[k])
     out["sim_noise"] = pack_steps(r["sim_noise"], pack)
     return out
