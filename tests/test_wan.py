@@ -56,17 +56,52 @@ def a14b():
 
 
 @pytest.fixture(scope="module")
+def i2v():
+    model, data = tiny_default("wan_i2v")
+    rows = [{**r, "control": os.path.join(data, r["control"])} for r in map(json.loads, open(f"{data}/data.jsonl"))]
+    return {"model": model, "data": data, "rows": rows, "settings": {**SETTINGS, "MODEL_PATH": model}}
+
+
+@pytest.fixture(scope="module")
 def ti2v():
     model, data = tiny_default("wan_ti2v")
     return {"model": model, "data": data, "settings": {**SETTINGS, "RESOLUTION": TI2V_SIZE, "MODEL_PATH": model}}
 
 
-@functools.lru_cache(maxsize=3)
+@functools.lru_cache(maxsize=4)
 def pipeline(model):
-    from diffusers import WanPipeline
-    pipe = WanPipeline.from_pretrained(model)
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    image = os.path.isdir(os.path.join(model, "image_encoder"))
+    pipe = (WanImageToVideoPipeline if image else WanPipeline).from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def i2v_prompt_embeds(pipe, prompt) -> dict:
+    """The I2V pipeline's prompt_embeds and negative_prompt_embeds for `prompt` and "", by WanPipeline's
+    encode_prompt on its encoder (the same code: diffusers 0.42.1's I2V prompt_clean calls ftfy unguarded, which
+    this venv lacks)."""
+    from diffusers import WanPipeline
+    text = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, scheduler=pipe.scheduler)
+    with torch.no_grad():
+        embeds, negative = text.encode_prompt(prompt, negative_prompt="", max_sequence_length=512)
+    return {"prompt_embeds": embeds, "negative_prompt_embeds": negative}
+
+
+def i2v_cond(i2v, tmp_path, rows, negative=True):
+    """The room's WanCond of `rows` (their prompts, cached text and CLIP tokens, first images read as
+    train_dmd.py reads them) at the tiny clip's grid; with `negative`, the teacher's "" beside them."""
+    from data.buckets import load_pairs
+    settings = i2v["settings"]
+    pairs = [(r["prompt"], r) for r in rows] + [("", r) for r in rows]
+    identity = wan.prepare_edit_text(pairs, i2v["model"], str(tmp_path / "tc"), settings, torch.float32,
+                                     torch.device("cpu"))
+    text, neg = (wan.load_text(p, str(tmp_path / "tc"), identity, torch.device("cpu"))
+                 for p in (pairs[:len(rows)], pairs[len(rows):]))
+    shape = ((SIZE, SIZE), wan.reference_sizes((SIZE, SIZE), rows[0], settings))
+    refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False, loader=wan.image_loader(settings))
+    grid = wan.latent_grid((SIZE, SIZE), settings)
+    return wan.dmd_cond(text, neg if negative else None, pipeline(i2v["model"]).vae, refs, grid), refs
 
 
 def cached_text(tiny, tmp_path, prompts, length=512):
@@ -180,18 +215,22 @@ def test_refusals_are_one_line(tiny, monkeypatch):
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
-    """Image to video, a second expert without its boundary_ratio, and per-token timesteps (expand_timesteps)
-    without TI2V's 2.2 VAE or that VAE without them: one line each, from the folder's model_index.json and VAE
-    config; Wan 2.1 text to video (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for
-    its two experts."""
+    """Image to video on a text-to-video transformer, Wan 2.2 I2V-A14B and TI2V-5B's image mode, a second expert
+    without its boundary_ratio, and per-token timesteps (expand_timesteps) without TI2V's 2.2 VAE or that VAE
+    without them: one line each, from the folder's model_index.json and VAE config; Wan 2.1 text to video
+    (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for its two experts."""
     index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
     assert index.get("transformer_2") in (None, [None, None])
     (tmp_path / "vae").mkdir()
     cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, tiny,
               "transformer_2 and boundary_ratio come together"),
-             ("WanImageToVideoPipeline", {}, tiny, "image to video"),
+             ("WanImageToVideoPipeline", {}, tiny, "the transformer takes 4 input channels, not 2 x 4 + 4"),
+             ("WanImageToVideoPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"],
+                                          "boundary_ratio": 0.9}, tiny, "Wan 2.2 I2V-A14B's image to video"),
+             ("WanImageToVideoPipeline", {"expand_timesteps": True}, ti2v, "TI2V-5B's image to video"),
              ("WanPipeline", {"expand_timesteps": True}, tiny, "expand_timesteps=True with a 2.1 VAE"),
              ("WanPipeline", {"expand_timesteps": False}, ti2v, "expand_timesteps=False with the 2.2 VAE")]
+    (tmp_path / "transformer").symlink_to(os.path.join(tiny["model"], "transformer"))
     for pipeline, change, folder, words in cases:
         (tmp_path / "model_index.json").write_text(json.dumps({**index, **change}))
         (tmp_path / "vae" / "config.json").write_text(open(os.path.join(folder["model"], "vae", "config.json")).read())
@@ -212,6 +251,45 @@ def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
             settings = {**tiny["settings"], "MODEL_PATH": str(a14b), name: "x.safetensors"}
             wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
     assert wan.expert_boundary(str(a14b)) == 875.0 and wan.expert_boundary(tiny["model"]) is None
+
+
+def test_i2v_refusals_are_one_line(tiny, tmp_path):
+    """Wan 2.1 I2V (a folder of the tiny Wan's VAE with a 2 x 4 + 4-channel transformer reading image tokens)
+    passes; without its image_encoder, a .txt of prompts alone (no first image) and a text length other than the
+    512 its attention splits the image tokens at are refused in one line; its rows are a first image and a
+    prompt, the first image at the clip's size, and a row without one is refused naming its file and line."""
+    from data.sources import read_rows
+    index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
+    config = json.load(open(os.path.join(tiny["model"], "transformer", "config.json")))
+    for part in ("vae", "scheduler"):
+        (tmp_path / part).symlink_to(os.path.join(tiny["model"], part))
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**config, "in_channels": 12, "image_dim": 16}))
+    i2v = {**index, "_class_name": "WanImageToVideoPipeline", "image_encoder": ["transformers", "CLIPVisionModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(i2v))
+    settings = {**tiny["settings"], "MODEL_PATH": str(tmp_path), "DATA_PATH": "prompts.txt"}
+    wan.check_dmd_settings("WanImageToVideoPipeline", settings, set(), "jsonl")
+    assert wan.edits("WanImageToVideoPipeline") and not wan.edits("WanPipeline") and wan.MAX_REFERENCES == 1
+    assert wan.reference_sizes((8, 8), {"control": "a.png", "prompt": "p"}, settings) == ((SIZE, SIZE),)
+    assert wan.reference_sizes((8, 8), {"prompt": "p"}, settings) == ()
+    cases = [({}, "txt", "DATA_PATH=prompts.txt with a WanImageToVideoPipeline teacher: a .txt holds prompts alone"),
+             ({"MAX_SEQUENCE_LENGTH": 226}, "jsonl", "MAX_SEQUENCE_LENGTH=226 with a WanImageToVideoPipeline"),
+             ({"REFERENCE_AREA": 1}, "jsonl", "REFERENCE_AREA=1 with a WanImageToVideoPipeline teacher: its first")]
+    for change, kind, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            wan.check_dmd_settings("WanImageToVideoPipeline", {**settings, **change}, set(change), kind)
+        assert "\n" not in str(e.value)
+    (tmp_path / "model_index.json").write_text(json.dumps({**i2v, "image_encoder": [None, None]}))
+    with pytest.raises(ConfigError, match=re.escape("image_dim and the image_encoder come together")) as e:
+        wan.check_model("WanImageToVideoPipeline", str(tmp_path))
+    assert "\n" not in str(e.value)
+    from PIL import Image
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    data = tmp_path / "data.jsonl"  # what train_dmd.py reads for an editing teacher
+    data.write_text(json.dumps({"control": "a.png", "prompt": "p"}) + "\n" + json.dumps({"prompt": "q"}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{data}:2")) as e:
+        read_rows(str(data), roles=("control", "target", "prompt"), required=("control", "prompt"), skip_bad=False)
+    assert "\n" not in str(e.value)
 
 
 def test_ti2v_velocity_latents_and_sizes_are_the_pipelines(tiny, ti2v):
@@ -367,6 +445,65 @@ def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     np.testing.assert_allclose(ours, frames, atol=1e-6)
     strip = wan.decode_tokens(pipe.vae, wan.pack_latents(captured["latents"]), grid)
     assert strip.shape == (1, 3, size, 3 * size) and torch.equal(strip[..., :size], video[:, :, 0])
+
+
+@pytest.mark.slow  # the I2V folder's build; the fast loop's budget
+def test_i2v_conditioning_is_the_pipelines(i2v, tmp_path):
+    """Wan 2.1 I2V: the cached CLIP image tokens are encode_image's of the row's image (hidden_states[-2]), the
+    first image read at the clip's size is video_processor.preprocess's, the condition channels are
+    prepare_latents' (the mask 1 on the first latent frame, [image, zeros] encoded and normalised), and the room's
+    velocity is the transformer on cat([x, condition]) with the image tokens, the CFG pair both with the same."""
+    from data.images import load_pil
+    pipe = pipeline(i2v["model"])
+    rows = i2v["rows"][:1]
+    cond, refs = i2v_cond(i2v, tmp_path, rows)
+    image = load_pil(rows[0]["control"])
+    with torch.no_grad():
+        embeds = pipe.encode_image(image)
+        pixels = pipe.video_processor.preprocess(image, height=SIZE, width=SIZE)
+        x, condition = pipe.prepare_latents(pixels, 1, 4, SIZE, SIZE, FRAMES, torch.float32, torch.device("cpu"))
+    assert embeds.shape == (1, 17, 16) and torch.equal(cond.image, embeds)
+    assert torch.equal(refs[0], pixels) and refs[0].shape == (1, 3, SIZE, SIZE)
+    assert condition.shape == (1, 8, 3, 4, 4) and torch.equal(cond.condition, condition)
+    assert (condition[:, :4, 0] == 1).all() and (condition[:, :4, 1:] == 0).all()
+    sigma = torch.tensor([0.8])
+    with torch.no_grad():
+        ours = cond.velocity(pipe.transformer, 5.0)(wan.pack_latents(x), sigma)
+        c, u = (pipe.transformer(hidden_states=torch.cat([x, condition], dim=1), timestep=sigma * 1000,
+                                 encoder_hidden_states=e, encoder_hidden_states_image=embeds, return_dict=False)[0]
+                for e in (cond.text, cond.negative))
+    torch.testing.assert_close(wan.unpack_latents(ours, cond.size), u + 5.0 * (c - u))
+
+
+@pytest.mark.slow
+def test_i2v_sampling_loop_is_the_pipelines(i2v, tmp_path):
+    """The room's I2V teacher velocity (cached text and "", the cached image tokens, the first frame's condition
+    channels, CFG 5) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives
+    WanImageToVideoPipeline's latents at 3 steps."""
+    from diffusers import UniPCMultistepScheduler
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from data.images import load_pil
+    pipe = pipeline(i2v["model"])
+    row = i2v["rows"][1]
+    captured = {}
+
+    def keep(p, i, t, kw):
+        captured["latents"] = kw["latents"]
+        return kw
+    pipe(image=load_pil(row["control"]), height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=3,
+         generator=torch.Generator().manual_seed(0), output_type="latent", callback_on_step_end=keep,
+         **i2v_prompt_embeds(pipe, row["prompt"]))
+    cond, _ = i2v_cond(i2v, tmp_path, [row])
+    x = randn_tensor((1, 4, *cond.size), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(3)
+    v = cond.velocity(pipe.transformer, 5.0)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), cond.size)
+            x = scheduler.step(pred, t, x, return_dict=False)[0]
+    torch.testing.assert_close(x, captured["latents"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

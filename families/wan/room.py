@@ -501,17 +501,17 @@ def check_model(pipeline, model_path) -> None:
     planner plans all six built-ins)."""
     with open(os.path.join(model_path, "model_index.json")) as f:
         index = json.load(f)
-    with open(os.path.join(model_path, "transformer", "config.json")) as f:
-        config = json.load(f)
     expand, residual = bool(index.get("expand_timesteps")), bool(vae_config(model_path).get("is_residual"))
     experts = index.get("transformer_2") not in (None, [None, None])
-    channels, z = config.get("in_channels"), vae_config(model_path).get("z_dim", 16)
-    clip = (bool(config.get("image_dim")), has_image_encoder(model_path))
     why = ("transformer_2 and boundary_ratio come together (Wan 2.2 A14B's two experts)"
            if experts != (index.get("boundary_ratio") is not None) else
            f"expand_timesteps={expand} with {'the 2.2' if residual else 'a 2.1'} VAE (is_residual={residual}): "
            "only TI2V-5B's per-token timesteps with its 2.2 VAE are known" if expand != residual else "")
     if pipeline == I2V and not why:
+        with open(os.path.join(model_path, "transformer", "config.json")) as f:
+            config = json.load(f)
+        channels, z = config.get("in_channels"), vae_config(model_path).get("z_dim", 16)
+        clip = (bool(config.get("image_dim")), has_image_encoder(model_path))
         why = ("Wan 2.2 I2V-A14B's image to video (two experts) is not built yet" if experts else
                "TI2V-5B's image to video (the first frame's tokens at t = 0) is not built yet" if expand else
                f"the transformer takes {channels} input channels, not 2 x {z} + 4 (the noisy latents, the "
