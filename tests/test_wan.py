@@ -507,23 +507,27 @@ def test_i2v_sampling_loop_is_the_pipelines(i2v, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dmd_runs(tiny, ti2v, a14b, tmp_path_factory):
+def dmd_runs(tiny, ti2v, a14b, i2v, tmp_path_factory):
     """DMD2 of the tiny Wan teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
     score on 2 ranks with validation; the tiny TI2V-5B's full generator, 2 steps on one process; the tiny
-    T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2)."""
+    T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2); the tiny
+    I2V's full generator, 2 steps on one process from its first images."""
     root = tmp_path_factory.mktemp("wan")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v")}
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'a14b_text_cache'}", "--lora_rank=4", "--fake_lora=1", "--max_steps=3",
                  "--save_every=3", "--sample_every=0", "--ema_decay=0.9"]
+    i2v_args = [f"--model_path={i2v['model']}", f"--data_path={i2v['data']}/data.jsonl",
+                f"--text_cache_dir={root / 'i2v_text_cache'}", f"--output_dir={out['i2v']}", "--max_steps=2",
+                "--save_every=0", "--sample_every=2"]
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
     done = launch_all_resuming({
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
@@ -534,7 +538,8 @@ def dmd_runs(tiny, ti2v, a14b, tmp_path_factory):
         "ti2v": job(args=common + ti2v_args + [f"--output_dir={out['ti2v']}", "--max_steps=2", "--save_every=0",
                                                "--sample_every=2", "--sample_count=1"], ranks=1),
         "a14b": job(args=common + a14b_args + [f"--output_dir={out['a14b']}", "--lora_export_merged=1"]),
-        "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1)},
+        "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1),
+        "i2v": job(args=common + i2v_args, ranks=1)},
         "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -653,3 +658,30 @@ def test_a14b_dmd_two_ranks_equal_one_and_exports_both_experts(a14b, dmd_runs):
         assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
         assert [n for n, _ in seen] == ["high", "high", "low", "low"]
         assert [t for _, t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_i2v_dmd_export_loads_in_the_pipeline_and_samples_from_the_first_image(i2v, dmd_runs):
+    """DMD2 of the tiny Wan 2.1 I2V from its rows' first images (their CLIP tokens cached beside the text): the full
+    export (the image encoder and processor beside the trained transformer) samples 4 steps in
+    WanImageToVideoPipeline at the trained sigmas, its first frame the image's."""
+    from diffusers import WanImageToVideoPipeline
+
+    from data.images import load_pil
+    out, log = dmd_runs["out"]["i2v"], dmd_runs["logs"]["i2v"]
+    assert "data: 16 rows" in log and "image cache: 16 first images' CLIP tokens, computed 16" in log
+    assert "32x32 px x 3 latent frames (1 shape(s))" in log and (out / "samples" / "step_000002.png").exists()
+    trained = wan.generator_sigmas(i2v["model"], [1.0, 0.75, 0.5, 0.25])
+    pipe = WanImageToVideoPipeline.from_pretrained(str(out / "export"))
+    assert pipe.image_encoder is not None and pipe.transformer.config.in_channels == 12
+    assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                               with_kwargs=True)
+    row = i2v["rows"][0]
+    video = pipe(image=load_pil(row["control"]), height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=4,
+                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np",
+                 **i2v_prompt_embeds(pipe, row["prompt"])).frames
+    assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
+    assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
