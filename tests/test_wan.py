@@ -1,7 +1,9 @@
 """The Wan room (families/wan/) and train_dmd.py's DMD2 of a Wan 2.1 text-to-video teacher, on the tiny WanPipeline
 folder (9 frames of 32 x 32 px: 3 x 4 x 4 latents, 12 tokens), and of the tiny Wan 2.2 TI2V-5B (per-token
 timesteps, the 2.2 VAE; 64 px) and T2V-A14B (two experts: each sample on the expert its timestep picks; 2 ranks
-against one process, two LoRA files and the merged export sampled in WanPipeline).
+against one process, two LoRA files and the merged export sampled in WanPipeline), and of the tiny Wan 2.1 I2V
+(WanImageToVideoPipeline: its first-frame condition channels, CLIP image tokens and sampling loop equal the
+pipeline's; its DMD2 export samples from a first image).
 
 Conditioning equals WanPipeline's own tensors: the cached UMT5 text is encode_prompt's (prompt_clean, cut to the
 real length, zero-padded to MAX_SEQUENCE_LENGTH), the latents' normalisation is WanImageToVideoPipeline's, the

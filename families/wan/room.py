@@ -1,8 +1,8 @@
 """The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B, Wan 2.2 TI2V-5B as text to video, Wan 2.2 T2V-A14B's
-two experts), for train_dmd.py's flow setup: its transformer built and sharded through parallel/'s generic recipe
-(one FSDP unit per WanTransformerBlock; A14B: each expert so, experts.py routing each sample), its VAE
-(AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its conditioning, its video tokens
-and the distilled export's scheduler.
+two experts; WanImageToVideoPipeline: Wan 2.1 I2V-14B), for train_dmd.py's flow setup: its transformer built and
+sharded through parallel/'s generic recipe (one FSDP unit per WanTransformerBlock; A14B: each expert so, experts.py
+routing each sample), its VAE (AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its
+conditioning, its video tokens and the distilled export's scheduler.
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.py):
 - the text: UMT5 through the pipeline's encode_prompt (_get_t5_prompt_embeds: prompt_clean, tokenized to
@@ -21,7 +21,12 @@ Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.
   the negative prompt "" (diffusers' default, encode_prompt's `negative_prompt or ""`; Wan's own long negative
   prompt is not used). FastVideo's cond + w (cond - uncond) is w = g - 1;
 - the flow shift is the UniPC scheduler's flow_shift (3.0 for Wan 2.1, 5.0 for TI2V-5B),
-  algorithms/flux_kontext.pipeline_shift.
+  algorithms/flux_kontext.pipeline_shift;
+- image to video (Wan 2.1 I2V, pipeline_wan_i2v.py): each row's first image stretched to the clip's size
+  (video_processor.preprocess), the condition channels prepare_latents builds (first_frame_condition: a 4-channel
+  first-frame mask, then the video [image, zeros...] encoded and normalised) after the noisy latents, and the
+  CLIP image tokens encode_image makes (hidden_states[-2] of the image as given), cached beside the text and
+  passed to both calls of the teacher's CFG pair.
 
 Tokens: the transformer's own (1, 2, 2) patches in its order (frame, row, column), each patch's channels (c, dy,
 dx) as its patch embedding reads them (pack_latents). Sizes: RESOLUTION is the height (480p, 720p; 0 = 480), the

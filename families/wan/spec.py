@@ -1,6 +1,6 @@
 """The Wan family's spec: WanPipeline (Wan 2.1 text to video, Wan 2.2 TI2V-5B as text to video, Wan 2.2
-T2V-A14B), distilled by train_dmd.py; the planner plans the six built-ins (plan_spec.py), the trainer refuses in
-one line what its room does not take yet."""
+T2V-A14B) and WanImageToVideoPipeline (Wan 2.1 I2V), distilled by train_dmd.py; the planner plans the six
+built-ins (plan_spec.py), the trainer refuses in one line what its room does not take yet."""
 from __future__ import annotations
 
 
