@@ -57,11 +57,20 @@ def a14b():
     return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
 
 
-@pytest.fixture(scope="module")
-def i2v():
-    model, data = tiny_default("wan_i2v")
+def i2v_folder(kind):
+    model, data = tiny_default(kind)
     rows = [{**r, "control": os.path.join(data, r["control"])} for r in map(json.loads, open(f"{data}/data.jsonl"))]
     return {"model": model, "data": data, "rows": rows, "settings": {**SETTINGS, "MODEL_PATH": model}}
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return i2v_folder("wan_i2v")
+
+
+@pytest.fixture(scope="module")
+def i2v_a14b():
+    return i2v_folder("wan_i2v_a14b")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +82,7 @@ def ti2v():
 @functools.lru_cache(maxsize=4)
 def pipeline(model):
     from diffusers import WanImageToVideoPipeline, WanPipeline
-    image = os.path.isdir(os.path.join(model, "image_encoder"))
+    image = json.load(open(os.path.join(model, "model_index.json")))["_class_name"] == "WanImageToVideoPipeline"
     pipe = (WanImageToVideoPipeline if image else WanPipeline).from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -217,7 +226,7 @@ def test_refusals_are_one_line(tiny, monkeypatch):
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
-    """Image to video on a text-to-video transformer, Wan 2.2 I2V-A14B and TI2V-5B's image mode, a second expert
+    """Image to video on a text-to-video transformer and TI2V-5B's image mode, a second expert
     without its boundary_ratio, and per-token timesteps (expand_timesteps) without TI2V's 2.2 VAE or that VAE
     without them: one line each, from the folder's model_index.json and VAE config; Wan 2.1 text to video
     (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for its two experts."""
@@ -227,8 +236,6 @@ def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
     cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, tiny,
               "transformer_2 and boundary_ratio come together"),
              ("WanImageToVideoPipeline", {}, tiny, "the transformer takes 4 input channels, not 2 x 4 + 4"),
-             ("WanImageToVideoPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"],
-                                          "boundary_ratio": 0.9}, tiny, "Wan 2.2 I2V-A14B's image to video"),
              ("WanImageToVideoPipeline", {"expand_timesteps": True}, ti2v, "TI2V-5B's image to video"),
              ("WanPipeline", {"expand_timesteps": True}, tiny, "expand_timesteps=True with a 2.1 VAE"),
              ("WanPipeline", {"expand_timesteps": False}, ti2v, "expand_timesteps=False with the 2.2 VAE")]
@@ -238,7 +245,7 @@ def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
         (tmp_path / "vae" / "config.json").write_text(open(os.path.join(folder["model"], "vae", "config.json")).read())
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_model(pipeline, str(tmp_path))
-        assert "\n" not in str(e.value) and "TI2V-5B (text to video) and T2V-A14B distil today" in str(e.value)
+        assert "\n" not in str(e.value) and "TI2V-5B (text to video), T2V-A14B and I2V-A14B distil" in str(e.value)
     for folder in (tiny, ti2v):
         wan.check_model("WanPipeline", folder["model"])
     a14b = tmp_path / "a14b"  # the tiny Wan's parts with A14B's model_index.json (its second expert's entry)
@@ -478,14 +485,18 @@ def test_i2v_conditioning_is_the_pipelines(i2v, tmp_path):
 
 
 @pytest.mark.slow
-def test_i2v_sampling_loop_is_the_pipelines(i2v, tmp_path):
+@pytest.mark.parametrize("kind", ["i2v", "i2v_a14b"])
+def test_i2v_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     """The room's I2V teacher velocity (cached text and "", the cached image tokens, the first frame's condition
     channels, CFG 5) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives
-    WanImageToVideoPipeline's latents at 3 steps."""
+    WanImageToVideoPipeline's latents at 3 steps: Wan 2.1 I2V, and Wan 2.2 I2V-A14B (no CLIP; boundary 0.9: its
+    step at t 999 on transformer, 857 and 600 on transformer_2)."""
     from diffusers import UniPCMultistepScheduler
     from diffusers.utils.torch_utils import randn_tensor
 
     from data.images import load_pil
+    from families.wan.experts import Experts
+    i2v = request.getfixturevalue(kind)
     pipe = pipeline(i2v["model"])
     row = i2v["rows"][1]
     captured = {}
@@ -500,7 +511,12 @@ def test_i2v_sampling_loop_is_the_pipelines(i2v, tmp_path):
     x = randn_tensor((1, 4, *cond.size), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
     scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
     scheduler.set_timesteps(3)
-    v = cond.velocity(pipe.transformer, 5.0)
+    model = pipe.transformer
+    assert (cond.image is None) == (kind == "i2v_a14b")
+    if kind == "i2v_a14b":
+        model = Experts(pipe.transformer, pipe.transformer_2, wan.expert_boundary(i2v["model"]))
+        assert model.boundary == 900.0 and [float(t) for t in scheduler.timesteps] == [999.0, 857.0, 600.0]
+    v = cond.velocity(model, 5.0)
     with torch.no_grad():
         for t in scheduler.timesteps:
             pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), cond.size)

@@ -502,8 +502,8 @@ def check_sizes(settings) -> None:
 def check_model(pipeline, model_path) -> None:
     """The Wan teachers this room distils: WanPipeline's text to video (Wan 2.1 1.3B, 14B; Wan 2.2 TI2V-5B, whose
     per-token timesteps come with its 2.2 VAE; Wan 2.2 T2V-A14B's two experts) and WanImageToVideoPipeline's Wan
-    2.1 I2V-14B (36 input channels, CLIP image tokens); what else a folder holds is refused in one line (the
-    planner plans all six built-ins)."""
+    2.1 I2V-14B (36 input channels, CLIP image tokens) and Wan 2.2 I2V-A14B (36 input channels, two experts, no
+    CLIP); what else a folder holds is refused in one line (the planner plans all six built-ins)."""
     with open(os.path.join(model_path, "model_index.json")) as f:
         index = json.load(f)
     expand, residual = bool(index.get("expand_timesteps")), bool(vae_config(model_path).get("is_residual"))
@@ -517,8 +517,7 @@ def check_model(pipeline, model_path) -> None:
             config = json.load(f)
         channels, z = config.get("in_channels"), vae_config(model_path).get("z_dim", 16)
         clip = (bool(config.get("image_dim")), has_image_encoder(model_path))
-        why = ("Wan 2.2 I2V-A14B's image to video (two experts) is not built yet" if experts else
-               "TI2V-5B's image to video (the first frame's tokens at t = 0) is not built yet" if expand else
+        why = ("TI2V-5B's image to video (the first frame's tokens at t = 0) is not built yet" if expand else
                f"the transformer takes {channels} input channels, not 2 x {z} + 4 (the noisy latents, the "
                "first-frame mask, the first frame's latents)" if channels != 2 * z + 4 else
                f"the transformer's image_dim and the image_encoder come together (image_dim "
@@ -526,7 +525,7 @@ def check_model(pipeline, model_path) -> None:
                if clip[0] != clip[1] else "")
     if why:
         raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V and I2V, Wan 2.2 "
-                          "TI2V-5B (text to video) and T2V-A14B distil today")
+                          "TI2V-5B (text to video), T2V-A14B and I2V-A14B distil today")
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
