@@ -57,10 +57,11 @@ def a14b():
     return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
 
 
-def i2v_folder(kind):
+def i2v_folder(kind, size=SIZE):
     model, data = tiny_default(kind)
     rows = [{**r, "control": os.path.join(data, r["control"])} for r in map(json.loads, open(f"{data}/data.jsonl"))]
-    return {"model": model, "data": data, "rows": rows, "settings": {**SETTINGS, "MODEL_PATH": model}}
+    return {"model": model, "data": data, "rows": rows,
+            "settings": {**SETTINGS, "RESOLUTION": size, "MODEL_PATH": model}}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,11 @@ def i2v():
 @pytest.fixture(scope="module")
 def i2v_a14b():
     return i2v_folder("wan_i2v_a14b")
+
+
+@pytest.fixture(scope="module")
+def ti2v_i2v():
+    return i2v_folder("wan_ti2v_i2v", TI2V_SIZE)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +115,10 @@ def i2v_cond(i2v, tmp_path, rows, negative=True):
                                      torch.device("cpu"))
     text, neg = (wan.load_text(p, str(tmp_path / "tc"), identity, torch.device("cpu"))
                  for p in (pairs[:len(rows)], pairs[len(rows):]))
-    shape = ((SIZE, SIZE), wan.reference_sizes((SIZE, SIZE), rows[0], settings))
+    size = wan.video_size(settings)
+    shape = (size, wan.reference_sizes(size, rows[0], settings))
     refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False, loader=wan.image_loader(settings))
-    grid = wan.latent_grid((SIZE, SIZE), settings)
+    grid = wan.latent_grid(size, settings)
     return wan.dmd_cond(text, neg if negative else None, pipeline(i2v["model"]).vae, refs, grid), refs
 
 
@@ -226,7 +233,7 @@ def test_refusals_are_one_line(tiny, monkeypatch):
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
-    """Image to video on a text-to-video transformer and TI2V-5B's image mode, a second expert
+    """Image to video on a transformer of other input channels (2.1 I2V: 2 x z + 4; TI2V-5B's: z), a second expert
     without its boundary_ratio, and per-token timesteps (expand_timesteps) without TI2V's 2.2 VAE or that VAE
     without them: one line each, from the folder's model_index.json and VAE config; Wan 2.1 text to video
     (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for its two experts."""
@@ -236,7 +243,8 @@ def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
     cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, tiny,
               "transformer_2 and boundary_ratio come together"),
              ("WanImageToVideoPipeline", {}, tiny, "the transformer takes 4 input channels, not 2 x 4 + 4"),
-             ("WanImageToVideoPipeline", {"expand_timesteps": True}, ti2v, "TI2V-5B's image to video"),
+             ("WanImageToVideoPipeline", {"expand_timesteps": True}, ti2v,
+              "takes 4 input channels, not TI2V-5B's 8"),
              ("WanPipeline", {"expand_timesteps": True}, tiny, "expand_timesteps=True with a 2.1 VAE"),
              ("WanPipeline", {"expand_timesteps": False}, ti2v, "expand_timesteps=False with the 2.2 VAE")]
     (tmp_path / "transformer").symlink_to(os.path.join(tiny["model"], "transformer"))
@@ -245,7 +253,7 @@ def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
         (tmp_path / "vae" / "config.json").write_text(open(os.path.join(folder["model"], "vae", "config.json")).read())
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_model(pipeline, str(tmp_path))
-        assert "\n" not in str(e.value) and "TI2V-5B (text to video), T2V-A14B and I2V-A14B distil" in str(e.value)
+        assert "\n" not in str(e.value) and "TI2V-5B (text and image to video), T2V-A14B and I2V-A14B distil" in str(e.value)
     for folder in (tiny, ti2v):
         wan.check_model("WanPipeline", folder["model"])
     a14b = tmp_path / "a14b"  # the tiny Wan's parts with A14B's model_index.json (its second expert's entry)
@@ -485,12 +493,14 @@ def test_i2v_conditioning_is_the_pipelines(i2v, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["i2v", "i2v_a14b"])
+@pytest.mark.parametrize("kind", ["i2v", "i2v_a14b", "ti2v_i2v"])
 def test_i2v_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     """The room's I2V teacher velocity (cached text and "", the cached image tokens, the first frame's condition
     channels, CFG 5) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives
-    WanImageToVideoPipeline's latents at 3 steps: Wan 2.1 I2V, and Wan 2.2 I2V-A14B (no CLIP; boundary 0.9: its
-    step at t 999 on transformer, 857 and 600 on transformer_2)."""
+    WanImageToVideoPipeline's latents at 3 steps: Wan 2.1 I2V, Wan 2.2 I2V-A14B (no CLIP; boundary 0.9: its step
+    at t 999 on transformer, 857 and 600 on transformer_2) and TI2V-5B's image mode (the image's latents as the
+    first latent frame, its tokens at t = 0; its velocity there the one whose x0 is the image's, so the first
+    frame comes out the image's as the pipeline's final (1 - mask) * condition + mask * latents)."""
     from diffusers import UniPCMultistepScheduler
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -498,30 +508,44 @@ def test_i2v_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     from families.wan.experts import Experts
     i2v = request.getfixturevalue(kind)
     pipe = pipeline(i2v["model"])
-    row = i2v["rows"][1]
-    captured = {}
-
-    def keep(p, i, t, kw):
-        captured["latents"] = kw["latents"]
-        return kw
-    pipe(image=load_pil(row["control"]), height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=3,
-         generator=torch.Generator().manual_seed(0), output_type="latent", callback_on_step_end=keep,
-         **i2v_prompt_embeds(pipe, row["prompt"]))
-    cond, _ = i2v_cond(i2v, tmp_path, [row])
-    x = randn_tensor((1, 4, *cond.size), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    row, size, channels = i2v["rows"][1], i2v["settings"]["RESOLUTION"], pipe.vae.config.z_dim
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    theirs = pipe(image=load_pil(row["control"]), height=size, width=size, num_frames=FRAMES, num_inference_steps=3,
+                  generator=torch.Generator().manual_seed(0), output_type="latent",
+                  **i2v_prompt_embeds(pipe, row["prompt"])).frames
+    hook.remove()
+    cond, refs = i2v_cond(i2v, tmp_path, [row])
+    x = randn_tensor((1, channels, *cond.size), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    with torch.no_grad():
+        condition = pipe.prepare_latents(refs[0], 1, channels, size, size, FRAMES, torch.float32,
+                                         torch.device("cpu"))[1]
+    assert torch.equal(cond.condition, condition) and cond.per_token == (kind == "ti2v_i2v")
     scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
     scheduler.set_timesteps(3)
     model = pipe.transformer
-    assert (cond.image is None) == (kind == "i2v_a14b")
+    assert (cond.image is None) == (kind != "i2v")  # 2.1 I2V alone has CLIP
     if kind == "i2v_a14b":
         model = Experts(pipe.transformer, pipe.transformer_2, wan.expert_boundary(i2v["model"]))
         assert model.boundary == 900.0 and [float(t) for t in scheduler.timesteps] == [999.0, 857.0, 600.0]
     v = cond.velocity(model, 5.0)
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
     with torch.no_grad():
         for t in scheduler.timesteps:
             pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), cond.size)
             x = scheduler.step(pred, t, x, return_dict=False)[0]
-    torch.testing.assert_close(x, captured["latents"], rtol=1e-4, atol=1e-5)
+    hook.remove()
+    if kind == "ti2v_i2v":  # every x0 keeps the image's first latent frame: x - sigma (x - first) / sigma
+        z, s = wan.pack_latents(x), torch.tensor([0.7])
+        with torch.no_grad():
+            x0 = wan.unpack_latents(z - s * v(z, s), cond.size)
+        torch.testing.assert_close(x0[:, :, :1], condition, rtol=0, atol=1e-6)
+        x = torch.cat([condition, x[:, :, 1:]], dim=2)  # the pipeline's last (1 - mask) * condition + mask * x
+        # the first latent frame's 2 x 2 tokens at t = 0, the others at t: the pipeline's first call, then ours
+        assert (seen[0][0, :4] == 0).all() and (seen[0][0, 4:] == 999).all()
+        for i in range(3):  # the pipeline's calls (cond, uncond) per step, then ours (the pair in one)
+            assert torch.equal(seen[6 + i], torch.cat([seen[2 * i], seen[2 * i + 1]]).float())
+    torch.testing.assert_close(x, theirs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

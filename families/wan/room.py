@@ -26,7 +26,9 @@ Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.
   (video_processor.preprocess), the condition channels prepare_latents builds (first_frame_condition: a 4-channel
   first-frame mask, then the video [image, zeros...] encoded and normalised) after the noisy latents, and the
   CLIP image tokens encode_image makes (hidden_states[-2] of the image as given), cached beside the text and
-  passed to both calls of the teacher's CFG pair.
+  passed to both calls of the teacher's CFG pair; Wan 2.2 I2V-A14B: the condition channels on both experts, no
+  CLIP; TI2V-5B's image mode (expand_timesteps): the image alone encoded as the first latent frame, its tokens at
+  t = 0 and their velocity the one whose x0 is the image's (WanCond.velocity).
 
 Tokens: the transformer's own (1, 2, 2) patches in its order (frame, row, column), each patch's channels (c, dy,
 dx) as its patch embedding reads them (pack_latents). Sizes: RESOLUTION is the height (480p, 720p; 0 = 480), the
@@ -410,24 +412,36 @@ class WanCond:
     negative: torch.Tensor | None  # (B, L, D) of NEGATIVE_PROMPT, for the teacher's CFG; None: no pair
     size: tuple[int, int, int]  # the latent grid (T, h, w)
     per_token: bool = False  # TI2V-5B's expand_timesteps: the timestep (B, tokens), else (B,)
-    condition: torch.Tensor | None = None  # (B, 4 + C, T, h, w) I2V: the first-frame mask and latents
+    # I2V: (B, 4 + C, T, h, w) the first-frame mask and latents; TI2V-5B's image mode (per_token): (B, C, 1, h, w)
+    # the first frame's latents, which stand in for the first latent frame at t = 0
+    condition: torch.Tensor | None = None
     image: torch.Tensor | None = None  # (B, 257, 1280) 2.1 I2V's CLIP image tokens
 
     def velocity(self, model, guidance: float, norm: str = "none"):
         """v(x_sigma, sigma) of `model`: the tokens (B, N, 4C) unpacked to (B, C, T, h, w), the transformer called
         as the pipeline calls it (timestep sigma * 1000, per sample or per token, the text), the prediction packed
         back. guidance > 1 (the teacher): CFG uncond + g (cond - uncond), the pair as one batch of 2B, rescaled by
-        `norm`."""
+        `norm`. TI2V-5B's image mode: the first latent frame's tokens are the image's at t = 0 (the pipeline's
+        (1 - mask) * condition + mask * latents and mask * t), and their velocity is the one whose x0 is the image's
+        latents, (x - first) / sigma, so every model's x0 keeps the first frame clean."""
         pair = guidance > 1 and self.negative is not None
+        first = self.condition if self.per_token else None
 
         def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             b = x.shape[0]
             latents = unpack_latents(x, self.size)
-            if self.condition is not None:  # the pipeline's torch.cat([latents, condition], dim=1)
+            if first is not None:
+                latents = torch.cat([first.to(latents.dtype), latents[:, :, 1:]], dim=2)
+            elif self.condition is not None:  # the pipeline's torch.cat([latents, condition], dim=1)
                 latents = torch.cat([latents, self.condition.to(latents.dtype)], dim=1)
-            timestep = (torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b) * 1000).float()
+            sigma = torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b)
+            timestep = (sigma * 1000).float()
             if self.per_token:  # every token at its sample's t, in the tokens' order (the pipeline's mask * t)
                 timestep = timestep[:, None].expand(b, x.shape[1])
+                if first is not None:
+                    mask = torch.ones(x.shape[1], device=x.device)
+                    mask[:first.shape[-1] * first.shape[-2] // 4] = 0
+                    timestep = timestep * mask
             image = {} if self.image is None else {"encoder_hidden_states_image": self.image}
             if pair:
                 image = {k: torch.cat([i, i]) for k, i in image.items()}
@@ -435,20 +449,31 @@ class WanCond:
                             encoder_hidden_states=torch.cat([self.text, self.negative]), return_dict=False,
                             **image)[0]
                 out = pack_latents(out).float()
-                return cfg_combine(out[:b], out[b:], guidance, norm)
-            out = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.text,
-                        return_dict=False, **image)[0]
-            return pack_latents(out).float()
+                out = cfg_combine(out[:b], out[b:], guidance, norm)
+            else:
+                out = pack_latents(model(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.text,
+                                         return_dict=False, **image)[0]).float()
+            if first is None:
+                return out
+            tokens = pack_latents(first.float())
+            n = tokens.shape[1]
+            kept = (x[:, :n].float() - tokens) / sigma.float().view(b, 1, 1)
+            return torch.cat([kept, out[:, n:]], dim=1)
         return v
 
 
 def dmd_cond(text, negative, vae, references: list, size) -> WanCond:
     """WanCond of a micro-batch: `size` the latent grid (latent_grid); per-token timesteps with TI2V's VAE; with
-    image to video's first images (B, 3, H, W) their condition channels (first_frame_condition), and the CLIP
-    image tokens load_text gave beside the text (the negative's are the same images')."""
+    image to video's first images (B, 3, H, W) their condition channels (first_frame_condition; TI2V-5B: the image
+    alone encoded, its first latent frame), and the CLIP image tokens load_text gave beside the text (the
+    negative's are the same images')."""
     text, image = text if isinstance(text, tuple) else (text, None)
     negative = negative[0] if isinstance(negative, tuple) else negative
-    condition = first_frame_condition(vae, references[0], size) if references else None
+    condition = None
+    if references and expands_timesteps(vae):  # TI2V-5B: the image alone encoded (prepare_latents' expand path)
+        condition = encode_latents(vae, references[0][:, :, None])
+    elif references:
+        condition = first_frame_condition(vae, references[0], size)
     return WanCond(text, negative, tuple(size), expands_timesteps(vae), condition, image)
 
 
@@ -502,8 +527,9 @@ def check_sizes(settings) -> None:
 def check_model(pipeline, model_path) -> None:
     """The Wan teachers this room distils: WanPipeline's text to video (Wan 2.1 1.3B, 14B; Wan 2.2 TI2V-5B, whose
     per-token timesteps come with its 2.2 VAE; Wan 2.2 T2V-A14B's two experts) and WanImageToVideoPipeline's Wan
-    2.1 I2V-14B (36 input channels, CLIP image tokens) and Wan 2.2 I2V-A14B (36 input channels, two experts, no
-    CLIP); what else a folder holds is refused in one line (the planner plans all six built-ins)."""
+    2.1 I2V-14B (36 input channels, CLIP image tokens), Wan 2.2 I2V-A14B (36 input channels, two experts, no
+    CLIP) and TI2V-5B's image mode (expand_timesteps: its 48 channels); what else a folder holds is refused in one
+    line (the planner plans all six built-ins)."""
     with open(os.path.join(model_path, "model_index.json")) as f:
         index = json.load(f)
     expand, residual = bool(index.get("expand_timesteps")), bool(vae_config(model_path).get("is_residual"))
@@ -517,15 +543,16 @@ def check_model(pipeline, model_path) -> None:
             config = json.load(f)
         channels, z = config.get("in_channels"), vae_config(model_path).get("z_dim", 16)
         clip = (bool(config.get("image_dim")), has_image_encoder(model_path))
-        why = ("TI2V-5B's image to video (the first frame's tokens at t = 0) is not built yet" if expand else
+        why = (f"the transformer takes {channels} input channels, not TI2V-5B's {z} (its first frame in the latents)"
+               if expand and channels != z else
                f"the transformer takes {channels} input channels, not 2 x {z} + 4 (the noisy latents, the "
-               "first-frame mask, the first frame's latents)" if channels != 2 * z + 4 else
+               "first-frame mask, the first frame's latents)" if not expand and channels != 2 * z + 4 else
                f"the transformer's image_dim and the image_encoder come together (image_dim "
                f"{config.get('image_dim')}, image_encoder {'present' if clip[1] else 'absent'})"
                if clip[0] != clip[1] else "")
     if why:
         raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V and I2V, Wan 2.2 "
-                          "TI2V-5B (text to video), T2V-A14B and I2V-A14B distil today")
+                          "TI2V-5B (text and image to video), T2V-A14B and I2V-A14B distil today")
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:

@@ -34,6 +34,6 @@ SPEC = FamilySpec(
     check_context_parallel=None,  # train_dmd.py takes no context parallelism yet
     tiny={"wan_t2v": tiny.build_wan_t2v, "wan_ti2v": tiny.build_wan_ti2v,  # tools/tiny_models.BUILDERS
           "wan_a14b": tiny.build_wan_a14b, "wan_i2v": tiny.build_wan_i2v,
-          "wan_i2v_a14b": tiny.build_wan_i2v_a14b},
+          "wan_i2v_a14b": tiny.build_wan_i2v_a14b, "wan_ti2v_i2v": tiny.build_wan_ti2v_i2v},
     models=parallelism.MODELS,
     **{**plan_spec.PLAN, "example_inputs": example_inputs})  # the planner's fields: six built-ins, 81 frames

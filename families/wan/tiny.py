@@ -27,6 +27,9 @@ coloured shapes (40 px, stretched to the clip's size as the pipeline reads them)
 wan_i2v_a14b: wan_i2v with Wan 2.2 I2V-A14B's layout: no CLIP (no image_dim, no image encoder), two experts of 4 + 4
 + 4 input channels, model_index.json's boundary_ratio 0.9; the same first images.
 
+wan_ti2v_i2v: wan_ti2v as WanImageToVideoPipeline (TI2V-5B's image mode: expand_timesteps, its first frame in the
+latents, no CLIP); the same first images.
+
     python -m pytest tests/test_tiny_models.py tests/test_wan.py -q
 """
 from __future__ import annotations
@@ -81,8 +84,8 @@ def make_tiny_wan_t2v(folder, seed=0, ti2v=False, a14b=False, i2v=False):
     with seeded(seed):
         text_encoder = UMT5EncoderModel(config).eval()
     # I2V: the noisy latents, the first-frame mask (4: the VAE's frames per latent frame), its latents; 2.1's CLIP
-    image = dict(in_channels=2 * channels + 4) if i2v else {}
-    if i2v and not a14b:
+    image = dict(in_channels=2 * channels + 4) if i2v and not ti2v else {}  # TI2V-5B: its first frame in the latents
+    if i2v and not a14b and not ti2v:
         image.update(image_dim=16, added_kv_proj_dim=24)
     expert = functools.partial(
         WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
@@ -105,7 +108,7 @@ def make_tiny_wan_t2v(folder, seed=0, ti2v=False, a14b=False, i2v=False):
                                    in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
                                    latents_mean=TI2V_LATENTS_MEAN, latents_std=TI2V_LATENTS_STD)
     if i2v:
-        return _save_i2v(folder, tokenizer, text_encoder, vae, transformer, transformer_2, seed)
+        return _save_i2v(folder, tokenizer, text_encoder, vae, transformer, transformer_2, seed, ti2v)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=UniPCMultistepScheduler(**{**SCHEDULER, "flow_shift": 5.0 if ti2v else 3.0}),
                        expand_timesteps=ti2v, transformer_2=transformer_2, boundary_ratio=0.875 if a14b else None)
@@ -113,9 +116,10 @@ def make_tiny_wan_t2v(folder, seed=0, ti2v=False, a14b=False, i2v=False):
     return folder
 
 
-def _save_i2v(folder, tokenizer, text_encoder, vae, transformer, transformer_2, seed):
+def _save_i2v(folder, tokenizer, text_encoder, vae, transformer, transformer_2, seed, ti2v=False):
     """WanImageToVideoPipeline's folder: the parts given, and a tiny CLIP vision encoder and its image processor
-    (2.1), or the second expert and boundary_ratio 0.9 (2.2 A14B, no CLIP)."""
+    (2.1), or the second expert and boundary_ratio 0.9 (2.2 A14B, no CLIP), or with `ti2v` TI2V-5B's image mode
+    (expand_timesteps, flow_shift 5, no CLIP)."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
     config = CLIPVisionConfig(hidden_size=16, intermediate_size=32, projection_dim=16, num_hidden_layers=2,
@@ -123,9 +127,10 @@ def _save_i2v(folder, tokenizer, text_encoder, vae, transformer, transformer_2, 
     with seeded(seed + 4):
         image_encoder = CLIPVisionModelWithProjection(config).eval()
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    clip = {} if transformer_2 else {"image_processor": processor, "image_encoder": image_encoder}
+    clip = {} if transformer_2 or ti2v else {"image_processor": processor, "image_encoder": image_encoder}
+    scheduler = UniPCMultistepScheduler(**{**SCHEDULER, "flow_shift": 5.0 if ti2v else 3.0})
     pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                                   scheduler=UniPCMultistepScheduler(**SCHEDULER), transformer_2=transformer_2,
+                                   scheduler=scheduler, transformer_2=transformer_2, expand_timesteps=ti2v,
                                    boundary_ratio=0.9 if transformer_2 else None, **clip)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -152,10 +157,10 @@ def build_wan_a14b(root):
     write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
 
 
-def build_wan_i2v(root, a14b=False):
+def build_wan_i2v(root, a14b=False, ti2v=False):
     """tiny_wan_i2v: the Wan 2.1 I2V folder (`a14b`: tiny_wan_i2v_a14b, Wan 2.2 I2V-A14B's) and 16 first images with
     their prompts (data/data.jsonl: "control", "prompt")."""
-    make_tiny_wan_t2v(root / "model", i2v=True, a14b=a14b)
+    make_tiny_wan_t2v(root / "model", i2v=True, a14b=a14b, ti2v=ti2v)
     make_image_prompt_dataset(root / "data", 16, size=40)
     rows = [json.loads(line) for line in (root / "data" / "data.jsonl").read_text().splitlines()]
     write_jsonl(root / "data" / "data.jsonl", [{"control": r["image"], "prompt": r["prompt"]} for r in rows])
@@ -164,3 +169,8 @@ def build_wan_i2v(root, a14b=False):
 def build_wan_i2v_a14b(root):
     """tiny_wan_i2v_a14b: the Wan 2.2 I2V-A14B folder (two experts, no CLIP) and the same 16 first images."""
     build_wan_i2v(root, a14b=True)
+
+
+def build_wan_ti2v_i2v(root):
+    """tiny_wan_ti2v_i2v: the Wan 2.2 TI2V-5B folder as WanImageToVideoPipeline and the same 16 first images."""
+    build_wan_i2v(root, ti2v=True)
