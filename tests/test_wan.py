@@ -550,19 +550,19 @@ def test_i2v_sampling_loop_is_the_pipelines(kind, request, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dmd_runs(tiny, ti2v, a14b, i2v, tmp_path_factory):
+def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
     """DMD2 of the tiny Wan teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
     score on 2 ranks with validation; the tiny TI2V-5B's full generator, 2 steps on one process; the tiny
     T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2); the tiny
-    I2V's full generator, 2 steps on one process from its first images."""
+    I2V's full generator, 2 steps on one process from its first images, and the tiny TI2V-5B's in its image mode."""
     root = tmp_path_factory.mktemp("wan")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v")}
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
@@ -582,7 +582,10 @@ def dmd_runs(tiny, ti2v, a14b, i2v, tmp_path_factory):
                                                "--sample_every=2", "--sample_count=1"], ranks=1),
         "a14b": job(args=common + a14b_args + [f"--output_dir={out['a14b']}", "--lora_export_merged=1"]),
         "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1),
-        "i2v": job(args=common + i2v_args, ranks=1)},
+        "i2v": job(args=common + i2v_args, ranks=1),
+        "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
+                                                  f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
+                                                  f"--output_dir={out['ti2v_i2v']}"], ranks=1)},
         "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -728,3 +731,27 @@ def test_i2v_dmd_export_loads_in_the_pipeline_and_samples_from_the_first_image(i
                  **i2v_prompt_embeds(pipe, row["prompt"])).frames
     assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
     assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_ti2v_image_mode_dmd_export_samples_from_the_first_image(ti2v_i2v, dmd_runs):
+    """DMD2 of the tiny TI2V-5B in its image mode: the full export loads in WanImageToVideoPipeline
+    (expand_timesteps) and samples 4 steps at the trained sigmas, the first latent frame's tokens at t = 0."""
+    from diffusers import WanImageToVideoPipeline
+
+    from data.images import load_pil
+    out, log = dmd_runs["out"]["ti2v_i2v"], dmd_runs["logs"]["ti2v_i2v"]
+    assert "data: 16 rows" in log and "64x64 px x 3 latent frames" in log and "image cache" not in log
+    trained = wan.generator_sigmas(ti2v_i2v["model"], [1.0, 0.75, 0.5, 0.25])
+    pipe = WanImageToVideoPipeline.from_pretrained(str(out / "export"))
+    assert pipe.config.expand_timesteps and pipe.image_encoder is None
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    row = ti2v_i2v["rows"][0]
+    video = pipe(image=load_pil(row["control"]), height=TI2V_SIZE, width=TI2V_SIZE, num_frames=FRAMES,
+                 num_inference_steps=4, guidance_scale=1.0, generator=torch.Generator().manual_seed(0),
+                 output_type="np", **i2v_prompt_embeds(pipe, row["prompt"])).frames
+    assert np.isfinite(video).all() and video.shape == (1, FRAMES, TI2V_SIZE, TI2V_SIZE, 3)
+    assert all(t.shape == (1, 12) and (t[0, :4] == 0).all() for t in seen)
+    assert [float(t[0, 4]) for t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)
