@@ -36,7 +36,7 @@ class Experts(nn.Module):
         return {"transformer": self.transformer, "transformer_2": self.transformer_2}
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs):
-        t = timestep if timestep.ndim == 1 else timestep[:, 0]  # per-token timesteps: each sample's first token
+        t = timestep if timestep.ndim == 1 else timestep.amax(1)  # per-token: each sample's t (a clean first frame: 0)
         high = t >= self.boundary
         need = torch.stack([high.any(), (~high).any()]).int()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
