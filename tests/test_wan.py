@@ -1,7 +1,9 @@
 """The Wan room (families/wan/) and train_dmd.py's DMD2 of a Wan 2.1 text-to-video teacher, on the tiny WanPipeline
 folder (9 frames of 32 x 32 px: 3 x 4 x 4 latents, 12 tokens), and of the tiny Wan 2.2 TI2V-5B (per-token
 timesteps, the 2.2 VAE; 64 px) and T2V-A14B (two experts: each sample on the expert its timestep picks; 2 ranks
-against one process, two LoRA files and the merged export sampled in WanPipeline).
+against one process, two LoRA files and the merged export sampled in WanPipeline), and of the tiny Wan 2.1 I2V
+(WanImageToVideoPipeline: its first-frame condition channels, CLIP image tokens and sampling loop equal the
+pipeline's; its DMD2 export samples from a first image).
 
 Conditioning equals WanPipeline's own tensors: the cached UMT5 text is encode_prompt's (prompt_clean, cut to the
 real length, zero-padded to MAX_SEQUENCE_LENGTH), the latents' normalisation is WanImageToVideoPipeline's, the
@@ -55,18 +57,69 @@ def a14b():
     return {"model": model, "data": data, "settings": {**SETTINGS, "MODEL_PATH": model}}
 
 
+def i2v_folder(kind, size=SIZE):
+    model, data = tiny_default(kind)
+    rows = [{**r, "control": os.path.join(data, r["control"])} for r in map(json.loads, open(f"{data}/data.jsonl"))]
+    return {"model": model, "data": data, "rows": rows,
+            "settings": {**SETTINGS, "RESOLUTION": size, "MODEL_PATH": model}}
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return i2v_folder("wan_i2v")
+
+
+@pytest.fixture(scope="module")
+def i2v_a14b():
+    return i2v_folder("wan_i2v_a14b")
+
+
+@pytest.fixture(scope="module")
+def ti2v_i2v():
+    return i2v_folder("wan_ti2v_i2v", TI2V_SIZE)
+
+
 @pytest.fixture(scope="module")
 def ti2v():
     model, data = tiny_default("wan_ti2v")
     return {"model": model, "data": data, "settings": {**SETTINGS, "RESOLUTION": TI2V_SIZE, "MODEL_PATH": model}}
 
 
-@functools.lru_cache(maxsize=3)
+@functools.lru_cache(maxsize=4)
 def pipeline(model):
-    from diffusers import WanPipeline
-    pipe = WanPipeline.from_pretrained(model)
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    image = json.load(open(os.path.join(model, "model_index.json")))["_class_name"] == "WanImageToVideoPipeline"
+    pipe = (WanImageToVideoPipeline if image else WanPipeline).from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def i2v_prompt_embeds(pipe, prompt) -> dict:
+    """The I2V pipeline's prompt_embeds and negative_prompt_embeds for `prompt` and "", by WanPipeline's
+    encode_prompt on its encoder (the same code: diffusers 0.42.1's I2V prompt_clean calls ftfy unguarded, which
+    this venv lacks)."""
+    from diffusers import WanPipeline
+    text = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, scheduler=pipe.scheduler)
+    with torch.no_grad():
+        embeds, negative = text.encode_prompt(prompt, negative_prompt="", max_sequence_length=512)
+    return {"prompt_embeds": embeds, "negative_prompt_embeds": negative}
+
+
+def i2v_cond(i2v, tmp_path, rows, negative=True):
+    """The room's WanCond of `rows` (their prompts, cached text and CLIP tokens, first images read as
+    train_dmd.py reads them) at the tiny clip's grid; with `negative`, the teacher's "" beside them."""
+    from data.buckets import load_pairs
+    settings = i2v["settings"]
+    pairs = [(r["prompt"], r) for r in rows] + [("", r) for r in rows]
+    identity = wan.prepare_edit_text(pairs, i2v["model"], str(tmp_path / "tc"), settings, torch.float32,
+                                     torch.device("cpu"))
+    text, neg = (wan.load_text(p, str(tmp_path / "tc"), identity, torch.device("cpu"))
+                 for p in (pairs[:len(rows)], pairs[len(rows):]))
+    size = wan.video_size(settings)
+    shape = (size, wan.reference_sizes(size, rows[0], settings))
+    refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False, loader=wan.image_loader(settings))
+    grid = wan.latent_grid(size, settings)
+    return wan.dmd_cond(text, neg if negative else None, pipeline(i2v["model"]).vae, refs, grid), refs
 
 
 def cached_text(tiny, tmp_path, prompts, length=512):
@@ -180,24 +233,28 @@ def test_refusals_are_one_line(tiny, monkeypatch):
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
-    """Image to video, a second expert without its boundary_ratio, and per-token timesteps (expand_timesteps)
-    without TI2V's 2.2 VAE or that VAE without them: one line each, from the folder's model_index.json and VAE
-    config; Wan 2.1 text to video (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for
-    its two experts."""
+    """Image to video on a transformer of other input channels (2.1 I2V: 2 x z + 4; TI2V-5B's: z), a second expert
+    without its boundary_ratio, and per-token timesteps (expand_timesteps) without TI2V's 2.2 VAE or that VAE
+    without them: one line each, from the folder's model_index.json and VAE config; Wan 2.1 text to video
+    (transformer_2 null), TI2V-5B and T2V-A14B pass; A14B refuses one LoRA file for its two experts."""
     index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
     assert index.get("transformer_2") in (None, [None, None])
     (tmp_path / "vae").mkdir()
     cases = [("WanPipeline", {"transformer_2": ["diffusers", "WanTransformer3DModel"]}, tiny,
               "transformer_2 and boundary_ratio come together"),
-             ("WanImageToVideoPipeline", {}, tiny, "image to video"),
+             ("WanImageToVideoPipeline", {}, tiny, "the transformer takes 4 input channels, not 2 x 4 + 4"),
+             ("WanImageToVideoPipeline", {"expand_timesteps": True}, ti2v,
+              "takes 4 input channels, not TI2V-5B's 8"),
              ("WanPipeline", {"expand_timesteps": True}, tiny, "expand_timesteps=True with a 2.1 VAE"),
              ("WanPipeline", {"expand_timesteps": False}, ti2v, "expand_timesteps=False with the 2.2 VAE")]
+    (tmp_path / "transformer").symlink_to(os.path.join(tiny["model"], "transformer"))
     for pipeline, change, folder, words in cases:
         (tmp_path / "model_index.json").write_text(json.dumps({**index, **change}))
         (tmp_path / "vae" / "config.json").write_text(open(os.path.join(folder["model"], "vae", "config.json")).read())
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_model(pipeline, str(tmp_path))
-        assert "\n" not in str(e.value) and "TI2V-5B (text to video) and T2V-A14B distil today" in str(e.value)
+        assert "\n" not in str(e.value)
+        assert "TI2V-5B (text and image to video), T2V-A14B and I2V-A14B distil today" in str(e.value)
     for folder in (tiny, ti2v):
         wan.check_model("WanPipeline", folder["model"])
     a14b = tmp_path / "a14b"  # the tiny Wan's parts with A14B's model_index.json (its second expert's entry)
@@ -212,6 +269,45 @@ def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
             settings = {**tiny["settings"], "MODEL_PATH": str(a14b), name: "x.safetensors"}
             wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
     assert wan.expert_boundary(str(a14b)) == 875.0 and wan.expert_boundary(tiny["model"]) is None
+
+
+def test_i2v_refusals_are_one_line(tiny, tmp_path):
+    """Wan 2.1 I2V (a folder of the tiny Wan's VAE with a 2 x 4 + 4-channel transformer reading image tokens)
+    passes; without its image_encoder, a .txt of prompts alone (no first image) and a text length other than the
+    512 its attention splits the image tokens at are refused in one line; its rows are a first image and a
+    prompt, the first image at the clip's size, and a row without one is refused naming its file and line."""
+    from data.sources import read_rows
+    index = json.load(open(os.path.join(tiny["model"], "model_index.json")))
+    config = json.load(open(os.path.join(tiny["model"], "transformer", "config.json")))
+    for part in ("vae", "scheduler"):
+        (tmp_path / part).symlink_to(os.path.join(tiny["model"], part))
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**config, "in_channels": 12, "image_dim": 16}))
+    i2v = {**index, "_class_name": "WanImageToVideoPipeline", "image_encoder": ["transformers", "CLIPVisionModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(i2v))
+    settings = {**tiny["settings"], "MODEL_PATH": str(tmp_path), "DATA_PATH": "prompts.txt"}
+    wan.check_dmd_settings("WanImageToVideoPipeline", settings, set(), "jsonl")
+    assert wan.edits("WanImageToVideoPipeline") and not wan.edits("WanPipeline") and wan.MAX_REFERENCES == 1
+    assert wan.reference_sizes((8, 8), {"control": "a.png", "prompt": "p"}, settings) == ((SIZE, SIZE),)
+    assert wan.reference_sizes((8, 8), {"prompt": "p"}, settings) == ()
+    cases = [({}, "txt", "DATA_PATH=prompts.txt with a WanImageToVideoPipeline teacher: a .txt holds prompts alone"),
+             ({"MAX_SEQUENCE_LENGTH": 226}, "jsonl", "MAX_SEQUENCE_LENGTH=226 with a WanImageToVideoPipeline"),
+             ({"REFERENCE_AREA": 1}, "jsonl", "REFERENCE_AREA=1 with a WanImageToVideoPipeline teacher: its first")]
+    for change, kind, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            wan.check_dmd_settings("WanImageToVideoPipeline", {**settings, **change}, set(change), kind)
+        assert "\n" not in str(e.value)
+    (tmp_path / "model_index.json").write_text(json.dumps({**i2v, "image_encoder": [None, None]}))
+    with pytest.raises(ConfigError, match=re.escape("image_dim and the image_encoder come together")) as e:
+        wan.check_model("WanImageToVideoPipeline", str(tmp_path))
+    assert "\n" not in str(e.value)
+    from PIL import Image
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    data = tmp_path / "data.jsonl"  # what train_dmd.py reads for an editing teacher
+    data.write_text(json.dumps({"control": "a.png", "prompt": "p"}) + "\n" + json.dumps({"prompt": "q"}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{data}:2")) as e:
+        read_rows(str(data), roles=("control", "target", "prompt"), required=("control", "prompt"), skip_bad=False)
+    assert "\n" not in str(e.value)
 
 
 def test_ti2v_velocity_latents_and_sizes_are_the_pipelines(tiny, ti2v):
@@ -369,24 +465,112 @@ def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     assert strip.shape == (1, 3, size, 3 * size) and torch.equal(strip[..., :size], video[:, :, 0])
 
 
+@pytest.mark.slow  # the I2V folder's build; the fast loop's budget
+def test_i2v_conditioning_is_the_pipelines(i2v, tmp_path):
+    """Wan 2.1 I2V: the cached CLIP image tokens are encode_image's of the row's image (hidden_states[-2]), the
+    first image read at the clip's size is video_processor.preprocess's, the condition channels are
+    prepare_latents' (the mask 1 on the first latent frame, [image, zeros] encoded and normalised), and the room's
+    velocity is the transformer on cat([x, condition]) with the image tokens, the CFG pair both with the same."""
+    from data.images import load_pil
+    pipe = pipeline(i2v["model"])
+    rows = i2v["rows"][:1]
+    cond, refs = i2v_cond(i2v, tmp_path, rows)
+    image = load_pil(rows[0]["control"])
+    with torch.no_grad():
+        embeds = pipe.encode_image(image)
+        pixels = pipe.video_processor.preprocess(image, height=SIZE, width=SIZE)
+        x, condition = pipe.prepare_latents(pixels, 1, 4, SIZE, SIZE, FRAMES, torch.float32, torch.device("cpu"))
+    assert embeds.shape == (1, 17, 16) and torch.equal(cond.image, embeds)
+    assert torch.equal(refs[0], pixels) and refs[0].shape == (1, 3, SIZE, SIZE)
+    assert condition.shape == (1, 8, 3, 4, 4) and torch.equal(cond.condition, condition)
+    assert (condition[:, :4, 0] == 1).all() and (condition[:, :4, 1:] == 0).all()
+    sigma = torch.tensor([0.8])
+    with torch.no_grad():
+        ours = cond.velocity(pipe.transformer, 5.0)(wan.pack_latents(x), sigma)
+        c, u = (pipe.transformer(hidden_states=torch.cat([x, condition], dim=1), timestep=sigma * 1000,
+                                 encoder_hidden_states=e, encoder_hidden_states_image=embeds, return_dict=False)[0]
+                for e in (cond.text, cond.negative))
+    torch.testing.assert_close(wan.unpack_latents(ours, cond.size), u + 5.0 * (c - u))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["i2v", "i2v_a14b", "ti2v_i2v"])
+def test_i2v_sampling_loop_is_the_pipelines(kind, request, tmp_path):
+    """The room's I2V teacher velocity (cached text and "", the cached image tokens, the first frame's condition
+    channels, CFG 5) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives
+    WanImageToVideoPipeline's latents at 3 steps: Wan 2.1 I2V, Wan 2.2 I2V-A14B (no CLIP; boundary 0.9: its step
+    at t 999 on transformer, 857 and 600 on transformer_2) and TI2V-5B's image mode (the image's latents as the
+    first latent frame, its tokens at t = 0; its velocity there the one whose x0 is the image's, so the first
+    frame comes out the image's as the pipeline's final (1 - mask) * condition + mask * latents)."""
+    from diffusers import UniPCMultistepScheduler
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from data.images import load_pil
+    from families.wan.experts import Experts
+    i2v = request.getfixturevalue(kind)
+    pipe = pipeline(i2v["model"])
+    row, size, channels = i2v["rows"][1], i2v["settings"]["RESOLUTION"], pipe.vae.config.z_dim
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    theirs = pipe(image=load_pil(row["control"]), height=size, width=size, num_frames=FRAMES, num_inference_steps=3,
+                  generator=torch.Generator().manual_seed(0), output_type="latent",
+                  **i2v_prompt_embeds(pipe, row["prompt"])).frames
+    hook.remove()
+    cond, refs = i2v_cond(i2v, tmp_path, [row])
+    x = randn_tensor((1, channels, *cond.size), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    with torch.no_grad():
+        condition = pipe.prepare_latents(refs[0], 1, channels, size, size, FRAMES, torch.float32,
+                                         torch.device("cpu"))[1]
+    assert torch.equal(cond.condition, condition) and cond.per_token == (kind == "ti2v_i2v")
+    scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(3)
+    model = pipe.transformer
+    assert (cond.image is None) == (kind != "i2v")  # 2.1 I2V alone has CLIP
+    if kind == "i2v_a14b":
+        model = Experts(pipe.transformer, pipe.transformer_2, wan.expert_boundary(i2v["model"]))
+        assert model.boundary == 900.0 and [float(t) for t in scheduler.timesteps] == [999.0, 857.0, 600.0]
+    v = cond.velocity(model, 5.0)
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), cond.size)
+            x = scheduler.step(pred, t, x, return_dict=False)[0]
+    hook.remove()
+    if kind == "ti2v_i2v":  # every x0 keeps the image's first latent frame: x - sigma (x - first) / sigma
+        z, s = wan.pack_latents(x), torch.tensor([0.7])
+        with torch.no_grad():
+            x0 = wan.unpack_latents(z - s * v(z, s), cond.size)
+        torch.testing.assert_close(x0[:, :, :1], condition, rtol=0, atol=1e-6)
+        x = torch.cat([condition, x[:, :, 1:]], dim=2)  # the pipeline's last (1 - mask) * condition + mask * x
+        # the first latent frame's 2 x 2 tokens at t = 0, the others at t: the pipeline's first call, then ours
+        assert (seen[0][0, :4] == 0).all() and (seen[0][0, 4:] == 999).all()
+        for i in range(3):  # the pipeline's calls (cond, uncond) per step, then ours (the pair in one)
+            assert torch.equal(seen[6 + i], torch.cat([seen[2 * i], seen[2 * i + 1]]).float())
+    torch.testing.assert_close(x, theirs, rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
-def dmd_runs(tiny, ti2v, a14b, tmp_path_factory):
+def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
     """DMD2 of the tiny Wan teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
     score on 2 ranks with validation; the tiny TI2V-5B's full generator, 2 steps on one process; the tiny
-    T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2)."""
+    T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2); the tiny
+    I2V's full generator, 2 steps on one process from its first images, and the tiny TI2V-5B's in its image mode."""
     root = tmp_path_factory.mktemp("wan")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v")}
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'a14b_text_cache'}", "--lora_rank=4", "--fake_lora=1", "--max_steps=3",
                  "--save_every=3", "--sample_every=0", "--ema_decay=0.9"]
+    i2v_args = [f"--model_path={i2v['model']}", f"--data_path={i2v['data']}/data.jsonl",
+                f"--text_cache_dir={root / 'i2v_text_cache'}", f"--output_dir={out['i2v']}", "--max_steps=2",
+                "--save_every=0", "--sample_every=2"]
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
     done = launch_all_resuming({
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
@@ -397,7 +581,11 @@ def dmd_runs(tiny, ti2v, a14b, tmp_path_factory):
         "ti2v": job(args=common + ti2v_args + [f"--output_dir={out['ti2v']}", "--max_steps=2", "--save_every=0",
                                                "--sample_every=2", "--sample_count=1"], ranks=1),
         "a14b": job(args=common + a14b_args + [f"--output_dir={out['a14b']}", "--lora_export_merged=1"]),
-        "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1)},
+        "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1),
+        "i2v": job(args=common + i2v_args, ranks=1),
+        "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
+                                                  f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
+                                                  f"--output_dir={out['ti2v_i2v']}"], ranks=1)},
         "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -508,3 +696,54 @@ def test_a14b_dmd_two_ranks_equal_one_and_exports_both_experts(a14b, dmd_runs):
         assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
         assert [n for n, _ in seen] == ["high", "high", "low", "low"]
         assert [t for _, t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_i2v_dmd_export_loads_in_the_pipeline_and_samples_from_the_first_image(i2v, dmd_runs):
+    """DMD2 of the tiny Wan 2.1 I2V from its rows' first images (their CLIP tokens cached beside the text): the full
+    export (the image encoder and processor beside the trained transformer) samples 4 steps in
+    WanImageToVideoPipeline at the trained sigmas, its first frame the image's."""
+    from diffusers import WanImageToVideoPipeline
+
+    from data.images import load_pil
+    out, log = dmd_runs["out"]["i2v"], dmd_runs["logs"]["i2v"]
+    assert "data: 16 rows" in log and "image cache: 16 first images' CLIP tokens, computed 16" in log
+    assert "32x32 px x 3 latent frames (1 shape(s))" in log and (out / "samples" / "step_000002.png").exists()
+    trained = wan.generator_sigmas(i2v["model"], [1.0, 0.75, 0.5, 0.25])
+    pipe = WanImageToVideoPipeline.from_pretrained(str(out / "export"))
+    assert pipe.image_encoder is not None and pipe.transformer.config.in_channels == 12
+    assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                               with_kwargs=True)
+    row = i2v["rows"][0]
+    video = pipe(image=load_pil(row["control"]), height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=4,
+                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np",
+                 **i2v_prompt_embeds(pipe, row["prompt"])).frames
+    assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
+    assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_ti2v_image_mode_dmd_export_samples_from_the_first_image(ti2v_i2v, dmd_runs):
+    """DMD2 of the tiny TI2V-5B in its image mode: the full export loads in WanImageToVideoPipeline
+    (expand_timesteps) and samples 4 steps at the trained sigmas, the first latent frame's tokens at t = 0."""
+    from diffusers import WanImageToVideoPipeline
+
+    from data.images import load_pil
+    out, log = dmd_runs["out"]["ti2v_i2v"], dmd_runs["logs"]["ti2v_i2v"]
+    assert "data: 16 rows" in log and "64x64 px x 3 latent frames" in log and "image cache" not in log
+    trained = wan.generator_sigmas(ti2v_i2v["model"], [1.0, 0.75, 0.5, 0.25])
+    pipe = WanImageToVideoPipeline.from_pretrained(str(out / "export"))
+    assert pipe.config.expand_timesteps and pipe.image_encoder is None
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    row = ti2v_i2v["rows"][0]
+    video = pipe(image=load_pil(row["control"]), height=TI2V_SIZE, width=TI2V_SIZE, num_frames=FRAMES,
+                 num_inference_steps=4, guidance_scale=1.0, generator=torch.Generator().manual_seed(0),
+                 output_type="np", **i2v_prompt_embeds(pipe, row["prompt"])).frames
+    assert np.isfinite(video).all() and video.shape == (1, FRAMES, TI2V_SIZE, TI2V_SIZE, 3)
+    assert all(t.shape == (1, 12) and (t[0, :4] == 0).all() for t in seen)
+    assert [float(t[0, 4]) for t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)

@@ -36,7 +36,7 @@ class Experts(nn.Module):
         return {"transformer": self.transformer, "transformer_2": self.transformer_2}
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs):
-        t = timestep if timestep.ndim == 1 else timestep[:, 0]  # per-token timesteps: each sample's first token
+        t = timestep if timestep.ndim == 1 else timestep.amax(1)  # per-token: each sample's t (a clean first frame: 0)
         high = t >= self.boundary
         need = torch.stack([high.any(), (~high).any()]).int()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -48,13 +48,15 @@ class Experts(nn.Module):
             idx = mine.nonzero().squeeze(1)
             if idx.numel():
                 out = expert(hidden_states=hidden_states[idx], timestep=timestep[idx],
-                             encoder_hidden_states=encoder_hidden_states[idx], return_dict=False, **kwargs)[0]
+                             encoder_hidden_states=encoder_hidden_states[idx], return_dict=False,
+                             **{k: v[idx] if torch.is_tensor(v) else v for k, v in kwargs.items()})[0]
                 parts.append((idx, out))
             else:  # another rank's samples need it: one token's call, its output counted 0 times
                 p = expert.config.patch_size
                 one = expert(hidden_states=hidden_states[:1, :, :p[0], :p[1], :p[2]],
                              timestep=timestep[:1] if timestep.ndim == 1 else timestep[:1, :1],
-                             encoder_hidden_states=encoder_hidden_states[:1], return_dict=False, **kwargs)[0]
+                             encoder_hidden_states=encoder_hidden_states[:1], return_dict=False,
+                             **{k: v[:1] if torch.is_tensor(v) else v for k, v in kwargs.items()})[0]
                 extra = one.sum() * 0 if extra is None else extra + one.sum() * 0
         first = parts[0][1]
         out = first.new_zeros((hidden_states.shape[0], *first.shape[1:]))

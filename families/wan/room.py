@@ -1,8 +1,8 @@
 """The Wan family (WanPipeline: Wan 2.1 T2V-1.3B / 14B, Wan 2.2 TI2V-5B as text to video, Wan 2.2 T2V-A14B's
-two experts), for train_dmd.py's flow setup: its transformer built and sharded through parallel/'s generic recipe
-(one FSDP unit per WanTransformerBlock; A14B: each expert so, experts.py routing each sample), its VAE
-(AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its conditioning, its video tokens
-and the distilled export's scheduler.
+two experts; WanImageToVideoPipeline: Wan 2.1 I2V-14B), for train_dmd.py's flow setup: its transformer built and
+sharded through parallel/'s generic recipe (one FSDP unit per WanTransformerBlock; A14B: each expert so, experts.py
+routing each sample), its VAE (AutoencoderKLWan, 2.1's or TI2V's 2.2, per-channel latents_mean / latents_std), its
+conditioning, its video tokens and the distilled export's scheduler.
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.py):
 - the text: UMT5 through the pipeline's encode_prompt (_get_t5_prompt_embeds: prompt_clean, tokenized to
@@ -21,7 +21,14 @@ Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/wan/pipeline_wan.
   the negative prompt "" (diffusers' default, encode_prompt's `negative_prompt or ""`; Wan's own long negative
   prompt is not used). FastVideo's cond + w (cond - uncond) is w = g - 1;
 - the flow shift is the UniPC scheduler's flow_shift (3.0 for Wan 2.1, 5.0 for TI2V-5B),
-  algorithms/flux_kontext.pipeline_shift.
+  algorithms/flux_kontext.pipeline_shift;
+- image to video (Wan 2.1 I2V, pipeline_wan_i2v.py): each row's first image stretched to the clip's size
+  (video_processor.preprocess), the condition channels prepare_latents builds (first_frame_condition: a 4-channel
+  first-frame mask, then the video [image, zeros...] encoded and normalised) after the noisy latents, and the
+  CLIP image tokens encode_image makes (hidden_states[-2] of the image as given), cached beside the text and
+  passed to both calls of the teacher's CFG pair; Wan 2.2 I2V-A14B: the condition channels on both experts, no
+  CLIP; TI2V-5B's image mode (expand_timesteps): the image alone encoded as the first latent frame, its tokens at
+  t = 0 and their velocity the one whose x0 is the image's (WanCond.velocity).
 
 Tokens: the transformer's own (1, 2, 2) patches in its order (frame, row, column), each patch's channels (c, dy,
 dx) as its patch embedding reads them (pack_latents). Sizes: RESOLUTION is the height (480p, 720p; 0 = 480), the
@@ -32,6 +39,7 @@ width the Wan repos' for it (480 -> 832, 720 and 704 -> 1280; else 16:9), or hei
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -42,7 +50,9 @@ from algorithms.dmd2 import Guidance, cfg_combine
 from algorithms.flux_kontext import pipeline_shift, shift_sigmas
 from core.dist import print0
 from core.errors import ConfigError
-from data.text_cache import fill_text_cache, folder_identity, load_entries
+from data.buckets import references
+from data.images import load_pil
+from data.text_cache import cache_file, fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import scheduler_config
 from families.wan.experts import Experts
@@ -52,7 +62,8 @@ from parallel.lora import Lora
 from precision import dtype_name
 
 NAME = "Wan"  # how the README and docs name the family
-MAX_REFERENCES = 0  # text to video: no reference image
+MAX_REFERENCES = 1  # image to video: the first frame (text to video reads none)
+I2V = "WanImageToVideoPipeline"
 NEGATIVE_PROMPT = ""  # diffusers' default negative prompt (encode_prompt: negative_prompt or "")
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's CFG pairs with
 TEXT_READS_IMAGES = False
@@ -62,11 +73,13 @@ DEFAULT_FRAMES = 81  # NUM_FRAMES 0: the pipeline's default
 GUIDANCE_SCALE = 5.0  # the pipeline's default guidance_scale: the teacher's in DMD2 (REAL_GUIDANCE_SCALE 0)
 MULTIPLE = 16  # height and width without a model: multiples of 2.1's VAE 8 x the patch's 2 (side_multiple)
 TEXT_PARTS = ("text_encoder", "tokenizer")
+IMAGE_PARTS = ("image_encoder", "image_processor")  # 2.1 I2V's CLIP: its image tokens cached beside the text
+I2V_TEXT_LENGTH = 512  # 2.1 I2V's attention takes the image tokens as all but the last 512 of its context
 
 
 def edits(pipeline: str) -> bool:
-    """A text-to-video row is a prompt alone."""
-    return False
+    """An image-to-video row is a first image and a prompt; a text-to-video row a prompt alone."""
+    return pipeline == I2V
 
 
 def vae_config(model_path) -> dict:
@@ -214,11 +227,16 @@ def target_size(size, row, settings) -> tuple[int, int]:
 
 
 def reference_sizes(size, row, settings) -> tuple | None:
-    """No references: text to video."""
-    return None if row is None else ()
+    """Image to video: the first image at the clip's size (the pipeline's video_processor.preprocess(image,
+    height, width) stretches it there); text to video: none."""
+    if row is None:
+        return None
+    return (video_size(settings),) if references(row) else ()
 
 
 def image_loader(settings):
+    """None: the first image stretched to the clip's size (Lanczos, no crop), as the pipeline's
+    video_processor.preprocess reads it."""
     return None
 
 
@@ -247,18 +265,26 @@ def unpack_latents(tokens: torch.Tensor, grid) -> torch.Tensor:
 
 def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
     """The run's attention calls for the start-up kernel check: per shape the transformer's self-attention over
-    its video tokens and cross-attention to the text (MAX_SEQUENCE_LENGTH tokens), and the VAE decoder mid-block's
-    one head over a latent frame (forward only)."""
+    its video tokens and cross-attention to the text (MAX_SEQUENCE_LENGTH tokens; 2.1 I2V: and to its CLIP image
+    tokens), and the VAE decoder mid-block's one head over a latent frame (forward only)."""
     with open(os.path.join(model_path, "transformer", "config.json")) as f:
         t = json.load(f)
     v = vae_config(model_path)
     heads, dim, text = t["num_attention_heads"], t["attention_head_dim"], int(settings["MAX_SEQUENCE_LENGTH"])
+    image = 0
+    if t.get("image_dim"):  # CLIP's patches and its class token
+        with open(os.path.join(model_path, "image_encoder", "config.json")) as f:
+            c = json.load(f)
+        image = (c["image_size"] // c["patch_size"]) ** 2 + 1
     trained, vae = [], []
     for size, _ in dict.fromkeys(shapes):
         grid = latent_grid(size, settings)
         tokens = grid[0] * (grid[1] // 2) * (grid[2] // 2)
         trained += [attention.Shape(f"self-attention at {size[0]}x{size[1]}", batch, tokens, tokens, heads, dim),
                     attention.Shape(f"cross-attention at {size[0]}x{size[1]}", batch, tokens, text, heads, dim)]
+        if image:
+            trained.append(attention.Shape(f"image cross-attention at {size[0]}x{size[1]}", batch, tokens, image,
+                                           heads, dim))
         cells = grid[1] * grid[2]  # the decoder's mid-block attends within one latent frame at a time
         width = (v.get("decoder_base_dim") or v["base_dim"]) * v["dim_mult"][-1]  # TI2V's decoder is wider
         vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch, cells, cells, 1, width,
@@ -298,16 +324,66 @@ def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> 
         return [{"prompt": p, "prompt_embeds": e[:len(ids)].cpu().clone(), "length": length}
                 for p, e, ids in zip(part, embeds, real)]
 
+    sources = {image_key(s): s for s in (first_image(row) for _, row in texts) if s is not None}
+    if sources and has_image_encoder(model_path):  # 2.1 I2V: the same identity names both kinds of entry
+        identity = folder_identity(model_path, TEXT_PARTS + IMAGE_PARTS, length, dtype_name(dtype))
     computed, reused = fill_text_cache({p: p for p, _ in texts}, cache_dir, identity,
                                        lambda: load_text_encoder(model_path, dtype, device), encode)
     print0(f"text cache: {computed + reused} unique prompts, computed {computed}, reused {reused} ({cache_dir}; "
            f"{length} tokens, {dtype_name(dtype)})")
+    if sources and has_image_encoder(model_path):
+        def encode_images(pipe, part):  # one at a time, as the pipeline encodes its one image
+            return [{"image_embeds": pipe.encode_image(load_pil(s), device)[0].cpu().clone()} for s in part]
+        computed, reused = fill_text_cache(sources, cache_dir, identity,
+                                           lambda: load_image_encoder(model_path, dtype, device), encode_images)
+        print0(f"image cache: {computed + reused} first images' CLIP tokens, computed {computed}, reused {reused}")
     return identity
+
+
+def has_image_encoder(model_path) -> bool:
+    """Whether the folder holds 2.1 I2V's CLIP image encoder (2.2's image to video has none)."""
+    with open(os.path.join(model_path, "model_index.json")) as f:
+        return json.load(f).get("image_encoder") not in (None, [None, None])
+
+
+def load_image_encoder(model_path, dtype, device):
+    """A WanImageToVideoPipeline holding only its CLIP image encoder and image processor: its encode_image is the
+    pipeline's (the processor's 224 px crop of the image as given, the encoder's hidden_states[-2])."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+    encoder = CLIPVisionModelWithProjection.from_pretrained(os.path.join(model_path, "image_encoder"), dtype=dtype)
+    processor = CLIPImageProcessor.from_pretrained(os.path.join(model_path, "image_processor"))
+    return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None,
+                                   image_processor=processor, image_encoder=encoder.to(device).eval())
+
+
+def first_image(row):
+    """A row's first image (image to video), None for a prompt alone."""
+    refs = references(row) if row else []
+    return refs[0] if refs else None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def image_key(source) -> str:
+    """The cache key of a first image's CLIP tokens: its bytes (a file's, else its pixels')."""
+    if isinstance(source, str):
+        return "first image\n" + _file_hash(source)
+    import numpy as np
+    return "first image\n" + hashlib.sha256(np.asarray(load_pil(source)).tobytes()).hexdigest()
 
 
 def load_text(texts, cache_dir, identity, device):
     """(B, L, D) embeddings of the pairs' prompts, zero-padded to the length they were encoded at: the tensor
-    encode_prompt returns."""
+    encode_prompt returns; with 2.1 I2V's first images (rows with one, where the cache holds their CLIP tokens),
+    (that, (B, 257, 1280) encode_image's image tokens)."""
     if not texts:
         return None
     entries = load_entries([p for p, _ in texts], cache_dir, identity)
@@ -315,7 +391,11 @@ def load_text(texts, cache_dir, identity, device):
     out = torch.zeros(len(entries), int(entries[0]["length"]), e0.shape[1], dtype=e0.dtype)
     for i, e in enumerate(entries):
         out[i, :e["prompt_embeds"].shape[0]] = e["prompt_embeds"]
-    return out.to(device)
+    sources = [first_image(row) for _, row in texts]
+    if any(s is None for s in sources) or not os.path.exists(cache_file(cache_dir, identity, image_key(sources[0]))):
+        return out.to(device)
+    images = load_entries([image_key(s) for s in sources], cache_dir, identity)
+    return out.to(device), torch.stack([e["image_embeds"] for e in images]).to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,39 +405,90 @@ def load_text(texts, cache_dir, identity, device):
 @dataclass
 class WanCond:
     """One micro-batch's conditioning, shared by generator, teacher and fake score: its text and the negative
-    prompt's (the teacher's CFG pair), the latent grid its tokens unpack to, and how the timestep is passed."""
+    prompt's (the teacher's CFG pair), the latent grid its tokens unpack to, how the timestep is passed and, for
+    image to video, the first frame's condition channels and 2.1's CLIP image tokens (both calls of a CFG pair
+    read the same ones, as the pipeline's)."""
     text: torch.Tensor  # (B, L, D) UMT5 embeddings, zero-padded as encode_prompt pads them
     negative: torch.Tensor | None  # (B, L, D) of NEGATIVE_PROMPT, for the teacher's CFG; None: no pair
     size: tuple[int, int, int]  # the latent grid (T, h, w)
     per_token: bool = False  # TI2V-5B's expand_timesteps: the timestep (B, tokens), else (B,)
+    # I2V: (B, 4 + C, T, h, w) the first-frame mask and latents; TI2V-5B's image mode (per_token): (B, C, 1, h, w)
+    # the first frame's latents, which stand in for the first latent frame at t = 0
+    condition: torch.Tensor | None = None
+    image: torch.Tensor | None = None  # (B, 257, 1280) 2.1 I2V's CLIP image tokens
 
     def velocity(self, model, guidance: float, norm: str = "none"):
         """v(x_sigma, sigma) of `model`: the tokens (B, N, 4C) unpacked to (B, C, T, h, w), the transformer called
         as the pipeline calls it (timestep sigma * 1000, per sample or per token, the text), the prediction packed
         back. guidance > 1 (the teacher): CFG uncond + g (cond - uncond), the pair as one batch of 2B, rescaled by
-        `norm`."""
+        `norm`. TI2V-5B's image mode: the first latent frame's tokens are the image's at t = 0 (the pipeline's
+        (1 - mask) * condition + mask * latents and mask * t), and their velocity is the one whose x0 is the image's
+        latents, (x - first) / sigma, so every model's x0 keeps the first frame clean."""
         pair = guidance > 1 and self.negative is not None
+        first = self.condition if self.per_token else None
 
         def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             b = x.shape[0]
             latents = unpack_latents(x, self.size)
-            timestep = (torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b) * 1000).float()
+            if first is not None:
+                latents = torch.cat([first.to(latents.dtype), latents[:, :, 1:]], dim=2)
+            elif self.condition is not None:  # the pipeline's torch.cat([latents, condition], dim=1)
+                latents = torch.cat([latents, self.condition.to(latents.dtype)], dim=1)
+            sigma = torch.as_tensor(sigma, device=x.device).reshape(-1).expand(b)
+            timestep = (sigma * 1000).float()
             if self.per_token:  # every token at its sample's t, in the tokens' order (the pipeline's mask * t)
                 timestep = timestep[:, None].expand(b, x.shape[1])
+                if first is not None:
+                    mask = torch.ones(x.shape[1], device=x.device)
+                    mask[:first.shape[-1] * first.shape[-2] // 4] = 0
+                    timestep = timestep * mask
+            image = {} if self.image is None else {"encoder_hidden_states_image": self.image}
             if pair:
+                image = {k: torch.cat([i, i]) for k, i in image.items()}
                 out = model(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([timestep, timestep]),
-                            encoder_hidden_states=torch.cat([self.text, self.negative]), return_dict=False)[0]
+                            encoder_hidden_states=torch.cat([self.text, self.negative]), return_dict=False,
+                            **image)[0]
                 out = pack_latents(out).float()
-                return cfg_combine(out[:b], out[b:], guidance, norm)
-            out = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.text,
-                        return_dict=False)[0]
-            return pack_latents(out).float()
+                out = cfg_combine(out[:b], out[b:], guidance, norm)
+            else:
+                out = pack_latents(model(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.text,
+                                         return_dict=False, **image)[0]).float()
+            if first is None:
+                return out
+            tokens = pack_latents(first.float())
+            n = tokens.shape[1]
+            kept = (x[:, :n].float() - tokens) / sigma.float().view(b, 1, 1)
+            return torch.cat([kept, out[:, n:]], dim=1)
         return v
 
 
 def dmd_cond(text, negative, vae, references: list, size) -> WanCond:
-    """WanCond of a micro-batch: `size` the latent grid (latent_grid); per-token timesteps with TI2V's VAE."""
-    return WanCond(text, negative, tuple(size), expands_timesteps(vae))
+    """WanCond of a micro-batch: `size` the latent grid (latent_grid); per-token timesteps with TI2V's VAE; with
+    image to video's first images (B, 3, H, W) their condition channels (first_frame_condition; TI2V-5B: the image
+    alone encoded, its first latent frame), and the CLIP image tokens load_text gave beside the text (the
+    negative's are the same images')."""
+    text, image = text if isinstance(text, tuple) else (text, None)
+    negative = negative[0] if isinstance(negative, tuple) else negative
+    condition = None
+    if references and expands_timesteps(vae):  # TI2V-5B: the image alone encoded (prepare_latents' expand path)
+        condition = encode_latents(vae, references[0][:, :, None])
+    elif references:
+        condition = first_frame_condition(vae, references[0], size)
+    return WanCond(text, negative, tuple(size), expands_timesteps(vae), condition, image)
+
+
+def first_frame_condition(vae, image: torch.Tensor, grid) -> torch.Tensor:
+    """2.1 I2V's condition channels as the pipeline's prepare_latents builds them: the video [first image,
+    zeros...] of the clip's frames encoded (the posterior's mode, normalised), after a 4-channel mask that is 1 on
+    the first latent frame (its 4 frames: the image) and 0 after. (B, 4 + C, T, h, w) fp32."""
+    t, h, w = grid
+    step = vae.config.scale_factor_temporal
+    b = image.shape[0]
+    video = torch.cat([image[:, :, None], image.new_zeros(b, 3, (t - 1) * step, *image.shape[-2:])], dim=2)
+    latents = encode_latents(vae, video)
+    mask = torch.zeros(b, step, t, h, w, device=latents.device, dtype=latents.dtype)
+    mask[:, :, 0] = 1
+    return torch.cat([mask, latents], dim=1)
 
 
 def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
@@ -395,27 +526,45 @@ def check_sizes(settings) -> None:
 
 def check_model(pipeline, model_path) -> None:
     """The Wan teachers this room distils: WanPipeline's text to video (Wan 2.1 1.3B, 14B; Wan 2.2 TI2V-5B, whose
-    per-token timesteps come with its 2.2 VAE; Wan 2.2 T2V-A14B's two experts); image to video, which the
-    pipeline samples differently, refused in one line (the planner plans all six built-ins)."""
+    per-token timesteps come with its 2.2 VAE; Wan 2.2 T2V-A14B's two experts) and WanImageToVideoPipeline's Wan
+    2.1 I2V-14B (36 input channels, CLIP image tokens), Wan 2.2 I2V-A14B (36 input channels, two experts, no
+    CLIP) and TI2V-5B's image mode (expand_timesteps: its 48 channels); what else a folder holds is refused in one
+    line (the planner plans all six built-ins)."""
     with open(os.path.join(model_path, "model_index.json")) as f:
         index = json.load(f)
     expand, residual = bool(index.get("expand_timesteps")), bool(vae_config(model_path).get("is_residual"))
-    why = ("image to video (the first-frame mask and latents, 2.1's CLIP image tokens) is not built yet"
-           if pipeline == "WanImageToVideoPipeline" else
-           "transformer_2 and boundary_ratio come together (Wan 2.2 A14B's two experts)"
-           if (index.get("transformer_2") in (None, [None, None])) != (index.get("boundary_ratio") is None) else
+    experts = index.get("transformer_2") not in (None, [None, None])
+    why = ("transformer_2 and boundary_ratio come together (Wan 2.2 A14B's two experts)"
+           if experts != (index.get("boundary_ratio") is not None) else
            f"expand_timesteps={expand} with {'the 2.2' if residual else 'a 2.1'} VAE (is_residual={residual}): "
            "only TI2V-5B's per-token timesteps with its 2.2 VAE are known" if expand != residual else "")
+    if pipeline == I2V and not why:
+        with open(os.path.join(model_path, "transformer", "config.json")) as f:
+            config = json.load(f)
+        channels, z = config.get("in_channels"), vae_config(model_path).get("z_dim", 16)
+        clip = (bool(config.get("image_dim")), has_image_encoder(model_path))
+        why = (f"the transformer takes {channels} input channels, not TI2V-5B's {z} (its first frame in the latents)"
+               if expand and channels != z else
+               f"the transformer takes {channels} input channels, not 2 x {z} + 4 (the noisy latents, the "
+               "first-frame mask, the first frame's latents)" if not expand and channels != 2 * z + 4 else
+               f"the transformer's image_dim and the image_encoder come together (image_dim "
+               f"{config.get('image_dim')}, image_encoder {'present' if clip[1] else 'absent'})"
+               if clip[0] != clip[1] else "")
     if why:
-        raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V, Wan 2.2 TI2V-5B "
-                          "(text to video) and T2V-A14B distil today")
+        raise ConfigError(f"MODEL_PATH={model_path}: a {pipeline} teacher: {why}; Wan 2.1 T2V and I2V, Wan 2.2 "
+                          "TI2V-5B (text and image to video), T2V-A14B and I2V-A14B distil today")
 
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
     """What a Wan teacher refuses, in one line before any work."""
     check_model(pipeline, settings["MODEL_PATH"])
     check_sizes(settings)
+    i2v = pipeline == I2V
     refused = [
+        ("DATA_PATH", i2v and data_kind == "txt", "a .txt holds prompts alone; image to video reads a first image "
+         "per row (a .jsonl with \"control\" and \"prompt\", or the folder layout)"),
+        ("MAX_SEQUENCE_LENGTH", i2v and int(settings["MAX_SEQUENCE_LENGTH"]) != I2V_TEXT_LENGTH,
+         f"2.1 I2V's attention reads all but the last {I2V_TEXT_LENGTH} context tokens as the image's"),
         ("USE_GAN", settings.get("USE_GAN"), "the GAN's real videos are not read yet; distil without it"),
         ("FLUX_GUIDANCE", "FLUX_GUIDANCE" in changed, "Wan has no guidance embedding; its teacher's guidance is "
          "CFG (REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM)"),
@@ -424,14 +573,14 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
         ("CONDITIONING_TIMESTEP", settings.get("CONDITIONING_TIMESTEP") != 999,
          "WanPipeline's first step is pure noise (999)"),
     ]
-    refused += [(name, name in changed, "Wan reads no reference image") for name in ("REFERENCE_AREA",
-                                                                                     "CONDITION_AREA")]
+    refused += [(name, name in changed, "its first image is read at the clip's size" if i2v else
+                 "Wan reads no reference image") for name in ("REFERENCE_AREA", "CONDITION_AREA")]
     if expert_boundary(settings["MODEL_PATH"]) is not None:  # one LoRA file adapts one expert
         refused += [(name, bool(settings.get(name)), "A14B's two experts take two LoRA files, which it does not "
                      "read yet") for name in ("TEACHER_LORA", "GENERATOR_LORA")]
     for name, hit, why in refused:
         if hit:
-            raise ConfigError(f"{name}={settings[name]} with a {pipeline} teacher: {why}")
+            raise ConfigError(f"{name}={settings.get(name)} with a {pipeline} teacher: {why}")
     try:
         steps = [int(t) for t in settings.get("DENOISING_STEPS") or []]
     except ValueError:  # train_dmd.py's own check says what it expects

@@ -1,6 +1,6 @@
 """The Wan family's spec: WanPipeline (Wan 2.1 text to video, Wan 2.2 TI2V-5B as text to video, Wan 2.2
-T2V-A14B), distilled by train_dmd.py; the planner plans the six built-ins (plan_spec.py), the trainer refuses in
-one line what its room does not take yet."""
+T2V-A14B) and WanImageToVideoPipeline (Wan 2.1 I2V), distilled by train_dmd.py; the planner plans the six
+built-ins (plan_spec.py), the trainer refuses in one line what its room does not take yet."""
 from __future__ import annotations
 
 
@@ -33,6 +33,7 @@ SPEC = FamilySpec(
     default_resolution=room.DEFAULT_RESOLUTION,
     check_context_parallel=None,  # train_dmd.py takes no context parallelism yet
     tiny={"wan_t2v": tiny.build_wan_t2v, "wan_ti2v": tiny.build_wan_ti2v,  # tools/tiny_models.BUILDERS
-          "wan_a14b": tiny.build_wan_a14b},
+          "wan_a14b": tiny.build_wan_a14b, "wan_i2v": tiny.build_wan_i2v,
+          "wan_i2v_a14b": tiny.build_wan_i2v_a14b, "wan_ti2v_i2v": tiny.build_wan_ti2v_i2v},
     models=parallelism.MODELS,
     **{**plan_spec.PLAN, "example_inputs": example_inputs})  # the planner's fields: six built-ins, 81 frames
