@@ -5,6 +5,8 @@ centre-cropped, saved as PNG grids.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 
@@ -82,6 +84,23 @@ def pil_tensor(im) -> torch.Tensor:
     (H, W, C) memory order, as their output is laid out."""
     import numpy as np
     return torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def image_digest(source) -> str:
+    """An image's sha256, a text cache's key part: a file's bytes (read once per path), else its pixels'."""
+    if isinstance(source, str):
+        return _file_digest(source)
+    import numpy as np
+    return hashlib.sha256(np.asarray(load_pil(source)).tobytes()).hexdigest()
 
 
 def load_pil(source, mirror: bool = False):

@@ -55,7 +55,8 @@ def batch(seed=0) -> dict:
 
 
 def by_hand(x, sigma, noise, first, second):
-    """((x − x̂0_first) − (x − x̂0_second)) / mean_sample |x − x̂0_first|, x̂0 = x_σ − σ v(x_σ), in float64."""
+    """((x − x̂0_first) − (x − x̂0_second)) / mean_sample |x − x̂0_first|, x̂0 = x_σ − σ v(x_σ), in
+    float64."""
     s = sigma.reshape(-1, 1, 1)
     x_s = (1 - s) * x + s * noise
     p1, p2 = x - (x_s - s * first(x_s, sigma)), x - (x_s - s * second(x_s, sigma))

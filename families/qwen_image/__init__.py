@@ -2,4 +2,4 @@
 exposes (`from families import qwen_image; qwen_image.load_processor(...)`).
 """
 from families.qwen_image.room import *  # noqa: F401,F403 - the room's names, the package's interface
-from families.qwen_image.room import _file_hash, _image_hash, _mean_std, _pair  # noqa: F401
+from families.qwen_image.room import _mean_std, _pair  # noqa: F401

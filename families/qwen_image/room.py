@@ -17,8 +17,6 @@ Conditioning is the pipeline's own (diffusers 0.42.1 pipeline_qwenimage_edit_plu
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,7 +27,7 @@ from algorithms import flux_kontext as km
 from algorithms.dmd2 import Guidance, cfg_combine
 from core.dist import print0
 from core.errors import ConfigError
-from data.images import image_size, load_pil
+from data.images import image_digest, image_size, load_pil
 from data.references import PIPELINE_MULTIPLE, VAE_REFERENCE_AREA, VL_REFERENCE_AREA, reference_size
 from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
@@ -174,26 +172,10 @@ def controls(row) -> list:
     return row["control"] if isinstance(row["control"], list) else [row["control"]]
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _file_hash(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _image_hash(source) -> str:
-    if isinstance(source, str):
-        return _file_hash(source)
-    import numpy as np
-    return hashlib.sha256(np.asarray(load_pil(source)).tobytes()).hexdigest()
-
-
 def text_key(prompt, row) -> str:
     """The cache key of a prompt read with its row's reference images: their bytes are part of it, and
     whether they are read mirrored (a RANDOM_FLIP step's row has "mirror")."""
-    return "\n".join([prompt, *(_image_hash(c) for c in controls(row))] + (["mirrored"] if row.get("mirror") else []))
+    return "\n".join([prompt, *(image_digest(c) for c in controls(row))] + (["mirrored"] if row.get("mirror") else []))
 
 
 def load_processor(folder):

@@ -39,7 +39,6 @@ width the Wan repos' for it (480 -> 832, 720 and 704 -> 1280; else 16:9), or hei
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from algorithms.flux_kontext import pipeline_shift, shift_sigmas
 from core.dist import print0
 from core.errors import ConfigError
 from data.buckets import references
-from data.images import load_pil
+from data.images import image_digest, load_pil
 from data.text_cache import cache_file, fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import scheduler_config
@@ -363,21 +362,9 @@ def first_image(row):
     return refs[0] if refs else None
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _file_hash(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def image_key(source) -> str:
     """The cache key of a first image's CLIP tokens: its bytes (a file's, else its pixels')."""
-    if isinstance(source, str):
-        return "first image\n" + _file_hash(source)
-    import numpy as np
-    return "first image\n" + hashlib.sha256(np.asarray(load_pil(source)).tobytes()).hexdigest()
+    return "first image\n" + image_digest(source)
 
 
 def load_text(texts, cache_dir, identity, device):
