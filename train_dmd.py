@@ -79,6 +79,7 @@ from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel import float8, lora_merge
+from parallel.context_parallel import check_diffusers_supports_it, split_sequences
 from parallel.loading import check_same_tensors, tensor_shapes
 from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
@@ -175,6 +176,7 @@ EXPORT_SYMLINKS = False  # the export's frozen parts: hard-linked (copied across
 PARALLELISM = "fsdp"  # fsdp (sharded, FSDP2) | ddp (full replica per rank, DistributedDataParallel; DMD2: no GAN head)
 BLOCK_CLASSES = []  # FSDP units; [] = the model's recipe (parallel/parallelize.py)
 DP_REPLICATE = 1  # > 1: HSDP, shard within groups of WORLD_SIZE / DP_REPLICATE ranks, replicate across
+CONTEXT_PARALLEL = 1  # flow teachers whose family has it (Wan, FLUX): ranks splitting each sample's tokens (Ulysses)
 RESHARD_AFTER_FORWARD = "auto"  # 1: free gathered params after each forward (ZeRO-3); 0: keep them; auto: see docs
 CPU_OFFLOAD = False  # keep sharded params, grads and optimizer state in host memory
 ACTIVATION_CHECKPOINTING = False  # recompute each unit in backward instead of storing its activations
@@ -280,6 +282,8 @@ def validate_config() -> list[int]:
                           + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
                              f"(a {pipeline} teacher's guidance is FLUX_GUIDANCE)"))
     check_dmd_loss(room, pipeline)
+    if CONTEXT_PARALLEL != 1:
+        check_context_parallel(room, pipeline)
     if GENERATOR_LORA and (room is unet or not LORA_RANK or INIT_FROM):
         raise ConfigError(f"GENERATOR_LORA={GENERATOR_LORA} " + (
             "with a UNet teacher: GENERATOR_INIT starts its generator" if room is unet else
@@ -301,6 +305,23 @@ def validate_config() -> list[int]:
         raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
                           "the first step must be the conditioning timestep (pure noise in)")
     return steps
+
+
+def check_context_parallel(room, pipeline: str) -> None:
+    """CONTEXT_PARALLEL > 1, before any work: the mesh divides the world, the family splits its tokens (its spec's
+    check_context_parallel; the token counts are checked once the data's shapes are known), and nothing reads
+    a model's tokens but its output: the GAN head reads the fake score's token features, which CP splits."""
+    fsdp_utils.check_context_parallel(CONTEXT_PARALLEL, DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
+    teacher = f"a {pipeline or 'SD-1.5'} teacher"
+    refused = [(teacher, room is unet, "a UNet's convolutions need the whole image"),
+               (teacher, room is not unet and families.spec_of(pipeline).check_context_parallel is None,
+                "its family takes no context parallelism"),
+               ("USE_GAN=1", USE_GAN, "the GAN head reads the fake score's token features, which it splits"),
+               (f"FP8={FP8}", FP8, "float8 training is built and tested on FSDP2 alone")]
+    for name, bad, why in refused:
+        if bad:
+            raise ConfigError(f"CONTEXT_PARALLEL={CONTEXT_PARALLEL} with {name}: {why}")
+    check_diffusers_supports_it(pipelines.trained_component(pipeline).class_name)
 
 
 def check_dmd_loss(room, pipeline: str) -> None:
@@ -485,7 +506,10 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
     train_gen, train_fake, guidance = trained
     opt_g, opt_d = optimizers
     sched_g, sched_d = schedulers
-    global_batch = BATCH_SIZE * d.world_size * GRAD_ACCUM
+    global_batch = BATCH_SIZE * d.world_size // CONTEXT_PARALLEL * GRAD_ACCUM  # a CP group's ranks share samples
+    # CONTEXT_PARALLEL = C: each rank of a CP group computes the whole loss, its grads hold its tokens' share, and
+    # FSDP averages over all dp x cp ranks: x C (parallel/context_parallel.py)
+    scale = CONTEXT_PARALLEL / GRAD_ACCUM
     with Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
         for step in range(start + 1, MAX_STEPS + 1):
             it = step - 1
@@ -505,7 +529,7 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                                 x = steps.images(train_gen, mb, index)
                             if gen_turn:
                                 loss, parts = steps.generator_loss(x, mb, train_fake)
-                                (loss / GRAD_ACCUM).backward()
+                                (loss * scale).backward()
                                 add_logs(logs, parts, 1 / GRAD_ACCUM)
                         images.append(x.detach())
                     if gen_turn:
@@ -516,7 +540,7 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                     for m, (mb, x) in enumerate(zip(batches, images)):
                         with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd, bwd
                             loss, parts = steps.guidance_loss(x, mb, train_fake)
-                            (loss / GRAD_ACCUM).backward()
+                            (loss * scale).backward()
                         add_logs(logs, parts, 1 / GRAD_ACCUM)
             updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
             updates.append((list(guidance.parameters()), opt_d, "guidance"))
@@ -668,13 +692,14 @@ def unet_inputs(final_weights, *, d, encode, sdxl, vae, teacher, head, alphas, r
 
 
 def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=None) -> tuple:
-    """(mesh, generator, fake score, teacher, EMA or None, the fake's compute dtype, the teacher's dtype):
+    """(mesh, CP mesh or None, generator, fake score, teacher, EMA or None, the fake's compute dtype, the teacher's
+    dtype):
     the three transformers of a flow-matching teacher built by its room, in this order: generator and
     fake score trainable (LoRA or full), the teacher frozen (NF4 with an NF4 LoRA base), the EMA sharded
     as the generator. With `base_lora` (TEACHER_LORA's adapters) all three load base + it (merged in fp32 as
     they load, before NF4): the fine-tune is the teacher and where both students start."""
     d = run.d
-    mesh, _, sharding = trainer.mesh_and_sharding(run)
+    mesh, cp_mesh, sharding = trainer.mesh_and_sharding(run, CONTEXT_PARALLEL)
     nf4 = BASE_DTYPE == "nf4" and bool(run.lora)
     fake_compute = torch.float32 if FAKE_SCORE_FP32 else prec.compute_dtype
     teacher_dtype = prec.frozen_dtype(TEACHER_DTYPE)
@@ -695,7 +720,7 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=N
     ema = ema_lib.build_ema(generator, EMA_DECAY, functools.partial(build, load=False, lora=run.lora, seed=SEED,
                                                                     base_dtype=BASE_DTYPE if run.lora else "",
                                                                     sharding=sharding.never_backward()))
-    return mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype
+    return mesh, cp_mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype
 
 
 def flow_models(generator, fake, ema, mesh, side: int, prec: Precision, device: torch.device) -> tuple:
@@ -779,8 +804,11 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     # the student's σ: DENOISING_STEPS' (t + 1) / 1000, or the list a video room's export scheduler makes itself
     sigmas = getattr(room, "generator_sigmas", lambda _, s: s)(MODEL_PATH, flow_dm.timestep_sigmas(timesteps))
     data = flow_data(room, settings)
-    trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, data.shapes, BATCH_SIZE, 1),
-                            prec.compute_dtype)
+    if CONTEXT_PARALLEL > 1:  # every shape a forward sees splits evenly, before any model is built
+        room.check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, settings,
+                                    data.shapes + data.sample_shapes + data.val_shapes)
+    trainer.check_attention(run, *room.edit_attention_shapes(MODEL_PATH, settings, data.shapes, BATCH_SIZE,
+                                                             CONTEXT_PARALLEL), prec.compute_dtype)
 
     # the text cache (the encoders loaded only where entries are missing, then freed), before the models
     cache_dir = TEXT_CACHE_DIR or run.output("text_cache")
@@ -797,8 +825,9 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     factor = room.vae_factor(MODEL_PATH)
     # read once (the builds and the export); another tool's key form through the pipeline's lora_state_dict
     base_lora = lora_merge.read_lora(TEACHER_LORA, pipeline=run.pipeline) if TEACHER_LORA else None
-    mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(run, room, prec,
-                                                                                               base_lora)
+    mesh, cp_mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(
+        run, room, prec, base_lora)
+    dp = split_sequences((generator, fake, teacher, ema), cp_mesh, CONTEXT_PARALLEL, d.world_size)
     models, head, guidance = flow_models(generator, fake, ema, mesh, min(data.shapes[0][0]) // factor, prec,
                                          d.device)
     vae_dtype = parse_dtype(VAE_DTYPE) if VAE_DTYPE else prec.compute_dtype
@@ -813,7 +842,7 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     frames = f" x {grid((h, w))[0]} latent frames" if len(grid((h, w))) > 2 else ""  # a video room's
     caption = (f"{h}x{w} px{frames} ({len(data.shapes)} shape(s)), {tokens[0]} target"
                + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, " + guide.words())
-    inputs = functools.partial(flow_inputs, room=room, d=d, vae=vae, teacher=teacher, head=head, data=data,
+    inputs = functools.partial(flow_inputs, room=room, d=d, dp=dp, vae=vae, teacher=teacher, head=head, data=data,
                                sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, grid=grid,
                                channels=room.latent_channels(vae), edits=data.edits)
     index = room.distilled_index(MODEL_PATH)
@@ -824,16 +853,17 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
 
 
 def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, negative: str | None,
-                   d: fsdp_utils.Dist) -> dict:
+                   dp: tuple[int, int]) -> dict:
     """Host side of iteration `it` on this rank (the Prefetcher runs it a step ahead): the step's shape
     and, per micro-batch, this rank's positions in the global batch, the cached text of its prompts
     (the family's unconditional one where CAPTION_DROPOUT drops one; `negative`'s for the teacher's CFG
     pair), its reference images and, with USE_GAN, its targets, on CPU."""
     shape = data.shapes[data.schedule[it][0]]
-    indices = step_indices(it, data.members, data.schedule, BATCH_SIZE * d.world_size * GRAD_ACCUM, SEED)
+    dp_rank, dp_size = dp  # the ranks of a CP group read the same samples
+    indices = step_indices(it, data.members, data.schedule, BATCH_SIZE * dp_size * GRAD_ACCUM, SEED)
     cpu, batches = torch.device("cpu"), []
     for m in range(GRAD_ACCUM):
-        mine = micro_batch_positions(m, BATCH_SIZE * d.world_size, d.rank, d.world_size)
+        mine = micro_batch_positions(m, BATCH_SIZE * dp_size, dp_rank, dp_size)
         picked = [data.rows[indices[i]] for i in mine]
         prompts = drop_captions([r["prompt"] for r in picked], SEED, it, mine, CAPTION_DROPOUT,
                                 room.UNCONDITIONAL_PROMPT)
@@ -845,7 +875,7 @@ def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: s
     return {"shape": shape, "batches": batches}
 
 
-def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity,
+def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowData, sigmas, cache_dir, identity,
                 guide: dm.Guidance, grid, channels, edits) -> tuple[StepFns, Callable, Callable, Callable | None]:
     """A flow teacher's step: fixed sample inputs (per sample shape, in order of first appearance: its
     rows' text and references, noise of the whole σ list), batches (cached text, packed references
@@ -904,7 +934,7 @@ def flow_inputs(final_weights, *, room, d, vae, teacher, head, data: FlowData, s
         generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, guidance, losses),
         guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, guidance, losses))
     load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity,
-                             negative=guide.negative, d=d)
+                             negative=guide.negative, dp=dp)
     return steps, load, sample, validator
 
 

@@ -78,7 +78,7 @@ from data.text_cache import cache_file, fill_in_rounds, save_atomic  # noqa: F40
 import families
 from families.flux import encoder_identity  # noqa: F401 - the FLUX text cache's key, read by tests
 from parallel import ema as ema_lib
-from parallel.context_parallel import check_diffusers_supports_it, enable_context_parallel
+from parallel.context_parallel import check_diffusers_supports_it, split_sequences
 from parallel import attention, float8
 
 # ----------------------------------------------------------------------------------------------
@@ -306,19 +306,6 @@ def build_models(room, model_path, prec, mesh, device, *, sharding, block_classe
     vae = room.load_vae(os.path.join(model_path, "vae"), vae_dtype, device)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_path, subfolder="scheduler")
     return transformer, ema, vae, scheduler
-
-
-def split_sequences(models, cp_mesh, world) -> tuple[int, int]:
-    """CONTEXT_PARALLEL > 1: every forward of `models` (training, validation, samples) splits its sequence over
-    its CP group. Returns this rank's (data-parallel rank, data-parallel size)."""
-    for model in models if cp_mesh is not None else ():
-        if isinstance(model, torch.nn.Module) and not isinstance(model, ema_lib.AdapterEMA):
-            enable_context_parallel(model, cp_mesh)
-    dp_rank, dp_size = fsdp_utils.data_parallel_rank(CONTEXT_PARALLEL)
-    if CONTEXT_PARALLEL > 1:
-        print0(f"context parallel: {dp_size} data-parallel group(s) of {CONTEXT_PARALLEL} ranks; each group splits "
-               f"its samples' sequence {CONTEXT_PARALLEL} ways (Ulysses attention); FSDP shards over all {world} ranks")
-    return dp_rank, dp_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -602,7 +589,7 @@ def main():
                                                     block_classes=BLOCK_CLASSES, ema_decay=EMA_DECAY,
                                                     vae_dtype=prec.frozen_dtype(VAE_DTYPE), lora=run.lora, seed=SEED,
                                                     base_dtype=BASE_DTYPE, attention_backend=ATTENTION_BACKEND, fp8=FP8)
-    dp_rank, dp_size = split_sequences((transformer, ema), cp_mesh, d.world_size)
+    dp_rank, dp_size = split_sequences((transformer, ema), cp_mesh, CONTEXT_PARALLEL, d.world_size)
     train_model = transformer if mesh is not None else fsdp_utils.apply_ddp(transformer, d.device)
     watch_model_flops(run, [transformer], vae)  # MFU: the transformer's FLOPs; the VAE's apart
 

@@ -11,7 +11,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import fsdp_utils
+from core.dist import print0
 from core.errors import ConfigError
+from parallel.ema import AdapterEMA
 
 
 def check_diffusers_supports_it(model_class: str = "FluxTransformer2DModel") -> None:
@@ -77,3 +80,23 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     finally:
         diffusers_logging.set_verbosity(level)
 
+
+
+def split_sequences(models, cp_mesh: DeviceMesh | None, context_parallel: int, world: int) -> tuple[int, int]:
+    """CONTEXT_PARALLEL = C > 1: every forward of `models` (training, validation, samples) splits its sequence over
+    its CP group (a model holding several pipeline parts, Wan 2.2 A14B's experts: each part, and it records C for
+    its own calls); None entries and a LoRA EMA (adapter tensors, no forward) are passed over. Returns this rank's
+    (data-parallel rank, data-parallel size): the ranks of a CP group read the same samples."""
+    for model in models if cp_mesh is not None else ():
+        if model is None or isinstance(model, AdapterEMA):
+            continue
+        parts = model.pipeline_parts().values() if hasattr(model, "pipeline_parts") else (model,)
+        for part in parts:
+            enable_context_parallel(part, cp_mesh)
+        if hasattr(model, "context_parallel"):
+            model.context_parallel = context_parallel
+    dp_rank, dp_size = fsdp_utils.data_parallel_rank(context_parallel)
+    if context_parallel > 1:
+        print0(f"context parallel: {dp_size} data-parallel group(s) of {context_parallel} ranks; each group splits "
+               f"its samples' sequence {context_parallel} ways (Ulysses attention); FSDP shards over all {world} ranks")
+    return dp_rank, dp_size

@@ -152,8 +152,7 @@ def test_cli_prints_no_import_noise_before_its_plan():
     assert not [line for line in err.splitlines() if any(n in line for n in noise)], err
     assert runs[1].returncode == 1 and cp_out == ""
     assert cp_err.strip().splitlines() == [
-        "plan: --context_parallel=2: context parallelism is train_flux_kontext.py's; sd15-dmd is "
-        "planned for train_dmd.py, which has none"]
+        "plan: --context_parallel=2: sd15-dmd (sd15): its family takes no context parallelism"]
 
 
 
@@ -1216,8 +1215,8 @@ def _qwen_dmd_builds(folder) -> dict:
             setattr(train_dmd, k, v)
         run = SimpleNamespace(d=SimpleNamespace(device=torch.device("cpu")), config=config,
                               lora=lora.Lora(planner["lora_rank"], planner["lora_alpha"]))
-        _, generator, fake, teacher, ema, _, _ = train_dmd.build_flow_transformers(run, qwen_image,
-                                                                                   get_precision("bf16-mixed"))
+        _, _, generator, fake, teacher, ema, _, _ = train_dmd.build_flow_transformers(
+            run, qwen_image, get_precision("bf16-mixed"))
         assert ema is None
         got[name] = {"teacher": local_bytes(teacher.parameters())}
         for role, model in (("generator", generator), ("fake_score", fake)):

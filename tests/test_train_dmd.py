@@ -660,11 +660,10 @@ def test_flow_teachers_read_rows_as_their_pipelines(family, tmp_path, monkeypatc
     pipeline = "FluxKontextPipeline" if family == "kontext" else "QwenImageEditPlusPipeline"
     settings = {**script_constants(vars(train_dmd)), "RESOLUTION": 1024, "PIPELINE": pipeline}
     data = train_dmd.flow_data(room, settings)
-    d = fsdp_utils.Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     processor = VaeImageProcessor(vae_scale_factor=16)
     seen = set()
     for it in range(8):
-        step = train_dmd.load_flow_step(it, room=room, data=data, cache_dir="", identity="", negative=None, d=d)
+        step = train_dmd.load_flow_step(it, room=room, data=data, cache_dir="", identity="", negative=None, dp=(0, 1))
         (h, w), refs = step["shape"]
         mb = step["batches"][0]
         i = train_dmd.step_indices(it, data.members, data.schedule, 1, 0)[0]  # rows in the file's order

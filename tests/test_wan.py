@@ -29,11 +29,10 @@ import numpy as np
 import pytest
 import torch
 
-import families
 from core.errors import ConfigError
 from families import wan
 from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, launch_all_resuming,
-                            launch_env, read_checkpoint, read_metrics, tiny_default)
+                            launch_env, load_export, read_checkpoint, read_metrics, tiny_default)
 
 SIZE, FRAMES = 32, 9
 SETTINGS = {"RESOLUTION": SIZE, "BUCKET_ASPECTS": [1.0], "NUM_FRAMES": FRAMES, "MAX_SEQUENCE_LENGTH": 512,
@@ -220,7 +219,13 @@ def test_refusals_are_one_line(tiny, monkeypatch):
         assert "\n" not in str(e.value)
     wan.check_dmd_settings("WanPipeline", settings, set(), "txt")
     assert wan.video_size({"RESOLUTION": 0}) == (480, 832) and wan.video_size({"RESOLUTION": 720}) == (720, 1280)
-    assert families.spec_of("WanPipeline").check_context_parallel is None
+    cp = functools.partial(wan.check_context_parallel, tiny["model"], settings=settings)
+    cp(2, shapes=[((32, 32), ())])  # 2 heads, 12 tokens
+    for degree, shape, words in ((4, (32, 32), "the transformer's 2 attention heads"),
+                                 (2, (48, 48), "a 9-frame clip at 48x48 makes 27 video tokens (3 x 3 x 3)")):
+        with pytest.raises(ConfigError, match=re.escape(f"CONTEXT_PARALLEL={degree}: {words}")) as e:
+            cp(degree, shapes=[(shape, ())])
+        assert "\n" not in str(e.value)
     import train_dmd
     monkeypatch.setattr(train_dmd, "NUM_FRAMES", 9)
     with pytest.raises(ConfigError, match="NUM_FRAMES=9 with a SD-1.5 teacher: it makes images"):
@@ -230,6 +235,16 @@ def test_refusals_are_one_line(tiny, monkeypatch):
         monkeypatch.setattr(train_dmd, name, value)
     with pytest.raises(ConfigError, match="a 24x48 px clip"):  # 24 px high, 16:9
         train_dmd.validate_config()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for change, words in (({"MODEL_PATH": ""}, "a SD-1.5 teacher: a UNet's convolutions"),
+                          ({"FP8": "tensorwise"}, "FP8=tensorwise: float8 training"),
+                          ({"RESOLUTION": 0, "CONTEXT_PARALLEL": 3}, "CONTEXT_PARALLEL=3 x DP_REPLICATE=1 does not "
+                                                                     "divide")):
+        with monkeypatch.context() as m:
+            for name, value in {"NUM_FRAMES": 0, "CONTEXT_PARALLEL": 2, **change}.items():
+                m.setattr(train_dmd, name, value)
+            with pytest.raises(ConfigError, match=re.escape(words)):
+                train_dmd.validate_config()
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
@@ -555,14 +570,17 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
     score on 2 ranks with validation; the tiny TI2V-5B's full generator, 2 steps on one process; the tiny
     T2V-A14B's LoRA experts on 2 ranks (with the merged export) and on one process (GRAD_ACCUM=2); the tiny
-    I2V's full generator, 2 steps on one process from its first images, and the tiny TI2V-5B's in its image mode."""
+    I2V's full generator, 2 steps on one process from its first images, and the tiny TI2V-5B's in its image mode;
+    the full run with CONTEXT_PARALLEL=2 on 2 ranks (one CP group: one process's samples) and the A14B run with it
+    on 4 (two CP groups)."""
     root = tmp_path_factory.mktemp("wan")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--bucket_aspects=1.0", f"--num_frames={FRAMES}", "--max_steps=4", "--log_every=1",
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v",
+                                 "cp", "a14b_cp")}
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
@@ -582,6 +600,9 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
                                                "--sample_every=2", "--sample_count=1"], ranks=1),
         "a14b": job(args=common + a14b_args + [f"--output_dir={out['a14b']}", "--lora_export_merged=1"]),
         "a14b_one": job(args=common + a14b_args + [f"--output_dir={out['a14b_one']}", "--grad_accum=2"], ranks=1),
+        "cp": job(args=common + [f"--output_dir={out['cp']}", "--ema_decay=0.9", "--grad_accum=2", "--save_every=0",
+                                 "--context_parallel=2"]),
+        "a14b_cp": job(args=common + a14b_args + [f"--output_dir={out['a14b_cp']}", "--context_parallel=2"], ranks=4),
         "i2v": job(args=common + i2v_args, ranks=1),
         "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
                                                   f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
@@ -601,6 +622,31 @@ def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
     assert "pipe(..., num_inference_steps=4, guidance_scale=1.0)" in logs["full"]
     assert (out["full"] / "samples" / "step_000004.png").exists()
     assert_validated(out["lora"], [2], logs["lora"])
+
+
+@pytest.mark.slow
+def test_dmd_context_parallel_trains_as_one_process(dmd_runs):
+    """CONTEXT_PARALLEL=2 (each clip's 12 tokens split over the 2 ranks of a CP group, Ulysses self-attention) logs
+    one process's losses and grad norms (a grad scale off by the CP degree would show in the norms; Adam would hide
+    it in the weights), exports its weights, and samples its grid; A14B's experts on two CP groups of 2 (a group
+    with no sample for a needed expert calling it on 2 tokens, one per rank) log one process's losses."""
+    out, logs = dmd_runs["out"], dmd_runs["logs"]
+    assert "context parallel: 1 data-parallel group(s) of 2 ranks" in logs["cp"]
+    assert "context parallel: 2 data-parallel group(s) of 2 ranks" in logs["a14b_cp"]
+    for cp, one in (("cp", "one"), ("a14b_cp", "a14b_one")):
+        a, b = read_metrics(out[cp], timing=False), read_metrics(out[one], timing=False)
+        for key in ("loss_fake", "loss_dm", "grad_norm_generator", "grad_norm_guidance"):
+            assert [r.get(key) is None for r in a] == [r.get(key) is None for r in b], key
+            # fp32 sums in another order (attention over heads split, grads summed over ranks): measured 1e-6
+            assert [r[key] for r in a if key in r] == pytest.approx([r[key] for r in b if key in r], rel=1e-4), key
+    # 4 AdamW steps at LR 1e-3: a wrong split moves elements by ~1e-3; rounding, measured, by < 1e-6
+    w_cp, w_one = load_export(out["cp"]), load_export(out["one"])
+    assert w_cp.keys() == w_one.keys()
+    for k in w_one:
+        torch.testing.assert_close(w_cp[k], w_one[k], rtol=1e-5, atol=2e-5, msg=k)
+    from PIL import Image
+    a, b = (np.asarray(Image.open(out[k] / "samples" / "step_000004.png"), dtype=np.int16) for k in ("cp", "full"))
+    assert a.shape == b.shape and np.abs(a - b).max() <= 2
 
 
 @pytest.mark.slow

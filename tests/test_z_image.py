@@ -209,7 +209,7 @@ def test_refusals_are_one_line(tiny):
     assert spec.check_context_parallel is None and families.FAMILIES["ZImagePipeline"] is z_image
     from tools.planner.activations import _no_cp
     line = _no_cp("--context_parallel=2", "z_image", tiny["model"], "train_dmd.py", "ZImagePipeline")
-    assert "planned for train_dmd.py, which has none" in line and "\n" not in line
+    assert "z_image (ZImagePipeline): its family takes no context parallelism" in line and "\n" not in line
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,16 @@ its adapters or weights move) on its own σ range only.
 
 Under FSDP every rank must call the same sharded modules in the same order, and σ differs across samples and
 ranks: which experts a call needs is agreed across ranks first (one all-reduce of two flags), and a rank whose share
-of a needed expert is empty calls it on one token of its first sample and adds 0 x that output, so that its
+of a needed expert is empty calls it on one token of its first sample (C under context parallelism: one per
+rank of its CP group, whose ranks hold the same samples) and adds 0 x that output, so that its
 all-gathers and reduce-scatters (of zero gradients) meet the other ranks'. An expert no rank needs is not called
 (its gradients stay None, as on one process).
 
     python -m pytest tests/test_wan.py -q -k experts
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ class Experts(nn.Module):
         super().__init__()
         self.transformer, self.transformer_2 = transformer, transformer_2
         self.boundary = float(boundary)  # timesteps >= it: transformer
+        self.context_parallel = 1  # C > 1: each expert splits its tokens C ways (parallel/context_parallel.py)
 
     @property
     def config(self):
@@ -51,10 +55,14 @@ class Experts(nn.Module):
                              encoder_hidden_states=encoder_hidden_states[idx], return_dict=False,
                              **{k: v[idx] if torch.is_tensor(v) else v for k, v in kwargs.items()})[0]
                 parts.append((idx, out))
-            else:  # another rank's samples need it: one token's call, its output counted 0 times
-                p = expert.config.patch_size
-                one = expert(hidden_states=hidden_states[:1, :, :p[0], :p[1], :p[2]],
-                             timestep=timestep[:1] if timestep.ndim == 1 else timestep[:1, :1],
+            else:  # another rank's samples need it: a call on C tokens (one per CP rank), counted 0 times
+                p, c = expert.config.patch_size, self.context_parallel
+                slab = ((slice(None, p[0]), slice(None, p[1]), slice(None, p[2] * c))
+                        if hidden_states.shape[4] >= p[2] * c else (slice(None),) * 3)  # else the whole first clip
+                one_in = hidden_states[:1, :, slab[0], slab[1], slab[2]]
+                tokens = math.prod(n // q for n, q in zip(one_in.shape[2:], p))
+                one = expert(hidden_states=one_in,
+                             timestep=timestep[:1] if timestep.ndim == 1 else timestep[:1, :tokens],
                              encoder_hidden_states=encoder_hidden_states[:1], return_dict=False,
                              **{k: v[:1] if torch.is_tensor(v) else v for k, v in kwargs.items()})[0]
                 extra = one.sum() * 0 if extra is None else extra + one.sum() * 0

@@ -275,20 +275,44 @@ def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel)
         with open(os.path.join(model_path, "image_encoder", "config.json")) as f:
             c = json.load(f)
         image = (c["image_size"] // c["patch_size"]) ** 2 + 1
-    trained, vae = [], []
-    for size, _ in dict.fromkeys(shapes):
+    trained, vae, c = [], [], context_parallel  # CP: self-attention over all tokens for H/C heads (Ulysses),
+    for size, _ in dict.fromkeys(shapes):  # the cross-attentions from this rank's 1/C of the tokens
         grid = latent_grid(size, settings)
         tokens = grid[0] * (grid[1] // 2) * (grid[2] // 2)
-        trained += [attention.Shape(f"self-attention at {size[0]}x{size[1]}", batch, tokens, tokens, heads, dim),
-                    attention.Shape(f"cross-attention at {size[0]}x{size[1]}", batch, tokens, text, heads, dim)]
+        trained += [attention.Shape(f"self-attention at {size[0]}x{size[1]}", batch, tokens, tokens, heads // c, dim),
+                    attention.Shape(f"cross-attention at {size[0]}x{size[1]}", batch, tokens // c, text, heads, dim)]
         if image:
-            trained.append(attention.Shape(f"image cross-attention at {size[0]}x{size[1]}", batch, tokens, image,
+            trained.append(attention.Shape(f"image cross-attention at {size[0]}x{size[1]}", batch, tokens // c, image,
                                            heads, dim))
         cells = grid[1] * grid[2]  # the decoder's mid-block attends within one latent frame at a time
         width = (v.get("decoder_base_dim") or v["base_dim"]) * v["dim_mult"][-1]  # TI2V's decoder is wider
         vae.append(attention.Shape(f"VAE mid-block at {size[0]}x{size[1]}", batch, cells, cells, 1, width,
                                    backward=False))
     return trained, vae
+
+
+def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
+    """With CONTEXT_PARALLEL = C > 1, before any model is built. The transformer's _cp_plan (diffusers
+    models/transformers/transformer_wan.py, WanTransformer3DModel._cp_plan) splits the video tokens entering the
+    first block, their rotary embedding and TI2V's per-token timesteps C ways, and gathers proj_out's output;
+    self-attention runs Ulysses over the heads; the text (and 2.1 I2V's CLIP tokens) stays whole on every rank,
+    cross-attended from each rank's share. So the heads and every clip's video tokens divide by C, at every shape
+    the run uses (`shapes`: training, samples, validation); the text length need not."""
+    if context_parallel == 1:
+        return
+    with open(os.path.join(model_path, "transformer", "config.json")) as f:
+        t = json.load(f)
+    if t["num_attention_heads"] % context_parallel:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: the transformer's {t['num_attention_heads']} "
+                          "attention heads (transformer/config.json) do not divide by it (Ulysses splits the heads)")
+    p, settings = t["patch_size"], {**settings, "MODEL_PATH": model_path}
+    for size, _ in sorted(set(shapes)):
+        grid = latent_grid(size, settings)
+        tokens = (grid[0] // p[0]) * (grid[1] // p[1]) * (grid[2] // p[2])
+        if tokens % context_parallel:
+            raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: a {num_frames(settings)}-frame clip at "
+                              f"{size[0]}x{size[1]} makes {tokens} video tokens ({grid[0]} x {grid[1] // p[1]} x "
+                              f"{grid[2] // p[2]}), not divisible by it; choose NUM_FRAMES or RESOLUTION to make them")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ SPEC = FamilySpec(
                    "image_encoder", "image_encoder", "offline", "CLIPVisionModelWithProjection")), ("train_dmd.py",))),
     protocols={"train_dmd.py": FlowDistillationRoom},
     default_resolution=room.DEFAULT_RESOLUTION,
-    check_context_parallel=None,  # train_dmd.py takes no context parallelism yet
+    check_context_parallel=room.check_context_parallel,
     tiny={"wan_t2v": tiny.build_wan_t2v, "wan_ti2v": tiny.build_wan_ti2v,  # tools/tiny_models.BUILDERS
           "wan_a14b": tiny.build_wan_a14b, "wan_i2v": tiny.build_wan_i2v,
           "wan_i2v_a14b": tiny.build_wan_i2v_a14b, "wan_ti2v_i2v": tiny.build_wan_ti2v_i2v},

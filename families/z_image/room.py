@@ -147,6 +147,15 @@ def _padded(n: int) -> int:
     return n + (-n) % SEQ_MULTI_OF
 
 
+def check_context_parallel(model_path, context_parallel, settings, shapes) -> None:
+    """CONTEXT_PARALLEL > 1 is refused for this family (its spec has no check, so train_dmd.py and the planner
+    refuse it first): ZImageTransformer2DModel has no _cp_plan, and its caption and image tokens are padded per
+    sample to multiples of 32 before the main blocks."""
+    if context_parallel > 1:
+        raise ConfigError(f"CONTEXT_PARALLEL={context_parallel}: not for Z-Image here (ZImageTransformer2DModel has "
+                          "no _cp_plan); use CONTEXT_PARALLEL=1")
+
+
 def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel):
     """The run's attention calls for the start-up kernel check: per shape the noise refiner over the image tokens,
     the context refiner over the caption's (at most MAX_SEQUENCE_LENGTH), the main blocks over both (each padded to

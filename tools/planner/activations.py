@@ -232,15 +232,15 @@ def check_context_parallel(folder: str, s: Settings) -> dict:
 
 def _no_cp(flag: str, name: str, folder: str, script: str, kind: str) -> str:
     """The one line refusing context parallelism where the script or the family has none ("" where both do):
-    a script has it where the room's Protocol for it asks check_context_parallel."""
+    a script has it where a room's Protocol for it asks check_context_parallel, a family where its spec has a check
+    and its room's Protocol for the script asks it."""
     spec = spec_of(pipeline_of(folder))
-    protocol = spec.protocols.get(script)
-    if protocol is None or not hasattr(protocol, "check_context_parallel"):
-        scripts = sorted({s for sp in SPECS for s, p in sp.protocols.items() if hasattr(p, "check_context_parallel")})
+    scripts = sorted({s for sp in SPECS for s, p in sp.protocols.items() if hasattr(p, "check_context_parallel")})
+    if script not in scripts:
         return (f"plan: {flag}: context parallelism is {' / '.join(scripts)}'s; {name} is planned for {script}, "
                 f"which has none")
-    if spec.check_context_parallel is None:
-        return f"plan: {flag}: {name} is {kind}, whose family takes no context parallelism"
+    if spec.check_context_parallel is None or not hasattr(spec.protocols.get(script), "check_context_parallel"):
+        return f"plan: {flag}: {name} ({kind}): its family takes no context parallelism"
     return ""
 
 
