@@ -35,6 +35,8 @@ models, VAE, batches and losses, and one story (main) runs them through the same
     # the shapes demo: distil the shipped teacher, then score teacher and student
     bash demos/demo_dmd.sh
     # after a stop or preemption: the same command plus --resume=auto
+    # long sequences (Wan video, FLUX): each sample's tokens split over 4 ranks, 2 groups (docs/parallelism.md)
+    torchrun --standalone --nproc_per_node=8 train_dmd.py --model_path=... --data_path=... --context_parallel=4
 
 1-step inference with the export (LCMScheduler's last step returns its x0 prediction):
     pipe = StableDiffusionPipeline.from_pretrained("out/dmd/export", torch_dtype=torch.float32)

@@ -11,6 +11,8 @@ Launches, shared through module-scoped fixtures (the first three side by side):
   run_lora   1 process, 2 steps, LoRA generator and fake score on NF4 bases, NF4 teacher, validation at step 2
   run_merged 1 process, 1 step, LoRA generator with LORA_EXPORT_MERGED (an NF4 base refuses the merged export)
   run_started 2 ranks, 1 step at generator LR 0, the LoRA generator started from a file in another tool's form
+  cp, cp_one  3 steps without the GAN head, validation at step 2, CONTEXT_PARALLEL=2 on 2 ranks (one CP group) and
+             1 process (GRAD_ACCUM=2)
 (the 1-step generator's draws and step: test_dm_gradient_is_zero_when_generator_teacher_and_fake_agree)
 Settings a FLUX teacher refuses (prompt-only data, USE_GAN) are checked in tests/test_fault_tolerance.py,
 REAL_GUIDANCE_SCALE here.
@@ -24,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import VALIDATE, DmdRuns, assert_dmd_resumed_bit_exact, assert_validated, read_metrics, tiny_flux
+from tests.conftest import (VAL_FIGURES, VALIDATE, DmdRuns, assert_dmd_resumed_bit_exact, assert_validated,
+                            read_metrics, tiny_flux)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -88,11 +91,15 @@ def first_runs(dmd, started_lora):
                  "--regression_weight=0.5", "--regression_steps=2"], 1),
         "started": (["--max_steps=1", "--ema_decay=0", "--use_gan=0", "--sample_every=0", "--lora_rank=4",
                      "--lora_alpha=8", "--generator_lr=0", f"--generator_lora={started_lora}", "--export_dtype=fp32",
-                     "--save_every=0"], 2)})
+                     "--save_every=0"], 2),
+        "cp": ([*CP_ARGS, "--context_parallel=2"], 2), "cp_one": (CP_ARGS, 1)})
     assert "FluxKontextPipeline" in done["a"][1] and "num_inference_steps=4, guidance_scale=2.5" in done["a"][1]
     # the regression loss reaches the generator's step (its math: tests/test_dmd2.py, test_dm_gradient_is_zero...)
     assert read_metrics(done["reg"][0])[0]["loss_reg"] > 0, done["reg"][1][-2000:]
-    return done["a"][0], done["b"][0], done["lora"], done["merged"], done["started"]
+    return done["a"][0], done["b"][0], done["lora"], done["merged"], done["started"], done["cp"], done["cp_one"]
+
+
+CP_ARGS = ["--max_steps=3", "--use_gan=0", "--grad_accum=2", "--save_every=0", "--sample_every=3", *VALIDATE]
 
 
 @pytest.fixture(scope="module")
@@ -382,3 +389,27 @@ def test_generator_lora_it_cannot_start_is_one_line_before_any_work(started_lora
         train_dmd.validate_config()
     finally:
         vars(train_dmd).update(saved)
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_as_one_process(first_runs):
+    """CONTEXT_PARALLEL=2: each sample's target and reference tokens (and its text) split over a CP group of 2 by
+    FluxTransformer2DModel's _cp_plan, generator, fake score, teacher and EMA alike: one process's losses and grad
+    norms (a grad scale off by the CP degree shows in the norms), validation figures, export and samples."""
+    from PIL import Image
+    from tests.conftest import load_export
+    (cp, log), (one, _) = first_runs[5], first_runs[6]
+    assert "context parallel: 1 data-parallel group(s) of 2 ranks" in log
+    a, b = read_metrics(cp), read_metrics(one)
+    assert [r["step"] for r in a if "loss_dm" in r] == [1, 3]
+    assert_validated(cp, [2], log)
+    for key in ("loss_fake", "loss_dm", "grad_norm_generator", "grad_norm_guidance", *VAL_FIGURES):
+        # fp32 sums in another order (attention over heads split, grads summed over ranks)
+        assert [key in r for r in a] == [key in r for r in b], key
+        assert [r[key] for r in a if key in r] == pytest.approx([r[key] for r in b if key in r], rel=1e-4,
+                                                                abs=1e-7), key
+    w_cp, w_one = load_export(cp), load_export(one)
+    for k in w_one:  # 3 AdamW steps at LR 1e-4: a wrong split moves elements by ~1e-4
+        torch.testing.assert_close(w_cp[k], w_one[k], rtol=1e-5, atol=2e-6, msg=k)
+    x, y = (np.asarray(Image.open(os.path.join(d, "samples", "step_000003.png")), dtype=np.int16) for d in (cp, one))
+    assert x.shape == y.shape and np.abs(x - y).max() <= 2
