@@ -1493,3 +1493,35 @@ def test_z_image_builds_at_the_published_size_and_plans_dmd2():
     assert memory_plan._image_tokens(folder, ((128, 128),)) == 4096 and memory_plan.text_length(folder) == 512
     with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: [^\n]*z-image[^\n]*$"):
         memory_plan.check_context_parallel(folder, dataclasses.replace(s, context_parallel=2))
+
+
+Z_IMAGE_ROWS = [  # docs/families/z_image.md's "What fits": (run, GPUs, fits with, settings)
+    ("LoRA, NF4 bases and teacher", 1, "24", "AC", dict(base_dtype="nf4")),
+    ("LoRA, NF4 bases and teacher", 8, "24", "AC", dict(base_dtype="nf4")),
+    ("LoRA, bf16 bases and teacher", 1, "24", "AC + CPU offload", dict(cpu_offload=True)),
+    ("LoRA, bf16 bases and teacher", 8, "24", "AC", {}),
+    ("full, bf16 teacher", 8, "80", "AC", {})]
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: three 6.15 B transformers on meta at 4096 tokens, the Qwen3-4B fill
+def test_docs_and_recipes_carry_the_z_image_rows():
+    doc = open(os.path.join(ROOT, "docs", "families", "z_image.md"), encoding="utf-8").read()
+    recipes = {name: open(os.path.join(ROOT, "recipes", name), encoding="utf-8").read()
+               for name in ("dmd_z_image_8step_lora.sh", "dmd_z_image_4step_full_8x80gb.sh")}
+    planned = {}
+    for run, world, gb, fits, extra in Z_IMAGE_ROWS:
+        lora = dict(lora_rank=64, fake_lora=True) if run.startswith("LoRA") else {}
+        p = memory_plan.plan("z-image", Settings(world_size=world, activation_checkpointing=True, gpu_memory_gb=int(gb),
+                                                 **lora, **extra))
+        planned[run, world] = train, fill = p["gpu_total"] / 2**30, p["fill"]["total"] / 2**30
+        assert max(train, fill) < int(gb) * 1e9 / 2**30, (run, world)
+        row = f"| {run} | {world} x {gb} GB | {fits} | {train:.2f} / {fill:.2f} |"
+        assert row in doc, row
+    train, fill = planned["LoRA, NF4 bases and teacher", 1]
+    eight = planned["LoRA, NF4 bases and teacher", 8]
+    assert (f"plans {train:.1f} GiB for\n# training and {fill:.1f} for the text-cache fill" in
+            recipes["dmd_z_image_8step_lora.sh"])
+    assert f"(8 x 24 GB): {eight[0]:.1f} and {eight[1]:.1f}" in recipes["dmd_z_image_8step_lora.sh"]
+    train, fill = planned["full, bf16 teacher", 8]
+    assert (f"plans {train:.1f} GiB per GPU (the text-cache fill before it {fill:.1f};" in
+            recipes["dmd_z_image_4step_full_8x80gb.sh"])
