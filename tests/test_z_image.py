@@ -26,8 +26,8 @@ import families
 from algorithms import flux_kontext as km
 from core.errors import ConfigError
 from families import z_image
-from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, launch_all_resuming,
-                            launch_env, tiny_default)
+from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, chain,
+                            launch_all_resuming, launch_env, read_metrics, tiny_default)
 
 SIZE = 32
 SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
@@ -276,6 +276,34 @@ def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dm
                      generator=torch.Generator().manual_seed(0), output_type="np").images
         assert np.isfinite(image).all() and image.shape == (1, SIZE, SIZE, 3)
         assert seen == pytest.approx([1 - s for s in (1.0, 0.75, 0.5, 0.25)], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_z_image_lora_is_the_teacher_and_its_4_step_student_loads_on_the_base(tiny, dmd_runs):
+    """Fine-tune, then DMD2: a Z-Image LoRA export (dmd_runs' LoRA student) as TEACHER_LORA on the NF4 base
+    (recipes/dmd_z_image_8step_lora.sh's settings, 4 steps) equals the run on the folder tools/merge_lora.py writes,
+    step for step; its 4-step LoRA export, holding the teacher's adapters and the student's, loads on the plain base
+    with load_lora_weights and samples at the trained σ without CFG."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from parallel import lora_merge
+    root, tuned = dmd_runs["out"]["lora"].parent, dmd_runs["out"]["lora"] / "export"
+    args = [f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}", "--batch_size=1"]
+    done = chain(tiny["model"], f"{tiny['data']}/prompts.txt", tuned, root, launch_env(), args)
+    a, b = (read_metrics(done["out"][k], timing=False) for k in ("lora", "merged"))
+    assert len(a) == 2 and [(r["loss_dm"], r["loss_fake"]) for r in a] == [(r["loss_dm"], r["loss_fake"]) for r in b]
+    teacher, exported = lora_merge.read_lora(str(tuned)), lora_merge.read_lora(str(done["out"]["lora"] / "export"))
+    assert set(teacher.layers) <= set(exported.layers)
+    pipe = ZImagePipeline.from_pretrained(tiny["model"])
+    pipe.load_lora_weights(str(done["out"]["lora"] / "export"))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(done["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(a[1][0])), with_kwargs=True)
+    image = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=0.0,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert np.isfinite(image).all() and seen == pytest.approx([1 - s for s in (1.0, 0.75, 0.5, 0.25)], abs=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
