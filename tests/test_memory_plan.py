@@ -784,7 +784,7 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
 BUILTIN_NAMES = ("flux-kontext-dev", "flux-kontext-dmd", "flux2-dev", "flux2-dev-dmd", "flux2-klein-4b",
                  "flux2-klein-4b-dmd", "flux2-klein-9b", "flux2-klein-9b-dmd", "qwen-image-edit", "qwen-image-edit-dmd",
                  "sd15-dmd", "sdxl-dmd", "wan2.1-i2v-14b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-i2v-a14b",
-                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b")  # what docs, recipes and README commands name
+                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b", "z-image")  # what docs, recipes and README commands name
 
 
 def test_builtin_names_are_the_specs():
@@ -1471,3 +1471,56 @@ def test_docs_carry_the_wan_rows():
         fill = p["fill"]["total"] / 2**30
         row = f"| Wan 2.1 T2V-1.3B | 480p | {gpus} | AC | {p['gpu_total'] / 2**30:.2f} / {fill:.2f} |"
         assert row in doc, row
+
+
+# ----------------------------------------------------------------------------------------------
+# Z-Image (families/z_image/configs/): the published size, DMD2 at 4096 image tokens, no context parallelism
+
+Z_IMAGE_PARAMS = 6_154_908_736  # REFERENCE: Tongyi-MAI/Z-Image(-Turbo)'s transformer as the Hub counts it (CONFIGS.md)
+
+
+def test_z_image_builds_at_the_published_size_and_plans_dmd2():
+    """The config builds the published 6.15 B on meta; z-image plans DMD2 (train_dmd.py alone trains the
+    pipeline) at 1024^2: 128 x 128 latents, 4096 image tokens, 512 text tokens; the Qwen3-4B text encoder
+    (4.02 B) offline. Context parallelism is refused in one line (the transformer has no _cp_plan)."""
+    folder = memory_plan.model_folder("z-image")
+    model = memory_plan.meta_model(os.path.join(folder, "transformer"))
+    assert sum(p.numel() for p in model.parameters()) == Z_IMAGE_PARAMS
+    assert memory_plan.layout(folder) == ("train_dmd.py", "z_image_dmd")
+    s = Settings(world_size=8, resolution=memory_plan.native_resolution(folder))
+    assert s.resolution == 1024 and memory_plan.latent_shapes(folder, s) == ((128, 128),)
+    assert memory_plan._image_tokens(folder, ((128, 128),)) == 4096 and memory_plan.text_length(folder) == 512
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: [^\n]*z-image[^\n]*$"):
+        memory_plan.check_context_parallel(folder, dataclasses.replace(s, context_parallel=2))
+
+
+Z_IMAGE_ROWS = [  # docs/families/z_image.md's "What fits": (run, GPUs, fits with, settings)
+    ("LoRA, NF4 bases and teacher", 1, "24", "AC", dict(base_dtype="nf4")),
+    ("LoRA, NF4 bases and teacher", 8, "24", "AC", dict(base_dtype="nf4")),
+    ("LoRA, bf16 bases and teacher", 1, "24", "AC + CPU offload", dict(cpu_offload=True)),
+    ("LoRA, bf16 bases and teacher", 8, "24", "AC", {}),
+    ("full, bf16 teacher", 8, "80", "AC", {})]
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: three 6.15 B transformers on meta at 4096 tokens, the Qwen3-4B fill
+def test_docs_and_recipes_carry_the_z_image_rows():
+    doc = open(os.path.join(ROOT, "docs", "families", "z_image.md"), encoding="utf-8").read()
+    recipes = {name: open(os.path.join(ROOT, "recipes", name), encoding="utf-8").read()
+               for name in ("dmd_z_image_8step_lora.sh", "dmd_z_image_4step_full_8x80gb.sh")}
+    planned = {}
+    for run, world, gb, fits, extra in Z_IMAGE_ROWS:
+        lora = dict(lora_rank=64, fake_lora=True) if run.startswith("LoRA") else {}
+        p = memory_plan.plan("z-image", Settings(world_size=world, activation_checkpointing=True, gpu_memory_gb=int(gb),
+                                                 **lora, **extra))
+        planned[run, world] = train, fill = p["gpu_total"] / 2**30, p["fill"]["total"] / 2**30
+        assert max(train, fill) < int(gb) * 1e9 / 2**30, (run, world)
+        row = f"| {run} | {world} x {gb} GB | {fits} | {train:.2f} / {fill:.2f} |"
+        assert row in doc, row
+    train, fill = planned["LoRA, NF4 bases and teacher", 1]
+    eight = planned["LoRA, NF4 bases and teacher", 8]
+    assert (f"plans {train:.1f} GiB for\n# training and {fill:.1f} for the text-cache fill" in
+            recipes["dmd_z_image_8step_lora.sh"])
+    assert f"(8 x 24 GB): {eight[0]:.1f} and {eight[1]:.1f}" in recipes["dmd_z_image_8step_lora.sh"]
+    train, fill = planned["full, bf16 teacher", 8]
+    assert (f"plans {train:.1f} GiB per GPU (the text-cache fill before it {fill:.1f};" in
+            recipes["dmd_z_image_4step_full_8x80gb.sh"])

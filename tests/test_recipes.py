@@ -106,10 +106,10 @@ def test_dmd_recipes_keep_clip_in_fp32_as_published(recipe):
     """The official code keeps CLIP in fp32 (main/sd_unified_model.py:85-88, sdxl_text_encoder.py:8-14). A FLUX
     teacher has no published DMD2 run: its recipes keep T5 and CLIP in the compute dtype, as FluxKontextPipeline
     runs them (T5-XXL alone is 17.7 GiB in fp32, most of a 24 GB card); a Qwen-Image-Edit teacher's Qwen2.5-VL
-    (8.3 B) stays in the compute dtype, as its pipeline runs it, and so do FLUX.2's Qwen3 and Mistral-Small 3 and
-    Wan's UMT5-XXL."""
+    (8.3 B) stays in the compute dtype, as its pipeline runs it, and so do FLUX.2's Qwen3 and Mistral-Small 3,
+    Wan's UMT5-XXL and Z-Image's Qwen3-4B."""
     cmd = dry_run(recipe)
-    if recipe.startswith(("dmd_kontext", "dmd_qwen", "dmd_flux2", "dmd_wan")):
+    if recipe.startswith(("dmd_kontext", "dmd_qwen", "dmd_flux2", "dmd_wan", "dmd_z_image")):
         assert not any(a.startswith("--text_encoder_dtype=") for a in cmd), cmd
     else:
         assert "--text_encoder_dtype=fp32" in cmd

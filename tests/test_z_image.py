@@ -26,8 +26,8 @@ import families
 from algorithms import flux_kontext as km
 from core.errors import ConfigError
 from families import z_image
-from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, launch_all_resuming,
-                            launch_env, tiny_default)
+from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, chain,
+                            launch_all_resuming, launch_env, read_metrics, tiny_default)
 
 SIZE = 32
 SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
@@ -276,3 +276,108 @@ def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dm
                      generator=torch.Generator().manual_seed(0), output_type="np").images
         assert np.isfinite(image).all() and image.shape == (1, SIZE, SIZE, 3)
         assert seen == pytest.approx([1 - s for s in (1.0, 0.75, 0.5, 0.25)], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_z_image_lora_is_the_teacher_and_its_4_step_student_loads_on_the_base(tiny, dmd_runs):
+    """Fine-tune, then DMD2: a Z-Image LoRA export (dmd_runs' LoRA student) as TEACHER_LORA on the NF4 base
+    (recipes/dmd_z_image_8step_lora.sh's settings, 4 steps) equals the run on the folder tools/merge_lora.py writes,
+    step for step; its 4-step LoRA export, holding the teacher's adapters and the student's, loads on the plain base
+    with load_lora_weights and samples at the trained σ without CFG."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from parallel import lora_merge
+    root, tuned = dmd_runs["out"]["lora"].parent, dmd_runs["out"]["lora"] / "export"
+    args = [f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}", "--batch_size=1"]
+    done = chain(tiny["model"], f"{tiny['data']}/prompts.txt", tuned, root, launch_env(), args)
+    a, b = (read_metrics(done["out"][k], timing=False) for k in ("lora", "merged"))
+    assert len(a) == 2 and [(r["loss_dm"], r["loss_fake"]) for r in a] == [(r["loss_dm"], r["loss_fake"]) for r in b]
+    teacher, exported = lora_merge.read_lora(str(tuned)), lora_merge.read_lora(str(done["out"]["lora"] / "export"))
+    assert set(teacher.layers) <= set(exported.layers)
+    pipe = ZImagePipeline.from_pretrained(tiny["model"])
+    pipe.load_lora_weights(str(done["out"]["lora"] / "export"))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(done["out"]["lora"] / "export"),
+                                                                     subfolder="scheduler")
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(a[1][0])), with_kwargs=True)
+    image = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=0.0,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert np.isfinite(image).all() and seen == pytest.approx([1 - s for s in (1.0, 0.75, 0.5, 0.25)], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# TEACHER_LORA in other tools' key forms, read through ZImagePipeline.lora_state_dict (diffusers' Z-Image converter)
+
+def foreign_forms(tiny, tmp_path):
+    """A diffusers-form LoRA of every Linear of the tiny Z-Image (rank 2; lora_alpha 4, the FFN's 1: scales 2 and
+    0.5) and the same adapters in the forms diffusers' Z-Image converter reads: ai-toolkit's `diffusion_model.` +
+    lora_A / lora_B / .alpha, kohya / musubi-tuner's `lora_unet_<module with _>` + lora_down / lora_up / .alpha,
+    DiffSynth's peft adapter-named `<module>.lora_A.default.weight` (no alpha: the scale in A)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from parallel.loading import tensor_shapes
+    shapes = tensor_shapes(f"{tiny['model']}/transformer")
+    g = torch.Generator().manual_seed(0)
+    pairs = {k[:-len(".weight")]: (torch.randn(2, s[1], generator=g), torch.randn(s[0], 2, generator=g))
+             for k, s in sorted(shapes.items()) if k.endswith(".weight") and len(s) == 2}
+    scale = {m: 0.5 if ".feed_forward." in m else 2.0 for m in pairs}
+    files = {}
+
+    def write(form, tensors, meta=None):
+        files[form] = str(tmp_path / f"{form}.safetensors")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, files[form], metadata=meta)
+    config = {"transformer.r": 2, "transformer.lora_alpha": 4, "transformer.alpha_pattern": {"feed_forward.w1": 1,
+              "feed_forward.w2": 1, "feed_forward.w3": 1}}
+    write("diffusers", {f"transformer.{m}.lora_{n}.weight": t for m, ab in pairs.items() for n, t in zip("AB", ab)},
+          {"lora_adapter_metadata": json.dumps(config)})
+    write("ai_toolkit", {k: v for m, (a, b) in pairs.items() for k, v in (
+        (f"diffusion_model.{m}.lora_A.weight", a), (f"diffusion_model.{m}.lora_B.weight", b),
+        (f"diffusion_model.{m}.alpha", torch.tensor(2 * scale[m])))})
+    write("kohya", {k: v for m, (a, b) in pairs.items() for stem in ["lora_unet_" + m.replace(".", "_")]
+                    for k, v in ((f"{stem}.lora_down.weight", a), (f"{stem}.lora_up.weight", b),
+                                 (f"{stem}.alpha", torch.tensor(2 * scale[m])))})
+    write("diffsynth", {k: v for m, (a, b) in pairs.items() for k, v in (
+        (f"{m}.lora_A.default.weight", a * scale[m]), (f"{m}.lora_B.default.weight", b))})
+    return files, shapes
+
+
+def assert_reads_as(file, want: dict, shapes: dict) -> None:
+    """`file` read as TEACHER_LORA reads it (read_lora through ZImagePipeline's converter) passes train_dmd.py's
+    check against the base and makes the deltas `want` ({module: scale · B @ A})."""
+    from parallel.lora_merge import read_lora
+    delta = read_lora(file, pipeline="ZImagePipeline")
+    delta.check_base(shapes, "the base")
+    got = {m: (b @ a) * s for m, (a, b, s) in delta.layers.items()}
+    assert got.keys() == want.keys(), file
+    for m, d in want.items():  # alpha / r folded into A by the converter: a rounding
+        torch.testing.assert_close(got[m], d, msg=f"{file}: {m}")
+
+
+def test_teacher_lora_reads_ai_toolkit_kohya_and_diffsynth_forms(tiny, tmp_path):
+    """Each form reads back (read_lora with pipeline ZImagePipeline, as TEACHER_LORA reads it) to the deltas of the
+    diffusers-form file, every Linear of the tiny Z-Image (the refiners', the blocks', the embedders', the final
+    layer's), and passes train_dmd.py's check against the base; so does a kohya / ComfyUI file on Z-Image's
+    original module tree (`attention.qkv` fused: one A, the three B stacked; `attention.out`), which the
+    converter splits."""
+    from safetensors.torch import save_file
+
+    from parallel.lora_merge import read_lora
+    files, shapes = foreign_forms(tiny, tmp_path)
+    want = {m: (b @ a) * s for m, (a, b, s) in read_lora(files.pop("diffusers")).layers.items()}
+    for file in files.values():
+        assert_reads_as(file, want, shapes)
+    g, fused, want = torch.Generator().manual_seed(1), {}, {}
+    for block in sorted({m.rsplit(".attention.", 1)[0] for m in shapes if ".attention." in m}):
+        out, d = shapes[f"{block}.attention.to_q.weight"]
+        stem = "lora_unet_" + block.replace(".", "_") + "_attention_"
+        for name, projections in (("qkv", ("to_q", "to_k", "to_v")), ("out", ("to_out.0",))):
+            a, b = torch.randn(2, d, generator=g), torch.randn(len(projections) * out, 2, generator=g)
+            fused.update({f"{stem}{name}.lora_down.weight": a, f"{stem}{name}.lora_up.weight": b,
+                          f"{stem}{name}.alpha": torch.tensor(1.0)})  # alpha / r = 0.5
+            want.update({f"{block}.attention.{p}": (up @ a) * 0.5 for p, up in zip(projections, b.chunk(len(
+                projections)))})
+    save_file(fused, str(tmp_path / "fused.safetensors"))
+    assert_reads_as(str(tmp_path / "fused.safetensors"), want, shapes)
