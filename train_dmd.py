@@ -132,6 +132,7 @@ MAX_SEQUENCE_LENGTH = 512  # FLUX teachers: T5 tokens (capped at the tokenizer's
 CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the text encoder sees; 0 = the pipeline's 384^2
 # DMD2, published SD-1.5 values (paper and the official code's SD-1.5 settings)
 REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen, klein 4
+REAL_GUIDANCE_SCALE_2 = 0.0  # Wan 2.2 A14B teachers: the low-noise expert's CFG (guidance_scale_2); 0 = the above
 REAL_GUIDANCE_NORM = ""  # its combination's rescale: none | token (the pipeline's per token) | scalar; "" = per teacher
 DMD_LOSS = "dmd2"  # G's objective: dmd2 | decoupled (flow teachers with a CFG pair: loss_ca + loss_dm, docs/dmd2.md)
 DMD_CA_WEIGHT = 1.0  # decoupled: the CFG-augmentation term's weight (CFG'd teacher − conditional teacher)
@@ -224,7 +225,7 @@ def validate_config() -> list[int]:
     """Reject bad or contradictory settings before any work. Returns the generator's step list."""
     check_settings({
         "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
-        "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0,
+        "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0, "REAL_GUIDANCE_SCALE_2 >= 0": REAL_GUIDANCE_SCALE_2 >= 0,
         f"LR_SCHEDULE in ({', '.join(optim.LR_SCHEDULES)})": LR_SCHEDULE in optim.LR_SCHEDULES,
         f"REAL_GUIDANCE_NORM in ({', '.join(dm.CFG_NORMS)}) or \"\"": REAL_GUIDANCE_NORM in ("", *dm.CFG_NORMS),
         "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
@@ -278,7 +279,11 @@ def validate_config() -> list[int]:
     trainer.check_text_sharding(SHARD_TEXT_ENCODER, room)
     if NUM_FRAMES and not hasattr(room, "latent_grid"):
         raise ConfigError(f"NUM_FRAMES={NUM_FRAMES} with a {pipeline or 'SD-1.5'} teacher: it makes images, not videos")
-    embedded = room.dmd_guidance(script_constants(globals())).embedded  # a guidance-distilled teacher's value
+    guide = room.dmd_guidance(script_constants(globals()))
+    embedded = guide.embedded  # a guidance-distilled teacher's value
+    if REAL_GUIDANCE_SCALE_2 and guide.scale_2 is None:
+        raise ConfigError(f"REAL_GUIDANCE_SCALE_2={REAL_GUIDANCE_SCALE_2} with a {pipeline or 'SD-1.5'} teacher: it "
+                          "is the low-noise expert's CFG of a two-expert teacher (Wan 2.2 A14B)")
     if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):
         raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
                           + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
@@ -911,6 +916,7 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
     shifts = {s[0]: flow_shift(s[0], flow_dm.token_count(grid(s[0]))) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
                        real_guidance_scale=guide.scale, real_guidance_norm=guide.norm, fake_target=FAKE_SCORE_TARGET,
+                       real_guidance_scale_2=guide.scale_2,
                        regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS, dmd_loss=DMD_LOSS,
                        ca_weight=DMD_CA_WEIGHT, dm_weight=DMD_DM_WEIGHT)
 

@@ -160,11 +160,14 @@ class Guidance:
     embedded: float | None = None  # the guidance embedding's value (FLUX.1: FLUX_GUIDANCE); None: none
     negative: str | None = None  # the pair's other prompt, cached beside the rows' text; None: no pair
     export_call: str = ""  # the pipeline call's guidance argument that samples the distilled export
+    # a two-expert teacher's low-noise expert's own CFG scale (Wan 2.2 A14B's guidance_scale_2); None: `scale`
+    scale_2: float | None = None
 
     def words(self) -> str:
         """How the start-up report names it."""
         if self.negative is not None:
-            return f"teacher true CFG {self.scale:g} ({self.norm} rescale)"
+            low = f", {self.scale_2:g} on the low-noise expert" if self.scale_2 is not None else ""
+            return f"teacher true CFG {self.scale:g}{low} ({self.norm} rescale)"
         return "teacher without CFG" if self.embedded is None else f"guidance {self.embedded}"
 
 
@@ -296,6 +299,7 @@ class Losses:
     diffusion_gan: bool = True  # the head's inputs noised first (diffusion GAN), else clean at t = 0
     real_guidance_scale: float = 1.0  # the teacher's CFG scale in loss_dm; 1 = no CFG pair (guidance-distilled)
     real_guidance_norm: str = "none"  # its combination's rescale (cfg_combine): none | token | scalar
+    real_guidance_scale_2: float | None = None  # a two-expert teacher's low-noise expert's scale (Guidance.scale_2)
     fake_target: str = "flow"  # flow-matching fake scores: their loss, on the velocity (flow) or on x̂0 (x0)
     regression_weight: float = 0.0  # > 0: DMD's regression loss on the teacher's ODE output from G's noise (1-step)
     regression_steps: int = 28  # the teacher ODE's Euler steps for that target

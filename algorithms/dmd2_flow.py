@@ -89,7 +89,8 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     the same noise, under the same guidance. losses.dmd_loss "decoupled": loss_ca + loss_dm of decoupled_loss
     in loss_dm's place (the conditional teacher is the teacher at `guidance`, the pair's other half)."""
     cond, scale = mb["cond"], losses.real_guidance_scale
-    teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale, losses.real_guidance_norm)
+    teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale, losses.real_guidance_norm,
+                              **low_noise_scale(scale, losses.real_guidance_scale_2))
     if losses.dmd_loss == "decoupled":
         loss, logs = decoupled_loss(x, mb, teacher_v, cond.velocity(teacher, guidance), cond.velocity(fake, guidance),
                                     losses)
@@ -106,6 +107,13 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     loss_cls = dm.gen_cls_loss(cls_logits(fake, losses.head, x, mb, "gan_gen", losses.diffusion_gan, guidance))
     logs["loss_gen_cls"] = loss_cls.detach()
     return loss + losses.gen_cls_weight * loss_cls, logs
+
+
+def low_noise_scale(scale: float, scale_2: float | None) -> dict:
+    """The teacher velocity's keyword for a two-expert teacher's low-noise CFG scale (Wan 2.2 A14B's
+    guidance_scale_2), only where one is set and the teacher runs its CFG pair (scale > 1, as WanPipeline's
+    do_classifier_free_guidance reads guidance_scale alone); {} for every other teacher."""
+    return {"guidance_2": scale_2} if scale_2 is not None and scale > 1 else {}
 
 
 def decoupled_loss(x: torch.Tensor, mb: dict, teacher_cfg, teacher_cond, fake_cond,

@@ -64,7 +64,8 @@ def reference_guidance(room, settings: dict) -> dm.Guidance:
     """The guidance the teacher's reference samples with: its family's own (REAL_GUIDANCE_SCALE,
     REAL_GUIDANCE_NORM and FLUX_GUIDANCE at "" / 0: the pipeline's CFG and its rescale, or the embedded value),
     whatever the run trains with, so that a run trained at another CFG shows against the teacher as it is used."""
-    return room.dmd_guidance({**settings, "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "", "FLUX_GUIDANCE": 0.0})
+    return room.dmd_guidance({**settings, "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_SCALE_2": 0.0,
+                              "REAL_GUIDANCE_NORM": "", "FLUX_GUIDANCE": 0.0})
 
 
 def make_validator(s: ValSettings, teacher_samples: Callable, student_samples: Callable, labels: list,
@@ -155,7 +156,8 @@ def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader,
     @torch.no_grad()
     def teacher_samples():
         return side(lambda m, _, cond, noise, __, shift: dm.fm_teacher_ode(
-            cond.velocity(m, teacher_guidance if scale == 1 else scale, reference.norm), noise, s.teacher_steps,
+            cond.velocity(m, teacher_guidance if scale == 1 else scale, reference.norm,
+                          **flow_dm.low_noise_scale(scale, reference.scale_2)), noise, s.teacher_steps,
             shift), teacher)
 
     @torch.no_grad()

@@ -212,7 +212,8 @@ def test_refusals_are_one_line(tiny, monkeypatch):
              ({"USE_GAN": True}, set(), "USE_GAN=True with a WanPipeline teacher"),
              ({"FLUX_GUIDANCE": 3.5}, {"FLUX_GUIDANCE"}, "FLUX_GUIDANCE=3.5 with a WanPipeline teacher"),
              ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "one clip size"),
-             ({"DENOISING_STEPS": [999, 500, 100]}, set(), "evenly spaced from 999")]
+             ({"DENOISING_STEPS": [999, 500, 100]}, set(), "evenly spaced from 999"),
+             ({"REAL_GUIDANCE_SCALE_2": 3.0}, set(), "the low-noise expert's CFG of a two-expert teacher")]
     for change, changed, words in cases:
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_dmd_settings("WanPipeline", {**settings, **change}, changed, "txt")
@@ -229,6 +230,11 @@ def test_refusals_are_one_line(tiny, monkeypatch):
     import train_dmd
     monkeypatch.setattr(train_dmd, "NUM_FRAMES", 9)
     with pytest.raises(ConfigError, match="NUM_FRAMES=9 with a SD-1.5 teacher: it makes images"):
+        train_dmd.validate_config()
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match=re.escape(
+            "REAL_GUIDANCE_SCALE_2=3 with a SD-1.5 teacher: it is the low-noise expert's CFG")):
+        m.setattr(train_dmd, "NUM_FRAMES", 0)
+        m.setattr(train_dmd, "REAL_GUIDANCE_SCALE_2", 3)
         train_dmd.validate_config()
     for name, value in (("MODEL_PATH", tiny["model"]), ("DATA_PATH", f"{tiny['data']}/prompts.txt"),
                         ("NUM_FRAMES", 13), ("RESOLUTION", 24)):
@@ -440,7 +446,7 @@ def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     """The room's teacher velocity (cached text and "", CFG 5, timestep sigma * 1000, per token for TI2V-5B, the
     tokens unpacked) in the pipeline's own scheduler loop, from the noise the pipeline draws, gives its latents,
     and decode_latents its frames: Wan 2.1 T2V, TI2V-5B (its 2.2 VAE, flow_shift 5) and T2V-A14B (its steps at
-    t 999 on transformer, 857 and 600 on transformer_2)."""
+    t 999 on transformer at CFG 5, 857 and 600 on transformer_2 at its guidance_scale_2, 2)."""
     from families.wan.experts import Experts
     from diffusers import UniPCMultistepScheduler
     from diffusers.utils.torch_utils import randn_tensor
@@ -452,8 +458,10 @@ def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     def keep(p, i, t, kw):
         captured["latents"] = kw["latents"]
         return kw
+    low = {"guidance_scale_2": 2.0} if kind == "a14b" else {}  # A14B: the low-noise expert's own CFG
     frames = pipe(PROMPTS[0], height=size, width=size, num_frames=FRAMES, num_inference_steps=3,
-                  generator=torch.Generator().manual_seed(0), output_type="np", callback_on_step_end=keep).frames
+                  generator=torch.Generator().manual_seed(0), output_type="np", callback_on_step_end=keep,
+                  **low).frames
     text = cached_text(tiny, tmp_path, [PROMPTS[0], ""])
     grid = wan.latent_grid((size, size), tiny["settings"])
     channels = pipe.transformer.config.in_channels
@@ -467,7 +475,7 @@ def test_sampling_loop_is_the_pipelines(kind, request, tmp_path):
     if kind == "a14b":
         model = Experts(pipe.transformer, pipe.transformer_2, wan.expert_boundary(tiny["model"]))
         assert [float(t) for t in scheduler.timesteps] == [999.0, 857.0, 600.0]  # both experts
-    v = cond.velocity(model, 5.0)
+    v = cond.velocity(model, 5.0, guidance_2=low.get("guidance_scale_2"))
     with torch.no_grad():
         for t in scheduler.timesteps:
             pred = wan.unpack_latents(v(wan.pack_latents(x), t.float().reshape(1) / 1000), grid)
@@ -585,7 +593,7 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'a14b_text_cache'}", "--lora_rank=4", "--fake_lora=1", "--max_steps=3",
-                 "--save_every=3", "--sample_every=0", "--ema_decay=0.9"]
+                 "--save_every=3", "--sample_every=0", "--ema_decay=0.9", "--real_guidance_scale_2=3"]
     i2v_args = [f"--model_path={i2v['model']}", f"--data_path={i2v['data']}/data.jsonl",
                 f"--text_cache_dir={root / 'i2v_text_cache'}", f"--output_dir={out['i2v']}", "--max_steps=2",
                 "--save_every=0", "--sample_every=2"]
@@ -709,6 +717,7 @@ def test_a14b_dmd_two_ranks_equal_one_and_exports_both_experts(a14b, dmd_runs):
     for key in ("loss_fake", "loss_dm"):
         assert [r[key] for r in two if key in r] == pytest.approx([r[key] for r in one if key in r], rel=1e-4), key
     assert "load_lora_weights(export/transformer_2, load_into_transformer_2=True)" in logs["a14b"]
+    assert "teacher true CFG 5, 3 on the low-noise expert (none rescale)" in logs["a14b"]
     state = read_checkpoint(out["a14b"], 3, flat=True)  # both experts of every trained role, the adapters' EMA
     for part in ("model.generator.transformer.", "model.generator.transformer_2.", "model.fake.transformer_2.",
                  "model.ema.shadow.", "optim.generator."):

@@ -428,13 +428,15 @@ class WanCond:
     condition: torch.Tensor | None = None
     image: torch.Tensor | None = None  # (B, 257, 1280) 2.1 I2V's CLIP image tokens
 
-    def velocity(self, model, guidance: float, norm: str = "none"):
+    def velocity(self, model, guidance: float, norm: str = "none", guidance_2: float | None = None):
         """v(x_sigma, sigma) of `model`: the tokens (B, N, 4C) unpacked to (B, C, T, h, w), the transformer called
         as the pipeline calls it (timestep sigma * 1000, per sample or per token, the text), the prediction packed
         back. guidance > 1 (the teacher): CFG uncond + g (cond - uncond), the pair as one batch of 2B, rescaled by
         `norm`. TI2V-5B's image mode: the first latent frame's tokens are the image's at t = 0 (the pipeline's
         (1 - mask) * condition + mask * latents and mask * t), and their velocity is the one whose x0 is the image's
-        latents, (x - first) / sigma, so every model's x0 keeps the first frame clean."""
+        latents, (x - first) / sigma, so every model's x0 keeps the first frame clean. `guidance_2` (A14B, `model` the
+        Experts pair): the low-noise expert's scale, for each sample below the boundary (the pipeline's
+        current_guidance_scale)."""
         pair = guidance > 1 and self.negative is not None
         first = self.condition if self.per_token else None
 
@@ -460,7 +462,9 @@ class WanCond:
                             encoder_hidden_states=torch.cat([self.text, self.negative]), return_dict=False,
                             **image)[0]
                 out = pack_latents(out).float()
-                out = cfg_combine(out[:b], out[b:], guidance, norm)
+                scale = guidance if guidance_2 is None else torch.where(
+                    sigma * 1000 >= model.boundary, guidance, guidance_2).float()[:, None, None]
+                out = cfg_combine(out[:b], out[b:], scale, norm)
             else:
                 out = pack_latents(model(hidden_states=latents, timestep=timestep, encoder_hidden_states=self.text,
                                          return_dict=False, **image)[0]).float()
@@ -520,7 +524,8 @@ def dmd_guidance(settings) -> Guidance:
     """No guidance embedding: the teacher's CFG against NEGATIVE_PROMPT (REAL_GUIDANCE_SCALE, 0: the pipeline's
     GUIDANCE_SCALE; REAL_GUIDANCE_NORM, "": none, the pipeline's plain CFG); the export samples without it."""
     scale, norm = settings["REAL_GUIDANCE_SCALE"] or GUIDANCE_SCALE, settings["REAL_GUIDANCE_NORM"] or "none"
-    return Guidance(scale, norm, negative=NEGATIVE_PROMPT if scale > 1 else None, export_call="guidance_scale=1.0")
+    return Guidance(scale, norm, negative=NEGATIVE_PROMPT if scale > 1 else None, export_call="guidance_scale=1.0",
+                    scale_2=settings.get("REAL_GUIDANCE_SCALE_2") or None)
 
 
 def check_sizes(settings) -> None:
@@ -586,9 +591,14 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
     ]
     refused += [(name, name in changed, "its first image is read at the clip's size" if i2v else
                  "Wan reads no reference image") for name in ("REFERENCE_AREA", "CONDITION_AREA")]
-    if expert_boundary(settings["MODEL_PATH"]) is not None:  # one LoRA file adapts one expert
+    experts = expert_boundary(settings["MODEL_PATH"]) is not None
+    if experts:  # one LoRA file adapts one expert
         refused += [(name, bool(settings.get(name)), "A14B's two experts take two LoRA files, which it does not "
                      "read yet") for name in ("TEACHER_LORA", "GENERATOR_LORA")]
+    refused.append(("REAL_GUIDANCE_SCALE_2", settings.get("REAL_GUIDANCE_SCALE_2") and (
+        not experts or dmd_guidance(settings).scale <= 1),
+        "it is the low-noise expert's CFG of a two-expert teacher (Wan 2.2 A14B)" if not experts else
+        "WanPipeline runs no CFG pair where guidance_scale (REAL_GUIDANCE_SCALE) is <= 1, for either expert"))
     for name, hit, why in refused:
         if hit:
             raise ConfigError(f"{name}={settings.get(name)} with a {pipeline} teacher: {why}")
