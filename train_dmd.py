@@ -281,7 +281,8 @@ def validate_config() -> list[int]:
         raise ConfigError(f"NUM_FRAMES={NUM_FRAMES} with a {pipeline or 'SD-1.5'} teacher: it makes images, not videos")
     guide = room.dmd_guidance(script_constants(globals()))
     embedded = guide.embedded  # a guidance-distilled teacher's value
-    if REAL_GUIDANCE_SCALE_2 and guide.scale_2 is None:
+    known = not MODEL_PATH or os.path.isfile(os.path.join(MODEL_PATH, "model_index.json"))  # else checked later
+    if REAL_GUIDANCE_SCALE_2 and guide.scale_2 is None and known:
         raise ConfigError(f"REAL_GUIDANCE_SCALE_2={REAL_GUIDANCE_SCALE_2} with a {pipeline or 'SD-1.5'} teacher: it "
                           "is the low-noise expert's CFG of a two-expert teacher (Wan 2.2 A14B)")
     if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):

@@ -2,8 +2,8 @@
 # Wan 2.1 I2V-14B to a 4-step image-to-video Wan by DMD2 on 8 x 80 GB: a LoRA generator and a LoRA fake score of
 # rank 64 on the bf16 teacher, AC, 81 frames at 480p from each row's first image (the 36-channel input: the noisy
 # latents, the first-frame mask and the first frame's latents; CLIP image tokens cached beside the text), the
-# teacher's CFG 5 (WanImageToVideoPipeline's guidance_scale), without context parallelism (train_dmd.py has none
-# yet): `python tools/memory_plan.py --model=wan2.1-i2v-14b --world_size=8 --lora_rank=64 --fake_lora=1
+# teacher's CFG 5 (WanImageToVideoPipeline's guidance_scale), without context parallelism (the planner fits it
+# without): `python tools/memory_plan.py --model=wan2.1-i2v-14b --world_size=8 --lora_rank=64 --fake_lora=1
 # --activation_checkpointing=1 --gpu_memory_gb=80` plans 38.1 GiB per GPU (planned, not measured).
 # DATA: a .jsonl of {"control": first image, "prompt": ...} rows, or the folder layout (docs/data.md).
 # The export is a WanImageToVideoPipeline LoRA: load_lora_weights(export) on MODEL, the export's scheduler,

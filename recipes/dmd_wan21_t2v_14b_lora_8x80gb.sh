@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wan 2.1 T2V-14B to a 4-step Wan by DMD2 on 8 x 80 GB: a LoRA generator and a LoRA fake score of rank 64 on the
 # bf16 teacher, AC, 81 frames at 480p (32,760 video tokens), the teacher's CFG 5 (WanPipeline's guidance_scale),
-# without context parallelism (train_dmd.py has none yet):
+# without context parallelism, which the planner does not need here (its --cp_table: CP 8 fits without AC, 58.8):
 # `python tools/memory_plan.py --model=wan2.1-t2v-14b --world_size=8 --lora_rank=64 --fake_lora=1
 # --activation_checkpointing=1 --gpu_memory_gb=80` plans 36.0 GiB per GPU (the text-cache fill 9.4; planned,
 # not measured); at 720p (--resolution=720) 64.8.
