@@ -96,6 +96,8 @@ TEACHER_LORA = ""  # flow teachers: a LoRA of MODEL_PATH (an export/, or kohya /
 # the pipeline's lora_state_dict converts): the teacher is base + it
 GENERATOR_LORA = ""  # flow teachers, LORA_RANK > 0: a LoRA file (the forms TEACHER_LORA reads) whose adapters start the
 # generator and its EMA, e.g. a few-step LoRA to continue (its rank LORA_RANK, its modules among the targets)
+TEACHER_LORA_2 = ""  # two-expert teachers (Wan 2.2 A14B): the low-noise expert's (transformer_2) TEACHER_LORA
+GENERATOR_LORA_2 = ""  # two-expert teachers: the low-noise expert's GENERATOR_LORA (a Lightning pair's second file)
 DATA_PATH = ""  # prompts: .txt, .jsonl ("prompt"; "image" for the GAN), captions or datasets; "" = the teacher's
 # (an editing teacher: rows as train_flux_kontext.py reads them, "control"(s) + "prompt"; "target" for the GAN)
 CONTROL_PATH = ""  # editing teachers, folder layout: the reference images' folder(s); "" = DATA_PATH/control
@@ -292,8 +294,14 @@ def validate_config() -> list[int]:
     check_dmd_loss(room, pipeline)
     if CONTEXT_PARALLEL != 1:
         check_context_parallel(room, pipeline)
-    if GENERATOR_LORA and (room is unet or not LORA_RANK or INIT_FROM):
-        raise ConfigError(f"GENERATOR_LORA={GENERATOR_LORA} " + (
+    second = [c.subfolder for c in pipelines.PIPELINES.get(pipeline, ()) if c.role == "trainable"][1:]
+    for name, value in (("TEACHER_LORA_2", TEACHER_LORA_2), ("GENERATOR_LORA_2", GENERATOR_LORA_2)):
+        if value and known and not second:
+            raise ConfigError(f"{name}={value} with a {pipeline or 'SD-1.5'} teacher: it is a two-expert teacher's "
+                              "second LoRA (Wan 2.2 A14B's transformer_2); its pipeline trains one model")
+    generator_lora = GENERATOR_LORA or GENERATOR_LORA_2
+    if generator_lora and (room is unet or not LORA_RANK or INIT_FROM):
+        raise ConfigError(f"GENERATOR_LORA={generator_lora} " + (
             "with a UNet teacher: GENERATOR_INIT starts its generator" if room is unet else
             "without LORA_RANK: it starts LoRA adapters" if not LORA_RANK else
             "and INIT_FROM both set: INIT_FROM's checkpoint already holds the generator"))
@@ -378,17 +386,44 @@ def check_flow_settings(room, pipeline: str) -> None:
             raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
     room.check_dmd_settings(pipeline, script_constants(globals()), changed_settings(), source_kind(DATA_PATH))
     float8.check_fp8(FP8, base_dtype=BASE_DTYPE if LORA_RANK else "")
-    if TEACHER_LORA:  # before any work: a LoRA of this transformer, tensor for tensor
-        transformer = os.path.join(MODEL_PATH, "transformer")
-        lora_merge.read_lora(TEACHER_LORA, pipeline=pipeline).check_base(tensor_shapes(transformer),
-                                                                        f"TEACHER_LORA: {transformer}")
-    if GENERATOR_LORA:  # its adapters are the generator's, module for module
-        start = lora_merge.read_lora(GENERATOR_LORA, pipeline=pipeline)
-        trained = pipelines.trained_component(pipeline)
+    trained = pipelines.trained_component(pipeline)
+    for name, file, part in lora_files(pipeline, teacher=True):  # a LoRA of its transformer, tensor for tensor
+        folder = os.path.join(MODEL_PATH, part)
+        lora_merge.read_lora(file, pipeline=pipeline).check_base(tensor_shapes(folder), f"{name}: {folder}")
+    for name, file, part in lora_files(pipeline, teacher=False):  # its adapters are the generator's, one by one
         lora = lora_lib.Lora.from_settings(script_constants(globals()))
-        lora_merge.check_adapters(start, lora_lib.check_lora_targets(
-            trained.class_name, os.path.join(MODEL_PATH, trained.subfolder), lora, families.MODELS[trained.class_name]),
-            LORA_RANK, "GENERATOR_LORA")
+        lora_merge.check_adapters(lora_merge.read_lora(file, pipeline=pipeline), lora_lib.check_lora_targets(
+            trained.class_name, os.path.join(MODEL_PATH, part), lora, families.MODELS[trained.class_name]),
+            LORA_RANK, name)
+
+
+def lora_files(pipeline: str, teacher: bool) -> list[tuple[str, str, str]]:
+    """(setting, file, the pipeline part it adapts) of TEACHER_LORA[_2] (or GENERATOR_LORA[_2]) that are set: the
+    first for the trained model's first part (transformer), the second for a two-expert teacher's second."""
+    parts = [c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable"]
+    name = "TEACHER_LORA" if teacher else "GENERATOR_LORA"
+    files = (TEACHER_LORA, TEACHER_LORA_2) if teacher else (GENERATOR_LORA, GENERATOR_LORA_2)
+    return [(name + suffix, file, part) for suffix, file, part in zip(("", "_2"), files, parts) if file]
+
+
+def read_lora_parts(pipeline: str, teacher: bool):
+    """TEACHER_LORA[_2]'s (GENERATOR_LORA[_2]'s) adapters: None, the first part's LoraDelta, or with a second file
+    {part: LoraDelta} (a two-expert model's, families/wan/experts.py)."""
+    files = lora_files(pipeline, teacher)
+    if not files:
+        return None
+    deltas = {part: lora_merge.read_lora(file, pipeline=pipeline) for _, file, part in files}
+    first = pipelines.trained_component(pipeline).subfolder
+    return deltas[first] if list(deltas) == [first] else deltas
+
+
+def part_deltas(model: nn.Module, deltas) -> list:
+    """[(module, LoraDelta)]: a LoraDelta for the model's first part (itself, or its first pipeline part), or
+    {part: LoraDelta} for each named part."""
+    parts = model.pipeline_parts() if hasattr(model, "pipeline_parts") else None
+    if not isinstance(deltas, dict):
+        return [(next(iter(parts.values())) if parts else model, deltas)]
+    return [(parts[name], delta) for name, delta in deltas.items()]
 
 
 def check_generator_init(path: str, teacher_unet: str) -> None:
@@ -592,7 +627,7 @@ class Setup:
     scheduler: dict | None = None  # the scheduler config every export carries (None: the teacher's)
     export_note: str = ""  # how to sample the export, printed before it is written
     index: dict | None = None  # model_index.json entries the export sets (a distilled klein's is_distilled)
-    base_lora: object = None  # TEACHER_LORA's adapters (lora_merge.LoraDelta): a LoRA export carries them too
+    base_lora: object = None  # TEACHER_LORA[_2]'s adapters (read_lora_parts): a LoRA export carries them too
 
 
 def unet_setup(run: trainer.Run, room, step_list: list[int], precision: Precision) -> Setup:
@@ -716,9 +751,11 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=N
                               attention_backend=ATTENTION_BACKEND,
                               merge=base_lora, fp8=FP8)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
-    if GENERATOR_LORA:  # before the EMA copies it
-        lora_merge.load_adapters(generator, lora_merge.read_lora(GENERATOR_LORA, pipeline=run.pipeline))
-        print0(f"generator: its adapters from GENERATOR_LORA={GENERATOR_LORA}")
+    start = read_lora_parts(run.pipeline, teacher=False)
+    if start is not None:  # before the EMA copies it
+        for part, delta in part_deltas(generator, start):
+            lora_merge.load_adapters(part, delta)
+        print0("generator: its adapters from " + ", ".join(f"{n}={f}" for n, f, _ in lora_files(run.pipeline, False)))
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
     fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
                  base_dtype=BASE_DTYPE if fake_lora else "")
@@ -832,7 +869,7 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     # models: generator and fake score (trainable, LoRA or full), teacher (frozen; NF4 with a NF4 LoRA base)
     factor = room.vae_factor(MODEL_PATH)
     # read once (the builds and the export); another tool's key form through the pipeline's lora_state_dict
-    base_lora = lora_merge.read_lora(TEACHER_LORA, pipeline=run.pipeline) if TEACHER_LORA else None
+    base_lora = read_lora_parts(run.pipeline, teacher=True)
     mesh, cp_mesh, generator, fake, teacher, ema, fake_compute, teacher_dtype = build_flow_transformers(
         run, room, prec, base_lora)
     dp = split_sequences((generator, fake, teacher, ema), cp_mesh, CONTEXT_PARALLEL, d.world_size)

@@ -76,6 +76,9 @@ def make_validator(s: ValSettings, teacher_samples: Callable, student_samples: C
     lora = os.path.realpath(r["TEACHER_LORA"]) if r["TEACHER_LORA"] else ""
     identity = {"model": os.path.realpath(r["MODEL_PATH"]), "teacher_lora": lora,
                 "teacher_lora_size": os.path.getsize(lora_merge.lora_file(lora)) if lora else 0,
+                **({"teacher_lora_2": os.path.realpath(r["TEACHER_LORA_2"]),  # a two-expert teacher's second
+                    "teacher_lora_2_size": os.path.getsize(lora_merge.lora_file(r["TEACHER_LORA_2"]))}
+                   if r.get("TEACHER_LORA_2") else {}),
                 "rows": labels, "seeds": s.seeds, "seed": s.seed, "steps": s.teacher_steps,
                 "precision": r["PRECISION"], "teacher_dtype": r["TEACHER_DTYPE"], "vae": r["VAE_PATH"],
                 "vae_dtype": r["VAE_DTYPE"], **extra}

@@ -359,9 +359,10 @@ def finish(run: Run, final_weights, frozen: dict[str, str] | None = None, schedu
         # export/, each other's in export/<its name>/ (load_lora_weights(..., load_into_<its name>=True))
         parts = final_model.pipeline_parts() if hasattr(final_model, "pipeline_parts") else {component: final_model}
         if run.lora:
-            for i, (name, part) in enumerate(parts.items()):
+            for i, (name, part) in enumerate(parts.items()):  # base_lora: the first part's, or {part: its}
+                base = base_lora.get(name) if isinstance(base_lora, dict) else base_lora if i == 0 else None
                 export_lora(part, run.output("export", *([name] if i else [])), run.pipeline, component,
-                            torch.float32, scheduler if i == 0 else None, base_lora=base_lora)
+                            torch.float32, scheduler if i == 0 else None, base_lora=base)
         if not run.lora or c["LORA_EXPORT_MERGED"]:
             export_pipeline(c["MODEL_PATH"], run.output("export_merged" if run.lora else "export"),
                             parts, precision.parse_dtype(c["EXPORT_DTYPE"]), frozen=frozen,

@@ -213,7 +213,9 @@ def test_refusals_are_one_line(tiny, monkeypatch):
              ({"FLUX_GUIDANCE": 3.5}, {"FLUX_GUIDANCE"}, "FLUX_GUIDANCE=3.5 with a WanPipeline teacher"),
              ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "one clip size"),
              ({"DENOISING_STEPS": [999, 500, 100]}, set(), "evenly spaced from 999"),
-             ({"REAL_GUIDANCE_SCALE_2": 3.0}, set(), "the low-noise expert's CFG of a two-expert teacher")]
+             ({"REAL_GUIDANCE_SCALE_2": 3.0}, set(), "the low-noise expert's CFG of a two-expert teacher"),
+             ({"TEACHER_LORA_2": "low.safetensors"}, set(), "TEACHER_LORA_2=low.safetensors with a WanPipeline "
+              "teacher: it adapts a two-expert teacher's low-noise transformer_2")]
     for change, changed, words in cases:
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             wan.check_dmd_settings("WanPipeline", {**settings, **change}, changed, "txt")
@@ -588,7 +590,8 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
     out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v",
-                                 "cp", "a14b_cp")}
+                                 "cp", "a14b_cp", "a14b_loras")}
+    files = expert_lora_files(a14b["model"], root / "expert_loras")
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
     a14b_args = [f"--model_path={a14b['model']}", f"--data_path={a14b['data']}/prompts.txt",
@@ -611,12 +614,41 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
         "cp": job(args=common + [f"--output_dir={out['cp']}", "--ema_decay=0.9", "--grad_accum=2", "--save_every=0",
                                  "--context_parallel=2"]),
         "a14b_cp": job(args=common + a14b_args + [f"--output_dir={out['a14b_cp']}", "--context_parallel=2"], ranks=4),
+        "a14b_loras": job(args=common + a14b_args + [
+            f"--output_dir={out['a14b_loras']}", "--lora_rank=2", "--lora_alpha=2", "--generator_lr=0",
+            "--max_steps=1", "--save_every=0", "--ema_decay=0"] + [f"--{k}={v}" for k, v in files["args"].items()],
+            ranks=1),
         "i2v": job(args=common + i2v_args, ranks=1),
         "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
                                                   f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
                                                   f"--output_dir={out['ti2v_i2v']}"], ranks=1)},
         "full", job(args=common + [f"--output_dir={out['stopped']}", "--ema_decay=0.9", "--resume=auto"]))
-    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}, "expert_loras": files}
+
+
+def expert_lora_files(model, folder) -> dict:
+    """A14B LoRA pairs as the Lightning / LightX2V ones come (one file per expert, `diffusion_model.` keys,
+    lora_down / lora_up / .alpha): a rank-2 teacher pair (scale 1.5) and a rank-2 generator pair (scale 2) of
+    every block's attention and FFN. {"args": the four settings, "deltas": {(role, expert): {module: B @ A x s}}}."""
+    from diffusers import WanTransformer3DModel
+
+    from tests.test_lora_merge import diffusers_adapter, write
+    args, deltas = {}, {}
+    for i, (setting, role, expert, scale) in enumerate((
+            ("teacher_lora", "teacher", "transformer", 1.5), ("teacher_lora_2", "teacher", "transformer_2", 1.5),
+            ("generator_lora", "generator", "transformer", 2.0),
+            ("generator_lora_2", "generator", "transformer_2", 2.0))):
+        pairs, _ = diffusers_adapter(WanTransformer3DModel.from_pretrained(os.path.join(model, expert)), scale, 20 + i,
+                                     r"blocks\.\d+\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))")
+        tensors = {}
+        for m, (a, b) in pairs.items():
+            block, rest = re.fullmatch(r"(blocks\.\d+)\.(.+)", m).groups()
+            stem = f"diffusion_model.{block}.{ORIGINAL_NAMES[rest]}"
+            tensors.update({f"{stem}.lora_down.weight": a, f"{stem}.lora_up.weight": b,
+                            f"{stem}.alpha": torch.tensor(scale * a.shape[0])})
+        args[setting] = write(str(folder), f"{setting}.safetensors", tensors)
+        deltas[role, expert] = {m: (b.float() @ a.float()) * scale for m, (a, b) in pairs.items()}
+    return {"args": args, "deltas": deltas}
 
 
 @pytest.mark.slow
@@ -751,6 +783,47 @@ def test_a14b_dmd_two_ranks_equal_one_and_exports_both_experts(a14b, dmd_runs):
         assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
         assert [n for n, _ in seen] == ["high", "high", "low", "low"]
         assert [t for _, t in seen] == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a14b_lora_pairs_start_each_expert_and_the_export_carries_both(a14b, dmd_runs):
+    """A14B with a LoRA pair for the teacher (TEACHER_LORA, TEACHER_LORA_2) and one for the generator
+    (GENERATOR_LORA, GENERATOR_LORA_2), all in LightX2V's form, generator LR 0: each expert's teacher is the base
+    + its own file, the generator starts from its own, and the export's two files (the second loaded with
+    load_into_transformer_2=True) fuse on the plain base to base + teacher's + generator's deltas, expert by
+    expert."""
+    from diffusers import WanPipeline
+    out, files = dmd_runs["out"]["a14b_loras"], dmd_runs["expert_loras"]
+    assert "generator: its adapters from GENERATOR_LORA=" in dmd_runs["logs"]["a14b_loras"]
+    pipe = WanPipeline.from_pretrained(a14b["model"])
+    plain = WanPipeline.from_pretrained(a14b["model"])
+    pipe.load_lora_weights(str(out / "export"))
+    pipe.load_lora_weights(str(out / "export" / "transformer_2"), load_into_transformer_2=True)
+    for expert in ("transformer", "transformer_2"):
+        model = getattr(pipe, expert)
+        model.fuse_lora()
+        fused = {k.replace(".base_layer.", "."): v for k, v in model.named_parameters() if ".lora_" not in k}
+        base = dict(getattr(plain, expert).named_parameters())
+        moved = files["deltas"]["teacher", expert]
+        for m, d in moved.items():
+            want = base[f"{m}.weight"] + d + files["deltas"]["generator", expert][m]
+            torch.testing.assert_close(fused[f"{m}.weight"], want, rtol=1e-5, atol=1e-6, msg=(expert, m))
+        assert all(torch.equal(fused[k], v) for k, v in base.items() if k[:-len(".weight")] not in moved
+                   and k.endswith(".weight"))
+    # the teacher as the run builds it (the room's build, the pair read as train_dmd.py reads it): each expert
+    # merged with its own file
+    import fsdp_utils
+    from parallel import lora_merge
+    from precision import get_precision
+    merge = {expert: lora_merge.read_lora(files["args"][setting], pipeline="WanPipeline")
+             for setting, expert in (("teacher_lora", "transformer"), ("teacher_lora_2", "transformer_2"))}
+    teacher = wan.build_transformer(os.path.join(a14b["model"], "transformer"), None, get_precision("fp32"),
+                                    torch.device("cpu"), load=True, sharding=fsdp_utils.Sharding(), block_classes=[],
+                                    trainable=False, frozen_dtype=torch.float32, merge=merge)
+    for expert in ("transformer", "transformer_2"):
+        ours, base = (dict(getattr(m, expert).named_parameters()) for m in (teacher, plain))
+        for m, d in files["deltas"]["teacher", expert].items():
+            torch.testing.assert_close(ours[f"{m}.weight"], base[f"{m}.weight"] + d, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

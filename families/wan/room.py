@@ -106,7 +106,9 @@ def build_transformer(folder, mesh, prec, device, *, load, sharding, block_class
     boundary = expert_boundary(root)
     if boundary is None:
         return build(folder)
-    return Experts(build(folder), build(os.path.join(root, "transformer_2")), boundary)
+    merges = merge if isinstance(merge, dict) else {"transformer": merge}  # each expert's own LoRA (TEACHER_LORA_2)
+    return Experts(build(folder, merge=merges.get("transformer")),
+                   build(os.path.join(root, "transformer_2"), merge=merges.get("transformer_2")), boundary)
 
 
 def expert_boundary(model_path) -> float | None:
@@ -592,9 +594,9 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
     refused += [(name, name in changed, "its first image is read at the clip's size" if i2v else
                  "Wan reads no reference image") for name in ("REFERENCE_AREA", "CONDITION_AREA")]
     experts = expert_boundary(settings["MODEL_PATH"]) is not None
-    if experts:  # one LoRA file adapts one expert
-        refused += [(name, bool(settings.get(name)), "A14B's two experts take two LoRA files, which it does not "
-                     "read yet") for name in ("TEACHER_LORA", "GENERATOR_LORA")]
+    refused += [(name, bool(settings.get(name)) and not experts, "it adapts a two-expert teacher's low-noise "
+                 "transformer_2 (Wan 2.2 A14B); this one has one transformer") for name in ("TEACHER_LORA_2",
+                                                                                           "GENERATOR_LORA_2")]
     refused.append(("REAL_GUIDANCE_SCALE_2", settings.get("REAL_GUIDANCE_SCALE_2") and (
         not experts or dmd_guidance(settings).scale <= 1),
         "it is the low-noise expert's CFG of a two-expert teacher (Wan 2.2 A14B)" if not experts else
