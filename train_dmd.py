@@ -885,8 +885,10 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     grid = functools.partial(flow_dm.latent_grid, room, factor=factor, settings=settings)  # (size px) -> latent grid
     tokens = [flow_dm.token_count(grid(s)) for s in ((h, w), *refs)]
     frames = f" x {grid((h, w))[0]} latent frames" if len(grid((h, w))) > 2 else ""  # a video room's
+    words = getattr(room, "REFERENCE_WORDS", None)  # a reference that adds no tokens (a video's first frame)
     caption = (f"{h}x{w} px{frames} ({len(data.shapes)} shape(s)), {tokens[0]} target"
-               + "".join(f" + {t} reference" for t in tokens[1:]) + f" tokens, σ {sigmas}, " + guide.words())
+               + "".join(f" + {t} reference" for t in tokens[1:] if words is None) + " tokens"
+               + (f" + {words}" if words and refs else "") + f", σ {sigmas}, " + guide.words())
     inputs = functools.partial(flow_inputs, room=room, d=d, dp=dp, vae=vae, teacher=teacher, head=head, data=data,
                                sigmas=sigmas, cache_dir=cache_dir, identity=identity, guide=guide, grid=grid,
                                channels=room.latent_channels(vae), edits=data.edits)

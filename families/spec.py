@@ -44,6 +44,8 @@ OPTIONAL = {
                     "row by row (algorithms/flux_kontext.pack_latents)",
     "generator_sigmas": "(model_path, sigmas) -> the student's σ list where its export's scheduler makes its own "
                         "(a pipeline that passes no σ); else DENOISING_STEPS' (t + 1) / 1000",
+    "REFERENCE_WORDS": "how the start-up report names a row's reference where it enters as channels, not tokens "
+                       "(an image-to-video first frame); else its token count",
 }
 
 

@@ -836,6 +836,7 @@ def test_i2v_dmd_export_loads_in_the_pipeline_and_samples_from_the_first_image(i
     from data.images import load_pil
     out, log = dmd_runs["out"]["i2v"], dmd_runs["logs"]["i2v"]
     assert "data: 16 rows" in log and "image cache: 16 first images' CLIP tokens, computed 16" in log
+    assert "12 target tokens + the first frame as the pipeline conditions on it, σ" in log  # no reference tokens
     assert "32x32 px x 3 latent frames (1 shape(s))" in log and (out / "samples" / "step_000002.png").exists()
     trained = wan.generator_sigmas(i2v["model"], [1.0, 0.75, 0.5, 0.25])
     pipe = WanImageToVideoPipeline.from_pretrained(str(out / "export"))

@@ -62,6 +62,7 @@ from precision import dtype_name
 
 NAME = "Wan"  # how the README and docs name the family
 MAX_REFERENCES = 1  # image to video: the first frame (text to video reads none)
+REFERENCE_WORDS = "the first frame as the pipeline conditions on it"  # channels (2.1 I2V) or clean tokens (TI2V)
 I2V = "WanImageToVideoPipeline"
 NEGATIVE_PROMPT = ""  # diffusers' default negative prompt (encode_prompt: negative_prompt or "")
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's CFG pairs with
