@@ -552,7 +552,6 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
     global_batch = BATCH_SIZE * d.world_size // CONTEXT_PARALLEL * GRAD_ACCUM  # a CP group's ranks share samples
     # CONTEXT_PARALLEL = C: each rank of a CP group computes the whole loss, its grads hold its tokens' share, and
     # FSDP averages over all dp x cp ranks: x C (parallel/context_parallel.py)
-    scale = CONTEXT_PARALLEL / GRAD_ACCUM
     with Prefetcher(lambda s: load(s - 1), MAX_STEPS, d.device) as prefetch:  # step s loads it = s - 1
         for step in range(start + 1, MAX_STEPS + 1):
             it = step - 1
@@ -572,7 +571,7 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                                 x = steps.images(train_gen, mb, index)
                             if gen_turn:
                                 loss, parts = steps.generator_loss(x, mb, train_fake)
-                                (loss * scale).backward()
+                                (loss * CONTEXT_PARALLEL / GRAD_ACCUM).backward()
                                 add_logs(logs, parts, 1 / GRAD_ACCUM)
                         images.append(x.detach())
                     if gen_turn:
@@ -583,7 +582,7 @@ def run_loop(run, start: int, steps: StepFns, load, n_steps: int, models: dict, 
                     for m, (mb, x) in enumerate(zip(batches, images)):
                         with fsdp_utils.gradient_sync(train_fake, last_micro_batch=m == GRAD_ACCUM - 1):  # fwd, bwd
                             loss, parts = steps.guidance_loss(x, mb, train_fake)
-                            (loss * scale).backward()
+                            (loss * CONTEXT_PARALLEL / GRAD_ACCUM).backward()
                         add_logs(logs, parts, 1 / GRAD_ACCUM)
             updates = [(list(generator.parameters()), opt_g, "generator")] if gen_turn else []
             updates.append((list(guidance.parameters()), opt_d, "guidance"))
