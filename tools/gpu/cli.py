@@ -154,9 +154,11 @@ def main() -> None:
             refs[r["ref"]] = {"error": "left out: the rows would not fit after it"}
             continue
         try:
-            text_len, references = spec(r["family"]).gpu.reference_shape(folder, data[r["run"]], s)
+            gpu = spec(r["family"]).gpu
+            text_len, references = gpu.reference_shape(folder, data[r["run"]], s)
+            grid = gpu.target_grid(folder, s) if gpu.target_grid else None
             refs[r["ref"]] = plain_reference(r["family"], folder, s["resolution"], s["batch_size"], text_len, device,
-                                             references)
+                                             references, grid)
         except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
             refs[r["ref"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(f"plain {r['ref']}: {refs[r['ref']]}", flush=True)
@@ -190,6 +192,7 @@ def main() -> None:
         rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
                      "ratio": extra.get("dfake_gen_update_ratio"),
                      "lora_generator": bool(r["settings"].get("lora_rank")),
+                     "lora_fake": bool(r["settings"].get("lora_rank")) and bool(int(extra.get("fake_lora", 0))),
                      "flow": family.protocols.get("train_dmd.py") is FlowDistillationRoom,
                      "cfg_pair": family.gpu.true_cfg and float(extra.get("real_guidance_scale", 0)) > 1})
         print(f"{r['run']}: {result}", flush=True)
