@@ -72,9 +72,9 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
                 "generator step = 2 P + 3 F (generator and fake score forward + backward, the teacher's CFG pair, "
                 "the DM loss's fake forward); P = plain fwd+bwd (+ F with AC's recomputation), F = plain fwd "
                 "without grad, at the row's batch; the timed steps' own mix of generator and fake-score steps "
-                "(FLUX.2 rows: dmd_flow_network_ms, with the backward simulation's forwards at each step's logged "
-                "σ index, the references' VAE encode, the teacher's true-CFG pair and a LoRA generator's "
-                "frozen-weight backward)", "",
+                "(flow rows with the teacher's CFG pair timed, FLUX.2 and Wan: dmd_flow_network_ms, with the "
+                "backward simulation's forwards at each step's logged σ index, the references' VAE encode, the "
+                "teacher's true-CFG pair and a LoRA generator's and fake score's frozen-weight backward)", "",
             "| run | generator + fake-score steps timed | network calls ms/step | step ms | ratio | goal |",
             "|---|---:|---:|---:|---:|---|", *lines]
 
