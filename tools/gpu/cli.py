@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--suite", default="acceptance",
                     help=f"one of {', '.join(SUITES)}. acceptance: every script and mode once; speed: step-time rows "
                          "(kernels, AC, compile); qwen_image: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, "
+                         "wan: Wan 2.1 T2V-1.3B DMD2 (81 frames at 480p), "
                          "fp8 / fp8_qwen: FP8 against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's "
                          "1024 px LoRA (each a call of its own)")
     a = ap.parse_args()
