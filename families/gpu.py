@@ -29,6 +29,9 @@ class GpuCheck:
     reference_note: str = ""  # what the reference's label adds ("target + 2 references")
     encodes_target: bool = True  # a step's VAE encode takes its target beside its references (DMD2: references only)
     vae_frames: int = 0  # a video VAE: the pixels it encodes have this many frames (0: an image VAE)
+    # (folder, settings) -> the target's latent grid as the spec's example_inputs takes it (a video's (T, h, w));
+    # None: a square image of the row's resolution
+    target_grid: Callable | None = None
     # (model, kwargs, batch, device, timed) -> {name: ms}: a DMD2 step's further plain calls, each timed(fn, device)
     dmd_calls: Callable | None = None
     channels_last: Callable | None = None  # model -> model with NHWC conv inputs: a reference row of its own
@@ -39,3 +42,29 @@ class GpuCheck:
     # (row, tiny) -> the family's own suite (--suite=<family>), `row` the check's row builder
     # row(name, script, family, resolution, expect_s, **settings); None: no suite of its own
     suite: Callable | None = None
+
+
+def true_cfg_calls(model, args: dict, batch: int, device, timed) -> dict:
+    """GpuCheck.dmd_calls of a family whose DMD2 teacher batches its CFG pair (true_cfg): the plain calls a step
+    makes beyond forward and forward + backward, each `timed(fn, device)`: the teacher's pair, one forward without
+    grad of a batch of 2B (prompt and negative, as the room's cond.velocity batches them), and a LoRA model's
+    forward + backward, whose frozen weights pass gradients to their inputs only (the adapters' own matmuls are
+    not counted)."""
+    import torch
+    pair = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in args.items()}
+
+    def pair_fwd():
+        with torch.no_grad():
+            model(**pair, return_dict=False)
+
+    def frozen_fwd_bwd():
+        x = args["hidden_states"].detach().requires_grad_()
+        model(**{**args, "hidden_states": x}, return_dict=False)[0].float().square().mean().backward()
+
+    out = {"fwd_pair_ms": timed(pair_fwd, device)}
+    model.requires_grad_(False)
+    try:
+        out["frozen_fwd_bwd_ms"] = timed(frozen_fwd_bwd, device)
+    finally:
+        model.requires_grad_(True)
+    return out

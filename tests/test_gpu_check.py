@@ -30,6 +30,8 @@ CLI_RUNS = {
     "test_qwen_rows_on_cpu_train_resume_export_and_load": ["--suite=qwen_image"],
     "test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
         ["--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac"],
+    "test_wan_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
+        ["--suite=wan", "--runs=dmd_wan21_t2v_32p_9f_4step_lora64_ac"],
     "test_speed_rows_on_cpu_print_the_dmd_bound_and_the_channels_last_plain_row":
         ["--suite=speed", "--runs=dmd_sd15_32px_b32_ac_channels_last"],
     "test_plumbing_check_on_cpu_skips_the_cuda_rows_and_exits_0": ["--runs=cudnn_attention_probe"],
@@ -85,12 +87,12 @@ def test_smaller_blocks_halve_one_kind_to_one_and_leave_whole_and_tiny_models():
 
 
 def test_each_family_gives_the_check_its_facts():
-    """Every family's GpuCheck (a family without one, spec.gpu None, has no rows yet: Wan, Z-Image): its block keys
+    """Every family's GpuCheck (a family without one, spec.gpu None, has no rows yet: Z-Image): its block keys
     are its trained model's config keys, its default counts one per key, its tiny rows on spec.tiny's first folder,
     its label the table's; the check's core names no family."""
     import families
     checked = [spec for spec in families.SPECS if spec.gpu is not None]
-    assert [s.name for s in families.SPECS if s.gpu is None] == ["wan", "z_image"]
+    assert [s.name for s in families.SPECS if s.gpu is None] == ["z_image"]
     for spec in checked:
         g = spec.gpu
         sub = gpu.folders.trained_subfolder(spec.name)
@@ -101,7 +103,7 @@ def test_each_family_gives_the_check_its_facts():
         assert gpu.folders.model_label(spec.name, "tiny") == f"tiny {g.label}"
         assert all(sub_name in {c.subfolder for p in spec.pipelines for c in p.components} for sub_name, _ in g.parts)
     assert [gpu.folders.model_label(s.name, gpu.folders.default_size(s.name, False)) for s in checked] == [
-        "SD-1.5", "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "FLUX.2 klein 2+4 blocks"]
+        "SD-1.5", "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "FLUX.2 klein 2+4 blocks", "Wan 2.1 T2V-1.3B 2 blocks"]
     assert gpu.folders.model_label(None, None) == "-"
     core = ("folders", "budget", "reference", "run", "report", "cli")  # rows.py's rows name their family as data
     for module in core:
@@ -112,7 +114,7 @@ def test_each_family_gives_the_check_its_facts():
 def test_a_renamed_suite_or_option_is_refused_in_one_line_naming_the_new_one(monkeypatch):
     from tools.gpu import cli
     for args, said in ((["--suite=qwen"], "--suite=qwen_image"), (["--qwen_blocks=2"], "--qwen_image_blocks"),
-                       (["--suite=nope"], "choose one of acceptance, speed, qwen_image, flux2, fp8, fp8_qwen"),
+                       (["--suite=nope"], "choose one of acceptance, speed, qwen_image, flux2, wan, fp8, fp8_qwen"),
                        (["--flux2_blocks=2"], "give 2 block count(s) (num_layers, num_single_layers)")):
         monkeypatch.setattr("sys.argv", ["gpu_check.py", *args])
         with pytest.raises(SystemExit) as stop:
@@ -372,6 +374,56 @@ def test_the_flux2_rows_are_sized_by_the_scripts_arithmetic_and_fit_one_device_c
     assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
 
 
+def test_the_wan_rows_are_the_recipes_dmd2_sized_planned_and_fit_one_device_call(tmp_path, monkeypatch):
+    """Wan 2.1 T2V-1.3B's transformer at 2 blocks of real width (0.12 B parameters):
+    recipes/dmd_wan21_t2v_1.3b_lora.sh's DMD2 (LoRA r64 generator and fake score, CFG 5, AC) at 81 frames of 480 x
+    832, whose latents the plain reference takes as the room lays them out (21 x 60 x 104; the tiny rows' 9 frames
+    of 32 x 32: 3 x 4 x 4). Both trained models are adapters: a 0.141 GB checkpoint, 0.305 GB at the resume's peak.
+    The planner is asked for the rows' FAKE_LORA and NUM_FRAMES; both rows, the start-up and their one plain
+    reference fit one call."""
+    from families.wan import gpu as wan_gpu
+    rows = gpu.rows.plan_runs(tiny=False, suite="wan")
+    assert [r["run"] for r in rows] == ["dmd_wan21_t2v_480p_81f_4step_lora64_ac",
+                                        "dmd_wan21_t2v_480p_81f_4step_lora64_ac_timed"]
+    assert rows[0]["resume"] and not rows[1]["resume"] and all(r["ref"] for r in rows)
+    s = rows[0]["settings"]
+    assert (s["resolution"], s["lora_rank"], s["ac"], s["export_dtype"]) == (480, 64, True, "bf16")
+    assert {k: s["extra"][k] for k in ("num_frames", "fake_lora", "lora_alpha", "real_guidance_scale")} == {
+        "num_frames": 81, "fake_lora": 1, "lora_alpha": 64, "real_guidance_scale": 5.0}
+    folder = gpu.folders.skeleton("wan", str(tmp_path), (2,), gpu.folders.real_configs("wan"))
+    assert wan_gpu.target_grid(folder, s) == (21, 60, 104)
+    tiny = gpu.rows.plan_runs(tiny=True, suite="wan")[0]
+    assert wan_gpu.target_grid(folder, tiny["settings"]) == (3, 4, 4)  # the tiny VAE's factors are the real ones
+    one, export = gpu.budget.row_bytes(rows[0], folder)
+    assert (_gb(one), _gb(gpu.budget.peak_disk(one, export, True))) == ("0.141 GB", "0.305 GB")
+    assert export < 0.05 * gpu.budget.GB  # the generator's adapters
+    from tools import memory_plan
+    planned = []
+    monkeypatch.setattr(memory_plan, "plan", lambda model, settings: planned.append(settings) or {"gpu_total": 1})
+    gpu.budget.planned_bytes(folder, 1, s, "train_dmd.py", 80)
+    gpu.budget.planned_bytes(folder, 1, gpu.rows.plan_runs(tiny=False, suite="flux2")[0]["settings"], "", 80)
+    wan, flux2 = planned
+    assert (wan.resolution, wan.frames, wan.lora_rank, wan.fake_lora, wan.activation_checkpointing) == (
+        480, 81, 64, True, True)
+    assert (flux2.frames, flux2.fake_lora) == (None, False)  # an image row: the family's frames (none)
+    assert gpu.folders.model_label("wan", (2,)) == "Wan 2.1 T2V-1.3B 2 blocks"
+    expected = gpu.rows.STARTUP_EXPECT_S + gpu.rows.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
+    assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
+
+
+def test_a_lora_fake_scores_step_counts_its_frozen_weight_backward():
+    """FAKE_LORA: the fake score's forward + backward is its frozen weights' (P_G), as a LoRA generator's. The
+    FLUX.2 bound's figures (F 100, F2 180, P 300, P_G 200, V 10; steps 5, 6, 7 at σ indices 0, 2, 3) with a LoRA
+    fake score: fake-score steps V + (k + 1) F + P_G = 310, 610; the generator step V + k F + P_G + F2 + F + P_G =
+    890; a step that encodes nothing (text to video, V = 0): 30 less each."""
+    plain = {"fwd_ms": 100.0, "fwd_pair_ms": 180.0, "fwd_bwd_ms": 300.0, "frozen_fwd_bwd_ms": 200.0, "vae_ms": 10.0}
+    steps, indices = [5, 6, 7], [0, 2, 3]
+    ms, gen = gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, False, True, True, lora_fake=True)
+    assert gen == 1 and ms == pytest.approx(1810 / 3)
+    none = gpu.report.dmd_flow_network_ms({**plain, "vae_ms": 0.0}, steps, indices, 5, False, True, True, True)
+    assert none[0] == pytest.approx(1780 / 3)
+
+
 def test_the_fp8_rows_pair_each_recipe_with_bf16_and_fit_one_call_each():
     """--suite=fp8 (Kontext 1024 px full fine-tune, cached latents) and --suite=fp8_qwen (Qwen-Image-Edit 1024 px
     LoRA, two references): bf16, tensorwise and rowwise, eager and compiled, 12 steps each from the same seed; each
@@ -419,6 +471,26 @@ def test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigm
     ref, = result["refs"].values()
     assert all(ref[k] > 0 for k in ("fwd_ms", "fwd_pair_ms", "fwd_bwd_ms", "frozen_fwd_bwd_ms", "vae_ms"))
     assert "| dmd_flux2_klein_64px_4step_lora64_ac | 2 + 8 |" in (out / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_wan_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas(cli, request):
+    """The tiny Wan DMD2 row (--suite=wan, 9 frames of 32 x 32): trained with its plain reference (the teacher's CFG
+    pair and the frozen-weight backward among its calls; no VAE encode: text to video), saved, resumed, exported,
+    the LoRA export sampled by WanPipeline in 4 steps at the trained σ list (flow_shift 3), and set against its
+    network calls."""
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
+    assert ("export sampled in 4 steps: (1, 9, 32, 32, 3) video, timesteps seen [1000.0, 928.205, 799.283, 500.0]"
+            in stdout)
+    result = json.loads((out / "gpu_check.json").read_text())
+    row, = result["rows"]
+    assert row["ok"] and row["resume_export"] == "pass" and row["model"] == "tiny Wan 2.1 T2V-1.3B"
+    assert len(row["step_indices"]) == len(row["timed_steps"]) == 10 and row["lora_fake"] and row["cfg_pair"]
+    ref, = result["refs"].values()
+    assert all(ref[k] > 0 for k in ("fwd_ms", "fwd_pair_ms", "fwd_bwd_ms", "frozen_fwd_bwd_ms"))
+    assert ref["vae_ms"] == 0
+    assert "| dmd_wan21_t2v_32p_9f_4step_lora64_ac | 2 + 8 |" in (out / "gpu_check.md").read_text()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@
 #   bash tools/gpu_check.sh --flux_blocks=4,8        # more FLUX blocks at real width (fewer where the disk is short)
 #   bash tools/gpu_check.sh --suite=qwen_image --skip_tests --out=$OUT  # the Qwen-Image-Edit rows: a call of their own
 #   bash tools/gpu_check.sh --suite=flux2 --skip_tests --out=$OUT  # FLUX.2 klein-base DMD2: a call of its own
+#   bash tools/gpu_check.sh --suite=wan --skip_tests --out=$OUT    # Wan 2.1 T2V-1.3B DMD2: a call of its own
 #   bash tools/gpu_check.sh --suite=speed --skip_tests --out=$OUT   # the step-time rows
 set -uo pipefail
 export GPU_CHECK_T0=$(date +%s.%N)  # the deadline counts from here

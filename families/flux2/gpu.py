@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from families.gpu import GpuCheck
+from families.gpu import GpuCheck, true_cfg_calls
 
 
 def text_encoder_config(tiny: dict, real: str) -> dict:
@@ -37,31 +37,6 @@ def _text_encoder(tiny: str, real: str):
 def reference_shape(folder, data, settings):
     """(the text padded to the run's length, the pairs' one context at the target's size)."""
     return int(settings["extra"].get("max_sequence_length", 512)), (settings["resolution"],)
-
-
-def dmd_calls(model, args: dict, batch: int, device, timed) -> dict:
-    """The plain calls a klein DMD2 step makes beyond forward and forward + backward (dmd_flow_network_ms), each
-    `timed(fn, device)`: the teacher's true-CFG pair, one forward without grad of a batch of 2B
-    (families/flux2.Flux2Cond.velocity batches prompt and negative), and a LoRA generator's forward + backward, whose
-    frozen weights pass gradients to their inputs only (the adapters' own matmuls are not counted)."""
-    import torch
-    pair = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in args.items()}
-
-    def pair_fwd():
-        with torch.no_grad():
-            model(**pair, return_dict=False)
-
-    def frozen_fwd_bwd():
-        x = args["hidden_states"].detach().requires_grad_()
-        model(**{**args, "hidden_states": x}, return_dict=False)[0].float().square().mean().backward()
-
-    out = {"fwd_pair_ms": timed(pair_fwd, device)}
-    model.requires_grad_(False)
-    try:
-        out["frozen_fwd_bwd_ms"] = timed(frozen_fwd_bwd, device)
-    finally:
-        model.requires_grad_(True)
-    return out
 
 
 def export_samples(export: str, base: str, s: dict, data: str) -> bool:
@@ -122,7 +97,7 @@ def suite(row, tiny: bool) -> list:
 
 GPU = GpuCheck(suite=suite, label="FLUX.2 klein", configs="flux2-klein-4b",
                parts=(("vae", _vae), ("text_encoder", _text_encoder)), keep=("tokenizer", "scheduler"),
-               reference_shape=reference_shape,
+               reference_shape=reference_shape, dmd_calls=true_cfg_calls,
                blocks=("num_layers", "num_single_layers"), default_blocks=(2, 4),
-               reference_note=", target + 1 reference", dmd_calls=dmd_calls, true_cfg=True, export_loads=export_samples,
+               reference_note=", target + 1 reference", true_cfg=True, export_loads=export_samples,
                encodes_target=False)  # the rows are DMD2's: the generator makes the target

@@ -7,7 +7,7 @@ from __future__ import annotations
 import families.wan as room
 from families.pipelines import Component
 from families.spec import FamilySpec, FlowDistillationRoom, PipelineSpec
-from families.wan import parallelism, plan_spec, tiny
+from families.wan import gpu, parallelism, plan_spec, tiny  # gpu: the GPU check's facts
 
 # transformer_2: Wan 2.2 A14B's low-noise expert ([null, null] in the other folders' model_index.json)
 _PARTS = (Component("transformer", "transformer", "trainable", "WanTransformer3DModel"),
@@ -35,5 +35,5 @@ SPEC = FamilySpec(
     tiny={"wan_t2v": tiny.build_wan_t2v, "wan_ti2v": tiny.build_wan_ti2v,  # tools/tiny_models.BUILDERS
           "wan_a14b": tiny.build_wan_a14b, "wan_i2v": tiny.build_wan_i2v,
           "wan_i2v_a14b": tiny.build_wan_i2v_a14b, "wan_ti2v_i2v": tiny.build_wan_ti2v_i2v},
-    models=parallelism.MODELS,
+    models=parallelism.MODELS, gpu=gpu.GPU,
     **{**plan_spec.PLAN, "example_inputs": example_inputs})  # the planner's fields: six built-ins, 81 frames

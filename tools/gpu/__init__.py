@@ -25,7 +25,10 @@ adamw8bit, DMD2 with a Kontext teacher (resume), Kontext LoRA under COMPILE=1, Q
 Qwen-Image-Edit rows are a second call (--suite=qwen_image), FLUX.2 klein-base DMD2 a third (--suite=flux2: a LoRA
 r64 generator and a full fake score at 512 px saved, resumed, exported and the export sampled in 4 steps by
 Flux2KleinPipeline, and the same timed at 1024 px; klein-base-4B's transformer at --flux2_blocks of real width,
-its real VAE, a narrow Qwen3 of the real width)
+its real VAE, a narrow Qwen3 of the real width), Wan 2.1 T2V-1.3B DMD2 a fourth (--suite=wan: the recipe's LoRA r64
+generator and fake score at 81 frames of 480 x 832, saved, resumed, exported and sampled in 4 steps by WanPipeline,
+and the same timed; the transformer at --wan_blocks of real width, the real AutoencoderKLWan, a narrow UMT5 of the
+real width)
 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score step under
 torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds (each row's
 expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left; one

@@ -50,7 +50,7 @@ def row_bytes(row: dict, folder: str) -> tuple[int, int]:
     extra = s.get("extra", {})
     lora = lora_lib.Lora(s.get("lora_rank", 0), float(extra.get("lora_alpha", 0)))
     _, _, parts = memory_plan.build_components(folder, get_precision(s["precision"]), build=False, lora=lora,
-                                               script=row["script"])
+                                               fake_lora=bool(lora) and fake_lora(extra), script=row["script"])
     trained, subfolder = {}, ""
     for part in (p for p in parts if p.holding.trained):
         model = torch.nn.Module.to(memory_plan.meta_model(os.path.join(folder, part.spec.subfolder)), part.dtype)
@@ -187,15 +187,22 @@ def fake_score_fp32(extra: dict) -> bool:
     return bool(int(extra.get("fake_score_fp32", memory_plan.Settings.fake_score_fp32)))
 
 
+def fake_lora(extra: dict) -> bool:
+    """A DMD2 row's FAKE_LORA: the fake score trained as adapters too (with a LORA_RANK)."""
+    return bool(int(extra.get("fake_lora", 0)))
+
+
 def planned_bytes(model: str, world: int, s: dict, script: str, gpu_gb: float) -> int:
-    """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on a GPU of `gpu_gb`."""
+    """The planner's GPU total for a row, with the scripts' RESHARD_AFTER_FORWARD=auto on a GPU of `gpu_gb` (a video
+    row: its NUM_FRAMES, else the family's frames)."""
     from tools import memory_plan
     extra = s.get("extra", {})
     settings = memory_plan.Settings(world_size=world, precision=s["precision"], batch_size=s["batch_size"],
                                     resolution=s["resolution"], activation_checkpointing=s.get("ac", False),
                                     lora_rank=s.get("lora_rank", 0), base_dtype=s.get("base_dtype", ""),
                                     optimizer=s.get("optimizer", "adamw"), script=script,
-                                    fake_score_fp32=fake_score_fp32(extra),
+                                    fake_score_fp32=fake_score_fp32(extra), fake_lora=fake_lora(extra),
+                                    frames=int(extra["num_frames"]) if "num_frames" in extra else None,
                                     fp8=extra.get("fp8", ""), reshard_after_forward=None, gpu_memory_gb=gpu_gb)
     return memory_plan.plan(model, settings)["gpu_total"]
 

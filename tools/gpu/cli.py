@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--suite", default="acceptance",
                     help=f"one of {', '.join(SUITES)}. acceptance: every script and mode once; speed: step-time rows "
                          "(kernels, AC, compile); qwen_image: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, "
+                         "wan: Wan 2.1 T2V-1.3B DMD2 (81 frames at 480p), "
                          "fp8 / fp8_qwen: FP8 against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's "
                          "1024 px LoRA (each a call of its own)")
     a = ap.parse_args()
@@ -154,9 +155,11 @@ def main() -> None:
             refs[r["ref"]] = {"error": "left out: the rows would not fit after it"}
             continue
         try:
-            text_len, references = spec(r["family"]).gpu.reference_shape(folder, data[r["run"]], s)
+            gpu = spec(r["family"]).gpu
+            text_len, references = gpu.reference_shape(folder, data[r["run"]], s)
+            grid = gpu.target_grid(folder, s) if gpu.target_grid else None
             refs[r["ref"]] = plain_reference(r["family"], folder, s["resolution"], s["batch_size"], text_len, device,
-                                             references)
+                                             references, grid)
         except Exception as e:  # noqa: BLE001 - the row says what failed; the runs still go on
             refs[r["ref"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(f"plain {r['ref']}: {refs[r['ref']]}", flush=True)
@@ -190,6 +193,7 @@ def main() -> None:
         rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
                      "ratio": extra.get("dfake_gen_update_ratio"),
                      "lora_generator": bool(r["settings"].get("lora_rank")),
+                     "lora_fake": bool(r["settings"].get("lora_rank")) and bool(int(extra.get("fake_lora", 0))),
                      "flow": family.protocols.get("train_dmd.py") is FlowDistillationRoom,
                      "cfg_pair": family.gpu.true_cfg and float(extra.get("real_guidance_scale", 0)) > 1})
         print(f"{r['run']}: {result}", flush=True)

@@ -39,12 +39,28 @@ def _model_flops(fn) -> dict:
     return dict(counter.by_kind)
 
 
+def _vae_encode_ms(folder: str, images: int, resolution: int, frames: int, device, dtype, g) -> float:
+    """The VAE encode of `images` square images of `resolution` px (`frames`: videos of that many frames, the
+    target and each reference one size in these rows), ms."""
+    import diffusers
+    import torch
+    with open(os.path.join(folder, "vae", "config.json")) as f:
+        vae_class = getattr(diffusers, json.load(f)["_class_name"])
+    vae = vae_class.from_pretrained(os.path.join(folder, "vae"), torch_dtype=dtype).to(device)
+    pixels = torch.randn(images, 3, resolution, resolution, device=device, dtype=dtype, generator=g)
+    if frames:
+        pixels = pixels[:, :, None].expand(-1, -1, frames, -1, -1)
+    with torch.no_grad():
+        return _timed(lambda: vae.encode(pixels).latent_dist.mode(), device, warmup=1, repeat=3)
+
+
 def plain_reference(name: str, folder: str, resolution: int, batch: int, text_len: int, device,
-                    references: tuple[int, ...] = ()) -> dict:
+                    references: tuple[int, ...] = (), grid: tuple[int, ...] | None = None) -> dict:
     """Forward + backward of the bare trained model of the family `name` (ms, MFU) on its spec's example_inputs
-    (square images: the target of `resolution` px, then each of `references` px), and apart the fused AdamW step
-    over fp32 copies of its parameters and the VAE encode of one step's images (GpuCheck.encodes_target: the
-    target too, then every reference)."""
+    (square images: the target of `resolution` px, or the target's latent `grid` (GpuCheck.target_grid: a video's
+    (T, h, w)), then each of `references` px), and apart the fused AdamW step over fp32 copies of its parameters
+    and the VAE encode of one step's images (GpuCheck.encodes_target: the target too, then every reference; a step
+    that encodes none, DMD2 of text to video: 0 ms)."""
     import diffusers
     import torch
 
@@ -69,8 +85,8 @@ def plain_reference(name: str, folder: str, resolution: int, batch: int, text_le
         with open(os.path.join(folder, "vae", "config.json")) as f:
             factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
     torch.manual_seed(0)  # example_inputs draws from the default generator
-    args = family.example_inputs(model.config, batch, [(s // factor, s // factor) for s in (resolution, *references)],
-                                 text_len, device, dtype)
+    shapes = [tuple(grid) if grid else (resolution // factor,) * 2] + [(s // factor, s // factor) for s in references]
+    args = family.example_inputs(model.config, batch, shapes, text_len, device, dtype)
     args.pop("return_dict", None)
     images = (gpu.encodes_target + len(references)) * batch
     model.to(device).train()
@@ -105,15 +121,7 @@ def plain_reference(name: str, folder: str, resolution: int, batch: int, text_le
     opt = torch.optim.AdamW(master, lr=1e-5, fused=device.type == "cuda")
     out["adamw_ms"] = _timed(opt.step, device, warmup=1, repeat=3)
     master = opt = None
-    with open(os.path.join(folder, "vae", "config.json")) as f:
-        vae_class = getattr(diffusers, json.load(f)["_class_name"])
-    vae = vae_class.from_pretrained(os.path.join(folder, "vae"), torch_dtype=dtype).to(device)
-    pixels = torch.randn(images, 3, resolution, resolution, device=device, dtype=dtype, generator=g)
-    if gpu.vae_frames:  # videos of that many frames (the target and each reference, one size in these rows)
-        pixels = pixels[:, :, None].expand(-1, -1, gpu.vae_frames, -1, -1)
-    with torch.no_grad():
-        out["vae_ms"] = _timed(lambda: vae.encode(pixels).latent_dist.mode(), device, warmup=1, repeat=3)
-    vae = None
+    out["vae_ms"] = _vae_encode_ms(folder, images, resolution, gpu.vae_frames, device, dtype, g) if images else 0.0
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out

@@ -56,7 +56,8 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
             continue
         if "frozen_fwd_bwd_ms" in ref and len(r.get("step_indices", [])) == len(r["timed_steps"]):  # FLUX.2
             ms, gen = dmd_flow_network_ms(ref, r["timed_steps"], r["step_indices"], int(r["ratio"]),
-                                          r.get("ac", False), r.get("lora_generator", False), r.get("cfg_pair", False))
+                                          r.get("ac", False), r.get("lora_generator", False), r.get("cfg_pair", False),
+                                          r.get("lora_fake", False))
         elif r.get("flow"):
             continue  # a flow row without the plain calls of its backward simulation and teacher: no bound
         else:
@@ -71,9 +72,9 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
                 "generator step = 2 P + 3 F (generator and fake score forward + backward, the teacher's CFG pair, "
                 "the DM loss's fake forward); P = plain fwd+bwd (+ F with AC's recomputation), F = plain fwd "
                 "without grad, at the row's batch; the timed steps' own mix of generator and fake-score steps "
-                "(FLUX.2 rows: dmd_flow_network_ms, with the backward simulation's forwards at each step's logged "
-                "σ index, the references' VAE encode, the teacher's true-CFG pair and a LoRA generator's "
-                "frozen-weight backward)", "",
+                "(flow rows with the teacher's CFG pair timed, FLUX.2 and Wan: dmd_flow_network_ms, with the "
+                "backward simulation's forwards at each step's logged σ index, the references' VAE encode, the "
+                "teacher's true-CFG pair and a LoRA generator's and fake score's frozen-weight backward)", "",
             "| run | generator + fake-score steps timed | network calls ms/step | step ms | ratio | goal |",
             "|---|---:|---:|---:|---:|---|", *lines]
 
@@ -95,20 +96,21 @@ def dmd_network_ms(plain: dict, steps: list[int], ratio: int, ac: bool) -> tuple
 
 
 def dmd_flow_network_ms(plain: dict, steps: list[int], indices: list[int], ratio: int, ac: bool,
-                        lora_generator: bool, cfg_pair: bool) -> tuple[float, int]:
+                        lora_generator: bool, cfg_pair: bool, lora_fake: bool = False) -> tuple[float, int]:
     """(ms per step, generator steps) of the network calls of a flow teacher's DMD2 `steps` (algorithms/dmd2_flow.py)
     at plain-eager speed. Every step encodes its references (V: the plain VAE encode) and runs the generator's
     backward simulation to the step's σ index k (`indices`, the logged step_index: k forwards without grad, F). A
     fake-score step then makes G's images without grad (F) and trains the fake score (P); a generator step makes
     them with grad (P_G: plain forward + backward, or with a LoRA generator the frozen weights' forward + backward,
     which computes no weight gradients), runs the teacher (true CFG: the pair as one batch of 2B, F2; else F) and
-    the fake score's DM-loss forward (F), and trains the fake score (P):
+    the fake score's DM-loss forward (F), and trains the fake score (P; a LoRA fake score, FAKE_LORA: its frozen
+    weights' forward + backward, as P_G):
         fake-score step  V + (k + 1) F + P
         generator step   V + k F + P_G + F2 + F + P
     With activation checkpointing every forward + backward recomputes its forward: + F. The mean over `steps`."""
     from algorithms.dmd2 import should_update_generator
     f, v, redo = plain["fwd_ms"], plain["vae_ms"], plain["fwd_ms"] if ac else 0.0
-    p = plain["fwd_bwd_ms"] + redo
+    p = (plain["frozen_fwd_bwd_ms"] if lora_fake else plain["fwd_bwd_ms"]) + redo
     p_gen = (plain["frozen_fwd_bwd_ms"] if lora_generator else plain["fwd_bwd_ms"]) + redo
     teacher = plain["fwd_pair_ms"] if cfg_pair else f
     total, gen = 0.0, 0

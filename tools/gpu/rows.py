@@ -35,13 +35,13 @@ def plan_runs(tiny: bool, suite: str = "acceptance") -> list[dict]:
         profile = s.pop("profile", None)  # (first, last): PROFILE_STEPS, the run ends with the window
         if profile:
             extra, steps = {**extra, "profile_steps": f"[{profile[0]},{profile[1]}]"}, profile[1]
-        probe = s.pop("probe", False)
+        probe, ref = s.pop("probe", False), s.pop("ref", False)  # ref: beside the plain reference (a suite's row)
         export_dtype = s.pop("export_dtype", "bf16" if script == "train_flux_kontext.py" else "fp32")
         return {"run": name, "script": script, "family": family, "world": 1, "resume": s.pop("resume", False),
                 "probe": probe, "gpu_only": probe, "steps": 2 if probe else steps, "warmup": warmup,
                 "expect_s": expect_s,
                 # the x-plain columns: the Kontext rows (their plain model is the trained transformer)
-                "ref": script == "train_flux_kontext.py" or suite in ("speed", "flux2", "fp8", "fp8_qwen"),
+                "ref": ref or script == "train_flux_kontext.py" or suite in ("speed", "flux2", "fp8", "fp8_qwen"),
                 "settings": {**base, "resolution": res, "export_dtype": export_dtype, **s, "extra": extra}}
 
     kontext, dmd = "train_flux_kontext.py", "train_dmd.py"
