@@ -65,7 +65,8 @@ def test_text_references_and_siglip_are_the_pipelines(tiny, tmp_path):
     """The cache holds _encode_prompt's segments at each row's reference count (n + 2 with n references, each
     masked on its own; the negative "" the same way); each reference is the pipeline's cut image, its latents
     prepare_image_latents' (bf16 into the VAE), its SigLIP features prepare_siglip_embeds' of the uncut image;
-    a reference over 1024^2 px is downsized as _resize_to_target_area, then cut as preprocess(resize_mode="crop")."""
+    a reference over 1024^2 px is downsized as _resize_to_target_area, then cut as preprocess(resize_mode="crop");
+    the start-up attention check's shapes count the omni sequence's parts."""
     from PIL import Image
     pipe = pipeline(tiny["model"])
     one, two = {"controls": tiny["rows"][0]["controls"][:1]}, tiny["rows"][1]
@@ -91,6 +92,13 @@ def test_text_references_and_siglip_are_the_pipelines(tiny, tmp_path):
     want = pipe.image_processor.preprocess(resized, height=h, width=w, resize_mode="crop")[0]
     assert torch.equal(omni.load_image(str(big)), want)
     assert omni.reference_sizes((SIZE, SIZE), {"controls": [str(big)]}, tiny["settings"]) == ((h, w),)
+    trained, vae = z_image.edit_attention_shapes(tiny["model"], tiny["settings"], [((SIZE, SIZE), ((64, 64),) * 2)],
+                                                 1, 1)
+    # the images' tokens (4 + 16 + 16, each padded to 32), 4 caption segments of at most 512, 2 x 16 SigLIP + 32
+    assert [(s.what, s.q_len) for s in trained] == [("noise refiner at 32x32 + 2 references", 96),
+                                                    ("context refiner", 2048), ("SigLIP refiner", 96),
+                                                    ("main blocks at 32x32", 2240)]
+    assert [(s.q_len, s.backward) for s in vae] == [(16, False)]
 
 
 def captured_calls(model, run):

@@ -38,9 +38,9 @@ from precision import MODES, dtype_name, parse_dtype
 
 PIPELINE = "ZImageOmniPipeline"
 MAX_REFERENCES = 4  # the pipeline takes any number; the suite reads at most this many per row
-REFERENCE_AREA = 1024 * 1024  # references larger than this are downsized to it (pipeline_z_image_omni.py:549-555)
-MULTIPLE = 16  # both sides cut to a multiple of the VAE factor x the 2x2 patch (:558-561)
-MIN_SIDE, MAX_ASPECT = 64, 8  # Flux2ImageProcessor.check_image_input's defaults (:546)
+REFERENCE_AREA = 1024 * 1024  # references larger than this are downsized to it (pipeline_z_image_omni.py:520-525)
+MULTIPLE = 16  # both sides cut to a multiple of the VAE factor x the 2x2 patch (:529-532)
+MIN_SIDE, MAX_ASPECT = 64, 8  # Flux2ImageProcessor.check_image_input's defaults (:518)
 IMAGE_PARTS = ("siglip", "siglip_processor")
 TAG = "omni-"  # the cache identity's prefix: load_text reads Omni entries
 SEQ_MULTI_OF = 32
