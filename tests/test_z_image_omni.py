@@ -5,8 +5,8 @@ Conditioning equals ZImageOmniPipeline's own tensors: the cached text is _encode
 reference count (the negative "" too), each reference is read, cut and VAE-encoded as prepare_image_latents does
 (bf16 into the VAE), the SigLIP features are prepare_siglip_embeds' of the uncut image, the transformer gets the
 pipeline's omni-mode inputs (a forward pre-hook's capture) and the room's teacher velocity in the pipeline's scheduler
-loop gives its latents, with 1 and 2 references. The run: DMD2 (1 process, 2 steps, LoRA) exports a LoRA that
-ZImageOmniPipeline loads with load_lora_weights and samples with. Refusals are one line.
+loop gives its latents, with 0 (a prompt alone), 1 and 2 references. The run: DMD2 (1 process, 2 steps, LoRA)
+exports a LoRA that ZImageOmniPipeline loads with load_lora_weights and samples with. Refusals are one line.
 
     python -m pytest tests/test_z_image_omni.py -q
 """
@@ -126,21 +126,22 @@ def assert_same(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("count", [0, 1, 2])
 def test_transformer_inputs_and_sampling_loop_are_the_pipelines(tiny, tmp_path, count):
     """The room's teacher velocity (w = 6, REAL_GUIDANCE_NORM=scalar: the pipeline's guidance_scale 5 with
     cfg_normalization) in the pipeline's scheduler loop, from its noise, gives its latents; at every step the
     transformer gets what the pipeline gives it (x = references + [target], the noise mask, the caption segments
-    of the prompt and of "", the SigLIP lists + [None], the timestep 1 - σ), the CFG pair in one call."""
+    of the prompt and of "", the SigLIP lists + [None], the timestep 1 - σ), the CFG pair in one call. A prompt
+    alone (a .txt's rows) is the pipeline without images: one segment, the target alone, no SigLIP."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.z_image.pipeline_z_image_omni import get_default_z_image_sigmas
     from diffusers.utils.torch_utils import randn_tensor
     pipe = pipeline(tiny["model"])
-    row = {**tiny["rows"][2], "controls": tiny["rows"][2]["controls"][:count]}
+    row = {"prompt": tiny["rows"][2]["prompt"], "controls": tiny["rows"][2]["controls"][:count]}
     images = [load_pil(s) for s in row["controls"]]
     theirs, seen = captured_calls(pipe.transformer, lambda: pipe(
-        image=images, prompt=row["prompt"], height=SIZE, width=SIZE, num_inference_steps=2, cfg_normalization=True,
-        generator=torch.Generator().manual_seed(0), output_type="latent").images)
+        image=images or None, prompt=row["prompt"], height=SIZE, width=SIZE, num_inference_steps=2,
+        cfg_normalization=True, generator=torch.Generator().manual_seed(0), output_type="latent").images)
     text = cached(tiny, tmp_path, [(row["prompt"], row), ("", row)])
     refs = [omni.load_image(s)[None] for s in row["controls"]]
     cond = z_image.dmd_cond(text[:1], text[1:], pipe.vae, refs, (4, 4))
@@ -159,8 +160,10 @@ def test_transformer_inputs_and_sampling_loop_are_the_pipelines(tiny, tmp_path, 
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert len(seen) == len(mine) == 2
     for a, b in zip(mine, seen):
-        assert b["image_noise_mask"] == [[0] * count + [1]] * 2 and len(b["cap_feats"][0]) == count + 2
-        assert b["siglip_feats"][0][-1] is None and len(b["siglip_feats"][0]) == count + 1
+        assert b["image_noise_mask"] == [[0] * count + [1]] * 2
+        assert len(b["cap_feats"][0]) == (count + 2 if count else 1)
+        assert (b["siglip_feats"] == [None] * 2 if count == 0 else
+                b["siglip_feats"][0][-1] is None and len(b["siglip_feats"][0]) == count + 1)
         for key in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask"):
             assert_same(a[key], b[key])
 

@@ -178,8 +178,9 @@ class OmniText:
     def __len__(self):
         return len(self.segments)
 
-    def __getitem__(self, i):
-        return OmniText(self.segments[i], self.siglip[i]) if isinstance(i, slice) else self.segments[i]
+    def __getitem__(self, part: slice):
+        """The samples `part` of the batch."""
+        return OmniText(self.segments[part], self.siglip[part])
 
 
 def load_text(texts, cache_dir, identity, device) -> OmniText | None:
