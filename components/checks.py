@@ -68,7 +68,8 @@ def check_output_dir_shared(path: str, setting: str = "OUTPUT_DIR") -> None:
                           f"rank 0 wrote there; on several nodes put {setting} on a filesystem every node mounts")
 
 
-_COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json")
+_COMPONENT_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json",
+                    "preprocessor_config.json")
 
 
 def check_model_folder(path: str, pipeline: str, components: dict, setting: str = "MODEL_PATH") -> None:

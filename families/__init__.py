@@ -7,7 +7,8 @@ training stories. The scripts pick the room from model_index.json's `_class_name
     qwen_image/   Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline), 1-3 reference images
     flux2/        FLUX.2 [klein] and [dev] (Flux2KleinPipeline, Flux2Pipeline), 1-4 reference images
     wan/          Wan 2.1 text to video (WanPipeline), distilled by train_dmd.py
-    z_image/      Z-Image base, text to image (ZImagePipeline), distilled by train_dmd.py
+    z_image/      Z-Image base, text to image (ZImagePipeline) and Omni edits from 1-4 references
+                  (ZImageOmniPipeline), distilled by train_dmd.py
     spec.py       FamilySpec, and the Protocols a room answers for each script
     dit.py        what the transformer rooms share: the build (meta, LoRA / NF4, recipe, load)
     pipelines.py  what each pipeline holds and in which role the scripts hold it; which scripts train it

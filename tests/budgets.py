@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A family's own file is tests/test_<family>.py, and a shared file's test counts for it where its name holds the
 # family's name: a new family needs no line here. The families' older files and words, beside those:
-EXTRA_FILES = {"qwen_image": ("test_qwen_edit_eval.py",),
+EXTRA_FILES = {"qwen_image": ("test_qwen_edit_eval.py",), "z_image": ("test_z_image_omni.py",),
                "flux": ("test_flux_kontext.py", "test_train_flux_kontext.py", "test_train_dmd_kontext.py",
                         "test_kontext_eval.py"),
                "sd_unet": ("test_train_dmd_sdxl.py",)}

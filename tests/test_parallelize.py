@@ -108,7 +108,8 @@ def test_qwen_image_units_are_its_dual_stream_blocks():
 def test_the_table_names_each_scripts_pipelines():
     assert SCRIPTS == {"train_dmd.py": ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "FluxKontextPipeline",
                                         "FluxPipeline", "QwenImageEditPlusPipeline", "Flux2KleinPipeline",
-                                        "Flux2Pipeline", "WanPipeline", "WanImageToVideoPipeline", "ZImagePipeline"),
+                                        "Flux2Pipeline", "WanPipeline", "WanImageToVideoPipeline", "ZImagePipeline",
+                                        "ZImageOmniPipeline"),
                        "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline",
                                                  "Flux2KleinPipeline", "Flux2Pipeline")}
     assert set(SCRIPTS["train_dmd.py"]) | set(SCRIPTS["train_flux_kontext.py"]) == set(FAMILIES)  # every room trains

@@ -299,7 +299,7 @@ def test_the_builders_are_the_families_and_key_the_test_cache(tmp_path, monkeypa
     from tests import conftest
     assert list(tiny_models.BUILDERS) == ["sd15", "sdxl", "flux_kontext", "qwen_image_edit", "flux2_klein",
                                           "flux2_dev", "wan_t2v", "wan_ti2v", "wan_a14b", "wan_i2v", "wan_i2v_a14b",
-                                          "wan_ti2v_i2v", "z_image"]
+                                          "wan_ti2v_i2v", "z_image", "z_image_omni"]
     assert tiny_models.BUILDERS == {kind: b for spec in families.SPECS for kind, b in spec.tiny.items()}
     sources = {os.path.realpath(inspect.getsourcefile(b)) for b in tiny_models.BUILDERS.values()}
     sources |= {_module_file(f"families.{spec.name}.spec") for spec in families.SPECS}

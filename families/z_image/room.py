@@ -22,7 +22,10 @@ Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/z_image/pipeline_
   sample's norm at its conditional prediction's) is REAL_GUIDANCE_NORM none / scalar; cfg_truncation's default 1.0
   never drops the CFG (1 - σ <= 1), so nothing to train for it.
 
-    python -m pytest tests/test_z_image.py -q
+ZImageOmniPipeline (edits from references) is the same model called in omni mode: its conditioning is omni.py's,
+which the functions below hand its runs to.
+
+    python -m pytest tests/test_z_image.py tests/test_z_image_omni.py -q
 """
 from __future__ import annotations
 
@@ -40,13 +43,14 @@ from data.text_cache import fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import distilled_scheduler  # noqa: F401 - the export's: the teacher's made neutral, stochastic
 from families.pipelines import vae_scale_factor
+import families.z_image.omni as omni
 from families.z_image.parallelism import TRANSFORMER
 from parallel import attention
 from parallel.lora import Lora
 from precision import dtype_name
 
 NAME = "Z-Image"  # how the README and docs name the family
-MAX_REFERENCES = 0  # text to image: no reference image
+MAX_REFERENCES = omni.MAX_REFERENCES  # ZImageOmniPipeline's rows; ZImagePipeline's are prompts alone
 NEGATIVE_PROMPT = ""  # encode_prompt's negative prompt when none is given
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains: the text the pipeline's CFG pairs with
 TEXT_READS_IMAGES = False
@@ -58,8 +62,8 @@ TEXT_PARTS = ("text_encoder", "tokenizer")
 
 
 def edits(pipeline: str) -> bool:
-    """A text-to-image row is a prompt alone."""
-    return False
+    """A text-to-image row is a prompt alone; an Omni row has references."""
+    return pipeline == omni.PIPELINE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,17 +129,19 @@ def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
 
 
 def target_size(size, row, settings) -> tuple[int, int]:
-    """The target at its bucket's size (a square of RESOLUTION px: prompts alone have no aspect)."""
-    return size
+    """The target at its bucket's size (a square of RESOLUTION px: prompts alone have no aspect); Omni: omni.py's."""
+    return omni.target_size(size, row, settings) if omni.is_omni(settings) else size
 
 
 def reference_sizes(size, row, settings) -> tuple | None:
-    """No references: text to image."""
+    """No references: text to image; Omni: omni.py's."""
+    if omni.is_omni(settings):
+        return omni.reference_sizes(size, row, settings)
     return None if row is None else ()
 
 
 def image_loader(settings):
-    return None
+    return omni.image_loader(settings) if omni.is_omni(settings) else None
 
 
 def text_length(settings) -> int:
@@ -160,6 +166,9 @@ def edit_attention_shapes(model_path, settings, shapes, batch, context_parallel)
     """The run's attention calls for the start-up kernel check: per shape the noise refiner over the image tokens,
     the context refiner over the caption's (at most MAX_SEQUENCE_LENGTH), the main blocks over both (each padded to
     a multiple of 32), and the VAE mid-block's single head of its channels over the latent grid (forward only)."""
+    if omni.is_omni(settings):
+        return omni.edit_attention_shapes(model_path, settings, shapes, batch, text_length(settings),
+                                          vae_factor(model_path))
     with open(os.path.join(model_path, "transformer", "config.json")) as f:
         t = json.load(f)
     with open(os.path.join(model_path, "vae", "config.json")) as f:
@@ -195,6 +204,8 @@ def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> 
     encode_prompt's embeddings at MAX_SEQUENCE_LENGTH, each prompt's unmasked tokens. Returns the encoder
     identity."""
     length = text_length(settings)
+    if omni.is_omni(settings):
+        return omni.prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device, length, TEXT_PARTS)
     identity = folder_identity(model_path, TEXT_PARTS, length, dtype_name(dtype))
 
     def encode(pipe, part):
@@ -211,6 +222,8 @@ def prepare_edit_text(texts, model_path, cache_dir, settings, dtype, device) -> 
 
 def load_text(texts, cache_dir, identity, device) -> list | None:
     """The pairs' prompts as encode_prompt returns them: a list of (L_i, D) embeddings."""
+    if identity.startswith(omni.TAG):  # ZImageOmniPipeline's segments and SigLIP features
+        return omni.load_text(texts, cache_dir, identity, device)
     if not texts:
         return None
     return [e["prompt_embeds"].to(device) for e in load_entries([p for p, _ in texts], cache_dir, identity)]
@@ -277,7 +290,10 @@ class ZImageCond:
 
 
 def dmd_cond(text, negative, vae, references: list, size) -> ZImageCond:
-    """ZImageCond of a micro-batch: `size` the latent's (h, w)."""
+    """ZImageCond of a micro-batch: `size` the latent's (h, w); omni.OmniCond of an Omni one."""
+    if isinstance(text, omni.OmniText):
+        return omni.dmd_cond(text, negative, vae, references, size, timestep_of=timestep_of,
+                             pipeline_cfg=pipeline_cfg, norms=NORMS)
     return ZImageCond(list(text), list(negative) if negative is not None else None, tuple(size))
 
 
@@ -292,6 +308,8 @@ def dmd_guidance(settings) -> Guidance:
 
 def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None:
     """What a Z-Image teacher refuses, in one line before any work."""
+    if pipeline == omni.PIPELINE:
+        return omni.check_dmd_settings(pipeline, settings, changed, data_kind, NORMS)
     norm = settings.get("REAL_GUIDANCE_NORM") or "none"
     refused = [
         ("USE_GAN", settings.get("USE_GAN"), "the GAN head reads a double-stream block's image stream and a "

@@ -1,8 +1,9 @@
-"""The Z-Image family's spec: ZImagePipeline (Z-Image base, text to image), distilled by train_dmd.py. No context
+"""The Z-Image family's spec: ZImagePipeline (Z-Image base, text to image) and ZImageOmniPipeline (edits from
+references), distilled by train_dmd.py. No context
 parallelism (ZImageTransformer2DModel has no _cp_plan: the planner refuses it in one line); the planner's built-in
 `z-image` (plan_spec.py, configs/); no GPU-check rows yet.
 
-    python -m pytest tests/test_families.py tests/test_z_image.py -q
+    python -m pytest tests/test_families.py tests/test_z_image.py tests/test_z_image_omni.py -q
 """
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ _PARTS = (Component("transformer", "transformer", "trainable", "ZImageTransforme
           Component("tokenizer", "tokenizer", "files"), Component("scheduler", "scheduler", "files"))
 
 
+_OMNI = (*_PARTS, Component("siglip", "siglip", "offline", "Siglip2VisionModel"),  # its features cached, then freed
+         Component("siglip_processor", "siglip_processor", "files"))
+
+
 SPEC = FamilySpec(
     name="z_image", room=room,
-    pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py",)),),
+    pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py",)),
+               PipelineSpec("ZImageOmniPipeline", _OMNI, ("train_dmd.py",))),
     protocols={"train_dmd.py": FlowDistillationRoom},
     default_resolution=room.DEFAULT_RESOLUTION,
     check_context_parallel=None,  # refused: ZImageTransformer2DModel has no _cp_plan (docs/families/z_image.md)
-    tiny={"z_image": tiny.build_z_image},  # tools/tiny_models.BUILDERS
+    tiny={"z_image": tiny.build_z_image, "z_image_omni": tiny.build_z_image_omni},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
     **plan_spec.PLAN)  # the planner's fields: the built-in z-image, 512 text tokens, an NF4 teacher

@@ -1,0 +1,227 @@
+"""ZImageOmniPipeline in train_dmd.py (families/z_image/omni.py), on the tiny Omni folder (64 px references, a 32 px
+target: 4 x 4 latents) and its two-reference edits.
+
+Conditioning equals ZImageOmniPipeline's own tensors: the cached text is _encode_prompt's segments at the row's
+reference count (the negative "" too), each reference is read, cut and VAE-encoded as prepare_image_latents does
+(bf16 into the VAE), the SigLIP features are prepare_siglip_embeds' of the uncut image, the transformer gets the
+pipeline's omni-mode inputs (a forward pre-hook's capture) and the room's teacher velocity in the pipeline's scheduler
+loop gives its latents, with 0 (a prompt alone), 1 and 2 references. The run: DMD2 (1 process, 2 steps, LoRA)
+exports a LoRA that ZImageOmniPipeline loads with load_lora_weights and samples with. Refusals are one line.
+
+    python -m pytest tests/test_z_image_omni.py -q
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import families
+from algorithms import flux_kontext as km
+from core.errors import ConfigError
+from data.images import load_pil
+from families import z_image
+from families.z_image import omni
+from tests.conftest import launch, launch_env, read_metrics, tiny_default
+
+SIZE = 32
+SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
+            "REAL_GUIDANCE_SCALE": 0.0, "REAL_GUIDANCE_NORM": "", "BUCKET_ASPECTS": [1.0], "VAE_DTYPE": "bf16",
+            "PRECISION": "fp32", "PIPELINE": omni.PIPELINE}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, data = tiny_default("z_image_omni")
+    with open(os.path.join(data, "data.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    rows = [{**r, "controls": [os.path.join(data, c) for c in r["control"]]} for r in rows]
+    return {"model": model, "data": data, "rows": rows, "settings": {**SETTINGS, "MODEL_PATH": model}}
+
+
+@functools.lru_cache(maxsize=1)
+def pipeline(model):
+    from diffusers import ZImageOmniPipeline
+    pipe = ZImageOmniPipeline.from_pretrained(model)
+    pipe.vae.to(torch.bfloat16)  # the pipeline encodes references in bf16 whatever the VAE's dtype
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def cached(tiny, tmp_path, pairs):
+    identity = z_image.prepare_edit_text(pairs, tiny["model"], str(tmp_path / "tc"), tiny["settings"], torch.float32,
+                                         torch.device("cpu"))
+    return z_image.load_text(pairs, str(tmp_path / "tc"), identity, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_text_references_and_siglip_are_the_pipelines(tiny, tmp_path):
+    """The cache holds _encode_prompt's segments at each row's reference count (n + 2 with n references, each
+    masked on its own; the negative "" the same way); each reference is the pipeline's cut image, its latents
+    prepare_image_latents' (bf16 into the VAE), its SigLIP features prepare_siglip_embeds' of the uncut image;
+    a reference over 1024^2 px is downsized as _resize_to_target_area, then cut as preprocess(resize_mode="crop");
+    the start-up attention check's shapes count the omni sequence's parts."""
+    from PIL import Image
+    pipe = pipeline(tiny["model"])
+    one, two = {"controls": tiny["rows"][0]["controls"][:1]}, tiny["rows"][1]
+    pairs = [(two["prompt"], one), (two["prompt"], two), ("", one), ("", two)]
+    ours = cached(tiny, tmp_path, pairs)
+    with torch.no_grad():
+        for (prompt, row), segments, feats in zip(pairs, ours.segments, ours.siglip):
+            n = len(row["controls"])
+            theirs, _ = pipe.encode_prompt([prompt], do_classifier_free_guidance=False, num_condition_images=n)
+            assert len(segments) == n + 2 and all(torch.equal(a, b) for a, b in zip(segments, theirs[0]))
+            images = [load_pil(s) for s in row["controls"]]
+            sig = pipe.prepare_siglip_embeds(images, 1, torch.device("cpu"), torch.float32)[0]
+            assert len(feats) == n and all(torch.equal(a, b) for a, b in zip(feats, sig))
+            cut = [pipe.image_processor.preprocess(im, height=64, width=64, resize_mode="crop") for im in images]
+            latents = pipe.prepare_image_latents(cut, 1, torch.device("cpu"), torch.float32)[0]
+            mine = [omni.encode_reference(pipe.vae, omni.load_image(s)) for s in row["controls"]]
+            assert all(torch.equal(a, b) for a, b in zip(mine, latents)) and mine[0].shape == (4, 1, 8, 8)
+    big = tmp_path / "big.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (1000, 1100, 3), dtype=np.uint8)).save(big)
+    resized = pipe.image_processor._resize_to_target_area(Image.open(big), 1024 * 1024)
+    assert np.array_equal(np.asarray(omni.resized_image(str(big))), np.asarray(resized))
+    h, w = resized.height // 16 * 16, resized.width // 16 * 16
+    want = pipe.image_processor.preprocess(resized, height=h, width=w, resize_mode="crop")[0]
+    assert torch.equal(omni.load_image(str(big)), want)
+    assert omni.reference_sizes((SIZE, SIZE), {"controls": [str(big)]}, tiny["settings"]) == ((h, w),)
+    trained, vae = z_image.edit_attention_shapes(tiny["model"], tiny["settings"], [((SIZE, SIZE), ((64, 64),) * 2)],
+                                                 1, 1)
+    # the images' tokens (4 + 16 + 16, each padded to 32), 4 caption segments of at most 512, 2 x 16 SigLIP + 32
+    assert [(s.what, s.q_len) for s in trained] == [("noise refiner at 32x32 + 2 references", 96),
+                                                    ("context refiner", 2048), ("SigLIP refiner", 96),
+                                                    ("main blocks at 32x32", 2240)]
+    assert [(s.q_len, s.backward) for s in vae] == [(16, False)]
+
+
+def captured_calls(model, run):
+    """run() with a forward pre-hook on `model`: each call's arguments by name."""
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(dict(inspect.signature(m.forward).bind(*a, **kw).arguments)), with_kwargs=True)
+    try:
+        out = run()
+    finally:
+        hook.remove()
+    return out, seen
+
+
+def assert_same(a, b):
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_transformer_inputs_and_sampling_loop_are_the_pipelines(tiny, tmp_path, count):
+    """The room's teacher velocity (w = 6, REAL_GUIDANCE_NORM=scalar: the pipeline's guidance_scale 5 with
+    cfg_normalization) in the pipeline's scheduler loop, from its noise, gives its latents; at every step the
+    transformer gets what the pipeline gives it (x = references + [target], the noise mask, the caption segments
+    of the prompt and of "", the SigLIP lists + [None], the timestep 1 - σ), the CFG pair in one call. A prompt
+    alone (a .txt's rows) is the pipeline without images: one segment, the target alone, no SigLIP."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.z_image.pipeline_z_image_omni import get_default_z_image_sigmas
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe = pipeline(tiny["model"])
+    row = {"prompt": tiny["rows"][2]["prompt"], "controls": tiny["rows"][2]["controls"][:count]}
+    images = [load_pil(s) for s in row["controls"]]
+    theirs, seen = captured_calls(pipe.transformer, lambda: pipe(
+        image=images or None, prompt=row["prompt"], height=SIZE, width=SIZE, num_inference_steps=2,
+        cfg_normalization=True, generator=torch.Generator().manual_seed(0), output_type="latent").images)
+    text = cached(tiny, tmp_path, [(row["prompt"], row), ("", row)])
+    refs = [omni.load_image(s)[None] for s in row["controls"]]
+    cond = z_image.dmd_cond(text[:1], text[1:], pipe.vae, refs, (4, 4))
+    v = cond.velocity(pipe.transformer, 6.0, "scalar")
+    x = randn_tensor((1, 4, 4, 4), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(2))
+
+    def loop(x):
+        with torch.no_grad():
+            for sigma, t in zip(scheduler.sigmas, scheduler.timesteps):
+                x = scheduler.step(km.unpack_latents(v(km.pack_latents(x), sigma.reshape(1)), 4, 4), t, x,
+                                   return_dict=False)[0]
+        return x
+    ours, mine = captured_calls(pipe.transformer, lambda: loop(x))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert len(seen) == len(mine) == 2
+    for a, b in zip(mine, seen):
+        assert b["image_noise_mask"] == [[0] * count + [1]] * 2
+        assert len(b["cap_feats"][0]) == (count + 2 if count else 1)
+        assert (b["siglip_feats"] == [None] * 2 if count == 0 else
+                b["siglip_feats"][0][-1] is None and len(b["siglip_feats"][0]) == count + 1)
+        for key in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask"):
+            assert_same(a[key], b[key])
+
+
+def test_refusals_are_one_line():
+    """What an Omni teacher does not take, refused in one line before any work: a VAE other than bf16 (the pipeline
+    encodes references in bf16), the GAN, a guidance embedding, a per-token rescale, REFERENCE_AREA and
+    CONDITION_AREA; a reference the pipeline refuses (a side under 64 px)."""
+    settings = SETTINGS
+    cases = [({"VAE_DTYPE": ""}, set(), "VAE_DTYPE= with a ZImageOmniPipeline teacher: a fp32 VAE"),
+             ({"VAE_DTYPE": "fp32", "PRECISION": "bf16-mixed"}, set(), "use VAE_DTYPE=bf16"),
+             ({"USE_GAN": True}, set(), "USE_GAN=True with a ZImageOmniPipeline teacher"),
+             ({"FLUX_GUIDANCE": 3.5}, {"FLUX_GUIDANCE"}, "no guidance embedding"),
+             ({"REAL_GUIDANCE_NORM": "token"}, set(), "no per-token rescale"),
+             ({"REFERENCE_AREA": 4096}, {"REFERENCE_AREA"}, "downsizes references over 1024^2 px"),
+             ({"CONDITION_AREA": 4096}, {"CONDITION_AREA"}, "reads no image")]
+    for change, changed, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            z_image.check_dmd_settings(omni.PIPELINE, {**settings, **change}, changed, "jsonl")
+        assert "\n" not in str(e.value)
+    z_image.check_dmd_settings(omni.PIPELINE, {**settings, "VAE_DTYPE": "", "PRECISION": "bf16-mixed"}, set(), "")
+    with pytest.raises(ConfigError, match="a 48x64 px reference, which ZImageOmniPipeline refuses") as e:
+        z_image.reference_sizes((SIZE, SIZE), {"controls": ["a.png"], "control_sizes": [(64, 48)]}, settings)
+    assert "\n" not in str(e.value)
+    assert z_image.reference_sizes((SIZE, SIZE), {"controls": ["a", "b"], "control_sizes": [(64, 80), (2048, 1024)]},
+                                   settings) == ((64, 80), (1440, 720))
+    assert z_image.edits(omni.PIPELINE) and not z_image.edits("ZImagePipeline")
+    assert families.FAMILIES[omni.PIPELINE] is z_image
+
+
+@pytest.mark.slow
+def test_dmd_lora_export_loads_in_the_omni_pipeline_and_samples(tiny, tmp_path):
+    """DMD2 of the Omni teacher on two-reference edits (1 process, 2 steps, LoRA generator and fake score, a sample
+    grid): finite losses, the log names the references' tokens; the LoRA export loads in ZImageOmniPipeline with
+    load_lora_weights and samples from the two references at guidance_scale=0 at the trained σ."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageOmniPipeline
+    out = tmp_path / "lora"
+    done = launch("train_dmd.py", [
+        f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/data.jsonl", f"--output_dir={out}",
+        f"--text_cache_dir={tmp_path / 'text_cache'}", "--precision=fp32", "--vae_dtype=bf16", f"--resolution={SIZE}",
+        "--max_steps=2", "--log_every=1", "--denoising_steps=999,499", "--batch_size=1", "--sample_count=1",
+        "--dfake_gen_update_ratio=2", "--save_every=0", "--sample_every=2", "--export_dtype=fp32", "--lora_rank=4",
+        "--fake_lora=1", "--generator_lr=1e-3", "--guidance_lr=1e-3"], ranks=1, env=launch_env())
+    records = read_metrics(out, timing=False)
+    assert len(records) == 2 and all(np.isfinite(r["loss_fake"]) for r in records)
+    assert "32x32 px (1 shape(s)), 4 target + 16 reference + 16 reference tokens" in done.stdout
+    assert (out / "samples" / "step_000002.png").exists()
+    pipe = ZImageOmniPipeline.from_pretrained(tiny["model"])
+    base = pipe.transformer.layers[0].attention.to_q.weight.clone()
+    pipe.load_lora_weights(str(out / "export"))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(str(out / "export"), subfolder="scheduler")
+    pipe.vae.to(torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    assert "lora" in type(pipe.transformer.layers[0].attention.to_q).__module__ or \
+        not torch.equal(pipe.transformer.layers[0].attention.to_q.weight, base)
+    image, seen = captured_calls(pipe.transformer, lambda: pipe(
+        image=[load_pil(s) for s in tiny["rows"][0]["controls"]], prompt=tiny["rows"][0]["prompt"], height=SIZE,
+        width=SIZE, num_inference_steps=2, guidance_scale=0.0, generator=torch.Generator().manual_seed(0),
+        output_type="np").images)
+    assert np.isfinite(image).all() and image.shape == (1, SIZE, SIZE, 3)
+    assert [float(c["t"][0]) for c in seen] == pytest.approx([0.0, 0.5], abs=1e-6)
