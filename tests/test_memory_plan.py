@@ -573,12 +573,11 @@ def test_context_parallel_checks_fail_with_one_line_before_any_work(settings, me
     assert "\n" not in str(e.value)
 
 
-def test_context_parallel_is_flux_only(capsys):
-    with pytest.raises(
-        SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext.py's"
-    ):
+def test_context_parallel_is_the_families_with_a_cp_plan(capsys):
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: sd15-dmd \(sd15\): its family takes no "
+                                         r"context parallelism$"):
         memory_plan.plan("sd15-dmd", Settings(**SMALL, context_parallel=2))
-    with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
+    with pytest.raises(SystemExit, match="--cp_table: sdxl-dmd \\(sdxl\\): its family takes no context parallelism"):
         memory_plan.cp_table("sdxl-dmd")
     # the CLI in a fresh interpreter, one line on stderr: test_cli_prints_no_import_noise_before_its_plan
     with pytest.raises(SystemExit, match="--context_parallel=2 x --dp_replicate=1 does not divide --world_size=3"):
@@ -768,10 +767,9 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
     out = capsys.readouterr().out
     assert out.startswith("plan: flux-kontext-dmd (flux_kontext_dmd), world size 2") and "\nema " in out
     assert "does NOT fit in 80 GB; cheapest settings that fit:" in out and "--cpu_offload=1" in out
-    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext"):
-        memory_plan.plan("flux-kontext-dmd", Settings(**SMALL, context_parallel=2))
-    with pytest.raises(SystemExit, match="--cp_table: context parallelism is train_flux_kontext.py's"):
-        memory_plan.cp_table("flux-kontext-dmd")
+    # DMD2 with CP (train_dmd.py's CONTEXT_PARALLEL): the three transformers' activations split as fine-tuning's
+    cp = memory_plan.plan("flux-kontext-dmd", Settings(**SMALL, context_parallel=2))["cp"]
+    assert (cp["degree"], cp["heads"], cp["text"], cp["image"]) == (2, 24, 512, 32)
     with pytest.raises(SystemExit, match=r"^plan: --script=train_flux_kontext.py: StableDiffusionPipeline is trained "
                                          r"by train_dmd.py only$"):
         memory_plan.plan("sd15-dmd", Settings(**SMALL, script="train_flux_kontext.py"))
@@ -835,10 +833,9 @@ def test_flux2_context_parallelism_is_checked_by_its_room():
     assert memory_plan.check_context_parallel(folder, s) == dict(heads=24, text=512, image=3 * 4096)
     with pytest.raises(SystemExit, match=r"^plan: --context_parallel=5: the transformer's 24 attention heads "):
         memory_plan.check_context_parallel(folder, dataclasses.replace(s, world_size=5, context_parallel=5))
-    # DMD2 has no context parallelism, whatever the family
-    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: context parallelism is train_flux_kontext"):
-        memory_plan.check_context_parallel(memory_plan.model_folder("flux2-klein-4b-dmd"), dataclasses.replace(
-            s, script="train_dmd.py"))
+    # DMD2 (train_dmd.py's CONTEXT_PARALLEL) by the same check
+    assert memory_plan.check_context_parallel(memory_plan.model_folder("flux2-klein-4b-dmd"), dataclasses.replace(
+        s, script="train_dmd.py")) == dict(heads=24, text=512, image=3 * 4096)
 
 # ----------------------------------------------------------------------------------------------
 # Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): train_flux_kontext.py's and train_dmd.py's third family
