@@ -73,7 +73,7 @@ from data.buckets import (assign_buckets, bucket_schedule, load_pairs, make_buck
 from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
-from data.sources import read_rows
+from data.sources import read_rows, text_to_image_source
 from data.text_cache import cache_file, fill_in_rounds, save_atomic  # noqa: F401 - cache_file: read by tests
 import families
 from families.flux import encoder_identity  # noqa: F401 - the FLUX text cache's key, read by tests
@@ -389,18 +389,28 @@ def load_latents(files) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 _PAIR = ("control", "target", "prompt")  # a row's fields (data.sources.ALIASES: the names accepted for each)
+_T2I = ("target", "prompt")  # a text-to-image row's ("image" reads as its target)
 
 
 def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, *, control_path="", val_path="",
-              columns=None, split="train", max_references=1):
+              columns=None, split="train", max_references=1, room=None):
     """(train rows, held-out rows, buckets, bucket of each train row). Rows {"control", "target",
-    "prompt", "size"} from any kind of source (data.sources.read_rows: .jsonl, folder, datasets).
-    Held out for samples and validation, never trained on: the first `num_held_out` rows of
-    `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows stop the run
-    (file:line, or the file / dataset row) or are skipped."""
-    read = functools.partial(read_rows, roles=_PAIR, required=_PAIR, skip_bad=skip_bad, columns=columns,
+    "prompt", "size"} from any kind of source (data.sources.read_rows: .jsonl, folder, datasets), or
+    text-to-image rows {"target", "prompt", "size"} where the source names no reference (a room without
+    TEXT_TO_IMAGE refuses them). Held out for samples and validation, never trained on: the first
+    `num_held_out` rows of `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows
+    stop the run (file:line, or the file / dataset row) or are skipped."""
+    t2i = text_to_image_source(data_path, control_path=control_path, columns=columns, split=split)
+    if t2i and room is not None and not getattr(room, "TEXT_TO_IMAGE", False):
+        raise ConfigError(f"DATA_PATH={data_path}: rows without a reference image (text to image); {room.NAME} is "
+                          "fine-tuned here on edits only: give every row its control image")
+    if val_path and text_to_image_source(val_path, columns=columns, split=split, setting="VAL_DATA_PATH") != t2i:
+        raise ConfigError(f"VAL_DATA_PATH={val_path}: its rows {'have' if t2i else 'lack'} reference images, "
+                          f"DATA_PATH's {'do not' if t2i else 'do'}: held-out rows are of the trained kind")
+    fields = _T2I if t2i else _PAIR
+    read = functools.partial(read_rows, roles=fields, required=fields, skip_bad=skip_bad, columns=columns,
                              split=split, size_of="target", max_references=max_references)
-    rows, skipped = read(data_path, control_path=control_path)
+    rows, skipped = read(data_path, **({} if t2i else {"control_path": control_path}))
     if val_path:
         val_rows, val_skipped = read(val_path, setting="VAL_DATA_PATH")
         train, held_out, skipped = rows, val_rows[:num_held_out], skipped + val_skipped
@@ -418,13 +428,14 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
     return train, held_out, buckets, bucket_of
 
 
-def load_sample_rows(path, held_out, columns, split, max_references=1) -> list[dict]:
-    """The sample grids' rows: SAMPLE_PROMPTS' {"control", "prompt"[, "target"]} rows, or the
-    held-out pairs when it is unset."""
+def load_sample_rows(path, held_out, columns, split, max_references=1, t2i=False) -> list[dict]:
+    """The sample grids' rows: SAMPLE_PROMPTS' {"control", "prompt"[, "target"]} rows (text to image: {"prompt"[,
+    "target"]}, a .txt of prompts too), or the held-out pairs when it is unset."""
     if not path:
         return held_out
-    rows, _ = read_rows(path, _PAIR, ("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS",
-                        columns=columns, split=split, size_of="target", max_references=max_references)
+    rows, _ = read_rows(path, _T2I if t2i else _PAIR, ("prompt",) if t2i else ("control", "prompt"), skip_bad=False,
+                        setting="SAMPLE_PROMPTS", columns=columns, split=split, size_of="target",
+                        max_references=max_references)
     print0(f"samples: {len(rows)} prompts from SAMPLE_PROMPTS={path}")
     return rows
 
@@ -567,8 +578,9 @@ def main():
     most = reference_limit(room, run.pipeline)
     train, held_out, buckets, _ = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS, 2 * vae_factor,
                                             SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
-                                            columns=columns, split=DATASET_SPLIT, max_references=most)
-    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most)
+                                            columns=columns, split=DATASET_SPLIT, max_references=most, room=room)
+    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most,
+                                   t2i="control" not in train[0])  # text to image: the trained kind
     shapes, bucket_of = row_shapes(room, train, buckets, settings)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
     val_shapes = [s[i] for s, of in [row_shapes(room, held_out, buckets, settings)] for i in of]

@@ -157,6 +157,30 @@ def test_sampling_loop_is_the_pipelines(klein, tmp_path, guidance):
     assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
 
 
+def test_text_to_image_inputs_and_sampling_are_the_pipelines(klein, tmp_path):
+    """A prompt alone (a text-to-image row, 64 x 80): what Flux2KleinPipeline hands its transformer (the target's
+    tokens alone, their ids T = 0, the text and its ids, σ, no guidance) is what fine-tuning builds, and the room's
+    sample without references is the pipeline's image, with true CFG against ""."""
+    pipe = pipeline(klein["model"])
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw) if not seen else None,
+                                               with_kwargs=True)
+    theirs = pipe(prompt="a red circle", height=64, width=80, num_inference_steps=1, guidance_scale=4.0,
+                  max_sequence_length=32, generator=torch.Generator().manual_seed(3), output_type="pt").images[0]
+    with torch.no_grad():  # the cache's text is the pipeline's: test_conditioning_is_the_pipelines
+        embeds = pipe.encode_prompt(["a red circle", flux2.NEGATIVE_PROMPT], max_sequence_length=32)[0]
+    call, noise = seen[0], torch.randn(1, 4, 8, 10, generator=torch.Generator().manual_seed(3))
+    inputs = flux2.model_inputs(torch.zeros_like(noise), [], noise, torch.ones(1))
+    assert torch.equal(inputs["hidden_states"], flux2.km.pack_latents(noise))
+    assert inputs["n_target_tokens"] == call["hidden_states"].shape[1] == 20
+    assert torch.equal(inputs["img_ids"], call["img_ids"]) and torch.equal(embeds[:1], call["encoder_hidden_states"])
+    assert torch.equal(flux2.text_ids(embeds[:1]), call["txt_ids"])
+    assert call["guidance"] is None and torch.equal(call["timestep"], torch.ones(1))
+    ours = flux2.sample((pipe.scheduler, pipe.transformer), pipe.vae, [], flux2.text_row(embeds, 0), (64, 80), 1, 4.0,
+                        torch.Generator().manual_seed(3), negative=flux2.text_row(embeds, 1))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
 PROMPTS = ["make it red", "make the circle the colour of picture 2", "", "a blue square", "turn it green"]
 
 
