@@ -406,6 +406,9 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
     if t2i and room is not None and not getattr(room, "TEXT_TO_IMAGE", False):
         raise ConfigError(f"DATA_PATH={data_path}: rows without a reference image (text to image); {room.NAME} is "
                           "fine-tuned here on edits only: give every row its control image")
+    if not t2i and room is not None and room.MAX_REFERENCES == 0:
+        raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; {room.NAME} is fine-tuned here on text "
+                          "to image only: an image and its prompt per row")
     if val_path and text_to_image_source(val_path, columns=columns, split=split, setting="VAL_DATA_PATH") != t2i:
         raise ConfigError(f"VAL_DATA_PATH={val_path}: its rows {'have' if t2i else 'lack'} reference images, "
                           f"DATA_PATH's {'do not' if t2i else 'do'}: held-out rows are of the trained kind")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import re
 
 import numpy as np
@@ -164,6 +165,32 @@ def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
     torch.testing.assert_close(ours, image, rtol=0, atol=1e-6)
 
 
+def test_fine_tuning_inputs_and_samples_are_the_pipelines(tiny):
+    """Text-to-image fine-tuning (train_flux_kontext.py): what ZImagePipeline hands its transformer for a prompt at
+    32 x 48 px (the latents as a list of (C, 1, h, w), the timestep 1 - σ, the caption list) is what the room's forward
+    hands it for the same noise at σ = 1, its output negated as the velocity n - x0; and the room's sample with CFG
+    against "" at guidance_scale 4 is the pipeline's image."""
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe, seen = pipeline(tiny["model"]), []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(a), with_kwargs=True)
+    theirs = pipe(PROMPTS[0], height=32, width=48, num_inference_steps=1, guidance_scale=4.0, output_type="pt",
+                  generator=torch.Generator().manual_seed(0)).images[0]
+    with torch.no_grad():
+        text = pipe.encode_prompt([PROMPTS[0], ""], do_classifier_free_guidance=False)[0]
+        noise = randn_tensor((1, 4, 4, 6), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+        inputs = z_image.model_inputs(torch.zeros_like(noise), [], noise, torch.ones(1))
+        pred = z_image.forward(pipe.transformer, inputs, torch.ones(1), 1.0, text[:1])
+        ours = z_image.sample((pipe.scheduler, pipe.transformer), pipe.vae, [], text[:1], (32, 48), 1, 4.0,
+                              torch.Generator().manual_seed(0), negative=text[1:])
+    hook.remove()
+    (latents, timestep, caps), (mine, my_timestep, my_caps) = seen[0], seen[1]
+    assert torch.equal(mine[0], latents[0]) and torch.equal(my_timestep, timestep[:1])
+    assert torch.equal(my_caps[0], caps[0]) and torch.equal(caps[1], text[1]) and len(caps) == 2
+    out = pipe.transformer(mine, my_timestep, my_caps, return_dict=False)[0][0]
+    assert torch.equal(pred, km.pack_latents(-out.squeeze(1)[None].float()))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
 def test_example_inputs_feed_the_model_as_the_velocity_does(tiny):
     """The spec's example_inputs are the velocity's call (a list of (C, 1, h, w), the timestep (B,), a caption list),
     on CPU and on a meta build, with the latents' shapes out; SHIFT=auto is the scheduler's static shift."""
@@ -212,20 +239,59 @@ def test_refusals_are_one_line(tiny):
     assert "z_image (ZImagePipeline): its family takes no context parallelism" in line and "\n" not in line
 
 
+def t2i_rows(root) -> str:
+    """12 text-to-image rows (32 px images of a coloured square, "a <colour> square"): a .jsonl, "image" + "prompt"."""
+    from PIL import Image
+    rows = []
+    for i, (name, colour) in enumerate([("red", (220, 30, 30)), ("green", (30, 200, 30)), ("blue", (30, 30, 220)),
+                                        ("yellow", (230, 220, 20))] * 3):
+        image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
+        image.paste(colour, (8, 8, 24, 24))
+        image.save(root / f"{i:03d}.png")
+        rows.append({"image": f"{i:03d}.png", "prompt": f"a {name} square"})
+    (root / "t2i.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(root / "t2i.jsonl")
+
+
+def test_fine_tuning_refuses_edit_rows_and_what_z_image_lacks_in_one_line(tiny, tmp_path):
+    import train_flux_kontext as tfk
+    settings = {"GUIDANCE": 1.0, "SAMPLE_GUIDANCE": 4.0, "REFERENCE_AREA": 4096}
+    for change, changed, words in [({"GUIDANCE": 3.5}, set(), "GUIDANCE=3.5: Z-Image has no guidance embedding"),
+                                   ({"SAMPLE_GUIDANCE": 1.0}, set(), "any guidance_scale > 0"),
+                                   ({}, {"REFERENCE_AREA"}, "REFERENCE_AREA=4096: a setting of editing rows")]:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            z_image.check_edit_settings(tiny["model"], {**settings, **change}, changed)
+        assert "\n" not in str(e.value)
+    z_image.check_edit_settings(tiny["model"], {**settings, "SAMPLE_GUIDANCE": 0.0}, set())
+    t2i_rows(tmp_path)
+    (tmp_path / "edits.jsonl").write_text(json.dumps({"control": "000.png", "target": "001.png", "prompt": "p"}))
+    with pytest.raises(ConfigError, match="rows with reference images; Z-Image is fine-tuned here on text to image"):
+        tfk.load_data(str(tmp_path / "edits.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image)
+
+
 @pytest.fixture(scope="module")
 def dmd_runs(tiny, tmp_path_factory):
     """DMD2 of the tiny Z-Image teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
-    score on 2 ranks with validation."""
+    score on 2 ranks with validation. Beside them, text-to-image fine-tuning (train_flux_kontext.py): LoRA on 2
+    ranks (validation, samples with CFG), the same in one process at twice the batch, and a full fine-tune."""
     root = tmp_path_factory.mktemp("z_image")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--max_steps=4", "--log_every=1", "--denoising_steps=999,749,499,249", "--batch_size=1",
               "--sample_count=2", "--dfake_gen_update_ratio=2", "--save_every=2", "--sample_every=4",
               "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ft_lora", "ft_one", "ft_full")}
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
+    ft = functools.partial(dict, script="train_flux_kontext.py", ranks=2, env=launch_env())
+    tuning = [f"--model_path={tiny['model']}", f"--data_path={t2i_rows(root)}", f"--text_cache_dir={root / 'ft_tc'}",
+              "--precision=fp32", f"--resolution={SIZE}", "--max_steps=4", "--log_every=1", "--num_sample_pairs=2",
+              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=2", "--sample_guidance=4",
+              "--seed=1", "--save_every=0", "--val_every=2", "--sample_every=4"]
     done = launch_all_resuming({
+        "ft_lora": ft(args=tuning + [f"--output_dir={out['ft_lora']}", "--lora_rank=4"]),
+        "ft_one": ft(args=tuning + [f"--output_dir={out['ft_one']}", "--lora_rank=4", "--batch_size=2"], ranks=1),
+        "ft_full": ft(args=tuning + [f"--output_dir={out['ft_full']}", "--sample_every=0", "--val_every=0"]),
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
         "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
                                   "--save_every=0", "--sample_every=0"], ranks=1),
@@ -246,6 +312,33 @@ def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
     assert "pipe(..., num_inference_steps=4, guidance_scale=0.0)" in logs["full"]
     assert (out["full"] / "samples" / "step_000004.png").exists()
     assert_validated(out["lora"], [2], logs["lora"])
+
+
+@pytest.mark.slow
+def test_fine_tuning_trains_on_two_ranks_as_in_one_process_and_its_exports_load_in_the_pipeline(tiny, dmd_runs):
+    """Text-to-image LoRA on 2 ranks logs one process's losses, validation losses and grad norms (twice the batch);
+    the LoRA export loads on the base with load_lora_weights and changes what a prompt samples, the full export
+    loads with from_pretrained and samples it."""
+    from diffusers import ZImagePipeline
+    out = dmd_runs["out"]
+    a, b = read_metrics(out["ft_lora"]), read_metrics(out["ft_one"])
+    assert [r["step"] for r in a if "val_loss" in r] == [2, 4] and len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        for k in ("loss", "val_loss", "grad_norm"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert (out["ft_lora"] / "samples" / "step_000004.png").exists()
+    call = dict(prompt="a red square", height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0,
+                output_type="np")
+    base = ZImagePipeline.from_pretrained(tiny["model"])
+    base.set_progress_bar_config(disable=True)
+    before = base(**call, generator=torch.Generator().manual_seed(0)).images
+    base.load_lora_weights(str(out["ft_lora"] / "export"))
+    after = base(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+    full = ZImagePipeline.from_pretrained(str(out["ft_full"] / "export"))
+    full.set_progress_bar_config(disable=True)
+    assert np.isfinite(full(**call, generator=torch.Generator().manual_seed(0)).images).all()
 
 
 @pytest.mark.slow
