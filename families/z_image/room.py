@@ -1,7 +1,8 @@
-"""The Z-Image family (ZImagePipeline: Z-Image base, text to image), for train_dmd.py's flow setup and
-train_flux_kontext.py's text-to-image fine-tuning (rows of an image and its prompt): its single-stream transformer
-built and sharded through parallel/'s generic recipe (one FSDP unit per ZImageTransformerBlock), its VAE (FLUX.1's
-AutoencoderKL), its conditioning, its teacher's CFG, its samples and the distilled export's scheduler.
+"""The Z-Image family (ZImagePipeline: Z-Image base, text to image), for train_dmd.py's flow setup: its single-stream
+transformer built and sharded through parallel/'s generic recipe (one FSDP unit per ZImageTransformerBlock), its
+VAE (FLUX.1's AutoencoderKL), its conditioning, its teacher's CFG and the distilled export's scheduler; and the
+text-to-image fine-tuning step and samples train_flux_kontext.py asks of a room (families/spec.EditingRoom), tested
+against ZImagePipeline, which the script takes once the spec names it (docs/families/z_image.md, "Fine-tuning").
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/z_image/pipeline_z_image.py):
 - the text: Qwen3 through the pipeline's encode_prompt (_encode_prompt: the prompt under the tokenizer's chat
@@ -318,8 +319,9 @@ def distilled_index(model_path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# text-to-image fine-tuning (train_flux_kontext.py; families/spec.EditingRoom lists what the script asks of a room):
-# the rows' target images and prompts, no reference, the transformer called as the pipeline calls it
+# text-to-image fine-tuning (families/spec.EditingRoom: what train_flux_kontext.py asks of a room; the spec does not
+# name the script yet): the rows' target images and prompts, no reference, the transformer called as the pipeline
+# calls it
 
 TEXT_TO_IMAGE = True  # rows without references: the only kind (MAX_REFERENCES 0 refuses edit rows)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import families.z_image as room
 from families.pipelines import Component
-from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
+from families.spec import FamilySpec, FlowDistillationRoom, PipelineSpec
 from families.z_image import parallelism, plan_spec, tiny
 
 _PARTS = (Component("transformer", "transformer", "trainable", "ZImageTransformer2DModel"),
@@ -19,8 +19,8 @@ _PARTS = (Component("transformer", "transformer", "trainable", "ZImageTransforme
 
 SPEC = FamilySpec(
     name="z_image", room=room,
-    pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py", "train_flux_kontext.py")),),
-    protocols={"train_dmd.py": FlowDistillationRoom, "train_flux_kontext.py": EditingRoom},
+    pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py",)),),
+    protocols={"train_dmd.py": FlowDistillationRoom},
     default_resolution=room.DEFAULT_RESOLUTION,
     check_context_parallel=None,  # refused: ZImageTransformer2DModel has no _cp_plan (docs/families/z_image.md)
     tiny={"z_image": tiny.build_z_image},  # tools/tiny_models.BUILDERS
