@@ -405,7 +405,8 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
     t2i = text_to_image_source(data_path, control_path=control_path, columns=columns, split=split)
     if t2i and room is not None and not getattr(room, "TEXT_TO_IMAGE", False):
         raise ConfigError(f"DATA_PATH={data_path}: rows without a reference image (text to image); {room.NAME} is "
-                          "fine-tuned here on edits only: give every row its control image")
+                          "fine-tuned here on edits only: give every row its control image (a \"control\" key, "
+                          "a control/ folder or CONTROL_PATH, a control column or CONTROL_COLUMN)")
     if not t2i and room is not None and room.MAX_REFERENCES == 0:
         raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; {room.NAME} is fine-tuned here on text "
                           "to image only: an image and its prompt per row")
