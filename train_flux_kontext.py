@@ -89,7 +89,7 @@ from parallel import attention, float8
 
 # models and data
 MODEL_PATH = ""  # FLUX.1 Kontext, Qwen-Image-Edit-2509/2511 or FLUX.2 folder (model_index.json); "" = the tiny Kontext
-DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
+DATA_PATH = ""  # .jsonl {"control", "target", "prompt"}, folders, datasets (no control: text to image); "" = shipped
 CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
 MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (Kontext 1, Qwen-Image-Edit 3, FLUX.2 4)
 VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last NUM_SAMPLE_PAIRS of DATA_PATH
