@@ -26,8 +26,10 @@ on-disk embedding cache and are freed.
 Data (docs/data.md, "Your data"): a .jsonl of {"control": input image, "target": edited image, "prompt":
 instruction} rows (paths relative to the file; "image" + "target", as the shipped pairs name them, also
 reads), a folder of targets with same-stem .txt captions and a control/ folder (ai-toolkit's and
-musubi-tuner's layout), or a Hugging Face datasets table. Outputs in OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png
-(context | output | target per held-out pair), checkpoints/step_XXXXXX/, export/ (a diffusers
+musubi-tuner's layout), or a Hugging Face datasets table; without any reference (an "image" and a prompt per
+row, a caption folder without control/) the family's text-to-image model trains (FLUX.2). Outputs in OUTPUT_DIR:
+metrics.jsonl, samples/step_XXXXXX.png (context | output | target per held-out pair), checkpoints/step_XXXXXX/,
+export/ (a diffusers
 folder for FluxKontextPipeline.from_pretrained; with LORA_RANK > 0 the adapters,
 export/pytorch_lora_weights.safetensors, for pipe.load_lora_weights), text_cache/.
 
@@ -73,7 +75,7 @@ from data.buckets import (assign_buckets, bucket_schedule, load_pairs, make_buck
 from data.images import load_image, save_image_grid
 from data.prefetch import Prefetcher
 from data.randomness import VALIDATION_STREAM, drop_captions, per_sample_draws, step_generator
-from data.sources import read_rows
+from data.sources import read_rows, text_to_image_source
 from data.text_cache import cache_file, fill_in_rounds, save_atomic  # noqa: F401 - cache_file: read by tests
 import families
 from families.flux import encoder_identity  # noqa: F401 - the FLUX text cache's key, read by tests
@@ -87,7 +89,7 @@ from parallel import attention, float8
 
 # models and data
 MODEL_PATH = ""  # FLUX.1 Kontext, Qwen-Image-Edit-2509/2511 or FLUX.2 folder (model_index.json); "" = the tiny Kontext
-DATA_PATH = ""  # pairs: .jsonl {"control", "target", "prompt"}, folders or datasets; "" = the shipped pairs
+DATA_PATH = ""  # .jsonl {"control", "target", "prompt"}, folders, datasets (no control: text to image); "" = shipped
 CONTROL_PATH = ""  # folder layout: the input images, matched to targets by stem; "" = DATA_PATH/control
 MAX_REFERENCES = 0  # reference images per sample at most; 0 = the family's (Kontext 1, Qwen-Image-Edit 3, FLUX.2 4)
 VAL_DATA_PATH = ""  # held-out pairs for samples and validation; "" = the last NUM_SAMPLE_PAIRS of DATA_PATH
@@ -389,18 +391,32 @@ def load_latents(files) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 _PAIR = ("control", "target", "prompt")  # a row's fields (data.sources.ALIASES: the names accepted for each)
+_T2I = ("target", "prompt")  # a text-to-image row's ("image" reads as its target)
 
 
 def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, *, control_path="", val_path="",
-              columns=None, split="train", max_references=1):
+              columns=None, split="train", max_references=1, room=None):
     """(train rows, held-out rows, buckets, bucket of each train row). Rows {"control", "target",
-    "prompt", "size"} from any kind of source (data.sources.read_rows: .jsonl, folder, datasets).
-    Held out for samples and validation, never trained on: the first `num_held_out` rows of
-    `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows stop the run
-    (file:line, or the file / dataset row) or are skipped."""
-    read = functools.partial(read_rows, roles=_PAIR, required=_PAIR, skip_bad=skip_bad, columns=columns,
+    "prompt", "size"} from any kind of source (data.sources.read_rows: .jsonl, folder, datasets), or
+    text-to-image rows {"target", "prompt", "size"} where the source names no reference (a room without
+    TEXT_TO_IMAGE refuses them). Held out for samples and validation, never trained on: the first
+    `num_held_out` rows of `val_path`, or without one the last `num_held_out` rows of `data_path`. Bad rows
+    stop the run (file:line, or the file / dataset row) or are skipped."""
+    t2i = text_to_image_source(data_path, control_path=control_path, columns=columns, split=split)
+    if t2i and room is not None and not getattr(room, "TEXT_TO_IMAGE", False):
+        raise ConfigError(f"DATA_PATH={data_path}: rows without a reference image (text to image); {room.NAME} is "
+                          "fine-tuned here on edits only: give every row its control image (a \"control\" key, "
+                          "a control/ folder or CONTROL_PATH, a control column or CONTROL_COLUMN)")
+    if not t2i and room is not None and room.MAX_REFERENCES == 0:
+        raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; {room.NAME} is fine-tuned here on text "
+                          "to image only: an image and its prompt per row")
+    if val_path and text_to_image_source(val_path, columns=columns, split=split, setting="VAL_DATA_PATH") != t2i:
+        raise ConfigError(f"VAL_DATA_PATH={val_path}: its rows {'have' if t2i else 'lack'} reference images, "
+                          f"DATA_PATH's {'do not' if t2i else 'do'}: held-out rows are of the trained kind")
+    fields = _T2I if t2i else _PAIR
+    read = functools.partial(read_rows, roles=fields, required=fields, skip_bad=skip_bad, columns=columns,
                              split=split, size_of="target", max_references=max_references)
-    rows, skipped = read(data_path, control_path=control_path)
+    rows, skipped = read(data_path, **({} if t2i else {"control_path": control_path}))
     if val_path:
         val_rows, val_skipped = read(val_path, setting="VAL_DATA_PATH")
         train, held_out, skipped = rows, val_rows[:num_held_out], skipped + val_skipped
@@ -418,13 +434,14 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
     return train, held_out, buckets, bucket_of
 
 
-def load_sample_rows(path, held_out, columns, split, max_references=1) -> list[dict]:
-    """The sample grids' rows: SAMPLE_PROMPTS' {"control", "prompt"[, "target"]} rows, or the
-    held-out pairs when it is unset."""
+def load_sample_rows(path, held_out, columns, split, max_references=1, t2i=False) -> list[dict]:
+    """The sample grids' rows: SAMPLE_PROMPTS' {"control", "prompt"[, "target"]} rows (text to image: {"prompt"[,
+    "target"]}, a .txt of prompts too), or the held-out pairs when it is unset."""
     if not path:
         return held_out
-    rows, _ = read_rows(path, _PAIR, ("control", "prompt"), skip_bad=False, setting="SAMPLE_PROMPTS",
-                        columns=columns, split=split, size_of="target", max_references=max_references)
+    rows, _ = read_rows(path, _T2I if t2i else _PAIR, ("prompt",) if t2i else ("control", "prompt"), skip_bad=False,
+                        setting="SAMPLE_PROMPTS", columns=columns, split=split, size_of="target",
+                        max_references=max_references)
     print0(f"samples: {len(rows)} prompts from SAMPLE_PROMPTS={path}")
     return rows
 
@@ -567,8 +584,9 @@ def main():
     most = reference_limit(room, run.pipeline)
     train, held_out, buckets, _ = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS, 2 * vae_factor,
                                             SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
-                                            columns=columns, split=DATASET_SPLIT, max_references=most)
-    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most)
+                                            columns=columns, split=DATASET_SPLIT, max_references=most, room=room)
+    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most,
+                                   t2i="control" not in train[0])  # text to image: the trained kind
     shapes, bucket_of = row_shapes(room, train, buckets, settings)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
     val_shapes = [s[i] for s, of in [row_shapes(room, held_out, buckets, settings)] for i in of]

@@ -36,6 +36,8 @@ def match_fields(names, roles) -> tuple[dict[str, str], str]:
             raise ValueError(f"both {hits[0]!r} and {hits[1]!r} name the {role}: keep one")
         if hits:
             found[role] = hits[0]
+    if "image" in names and "target" in roles and "target" not in found and not {"control", "image"} & set(roles):
+        found["target"] = "image"  # beside no reference the image is the picture itself (text-to-image rows)
     if "image" in names and "control" in roles and "image" not in roles:
         if "control" in found and "target" in found:
             raise ValueError(f"'image' beside {found['control']!r} and {found['target']!r}: which is it? remove one")
@@ -67,6 +69,45 @@ def source_kind(path: str, setting: str = "DATA_PATH") -> str:
     if re.fullmatch(r"[\w.-]+/[\w.-]+", path or "") and not path.startswith("."):
         return "datasets"  # a hub name: loaded by datasets where a network (or its cache) has it
     raise ConfigError(f"{setting}={path!r}: no such file or folder")
+
+
+def has_reference(names) -> bool:
+    """Whether a row's keys (or a table's columns) name a reference image: a control alias, numbered ones
+    (control_path_0, control_1, ...), or "image" beside a target (the shipped pairs' input)."""
+    names = set(names)
+    return (any(re.fullmatch(re.escape(a) + r"(_\d+)?", n) for a in ALIASES["control"] for n in names)
+            or "image" in names and any(t in names for t in ALIASES["target"]))
+
+
+def text_to_image_source(path: str, *, control_path="", columns: dict | None = None, split: str = "train",
+                         setting: str = "DATA_PATH") -> bool:
+    """Whether `path` holds text-to-image rows, an image ("image" or "target") and its prompt but no reference: a
+    .jsonl none of whose rows names one, a folder without CONTROL_PATH or a control/ folder, a table without a
+    control column (or CONTROL_COLUMN). A .jsonl mixing both kinds: ConfigError naming the first row of the
+    rarer kind's file:line (a run trains one kind)."""
+    kind = source_kind(path, setting)
+    if kind == "txt":
+        return False  # prompts alone: no image to train on (read_rows says so where one is needed)
+    if kind == "folder":
+        return not control_folders(control_path) and not os.path.isdir(os.path.join(path, "control"))
+    if kind == "datasets":
+        return not (columns or {}).get("control") and not has_reference(load_table(path, split, setting).column_names)
+    first = {}  # text to image? -> the first line of that kind
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                raw = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                raw = None  # read_rows names it
+            if isinstance(raw, dict):
+                first.setdefault(not has_reference(raw), n)
+    if len(first) == 2:
+        line, other = max(first.values()), min(first.values())
+        t2i = first[True] == line
+        raise ConfigError(f"{path}:{line}: a row {'without' if t2i else 'with'} a reference image among rows "
+                          f"{'with' if t2i else 'without'} one (line {other}): a run trains edits or text to image, "
+                          "not both; split them into two sources")
+    return first.get(True) is not None
 
 
 def read_rows(path: str, roles: tuple[str, ...], required: tuple[str, ...], *, skip_bad: bool,

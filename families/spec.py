@@ -33,6 +33,8 @@ OPTIONAL = {
     "prepare": "what a meta build of the trained model leaves unset (tools/memory_plan.py reads it)",
     "default_guidance": "(model_path) -> GUIDANCE 0's value (train_flux_kontext.py): the guidance embedding's "
                         "training value; else 1",
+    "TEXT_TO_IMAGE": "True: train_flux_kontext.py also fine-tunes on rows without references (the family's "
+                     "text-to-image model: the target's tokens and the text alone); else such rows are refused",
     "is_distilled": "(model_path) -> True where the pipeline samples without CFG whatever its guidance "
                     "(train_flux_kontext.py's samples then take no negative prompt)",
     "sampling_shift": "(model_path, tokens, steps) -> the pipeline's σ shift where its scheduler config does not "

@@ -252,6 +252,32 @@ def test_datasets_folder_and_parquet_read_as_pairs(tmp_path):
     assert torch.equal(load_image(rows_pq[2]["control"], 8, 8), expected)
 
 
+def test_text_to_image_sources_read_their_image_as_the_target_and_a_mixed_jsonl_is_refused(tmp_path):
+    """No reference anywhere (a .jsonl of "image" or "target" with "prompt", a caption folder without control/, a
+    table of image and prompt columns): text-to-image rows, "image" read as the target. A .jsonl mixing rows with
+    and without references: one line naming the first row of the later kind."""
+    from data.sources import text_to_image_source
+    _img(tmp_path / "a.png")
+    t2i = _jsonl(tmp_path / "t.jsonl", [{"image": "a.png", "prompt": "p"}, {"target": "a.png", "caption": "q"}])
+    assert text_to_image_source(t2i) and not text_to_image_source(_jsonl(tmp_path / "e.jsonl", [
+        {"image": "a.png", "target": "a.png", "prompt": "p"}, {"control_path_0": "a.png", "image_path": "a.png"}]))
+    rows, _ = read_rows(t2i, ("target", "prompt"), ("target", "prompt"), skip_bad=False, size_of="target")
+    assert rows == [{"target": str(tmp_path / "a.png"), "prompt": p, "size": (16, 32)} for p in "pq"]
+    mixed = _jsonl(tmp_path / "m.jsonl", [{"target": "a.png", "prompt": "p"}, {"control": "a.png", "target": "a.png",
+                                                                                "prompt": "p"}, "{not json"])
+    with pytest.raises(ConfigError, match=re.escape(mixed) + ":2: a row with a reference image among rows without"):
+        text_to_image_source(mixed)
+    _img(tmp_path / "f" / "0.png")
+    (tmp_path / "f" / "0.txt").write_text("a cat")
+    assert text_to_image_source(str(tmp_path / "f"))
+    assert not text_to_image_source(str(tmp_path / "f"), control_path=str(tmp_path))
+    _saved_dataset(tmp_path / "ds", names=("image", "other", "prompt"))
+    assert text_to_image_source(str(tmp_path / "ds")) and not text_to_image_source(str(tmp_path / "ds"),
+                                                                                   columns={"control": "image"})
+    rows, _ = read_rows(str(tmp_path / "ds"), ("target", "prompt"), ("target", "prompt"), skip_bad=False)
+    assert [load_image(r["target"], 8, 8).shape for r in rows] == [(3, 8, 8)] * 4
+
+
 def test_datasets_column_settings_and_errors(tmp_path, monkeypatch):
     _saved_dataset(tmp_path / "ds", names=("before", "after", "edit_text"))
     with pytest.raises(ConfigError, match="no control column among after, before, edit_text|no control column"):

@@ -369,7 +369,8 @@ def test_bad_data_is_named_by_file_and_line(tmp_path):
     cases = [("{not json", ":2: not valid JSON"),
              (json.dumps({**good, "target": "missing.png"}), ":2: image .*missing.png not found"),
              (json.dumps({**good, "image": "corrupt.png"}), ":2: image .*corrupt.png is unreadable"),
-             (json.dumps({"image": "ok.png", "prompt": "p"}), ":2: missing or empty 'target'")]
+             (json.dumps({"control": "ok.png", "prompt": "p"}), ":2: missing or empty 'target'"),
+             (json.dumps({"image": "ok.png", "prompt": "p"}), ":2: a row without a reference image among rows with")]
     for i, (line, message) in enumerate(cases):
         path = tmp_path / f"d{i}.jsonl"
         path.write_text(json.dumps(good) + "\n" + line + "\n")

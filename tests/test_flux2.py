@@ -157,6 +157,30 @@ def test_sampling_loop_is_the_pipelines(klein, tmp_path, guidance):
     assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
 
 
+def test_text_to_image_inputs_and_sampling_are_the_pipelines(klein, tmp_path):
+    """A prompt alone (a text-to-image row, 64 x 80): what Flux2KleinPipeline hands its transformer (the target's
+    tokens alone, their ids T = 0, the text and its ids, σ, no guidance) is what fine-tuning builds, and the room's
+    sample without references is the pipeline's image, with true CFG against ""."""
+    pipe = pipeline(klein["model"])
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw) if not seen else None,
+                                               with_kwargs=True)
+    theirs = pipe(prompt="a red circle", height=64, width=80, num_inference_steps=1, guidance_scale=4.0,
+                  max_sequence_length=32, generator=torch.Generator().manual_seed(3), output_type="pt").images[0]
+    with torch.no_grad():  # the cache's text is the pipeline's: test_conditioning_is_the_pipelines
+        embeds = pipe.encode_prompt(["a red circle", flux2.NEGATIVE_PROMPT], max_sequence_length=32)[0]
+    call, noise = seen[0], torch.randn(1, 4, 8, 10, generator=torch.Generator().manual_seed(3))
+    inputs = flux2.model_inputs(torch.zeros_like(noise), [], noise, torch.ones(1))
+    assert torch.equal(inputs["hidden_states"], flux2.km.pack_latents(noise))
+    assert inputs["n_target_tokens"] == call["hidden_states"].shape[1] == 20
+    assert torch.equal(inputs["img_ids"], call["img_ids"]) and torch.equal(embeds[:1], call["encoder_hidden_states"])
+    assert torch.equal(flux2.text_ids(embeds[:1]), call["txt_ids"])
+    assert call["guidance"] is None and torch.equal(call["timestep"], torch.ones(1))
+    ours = flux2.sample((pipe.scheduler, pipe.transformer), pipe.vae, [], flux2.text_row(embeds, 0), (64, 80), 1, 4.0,
+                        torch.Generator().manual_seed(3), negative=flux2.text_row(embeds, 1))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
 PROMPTS = ["make it red", "make the circle the colour of picture 2", "", "a blue square", "turn it green"]
 
 
@@ -251,6 +275,32 @@ def test_refusals_are_one_line(klein):
         with pytest.raises(ConfigError, match=name) as e:
             flux2.check_edit_settings(klein["model"], {**SETTINGS, name: value}, {name})
         assert "\n" not in str(e.value)
+
+
+def t2i_rows(klein) -> str:
+    """The tiny data's targets as text-to-image rows ("image" and a prompt naming the shape), a .jsonl."""
+    path = klein["root"] / "t2i.jsonl"
+    if not path.exists():
+        rows = [json.loads(line) for line in open(os.path.join(klein["data"], "data.jsonl"))]
+        path.write_text("".join(json.dumps({"image": os.path.join(klein["data"], r["target"]),
+                                            "prompt": "a " + r["prompt"].split()[2]}) + "\n" for r in rows))
+    return str(path)
+
+
+def test_text_to_image_rows_are_read_for_flux2_and_refused_where_a_family_trains_edits_only(klein):
+    import families
+    import train_flux_kontext as tfk
+    train, held_out, _, _ = tfk.load_data(t2i_rows(klein), 2, 64, [1.0], 16, False, room=flux2, max_references=4)
+    assert len(train) == 30 and all(set(r) == {"target", "prompt", "size"} for r in train + held_out)
+    assert train[0]["prompt"] == "a diamond"
+    kontext = families.FAMILIES["FluxKontextPipeline"]
+    with pytest.raises(ConfigError, match="rows without a reference image .* on edits only") as e:
+        tfk.load_data(t2i_rows(klein), 2, 64, [1.0], 16, False, room=kontext)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="VAL_DATA_PATH=.*: its rows have reference images") as e:
+        tfk.load_data(t2i_rows(klein), 2, 64, [1.0], 16, False, room=flux2, max_references=4,
+                      val_path=str(klein["root"] / "mixed.jsonl"))
+    assert "\n" not in str(e.value)
 
 
 def distilled_klein(klein, root):
@@ -402,6 +452,71 @@ def test_context_parallel_trains_as_data_parallel(runs):
     wa, wb = (load_file(str(runs["out"][k] / "export" / file)) for k in ("full", "cp"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=2e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def t2i_runs(klein):
+    """Text-to-image fine-tuning (rows without references): LoRA on 2 ranks (validation, samples with true CFG), the
+    same in one process at twice the batch, the 2-rank run resumed from its step-2 checkpoint, and a full fine-tune
+    of a caption folder (no control/) sampled from a .txt of prompts (SAMPLE_PROMPTS)."""
+    root, data = klein["root"], t2i_rows(klein)
+    folder = root / "t2i_folder"
+    folder.mkdir(exist_ok=True)
+    for i, line in enumerate(open(data)):
+        row = json.loads(line)
+        if not (folder / f"{i:03d}.png").exists():
+            os.link(row["image"], folder / f"{i:03d}.png")
+        (folder / f"{i:03d}.txt").write_text(row["prompt"])
+    (root / "t2i_prompts.txt").write_text("a circle\na square\n")
+    lora = [a for a in klein["common"] if not a.startswith("--data_path=")] + [
+        f"--data_path={data}", "--lora_rank=4", "--save_every=2", "--val_every=2", "--sample_every=4",
+        "--sample_guidance=4"]
+    out = {k: root / k for k in ("t2i_lora", "t2i_one", "t2i_stopped", "t2i_full")}
+    jobs = {
+        "t2i_lora": dict(script="train_flux_kontext.py", args=lora + [f"--output_dir={out['t2i_lora']}"],
+                         env=klein["env"]),
+        "t2i_one": dict(script="train_flux_kontext.py", ranks=1, env=klein["env"],
+                        args=lora + [f"--output_dir={out['t2i_one']}", "--batch_size=2"]),
+        "t2i_full": dict(script="train_flux_kontext.py", env=klein["env"], args=[
+            a for a in klein["common"] if not a.startswith("--data_path=")] + [
+            f"--data_path={folder}", f"--output_dir={out['t2i_full']}", "--save_every=0", "--val_every=0",
+            "--sample_every=4", f"--sample_prompts={root / 't2i_prompts.txt'}"]),
+    }
+    resumed = dict(script="train_flux_kontext.py", args=lora + [f"--output_dir={out['t2i_stopped']}", "--resume=auto"],
+                   env=klein["env"])
+    done = launch_all_resuming(jobs, "t2i_lora", resumed)
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_text_to_image_lora_resumes_bit_exact_and_trains_on_two_ranks_as_in_one_process(t2i_runs):
+    from tests.conftest import assert_kontext_resumed_bit_exact
+    out = t2i_runs["out"]
+    assert "data: 30 training pairs" in t2i_runs["logs"]["t2i_lora"]
+    assert_kontext_resumed_bit_exact(out["t2i_lora"], out["t2i_stopped"], STEPS, models=("model.transformer",))
+    a, b = read_metrics(out["t2i_lora"]), read_metrics(out["t2i_one"])
+    assert [r["step"] for r in a if "val_loss" in r] == [2, 4]
+    for ra, rb in zip(a, b):
+        for k in ("loss", "val_loss", "grad_norm"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    for run in ("t2i_lora", "t2i_full"):
+        assert os.path.exists(out[run] / "samples" / f"step_{STEPS:06d}.png")
+
+
+@pytest.mark.slow
+def test_text_to_image_exports_load_and_sample_a_prompt(klein, t2i_runs):
+    """The LoRA export loads on the base with Flux2KleinPipeline + load_lora_weights and changes what a prompt alone
+    samples; the full export loads with from_pretrained and samples it."""
+    call = dict(prompt="a circle", height=64, width=64, num_inference_steps=2, guidance_scale=4.0, output_type="np",
+                max_sequence_length=32)
+    base = pipeline(klein["model"])
+    before = base(**call, generator=torch.Generator().manual_seed(0)).images
+    base.load_lora_weights(str(t2i_runs["out"]["t2i_lora"] / "export"))
+    after = base(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+    full = pipeline(str(t2i_runs["out"]["t2i_full"] / "export"))
+    assert np.isfinite(full(**call, generator=torch.Generator().manual_seed(0)).images).all()
 
 
 def _sharded_fill(rank, world, model_path, cache_dir, length):

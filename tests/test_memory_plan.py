@@ -1026,6 +1026,22 @@ def test_docs_carry_the_flux2_rows():
         assert row in docs, row
 
 
+@pytest.mark.slow  # two 4 B / 9 B transformers on meta at 4096 tokens and their Qwen3 fills
+def test_the_flux2_text_to_image_recipe_and_docs_carry_the_planners_figures():
+    """recipes/flux2_klein_t2i_lora.sh's figures (klein-base 4B, bf16 base; 9B, NF4 base; LoRA r16, no reference,
+    1 x 24 GB) and docs/families/flux2.md's row are the planner's."""
+    recipe = open(f"{ROOT}/recipes/flux2_klein_t2i_lora.sh").read()
+    docs = open(f"{ROOT}/docs/families/flux2.md").read()
+    common = dict(world_size=1, lora_rank=16, resolution=1024, activation_checkpointing=True, gpu_memory_gb=24,
+                  references=0)
+    four = memory_plan.plan("flux2-klein-4b", Settings(**common))
+    nine = memory_plan.plan("flux2-klein-9b", Settings(**common, base_dtype="nf4"))
+    (a, b), (c, d) = ((p["gpu_total"] / 2**30, p["fill"]["total"] / 2**30) for p in (four, nine))
+    assert f"plans {a:.2f} GiB for training and {b:.2f} for the\n# text-cache fill" in recipe
+    assert f"9B with --base_dtype=nf4: {c:.2f} and {d:.2f} GiB" in recipe
+    assert f"bf16 base (`--references=0`) | 1 × 24 GB | AC | {a:.1f} (text-cache fill {b:.1f}) |" in docs
+
+
 def test_flux2_dmd_plans_three_transformers_and_the_fill():
     """flux2-klein-4b-dmd: train_dmd.py's generator, fake score and teacher of the klein folder, the teacher in
     NF4 with the LoRA bases, and the text-cache fill as its own phase; docs/planner.md's 1 x 24 GB row."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import re
 
 import numpy as np
@@ -164,6 +165,32 @@ def test_sampling_loop_is_the_pipelines(tiny, tmp_path):
     torch.testing.assert_close(ours, image, rtol=0, atol=1e-6)
 
 
+def test_fine_tuning_inputs_and_samples_are_the_pipelines(tiny):
+    """Text-to-image fine-tuning (train_flux_kontext.py): what ZImagePipeline hands its transformer for a prompt at
+    32 x 48 px (the latents as a list of (C, 1, h, w), the timestep 1 - σ, the caption list) is what the room's forward
+    hands it for the same noise at σ = 1, its output negated as the velocity n - x0; and the room's sample with CFG
+    against "" at guidance_scale 4 is the pipeline's image."""
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe, seen = pipeline(tiny["model"]), []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(a), with_kwargs=True)
+    theirs = pipe(PROMPTS[0], height=32, width=48, num_inference_steps=1, guidance_scale=4.0, output_type="pt",
+                  generator=torch.Generator().manual_seed(0)).images[0]
+    with torch.no_grad():
+        text = pipe.encode_prompt([PROMPTS[0], ""], do_classifier_free_guidance=False)[0]
+        noise = randn_tensor((1, 4, 4, 6), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+        inputs = z_image.model_inputs(torch.zeros_like(noise), [], noise, torch.ones(1))
+        pred = z_image.forward(pipe.transformer, inputs, torch.ones(1), 1.0, text[:1])
+        ours = z_image.sample((pipe.scheduler, pipe.transformer), pipe.vae, [], text[:1], (32, 48), 1, 4.0,
+                              torch.Generator().manual_seed(0), negative=text[1:])
+    hook.remove()
+    (latents, timestep, caps), (mine, my_timestep, my_caps) = seen[0], seen[1]
+    assert torch.equal(mine[0], latents[0]) and torch.equal(my_timestep, timestep[:1])
+    assert torch.equal(my_caps[0], caps[0]) and torch.equal(caps[1], text[1]) and len(caps) == 2
+    out = pipe.transformer(mine, my_timestep, my_caps, return_dict=False)[0][0]
+    assert torch.equal(pred, km.pack_latents(-out.squeeze(1)[None].float()))
+    assert torch.equal((ours * 0.5 + 0.5).clamp(0, 1), theirs)
+
+
 def test_example_inputs_feed_the_model_as_the_velocity_does(tiny):
     """The spec's example_inputs are the velocity's call (a list of (C, 1, h, w), the timestep (B,), a caption list),
     on CPU and on a meta build, with the latents' shapes out; SHIFT=auto is the scheduler's static shift."""
@@ -210,6 +237,36 @@ def test_refusals_are_one_line(tiny):
     from tools.planner.activations import _no_cp
     line = _no_cp("--context_parallel=2", "z_image", tiny["model"], "train_dmd.py", "ZImagePipeline")
     assert "z_image (ZImagePipeline): its family takes no context parallelism" in line and "\n" not in line
+
+
+def t2i_rows(root) -> str:
+    """12 text-to-image rows (32 px images of a coloured square, "a <colour> square"): a .jsonl, "image" + "prompt"."""
+    from PIL import Image
+    rows = []
+    for i, (name, colour) in enumerate([("red", (220, 30, 30)), ("green", (30, 200, 30)), ("blue", (30, 30, 220)),
+                                        ("yellow", (230, 220, 20))] * 3):
+        image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
+        image.paste(colour, (8, 8, 24, 24))
+        image.save(root / f"{i:03d}.png")
+        rows.append({"image": f"{i:03d}.png", "prompt": f"a {name} square"})
+    (root / "t2i.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(root / "t2i.jsonl")
+
+
+def test_fine_tuning_refuses_edit_rows_and_what_z_image_lacks_in_one_line(tiny, tmp_path):
+    import train_flux_kontext as tfk
+    settings = {"GUIDANCE": 1.0, "SAMPLE_GUIDANCE": 4.0, "REFERENCE_AREA": 4096}
+    for change, changed, words in [({"GUIDANCE": 3.5}, set(), "GUIDANCE=3.5: Z-Image has no guidance embedding"),
+                                   ({"SAMPLE_GUIDANCE": 1.0}, set(), "any guidance_scale > 0"),
+                                   ({}, {"REFERENCE_AREA"}, "REFERENCE_AREA=4096: a setting of editing rows")]:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            z_image.check_edit_settings(tiny["model"], {**settings, **change}, changed)
+        assert "\n" not in str(e.value)
+    z_image.check_edit_settings(tiny["model"], {**settings, "SAMPLE_GUIDANCE": 0.0}, set())
+    t2i_rows(tmp_path)
+    (tmp_path / "edits.jsonl").write_text(json.dumps({"control": "000.png", "target": "001.png", "prompt": "p"}))
+    with pytest.raises(ConfigError, match="rows with reference images; Z-Image is fine-tuned here on text to image"):
+        tfk.load_data(str(tmp_path / "edits.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image)
 
 
 @pytest.fixture(scope="module")

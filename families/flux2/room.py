@@ -11,7 +11,8 @@ pipeline_flux2.py for [dev]):
 - each reference by the pipeline's rule (:745-756): downsized to REFERENCE_AREA (1024^2) only if larger
   (Lanczos), then centre-cut to multiples of 16, encoded alone (the posterior's mode), patchified 2x2 and
   normalised by the VAE's BatchNorm statistics (:464-477); ids (T, H, W, 0) with T = 10 + 10 i (:320-368);
-- the target's tokens first (T = 0), the references' after; the loss reads the target's tokens only;
+- the target's tokens first (T = 0), the references' after; the loss reads the target's tokens only; a row
+  without references (text to image) is the target's tokens alone, as the pipelines run a prompt alone;
 - timestep σ (the pipeline passes t / 1000, the model multiplies by 1000); [dev] embeds the guidance value
   (GUIDANCE), klein has no guidance embedding and samples with true CFG against "" (not when is_distilled).
 
@@ -54,6 +55,7 @@ SHARDED_TEXT_FILL = True  # SHARD_TEXT_ENCODER: its text encoder can be sharded 
 NEGATIVE_PROMPT = ""  # klein's true CFG pairs the prompt with "" (pipeline_flux2_klein.py:714)
 UNCONDITIONAL_PROMPT = NEGATIVE_PROMPT  # what CAPTION_DROPOUT trains
 TEXT_READS_IMAGES = False  # Qwen3 / Mistral read the prompt alone
+TEXT_TO_IMAGE = True  # rows without references train text to image: the pipelines' call with a prompt alone
 DEFAULT_RESOLUTION = 1024  # RESOLUTION 0: the pipelines' area (default_sample_size 128 x the VAE factor 8)
 REFERENCE_AREA = 1024 * 1024  # references larger than this are downsized to it (:748)
 MULTIPLE = 16  # both sides cut to a multiple of the VAE factor x the 2x2 patch (:751)

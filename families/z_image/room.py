@@ -1,6 +1,8 @@
 """The Z-Image family (ZImagePipeline: Z-Image base, text to image), for train_dmd.py's flow setup: its single-stream
 transformer built and sharded through parallel/'s generic recipe (one FSDP unit per ZImageTransformerBlock), its
-VAE (FLUX.1's AutoencoderKL), its conditioning, its teacher's CFG and the distilled export's scheduler.
+VAE (FLUX.1's AutoencoderKL), its conditioning, its teacher's CFG and the distilled export's scheduler; and the
+text-to-image fine-tuning step and samples train_flux_kontext.py asks of a room (families/spec.EditingRoom), tested
+against ZImagePipeline, which the script takes once the spec names it (docs/families/z_image.md says what that needs).
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/z_image/pipeline_z_image.py):
 - the text: Qwen3 through the pipeline's encode_prompt (_encode_prompt: the prompt under the tokenizer's chat
@@ -332,3 +334,85 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
 def distilled_index(model_path) -> dict:
     """model_index.json entries a distilled generator's pipeline export sets: none."""
     return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# text-to-image fine-tuning (families/spec.EditingRoom: what train_flux_kontext.py asks of a room; the spec does not
+# name the script yet): the rows' target images and prompts, no reference, the transformer called as the pipeline
+# calls it
+
+TEXT_TO_IMAGE = True  # rows without references: the only kind (MAX_REFERENCES 0 refuses edit rows)
+
+
+def check_edit_settings(model_path, settings, changed: set) -> None:
+    """What fine-tuning Z-Image refuses, in one line before any work."""
+    guidance = settings["SAMPLE_GUIDANCE"]
+    refused = [
+        ("GUIDANCE", settings["GUIDANCE"] not in (0, 1.0), "Z-Image has no guidance embedding; its samples' CFG is "
+         "SAMPLE_GUIDANCE, ZImagePipeline's guidance_scale"),
+        ("SAMPLE_GUIDANCE", 0 < guidance <= 1, "ZImagePipeline applies CFG at any guidance_scale > 0 (pos + g (pos - "
+         "neg)); the samples pair the prompt with \"\" above 1: give 0 (no CFG) or more than 1"),
+    ]
+    refused += [(name, name in changed, "a setting of editing rows; Z-Image is fine-tuned on text-to-image rows")
+                for name in ("CONTROL_PATH", "MAX_REFERENCES", "CONTROL_COLUMN", "REFERENCE_AREA", "CONDITION_AREA")]
+    for name, hit, why in refused:
+        if hit:
+            raise ConfigError(f"{name}={settings.get(name)}: {why}")
+
+
+def repeat_text(text, i, n):
+    return [text[i]] * n
+
+
+def text_row(text, i):
+    return [text[i]]
+
+
+def model_inputs(x0, references, noise, sigmas) -> dict:
+    """The noisy target's tokens (2x2-packed: the loss's layout; forward unpacks them), the flow-matching target
+    n - x0 on them, and the latent's (h, w)."""
+    return {**km.edit_tokens(x0, [], noise, sigmas), "size": tuple(x0.shape[-2:])}
+
+
+def forward(transformer, inputs, sigmas, guidance, text):
+    """v = n - x0 of the transformer on model_inputs' tokens, called as the pipeline calls it (the latents as a
+    list of (C, 1, h, w), the timestep 1 - σ, the caption list), its output negated; `guidance` unused (no
+    embedding)."""
+    hidden = inputs["hidden_states"]
+    timestep = timestep_of(torch.as_tensor(sigmas, device=hidden.device).reshape(-1).expand(hidden.shape[0]))
+    out = model_output(transformer, km.unpack_latents(hidden, *inputs["size"]), timestep, text)
+    return km.pack_latents(-out)
+
+
+def sample_pipeline(scheduler, vae, transformer):
+    return scheduler, transformer
+
+
+@torch.no_grad()
+def sample(pipe, vae, references, text, size, steps, guidance, generator, negative=None) -> torch.Tensor:
+    """One image (3, h, w) on CPU by ZImagePipeline's loop on latents: its noise drawn as it draws it (fp32), σ =
+    linspace(1, 1/steps) through its scheduler (mu passed as it passes it), the timestep 1 - t / 1000, its CFG pos + g
+    (pos - neg) against `negative` (g = `guidance`, its guidance_scale) with the pair in one call, the output
+    negated into the scheduler's step."""
+    from diffusers.pipelines.z_image.pipeline_z_image import (calculate_shift, get_default_z_image_sigmas,
+                                                              retrieve_timesteps)
+    from diffusers.utils.torch_utils import randn_tensor
+    scheduler, transformer = pipe
+    device, f = text[0].device, 2 ** (len(vae.config.block_out_channels) - 1)
+    h, w = 2 * (size[0] // (f * 2)), 2 * (size[1] // (f * 2))
+    latents = randn_tensor((1, latent_channels(vae), h, w), generator=generator, device=device, dtype=torch.float32)
+    c = scheduler.config
+    mu = calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=get_default_z_image_sigmas(steps), mu=mu)
+    scheduler.set_begin_index(0)
+    cfg = guidance > 0 and negative is not None
+    for t in timesteps:
+        timestep = (1000 - t.expand(1)) / 1000
+        if cfg:
+            out = model_output(transformer, latents.repeat(2, 1, 1, 1), timestep.repeat(2), list(text) + list(negative))
+            pred = pipeline_cfg(out[:1], out[1:], guidance)
+        else:
+            pred = model_output(transformer, latents, timestep, text)
+        latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
+    return decode_latents(vae, latents)[0]
