@@ -263,10 +263,11 @@ def step_sizes(shapes, schedule) -> list:
 
 
 def reference_limit(room, pipeline) -> int:
-    """MAX_REFERENCES, or the family's own; over the family's: refused."""
-    if MAX_REFERENCES > room.MAX_REFERENCES:
-        raise ConfigError(f"MAX_REFERENCES={MAX_REFERENCES}: {pipeline} takes at most {room.MAX_REFERENCES}")
-    return MAX_REFERENCES or room.MAX_REFERENCES
+    """MAX_REFERENCES, or the family's own (0 for a pipeline that edits nothing: text to image); over it: refused."""
+    most = room.MAX_REFERENCES if room.edits(pipeline) else 0
+    if MAX_REFERENCES > most:
+        raise ConfigError(f"MAX_REFERENCES={MAX_REFERENCES}: {pipeline} takes at most {most}")
+    return MAX_REFERENCES or most
 
 
 def cached_texts(room, pipeline, train, held_out, sample_rows) -> tuple[list, str | None]:
@@ -407,7 +408,7 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
         raise ConfigError(f"DATA_PATH={data_path}: rows without a reference image (text to image); {room.NAME} is "
                           "fine-tuned here on edits only: give every row its control image (a \"control\" key, "
                           "a control/ folder or CONTROL_PATH, a control column or CONTROL_COLUMN)")
-    if not t2i and room is not None and room.MAX_REFERENCES == 0:
+    if not t2i and room is not None and max_references == 0:
         raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; {room.NAME} is fine-tuned here on text "
                           "to image only: an image and its prompt per row")
     if val_path and text_to_image_source(val_path, columns=columns, split=split, setting="VAL_DATA_PATH") != t2i:

@@ -72,6 +72,8 @@ class TransformerRoom(Room, Protocol):
     UNCONDITIONAL_PROMPT: str  # what CAPTION_DROPOUT trains
     DEFAULT_RESOLUTION: int  # RESOLUTION 0: the pipelines' area, RESOLUTION^2 pixels
 
+    def edits(self, pipeline) -> bool: ...  # the pipeline's rows have references (else prompts alone)
+
     def build_transformer(self, folder, mesh, prec, device, *, load, sharding, block_classes, lora=..., seed=0,
                           base_dtype="", attention_backend=..., trainable=True, compute=None, frozen_dtype=None,
                           weights="", merge=None, fp8="") -> torch.nn.Module: ...
@@ -120,8 +122,6 @@ class EditingRoom(TransformerRoom, Protocol):
 
 class FlowDistillationRoom(TransformerRoom, DistillationRoom, Protocol):
     """train_dmd.py's flow_setup: DMD2 with a flow-matching teacher."""
-
-    def edits(self, pipeline) -> bool: ...
 
     def check_dmd_settings(self, pipeline, settings, changed, data_kind) -> None: ...
 

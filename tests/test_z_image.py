@@ -266,7 +266,8 @@ def test_fine_tuning_refuses_edit_rows_and_what_z_image_lacks_in_one_line(tiny, 
     t2i_rows(tmp_path)
     (tmp_path / "edits.jsonl").write_text(json.dumps({"control": "000.png", "target": "001.png", "prompt": "p"}))
     with pytest.raises(ConfigError, match="rows with reference images; Z-Image is fine-tuned here on text to image"):
-        tfk.load_data(str(tmp_path / "edits.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image)
+        tfk.load_data(str(tmp_path / "edits.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image,
+                      max_references=tfk.reference_limit(z_image, "ZImagePipeline"))
 
 
 @pytest.fixture(scope="module")
