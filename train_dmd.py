@@ -337,6 +337,8 @@ def check_context_parallel(room, pipeline: str) -> None:
     for name, bad, why in refused:
         if bad:
             raise ConfigError(f"CONTEXT_PARALLEL={CONTEXT_PARALLEL} with {name}: {why}")
+    # the family's own check without shapes (heads, text; a family without a _cp_plan refuses), then diffusers'
+    families.spec_of(pipeline).check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, script_constants(globals()), ())
     check_diffusers_supports_it(pipelines.trained_component(pipeline).class_name)
 
 

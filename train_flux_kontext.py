@@ -27,7 +27,8 @@ Data (docs/data.md, "Your data"): a .jsonl of {"control": input image, "target":
 instruction} rows (paths relative to the file; "image" + "target", as the shipped pairs name them, also
 reads), a folder of targets with same-stem .txt captions and a control/ folder (ai-toolkit's and
 musubi-tuner's layout), or a Hugging Face datasets table; without any reference (an "image" and a prompt per
-row, a caption folder without control/) the family's text-to-image model trains (FLUX.2). Outputs in OUTPUT_DIR:
+row, a caption folder without control/) the family's text-to-image model trains (FLUX.2, Z-Image). Outputs in
+OUTPUT_DIR:
 metrics.jsonl, samples/step_XXXXXX.png (context | output | target per held-out pair), checkpoints/step_XXXXXX/,
 export/ (a diffusers
 folder for FluxKontextPipeline.from_pretrained; with LORA_RANK > 0 the adapters,

@@ -3,7 +3,7 @@
 # bf16 teacher, AC, 1024^2 prompts, on 8 x 80 GB; the teacher's CFG as the model card samples it
 # (guidance_scale 4: REAL_GUIDANCE_SCALE 5 in the suite's standard form, against "", cfg_normalization off);
 # the 4 student steps at ZImagePipeline's σ 1, .75, .5, .25.
-# `python tools/memory_plan.py --model=z-image --world_size=8 --resolution=1024 --activation_checkpointing=1
+# `python tools/memory_plan.py --model=z-image-dmd --world_size=8 --resolution=1024 --activation_checkpointing=1
 # --fake_score_fp32=0 --gpu_memory_gb=80` plans 29.6 GiB per GPU (the text-cache fill before it 9.1; planned,
 # not measured). The export is a ZImagePipeline folder: from_pretrained(export)(prompt, num_inference_steps=4,
 # guidance_scale=0) (docs/families/z_image.md).

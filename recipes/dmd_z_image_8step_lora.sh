@@ -4,7 +4,7 @@
 # NF4, AC, a bf16 fake score; the teacher's CFG as the model card samples it (guidance_scale 4, the suite's
 # standard form 5: uncond + 5 (cond - uncond), against "", cfg_normalization off); the generator and the fake
 # score without guidance; the 8 student steps at ZImagePipeline's σ linspace(1, 1/8, 8).
-# `python tools/memory_plan.py --model=z-image --world_size=1 --resolution=1024 --activation_checkpointing=1
+# `python tools/memory_plan.py --model=z-image-dmd --world_size=1 --resolution=1024 --activation_checkpointing=1
 # --fake_score_fp32=0 --lora_rank=64 --fake_lora=1 --base_dtype=nf4 --gpu_memory_gb=24` plans 14.6 GiB for
 # training and 14.6 for the text-cache fill before it on one 24 GB GPU;
 # NPROC=8 (8 x 24 GB): 5.1 and 9.1 (docs/families/z_image.md, "What fits"; planned, not measured).

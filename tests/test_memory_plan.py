@@ -782,7 +782,7 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
 BUILTIN_NAMES = ("flux-kontext-dev", "flux-kontext-dmd", "flux2-dev", "flux2-dev-dmd", "flux2-klein-4b",
                  "flux2-klein-4b-dmd", "flux2-klein-9b", "flux2-klein-9b-dmd", "qwen-image-edit", "qwen-image-edit-dmd",
                  "sd15-dmd", "sdxl-dmd", "wan2.1-i2v-14b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-i2v-a14b",
-                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b", "z-image")  # what docs, recipes and README commands name
+                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b", "z-image", "z-image-dmd")  # what docs, recipes, README name
 
 
 def test_builtin_names_are_the_specs():
@@ -1493,17 +1493,18 @@ Z_IMAGE_PARAMS = 6_154_908_736  # REFERENCE: Tongyi-MAI/Z-Image(-Turbo)'s transf
 
 
 def test_z_image_builds_at_the_published_size_and_plans_dmd2():
-    """The config builds the published 6.15 B on meta; z-image plans DMD2 (train_dmd.py alone trains the
-    pipeline) at 1024^2: 128 x 128 latents, 4096 image tokens, 512 text tokens; the Qwen3-4B text encoder
-    (4.02 B) offline. Context parallelism is refused in one line (the transformer has no _cp_plan)."""
-    folder = memory_plan.model_folder("z-image")
+    """The config builds the published 6.15 B on meta; z-image-dmd plans DMD2 (z-image: fine-tuning) at 1024^2:
+    128 x 128 latents, 4096 image tokens, 512 text tokens; the Qwen3-4B text encoder (4.02 B) offline. Context
+    parallelism is refused in one line (the transformer has no _cp_plan)."""
+    folder = memory_plan.model_folder("z-image-dmd")
     model = memory_plan.meta_model(os.path.join(folder, "transformer"))
     assert sum(p.numel() for p in model.parameters()) == Z_IMAGE_PARAMS
-    assert memory_plan.layout(folder) == ("train_dmd.py", "z_image_dmd")
+    assert memory_plan.layout(memory_plan.model_folder("z-image")) == ("train_flux_kontext.py", "z_image")
+    assert memory_plan.layout(folder, "train_dmd.py") == ("train_dmd.py", "z_image_dmd")
     s = Settings(world_size=8, resolution=memory_plan.native_resolution(folder))
     assert s.resolution == 1024 and memory_plan.latent_shapes(folder, s) == ((128, 128),)
     assert memory_plan._image_tokens(folder, ((128, 128),)) == 4096 and memory_plan.text_length(folder) == 512
-    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: [^\n]*z-image[^\n]*$"):
+    with pytest.raises(SystemExit, match=r"^plan: --context_parallel=2: [^\n]*Z-Image[^\n]*$"):
         memory_plan.check_context_parallel(folder, dataclasses.replace(s, context_parallel=2))
 
 
@@ -1523,8 +1524,8 @@ def test_docs_and_recipes_carry_the_z_image_rows():
     planned = {}
     for run, world, gb, fits, extra in Z_IMAGE_ROWS:
         lora = dict(lora_rank=64, fake_lora=True) if run.startswith("LoRA") else {}
-        p = memory_plan.plan("z-image", Settings(world_size=world, activation_checkpointing=True, gpu_memory_gb=int(gb),
-                                                 **lora, **extra))
+        p = memory_plan.plan("z-image-dmd", Settings(world_size=world, activation_checkpointing=True,
+                                                     gpu_memory_gb=int(gb), **lora, **extra))
         planned[run, world] = train, fill = p["gpu_total"] / 2**30, p["fill"]["total"] / 2**30
         assert max(train, fill) < int(gb) * 1e9 / 2**30, (run, world)
         row = f"| {run} | {world} x {gb} GB | {fits} | {train:.2f} / {fill:.2f} |"

@@ -217,7 +217,7 @@ def test_example_inputs_feed_the_model_as_the_velocity_does(tiny):
     assert km.pipeline_shift(scheduler_config(tiny["model"]), 6) == 6.0
 
 
-def test_refusals_are_one_line(tiny):
+def test_refusals_are_one_line(tiny, monkeypatch):
     """What Z-Image lacks (the GAN's real images, a guidance embedding, a per-token CFG rescale, editing rows'
     settings, several aspects): refused in one line before any work; no context parallelism (the spec says none;
     the planner refuses it in one line)."""
@@ -233,10 +233,16 @@ def test_refusals_are_one_line(tiny):
         assert "\n" not in str(e.value)
     z_image.check_dmd_settings("ZImagePipeline", {**settings, "REAL_GUIDANCE_NORM": "scalar"}, set(), "txt")
     spec = families.spec_of("ZImagePipeline")
-    assert spec.check_context_parallel is None and families.FAMILIES["ZImagePipeline"] is z_image
-    from tools.planner.activations import _no_cp
-    line = _no_cp("--context_parallel=2", "z_image", tiny["model"], "train_dmd.py", "ZImagePipeline")
-    assert "z_image (ZImagePipeline): its family takes no context parallelism" in line and "\n" not in line
+    assert spec.check_context_parallel is z_image.check_context_parallel
+    assert families.FAMILIES["ZImagePipeline"] is z_image
+    import train_dmd  # the room's refusal, before any work and before the diffusers-version check
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in (("MODEL_PATH", tiny["model"]), ("DATA_PATH", f"{tiny['data']}/prompts.txt"),
+                        ("CONTEXT_PARALLEL", 2)):
+        monkeypatch.setattr(train_dmd, name, value)
+    with pytest.raises(ConfigError, match=r"^CONTEXT_PARALLEL=2: not for Z-Image here \(ZImageTransformer2DModel "
+                                          r"has no _cp_plan\); use CONTEXT_PARALLEL=1$"):
+        train_dmd.validate_config()
 
 
 def t2i_rows(root) -> str:
@@ -274,16 +280,25 @@ def test_fine_tuning_refuses_edit_rows_and_what_z_image_lacks_in_one_line(tiny, 
 def dmd_runs(tiny, tmp_path_factory):
     """DMD2 of the tiny Z-Image teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
-    score on 2 ranks with validation."""
+    score on 2 ranks with validation. Beside them, text-to-image fine-tuning (train_flux_kontext.py): LoRA on 2
+    ranks (validation, samples with CFG), the same in one process at twice the batch, and a full fine-tune."""
     root = tmp_path_factory.mktemp("z_image")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--max_steps=4", "--log_every=1", "--denoising_steps=999,749,499,249", "--batch_size=1",
               "--sample_count=2", "--dfake_gen_update_ratio=2", "--save_every=2", "--sample_every=4",
               "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ft_lora", "ft_one", "ft_full")}
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
+    ft = functools.partial(dict, script="train_flux_kontext.py", ranks=2, env=launch_env())
+    tuning = [f"--model_path={tiny['model']}", f"--data_path={t2i_rows(root)}", f"--text_cache_dir={root / 'ft_tc'}",
+              "--precision=fp32", f"--resolution={SIZE}", "--max_steps=4", "--log_every=1", "--num_sample_pairs=2",
+              "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=2", "--sample_guidance=4",
+              "--seed=1", "--save_every=0", "--val_every=2", "--sample_every=4"]
     done = launch_all_resuming({
+        "ft_lora": ft(args=tuning + [f"--output_dir={out['ft_lora']}", "--lora_rank=4"]),
+        "ft_one": ft(args=tuning + [f"--output_dir={out['ft_one']}", "--lora_rank=4", "--batch_size=2"], ranks=1),
+        "ft_full": ft(args=tuning + [f"--output_dir={out['ft_full']}", "--sample_every=0", "--val_every=0"]),
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
         "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
                                   "--save_every=0", "--sample_every=0"], ranks=1),
@@ -304,6 +319,33 @@ def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
     assert "pipe(..., num_inference_steps=4, guidance_scale=0.0)" in logs["full"]
     assert (out["full"] / "samples" / "step_000004.png").exists()
     assert_validated(out["lora"], [2], logs["lora"])
+
+
+@pytest.mark.slow
+def test_fine_tuning_trains_on_two_ranks_as_in_one_process_and_its_exports_load_in_the_pipeline(tiny, dmd_runs):
+    """Text-to-image LoRA on 2 ranks logs one process's losses, validation losses and grad norms (twice the batch);
+    the LoRA export loads on the base with load_lora_weights and changes what a prompt samples, the full export
+    loads with from_pretrained and samples it."""
+    from diffusers import ZImagePipeline
+    out = dmd_runs["out"]
+    a, b = read_metrics(out["ft_lora"]), read_metrics(out["ft_one"])
+    assert [r["step"] for r in a if "val_loss" in r] == [2, 4] and len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        for k in ("loss", "val_loss", "grad_norm"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert (out["ft_lora"] / "samples" / "step_000004.png").exists()
+    call = dict(prompt="a red square", height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0,
+                output_type="np")
+    base = ZImagePipeline.from_pretrained(tiny["model"])
+    base.set_progress_bar_config(disable=True)
+    before = base(**call, generator=torch.Generator().manual_seed(0)).images
+    base.load_lora_weights(str(out["ft_lora"] / "export"))
+    after = base(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+    full = ZImagePipeline.from_pretrained(str(out["ft_full"] / "export"))
+    full.set_progress_bar_config(disable=True)
+    assert np.isfinite(full(**call, generator=torch.Generator().manual_seed(0)).images).all()
 
 
 @pytest.mark.slow

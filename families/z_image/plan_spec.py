@@ -1,9 +1,9 @@
 """What the memory planner (tools/planner/) plans of the Z-Image family: its FamilySpec's planner fields, as one
 dict of keyword arguments (`PLAN`) that families/z_image/spec.py's SPEC takes (`FamilySpec(..., **plan_spec.PLAN)`):
-the built-in `z-image` (configs/, sourced in CONFIGS.md), 512 text tokens, the transformer's forward inputs on
-meta, the teacher in NF4 with an NF4 LoRA base (as train_dmd.py builds it).
+the built-ins `z-image` and `z-image-dmd` (configs/, sourced in CONFIGS.md), 512 text tokens, the transformer's
+forward inputs on meta, the teacher in NF4 with an NF4 LoRA base (as train_dmd.py builds it).
 
-    python tools/memory_plan.py --model=z-image --world_size=1 --lora_rank=64 --fake_lora=1 --base_dtype=nf4
+    python tools/memory_plan.py --model=z-image-dmd --world_size=1 --lora_rank=64 --fake_lora=1 --base_dtype=nf4
     python -m pytest tests/test_memory_plan.py -q -k z_image
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def plan_tokens(config, shapes) -> int:
     return (shapes[0][0] // p) * (shapes[0][1] // p)
 
 
-# FamilySpec(**PLAN): ZImagePipeline is a pipeline train_dmd.py alone trains, so --model=z-image plans DMD2.
+# FamilySpec(**PLAN): ZImagePipeline is fine-tuned (--model=z-image) and distilled (--model=z-image-dmd).
 # Z-Image-Turbo is not built in: its transformer, text encoder and VAE configs are the base's (only its
 # scheduler's shift, 3.0, differs, which the planner does not read), and a distilled model is no DMD2 teacher
 PLAN = dict(

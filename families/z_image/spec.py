@@ -1,7 +1,7 @@
 """The Z-Image family's spec: ZImagePipeline (Z-Image base, text to image) and ZImageOmniPipeline (edits from
-references), distilled by train_dmd.py. No context
-parallelism (ZImageTransformer2DModel has no _cp_plan: the planner refuses it in one line); the planner's built-in
-`z-image` (plan_spec.py, configs/); no GPU-check rows yet.
+references), distilled by train_dmd.py; ZImagePipeline fine-tuned on text-to-image rows by train_flux_kontext.py. No
+context parallelism (ZImageTransformer2DModel has no _cp_plan: its check refuses it in one line); the planner's
+built-ins `z-image` (fine-tuning) and `z-image-dmd` (plan_spec.py, configs/); no GPU-check rows yet.
 
     python -m pytest tests/test_families.py tests/test_z_image.py tests/test_z_image_omni.py -q
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import families.z_image as room
 from families.pipelines import Component
-from families.spec import FamilySpec, FlowDistillationRoom, PipelineSpec
+from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
 from families.z_image import parallelism, plan_spec, tiny
 
 _PARTS = (Component("transformer", "transformer", "trainable", "ZImageTransformer2DModel"),
@@ -24,11 +24,12 @@ _OMNI = (*_PARTS, Component("siglip", "siglip", "offline", "Siglip2VisionModel")
 
 SPEC = FamilySpec(
     name="z_image", room=room,
-    pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py",)),
+    pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py", "train_flux_kontext.py")),
                PipelineSpec("ZImageOmniPipeline", _OMNI, ("train_dmd.py",))),
-    protocols={"train_dmd.py": FlowDistillationRoom},
+    protocols={"train_dmd.py": FlowDistillationRoom, "train_flux_kontext.py": EditingRoom},
     default_resolution=room.DEFAULT_RESOLUTION,
-    check_context_parallel=None,  # refused: ZImageTransformer2DModel has no _cp_plan (docs/families/z_image.md)
+    # refuses C > 1 in one line: ZImageTransformer2DModel has no _cp_plan (docs/families/z_image.md)
+    check_context_parallel=room.check_context_parallel,
     tiny={"z_image": tiny.build_z_image, "z_image_omni": tiny.build_z_image_omni},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
     **plan_spec.PLAN)  # the planner's fields: the built-in z-image, 512 text tokens, an NF4 teacher
