@@ -752,9 +752,8 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=N
                               attention_backend=ATTENTION_BACKEND,
                               merge=base_lora, fp8=FP8)
     generator = build(load=True, lora=run.lora, seed=SEED, base_dtype=BASE_DTYPE if run.lora else "")
-    start = read_lora_parts(run.pipeline, teacher=False)
-    if start is not None:  # before the EMA copies it
-        for part, delta in part_deltas(generator, start):
+    if GENERATOR_LORA or GENERATOR_LORA_2:  # before the EMA copies it
+        for part, delta in part_deltas(generator, read_lora_parts(run.pipeline, teacher=False)):
             lora_merge.load_adapters(part, delta)
         print0("generator: its adapters from " + ", ".join(f"{n}={f}" for n, f, _ in lora_files(run.pipeline, False)))
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
