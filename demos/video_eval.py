@@ -200,6 +200,17 @@ def markdown(results: dict) -> str:
     return shapes.md_table(header, rows)
 
 
+def make_data(folder):
+    """FOLDER/train.txt and FOLDER/held_out.txt, one prompt a line; prints "train PATH" and "held_out PATH"."""
+    from pathlib import Path
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, prompts in zip(("train", "held_out"), splits()):
+        (folder / f"{name}.txt").write_text("\n".join(prompts) + "\n")
+        print(name, folder / f"{name}.txt")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare", nargs="+", default=[], help="name=pipeline folder ...")
@@ -211,7 +222,11 @@ def main(argv=None):
     ap.add_argument("--json", default="")
     ap.add_argument("--strip", default="")
     ap.add_argument("--real", type=int, default=1, help="also score the renderer's own clips")
+    ap.add_argument("--scored", default="", help="an earlier --json: its rows of the same name and steps are kept")
+    ap.add_argument("--make_data", default="", help="write FOLDER/train.txt and held_out.txt, print their paths")
     args = ap.parse_args(argv)
+    if args.make_data:
+        return make_data(args.make_data)
     prompts = splits()[1][:args.prompts]
     steps_for = {k: int(v) for k, v in (s.split("=", 1) for s in args.steps_for)}
     results, first = {}, []
@@ -220,10 +235,16 @@ def main(argv=None):
         results["renderer"] = {**score_clips(clips, [p for p in prompts for _ in range(args.seeds)]),
                                "steps": "-", "s_per_clip": 0.0}
         first.append(("renderer", clips[0]))
-    pipes = {}
+    pipes, earlier = {}, {}
+    if args.scored:
+        with open(args.scored) as f:
+            earlier = json.load(f)["results"]
     for item in args.compare:
         name, path = item.split("=", 1)
         steps = steps_for.get(name, args.steps)
+        if earlier.get(name, {}).get("steps") == steps:
+            results[name] = earlier[name]
+            continue
         pipe = pipes.setdefault(path, None) or load(path)
         pipes[path] = pipe
         t0 = time.time()
