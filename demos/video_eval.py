@@ -37,8 +37,8 @@ COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "pink", "cyan")
 SHAPES = ("circle", "square", "triangle")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # (dx, dy), y down
 BACKGROUND = "white"
-SIDE, DISTANCE, MARGIN = 11, 12, 2  # px: the shape's box, its path, the border it never enters
-BACKSTEP, DRIFT, AREA_RATIO, JUMP = 0.75, 3.0, 1.6, 4.5  # px, px, ratio, px (DISTANCE / 8 = 1.5 px per frame)
+SIDE, DISTANCE, MARGIN = 14, 10, 2  # px: the shape's box, its path, the border it never enters
+BACKSTEP, DRIFT, AREA_RATIO, JUMP = 0.75, 3.0, 1.6, 4.5  # px, px, ratio, px (DISTANCE / 8: 1.25 px a frame)
 NEGATIVE = ""  # the pipelines' default negative prompt, and the unconditional prompt of pre-training
 # UMT5 tokens the transformer reads (the prompts are 5 words), zero-padded as the pipeline pads to its 512: the base
 # is trained, distilled (MAX_SEQUENCE_LENGTH) and sampled (max_sequence_length) at 32, 4x less CPU than at 512
