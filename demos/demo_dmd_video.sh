@@ -5,7 +5,7 @@
 #   2. a 1-step and a 4-step student distilled from it with train_dmd.py on the 64 training prompts (full
 #      fine-tuning, the teacher's CFG off as the base samples, 32 text tokens as it was trained): the 1-step one
 #      first, then the 4-step one from its final checkpoint (demos/dmd_students.sh)
-#   3. four rows scored over SEEDS noise seeds per held-out prompt (32): the teacher at 28 and 4 steps (its UniPC
+#   3. five rows scored over SEEDS noise seeds per held-out prompt (32): the teacher at 28, 4 and 1 step (its UniPC
 #      scheduler), the 4-step and the 1-step student (their exports' distilled scheduler): validity (every frame
 #      the named colour and shape), motion (the named way, monotonic), consistency, variety (the spread of the
 #      start positions over seeds, px and % of the 28-step teacher's)
@@ -20,11 +20,11 @@ cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/video_dmd}
 TEACHER=${TEACHER:-assets/wan_video_base}
 NPROC=${NPROC:-1}
-SEEDS=${SEEDS:-4}
+SEEDS=${SEEDS:-8}
 STRIP=${STRIP:-$OUT/strip.png}
 SCORED=${SCORED:-}  # an earlier run's eval.json: its rows of the same models and steps are read, not sampled
-ONE_STEP_STEPS=${ONE_STEP_STEPS:-1200}
-FOUR_STEP_STEPS=${FOUR_STEP_STEPS:-300}
+ONE_STEP_STEPS=${ONE_STEP_STEPS:-600}
+FOUR_STEP_STEPS=${FOUR_STEP_STEPS:-200}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ ! -f "$TEACHER/model_index.json" ]; then
     echo "TEACHER=$TEACHER: no model_index.json (python -m demos.make_wan_video_base builds assets/wan_video_base)" >&2
@@ -46,6 +46,7 @@ source demos/dmd_students.sh
 train_students "$OUT" "$NPROC" "$@"
 trained=$(date +%s)
 python -m demos.video_eval --seeds="$SEEDS" --json="$OUT/eval.json" --strip="$STRIP" \
-    --compare teacher_28="$TEACHER" teacher_4="$TEACHER" student_4="$OUT/4step/export" student_1="$OUT/1step/export" \
-    --steps=28 --steps_for teacher_4=4 student_4=4 student_1=1 ${SCORED:+--scored="$SCORED"}
+    --compare teacher_28="$TEACHER" teacher_4="$TEACHER" teacher_1="$TEACHER" student_4="$OUT/4step/export" \
+    student_1="$OUT/1step/export" --steps=28 --steps_for teacher_4=4 teacher_1=1 student_4=4 student_1=1 \
+    ${SCORED:+--scored="$SCORED"}
 echo "demo: training ${times[*]}; evaluation $(( $(date +%s) - trained )) s; strip $STRIP"

@@ -5,8 +5,9 @@ WanPipeline.from_pretrained and samples 9 frames at 32 px. Built offline on CPU 
 from its seed and skipped when its output exists (--force=1 redoes them):
 
   1. vae       an AutoencoderKLWan (4x down in space, 4x in time: 9 x 32 x 32 -> 3 x 8 x 8 latents of Z_DIM
-               channels) trained on the task's clips (all 96 prompts, random starts): L1 + MSE + a small KL, as the
-               image bases' VAEs; latents_mean / latents_std then set to its latents' per-channel mean and std.
+               channels) trained on the task's clips (all 96 prompts, random starts): VAE_STEPS of the image
+               bases' recipe (L1 + MSE + a small KL), then FG_STEPS with the shape's pixels weighted; latents_mean
+               / latents_std then set to its latents' per-channel mean and std.
                Its reconstructions are scored with the task's scorer (a VAE that cannot keep colour, shape and
                path would cap every model's validity).
   2. latents   CLIPS_PER_PROMPT clips of each training prompt, encoded (the posterior's mode, normalised as the
