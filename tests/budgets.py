@@ -39,7 +39,8 @@ AREA_FILES = {
                    "test_ema.py"),
     "lora and low-bit": ("test_lora.py", "test_lora_merge.py", "test_lowbit.py"),
     "run and data": ("test_components.py", "test_trainer.py", "test_precision.py", "test_data.py"),
-    "demos and docs": ("test_assets.py", "test_shapes_eval.py", "test_palette_eval.py", "test_readme.py",
+    "demos and docs": ("test_assets.py", "test_shapes_eval.py", "test_palette_eval.py", "test_video_eval.py",
+                       "test_readme.py",
                        "test_recipes.py", "test_layout.py", "test_tiny_models.py", "test_families.py",
                        "test_budgets.py"),
 }

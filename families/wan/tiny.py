@@ -54,13 +54,13 @@ SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, bet
                  flow_shift=3.0, timestep_spacing="linspace", steps_offset=0, final_sigmas_type="zero")
 
 
-def write_umt5_tokenizer(folder, max_length=TEXT_MAX_LENGTH):
+def write_umt5_tokenizer(folder, max_length=TEXT_MAX_LENGTH, words=WORDS):
     """A tiny UMT5 tokenizer (T5TokenizerFast, the class google/umt5-xxl's tokenizer loads as): a Unigram model of
-    `▁word` pieces for WORDS and single characters, <pad> 0, </s> 1, <unk> 2. Returns the reloaded tokenizer."""
+    `▁word` pieces for `words` and single characters, <pad> 0, </s> 1, <unk> 2. Returns the reloaded tokenizer."""
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [("▁" + word, -1.0) for word in WORDS]  # a whole word beats its characters
+    pieces += [("▁" + word, -1.0) for word in words]  # a whole word beats its characters
     pieces += [(c, -3.0) for c in CHARS + CHARS[:26].upper()]
     tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
     tokenizer.save_pretrained(folder)

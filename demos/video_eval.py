@@ -1,0 +1,268 @@
+"""The few-step video task and its scorer: "a red square moving left", a shape of a named colour moving in a named
+direction from a random start, 9 frames at 32 px on white. Many right answers per prompt (every start position),
+so a flow teacher needs its steps: a few large steps average the starts into a blur.
+
+The world: 8 colours x 3 shapes x 4 directions = 96 prompts; the 32 with (colour + shape + direction) % 3 == 0 are
+held out (every colour, shape and direction, and every colour-shape pair, is still trained). A clip: a SIDE-px shape
+whose box starts at a random position (uniform over the positions that keep the whole path inside a MARGIN) and moves
+DISTANCE px in the named direction, evenly over the frames (positions rounded to the pixel).
+
+The scorer reads each frame as demos/shapes_eval.analyse_image reads an image (background, the largest foreground
+component's colour, its shape by fill ratio and upper-half fraction, its box) and scores a clip:
+- valid: every frame shows the named colour and shape on white;
+- motion: the centroid moves the named way by at least half of DISTANCE from the first to the last frame, never
+  back by more than BACKSTEP px between frames, and drifts at most DRIFT px across;
+- consistent: every frame has a shape, all read the same colour and shape, the area stays within AREA_RATIO (max /
+  min) and the centroid never jumps more than JUMP px between frames;
+- variety: per prompt, the mean distance (px) between the first-frame centroids of its clips over the seeds,
+  averaged over prompts (the renderer's own clips: 5.1 px at 8 seeds).
+
+    python -m demos.video_eval --compare teacher_28=assets/wan_video_base student_4=out/video_dmd/4step/export \\
+        --steps_for student_4=4 --seeds=4 --json=out/eval.json --strip=docs/wan_video_strip.png
+    python -m pytest tests/test_video_eval.py -q
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import numpy as np
+
+from tools import shapes
+
+SIZE, FRAMES = 32, 9
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "pink", "cyan")
+SHAPES = ("circle", "square", "triangle")
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # (dx, dy), y down
+BACKGROUND = "white"
+SIDE, DISTANCE, MARGIN = 14, 10, 2  # px: the shape's box, its path, the border it never enters
+BACKSTEP, DRIFT, AREA_RATIO, JUMP = 0.75, 3.0, 1.6, 4.5  # px, px, ratio, px (DISTANCE / 8: 1.25 px a frame)
+NEGATIVE = ""  # the pipelines' default negative prompt, and the unconditional prompt of pre-training
+# UMT5 tokens the transformer reads (the prompts are 5 words), zero-padded as the pipeline pads to its 512: the base
+# is trained, distilled (MAX_SEQUENCE_LENGTH) and sampled (max_sequence_length) at 32, 4x less CPU than at 512
+TEXT_LENGTH = 32
+
+
+def prompt_for(colour, shape, direction) -> str:
+    return f"a {colour} {shape} moving {direction}"
+
+
+def parse_prompt(prompt: str):
+    """'a red square moving left' -> ('red', 'square', 'left')."""
+    words = prompt.split()
+    return words[1], words[2], words[4]
+
+
+def splits():
+    """(train prompts, held-out prompts): the 96 prompts, held out where (colour + shape + direction) % 3 == 0."""
+    train, held_out = [], []
+    for (ci, c), (si, s), (di, d) in itertools.product(enumerate(COLOURS), enumerate(SHAPES), enumerate(DIRECTIONS)):
+        (held_out if (ci + si + di) % 3 == 0 else train).append(prompt_for(c, s, d))
+    return train, held_out
+
+
+def random_start(rng: np.random.Generator, direction: str):
+    """The box's top-left corner (x, y) at frame 0: uniform over the starts whose whole path stays in the margin."""
+    dx, dy = DIRECTIONS[direction]
+    hi = SIZE - MARGIN - SIDE  # the largest top-left coordinate
+    lo_x, hi_x = MARGIN + max(0, -dx) * DISTANCE, hi - max(0, dx) * DISTANCE
+    lo_y, hi_y = MARGIN + max(0, -dy) * DISTANCE, hi - max(0, dy) * DISTANCE
+    return float(rng.uniform(lo_x, hi_x)), float(rng.uniform(lo_y, hi_y))
+
+
+def render(prompt: str, start, frames: int = FRAMES) -> np.ndarray:
+    """(frames, SIZE, SIZE, 3) uint8: the prompt's shape from `start` (x, y) moving DISTANCE px its way."""
+    colour, shape, direction = parse_prompt(prompt)
+    dx, dy = DIRECTIONS[direction]
+    out = []
+    for f in range(frames):
+        step = DISTANCE * f / (frames - 1)
+        x, y = int(round(start[0] + dx * step)), int(round(start[1] + dy * step))
+        box = (x, y, x + SIDE - 1, y + SIDE - 1)
+        out.append(np.asarray(shapes.draw_shape(SIZE, shape, shapes.COLOURS[colour], shapes.COLOURS[BACKGROUND], box)))
+    return np.stack(out)
+
+
+def render_batch(prompts, rng: np.random.Generator) -> np.ndarray:
+    """(N, frames, SIZE, SIZE, 3) uint8: each prompt from a random start."""
+    return np.stack([render(p, random_start(rng, parse_prompt(p)[2])) for p in prompts])
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def analyse_clip(clip: np.ndarray) -> list[dict]:
+    from demos.shapes_eval import analyse_image
+    return [analyse_image(frame) for frame in clip]
+
+
+def score_clip(clip: np.ndarray, prompt: str) -> dict:
+    """One clip's verdicts (valid, motion, consistent), its per-frame validity and its first-frame centroid."""
+    colour, shape, direction = parse_prompt(prompt)
+    frames = analyse_clip(clip)
+    ok = [a["colour"] == colour and a["shape"] == shape and a["background"] == BACKGROUND for a in frames]
+    seen = all(a["area"] > 0 for a in frames)
+    h, w = clip.shape[1:3]
+    centres = np.array([(a["box"][0] * w, a["box"][1] * h) for a in frames])
+    motion = consistent = False
+    if seen:
+        dx, dy = DIRECTIONS[direction]
+        along = centres @ np.array([dx, dy], dtype=float)
+        across = centres @ np.array([dy, dx], dtype=float)
+        steps = np.diff(along)
+        motion = bool(along[-1] - along[0] >= DISTANCE / 2 and steps.min() >= -BACKSTEP
+                      and np.ptp(across) <= DRIFT)
+        areas = np.array([a["area"] for a in frames])
+        jumps = np.sqrt((np.diff(centres, axis=0) ** 2).sum(axis=1))
+        consistent = bool(len({(a["colour"], a["shape"]) for a in frames}) == 1
+                          and areas.max() <= AREA_RATIO * areas.min() and jumps.max() <= JUMP)
+    return {"valid": all(ok), "frame_valid": float(np.mean(ok)), "motion": motion, "consistent": consistent,
+            "start": centres[0] if seen else None}
+
+
+def variety(starts_by_prompt: dict) -> float:
+    """The mean over prompts of the mean pairwise distance (px) between their clips' first-frame centroids."""
+    spreads = []
+    for starts in starts_by_prompt.values():
+        starts = [s for s in starts if s is not None]
+        if len(starts) >= 2:
+            pts = np.array(starts)
+            d = np.sqrt(((pts[:, None] - pts[None]) ** 2).sum(axis=-1))
+            spreads.append(d.sum() / (len(pts) * (len(pts) - 1)))
+    return float(np.mean(spreads)) if spreads else 0.0
+
+
+def score_clips(clips: np.ndarray, prompts: list[str]) -> dict:
+    """Percentages of valid / moving / consistent clips, the mean per-frame validity, and the variety (px)."""
+    scores = [score_clip(c, p) for c, p in zip(clips, prompts)]
+    starts = {}
+    for s, p in zip(scores, prompts):
+        starts.setdefault(p, []).append(s["start"])
+    out = {k: 100.0 * float(np.mean([s[k] for s in scores])) for k in ("valid", "frame_valid", "motion", "consistent")}
+    out["variety"] = variety(starts)
+    out["n"] = len(scores)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling a WanPipeline folder
+
+
+def load(path):
+    import torch
+    from diffusers import WanPipeline
+    pipe = WanPipeline.from_pretrained(path, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe, prompts: list[str], seeds: int, steps: int, guidance: float = 1.0, batch: int = 32):
+    """(len(prompts) x seeds, frames, H, W, 3) uint8 clips, prompt-major; clip (p, s) from noise seed s."""
+    import torch
+    jobs = [(p, s) for p in prompts for s in range(seeds)]
+    out = []
+    for i in range(0, len(jobs), batch):
+        part = jobs[i:i + batch]
+        gens = [torch.Generator().manual_seed(1000 + s) for _, s in part]
+        with torch.no_grad():
+            video = pipe(prompt=[p for p, _ in part], negative_prompt=[NEGATIVE] * len(part), height=SIZE, width=SIZE,
+                         num_frames=FRAMES, num_inference_steps=steps, guidance_scale=guidance, generator=gens,
+                         max_sequence_length=TEXT_LENGTH, output_type="np").frames
+        out.append((np.clip(np.asarray(video), 0, 1) * 255).round().astype(np.uint8))
+    return np.concatenate(out), [p for p, _ in jobs]
+
+
+def strip(rows: list[tuple[str, np.ndarray]], path, scale=2):
+    """A PNG: one row per model (its label, then its clip's frames)."""
+    label_w, size = 80, SIZE * scale
+    tiles, labels = [], []
+    for r, (name, clip) in enumerate(rows):
+        labels.append((2, r * (size + 2) + size // 2 - 5, name))
+        tiles += [(label_w + f * (size + 2), r * (size + 2), frame) for f, frame in enumerate(clip)]
+    width = label_w + len(rows[0][1]) * (size + 2)
+    canvas = shapes.tile_canvas(width, len(rows) * (size + 2), (255, 255, 255), tiles, scale=scale, labels=labels)
+    return shapes.save_png(canvas, path)
+
+
+COLUMNS = [("valid", "valid %"), ("frame_valid", "frames valid %"), ("motion", "motion %"),
+           ("consistent", "consistent %"), ("variety", "variety px")]
+
+
+def markdown(results: dict) -> str:
+    header = ["model", "steps"] + [title for _, title in COLUMNS] + ["variety % of teacher_28", "s / clip"]
+    ref = results.get("teacher_28", {}).get("variety") or None
+    rows = [[name, r["steps"]] + [f"{r[k]:.1f}" for k, _ in COLUMNS]
+            + [f"{100 * r['variety'] / ref:.0f}" if ref else "-", f"{r['s_per_clip']:.3f}"]
+            for name, r in results.items()]
+    return shapes.md_table(header, rows)
+
+
+def make_data(folder):
+    """FOLDER/train.txt and FOLDER/held_out.txt, one prompt a line; prints "train PATH" and "held_out PATH"."""
+    from pathlib import Path
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, prompts in zip(("train", "held_out"), splits()):
+        (folder / f"{name}.txt").write_text("\n".join(prompts) + "\n")
+        print(name, folder / f"{name}.txt")
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", nargs="+", default=[], help="name=pipeline folder ...")
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--steps_for", nargs="*", default=[], help="name=steps ...")
+    ap.add_argument("--guidance", type=float, default=1.0)
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=32, help="the first N held-out prompts")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--strip", default="")
+    ap.add_argument("--real", type=int, default=1, help="also score the renderer's own clips")
+    ap.add_argument("--scored", default="", help="an earlier --json: its rows of one name, model and steps are kept")
+    ap.add_argument("--make_data", default="", help="write FOLDER/train.txt and held_out.txt, print their paths")
+    args = ap.parse_args(argv)
+    if args.make_data:
+        return make_data(args.make_data)
+    prompts = splits()[1][:args.prompts]
+    steps_for = {k: int(v) for k, v in (s.split("=", 1) for s in args.steps_for)}
+    results, first = {}, []
+    if args.real:
+        clips = render_batch([p for p in prompts for _ in range(args.seeds)], np.random.default_rng(7))
+        results["renderer"] = {**score_clips(clips, [p for p in prompts for _ in range(args.seeds)]),
+                               "steps": "-", "s_per_clip": 0.0}
+        first.append(("renderer", clips[0]))
+    pipes, earlier = {}, {}
+    if args.scored:
+        with open(args.scored) as f:
+            earlier = json.load(f)["results"]
+    for item in args.compare:
+        name, path = item.split("=", 1)
+        steps = steps_for.get(name, args.steps)
+        if (earlier.get(name, {}).get("steps"), earlier.get(name, {}).get("model")) == (steps, path):
+            results[name] = earlier[name]
+            continue
+        pipe = pipes.setdefault(path, None) or load(path)
+        pipes[path] = pipe
+        t0 = time.time()
+        clips, clip_prompts = generate(pipe, prompts, args.seeds, steps, args.guidance)
+        seconds = (time.time() - t0) / len(clips)
+        results[name] = {**score_clips(clips, clip_prompts), "steps": steps, "s_per_clip": seconds, "model": path}
+        first.append((name, clips[0]))
+        shapes.log(f"{name} ({steps} steps): " + ", ".join(f"{k} {v:.1f}" for k, v in results[name].items()
+                                                            if isinstance(v, float)), tag="video_eval")
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prompts": len(prompts), "seeds": args.seeds, "guidance": args.guidance, "results": results},
+                      f, indent=2)
+    if args.strip and first:
+        strip(first, args.strip)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
