@@ -114,6 +114,7 @@ def test_rslora_scale_is_diffusers_fuse(tmp_path):
         torch.testing.assert_close(ours[k], v, msg=k)
 
 
+@pytest.mark.slow  # 4.6 s: a whole pipeline folder written and loaded; the fast loop's budget
 def test_merge_tool_writes_a_folder_the_pipeline_loads(teacher_lora, tmp_path):
     """tools/merge_lora.py BASE LORA OUT: a full pipeline folder, the transformer merged, the rest linked
     or copied as files (no symlink into BASE)."""
