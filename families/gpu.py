@@ -68,3 +68,30 @@ def true_cfg_calls(model, args: dict, batch: int, device, timed) -> dict:
     finally:
         model.requires_grad_(True)
     return out
+
+
+def export_pipeline(pipeline_class, export: str, base: str, s: dict, **base_kwargs) -> tuple:
+    """(the pipeline, the transformer's timesteps as it samples) of a row's export loaded as a user loads it: a LoRA
+    export on the base folder (`base_kwargs`: what the family's loading line adds, e.g. FLUX.2 klein's is_distilled)
+    with load_lora_weights and the export's scheduler, a full export by from_pretrained; bf16 on a GPU, fp32 on CPU,
+    the attention kernel chosen (parallel/attention.DEFAULT), not torch's default (cuDNN first on Hopper)."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from parallel import attention
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if s.get("lora_rank"):
+        pipe = pipeline_class.from_pretrained(base, torch_dtype=dtype, **base_kwargs)
+        pipe.load_lora_weights(export)
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
+    else:
+        pipe = pipeline_class.from_pretrained(export, torch_dtype=dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    attention.sdpa_flags(attention.DEFAULT)
+    attention.set_backend(pipe.transformer, attention.DEFAULT)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
+                                               with_kwargs=True)
+    return pipe, seen

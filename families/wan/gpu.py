@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from families.gpu import GpuCheck, true_cfg_calls
+from families.gpu import GpuCheck, export_pipeline, true_cfg_calls
 
 
 def text_encoder_config(tiny: dict, real: str) -> dict:
@@ -66,26 +66,11 @@ def export_samples(export: str, base: str, s: dict, data: str) -> bool:
     Passes when the video is finite, of the clip's shape, and the transformer saw the trained σ list (x 1000)."""
     import numpy as np
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers import WanPipeline
 
     from algorithms.dmd2_flow import timestep_sigmas
     from families import wan
-    from parallel import attention
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if s.get("lora_rank"):
-        pipe = WanPipeline.from_pretrained(base, torch_dtype=dtype)
-        pipe.load_lora_weights(export)
-        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
-    else:
-        pipe = WanPipeline.from_pretrained(export, torch_dtype=dtype)
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    attention.sdpa_flags(attention.DEFAULT)  # the kernel chosen, not torch's default (cuDNN first on Hopper)
-    attention.set_backend(pipe.transformer, attention.DEFAULT)
-    seen = []
-    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
-                                               with_kwargs=True)
+    pipe, seen = export_pipeline(WanPipeline, export, base, s)
     with open(data) as f:
         prompt = f.readline().strip()
     settings = clip_settings(base, s)

@@ -31,8 +31,9 @@ from algorithms import flux_kontext as km
 from core.dist import print0
 from core.errors import ConfigError
 from data.buckets import references as row_references
-from data.images import image_digest, image_size, load_pil, pil_tensor
+from data.images import image_digest, image_size, load_pil
 from data.text_cache import fill_text_cache, folder_identity, load_entries
+from families.flux2 import room as flux2_room
 from parallel import attention
 from precision import MODES, dtype_name, parse_dtype
 
@@ -55,12 +56,10 @@ def is_omni(settings) -> bool:
 
 
 def pipeline_size(height: int, width: int, area: int = REFERENCE_AREA) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((h, w) after the pipeline's downsizing, (h, w) after its cut to multiples of 16): downsized to `area` at its
-    ratio only if larger (_resize_to_target_area: int() of each side), then each side cut down to a multiple of 16."""
-    if height * width > area:
-        scale = (area / (width * height)) ** 0.5
-        height, width = int(height * scale), int(width * scale)
-    return (height, width), (height // MULTIPLE * MULTIPLE, width // MULTIPLE * MULTIPLE)
+    """((h, w) after the pipeline's downsizing, (h, w) after its cut to multiples of 16): the Omni pipeline prepares
+    its references with FLUX.2's Flux2ImageProcessor, so the rule is the FLUX.2 room's (math.sqrt, as
+    _resize_to_target_area computes it)."""
+    return flux2_room.pipeline_size(height, width, area)
 
 
 def resized_image(source, area: int = REFERENCE_AREA, mirror: bool = False):
@@ -73,32 +72,16 @@ def resized_image(source, area: int = REFERENCE_AREA, mirror: bool = False):
 
 def load_image(source, area: int = REFERENCE_AREA, mirror: bool = False) -> torch.Tensor:
     """(3, h, w) in [-1, 1]: the image as the pipeline prepares a reference: resized_image, centre-cut to multiples
-    of 16 (Flux2ImageProcessor._resize_and_crop), in its processor's memory layout."""
-    im = resized_image(source, area, mirror)
-    ch, cw = im.height // MULTIPLE * MULTIPLE, im.width // MULTIPLE * MULTIPLE
-    left, top = (im.width - cw) // 2, (im.height - ch) // 2
-    return pil_tensor(im.crop((left, top, left + cw, top + ch)))
+    of 16 (Flux2ImageProcessor._resize_and_crop, the FLUX.2 room's reading)."""
+    return flux2_room.load_image(source, area, mirror)
 
 
-def image_loader(settings):
-    """Each reference by the pipeline's rule, the target by the same rule at RESOLUTION^2 (an aligned pair stays
-    aligned)."""
-    areas = {"reference": REFERENCE_AREA, "target": settings["RESOLUTION"] ** 2}
-
-    def load(source, size, mirror, role):
-        image = load_image(source, areas[role], mirror)
-        if tuple(image.shape[1:]) != tuple(size):
-            raise ValueError(f"{source}: read as {tuple(image.shape[1:])}, its shape says {tuple(size)}")
-        return image
-    return load
+# each reference by the pipeline's rule (REFERENCE_AREA, which Omni rows refuse: the pipeline's 1024^2), the target
+# by the same rule at RESOLUTION^2: the FLUX.2 room's loader, as both pipelines prepare images alike
+image_loader = flux2_room.image_loader
 
 
-def target_size(size, row, settings) -> tuple[int, int]:
-    """The target by the references' rule at RESOLUTION^2; a prompt alone: the bucket's size."""
-    if not row.get("size") and "target" not in row:
-        return tuple(size)
-    h, w = row.get("size") or image_size(row["target"])
-    return pipeline_size(h, w, settings["RESOLUTION"] ** 2)[1]
+target_size = flux2_room.target_size  # the target by the references' rule at RESOLUTION^2; a prompt alone: its bucket
 
 
 def reference_sizes(size, row, settings) -> tuple | None:
