@@ -294,7 +294,7 @@ def validate_config() -> list[int]:
     check_dmd_loss(room, pipeline)
     if CONTEXT_PARALLEL != 1:
         check_context_parallel(room, pipeline)
-    second = [c.subfolder for c in pipelines.PIPELINES.get(pipeline, ()) if c.role == "trainable"][1:]
+    second = pipelines.trained_components(pipeline)[1:] if pipeline in pipelines.PIPELINES else []
     for name, value in (("TEACHER_LORA_2", TEACHER_LORA_2), ("GENERATOR_LORA_2", GENERATOR_LORA_2)):
         if value and known and not second:
             raise ConfigError(f"{name}={value} with a {pipeline or 'SD-1.5'} teacher: it is a two-expert teacher's "
@@ -392,8 +392,8 @@ def check_flow_settings(room, pipeline: str) -> None:
     for name, file, part in lora_files(pipeline, teacher=True):  # a LoRA of its transformer, tensor for tensor
         folder = os.path.join(MODEL_PATH, part)
         lora_merge.read_lora(file, pipeline=pipeline).check_base(tensor_shapes(folder), f"{name}: {folder}")
+    lora = lora_lib.Lora.from_settings(script_constants(globals()))
     for name, file, part in lora_files(pipeline, teacher=False):  # its adapters are the generator's, one by one
-        lora = lora_lib.Lora.from_settings(script_constants(globals()))
         lora_merge.check_adapters(lora_merge.read_lora(file, pipeline=pipeline), lora_lib.check_lora_targets(
             trained.class_name, os.path.join(MODEL_PATH, part), lora, families.MODELS[trained.class_name]),
             LORA_RANK, name)
@@ -402,7 +402,7 @@ def check_flow_settings(room, pipeline: str) -> None:
 def lora_files(pipeline: str, teacher: bool) -> list[tuple[str, str, str]]:
     """(setting, file, the pipeline part it adapts) of TEACHER_LORA[_2] (or GENERATOR_LORA[_2]) that are set: the
     first for the trained model's first part (transformer), the second for a two-expert teacher's second."""
-    parts = [c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable"]
+    parts = [c.subfolder for c in pipelines.trained_components(pipeline)]
     name = "TEACHER_LORA" if teacher else "GENERATOR_LORA"
     files = (TEACHER_LORA, TEACHER_LORA_2) if teacher else (GENERATOR_LORA, GENERATOR_LORA_2)
     return [(name + suffix, file, part) for suffix, file, part in zip(("", "_2"), files, parts) if file]

@@ -28,11 +28,9 @@ instruction} rows (paths relative to the file; "image" + "target", as the shippe
 reads), a folder of targets with same-stem .txt captions and a control/ folder (ai-toolkit's and
 musubi-tuner's layout), or a Hugging Face datasets table; without any reference (an "image" and a prompt per
 row, a caption folder without control/) the family's text-to-image model trains (FLUX.2, Z-Image). Outputs in
-OUTPUT_DIR:
-metrics.jsonl, samples/step_XXXXXX.png (context | output | target per held-out pair), checkpoints/step_XXXXXX/,
-export/ (a diffusers
-folder for FluxKontextPipeline.from_pretrained; with LORA_RANK > 0 the adapters,
-export/pytorch_lora_weights.safetensors, for pipe.load_lora_weights), text_cache/.
+OUTPUT_DIR: metrics.jsonl, samples/step_XXXXXX.png (context | output | target per held-out pair),
+checkpoints/step_XXXXXX/, export/ (a diffusers folder for FluxKontextPipeline.from_pretrained; with LORA_RANK > 0
+the adapters, export/pytorch_lora_weights.safetensors, for pipe.load_lora_weights), text_cache/.
 
 LoRA (LORA_RANK > 0): peft adapters on the transformer's attention and MLP projections, in fp32,
 trained on a frozen base stored in the compute dtype, both sharded in the same per-block FSDP
@@ -587,8 +585,7 @@ def main():
     train, held_out, buckets, _ = load_data(DATA_PATH, NUM_SAMPLE_PAIRS, RESOLUTION, BUCKET_ASPECTS, 2 * vae_factor,
                                             SKIP_BAD_SAMPLES, control_path=CONTROL_PATH, val_path=VAL_DATA_PATH,
                                             columns=columns, split=DATASET_SPLIT, max_references=most, room=room)
-    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, max_references=most,
-                                   t2i="control" not in train[0])  # text to image: the trained kind
+    sample_rows = load_sample_rows(SAMPLE_PROMPTS, held_out, columns, DATASET_SPLIT, most, "control" not in train[0])
     shapes, bucket_of = row_shapes(room, train, buckets, settings)
     members, schedule = bucket_schedule(bucket_of, MAX_STEPS, SEED)
     val_shapes = [s[i] for s, of in [row_shapes(room, held_out, buckets, settings)] for i in of]

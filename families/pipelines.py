@@ -38,9 +38,14 @@ def folder_layout(pipeline: str) -> dict[str, str | None]:
     return {c.subfolder: c.class_name for c in PIPELINES[pipeline]}
 
 
+def trained_components(pipeline: str) -> list[Component]:
+    """The pipeline's trainable components in its order: its UNet or transformer (Wan 2.2 A14B: and transformer_2)."""
+    return [c for c in PIPELINES[pipeline] if c.role == "trainable"]
+
+
 def trained_component(pipeline: str) -> Component:
     """The pipeline's (first) trainable component: its UNet or FLUX transformer."""
-    return next(c for c in PIPELINES[pipeline] if c.role == "trainable")
+    return trained_components(pipeline)[0]
 
 
 def vae_scale_factor(vae_config) -> int:

@@ -33,10 +33,11 @@ def write_qwen3_tokenizer(folder):
     return write_qwen_tokenizer(folder, corpus, QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE)
 
 
-def _qwen3_text_encoder(tokenizer, seed, hidden=16, layers=28):
-    """A Qwen3ForCausalLM `hidden` wide with `layers` layers: FLUX.2 [klein] stacks the hidden states of
-    layers 9, 18 and 27 (the pipeline's text_encoder_out_layers), so it needs at least 27 (Qwen3-4B has 36)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _qwen3_text_encoder(tokenizer, seed, hidden=16, layers=28, causal_lm=True):
+    """A Qwen3ForCausalLM (`causal_lm=False`: a Qwen3Model, Z-Image's class) `hidden` wide with `layers` layers:
+    FLUX.2 [klein] stacks the hidden states of layers 9, 18 and 27 (the pipeline's text_encoder_out_layers), so it
+    needs at least 27 (Qwen3-4B has 36)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen3Config(
@@ -45,7 +46,7 @@ def _qwen3_text_encoder(tokenizer, seed, hidden=16, layers=28):
         rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
     with seeded(seed):
-        return Qwen3ForCausalLM(config).eval()
+        return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config).eval()
 
 
 def _flux2_parts(text_width, seed, guidance_embeds):

@@ -34,6 +34,13 @@ def make_prompts_file(path, n, seed=0):
     return Path(path)
 
 
+def make_prompt_data(folder, n, seed=0):
+    """folder/prompts.txt (make_prompts_file) and folder/data.jsonl of the same prompts as {"prompt"} rows: a
+    text-to-image or text-to-video teacher's data, in both forms DATA_PATH reads."""
+    path = make_prompts_file(Path(folder) / "prompts.txt", n, seed)
+    write_jsonl(Path(folder) / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+
+
 def make_image_prompt_dataset(folder, n, size=IMAGE_SIZE, seed=0):
     """Write `n` PNGs of coloured shapes under folder/images and folder/data.jsonl with rows
     {"prompt", "image"} (image path relative to folder). Returns the data.jsonl path."""

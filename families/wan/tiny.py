@@ -38,7 +38,7 @@ import functools
 import json
 from pathlib import Path
 
-from families.tiny.data import make_image_prompt_dataset, make_prompts_file, write_jsonl
+from families.tiny.data import make_image_prompt_dataset, make_prompt_data, write_jsonl
 from families.tiny.models import seeded
 from families.tiny.tokenizers import CHARS, WORDS
 
@@ -139,22 +139,19 @@ def _save_i2v(folder, tokenizer, text_encoder, vae, transformer, transformer_2, 
 def build_wan_t2v(root):
     """tiny_wan_t2v: the Wan 2.1 T2V folder and 32 coloured-shapes prompts (data/prompts.txt, data/data.jsonl)."""
     make_tiny_wan_t2v(root / "model")
-    path = make_prompts_file(root / "data" / "prompts.txt", 32)
-    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+    make_prompt_data(root / "data", 32)
 
 
 def build_wan_ti2v(root):
     """tiny_wan_ti2v: the Wan 2.2 TI2V-5B folder and the same 32 prompts."""
     make_tiny_wan_t2v(root / "model", ti2v=True)
-    path = make_prompts_file(root / "data" / "prompts.txt", 32)
-    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+    make_prompt_data(root / "data", 32)
 
 
 def build_wan_a14b(root):
     """tiny_wan_a14b: the Wan 2.2 T2V-A14B folder (two experts) and the same 32 prompts."""
     make_tiny_wan_t2v(root / "model", a14b=True)
-    path = make_prompts_file(root / "data" / "prompts.txt", 32)
-    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+    make_prompt_data(root / "data", 32)
 
 
 def build_wan_i2v(root, a14b=False, ti2v=False):

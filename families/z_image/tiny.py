@@ -19,29 +19,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from families.flux2.tiny import write_qwen3_tokenizer
-from families.tiny.data import make_prompts_file, make_two_reference_edit_dataset, write_jsonl
+from families.flux2.tiny import _qwen3_text_encoder, write_qwen3_tokenizer
+from families.tiny.data import make_prompt_data, make_two_reference_edit_dataset
 from families.tiny.models import seeded
 
 LATENT_CHANNELS = 4
 # Tongyi-MAI/Z-Image scheduler/scheduler_config.json as the issue gives it: a static shift (6.0 for the base, 3.0
 # for Turbo) that the pipeline applies to its own linspace(1, 1/N, N); its mu goes unused
 SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
-
-
-def _qwen3_text_encoder(tokenizer, seed, hidden=16, layers=2):
-    """A Qwen3Model `hidden` wide with `layers` layers (Z-Image's text_encoder class; the pipeline reads the hidden
-    states of the layer before the last)."""
-    from transformers import Qwen3Config, Qwen3Model
-
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen3Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
-        rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
-    with seeded(seed):
-        return Qwen3Model(config).eval()
 
 
 SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16,
@@ -57,7 +42,8 @@ def make_tiny_z_image(folder, seed=0, omni=False):
 
     folder = Path(folder)
     tokenizer = write_qwen3_tokenizer(folder / "tokenizer")
-    text_encoder = _qwen3_text_encoder(tokenizer, seed)
+    # a Qwen3Model of 2 layers (the pipeline reads the hidden states of the layer before the last)
+    text_encoder = _qwen3_text_encoder(tokenizer, seed, layers=2, causal_lm=False)
     with seeded(seed + 1):
         transformer = ZImageTransformer2DModel(
             all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS, dim=32, n_layers=2,
@@ -86,8 +72,7 @@ def make_tiny_z_image(folder, seed=0, omni=False):
 def build_z_image(root):
     """tiny_z_image: the Z-Image folder and 32 coloured-shapes prompts (data/prompts.txt, data/data.jsonl)."""
     make_tiny_z_image(root / "model")
-    path = make_prompts_file(root / "data" / "prompts.txt", 32)
-    write_jsonl(root / "data" / "data.jsonl", [{"prompt": p} for p in path.read_text().splitlines()])
+    make_prompt_data(root / "data", 32)
 
 
 def build_z_image_omni(root):

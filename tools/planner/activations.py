@@ -189,7 +189,7 @@ def _image_tokens(folder: str, shapes: tuple) -> int:
 
 
 def _trained_parts(folder: str) -> list:
-    return [c for c in pipelines.PIPELINES[pipeline_of(folder)] if c.role == "trainable"]
+    return pipelines.trained_components(pipeline_of(folder))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -213,7 +213,7 @@ def _one_model(pipeline: str) -> bool:
     """The pipeline's parts train one model, or experts of one (Wan 2.2 A14B's transformer and transformer_2), each
     trainable part its own subfolder: train_dmd.py then holds each in DMD_ROLES. (SD's generator and fake score
     share the UNet's subfolder: their roles are the table's.)"""
-    trained = [c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable"]
+    trained = [c.subfolder for c in pipelines.trained_components(pipeline)]
     return len(set(trained)) == len(trained)
 
 
@@ -277,7 +277,7 @@ def native_resolution(folder: str) -> int:
     config has one (the UNets: train_dmd.py's RESOLUTION=0, 512 for SD-1.5, 1024 for SDXL); else its spec's
     plan_resolution or the pipeline's native side."""
     pipeline = pipeline_of(folder)
-    trained = next(c for c in pipelines.PIPELINES[pipeline] if c.role == "trainable")
+    trained = pipelines.trained_component(pipeline)
     size = _config(folder, trained.subfolder).get("sample_size")
     if isinstance(size, int):
         return size * vae_factor(folder)
@@ -348,7 +348,7 @@ def build_components(folder: str, precision, build: bool = True, lora: lora_lib.
     # adapters and the recipe (families/dit.py's `prepare`; Qwen-Image: freezing outputs that feed nothing)
     pipeline = pipeline_of(folder)
     prepare = getattr(FAMILIES[pipeline], "prepare", None)
-    trained_subs = list(dict.fromkeys(c.subfolder for c in pipelines.PIPELINES[pipeline] if c.role == "trainable"))
+    trained_subs = list(dict.fromkeys(c.subfolder for c in pipelines.trained_components(pipeline)))
     fp32 = spec_of(pipeline).fp32_components.get(pipeline, ())
     parts, model = [], None  # model: the script's (the first trainable component), whose experts share its LoRA
     for spec in pipeline_components(pipeline, script):
