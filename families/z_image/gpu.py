@@ -54,12 +54,12 @@ def data(root: str, size: int, tiny: bool, script: str) -> str:
     """The rows' data (GpuCheck.data): DMD2's prompts .txt, the fine-tune's text-to-image rows ("image" + "prompt",
     `size` px coloured shapes) as data.jsonl; every prompt PROMPT_WORDS long, so the text is MAX_SEQUENCE_LENGTH
     tokens, as the planner and the plain reference count it."""
-    from tools import tiny_models
+    from families.tiny.data import make_image_prompt_dataset, make_prompts_file
     n, suffix = (TINY_SAMPLES, "_tiny") if tiny else (SAMPLES, "")
     if script == "train_dmd.py":
         path = os.path.join(root, f"z_image_prompts{suffix}.txt")
         if not os.path.exists(path):
-            tiny_models.make_prompts_file(path, n)
+            make_prompts_file(path, n)
             with open(path) as f:
                 prompts = f.read().splitlines()
             with open(path, "w") as f:
@@ -68,7 +68,7 @@ def data(root: str, size: int, tiny: bool, script: str) -> str:
     folder = os.path.join(root, f"z_image_t2i_{size}{suffix}")
     path = os.path.join(folder, "data.jsonl")
     if not os.path.isdir(folder):
-        tiny_models.make_image_prompt_dataset(folder, n, size=size)
+        make_image_prompt_dataset(folder, n, size=size)
         with open(path) as f:
             rows = [json.loads(line) for line in f]
         with open(path, "w") as f:
