@@ -7,6 +7,7 @@ these facts alone; a family without one has no rows there.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,6 +27,9 @@ class GpuCheck:
     blocks: tuple[str, ...] = ()
     default_blocks: tuple[int, ...] = ()
     data_references: int = 1  # the rows' data: edits with this many references (0: a prompts file)
+    # (root, size, tiny, script) -> the rows' data (a file's path) where the family writes its own; None: by
+    # data_references (tools/gpu/folders.dataset)
+    data: Callable | None = None
     reference_note: str = ""  # what the reference's label adds ("target + 2 references")
     encodes_target: bool = True  # a step's VAE encode takes its target beside its references (DMD2: references only)
     vae_frames: int = 0  # a video VAE: the pixels it encodes have this many frames (0: an image VAE)
@@ -51,15 +55,18 @@ def true_cfg_calls(model, args: dict, batch: int, device, timed) -> dict:
     forward + backward, whose frozen weights pass gradients to their inputs only (the adapters' own matmuls are
     not counted)."""
     import torch
-    pair = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in args.items()}
+    pair = {k: torch.cat([v, v]) if torch.is_tensor(v) else list(v) + list(v) if isinstance(v, list) else v
+            for k, v in args.items()}  # a list: one entry per sample (Z-Image's latents and captions)
+    image = next(iter(args))  # example_inputs' first: the image tokens (hidden_states, Z-Image's x)
 
     def pair_fwd():
         with torch.no_grad():
             model(**pair, return_dict=False)
 
     def frozen_fwd_bwd():
-        x = args["hidden_states"].detach().requires_grad_()
-        model(**{**args, "hidden_states": x}, return_dict=False)[0].float().square().mean().backward()
+        x = args[image]
+        x = x.detach().requires_grad_() if torch.is_tensor(x) else [t.detach().requires_grad_() for t in x]
+        output_loss(model(**{**args, image: x}, return_dict=False)[0]).backward()
 
     out = {"fwd_pair_ms": timed(pair_fwd, device)}
     model.requires_grad_(False)
@@ -70,11 +77,19 @@ def true_cfg_calls(model, args: dict, batch: int, device, timed) -> dict:
     return out
 
 
+def output_loss(out):
+    """The plain reference's loss on a model's output: its mean square in fp32; a list output (one tensor per sample,
+    Z-Image's) the sum of theirs."""
+    return sum(o.float().square().mean() for o in out) if isinstance(out, (list, tuple)) else \
+        out.float().square().mean()
+
+
 def export_pipeline(pipeline_class, export: str, base: str, s: dict, **base_kwargs) -> tuple:
     """(the pipeline, the transformer's timesteps as it samples) of a row's export loaded as a user loads it: a LoRA
     export on the base folder (`base_kwargs`: what the family's loading line adds, e.g. FLUX.2 klein's is_distilled)
-    with load_lora_weights and the export's scheduler, a full export by from_pretrained; bf16 on a GPU, fp32 on CPU,
-    the attention kernel chosen (parallel/attention.DEFAULT), not torch's default (cuDNN first on Hopper)."""
+    with load_lora_weights and the export's scheduler where it has one (a distilled export's), a full export by
+    from_pretrained; bf16 on a GPU, fp32 on CPU, the attention kernel chosen (parallel/attention.DEFAULT), not torch's
+    default (cuDNN first on Hopper)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -84,7 +99,8 @@ def export_pipeline(pipeline_class, export: str, base: str, s: dict, **base_kwar
     if s.get("lora_rank"):
         pipe = pipeline_class.from_pretrained(base, torch_dtype=dtype, **base_kwargs)
         pipe.load_lora_weights(export)
-        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
+        if os.path.isdir(os.path.join(export, "scheduler")):  # a distilled export's; a fine-tune's samples as the base
+            pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(export, subfolder="scheduler")
     else:
         pipe = pipeline_class.from_pretrained(export, torch_dtype=dtype)
     pipe.to(device)
@@ -92,6 +108,6 @@ def export_pipeline(pipeline_class, export: str, base: str, s: dict, **base_kwar
     attention.sdpa_flags(attention.DEFAULT)
     attention.set_backend(pipe.transformer, attention.DEFAULT)
     seen = []
-    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float(kw["timestep"][0])),
-                                               with_kwargs=True)
+    pipe.transformer.register_forward_pre_hook(  # the timestep by name, or second (ZImagePipeline passes t so)
+        lambda m, a, kw: seen.append(float((kw["timestep"] if "timestep" in kw else a[1])[0])), with_kwargs=True)
     return pipe, seen

@@ -28,6 +28,7 @@ from tools import gpu
 # own added), longest first: two run side by side, each next one starting where one ends
 CLI_RUNS = {
     "test_qwen_rows_on_cpu_train_resume_export_and_load": ["--suite=qwen_image"],
+    "test_z_image_rows_on_cpu_train_resume_and_their_exports_sample_in_the_pipeline": ["--suite=z_image"],
     "test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
         ["--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac"],
     "test_wan_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
@@ -87,12 +88,11 @@ def test_smaller_blocks_halve_one_kind_to_one_and_leave_whole_and_tiny_models():
 
 
 def test_each_family_gives_the_check_its_facts():
-    """Every family's GpuCheck (a family without one, spec.gpu None, has no rows yet: Z-Image): its block keys
-    are its trained model's config keys, its default counts one per key, its tiny rows on spec.tiny's first folder,
-    its label the table's; the check's core names no family."""
+    """Every family's GpuCheck: its block keys are its trained model's config keys, its default counts one per key,
+    its tiny rows on spec.tiny's first folder, its label the table's; the check's core names no family."""
     import families
     checked = [spec for spec in families.SPECS if spec.gpu is not None]
-    assert [s.name for s in families.SPECS if s.gpu is None] == ["z_image"]
+    assert [s.name for s in families.SPECS if s.gpu is None] == []
     for spec in checked:
         g = spec.gpu
         sub = gpu.folders.trained_subfolder(spec.name)
@@ -103,7 +103,8 @@ def test_each_family_gives_the_check_its_facts():
         assert gpu.folders.model_label(spec.name, "tiny") == f"tiny {g.label}"
         assert all(sub_name in {c.subfolder for p in spec.pipelines for c in p.components} for sub_name, _ in g.parts)
     assert [gpu.folders.model_label(s.name, gpu.folders.default_size(s.name, False)) for s in checked] == [
-        "SD-1.5", "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "FLUX.2 klein 2+4 blocks", "Wan 2.1 T2V-1.3B 2 blocks"]
+        "SD-1.5", "FLUX 2+4 blocks", "Qwen-Image-Edit 4 blocks", "FLUX.2 klein 2+4 blocks", "Wan 2.1 T2V-1.3B 2 blocks",
+        "Z-Image 2+1 blocks"]
     assert gpu.folders.model_label(None, None) == "-"
     core = ("folders", "budget", "reference", "run", "report", "cli")  # rows.py's rows name their family as data
     for module in core:
@@ -114,7 +115,8 @@ def test_each_family_gives_the_check_its_facts():
 def test_a_renamed_suite_or_option_is_refused_in_one_line_naming_the_new_one(monkeypatch):
     from tools.gpu import cli
     for args, said in ((["--suite=qwen"], "--suite=qwen_image"), (["--qwen_blocks=2"], "--qwen_image_blocks"),
-                       (["--suite=nope"], "choose one of acceptance, speed, qwen_image, flux2, wan, fp8, fp8_qwen"),
+                       (["--suite=nope"],
+                        "choose one of acceptance, speed, qwen_image, flux2, wan, z_image, fp8, fp8_qwen"),
                        (["--flux2_blocks=2"], "give 2 block count(s) (num_layers, num_single_layers)")):
         monkeypatch.setattr("sys.argv", ["gpu_check.py", *args])
         with pytest.raises(SystemExit) as stop:
@@ -411,6 +413,47 @@ def test_the_wan_rows_are_the_recipes_dmd2_sized_planned_and_fit_one_device_call
     assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
 
 
+@pytest.mark.slow  # 0.1 s in its file, 3.4 s alone (the first import of the transformer and the planner)
+def test_the_z_image_rows_are_sized_planned_and_fit_one_device_call(tmp_path, monkeypatch):
+    """Z-Image's transformer at 2 main + 1 refiner blocks of real width (0.73 B parameters): at 1024 x 1024 the
+    text-to-image LoRA fine-tune (recipes/z_image_t2i_lora.sh: r64, AC) and DMD2 to a 4-step LoRA student
+    (recipes/dmd_z_image_8step_lora.sh's LoRA r64 generator and fake score, CFG 5, on a bf16 base), both resumed:
+    adapters only, 0.0946 and 0.189 GB checkpoints. Their data's prompts are long enough to be cut at
+    MAX_SEQUENCE_LENGTH (the planner's 512 text tokens, the plain reference's); the planner is asked for each row's
+    script, LORA_RANK, FAKE_LORA and AC; both rows, the start-up and their one plain reference fit one call."""
+    from families.z_image import gpu as z_gpu
+    from tools import memory_plan
+    rows = gpu.rows.plan_runs(tiny=False, suite="z_image")
+    assert [r["run"] for r in rows] == ["z_image_1024px_t2i_lora64_ac", "dmd_z_image_1024px_4step_lora64_ac"]
+    assert [r["script"] for r in rows] == ["train_flux_kontext.py", "train_dmd.py"]
+    assert all(r["resume"] and r["ref"] and r["settings"]["lora_rank"] == 64 and r["settings"]["ac"]
+               and r["settings"]["resolution"] == 1024 for r in rows)
+    tune, dmd = (r["settings"]["extra"] for r in rows)
+    assert (tune["lora_alpha"], tune["lora_init"], dmd["fake_lora"], dmd["real_guidance_scale"]) == (64, "gaussian",
+                                                                                                   1, 5.0)
+    assert len({r["ref"] for r in rows}) == 1  # one plain reference: the same model, size and text
+    folder = gpu.folders.skeleton("z_image", str(tmp_path), (2, 1), None)
+    sizes = [gpu.budget.row_bytes(r, folder) for r in rows]
+    assert [(_gb(one), _gb(gpu.budget.peak_disk(one, export, True))) for one, export in sizes] == [
+        ("0.0946 GB", "0.221 GB"), ("0.189 GB", "0.41 GB")]
+    assert gpu.folders.model_label("z_image", (2, 1)) == "Z-Image 2+1 blocks"
+    planned = []
+    monkeypatch.setattr(memory_plan, "plan", lambda model, settings: planned.append(settings) or {"gpu_total": 1})
+    for r in rows:
+        gpu.budget.planned_bytes(folder, 1, r["settings"], r["script"], 80)
+    assert [(p.script, p.resolution, p.lora_rank, p.fake_lora, p.activation_checkpointing) for p in planned] == [
+        ("train_flux_kontext.py", 1024, 64, False, True), ("train_dmd.py", 1024, 64, True, True)]
+    prompts = gpu.folders.dataset(str(tmp_path), "z_image", 32, True, "train_dmd.py")
+    t2i = gpu.folders.dataset(str(tmp_path), "z_image", 32, True, "train_flux_kontext.py")
+    lines = open(prompts).read().splitlines()
+    pairs = [json.loads(line) for line in open(t2i)]
+    assert len(lines) == len(pairs) == 8 and os.path.exists(os.path.join(os.path.dirname(t2i), pairs[0]["image"]))
+    assert min(len(p.split()) for p in lines + [r["prompt"] for r in pairs]) >= z_gpu.PROMPT_WORDS > 512
+    assert z_gpu.reference_shape(folder, prompts, rows[1]["settings"]) == (512, ())
+    expected = gpu.rows.STARTUP_EXPECT_S + gpu.rows.REF_EXPECT_S + sum(r["expect_s"] for r in rows)
+    assert expected <= gpu.budget.CALL_S - gpu.budget.END_RESERVE_S
+
+
 def test_a_lora_fake_scores_step_counts_its_frozen_weight_backward():
     """FAKE_LORA: the fake score's forward + backward is its frozen weights' (P_G), as a LoRA generator's. The
     FLUX.2 bound's figures (F 100, F2 180, P 300, P_G 200, V 10; steps 5, 6, 7 at σ indices 0, 2, 3) with a LoRA
@@ -491,6 +534,35 @@ def test_wan_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas
     assert all(ref[k] > 0 for k in ("fwd_ms", "fwd_pair_ms", "fwd_bwd_ms", "frozen_fwd_bwd_ms"))
     assert ref["vae_ms"] == 0
     assert "| dmd_wan21_t2v_32p_9f_4step_lora64_ac | 2 + 8 |" in (out / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_z_image_rows_on_cpu_train_resume_and_their_exports_sample_in_the_pipeline(cli, request):
+    """The tiny Z-Image rows (--suite=z_image, 32 px, 32 text tokens): the text-to-image LoRA fine-tune and DMD2 to a
+    4-step LoRA student, each trained beside their one plain reference (the teacher's CFG pair and the frozen-weight
+    backward among its calls, the model's list inputs and outputs; nothing encoded), saved, resumed, exported, and the
+    export sampled by ZImagePipeline with load_lora_weights: the fine-tune's with CFG on the base's scheduler, the
+    DMD2 student's without CFG at the trained σ list (the transformer gets 1 - σ); DMD2 set against its network
+    calls."""
+    rc, stdout, out = cli[request.node.name]
+    assert rc == 0, stdout[-6000:]
+    assert "export sampled in 4 steps at CFG 4.0: (1, 32, 32, 3) image" in stdout
+    assert ("export sampled in 4 steps without CFG: (1, 32, 32, 3) image, timesteps seen [0.0, 0.25, 0.5, 0.75], "
+            "trained [0.0, 0.25, 0.5, 0.75], adapters True, finite True") in stdout
+    result = json.loads((out / "gpu_check.json").read_text())
+    rows = {row["run"]: row for row in result["rows"]}
+    assert list(rows) == ["z_image_32px_t2i_lora64_ac", "dmd_z_image_32px_4step_lora64_ac"]
+    assert all(row["ok"] and row["resume_export"] == "pass" and row["model"] == "tiny Z-Image" and row["step_ms"] > 0
+               for row in rows.values())
+    dmd = rows["dmd_z_image_32px_4step_lora64_ac"]
+    assert len(dmd["step_indices"]) == len(dmd["timed_steps"]) == 10 and dmd["lora_fake"] and dmd["cfg_pair"]
+    ref, = result["refs"].values()
+    assert all(ref[k] > 0 for k in ("fwd_ms", "fwd_pair_ms", "fwd_bwd_ms", "frozen_fwd_bwd_ms"))
+    assert ref["vae_ms"] == 0
+    report = (out / "gpu_check.md").read_text()
+    assert "| tiny Z-Image, 32 px, batch 1, text to image |" in report
+    assert "| dmd_z_image_32px_4step_lora64_ac | 2 + 8 |" in report
+    assert "attention: ZImageTransformer2DModel native (diffusers' dispatcher)" in (out / "runs.log").read_text()
 
 
 @pytest.mark.slow

@@ -281,24 +281,34 @@ def dmd_runs(tiny, tmp_path_factory):
     """DMD2 of the tiny Z-Image teacher to a 4-step generator: full generator and fake score with EMA on 2 ranks, the
     same on one process (GRAD_ACCUM=2), the same resumed from its step-2 checkpoint; a LoRA generator and fake
     score on 2 ranks with validation. Beside them, text-to-image fine-tuning (train_flux_kontext.py): LoRA on 2
-    ranks (validation, samples with CFG), the same in one process at twice the batch, and a full fine-tune."""
+    ranks (validation, samples with CFG), the same in one process at twice the batch, and a full fine-tune; LoRA on an
+    NF4 base with AC and cached latents on 2 ranks and in one process at twice the batch; a full fine-tune in
+    bf16-mixed on 2 ranks without FP8 and with FP8=tensorwise."""
     root = tmp_path_factory.mktemp("z_image")
     common = [f"--model_path={tiny['model']}", f"--data_path={tiny['data']}/prompts.txt",
               f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", f"--resolution={SIZE}",
               "--max_steps=4", "--log_every=1", "--denoising_steps=999,749,499,249", "--batch_size=1",
               "--sample_count=2", "--dfake_gen_update_ratio=2", "--save_every=2", "--sample_every=4",
               "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
-    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ft_lora", "ft_one", "ft_full")}
+    out = {k: root / k for k in ("full", "one", "stopped", "lora", "ft_lora", "ft_one", "ft_full", "ft_nf4",
+                                 "ft_nf4_one", "ft_bf16", "ft_fp8")}
     job = functools.partial(dict, script="train_dmd.py", ranks=2, env=launch_env())
     ft = functools.partial(dict, script="train_flux_kontext.py", ranks=2, env=launch_env())
     tuning = [f"--model_path={tiny['model']}", f"--data_path={t2i_rows(root)}", f"--text_cache_dir={root / 'ft_tc'}",
               "--precision=fp32", f"--resolution={SIZE}", "--max_steps=4", "--log_every=1", "--num_sample_pairs=2",
               "--lr=1e-3", "--warmup_steps=0", "--export_dtype=fp32", "--sample_steps=2", "--sample_guidance=4",
               "--seed=1", "--save_every=0", "--val_every=2", "--sample_every=4"]
+    quiet = ["--sample_every=0", "--val_every=0"]
+    nf4 = quiet + ["--lora_rank=4", "--base_dtype=nf4", "--activation_checkpointing=1", "--cache_latents=1"]
+    bf16 = [a for a in tuning if not a.startswith("--precision=")] + quiet + ["--precision=bf16-mixed"]
     done = launch_all_resuming({
         "ft_lora": ft(args=tuning + [f"--output_dir={out['ft_lora']}", "--lora_rank=4"]),
         "ft_one": ft(args=tuning + [f"--output_dir={out['ft_one']}", "--lora_rank=4", "--batch_size=2"], ranks=1),
         "ft_full": ft(args=tuning + [f"--output_dir={out['ft_full']}", "--sample_every=0", "--val_every=0"]),
+        "ft_nf4": ft(args=tuning + nf4 + [f"--output_dir={out['ft_nf4']}"]),
+        "ft_nf4_one": ft(args=tuning + nf4 + [f"--output_dir={out['ft_nf4_one']}", "--batch_size=2"], ranks=1),
+        "ft_bf16": ft(args=bf16 + [f"--output_dir={out['ft_bf16']}"]),
+        "ft_fp8": ft(args=bf16 + [f"--output_dir={out['ft_fp8']}", "--fp8=tensorwise"]),
         "full": job(args=common + [f"--output_dir={out['full']}", "--ema_decay=0.9"]),
         "one": job(args=common + [f"--output_dir={out['one']}", "--ema_decay=0.9", "--grad_accum=2",
                                   "--save_every=0", "--sample_every=0"], ranks=1),
@@ -346,6 +356,68 @@ def test_fine_tuning_trains_on_two_ranks_as_in_one_process_and_its_exports_load_
     full = ZImagePipeline.from_pretrained(str(out["ft_full"] / "export"))
     full.set_progress_bar_config(disable=True)
     assert np.isfinite(full(**call, generator=torch.Generator().manual_seed(0)).images).all()
+
+
+@pytest.mark.slow
+def test_nf4_lora_trains_on_two_ranks_as_in_one_process_and_loads_on_the_full_precision_base(tiny, dmd_runs):
+    """Text-to-image LoRA on an NF4 base (BASE_DTYPE=nf4, with AC and cached latents): 2 ranks log one process's
+    losses and grad norms at twice the batch, the audit shows the 4-bit storage, and the adapters exported load with
+    load_lora_weights on the full-precision base and change what a prompt samples."""
+    from diffusers import ZImagePipeline
+    out, logs = dmd_runs["out"], dmd_runs["logs"]
+    a, b = read_metrics(out["ft_nf4"]), read_metrics(out["ft_nf4_one"])
+    assert len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        for k in ("loss", "grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert "fp32/nf4" in logs["ft_nf4"]
+    call = dict(prompt="a red square", height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0,
+                output_type="np")
+    base = ZImagePipeline.from_pretrained(tiny["model"])
+    base.set_progress_bar_config(disable=True)
+    before = base(**call, generator=torch.Generator().manual_seed(0)).images
+    base.load_lora_weights(str(out["ft_nf4"] / "export"))
+    after = base(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and not np.array_equal(before, after)
+
+
+@pytest.mark.slow
+def test_fp8_fine_tuning_tracks_bf16_and_exports_plain_weights(tiny, dmd_runs):
+    """FP8=tensorwise on the full fine-tune (2 ranks, bf16-mixed): the attention projections of every block in float8
+    (the FFN's 85-wide Linears are no multiple of 16, modulation stays), gathered in float8; its losses within 2^-3 of
+    bf16's, relative (e4m3's rounding of both operands, tests/test_float8.py), and not equal to them; the export is
+    plain bf16 Linears that ZImagePipeline loads and samples."""
+    from diffusers import ZImagePipeline
+    out, logs = dmd_runs["out"], dmd_runs["logs"]
+    assert ("FP8 tensorwise: 16 of ZImageTransformer2DModel's 37 Linears in float8, trained weights all-gathered in "
+            "float8") in logs["ft_fp8"]
+    base = [r["loss"] for r in read_metrics(out["ft_bf16"], timing=False)]
+    losses = [r["loss"] for r in read_metrics(out["ft_fp8"], timing=False)]
+    assert len(base) == 4 and losses == pytest.approx(base, rel=2 ** -3) and losses != base
+    pipe = ZImagePipeline.from_pretrained(str(out["ft_fp8"] / "export"))
+    assert all(type(m) is torch.nn.Linear for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear))
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red square", height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert np.isfinite(image).all()
+
+
+@pytest.mark.slow  # ~4 s alone: the real-size transformer on meta (its module's first import)
+def test_fp8_converts_the_real_transformers_block_projections_and_ffn():
+    """Z-Image's 6.15 B transformer on meta: FP8 converts each of its 34 blocks' (30 main, 2 noise- and 2
+    context-refiner) attention projections and FFN (7 Linears; 3840 and 10240 wide), not their adaLN modulation,
+    the embedders or the final layer; the state dict keeps its names."""
+    from families.z_image.spec import SPEC
+    from parallel import float8
+    from tools.memory_plan import meta_model
+    model = meta_model(f"{SPEC.builtin_folder('z-image')}/transformer")
+    keys = set(model.state_dict())
+    names = float8.fp8_linears(model)
+    assert len(names) == 34 * 7 and {n.split(".")[0] for n in names} == {"layers", "noise_refiner", "context_refiner"}
+    assert {n.split(".", 2)[2] for n in names} == {f"attention.{p}" for p in ("to_q", "to_k", "to_v", "to_out.0")} | {
+        f"feed_forward.w{i}" for i in (1, 2, 3)}
+    assert float8.convert(model, "tensorwise", float8_all_gather=True, emulate=True) == 238
+    assert set(model.state_dict()) == keys
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The Z-Image family's spec: ZImagePipeline (Z-Image base, text to image) and ZImageOmniPipeline (edits from
 references), distilled by train_dmd.py; ZImagePipeline fine-tuned on text-to-image rows by train_flux_kontext.py. No
 context parallelism (ZImageTransformer2DModel has no _cp_plan: its check refuses it in one line); the planner's
-built-ins `z-image` (fine-tuning) and `z-image-dmd` (plan_spec.py, configs/); no GPU-check rows yet.
+built-ins `z-image` (fine-tuning) and `z-image-dmd` (plan_spec.py, configs/); the GPU check's --suite=z_image (gpu.py).
 
     python -m pytest tests/test_families.py tests/test_z_image.py tests/test_z_image_omni.py -q
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import families.z_image as room
 from families.pipelines import Component
 from families.spec import EditingRoom, FamilySpec, FlowDistillationRoom, PipelineSpec
-from families.z_image import parallelism, plan_spec, tiny
+from families.z_image import gpu, parallelism, plan_spec, tiny
 
 _PARTS = (Component("transformer", "transformer", "trainable", "ZImageTransformer2DModel"),
           Component("vae", "vae", "replicated", "AutoencoderKL"),
@@ -32,4 +32,5 @@ SPEC = FamilySpec(
     check_context_parallel=room.check_context_parallel,
     tiny={"z_image": tiny.build_z_image, "z_image_omni": tiny.build_z_image_omni},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
+    gpu=gpu.GPU,  # --suite=z_image: text-to-image LoRA and DMD2 at 1024 px
     **plan_spec.PLAN)  # the planner's fields: the built-in z-image, 512 text tokens, an NF4 teacher

@@ -28,7 +28,9 @@ Flux2KleinPipeline, and the same timed at 1024 px; klein-base-4B's transformer a
 its real VAE, a narrow Qwen3 of the real width), Wan 2.1 T2V-1.3B DMD2 a fourth (--suite=wan: the recipe's LoRA r64
 generator and fake score at 81 frames of 480 x 832, saved, resumed, exported and sampled in 4 steps by WanPipeline,
 and the same timed; the transformer at --wan_blocks of real width, the real AutoencoderKLWan, a narrow UMT5 of the
-real width)
+real width), Z-Image a fifth (--suite=z_image: the text-to-image LoRA fine-tune and DMD2 to a 4-step LoRA student at
+1024 px, each saved, resumed, exported and sampled by ZImagePipeline; the transformer at --z_image_blocks of real
+width, its real VAE, a narrow Qwen3 of the real width)
 (--suite=speed: the step-time rows instead, and a DMD2 generator + fake-score step under
 torch.profiler, its table in profile_*.txt). A row starts only when its expected seconds (each row's
 expect_s in plan_runs, times how long the rows so far took against theirs) fit the time left; one

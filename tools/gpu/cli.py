@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--suite", default="acceptance",
                     help=f"one of {', '.join(SUITES)}. acceptance: every script and mode once; speed: step-time rows "
                          "(kernels, AC, compile); qwen_image: the Qwen-Image-Edit rows, flux2: FLUX.2 klein-base DMD2, "
-                         "wan: Wan 2.1 T2V-1.3B DMD2 (81 frames at 480p), "
+                         "wan: Wan 2.1 T2V-1.3B DMD2 (81 frames at 480p), z_image: Z-Image's text-to-image LoRA and "
+                         "DMD2 at 1024 px, "
                          "fp8 / fp8_qwen: FP8 against bf16 on Kontext's 1024 px full fine-tune / Qwen-Image-Edit's "
                          "1024 px LoRA (each a call of its own)")
     a = ap.parse_args()
@@ -124,7 +125,7 @@ def main() -> None:
         for r in runs:
             r["settings"]["precision"] = "fp32"
     folders, peaks, disk = build(runs, work, a.out, a.tiny, blocks)
-    data = {r["run"]: dataset(work, r["family"], r["settings"]["resolution"], a.tiny) for r in runs}
+    data = {r["run"]: dataset(work, r["family"], r["settings"]["resolution"], a.tiny, r["script"]) for r in runs}
     with open(os.path.join(a.out, "build.log"), "w") as log:
         log.write(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}\n")
     print(f"models and data built and sized in {time.monotonic() - t:.0f} s\n{disk_line(disk)}", flush=True)

@@ -134,10 +134,13 @@ TINY_SAMPLES = 8
 EDITS = {1: ("pairs", "make_edit_dataset"), 2: ("two_ref_pairs", "make_two_reference_edit_dataset")}
 
 
-def dataset(root: str, name: str, size: int, tiny: bool = False) -> str:
-    """The family's rows' data (GpuCheck.data_references): a DMD2 prompts .txt, or edits with that many references
-    at `size` px (data.jsonl's path); tiny: TINY_SAMPLES."""
+def dataset(root: str, name: str, size: int, tiny: bool = False, script: str = "") -> str:
+    """The family's rows' data for `script`'s rows: its GpuCheck.data's where it writes its own, else by
+    GpuCheck.data_references: a DMD2 prompts .txt, or edits with that many references at `size` px (data.jsonl's
+    path); tiny: TINY_SAMPLES."""
     from tools import tiny_models
+    if spec(name).gpu.data:
+        return spec(name).gpu.data(root, size, tiny, script)
     suffix = "_tiny" if tiny else ""
     references = spec(name).gpu.data_references
     if not references:

@@ -65,6 +65,7 @@ def plain_reference(name: str, folder: str, resolution: int, batch: int, text_le
     import torch
 
     import families
+    from families.gpu import output_loss
     from parallel import attention
     from components.metrics import peak_tflops
     from tools.gpu.folders import spec, trained_subfolder
@@ -92,8 +93,7 @@ def plain_reference(name: str, folder: str, resolution: int, batch: int, text_le
     model.to(device).train()
 
     def fwd_bwd():
-        out = model(**args, return_dict=False)[0]
-        out.float().square().mean().backward()
+        output_loss(model(**args, return_dict=False)[0]).backward()
         model.zero_grad(set_to_none=False)
 
     def fwd():
