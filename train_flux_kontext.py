@@ -356,14 +356,14 @@ def fill_latent_cache(room, train, bucket_of, shapes, vae, cache_dir, identity, 
     trains in; in rounds of _LATENT_ROUND pairs with a collective after each (fill_in_rounds), so no
     rank waits in one collective for the slowest rank's whole share. Returns every training row's
     cache file (the same list on every rank)."""
-    read = loader or stretched
+    read, encode_refs = loader or stretched, getattr(room, "encode_references", room.encode_latents)
 
     def work(rows):
         files = {i: latent_file(cache_dir, identity, train[i], shapes[bucket_of[i]]) for i in rows}
         missing = [i for i, f in files.items() if not os.path.exists(f)]
         for i in missing:
             size, sizes = shapes[bucket_of[i]]
-            controls = [room.encode_latents(vae, read(c, s, False, "reference")[None])[0].cpu()
+            controls = [encode_refs(vae, read(c, s, False, "reference")[None])[0].cpu()
                         for c, s in zip(references(train[i]), sizes)]
             target = room.encode_latents(vae, read(train[i]["target"], size, False, "target")[None])[0].cpu()
             save_atomic({"control": controls[0] if len(controls) == 1 else controls, "target": target}, files[i])
@@ -491,7 +491,7 @@ def micro_batch_loss(room, transformer, vae, mb, sigmas, noise, text, guidance, 
         x0, refs = mb["target_latents"], mb["reference_latents"]
     else:
         x0 = room.encode_latents(vae, mb["target"])
-        refs = [room.encode_latents(vae, r) for r in mb["references"]]
+        refs = [getattr(room, "encode_references", room.encode_latents)(vae, r) for r in mb["references"]]
     inputs = room.model_inputs(x0, refs, noise, sigmas)
     pred = room.forward(transformer, inputs, sigmas, guidance, text)
     weights = km.loss_weighting(sigmas, loss_weighting)
@@ -573,7 +573,7 @@ def main():
     run, prec = trainer.start(globals(), validate_config, resolve_defaults)
     d = run.d
     room = families.FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
-    settings = script_constants(globals())
+    settings = {**script_constants(globals()), "PIPELINE": run.pipeline}  # the family's room reads which pipeline
     room.check_edit_settings(MODEL_PATH, settings, {k for k, v in _DEFAULTS.items() if settings[k] != v})
     loader = room.image_loader(settings)  # how the family's pipeline reads an image (None: stretched)
 

@@ -37,6 +37,8 @@ OPTIONAL = {
                      "text-to-image model: the target's tokens and the text alone); else such rows are refused",
     "is_distilled": "(model_path) -> True where the pipeline samples without CFG whatever its guidance "
                     "(train_flux_kontext.py's samples then take no negative prompt)",
+    "encode_references": "(vae, images (B, 3, H, W)) -> the references' latents (B, C, h, w) as its pipeline encodes "
+                         "them, where that differs from encode_latents (train_flux_kontext.py); else encode_latents",
     "sampling_shift": "(model_path, tokens, steps) -> the pipeline's σ shift where its scheduler config does not "
                       "say it (DMD2 validation's teacher reference)",
     # a video room (train_dmd.py's flow setup; the image rooms' defaults in algorithms/dmd2_flow.py)

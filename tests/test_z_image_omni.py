@@ -225,3 +225,60 @@ def test_dmd_lora_export_loads_in_the_omni_pipeline_and_samples(tiny, tmp_path):
         output_type="np").images)
     assert np.isfinite(image).all() and image.shape == (1, SIZE, SIZE, 3)
     assert [float(c["t"][0]) for c in seen] == pytest.approx([0.0, 0.5], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# fine-tuning on Omni edit rows (train_flux_kontext.py)
+
+FT_SETTINGS = {**SETTINGS, "GUIDANCE": 1.0, "SAMPLE_GUIDANCE": 4.0, "REFERENCE_AREA": 0, "RANDOM_FLIP": False,
+               "CONDITION_AREA": 0}
+
+
+def assert_equal(a, b):
+    """Nested lists of tensors (or None, ints) equal value for value, dtype and shape."""
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_fine_tuning_inputs_and_samples_are_the_pipelines(tiny, tmp_path, count):
+    """An edit row with `count` references as train_flux_kontext.py reads it (the room's image loader at the row's
+    shape, the references encoded as the script encodes them, the cached segments and SigLIP features): at σ = 1 the
+    room's forward hands the transformer what ZImageOmniPipeline hands it for the same noise (x = the references +
+    [the target], the noise mask, the caption segments, the SigLIP lists + [None], the timestep), and the velocity is
+    its output negated; the room's sample with CFG against "" at guidance_scale 4 is the pipeline's image."""
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe, settings = pipeline(tiny["model"]), {**tiny["settings"], **FT_SETTINGS, "MODEL_PATH": tiny["model"]}
+    row = {"prompt": tiny["rows"][3]["prompt"], "controls": tiny["rows"][3]["controls"][:count]}
+    theirs, seen = captured_calls(pipe.transformer, lambda: pipe(
+        image=[load_pil(s) for s in row["controls"]], prompt=row["prompt"], height=SIZE, width=SIZE,
+        num_inference_steps=1, guidance_scale=4.0, generator=torch.Generator().manual_seed(0), output_type="pt").images)
+    text = cached(tiny, tmp_path, [(row["prompt"], row), ("", row)])
+    read, sizes = z_image.image_loader(settings), z_image.reference_sizes((SIZE, SIZE), row, settings)
+    pixels = [read(c, s, False, "reference")[None] for c, s in zip(row["controls"], sizes)]
+    noise = randn_tensor((1, 4, 4, 4), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    with torch.no_grad():
+        inputs = z_image.model_inputs(torch.zeros_like(noise), [z_image.encode_references(pipe.vae, p) for p in pixels],
+                                      noise, torch.ones(1))
+        pred, mine = captured_calls(pipe.transformer, lambda: z_image.forward(
+            pipe.transformer, inputs, torch.ones(1), 1.0, z_image.text_row(text, 0)))
+        ours, sampled = captured_calls(pipe.transformer, lambda: z_image.sample(
+            (pipe.scheduler, pipe.transformer), pipe.vae, pixels, text[:1], (SIZE, SIZE), 1, 4.0,
+            torch.Generator().manual_seed(0), negative=text[1:]))
+        out = pipe.transformer(**{k: mine[0][k] for k in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask")},
+                               return_dict=False)[0][0]
+    (call,) = seen
+    assert len(call["x"]) == 2 and call["image_noise_mask"] == [[0] * count + [1]] * 2
+    for key in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask"):
+        assert_equal(mine[0][key], [call[key][0]] if key != "t" else call[key][:1])
+        assert_equal(sampled[0][key], call[key])
+    assert len(call["cap_feats"][0]) == count + 2 and call["siglip_feats"][0][-1] is None
+    assert torch.equal(pred, km.pack_latents(-out.float().squeeze(1)[None]))
+    # the pipeline decodes in its bf16 VAE and post-processes in that dtype; decode_latents hands back fp32
+    assert torch.equal(pipe.image_processor.postprocess(ours[None].to(theirs.dtype), output_type="pt"), theirs)

@@ -25,7 +25,7 @@ _OMNI = (*_PARTS, Component("siglip", "siglip", "offline", "Siglip2VisionModel")
 SPEC = FamilySpec(
     name="z_image", room=room,
     pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py", "train_flux_kontext.py")),
-               PipelineSpec("ZImageOmniPipeline", _OMNI, ("train_dmd.py",))),
+               PipelineSpec("ZImageOmniPipeline", _OMNI, ("train_dmd.py", "train_flux_kontext.py"))),
     protocols={"train_dmd.py": FlowDistillationRoom, "train_flux_kontext.py": EditingRoom},
     default_resolution=room.DEFAULT_RESOLUTION,
     # refuses C > 1 in one line: ZImageTransformer2DModel has no _cp_plan (docs/families/z_image.md)
