@@ -28,7 +28,8 @@ from core.errors import ConfigError
 from data.images import load_pil
 from families import z_image
 from families.z_image import omni
-from tests.conftest import launch, launch_env, read_metrics, tiny_default
+from tests.conftest import (assert_kontext_resumed_bit_exact, launch, launch_all_resuming, launch_env, read_metrics,
+                            tiny_default)
 
 SIZE = 32
 SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
@@ -246,6 +247,7 @@ def assert_equal(a, b):
         assert a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [1, 2])
 def test_fine_tuning_inputs_and_samples_are_the_pipelines(tiny, tmp_path, count):
     """An edit row with `count` references as train_flux_kontext.py reads it (the room's image loader at the row's
@@ -282,3 +284,103 @@ def test_fine_tuning_inputs_and_samples_are_the_pipelines(tiny, tmp_path, count)
     assert torch.equal(pred, km.pack_latents(-out.float().squeeze(1)[None]))
     # the pipeline decodes in its bf16 VAE and post-processes in that dtype; decode_latents hands back fp32
     assert torch.equal(pipe.image_processor.postprocess(ours[None].to(theirs.dtype), output_type="pt"), theirs)
+
+
+def edit_rows(tiny, root, count=None) -> str:
+    """The tiny Omni edits as a .jsonl (absolute paths): every other row with its first reference alone (one and two
+    references per row), or every row cut to `count`."""
+    rows = []
+    for i, row in enumerate(tiny["rows"]):
+        controls = row["controls"][:count or (1 if i % 2 else 2)]
+        rows.append({"control": controls, "target": os.path.join(tiny["data"], row["target"]), "prompt": row["prompt"]})
+    path = root / f"edits{count or ''}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_fine_tuning_refusals_are_one_line(tiny, tmp_path):
+    """What fine-tuning on Omni rows does not take, refused in one line before any work: a VAE other than bf16,
+    REFERENCE_AREA, BUCKET_ASPECTS (each image keeps its ratio), RANDOM_FLIP (the SigLIP features are cached
+    unflipped), a guidance embedding; a .jsonl mixing edit rows and rows without a reference. The Omni folder reads up
+    to 4 references a row."""
+    import train_flux_kontext as tfk
+    settings = {**FT_SETTINGS, "PIPELINE": omni.PIPELINE}
+    cases = [({"VAE_DTYPE": "fp32"}, set(), "VAE_DTYPE=fp32: a fp32 VAE"),
+             ({"REFERENCE_AREA": 4096}, {"REFERENCE_AREA"}, "REFERENCE_AREA=4096: ZImageOmniPipeline downsizes"),
+             ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "keeps the target's and each reference's own ratio"),
+             ({"RANDOM_FLIP": True}, set(), "RANDOM_FLIP=True: the references' SigLIP features are cached"),
+             ({"GUIDANCE": 3.5}, set(), "GUIDANCE=3.5: Z-Image has no guidance embedding")]
+    for change, changed, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            z_image.check_edit_settings(tiny["model"], {**settings, **change}, changed)
+        assert "\n" not in str(e.value)
+    z_image.check_edit_settings(tiny["model"], settings, {"MAX_REFERENCES", "CONTROL_PATH"})
+    assert tfk.reference_limit(z_image, omni.PIPELINE) == 4
+    lines = open(edit_rows(tiny, tmp_path)).read().splitlines()
+    lines[3] = json.dumps({"image": json.loads(lines[3])["target"], "prompt": "p"})
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"mixed.jsonl:4: a row without a reference image among rows with one "
+                                          r"\(line 1\): a run trains edits or text to image, not both") as e:
+        tfk.load_data(str(tmp_path / "mixed.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image, max_references=4)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def ft_runs(tiny, tmp_path_factory):
+    """LoRA fine-tuning on the Omni edits (one and two references per row; validation, samples with CFG at
+    guidance_scale 4): on 2 ranks, the same in one process (GRAD_ACCUM=2: each sample in a call of its own, as on a
+    rank; a batch of two pads the shorter caption, which moves fp32 sums), the 2-rank run resumed from its step-2
+    checkpoint."""
+    root = tmp_path_factory.mktemp("z_image_omni_ft")
+    data = edit_rows(tiny, root)
+    # every run reads one cache, filled here: the runs' own fills would race, each batching other prompts together
+    rows = [{**r, "controls": r["control"]} for r in map(json.loads, open(data))]
+    z_image.prepare_edit_text([(p, r) for r in rows for p in (r["prompt"], "")], tiny["model"],
+                              str(root / "text_cache"), {**tiny["settings"], "PIPELINE": omni.PIPELINE}, torch.float32,
+                              torch.device("cpu"))
+    common = [f"--model_path={tiny['model']}", f"--data_path={data}",
+              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", "--vae_dtype=bf16", f"--resolution={SIZE}",
+              "--max_steps=4", "--log_every=1", "--num_sample_pairs=2", "--lr=1e-3", "--warmup_steps=0",
+              "--export_dtype=fp32", "--sample_steps=2", "--sample_guidance=4", "--seed=1", "--lora_rank=4",
+              "--save_every=2", "--val_every=2", "--sample_every=4"]
+    out = {k: root / k for k in ("lora", "one", "stopped")}
+    # each run at 2 threads: a bf16 convolution over the references' channels-last pixels (the pipeline's layout)
+    # rounds by its thread count, which the scripts set per rank from the CPUs (core/launch.cpu_threads)
+    env = {**launch_env(), "OMP_NUM_THREADS": "2"}
+    job = functools.partial(dict, script="train_flux_kontext.py", env=env)
+    done = launch_all_resuming({"lora": job(args=common + [f"--output_dir={out['lora']}"]),
+                                "one": job(args=common + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1)},
+                               "lora", job(args=common + [f"--output_dir={out['stopped']}", "--resume=auto"]))
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_fine_tuning_lora_resumes_bit_exact_and_trains_on_two_ranks_as_in_one_process(ft_runs):
+    """The LoRA run on 2 ranks logs one process's losses, validation losses and grad norms (GRAD_ACCUM=2), the run
+    resumed at step 2 ends bit for bit as the straight one, and a sample grid is written."""
+    out = ft_runs["out"]
+    assert "data: 30 training pairs" in ft_runs["logs"]["lora"]
+    assert_kontext_resumed_bit_exact(out["lora"], out["stopped"], 4, models=("model.transformer",))
+    a, b = read_metrics(out["lora"]), read_metrics(out["one"])
+    assert [r["step"] for r in a if "val_loss" in r] == [2, 4] and len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        for k in ("loss", "val_loss", "grad_norm"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert (out["lora"] / "samples" / "step_000004.png").exists()
+
+
+@pytest.mark.slow
+def test_fine_tuning_lora_export_loads_in_the_omni_pipeline_and_samples(tiny, ft_runs):
+    """The LoRA export loads on the base with ZImageOmniPipeline.load_lora_weights and changes what two references
+    and a prompt sample (guidance_scale 4, the VAE in bf16 as the pipeline needs)."""
+    from diffusers import ZImageOmniPipeline
+    pipe = ZImageOmniPipeline.from_pretrained(tiny["model"])
+    pipe.vae.to(torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(image=[load_pil(s) for s in tiny["rows"][0]["controls"]], prompt=tiny["rows"][0]["prompt"],
+                height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0, output_type="np")
+    before = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(str(ft_runs["out"]["lora"] / "export"))
+    after = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    assert np.isfinite(after).all() and after.shape == (1, SIZE, SIZE, 3) and not np.array_equal(before, after)
