@@ -1,8 +1,8 @@
 """LoRA or full fine-tuning of an image-editing model with FSDP2, on samples (reference image(s),
 edited target image, instruction): FLUX.1 Kontext (one context image), Qwen-Image-Edit-2509 / 2511
-(one to three references) or FLUX.2 [klein] / [dev] (up to four), chosen by model_index.json through
-families.FAMILIES; the family's room (families/flux/, qwen_image/, flux2/) holds its models,
-conditioning, latents and samples.
+(one to three references), FLUX.2 [klein] / [dev] or Z-Image Omni (up to four), chosen by model_index.json
+through families.FAMILIES; the family's room (families/flux/, qwen_image/, flux2/, z_image/) holds its
+models, conditioning, latents and samples.
 
 The transformer (12 B for FLUX.1 Kontext, 20 B for Qwen-Image-Edit) is the only trained part: it is
 built on the meta device, sharded per block by its recipe (parallel/parallelize.py), and each rank

@@ -239,6 +239,9 @@ class FamilySpec:
     plan_target: Callable | None = None
     # (config, shapes) -> the trained model's image tokens per sample; None: its example inputs' first tensor's dim 1
     plan_tokens: Callable | None = None
+    # (pipeline, offline component's subfolder, prompts, references) -> the sequences (or images) one forward of that
+    # encoder runs in the text-cache fill for `prompts` prompts with `references` references each; None: the prompts
+    fill_batch: Callable | None = None
 
     def builtin_folder(self, name: str) -> str:
         """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""

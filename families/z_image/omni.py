@@ -1,7 +1,8 @@
-"""ZImageOmniPipeline (Z-Image Omni: an edit from one or more reference images) for train_dmd.py's flow setup: the
-conditioning the pipeline builds (diffusers 0.42.1 pipelines/z_image/pipeline_z_image_omni.py), reached through the
-Z-Image room's functions (room.py hands a ZImageOmniPipeline run here; the models, the latents' arithmetic, the
-σ schedule, the timestep, the sign and the CFG are the base pipeline's, room.py's docstring):
+"""ZImageOmniPipeline (Z-Image Omni: an edit from one or more reference images) for train_dmd.py's flow setup and
+train_flux_kontext.py's fine-tuning: the conditioning the pipeline builds (diffusers 0.42.1
+pipelines/z_image/pipeline_z_image_omni.py), reached through the Z-Image room's functions (room.py hands a
+ZImageOmniPipeline run here; the models, the latents' arithmetic, the σ schedule, the timestep, the sign and the CFG
+are the base pipeline's, room.py's docstring):
 - the text: _encode_prompt with num_condition_images = the row's reference count: the prompt cut into segments
   around the <|vision_start|> / <|vision_end|> template pieces (n + 2 segments with n references, one without), each
   tokenised, padded to max_sequence_length and masked on its own, hidden_states[-2] with each segment's unmasked

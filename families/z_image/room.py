@@ -1,8 +1,8 @@
 """The Z-Image family (ZImagePipeline: Z-Image base, text to image), for train_dmd.py's flow setup: its single-stream
 transformer built and sharded through parallel/'s generic recipe (one FSDP unit per ZImageTransformerBlock), its
 VAE (FLUX.1's AutoencoderKL), its conditioning, its teacher's CFG and the distilled export's scheduler; and the
-text-to-image fine-tuning step and samples train_flux_kontext.py asks of a room (families/spec.EditingRoom), tested
-against ZImagePipeline, which the script takes once the spec names it (docs/families/z_image.md says what that needs).
+fine-tuning step and samples train_flux_kontext.py asks of a room (families/spec.EditingRoom): text-to-image rows,
+tested against ZImagePipeline, and Omni edit rows, tested against ZImageOmniPipeline.
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/z_image/pipeline_z_image.py):
 - the text: Qwen3 through the pipeline's encode_prompt (_encode_prompt: the prompt under the tokenizer's chat

@@ -1,7 +1,8 @@
 """The Z-Image family's spec: ZImagePipeline (Z-Image base, text to image) and ZImageOmniPipeline (edits from
-references), distilled by train_dmd.py; ZImagePipeline fine-tuned on text-to-image rows by train_flux_kontext.py. No
-context parallelism (ZImageTransformer2DModel has no _cp_plan: its check refuses it in one line); the planner's
-built-ins `z-image` (fine-tuning) and `z-image-dmd` (plan_spec.py, configs/); no GPU-check rows yet.
+references), each distilled by train_dmd.py and fine-tuned by train_flux_kontext.py (text-to-image rows; Omni: edit
+rows). No context parallelism (ZImageTransformer2DModel has no _cp_plan: its check refuses it in one line); the
+planner's built-ins `z-image`, `z-image-omni` (fine-tuning) and their `-dmd` plans (plan_spec.py, configs/); no
+GPU-check rows yet.
 
     python -m pytest tests/test_families.py tests/test_z_image.py tests/test_z_image_omni.py -q
 """
