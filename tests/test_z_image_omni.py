@@ -330,10 +330,10 @@ def test_fine_tuning_refusals_are_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def ft_runs(tiny, tmp_path_factory):
-    """LoRA fine-tuning on the Omni edits (one and two references per row; validation, samples with CFG at
-    guidance_scale 4): on 2 ranks, the same in one process (GRAD_ACCUM=2: each sample in a call of its own, as on a
+    """Fine-tuning on the Omni edits (one and two references per row): LoRA (validation, samples with CFG at
+    guidance_scale 4) on 2 ranks, the same in one process (GRAD_ACCUM=2: each sample in a call of its own, as on a
     rank; a batch of two pads the shorter caption, which moves fp32 sums), the 2-rank run resumed from its step-2
-    checkpoint."""
+    checkpoint; a full fine-tune on 2 ranks from cached latents (CACHE_LATENTS)."""
     root = tmp_path_factory.mktemp("z_image_omni_ft")
     data = edit_rows(tiny, root)
     # every run reads one cache, filled here: the runs' own fills would race, each batching other prompts together
@@ -346,13 +346,16 @@ def ft_runs(tiny, tmp_path_factory):
               "--max_steps=4", "--log_every=1", "--num_sample_pairs=2", "--lr=1e-3", "--warmup_steps=0",
               "--export_dtype=fp32", "--sample_steps=2", "--sample_guidance=4", "--seed=1", "--lora_rank=4",
               "--save_every=2", "--val_every=2", "--sample_every=4"]
-    out = {k: root / k for k in ("lora", "one", "stopped")}
+    out = {k: root / k for k in ("lora", "one", "stopped", "full")}
     # each run at 2 threads: a bf16 convolution over the references' channels-last pixels (the pipeline's layout)
     # rounds by its thread count, which the scripts set per rank from the CPUs (core/launch.cpu_threads)
     env = {**launch_env(), "OMP_NUM_THREADS": "2"}
     job = functools.partial(dict, script="train_flux_kontext.py", env=env)
+    full = [a for a in common if a != "--lora_rank=4"] + [f"--output_dir={out['full']}", "--cache_latents=1",
+                                                          "--save_every=0", "--val_every=0", "--sample_every=0"]
     done = launch_all_resuming({"lora": job(args=common + [f"--output_dir={out['lora']}"]),
-                                "one": job(args=common + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1)},
+                                "one": job(args=common + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1),
+                                "full": job(args=full)},
                                "lora", job(args=common + [f"--output_dir={out['stopped']}", "--resume=auto"]))
     return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
 
@@ -374,16 +377,26 @@ def test_fine_tuning_lora_resumes_bit_exact_and_trains_on_two_ranks_as_in_one_pr
 
 
 @pytest.mark.slow
-def test_fine_tuning_lora_export_loads_in_the_omni_pipeline_and_samples(tiny, ft_runs):
+def test_fine_tuning_exports_load_in_the_omni_pipeline_and_sample(tiny, ft_runs):
     """The LoRA export loads on the base with ZImageOmniPipeline.load_lora_weights and changes what two references
-    and a prompt sample (guidance_scale 4, the VAE in bf16 as the pipeline needs)."""
+    and a prompt sample (guidance_scale 4, the VAE in bf16 as the pipeline needs); the full fine-tune, whose first
+    step from cached latents had the LoRA run's loss (its adapters start at zero), exports a folder that
+    ZImageOmniPipeline.from_pretrained loads and samples with."""
     from diffusers import ZImageOmniPipeline
-    pipe = ZImageOmniPipeline.from_pretrained(tiny["model"])
-    pipe.vae.to(torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
+    out = ft_runs["out"]
+    assert read_metrics(out["full"])[0]["loss"] == pytest.approx(read_metrics(out["lora"])[0]["loss"], rel=1e-6)
+    assert "latent cache: 30 pairs, computed" in ft_runs["logs"]["full"]
     call = dict(image=[load_pil(s) for s in tiny["rows"][0]["controls"]], prompt=tiny["rows"][0]["prompt"],
                 height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0, output_type="np")
-    before = pipe(**call, generator=torch.Generator().manual_seed(0)).images
-    pipe.load_lora_weights(str(ft_runs["out"]["lora"] / "export"))
-    after = pipe(**call, generator=torch.Generator().manual_seed(0)).images
-    assert np.isfinite(after).all() and after.shape == (1, SIZE, SIZE, 3) and not np.array_equal(before, after)
+    images = []
+    runs = ((tiny["model"], None), (tiny["model"], out["lora"] / "export"), (out["full"] / "export", None))
+    for folder, lora in runs:
+        pipe = ZImageOmniPipeline.from_pretrained(str(folder))
+        if lora is not None:
+            pipe.load_lora_weights(str(lora))
+        pipe.vae.to(torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+        images.append(pipe(**call, generator=torch.Generator().manual_seed(0)).images)
+    base, tuned, full = images
+    assert all(np.isfinite(i).all() and i.shape == (1, SIZE, SIZE, 3) for i in images)
+    assert not np.array_equal(base, tuned) and not np.array_equal(base, full)

@@ -263,7 +263,7 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
     (Qwen2.5-VL, Mistral 3, Qwen3) keeps every layer's hidden states (they read middle layers) and its logits,
     without a KV cache; CLIP and T5 return their last state. The mask is given 4-D (the data-dependent checks
     of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count. An image
-    encoder (no input_ids) reads `batch` images at its own size instead."""
+    encoder (no input_ids) reads `batch` images at its own size instead (a NaFlex one, SigLIP2: its most patches)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text = min(text, getattr(config, "max_position_embeddings", None) or text)
@@ -292,9 +292,10 @@ def fill_phase(folder: str, comps: list[Part], sharded: dict, s: Settings, preci
     """The text-cache fill's per-rank peak, before training (None without offline components): every offline
     component loaded at once in the compute dtype (s.text_encoder_dtype nf4: its Linear weights in NF4), sharded
     over the ranks in units of its own _no_split_modules (fill_sharded), run one at a time on TEXT_FILL_BATCH
-    prompts of the text length: its shards, the units in flight (the root, which stays gathered through the
-    forward, and the two largest blocks: current and prefetched; with NF4 one Linear dequantised), the
-    activations without grad (fill_activations) and the runtime reserve. Freed before the trained model is built."""
+    prompts of the text length (the sequences or images its spec's fill_batch says they make): its shards, the
+    units in flight (the root, which stays gathered through the forward, and the two largest blocks: current and
+    prefetched; with NF4 one Linear dequantised), the activations without grad (fill_activations) and the runtime
+    reserve. Freed before the trained model is built."""
     offline = [c for c in comps if not c.holding.resident]
     if not offline:
         return None
