@@ -408,8 +408,8 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
                           "fine-tuned here on edits only: give every row its control image (a \"control\" key, "
                           "a control/ folder or CONTROL_PATH, a control column or CONTROL_COLUMN)")
     if not t2i and room is not None and max_references == 0:
-        raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; {room.NAME} is fine-tuned here on text "
-                          "to image only: an image and its prompt per row")
+        raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; this {room.NAME} pipeline takes none "
+                          "(text to image: an image and its prompt per row); edits train on its editing pipeline")
     if val_path and text_to_image_source(val_path, columns=columns, split=split, setting="VAL_DATA_PATH") != t2i:
         raise ConfigError(f"VAL_DATA_PATH={val_path}: its rows {'have' if t2i else 'lack'} reference images, "
                           f"DATA_PATH's {'do not' if t2i else 'do'}: held-out rows are of the trained kind")
