@@ -1,8 +1,8 @@
 """LoRA or full fine-tuning of an image-editing model with FSDP2, on samples (reference image(s),
 edited target image, instruction): FLUX.1 Kontext (one context image), Qwen-Image-Edit-2509 / 2511
-(one to three references) or FLUX.2 [klein] / [dev] (up to four), chosen by model_index.json through
-families.FAMILIES; the family's room (families/flux/, qwen_image/, flux2/) holds its models,
-conditioning, latents and samples.
+(one to three references), FLUX.2 [klein] / [dev] or Z-Image Omni (up to four), chosen by model_index.json
+through families.FAMILIES; the family's room (families/flux/, qwen_image/, flux2/, z_image/) holds its
+models, conditioning, latents and samples.
 
 The transformer (12 B for FLUX.1 Kontext, 20 B for Qwen-Image-Edit) is the only trained part: it is
 built on the meta device, sharded per block by its recipe (parallel/parallelize.py), and each rank
@@ -356,14 +356,14 @@ def fill_latent_cache(room, train, bucket_of, shapes, vae, cache_dir, identity, 
     trains in; in rounds of _LATENT_ROUND pairs with a collective after each (fill_in_rounds), so no
     rank waits in one collective for the slowest rank's whole share. Returns every training row's
     cache file (the same list on every rank)."""
-    read = loader or stretched
+    read, encode_refs = loader or stretched, getattr(room, "encode_references", room.encode_latents)
 
     def work(rows):
         files = {i: latent_file(cache_dir, identity, train[i], shapes[bucket_of[i]]) for i in rows}
         missing = [i for i, f in files.items() if not os.path.exists(f)]
         for i in missing:
             size, sizes = shapes[bucket_of[i]]
-            controls = [room.encode_latents(vae, read(c, s, False, "reference")[None])[0].cpu()
+            controls = [encode_refs(vae, read(c, s, False, "reference")[None])[0].cpu()
                         for c, s in zip(references(train[i]), sizes)]
             target = room.encode_latents(vae, read(train[i]["target"], size, False, "target")[None])[0].cpu()
             save_atomic({"control": controls[0] if len(controls) == 1 else controls, "target": target}, files[i])
@@ -408,8 +408,8 @@ def load_data(data_path, num_held_out, resolution, aspects, multiple, skip_bad, 
                           "fine-tuned here on edits only: give every row its control image (a \"control\" key, "
                           "a control/ folder or CONTROL_PATH, a control column or CONTROL_COLUMN)")
     if not t2i and room is not None and max_references == 0:
-        raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; {room.NAME} is fine-tuned here on text "
-                          "to image only: an image and its prompt per row")
+        raise ConfigError(f"DATA_PATH={data_path}: rows with reference images; this {room.NAME} pipeline takes none "
+                          "(text to image: an image and its prompt per row); edits train on its editing pipeline")
     if val_path and text_to_image_source(val_path, columns=columns, split=split, setting="VAL_DATA_PATH") != t2i:
         raise ConfigError(f"VAL_DATA_PATH={val_path}: its rows {'have' if t2i else 'lack'} reference images, "
                           f"DATA_PATH's {'do not' if t2i else 'do'}: held-out rows are of the trained kind")
@@ -491,7 +491,7 @@ def micro_batch_loss(room, transformer, vae, mb, sigmas, noise, text, guidance, 
         x0, refs = mb["target_latents"], mb["reference_latents"]
     else:
         x0 = room.encode_latents(vae, mb["target"])
-        refs = [room.encode_latents(vae, r) for r in mb["references"]]
+        refs = [getattr(room, "encode_references", room.encode_latents)(vae, r) for r in mb["references"]]
     inputs = room.model_inputs(x0, refs, noise, sigmas)
     pred = room.forward(transformer, inputs, sigmas, guidance, text)
     weights = km.loss_weighting(sigmas, loss_weighting)
@@ -573,7 +573,7 @@ def main():
     run, prec = trainer.start(globals(), validate_config, resolve_defaults)
     d = run.d
     room = families.FAMILIES[run.pipeline]  # the model family: its models, conditioning, latents and samples
-    settings = script_constants(globals())
+    settings = {**script_constants(globals()), "PIPELINE": run.pipeline}  # the family's room reads which pipeline
     room.check_edit_settings(MODEL_PATH, settings, {k for k, v in _DEFAULTS.items() if settings[k] != v})
     loader = room.image_loader(settings)  # how the family's pipeline reads an image (None: stretched)
 

@@ -37,6 +37,8 @@ OPTIONAL = {
                      "text-to-image model: the target's tokens and the text alone); else such rows are refused",
     "is_distilled": "(model_path) -> True where the pipeline samples without CFG whatever its guidance "
                     "(train_flux_kontext.py's samples then take no negative prompt)",
+    "encode_references": "(vae, images (B, 3, H, W)) -> the references' latents (B, C, h, w) as its pipeline encodes "
+                         "them, where that differs from encode_latents (train_flux_kontext.py); else encode_latents",
     "sampling_shift": "(model_path, tokens, steps) -> the pipeline's σ shift where its scheduler config does not "
                       "say it (DMD2 validation's teacher reference)",
     # a video room (train_dmd.py's flow setup; the image rooms' defaults in algorithms/dmd2_flow.py)
@@ -237,6 +239,9 @@ class FamilySpec:
     plan_target: Callable | None = None
     # (config, shapes) -> the trained model's image tokens per sample; None: its example inputs' first tensor's dim 1
     plan_tokens: Callable | None = None
+    # (pipeline, offline component's subfolder, prompts, references) -> the sequences (or images) one forward of that
+    # encoder runs in the text-cache fill for `prompts` prompts with `references` references each; None: the prompts
+    fill_batch: Callable | None = None
 
     def builtin_folder(self, name: str) -> str:
         """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -782,7 +783,8 @@ def test_kontext_dmd_cli_and_its_checks(capsys):
 BUILTIN_NAMES = ("flux-kontext-dev", "flux-kontext-dmd", "flux2-dev", "flux2-dev-dmd", "flux2-klein-4b",
                  "flux2-klein-4b-dmd", "flux2-klein-9b", "flux2-klein-9b-dmd", "qwen-image-edit", "qwen-image-edit-dmd",
                  "sd15-dmd", "sdxl-dmd", "wan2.1-i2v-14b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-i2v-a14b",
-                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b", "z-image", "z-image-dmd")  # what docs, recipes, README name
+                 "wan2.2-t2v-a14b", "wan2.2-ti2v-5b", "z-image", "z-image-dmd", "z-image-omni",
+                 "z-image-omni-dmd")  # what docs, recipes, README name
 
 
 def test_builtin_names_are_the_specs():
@@ -1538,3 +1540,52 @@ def test_docs_and_recipes_carry_the_z_image_rows():
     train, fill = planned["full, bf16 teacher", 8]
     assert (f"plans {train:.1f} GiB per GPU (the text-cache fill before it {fill:.1f};" in
             recipes["dmd_z_image_4step_full_8x80gb.sh"])
+
+
+Z_IMAGE_OMNI_SIGLIP_PARAMS = 427_888_064  # REFERENCE: DiffSynth-Studio's Siglip2ImageEncoder428M (CONFIGS.md)
+
+
+@pytest.mark.slow  # two 6.5 B transformers and a 428 M SigLIP built on meta
+def test_z_image_omni_plans_its_references_siglip_and_segments():
+    """z-image-omni is the same transformer with its SigLIP embedder and refiner (siglip_feat_dim 1152) and a 428 M
+    SigLIP2 (so400m, patch 16, 256 patches) cached before training: two references at 1024^2 beside the target
+    (12288 image tokens), fed in omni mode (x = the references + [the target], 4 caption segments, each reference's
+    16 x 16 SigLIP grid); its fill runs 4 segments per prompt and one reference at a time. z-image (ZImagePipeline,
+    no edits) plans its target alone, and --references is refused for it in one line."""
+    from families.z_image import plan_spec
+    folder, t2i = memory_plan.model_folder("z-image-omni"), memory_plan.model_folder("z-image")
+    assert memory_plan.layout(folder) == ("train_flux_kontext.py", "z_image_omni")
+    assert memory_plan.layout(memory_plan.model_folder("z-image-omni-dmd"), "train_dmd.py") == (
+        "train_dmd.py", "z_image_omni_dmd")
+    siglip = memory_plan.meta_model(os.path.join(folder, "siglip"))
+    assert sum(p.numel() for p in siglip.parameters()) == Z_IMAGE_OMNI_SIGLIP_PARAMS
+    with open(os.path.join(folder, "siglip_processor", "preprocessor_config.json")) as f:
+        assert json.load(f)["max_num_patches"] == plan_spec.SIGLIP_PATCHES
+    s = Settings(world_size=1, resolution=1024)
+    assert memory_plan.latent_shapes(folder, s) == ((128, 128),) * 3 and memory_plan.latent_shapes(t2i, s) == (
+        (128, 128),)
+    assert memory_plan._image_tokens(folder, ((128, 128),) * 3) == 12288
+    config = memory_plan.meta_model(os.path.join(folder, "transformer")).config
+    inputs = plan_spec.example_inputs(config, 1, ((128, 128),) * 3, 512, "meta", torch.bfloat16)
+    assert [len(c) for c in inputs["cap_feats"][0]] == [4, 4, 512, 4] and inputs["image_noise_mask"] == [[0, 0, 1]]
+    assert [tuple(f.shape) for f in inputs["siglip_feats"][0][:2]] == [(16, 16, 1152)] * 2
+    assert inputs["siglip_feats"][0][2] is None and [tuple(x.shape) for x in inputs["x"][0]] == [(16, 1, 128, 128)] * 3
+    assert [plan_spec.fill_batch("ZImageOmniPipeline", sub, 16, 2) for sub in ("text_encoder", "siglip")] == [64, 1]
+    assert plan_spec.fill_batch("ZImagePipeline", "text_encoder", 16, 0) == 16
+    with pytest.raises(SystemExit, match=r"^plan: --references / --reference_area: [^\n]*z-image is z_image"):
+        memory_plan.plan("z-image", Settings(world_size=1, references=1))
+
+
+@pytest.mark.slow  # a 6.5 B transformer on meta at 12288 image tokens, the Qwen3-4B fill of 64 sequences
+def test_the_z_image_omni_recipe_and_docs_carry_the_planners_figures():
+    """recipes/z_image_omni_edit_lora.sh's figures (LoRA r64, AC, two references at 1024^2, 1 x 40 GB) and
+    docs/families/z_image.md's rows are the planner's; on 24 GB the training fits, the fill does not."""
+    recipe = open(f"{ROOT}/recipes/z_image_omni_edit_lora.sh").read()
+    docs = open(f"{ROOT}/docs/families/z_image.md").read()
+    p = memory_plan.plan("z-image-omni", Settings(world_size=1, lora_rank=64, resolution=1024,
+                                                  activation_checkpointing=True, gpu_memory_gb=40))
+    train, fill = p["gpu_total"] / 2**30, p["fill"]["total"] / 2**30
+    assert f"plans {train:.2f} GiB for training and {fill:.2f} for the\n# text-cache fill" in recipe
+    assert train < 24e9 / 2**30 < fill < 40e9 / 2**30
+    assert (f"| LoRA r64, two references | 1 x 40 GB | AC | {train:.2f} / {fill:.2f} | "
+            "`recipes/z_image_omni_edit_lora.sh` |") in docs

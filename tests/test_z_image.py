@@ -260,6 +260,9 @@ def t2i_rows(root) -> str:
 
 
 def test_fine_tuning_refuses_edit_rows_and_what_z_image_lacks_in_one_line(tiny, tmp_path):
+    """ZImagePipeline, which takes no image, refuses edit rows and editing settings in one line (a ZImageOmniPipeline
+    folder fine-tunes on them: tests/test_z_image_omni.py), and what Z-Image lacks: a guidance embedding, CFG at a
+    guidance_scale in (0, 1]."""
     import train_flux_kontext as tfk
     settings = {"GUIDANCE": 1.0, "SAMPLE_GUIDANCE": 4.0, "REFERENCE_AREA": 4096}
     for change, changed, words in [({"GUIDANCE": 3.5}, set(), "GUIDANCE=3.5: Z-Image has no guidance embedding"),
@@ -271,7 +274,7 @@ def test_fine_tuning_refuses_edit_rows_and_what_z_image_lacks_in_one_line(tiny, 
     z_image.check_edit_settings(tiny["model"], {**settings, "SAMPLE_GUIDANCE": 0.0}, set())
     t2i_rows(tmp_path)
     (tmp_path / "edits.jsonl").write_text(json.dumps({"control": "000.png", "target": "001.png", "prompt": "p"}))
-    with pytest.raises(ConfigError, match="rows with reference images; Z-Image is fine-tuned here on text to image"):
+    with pytest.raises(ConfigError, match="rows with reference images; this Z-Image pipeline takes none"):
         tfk.load_data(str(tmp_path / "edits.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image,
                       max_references=tfk.reference_limit(z_image, "ZImagePipeline"))
 

@@ -28,7 +28,8 @@ from core.errors import ConfigError
 from data.images import load_pil
 from families import z_image
 from families.z_image import omni
-from tests.conftest import launch, launch_env, read_metrics, tiny_default
+from tests.conftest import (assert_kontext_resumed_bit_exact, launch, launch_all_resuming, launch_env, read_metrics,
+                            tiny_default)
 
 SIZE = 32
 SETTINGS = {"RESOLUTION": SIZE, "MAX_SEQUENCE_LENGTH": 512, "USE_GAN": False, "FLUX_GUIDANCE": 0.0,
@@ -225,3 +226,177 @@ def test_dmd_lora_export_loads_in_the_omni_pipeline_and_samples(tiny, tmp_path):
         output_type="np").images)
     assert np.isfinite(image).all() and image.shape == (1, SIZE, SIZE, 3)
     assert [float(c["t"][0]) for c in seen] == pytest.approx([0.0, 0.5], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# fine-tuning on Omni edit rows (train_flux_kontext.py)
+
+FT_SETTINGS = {**SETTINGS, "GUIDANCE": 1.0, "SAMPLE_GUIDANCE": 4.0, "REFERENCE_AREA": 0, "RANDOM_FLIP": False,
+               "CONDITION_AREA": 0}
+
+
+def assert_equal(a, b):
+    """Nested lists of tensors (or None, ints) equal value for value, dtype and shape."""
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [1, 2])
+def test_fine_tuning_inputs_and_samples_are_the_pipelines(tiny, tmp_path, count):
+    """An edit row with `count` references as train_flux_kontext.py reads it (the room's image loader at the row's
+    shape, the references encoded as the script encodes them, the cached segments and SigLIP features): at σ = 1 the
+    room's forward hands the transformer what ZImageOmniPipeline hands it for the same noise (x = the references +
+    [the target], the noise mask, the caption segments, the SigLIP lists + [None], the timestep), and the velocity is
+    its output negated; the room's sample with CFG against "" at guidance_scale 4 is the pipeline's image."""
+    from diffusers.utils.torch_utils import randn_tensor
+    pipe, settings = pipeline(tiny["model"]), {**tiny["settings"], **FT_SETTINGS, "MODEL_PATH": tiny["model"]}
+    row = {"prompt": tiny["rows"][3]["prompt"], "controls": tiny["rows"][3]["controls"][:count]}
+    theirs, seen = captured_calls(pipe.transformer, lambda: pipe(
+        image=[load_pil(s) for s in row["controls"]], prompt=row["prompt"], height=SIZE, width=SIZE,
+        num_inference_steps=1, guidance_scale=4.0, generator=torch.Generator().manual_seed(0), output_type="pt").images)
+    text = cached(tiny, tmp_path, [(row["prompt"], row), ("", row)])
+    read, sizes = z_image.image_loader(settings), z_image.reference_sizes((SIZE, SIZE), row, settings)
+    pixels = [read(c, s, False, "reference")[None] for c, s in zip(row["controls"], sizes)]
+    noise = randn_tensor((1, 4, 4, 4), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    with torch.no_grad():
+        inputs = z_image.model_inputs(torch.zeros_like(noise), [z_image.encode_references(pipe.vae, p) for p in pixels],
+                                      noise, torch.ones(1))
+        pred, mine = captured_calls(pipe.transformer, lambda: z_image.forward(
+            pipe.transformer, inputs, torch.ones(1), 1.0, z_image.text_row(text, 0)))
+        ours, sampled = captured_calls(pipe.transformer, lambda: z_image.sample(
+            (pipe.scheduler, pipe.transformer), pipe.vae, pixels, text[:1], (SIZE, SIZE), 1, 4.0,
+            torch.Generator().manual_seed(0), negative=text[1:]))
+        out = pipe.transformer(**{k: mine[0][k] for k in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask")},
+                               return_dict=False)[0][0]
+    (call,) = seen
+    assert len(call["x"]) == 2 and call["image_noise_mask"] == [[0] * count + [1]] * 2
+    for key in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask"):
+        assert_equal(mine[0][key], [call[key][0]] if key != "t" else call[key][:1])
+        assert_equal(sampled[0][key], call[key])
+    assert len(call["cap_feats"][0]) == count + 2 and call["siglip_feats"][0][-1] is None
+    assert torch.equal(pred, km.pack_latents(-out.float().squeeze(1)[None]))
+    # the pipeline decodes in its bf16 VAE and post-processes in that dtype; decode_latents hands back fp32
+    assert torch.equal(pipe.image_processor.postprocess(ours[None].to(theirs.dtype), output_type="pt"), theirs)
+
+
+def edit_rows(tiny, root, count=None) -> str:
+    """The tiny Omni edits as a .jsonl (absolute paths): every other row with its first reference alone (one and two
+    references per row), or every row cut to `count`."""
+    rows = []
+    for i, row in enumerate(tiny["rows"]):
+        controls = row["controls"][:count or (1 if i % 2 else 2)]
+        rows.append({"control": controls, "target": os.path.join(tiny["data"], row["target"]), "prompt": row["prompt"]})
+    path = root / f"edits{count or ''}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_fine_tuning_refusals_are_one_line(tmp_path):
+    """What fine-tuning on Omni rows does not take, refused in one line before any work: a VAE other than bf16,
+    REFERENCE_AREA, BUCKET_ASPECTS (each image keeps its ratio), RANDOM_FLIP (the SigLIP features are cached
+    unflipped), a guidance embedding; a .jsonl mixing edit rows and rows without a reference. The Omni folder reads up
+    to 4 references a row."""
+    from PIL import Image
+
+    import train_flux_kontext as tfk
+    settings = {**FT_SETTINGS, "PIPELINE": omni.PIPELINE}
+    cases = [({"VAE_DTYPE": "fp32"}, set(), "VAE_DTYPE=fp32: a fp32 VAE"),
+             ({"REFERENCE_AREA": 4096}, {"REFERENCE_AREA"}, "REFERENCE_AREA=4096: ZImageOmniPipeline downsizes"),
+             ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "keeps the target's and each reference's own ratio"),
+             ({"RANDOM_FLIP": True}, set(), "RANDOM_FLIP=True: the references' SigLIP features are cached"),
+             ({"GUIDANCE": 3.5}, set(), "GUIDANCE=3.5: Z-Image has no guidance embedding")]
+    for change, changed, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            z_image.check_edit_settings("", {**settings, **change}, changed)
+        assert "\n" not in str(e.value)
+    z_image.check_edit_settings("", settings, {"MAX_REFERENCES", "CONTROL_PATH"})
+    assert tfk.reference_limit(z_image, omni.PIPELINE) == 4
+    for name in ("a", "b", "t"):
+        Image.new("RGB", (64, 64)).save(tmp_path / f"{name}.png")
+    rows = [{"control": ["a.png", "b.png"], "target": "t.png", "prompt": "p"}] * 3 + [{"image": "t.png", "prompt": "p"}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"mixed.jsonl:4: a row without a reference image among rows with one "
+                                          r"\(line 1\): a run trains edits or text to image, not both") as e:
+        tfk.load_data(str(tmp_path / "mixed.jsonl"), 0, SIZE, [1.0], 16, False, room=z_image, max_references=4)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def ft_runs(tiny, tmp_path_factory):
+    """Fine-tuning on the Omni edits (one and two references per row): LoRA (validation, samples with CFG at
+    guidance_scale 4) on 2 ranks, the same in one process (GRAD_ACCUM=2: each sample in a call of its own, as on a
+    rank; a batch of two pads the shorter caption, which moves fp32 sums), the 2-rank run resumed from its step-2
+    checkpoint; a full fine-tune on 2 ranks from cached latents (CACHE_LATENTS)."""
+    root = tmp_path_factory.mktemp("z_image_omni_ft")
+    data = edit_rows(tiny, root)
+    # every run reads one cache, filled here: the runs' own fills would race, each batching other prompts together
+    rows = [{**r, "controls": r["control"]} for r in map(json.loads, open(data))]
+    z_image.prepare_edit_text([(p, r) for r in rows for p in (r["prompt"], "")], tiny["model"],
+                              str(root / "text_cache"), {**tiny["settings"], "PIPELINE": omni.PIPELINE}, torch.float32,
+                              torch.device("cpu"))
+    common = [f"--model_path={tiny['model']}", f"--data_path={data}",
+              f"--text_cache_dir={root / 'text_cache'}", "--precision=fp32", "--vae_dtype=bf16", f"--resolution={SIZE}",
+              "--max_steps=4", "--log_every=1", "--num_sample_pairs=2", "--lr=1e-3", "--warmup_steps=0",
+              "--export_dtype=fp32", "--sample_steps=2", "--sample_guidance=4", "--seed=1", "--lora_rank=4",
+              "--save_every=2", "--val_every=2", "--sample_every=4"]
+    out = {k: root / k for k in ("lora", "one", "stopped", "full")}
+    # each run at 2 threads: a bf16 convolution over the references' channels-last pixels (the pipeline's layout)
+    # rounds by its thread count, which the scripts set per rank from the CPUs (core/launch.cpu_threads)
+    env = {**launch_env(), "OMP_NUM_THREADS": "2"}
+    job = functools.partial(dict, script="train_flux_kontext.py", env=env)
+    full = [a for a in common if a != "--lora_rank=4"] + [f"--output_dir={out['full']}", "--cache_latents=1",
+                                                          "--save_every=0", "--val_every=0", "--sample_every=0"]
+    done = launch_all_resuming({"lora": job(args=common + [f"--output_dir={out['lora']}"]),
+                                "one": job(args=common + [f"--output_dir={out['one']}", "--grad_accum=2"], ranks=1),
+                                "full": job(args=full)},
+                               "lora", job(args=common + [f"--output_dir={out['stopped']}", "--resume=auto"]))
+    return {"out": out, "logs": {k: v.stdout for k, v in done.items()}}
+
+
+@pytest.mark.slow
+def test_fine_tuning_lora_resumes_bit_exact_and_trains_on_two_ranks_as_in_one_process(ft_runs):
+    """The LoRA run on 2 ranks logs one process's losses, validation losses and grad norms (GRAD_ACCUM=2), the run
+    resumed at step 2 ends bit for bit as the straight one, and a sample grid is written."""
+    out = ft_runs["out"]
+    assert "data: 30 training pairs" in ft_runs["logs"]["lora"]
+    assert_kontext_resumed_bit_exact(out["lora"], out["stopped"], 4, models=("model.transformer",))
+    a, b = read_metrics(out["lora"]), read_metrics(out["one"])
+    assert [r["step"] for r in a if "val_loss" in r] == [2, 4] and len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        for k in ("loss", "val_loss", "grad_norm"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+    assert (out["lora"] / "samples" / "step_000004.png").exists()
+
+
+@pytest.mark.slow
+def test_fine_tuning_exports_load_in_the_omni_pipeline_and_sample(tiny, ft_runs):
+    """The LoRA export loads on the base with ZImageOmniPipeline.load_lora_weights and changes what two references
+    and a prompt sample (guidance_scale 4, the VAE in bf16 as the pipeline needs); the full fine-tune, whose first
+    step from cached latents had the LoRA run's loss (its adapters start at zero), exports a folder that
+    ZImageOmniPipeline.from_pretrained loads and samples with."""
+    from diffusers import ZImageOmniPipeline
+    out = ft_runs["out"]
+    assert read_metrics(out["full"])[0]["loss"] == pytest.approx(read_metrics(out["lora"])[0]["loss"], rel=1e-6)
+    assert "latent cache: 30 pairs, computed" in ft_runs["logs"]["full"]
+    call = dict(image=[load_pil(s) for s in tiny["rows"][0]["controls"]], prompt=tiny["rows"][0]["prompt"],
+                height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=4.0, output_type="np")
+    images = []
+    runs = ((tiny["model"], None), (tiny["model"], out["lora"] / "export"), (out["full"] / "export", None))
+    for folder, lora in runs:
+        pipe = ZImageOmniPipeline.from_pretrained(str(folder))
+        if lora is not None:
+            pipe.load_lora_weights(str(lora))
+        pipe.vae.to(torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+        images.append(pipe(**call, generator=torch.Generator().manual_seed(0)).images)
+    base, tuned, full = images
+    assert all(np.isfinite(i).all() and i.shape == (1, SIZE, SIZE, 3) for i in images)
+    assert not np.array_equal(base, tuned) and not np.array_equal(base, full)

@@ -1,7 +1,8 @@
-"""ZImageOmniPipeline (Z-Image Omni: an edit from one or more reference images) for train_dmd.py's flow setup: the
-conditioning the pipeline builds (diffusers 0.42.1 pipelines/z_image/pipeline_z_image_omni.py), reached through the
-Z-Image room's functions (room.py hands a ZImageOmniPipeline run here; the models, the latents' arithmetic, the
-σ schedule, the timestep, the sign and the CFG are the base pipeline's, room.py's docstring):
+"""ZImageOmniPipeline (Z-Image Omni: an edit from one or more reference images) for train_dmd.py's flow setup and
+train_flux_kontext.py's fine-tuning: the conditioning the pipeline builds (diffusers 0.42.1
+pipelines/z_image/pipeline_z_image_omni.py), reached through the Z-Image room's functions (room.py hands a
+ZImageOmniPipeline run here; the models, the latents' arithmetic, the σ schedule, the timestep, the sign and the CFG
+are the base pipeline's, room.py's docstring):
 - the text: _encode_prompt with num_condition_images = the row's reference count: the prompt cut into segments
   around the <|vision_start|> / <|vision_end|> template pieces (n + 2 segments with n references, one without), each
   tokenised, padded to max_sequence_length and masked on its own, hidden_states[-2] with each segment's unmasked
@@ -165,6 +166,14 @@ class OmniText:
         """The samples `part` of the batch."""
         return OmniText(self.segments[part], self.siglip[part])
 
+    def __add__(self, other: "OmniText"):
+        """This batch, then `other`'s (a CFG pair in one call), as lists add."""
+        return OmniText(self.segments + other.segments, self.siglip + other.siglip)
+
+    def __mul__(self, n: int):
+        """The batch n times over, as a list repeats."""
+        return OmniText(self.segments * n, self.siglip * n)
+
 
 def load_text(texts, cache_dir, identity, device) -> OmniText | None:
     """The pairs' prompts as _encode_prompt returns them at their rows' reference counts, with the rows' SigLIP
@@ -248,6 +257,23 @@ def dmd_cond(text: OmniText, negative: OmniText | None, vae, references: list, s
 
 
 # ----------------------------------------------------------------------------------------------
+# fine-tuning (train_flux_kontext.py): the references as the pipeline hands them over
+
+
+@torch.no_grad()
+def encode_references(vae, images: torch.Tensor) -> torch.Tensor:
+    """References (B, 3, H, W) in [-1, 1] -> (B, C, h, w) fp32, each sample encoded alone as prepare_image_latents
+    encodes it (encode_reference: bf16 into the VAE, the arithmetic in bf16)."""
+    return torch.stack([encode_reference(vae, image)[:, 0] for image in images])
+
+
+def sample_references(references: list, batch: int) -> list:
+    """Per-reference latents [(B, C, h, w)] -> per sample the list of its references' (C, 1, h, w) in fp32: x's
+    conditions as the pipeline passes them."""
+    return [[r[i].unsqueeze(1).float() for r in references] for i in range(batch)]
+
+
+# ----------------------------------------------------------------------------------------------
 # start-up: the attention shapes, the refusals
 
 
@@ -283,23 +309,17 @@ def edit_attention_shapes(model_path, settings, shapes, batch, length: int, fact
 
 
 def vae_dtype(settings) -> torch.dtype:
-    """train_dmd.py's VAE dtype: VAE_DTYPE, else PRECISION's compute dtype."""
+    """Both scripts' VAE dtype: VAE_DTYPE, else PRECISION's compute dtype."""
     if settings.get("VAE_DTYPE"):
         return parse_dtype(settings["VAE_DTYPE"])
     return MODES[settings.get("PRECISION", "bf16-mixed")].compute_dtype
 
 
-def check_dmd_settings(pipeline, settings, changed: set, data_kind: str, norms) -> None:
-    """What a Z-Image Omni teacher refuses, in one line before any work."""
-    norm = settings.get("REAL_GUIDANCE_NORM") or "none"
+def reference_refusals(settings, changed: set) -> list:
+    """(setting, refused?, why) of what both scripts refuse of Omni rows: a VAE other than bf16, REFERENCE_AREA,
+    CONDITION_AREA."""
     vae = vae_dtype(settings)
-    refused = [
-        ("USE_GAN", settings.get("USE_GAN"), "the GAN head reads a double-stream block's image stream, which "
-         "Z-Image's single-stream transformer has not; distil without it"),
-        ("FLUX_GUIDANCE", "FLUX_GUIDANCE" in changed, "Z-Image has no guidance embedding; its teacher's guidance is "
-         "CFG (REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM)"),
-        ("REAL_GUIDANCE_NORM", norm not in norms, "ZImageOmniPipeline's cfg_normalization caps each sample's norm "
-         "(scalar) or nothing (none); it has no per-token rescale"),
+    return [
         ("VAE_DTYPE", vae != torch.bfloat16, f"a {dtype_name(vae)} VAE (VAE_DTYPE, else PRECISION's compute dtype): "
          "ZImageOmniPipeline encodes every reference as vae.encode(image.bfloat16()) (pipeline_z_image_omni.py:309), "
          "which only a bf16 VAE takes; use VAE_DTYPE=bf16"),
@@ -308,6 +328,19 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str, norms) 
         ("CONDITION_AREA", "CONDITION_AREA" in changed, "Qwen-Image-Edit's setting; Z-Image's text encoder reads "
          "no image"),
     ]
+
+
+def check_dmd_settings(pipeline, settings, changed: set, data_kind: str, norms) -> None:
+    """What a Z-Image Omni teacher refuses, in one line before any work."""
+    norm = settings.get("REAL_GUIDANCE_NORM") or "none"
+    refused = [
+        ("USE_GAN", settings.get("USE_GAN"), "the GAN head reads a double-stream block's image stream, which "
+         "Z-Image's single-stream transformer has not; distil without it"),
+        ("FLUX_GUIDANCE", "FLUX_GUIDANCE" in changed, "Z-Image has no guidance embedding; its teacher's guidance is "
+         "CFG (REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM)"),
+        ("REAL_GUIDANCE_NORM", norm not in norms, "ZImageOmniPipeline's cfg_normalization caps each sample's norm "
+         "(scalar) or nothing (none); it has no per-token rescale"),
+        *reference_refusals(settings, changed)]
     for name, hit, why in refused:
         if hit:
             raise ConfigError(f"{name}={settings.get(name)} with a {pipeline} teacher: {why}")

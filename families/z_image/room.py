@@ -1,8 +1,8 @@
 """The Z-Image family (ZImagePipeline: Z-Image base, text to image), for train_dmd.py's flow setup: its single-stream
 transformer built and sharded through parallel/'s generic recipe (one FSDP unit per ZImageTransformerBlock), its
 VAE (FLUX.1's AutoencoderKL), its conditioning, its teacher's CFG and the distilled export's scheduler; and the
-text-to-image fine-tuning step and samples train_flux_kontext.py asks of a room (families/spec.EditingRoom), tested
-against ZImagePipeline, which the script takes once the spec names it (docs/families/z_image.md says what that needs).
+fine-tuning step and samples train_flux_kontext.py asks of a room (families/spec.EditingRoom): text-to-image rows,
+tested against ZImagePipeline, and Omni edit rows, tested against ZImageOmniPipeline.
 
 Conditioning is the pipeline's own (diffusers 0.42.1 pipelines/z_image/pipeline_z_image.py):
 - the text: Qwen3 through the pipeline's encode_prompt (_encode_prompt: the prompt under the tokenizer's chat
@@ -337,11 +337,13 @@ def distilled_index(model_path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# text-to-image fine-tuning (families/spec.EditingRoom: what train_flux_kontext.py asks of a room; the spec does not
-# name the script yet): the rows' target images and prompts, no reference, the transformer called as the pipeline
-# calls it
+# fine-tuning (families/spec.EditingRoom: what train_flux_kontext.py asks of a room): ZImagePipeline on
+# text-to-image rows (the target's image and its prompt), ZImageOmniPipeline on edit rows (omni.py's conditioning: a
+# row's references, their SigLIP features, the caption segments) or prompts alone; the transformer called as the
+# pipeline calls it
 
-TEXT_TO_IMAGE = True  # rows without references: the only kind (MAX_REFERENCES 0 refuses edit rows)
+TEXT_TO_IMAGE = True  # rows without references: ZImagePipeline's only kind, ZImageOmniPipeline's call without images
+encode_references = omni.encode_references  # Omni rows' references, each alone in bf16 (ZImagePipeline has none)
 
 
 def check_edit_settings(model_path, settings, changed: set) -> None:
@@ -353,34 +355,50 @@ def check_edit_settings(model_path, settings, changed: set) -> None:
         ("SAMPLE_GUIDANCE", 0 < guidance <= 1, "ZImagePipeline applies CFG at any guidance_scale > 0 (pos + g (pos - "
          "neg)); the samples pair the prompt with \"\" above 1: give 0 (no CFG) or more than 1"),
     ]
-    refused += [(name, name in changed, "a setting of editing rows; Z-Image is fine-tuned on text-to-image rows")
-                for name in ("CONTROL_PATH", "MAX_REFERENCES", "CONTROL_COLUMN", "REFERENCE_AREA", "CONDITION_AREA")]
+    if omni.is_omni(settings):
+        refused += [*omni.reference_refusals(settings, changed),
+                    ("BUCKET_ASPECTS", "BUCKET_ASPECTS" in changed, "ZImageOmniPipeline keeps the target's and each "
+                     "reference's own ratio (Flux2ImageProcessor's rule at RESOLUTION^2 and 1024^2)"),
+                    ("RANDOM_FLIP", settings.get("RANDOM_FLIP"), "the references' SigLIP features are cached per "
+                     "image, unflipped, so a flipped step would read another image's features")]
+    else:
+        refused += [(name, name in changed, "a setting of editing rows; ZImagePipeline is fine-tuned on text-to-image "
+                     "rows (ZImageOmniPipeline takes edit rows)")
+                    for name in ("CONTROL_PATH", "MAX_REFERENCES", "CONTROL_COLUMN", "REFERENCE_AREA",
+                                 "CONDITION_AREA")]
     for name, hit, why in refused:
         if hit:
             raise ConfigError(f"{name}={settings.get(name)}: {why}")
 
 
 def repeat_text(text, i, n):
-    return [text[i]] * n
+    return text[i:i + 1] * n  # a list of embeddings or omni.OmniText
 
 
 def text_row(text, i):
-    return [text[i]]
+    return text[i:i + 1]
 
 
 def model_inputs(x0, references, noise, sigmas) -> dict:
     """The noisy target's tokens (2x2-packed: the loss's layout; forward unpacks them), the flow-matching target
-    n - x0 on them, and the latent's (h, w)."""
-    return {**km.edit_tokens(x0, [], noise, sigmas), "size": tuple(x0.shape[-2:])}
+    n - x0 on them, the latent's (h, w), and each sample's references as (C, 1, h, w) (Omni; none in text to
+    image)."""
+    return {**km.edit_tokens(x0, [], noise, sigmas), "size": tuple(x0.shape[-2:]),
+            "references": omni.sample_references(references, x0.shape[0])}
 
 
 def forward(transformer, inputs, sigmas, guidance, text):
     """v = n - x0 of the transformer on model_inputs' tokens, called as the pipeline calls it (the latents as a
-    list of (C, 1, h, w), the timestep 1 - σ, the caption list), its output negated; `guidance` unused (no
+    list of (C, 1, h, w), the timestep 1 - σ, the caption list; Omni text: omni.model_output's call with the
+    references, their SigLIP features and the caption segments), its output negated; `guidance` unused (no
     embedding)."""
     hidden = inputs["hidden_states"]
     timestep = timestep_of(torch.as_tensor(sigmas, device=hidden.device).reshape(-1).expand(hidden.shape[0]))
-    out = model_output(transformer, km.unpack_latents(hidden, *inputs["size"]), timestep, text)
+    latents = km.unpack_latents(hidden, *inputs["size"])
+    if isinstance(text, omni.OmniText):
+        out = omni.model_output(transformer, latents, timestep, text.segments, inputs["references"], text.siglip)
+    else:
+        out = model_output(transformer, latents, timestep, text)
     return km.pack_latents(-out)
 
 
@@ -390,7 +408,8 @@ def sample_pipeline(scheduler, vae, transformer):
 
 @torch.no_grad()
 def sample(pipe, vae, references, text, size, steps, guidance, generator, negative=None) -> torch.Tensor:
-    """One image (3, h, w) on CPU by ZImagePipeline's loop on latents: its noise drawn as it draws it (fp32), σ =
+    """One image (3, h, w) on CPU by ZImagePipeline's loop on latents (ZImageOmniPipeline's, the same loop, for Omni
+    text: its references (1, 3, H, W) encoded each alone, in omni mode): its noise drawn as it draws it (fp32), σ =
     linspace(1, 1/steps) through its scheduler (mu passed as it passes it), the timestep 1 - t / 1000, its CFG pos + g
     (pos - neg) against `negative` (g = `guidance`, its guidance_scale) with the pair in one call, the output
     negated into the scheduler's step."""
@@ -398,7 +417,7 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
                                                               retrieve_timesteps)
     from diffusers.utils.torch_utils import randn_tensor
     scheduler, transformer = pipe
-    device, f = text[0].device, 2 ** (len(vae.config.block_out_channels) - 1)
+    device, f = next(vae.parameters()).device, 2 ** (len(vae.config.block_out_channels) - 1)
     h, w = 2 * (size[0] // (f * 2)), 2 * (size[1] // (f * 2))
     latents = randn_tensor((1, latent_channels(vae), h, w), generator=generator, device=device, dtype=torch.float32)
     c = scheduler.config
@@ -406,13 +425,19 @@ def sample(pipe, vae, references, text, size, steps, guidance, generator, negati
                          c.get("base_shift", 0.5), c.get("max_shift", 1.15))
     timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=get_default_z_image_sigmas(steps), mu=mu)
     scheduler.set_begin_index(0)
+    refs = [omni.encode_reference(vae, r[0]) for r in references]
+
+    def output(x, timestep, texts):
+        if isinstance(texts, omni.OmniText):
+            return omni.model_output(transformer, x, timestep, texts.segments, [refs] * len(texts), texts.siglip)
+        return model_output(transformer, x, timestep, texts)
     cfg = guidance > 0 and negative is not None
     for t in timesteps:
         timestep = (1000 - t.expand(1)) / 1000
         if cfg:
-            out = model_output(transformer, latents.repeat(2, 1, 1, 1), timestep.repeat(2), list(text) + list(negative))
+            out = output(latents.repeat(2, 1, 1, 1), timestep.repeat(2), text + negative)
             pred = pipeline_cfg(out[:1], out[1:], guidance)
         else:
-            pred = model_output(transformer, latents, timestep, text)
+            pred = output(latents, timestep, text)
         latents = scheduler.step(-pred, t, latents, return_dict=False)[0]
     return decode_latents(vae, latents)[0]

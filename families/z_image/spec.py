@@ -1,7 +1,8 @@
 """The Z-Image family's spec: ZImagePipeline (Z-Image base, text to image) and ZImageOmniPipeline (edits from
-references), distilled by train_dmd.py; ZImagePipeline fine-tuned on text-to-image rows by train_flux_kontext.py. No
-context parallelism (ZImageTransformer2DModel has no _cp_plan: its check refuses it in one line); the planner's
-built-ins `z-image` (fine-tuning) and `z-image-dmd` (plan_spec.py, configs/); the GPU check's --suite=z_image (gpu.py).
+references), each distilled by train_dmd.py and fine-tuned by train_flux_kontext.py (text-to-image rows; Omni: edit
+rows). No context parallelism (ZImageTransformer2DModel has no _cp_plan: its check refuses it in one line); the
+planner's built-ins `z-image`, `z-image-omni` (fine-tuning) and their `-dmd` plans (plan_spec.py, configs/); the
+GPU check's --suite=z_image (gpu.py).
 
     python -m pytest tests/test_families.py tests/test_z_image.py tests/test_z_image_omni.py -q
 """
@@ -25,7 +26,7 @@ _OMNI = (*_PARTS, Component("siglip", "siglip", "offline", "Siglip2VisionModel")
 SPEC = FamilySpec(
     name="z_image", room=room,
     pipelines=(PipelineSpec("ZImagePipeline", _PARTS, ("train_dmd.py", "train_flux_kontext.py")),
-               PipelineSpec("ZImageOmniPipeline", _OMNI, ("train_dmd.py",))),
+               PipelineSpec("ZImageOmniPipeline", _OMNI, ("train_dmd.py", "train_flux_kontext.py"))),
     protocols={"train_dmd.py": FlowDistillationRoom, "train_flux_kontext.py": EditingRoom},
     default_resolution=room.DEFAULT_RESOLUTION,
     # refuses C > 1 in one line: ZImageTransformer2DModel has no _cp_plan (docs/families/z_image.md)

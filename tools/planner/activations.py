@@ -16,7 +16,8 @@ from core.errors import ConfigError
 from families import SPECS, pipelines, spec_of
 from parallel import lora as lora_lib
 from tools.planner.build import (Part, Settings, _config, _size, frames, latent_shapes, layout, meta_model,
-                                  native_resolution, pipeline_of, target_size, text_length, vae_factor)
+                                  native_resolution, pipeline_of, plans_references, target_size, text_length,
+                                  vae_factor)
 from tools.planner.shard import _add_lora_on_meta
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def _cp_activations(folder: str, trainable: Part, unit_names: tuple, dtype: torc
 def reference_grids(folder: str, s: Settings) -> tuple:
     """The references a family plans at an area (FamilySpec.reference_area: FLUX.2's), as (h, w) token grids
     of their 2x2-packed latents (latent_shapes); () for the others."""
-    if not spec_of(pipeline_of(folder)).reference_area:
+    if not spec_of(pipeline_of(folder)).reference_area or not plans_references(folder):
         return ()
     return tuple((h // 2, w // 2) for h, w in latent_shapes(folder, s)[1:])
 

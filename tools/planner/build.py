@@ -300,13 +300,20 @@ def target_size(folder: str, s: Settings) -> tuple:
     return tuple(x * factor for x in latent), latent
 
 
+def plans_references(folder: str) -> bool:
+    """The folder's pipeline edits (its room's `edits`) and its family plans references (FamilySpec.plan_references):
+    a family's text-to-image pipeline (Z-Image's ZImagePipeline beside Omni) plans its target alone."""
+    pipeline = pipeline_of(folder)
+    return spec_of(pipeline).plan_references is not None and FAMILIES[pipeline].edits(pipeline)
+
+
 def latent_shapes(folder: str, s: Settings) -> tuple:
     """The trained model's latents per sample at s.resolution: the target's (target_size: (h, w), or a video's
     (frames, h, w)), then each reference's (its spec's plan_references: s.references of them at s.reference_area
     where it plans them by area)."""
     factor, spec = vae_factor(folder), spec_of(pipeline_of(folder))
     target = target_size(folder, s)[1]
-    if spec.plan_references is None:
+    if not plans_references(folder):
         return (target,)
     return (target, *spec.plan_references(s.resolution, factor, s.references, s.reference_area))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import weakref
 
@@ -19,7 +20,8 @@ from tools.planner.activations import (ActivationProfile, _activations, _builtin
 from tools.planner.build import (ADAPTER_DTYPE, BUILTINS, DMD_SCRIPT, GIB, NF4_BYTES, NF4_LOAD_BYTES_PER_PARAM,
                                   RUNTIME_BYTES, STATE_BYTES, TEXT_FILL_BATCH, Part, Settings, _config, _size,
                                   build_components, frames, latent_shapes, layout, meta_model, model_folder,
-                                  native_resolution, pipeline_of, text_length, vae_factor, with_script)
+                                  native_resolution, pipeline_of, plans_references, text_length, vae_factor,
+                                  with_script)
 from tools.planner.shard import fill_sharded, shard_components
 
 # ----------------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     kind = layout(folder, s.script)[1]
     pipeline = pipeline_of(folder)
     family = spec_of(pipeline)
-    if (s.references is not None or s.reference_area) and not family.reference_area:
+    if (s.references is not None or s.reference_area) and not (family.reference_area and plans_references(folder)):
         raise SystemExit(f"plan: --references / --reference_area: for families that plan references by area; "
                          f"{name} is {kind}, planned with its pipeline's references")
     # resharding after forward, like checkpointing and offload, changes what fully_shard keeps, not its shards
@@ -261,7 +263,7 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
     (Qwen2.5-VL, Mistral 3, Qwen3) keeps every layer's hidden states (they read middle layers) and its logits,
     without a KV cache; CLIP and T5 return their last state. The mask is given 4-D (the data-dependent checks
     of a 2-D one cannot run on meta); attention runs meta's math SDPA, so one layer's L x L scores count. An image
-    encoder (no input_ids) reads `batch` images at its own size instead."""
+    encoder (no input_ids) reads `batch` images at its own size instead (a NaFlex one, SigLIP2: its most patches)."""
     model = meta_model(os.path.join(folder, subfolder)).to(dtype)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     text = min(text, getattr(config, "max_position_embeddings", None) or text)
@@ -270,7 +272,12 @@ def fill_activations(folder: str, subfolder: str, dtype: torch.dtype, batch: int
         kw = dict(input_ids=torch.zeros(batch, text, dtype=torch.long),
                   attention_mask=torch.ones(batch, 1, text, text, dtype=torch.bool),
                   output_hidden_states=language_model)
-        if "input_ids" not in inspect.signature(model.forward).parameters:  # an image encoder (Wan 2.1 I2V's CLIP)
+        signature = inspect.signature(model.forward).parameters
+        if "spatial_shapes" in signature:  # a NaFlex image encoder (SigLIP2): its most patches as a square, no mask
+            side, patch = math.isqrt(config.num_patches), config.patch_size
+            kw = dict(pixel_values=torch.zeros(batch, side * side, config.num_channels * patch * patch, dtype=dtype),
+                      spatial_shapes=torch.tensor([[side, side]] * batch, device="cpu"), pixel_attention_mask=None)
+        elif "input_ids" not in signature:  # an image encoder (Wan 2.1 I2V's CLIP)
             side = config.image_size
             kw = dict(pixel_values=torch.zeros(batch, config.num_channels, side, side, dtype=dtype))
     if "use_cache" in inspect.signature(model.forward).parameters:
@@ -285,14 +292,19 @@ def fill_phase(folder: str, comps: list[Part], sharded: dict, s: Settings, preci
     """The text-cache fill's per-rank peak, before training (None without offline components): every offline
     component loaded at once in the compute dtype (s.text_encoder_dtype nf4: its Linear weights in NF4), sharded
     over the ranks in units of its own _no_split_modules (fill_sharded), run one at a time on TEXT_FILL_BATCH
-    prompts of the text length: its shards, the units in flight (the root, which stays gathered through the
-    forward, and the two largest blocks: current and prefetched; with NF4 one Linear dequantised), the
-    activations without grad (fill_activations) and the runtime reserve. Freed before the trained model is built."""
+    prompts of the text length (the sequences or images its spec's fill_batch says they make): its shards, the
+    units in flight (the root, which stays gathered through the forward, and the two largest blocks: current and
+    prefetched; with NF4 one Linear dequantised), the activations without grad (fill_activations) and the runtime
+    reserve. Freed before the trained model is built."""
     offline = [c for c in comps if not c.holding.resident]
     if not offline:
         return None
     text, size = text_length(folder), _size(precision.compute_dtype)
     params = gathered = acts = 0
+    pipeline, references = pipeline_of(folder), len(latent_shapes(folder, s)) - 1
+    spec = spec_of(pipeline)
+    batches = {c.name: spec.fill_batch(pipeline, c.spec.subfolder, TEXT_FILL_BATCH, references) if spec.fill_batch
+               else TEXT_FILL_BATCH for c in offline}
     for c in offline:
         info = sharded[c.name]
         if s.text_encoder_dtype == "nf4":
@@ -305,10 +317,10 @@ def fill_phase(folder: str, comps: list[Part], sharded: dict, s: Settings, preci
             gathered = max(gathered, units[-1] + sum(blocks[:2]))
         elif s.text_encoder_dtype == "nf4":  # whole, dequantised one Linear at a time
             gathered = max(gathered, info["nf4_largest"] * size)
-        acts = max(acts, fill_activations(folder, c.spec.subfolder, precision.compute_dtype, TEXT_FILL_BATCH, text))
+        acts = max(acts, fill_activations(folder, c.spec.subfolder, precision.compute_dtype, batches[c.name], text))
     return dict(components={c.name: sharded[c.name]["global"] for c in offline}, params=params, gathered=gathered,
                 activations=acts, runtime=RUNTIME_BYTES, total=params + gathered + acts + RUNTIME_BYTES,
-                batch=TEXT_FILL_BATCH, text=text, sharded=any(fill_sharded(c, s) for c in offline),
+                batch=max(batches.values()), text=text, sharded=any(fill_sharded(c, s) for c in offline),
                 dtype="nf4" if s.text_encoder_dtype == "nf4" else dtype_name(precision.compute_dtype))
 
 
