@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# DMD2 of a Wan video teacher that needs its steps, on CPU: "a red square moving left" (demos/video_eval.py), 9
-# frames at 32 px, a shape of a named colour moving a named way from any start (many right answers per prompt).
+# DMD2 of a Wan video teacher on CPU: "a red or blue square moving left" (demos/video_eval.py), 9 frames at 32 px, a
+# shape of either named colour moving a named way from any start (two colours and many starts right per prompt).
 #   1. the teacher: assets/wan_video_base (demos/make_wan_video_base.py builds it), a WanPipeline folder
-#   2. a 1-step and a 4-step student distilled from it with train_dmd.py on the 64 training prompts (full
+#   2. a 1-step and a 4-step student distilled from it with train_dmd.py on the 48 training prompts (full
 #      fine-tuning, the teacher's CFG off as the base samples, 32 text tokens as it was trained): the 1-step one
-#      first, then the 4-step one from its final checkpoint (demos/dmd_students.sh)
-#   3. five rows scored over SEEDS noise seeds per held-out prompt (32): the teacher at 28, 4 and 1 step (its UniPC
+#      first (4800 steps at ratio 10), then the 4-step one from its final checkpoint (600 steps at ratio 5;
+#      demos/dmd_students.sh); REGRESSION=W adds a first 1-step stage with DMD's regression loss at weight W
+#   3. five rows scored over SEEDS noise seeds per held-out prompt (24): the teacher at 28, 4 and 1 step (its UniPC
 #      scheduler), the 4-step and the 1-step student (their exports' distilled scheduler): validity (every frame
-#      the named colour and shape), motion (the named way, monotonic), consistency, variety (the spread of the
-#      start positions over seeds, px and % of the 28-step teacher's)
+#      the named shape in one of the two colours), motion (the named way, monotonic), consistency, variety (the
+#      spread of the start positions over seeds, px and % of the 28-step teacher's), colour entropy
+# The runs go one after another: two train_dmd.py runs side by side on 2 cores each ran ~100 x slower.
 #
 #   bash demos/demo_dmd_video.sh                # extra arguments go to both train_dmd.py runs
 #   # a second training seed beside the same teacher, whose rows are read from the first run's scores:
@@ -20,11 +22,12 @@ cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/video_dmd}
 TEACHER=${TEACHER:-assets/wan_video_base}
 NPROC=${NPROC:-1}
-SEEDS=${SEEDS:-8}
+SEEDS=${SEEDS:-16}
 STRIP=${STRIP:-$OUT/strip.png}
 SCORED=${SCORED:-}  # an earlier run's eval.json: its rows of the same models and steps are read, not sampled
-ONE_STEP_STEPS=${ONE_STEP_STEPS:-600}
-FOUR_STEP_STEPS=${FOUR_STEP_STEPS:-200}
+ONE_STEP_STEPS=${ONE_STEP_STEPS:-4800}
+FOUR_STEP_STEPS=${FOUR_STEP_STEPS:-600}
+REGRESSION=${REGRESSION:-0}  # > 0: the 1-step student's first stage adds DMD's regression loss at this weight
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ ! -f "$TEACHER/model_index.json" ]; then
     echo "TEACHER=$TEACHER: no model_index.json (python -m demos.make_wan_video_base builds assets/wan_video_base)" >&2
@@ -41,6 +44,7 @@ COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8
         --max_steps="$FOUR_STEP_STEPS" --export_dtype=fp32 --save_every=0 --sample_every=0 --log_every=50)
 ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps="$ONE_STEP_STEPS")
+if [ "$REGRESSION" != 0 ]; then ONE_STEP_STAGE1_ARGS=(--regression_weight="$REGRESSION"); fi
 FOUR_STEP_FROM_ONE_STEP=1
 source demos/dmd_students.sh
 train_students "$OUT" "$NPROC" "$@"

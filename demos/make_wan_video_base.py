@@ -1,11 +1,12 @@
 """Rebuild assets/wan_video_base/: the tiny Wan 2.1 text-to-video teacher that demos/demo_dmd_video.sh distils
-(demos/video_eval.py has the task, "a red square moving left", and its scorer). A WanPipeline folder
+(demos/video_eval.py has the task, "a red or blue square moving left", and its scorer). A WanPipeline folder
 (transformer/, vae/, text_encoder/, tokenizer/, scheduler/, model_index.json) that loads with
 WanPipeline.from_pretrained and samples 9 frames at 32 px. Built offline on CPU in four stages, each deterministic
 from its seed and skipped when its output exists (--force=1 redoes them):
 
   1. vae       an AutoencoderKLWan (4x down in space, 4x in time: 9 x 32 x 32 -> 3 x 8 x 8 latents of Z_DIM
-               channels) trained on the task's clips (all 96 prompts, random starts): VAE_STEPS of the image
+               channels) trained on the tiny world's clips (world(): a shape of one of VAE_COLOURS, any shape and
+               direction, random starts; the task draws 4 of those colours): VAE_STEPS of the image
                bases' recipe (L1 + MSE + a small KL), then FG_STEPS with the shape's pixels weighted; latents_mean
                / latents_std then set to its latents' per-channel mean and std.
                Its reconstructions are scored with the task's scorer (a VAE that cannot keep colour, shape and
@@ -22,6 +23,7 @@ from its seed and skipped when its output exists (--force=1 redoes them):
                then its 28- and 4-step samples of the held-out prompts scored.
 
     nice -n 10 python -m demos.make_wan_video_base        # all stages; times printed per stage
+    python -m demos.make_wan_video_base --vae_from=assets/wan_video_base  # the shipped VAE kept (stage 1 skipped)
     python -m demos.make_wan_video_base --stages=pretrain,package --pretrain_steps=3000 --force=1
 
 Everything but the final folder goes to --work_dir (default out/wan_video_base_build).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import math
 import shutil
@@ -54,13 +57,16 @@ VAE_STEPS, VAE_BATCH, VAE_LR, VAE_KL = 600, 8, 2e-3, 1e-4
 FG_STEPS, FG_LR, FG_WEIGHT = 1000, 1.5e-3, 8.0
 TEXT_CONFIG = dict(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
                    feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-TRANSFORMER_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=24, in_channels=Z_DIM,
-                          out_channels=Z_DIM, text_dim=TEXT_CONFIG["d_model"], freq_dim=64, ffn_dim=256, num_layers=4,
+TRANSFORMER_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=Z_DIM,
+                          out_channels=Z_DIM, text_dim=TEXT_CONFIG["d_model"], freq_dim=64, ffn_dim=512, num_layers=4,
                           cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+# The VAE learns the tiny world's clips, wider than the task: a shape of one of 8 colours, any shape and direction,
+# from any start (the task draws 4 of these colours)
+VAE_COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "pink", "cyan")
 CLIPS_PER_PROMPT = 48
-PRETRAIN_STEPS, PRETRAIN_BATCH, PRETRAIN_LR, WARMUP, EMA = 5000, 32, 1e-3, 100, 0.998
+PRETRAIN_STEPS, PRETRAIN_BATCH, PRETRAIN_LR, WARMUP, EMA = 10000, 32, 1e-3, 100, 0.998
 CAPTION_DROPOUT = 0.1
-TASK_WORDS = ve.COLOURS + ve.SHAPES + tuple(ve.DIRECTIONS) + ("a", "moving")
+TASK_WORDS = ve.COLOURS + ve.SHAPES + tuple(ve.DIRECTIONS) + ("a", "or", "moving")
 
 
 def log(msg):
@@ -107,18 +113,33 @@ def fit_foreground(vae, draw, steps, lr, kl_weight, seed, log_every):
     return vae.eval()
 
 
+def world():
+    """The VAE's clips as (colour, shape, direction): the 64 it trains on and the 32 whose latents set latents_mean /
+    latents_std, split as (colour + shape + direction) % 3 (it trains on all 96)."""
+    train, held = [], []
+    for (ci, c), (si, s), (di, d) in itertools.product(enumerate(VAE_COLOURS), enumerate(ve.SHAPES),
+                                                       enumerate(ve.DIRECTIONS)):
+        (held if (ci + si + di) % 3 == 0 else train).append((c, s, d))
+    return train, held
+
+
+def render_world(items, rng) -> np.ndarray:
+    """(N, frames, SIZE, SIZE, 3) uint8: each (colour, shape, direction) from a random start."""
+    return np.stack([ve.render(ve.prompt_for((c, c), s, d), ve.random_start(rng, d), c) for c, s, d in items])
+
+
 def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, seed=0, log_every=100, phase1=None):
-    """The image bases' VAE recipe (demos/make_kontext_base.fit_vae) on batches of the task's clips, all prompts,
-    then FG_STEPS of fit_foreground; `phase1`: a folder of the first phase's VAE (saved there when missing).
+    """The image bases' VAE recipe (demos/make_kontext_base.fit_vae) on batches of the world's clips, then FG_STEPS
+    of fit_foreground; `phase1`: a folder of the first phase's VAE (saved there when missing).
     Returns the VAE with latents_mean / latents_std of held-out latents, and a report with its reconstructions'
-    PSNR and task scores."""
+    PSNR and task scores (the task's held-out prompts, 8 clips each)."""
     from diffusers import AutoencoderKLWan
 
     from demos import make_kontext_base as mkb
-    prompts = sum(ve.splits(), [])
+    items = sum(world(), [])
 
     def draw(rng):
-        return clips_tensor(ve.render_batch([prompts[i] for i in rng.integers(0, len(prompts), batch)], rng))
+        return clips_tensor(render_world([items[i] for i in rng.integers(0, len(items), batch)], rng))
 
     t0 = time.time()
     if phase1 and (Path(phase1) / "config.json").exists():
@@ -130,19 +151,25 @@ def train_vae(steps=VAE_STEPS, batch=VAE_BATCH, lr=VAE_LR, kl_weight=VAE_KL, see
         if phase1:
             vae.save_pretrained(phase1)
     fit_foreground(vae, draw, FG_STEPS, FG_LR, kl_weight, seed + 3, log_every)
-    held_prompts = [p for p in ve.splits()[1] for _ in range(4)]
-    held = ve.render_batch(held_prompts, np.random.default_rng(seed + 1))
+    held = render_world([item for item in world()[1] for _ in range(4)], np.random.default_rng(seed + 1))
     with torch.no_grad():
-        x = clips_tensor(held)
-        z = torch.cat([vae.encode(x[i:i + 32]).latent_dist.mode() for i in range(0, len(x), 32)])
+        z = torch.cat([vae.encode(clips_tensor(held[i:i + 32])).latent_dist.mode() for i in range(0, len(held), 32)])
         mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
         vae.register_to_config(latents_mean=[round(float(v), 4) for v in mean],
                                latents_std=[round(float(v), 4) for v in std])
-        rec = torch.cat([vae.decode(z[i:i + 32]).sample for i in range(0, len(z), 32)])
-    scores = ve.score_clips(to_uint8(rec), held_prompts)
-    report = {"vae_steps": steps, "vae_seconds": round(time.time() - t0, 1),
-              "vae_psnr_db": round(mkb.psnr(rec, x), 2), **{f"vae_recon_{k}": round(v, 2) for k, v in scores.items()}}
+    report = {"vae_steps": steps, "vae_seconds": round(time.time() - t0, 1), **score_vae(vae, seed + 1)}
     return vae, report
+
+
+def score_vae(vae, seed=1) -> dict:
+    """The PSNR and task scores of the VAE's reconstructions of the task's held-out prompts, 8 clips each."""
+    from demos import make_kontext_base as mkb
+    prompts = [p for p in ve.splits()[1] for _ in range(8)]
+    with torch.no_grad():
+        x = clips_tensor(ve.render_batch(prompts, np.random.default_rng(seed)))
+        rec = torch.cat([vae.decode(vae.encode(x[i:i + 32]).latent_dist.mode()).sample for i in range(0, len(x), 32)])
+    scores = ve.score_clips(to_uint8(rec), prompts)
+    return {"vae_psnr_db": round(mkb.psnr(rec, x), 2), **{f"vae_recon_{k}": round(v, 2) for k, v in scores.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,6 +287,7 @@ def main(argv=None):
     ap.add_argument("--work_dir", default=str(ROOT / "out" / "wan_video_base_build"))
     ap.add_argument("--dest", default=str(ASSET_DIR))
     ap.add_argument("--vae_steps", type=int, default=VAE_STEPS)
+    ap.add_argument("--vae_from", default="", help="a WanPipeline folder whose vae/ is taken (the vae stage skipped)")
     ap.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS)
     ap.add_argument("--eval_seeds", type=int, default=2)
     ap.add_argument("--force", type=int, default=0)
@@ -280,6 +308,10 @@ def main(argv=None):
         return go
 
     t = time.time()
+    if args.vae_from and not (work / "vae" / "config.json").exists():
+        shutil.copytree(Path(args.vae_from) / "vae", work / "vae")
+        report.update(score_vae(AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32).eval()))
+        log(f"vae: from {args.vae_from}; {report}")
     if stage("vae", work / "vae" / "config.json"):
         vae, vae_report = train_vae(steps=args.vae_steps, phase1=work / "vae_phase1")
         vae.save_pretrained(work / "vae")

@@ -1,5 +1,6 @@
-"""The video task's scorer (demos/video_eval.py) on clips its own renderer draws: right ones pass, a wrong colour, a
-static clip, a backwards one and a flickering one fail; the held-out split (no model; well under a second).
+"""The video task's scorer (demos/video_eval.py) on clips its own renderer draws: right ones pass in either colour; a
+colour outside the pair, the pair's mean, a switch of colour, a static clip, a backwards one and a flickering one
+fail; the held-out split (no model; about a second).
 
     python -m pytest tests/test_video_eval.py -q
 """
@@ -7,37 +8,46 @@ import numpy as np
 
 from demos import video_eval as ve
 
-PROMPT = "a red square moving left"
+PROMPT = "a red or blue square moving left"
 
 
-def test_splits_hold_out_32_prompts_that_train_every_word():
+def test_splits_hold_out_24_prompts_that_train_every_word():
     train, held_out = ve.splits()
-    assert len(train) == 64 and len(held_out) == 32 and not set(train) & set(held_out)
+    assert len(train) == 48 and len(held_out) == 24 and not set(train) & set(held_out)
     for i in range(3):
         assert {ve.parse_prompt(p)[i] for p in train} == {ve.parse_prompt(p)[i] for p in held_out}
+    assert ve.parse_prompt(PROMPT) == (("red", "blue"), "square", "left")
 
 
 def test_rendered_clips_score_valid_moving_consistent_and_varied():
-    prompts = [p for p in ve.splits()[1][::4] for _ in range(3)]
+    prompts = [p for p in ve.splits()[1][::3] for _ in range(4)]
     scores = ve.score_clips(ve.render_batch(prompts, np.random.default_rng(0)), prompts)
     assert scores["valid"] == scores["motion"] == scores["consistent"] == 100.0
-    assert scores["variety"] > 3.0
+    assert scores["variety"] > 3.0 and scores["colour_entropy"] > 0.5
 
 
-def test_wrong_colour_static_backwards_and_flicker_fail():
+def test_other_colour_mean_colour_switch_static_backwards_and_flicker_fail():
     rng = np.random.default_rng(1)
-    clip = ve.render(PROMPT, ve.random_start(rng, "left"))
-    assert all(ve.score_clip(clip, PROMPT)[k] for k in ("valid", "motion", "consistent"))
-    wrong = ve.score_clip(clip, "a blue square moving left")
-    assert not wrong["valid"] and wrong["frame_valid"] == 0.0
-    assert not ve.score_clip(np.repeat(clip[:1], ve.FRAMES, axis=0), PROMPT)["motion"]  # static
-    assert not ve.score_clip(clip[::-1], PROMPT)["motion"]  # moving right
-    flicker = clip.copy()
-    flicker[4] = ve.render("a blue circle moving left", (10.0, 10.0))[4]
+    start = ve.random_start(rng, "left")
+    red, blue = ve.render(PROMPT, start, "red"), ve.render(PROMPT, start, "blue")
+    for clip in (red, blue):
+        assert all(ve.score_clip(clip, PROMPT)[k] for k in ("valid", "motion", "consistent"))
+    other = ve.score_clip(ve.render(PROMPT, start, "green"), PROMPT)
+    assert not other["valid"] and other["frame_valid"] == 0.0
+    mean = ((red.astype(float) + blue) / 2).round().astype(np.uint8)  # what a sampler averaging the two paints
+    assert ve.score_clip(mean, PROMPT)["frame_valid"] == 0.0
+    switch = np.concatenate([red[:4], blue[4:]])
+    result = ve.score_clip(switch, PROMPT)
+    assert result["frame_valid"] == 1.0 and not result["valid"] and not result["consistent"]
+    assert not ve.score_clip(np.repeat(red[:1], ve.FRAMES, axis=0), PROMPT)["motion"]  # static
+    assert not ve.score_clip(red[::-1], PROMPT)["motion"]  # moving right
+    flicker = red.copy()
+    flicker[4] = ve.render("a red or blue circle moving left", (10.0, 10.0), "red")[4]
     result = ve.score_clip(flicker, PROMPT)
     assert not result["valid"] and not result["consistent"] and result["frame_valid"] == 8 / 9
 
 
-def test_variety_is_the_mean_pairwise_start_distance():
+def test_variety_is_the_mean_pairwise_start_distance_and_colour_entropy_the_mean_bits():
     assert ve.variety({"p": [np.array([0.0, 0.0]), np.array([3.0, 4.0])], "q": [np.array([1.0, 1.0])]}) == 5.0
     assert ve.variety({"p": [np.array([2.0, 2.0])] * 4}) == 0.0
+    assert ve.colour_entropy({"p": ["red", "blue", None], "q": ["red"] * 3, "r": [None, "blue"]}) == 0.5
