@@ -7,6 +7,7 @@ these facts alone; a family without one has no rows there.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -111,3 +112,13 @@ def export_pipeline(pipeline_class, export: str, base: str, s: dict, **base_kwar
     pipe.transformer.register_forward_pre_hook(  # the timestep by name, or second (ZImagePipeline passes t so)
         lambda m, a, kw: seen.append(float((kw["timestep"] if "timestep" in kw else a[1])[0])), with_kwargs=True)
     return pipe, seen
+
+
+def qwen3_config_at_real_width(tiny: dict, real: str) -> dict:
+    """A tiny folder's Qwen3 config (its vocabulary, special token ids and layer count) at the real hidden width
+    (`real`: the configs' folder), each layer narrow (2 heads of the real head dims, an MLP of 256): the text cache
+    gets embeddings of the real width from a few million parameters per layer instead of 4 B in all."""
+    with open(os.path.join(real, "text_encoder", "config.json")) as f:
+        real = json.load(f)
+    return {**tiny, "hidden_size": real["hidden_size"], "head_dim": real["head_dim"], "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 256}

@@ -111,7 +111,8 @@ def test_the_table_names_each_scripts_pipelines():
                                         "Flux2Pipeline", "WanPipeline", "WanImageToVideoPipeline", "ZImagePipeline",
                                         "ZImageOmniPipeline"),
                        "train_flux_kontext.py": ("FluxKontextPipeline", "QwenImageEditPlusPipeline",
-                                                 "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline")}
+                                                 "Flux2KleinPipeline", "Flux2Pipeline", "ZImagePipeline",
+                                                 "ZImageOmniPipeline")}
     assert set(SCRIPTS["train_dmd.py"]) | set(SCRIPTS["train_flux_kontext.py"]) == set(FAMILIES)  # every room trains
     assert folder_layout("StableDiffusionXLPipeline")["text_encoder_2"] == "CLIPTextModelWithProjection"
     for pipeline, components in PIPELINES.items():

@@ -9,18 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from families.gpu import GpuCheck, export_pipeline, true_cfg_calls
-
-
-def text_encoder_config(tiny: dict, real: str) -> dict:
-    """The tiny klein's Qwen3 config (its vocabulary, special token ids and 28 layers: the pipeline stacks the
-    hidden states of layers 9, 18 and 27) at the real hidden width (`real`: the configs' folder), each layer narrow
-    (2 heads of the real 128 dims, an MLP of 256): the text cache gets embeddings of the real width (3 x 2560, the
-    transformer's joint_attention_dim) from ~0.1 B parameters instead of 4 B."""
-    with open(os.path.join(real, "text_encoder", "config.json")) as f:
-        real = json.load(f)
-    return {**tiny, "hidden_size": real["hidden_size"], "head_dim": real["head_dim"], "num_attention_heads": 2,
-            "num_key_value_heads": 1, "intermediate_size": 256}
+from families.gpu import GpuCheck, export_pipeline, qwen3_config_at_real_width, true_cfg_calls
 
 
 def _vae(tiny: str, real: str):
@@ -30,8 +19,9 @@ def _vae(tiny: str, real: str):
 
 def _text_encoder(tiny: str, real: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    # the tiny klein's 28 layers (the pipeline stacks the hidden states of layers 9, 18 and 27), 3 x 2560 wide
     with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
-        return Qwen3ForCausalLM(Qwen3Config.from_dict(text_encoder_config(json.load(f), real)))
+        return Qwen3ForCausalLM(Qwen3Config.from_dict(qwen3_config_at_real_width(json.load(f), real)))
 
 
 def reference_shape(folder, data, settings):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from families.gpu import GpuCheck, export_pipeline, true_cfg_calls
+from families.gpu import GpuCheck, export_pipeline, qwen3_config_at_real_width, true_cfg_calls
 
 SAMPLES = 24  # the rows' prompts (and images): each launch encodes all of them into its text cache
 TINY_SAMPLES = 8  # the tiny rows': 4 to train on beside the 4 the fine-tune holds out for samples
@@ -22,17 +22,6 @@ PROMPT_WORDS = 600
 FT_GUIDANCE = 4.0  # the fine-tune export's samples: recipes/z_image_t2i_lora.sh's SAMPLE_GUIDANCE, true CFG
 
 
-def text_encoder_config(tiny: dict, real: str) -> dict:
-    """The tiny folder's Qwen3Model config (its vocabulary, special token ids and 2 layers: the pipeline reads
-    hidden_states[-2]) at the real hidden width (`real`: the configs' folder; 2560, the transformer's cap_feat_dim),
-    each layer narrow (2 heads of the real 128 dims, an MLP of 256): the text cache gets embeddings of the real width
-    from a few million parameters instead of 4 B."""
-    with open(os.path.join(real, "text_encoder", "config.json")) as f:
-        real = json.load(f)
-    return {**tiny, "hidden_size": real["hidden_size"], "head_dim": real["head_dim"], "num_attention_heads": 2,
-            "num_key_value_heads": 1, "intermediate_size": 256}
-
-
 def _vae(tiny: str, real: str):
     from diffusers import AutoencoderKL
     return AutoencoderKL.from_config(AutoencoderKL.load_config(os.path.join(real, "vae")))
@@ -40,8 +29,9 @@ def _vae(tiny: str, real: str):
 
 def _text_encoder(tiny: str, real: str):
     from transformers import Qwen3Config, Qwen3Model
+    # the tiny's 2 layers (the pipeline reads hidden_states[-2]) at 2560, the transformer's cap_feat_dim
     with open(os.path.join(tiny, "text_encoder", "config.json")) as f:
-        return Qwen3Model(Qwen3Config.from_dict(text_encoder_config(json.load(f), real)))
+        return Qwen3Model(Qwen3Config.from_dict(qwen3_config_at_real_width(json.load(f), real)))
 
 
 def long_prompt(prompt: str) -> str:
