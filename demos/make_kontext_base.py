@@ -95,13 +95,14 @@ def psnr(a, b) -> float:
     return 10 * math.log10(4.0 / mse)
 
 
-def fit_vae(vae, draw, steps, lr, kl_weight, seed, log_every, log):
+def fit_vae(vae, draw, steps, lr, kl_weight, seed, log_every, log, warmup=50, pixel_weight=None, name="vae"):
     """The tiny bases' VAE recipe: `steps` AdamW steps on batches `draw(rng)` makes, L1 + MSE on a posterior
-    sample plus kl_weight x KL per pixel, 50 warmup steps then cosine to 0, grad clip 1; the VAE left in eval."""
+    sample plus kl_weight x KL per pixel, `warmup` steps then cosine to 0, grad clip 1; the VAE left in eval.
+    `pixel_weight(x)`: a weight per pixel on the L1 + MSE (None: plain means)."""
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        opt, lambda s: (min(1.0, (s + 1) / warmup) if warmup else 1.0) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     gen = torch.Generator().manual_seed(seed)
     t0 = time.time()
     for step in range(steps):
@@ -109,14 +110,19 @@ def fit_vae(vae, draw, steps, lr, kl_weight, seed, log_every, log):
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
         y = vae.decode(z).sample
-        loss = (y - x).abs().mean() + ((y - x) ** 2).mean() + kl_weight * post.kl().mean() / x[0].numel()
+        if pixel_weight is None:
+            fit = (y - x).abs().mean() + ((y - x) ** 2).mean()
+        else:
+            err = y - x
+            fit = (pixel_weight(x) * (err.abs() + err ** 2)).mean()
+        loss = fit + kl_weight * post.kl().mean() / x[0].numel()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
         sched.step()
         if log_every and (step % log_every == 0 or step == steps - 1):
-            log(f"vae step {step}: loss {loss.item():.4f}, {time.time() - t0:.0f}s")
+            log(f"{name} step {step}: loss {loss.item():.4f}, {time.time() - t0:.0f}s")
     vae.eval()
     return vae
 

@@ -88,29 +88,14 @@ def to_uint8(video: torch.Tensor) -> np.ndarray:
 
 
 def fit_foreground(vae, draw, steps, lr, kl_weight, seed, log_every):
-    """fit_vae's loss with each pixel weighted 1 + FG_WEIGHT where it differs from the white background; AdamW,
-    cosine from lr to 0, grad clip 1; the VAE left in eval."""
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
-    gen = torch.Generator().manual_seed(seed)
-    vae.train()
-    t0 = time.time()
-    for step in range(steps):
-        x = draw(rng)
-        weight = 1 + FG_WEIGHT * ((x - x.amax()).abs().amax(dim=1, keepdim=True) > 0.05).float()
-        post = vae.encode(x).latent_dist
-        y = vae.decode(post.mean + post.std * torch.randn(post.mean.shape, generator=gen)).sample
-        err = y - x
-        loss = (weight * (err.abs() + err ** 2)).mean() + kl_weight * post.kl().mean() / x[0].numel()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log_every and (step % log_every == 0 or step == steps - 1):
-            log(f"vae foreground step {step}: loss {loss.item():.4f}, {time.time() - t0:.0f}s")
-    return vae.eval()
+    """make_kontext_base.fit_vae with each pixel weighted 1 + FG_WEIGHT where it differs from the white background,
+    cosine from lr to 0 without warmup; the VAE left in eval."""
+    from demos import make_kontext_base as mkb
+
+    def weight(x):
+        return 1 + FG_WEIGHT * ((x - x.amax()).abs().amax(dim=1, keepdim=True) > 0.05).float()
+    return mkb.fit_vae(vae.train(), draw, steps, lr, kl_weight, seed, log_every, log, warmup=0, pixel_weight=weight,
+                       name="vae foreground")
 
 
 def world():
