@@ -346,6 +346,15 @@ def read_metrics(out_dir, timing: bool = True) -> list[dict]:
     return records if timing else [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
+def assert_metrics_match(a_dir, b_dir, keys=("loss", "val_loss", "grad_norm")) -> None:
+    """Two runs' records step for step: each of `keys` a record of the first holds, the second holds within fp32
+    reduction-order rounding (2 ranks against one process, context parallel against data parallel)."""
+    for ra, rb in zip(read_metrics(a_dir), read_metrics(b_dir)):
+        for k in keys:
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra["step"], k)
+
+
 def tiny_flux(seed: int = 0, **overrides):
     """A random FluxTransformer2DModel of the diffusers test suite's tiny configuration (one double
     and one single block, 2 heads of 16), with `overrides` of its config."""
