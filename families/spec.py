@@ -242,6 +242,9 @@ class FamilySpec:
     # (pipeline, offline component's subfolder, prompts, references) -> the sequences (or images) one forward of that
     # encoder runs in the text-cache fill for `prompts` prompts with `references` references each; None: the prompts
     fill_batch: Callable | None = None
+    # (config, reference latent shapes) -> the planner's words on the tokens per sample besides the target's, the
+    # references' and the text's (Z-Image Omni's SigLIP tokens and template segments); None: nothing more
+    sequence_extras: Callable | None = None
 
     def builtin_folder(self, name: str) -> str:
         """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""

@@ -1589,3 +1589,7 @@ def test_the_z_image_omni_recipe_and_docs_carry_the_planners_figures():
     assert train < 24e9 / 2**30 < fill < 40e9 / 2**30
     assert (f"| LoRA r64, two references | 1 x 40 GB | AC | {train:.2f} / {fill:.2f} | "
             "`recipes/z_image_omni_edit_lora.sh` |") in docs
+    # the sequence line names every part the activations were measured with: SigLIP grids and template segments
+    assert ("sequence per sample: 4096 target tokens (1024^2 / 16^2) + 2 reference(s) x 4096 tokens (each downsized "
+            "to 1024^2 px if larger) + 512 text tokens + 256 + 256 SigLIP tokens (2 reference(s), at most 256 patches "
+            "each) + 3 template segments of 4 tokens") in memory_plan.format_plan("z-image-omni", p)

@@ -64,6 +64,17 @@ def plan_tokens(config, shapes) -> int:
     return sum((h // p) * (w // p) for h, w in shapes)
 
 
+def sequence_extras(config, references) -> str:
+    """The Omni sequence's parts besides the target, the references and the prompt: each reference's SigLIP grid
+    and the template's segments (example_inputs' inputs; the transformer pads each to a multiple of 32)."""
+    if not config.get("siglip_feat_dim") or not references:
+        return ""
+    grids = [siglip_grid(h, w) for h, w in references]
+    tokens = " + ".join(f"{h * w}" for h, w in grids)
+    return (f"{tokens} SigLIP tokens ({len(grids)} reference(s), at most {SIGLIP_PATCHES} patches each) + "
+            f"{len(references) + 1} template segments of {TEMPLATE_TOKENS} tokens")
+
+
 def fill_batch(pipeline: str, subfolder: str, prompts: int, references: int) -> int:
     """ZImageOmniPipeline's fill: _encode_prompt runs each prompt as its references + 2 segments (1 without), each
     padded to the length, in one batch; the SigLIP encodes one reference at a time (omni.prepare_edit_text)."""
@@ -84,4 +95,5 @@ PLAN = dict(
     plan_names={"ZImagePipeline": "z_image", OMNI: "z_image_omni"},
     plan_references=plan_references, references=2, reference_area=1024 * 1024,  # ZImagePipeline: none (no edits)
     fill_batch=fill_batch,
+    sequence_extras=sequence_extras,
     nf4_teacher=True)  # train_dmd.py: BASE_DTYPE=nf4 with LoRA stores the frozen teacher in NF4 too

@@ -113,7 +113,8 @@ def _reference_lines(p: dict) -> list[str]:
     side = math.isqrt(area)
     return [f"sequence per sample: {(s.resolution // patch) ** 2} target tokens ({s.resolution}^2 / {patch}^2) + "
             f"{len(refs)} reference(s) x {refs[0][0] * refs[0][1] if refs else 0} tokens (each downsized to "
-            f"{f'{side}^2' if side * side == area else area} px if larger) + {p['text']} text tokens"]
+            f"{f'{side}^2' if side * side == area else area} px if larger) + {p['text']} text tokens"
+            + (f" + {p['sequence_extras']}" if p.get("sequence_extras") else "")]
 
 
 def _fill_lines(p: dict) -> list[str]:

@@ -215,6 +215,8 @@ def plan(name: str, s: Settings, shard_cache: dict | None = None) -> dict:
     if refs:  # the sequence of a family that plans its references by area (format_plan's words)
         result.update(references=refs, reference_area=s.reference_area or family.reference_area,
                       patch=2 * vae_factor(folder), text=text_length(folder))
+        if family.sequence_extras is not None:
+            result["sequence_extras"] = family.sequence_extras(_config(folder, trainable.spec.subfolder), refs)
     fill = fill_phase(folder, comps, sharded, s, precision)
     if fill:
         result["fill"] = fill
