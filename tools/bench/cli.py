@@ -12,6 +12,7 @@
     python tools/benchmarks.py kontext_dmd_width  # DMD2, Kontext teacher, FLUX width (0 + 1 blocks), fp32: vs planner
     python tools/benchmarks.py host       # host-side work per step outside the models: aten ops, copies, syncs
     python tools/benchmarks.py reshard    # RESHARD_AFTER_FORWARD auto vs 1 at world size 1: ops, copies, losses
+    python tools/benchmarks.py fp32_modules  # Wan width: the pipeline's fp32-kept modules vs bf16-mixed compute
     python tools/benchmarks.py all        # everything, as the markdown tables of docs/benchmarks.md
 
 Each benchmark launches `torchrun --standalone --nproc_per_node=2` 2-rank CPU runs: of tools/benchmarks.py's
@@ -26,6 +27,7 @@ import time
 
 from tools.bench.common import _RUNS, machine
 from tools.bench.dmd import bench_fake_fp32, bench_gan_head, bench_noise
+from tools.bench.fp32_modules import bench_fp32_modules
 from tools.bench.host import bench_host, bench_reshard
 from tools.bench.scripts import bench_compile, bench_planner, bench_save, bench_step, worker_save
 from tools.bench.stack import bench_stack, worker_stack
@@ -35,7 +37,7 @@ from tools.bench.width import bench_kontext_dmd_width, bench_nf4_width
 BENCHES = {"save": bench_save, "step": bench_step, "planner": bench_planner, "compile": bench_compile,
            "stack": bench_stack, "noise": bench_noise, "gan_head": bench_gan_head, "fake_fp32": bench_fake_fp32,
            "nf4_width": bench_nf4_width, "kontext_dmd_width": bench_kontext_dmd_width, "host": bench_host,
-           "reshard": bench_reshard}
+           "reshard": bench_reshard, "fp32_modules": bench_fp32_modules}
 WORKERS = {"save": worker_save, "stack": worker_stack}
 
 
