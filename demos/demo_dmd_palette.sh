@@ -2,11 +2,11 @@
 # DMD2 where the teacher needs its steps, on CPU: "paint it" (demos/palette_eval.py), an edit with four
 # right answers (any of red, green, blue, yellow; the prompt names none), for either flow-matching
 # editing family (FAMILY=kontext, the default: FLUX.1 Kontext; FAMILY=qwen: Qwen-Image-Edit-2509; FAMILY=flux2:
-# FLUX.2 [klein]-base at 64 px, its pipeline's smallest reference; the last two with the context as their one
-# reference, true CFG off everywhere).
-#   1. the teacher: the family's shipped base (assets/kontext_base, qwen_edit_base or flux2_edit_base) fine-tuned
-#      on the 512 training contexts, each with all four palette colours as targets (2048 pairs;
-#      train_flux_kontext.py; skipped when TEACHER is given)
+# FLUX.2 [klein]-base at 64 px, its pipeline's smallest reference; FAMILY=z_image: Z-Image Omni at 64 px; the
+# last three with the context as their one reference, true CFG off everywhere).
+#   1. the teacher: the family's shipped base (assets/kontext_base, qwen_edit_base, flux2_edit_base or
+#      z_image_edit_base) fine-tuned on the 512 training contexts, each with all four palette colours as
+#      targets (2048 pairs; train_flux_kontext.py; skipped when TEACHER is given)
 #   2. a 1-step and a 4-step student distilled from it with train_dmd.py (demos/demo_dmd_kontext.sh's
 #      settings): the 1-step one first, with twice the fake-score updates (on Kontext 2400 steps after a
 #      first 2400-step stage with DMD's regression loss on the teacher's ODE, weight 0.25; on Qwen 4800
@@ -19,6 +19,7 @@
 #   bash demos/demo_dmd_palette.sh              # 2 ranks; extra arguments go to both train_dmd.py runs
 #   FAMILY=qwen bash demos/demo_dmd_palette.sh  # the same with Qwen-Image-Edit (out/palette_dmd_qwen)
 #   FAMILY=flux2 bash demos/demo_dmd_palette.sh # the same with FLUX.2 [klein] (out/palette_dmd_flux2)
+#   FAMILY=z_image bash demos/demo_dmd_palette.sh  # the same with Z-Image Omni (out/palette_dmd_z_image)
 #   TEACHER=out/my_palette_teacher/export bash demos/demo_dmd_palette.sh
 #   # a second training seed beside the same teacher, whose rows are read from the first run's scores:
 #   FAMILY=flux2 TEACHER=out/palette_dmd_flux2/teacher/export SCORED=out/palette_dmd_flux2/eval.json \
@@ -29,6 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository root
 FAMILY=${FAMILY:-kontext}
 SIZE=32
+SAMPLE_GUIDANCE=1.0  # the teacher fine-tune's sample grids: guidance 1 (Z-Image: 0, its pipeline's CFG off)
 case "$FAMILY" in
     # the family's base and what its runs add: Kontext's guidance value (the teacher is fine-tuned at
     # 1.0); Qwen's 32^2 reference areas (the base's) and teacher CFG off (the teacher has no negative)
@@ -52,7 +54,14 @@ case "$FAMILY" in
              TUNE_ARGS=(--reference_area=4096 --max_sequence_length=32 --cache_latents=True)
              DMD_ARGS=(--reference_area=4096 --max_sequence_length=32 --real_guidance_scale=1.0)
              EVAL_ARGS=() ;;
-    *) echo "FAMILY=$FAMILY: kontext, qwen or flux2" >&2; exit 1 ;;
+    # Z-Image Omni: FLUX.2's settings but its pipeline's reference rule (no REFERENCE_AREA), its VAE in bf16
+    # (ZImageOmniPipeline encodes references in bf16), samples with CFG off (its guidance_scale 0)
+    z_image) BASE=assets/z_image_edit_base; DEFAULT_OUT=out/palette_dmd_z_image; TEACHER_STEPS=6000
+             ONE_STEP_STEPS=4800; SIZE=64; FOUR_STEP_ARGS=(--max_steps=600); SAMPLE_GUIDANCE=0
+             TUNE_ARGS=(--vae_dtype=bf16 --max_sequence_length=32 --cache_latents=True)
+             DMD_ARGS=(--vae_dtype=bf16 --max_sequence_length=32 --real_guidance_scale=1.0)
+             EVAL_ARGS=() ;;
+    *) echo "FAMILY=$FAMILY: kontext, qwen, flux2 or z_image" >&2; exit 1 ;;
 esac
 OUT=${OUT:-$DEFAULT_OUT}
 TEACHER=${TEACHER:-$OUT/teacher/export}
@@ -79,7 +88,8 @@ if [ ! -f "$TEACHER/model_index.json" ]; then
         --model_path="$BASE" --data_path="$TEACHER_TRAIN" --output_dir="$OUT/teacher" "${TUNE_ARGS[@]}" \
         --precision=fp32 --resolution="$SIZE" --batch_size=8 --lr=5e-4 --warmup_steps=50 --weight_decay=0 \
         --max_grad_norm=1.0 --ema_decay=0.995 --export_dtype=bf16 --num_sample_pairs=4 --sample_steps=28 \
-        --sample_guidance=1.0 --save_every=1000 --log_every=100 --sample_every=1000 --max_steps="$TEACHER_STEPS"
+        --sample_guidance="$SAMPLE_GUIDANCE" --save_every=1000 --log_every=100 --sample_every=1000 \
+        --max_steps="$TEACHER_STEPS"
     times+=("teacher $(( $(date +%s) - start )) s")
 fi
 # demos/demo_dmd_kontext.sh's students: from the teacher's weights, batch 8 per rank, generator and

@@ -1,5 +1,5 @@
-"""The "paint it" editing task (many valid edits) and its evaluation through FluxKontextPipeline or
-QwenImageEditPlusPipeline.
+"""The "paint it" editing task (many valid edits) and its evaluation through FluxKontextPipeline,
+QwenImageEditPlusPipeline, Flux2KleinPipeline or ZImageOmniPipeline.
 
 Task: a shape of tools/shapes.py's world, in a colour outside the palette, on a plain background
 outside the palette; the instruction "paint it" never names a colour, and any of PALETTE is right.
@@ -233,31 +233,35 @@ def pipeline_class(folder) -> str:
     return json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
 
 
-def is_qwen(folder) -> bool:
-    """Whether `folder` is a Qwen-Image-Edit pipeline, by its model_index.json."""
-    return "QwenImageEdit" in pipeline_class(folder)
-
-
-def is_flux2(folder) -> bool:
-    """Whether `folder` is a FLUX.2 [klein] pipeline, by its model_index.json."""
-    return pipeline_class(folder) == "Flux2KleinPipeline"
+def edit_family(folder):
+    """The multi-reference pipeline's evaluation family (qwen_edit_eval.EditFamily) of `folder`, by its
+    model_index.json: Qwen-Image-Edit, FLUX.2 [klein] or Z-Image Omni; None for FLUX.1 Kontext."""
+    name = pipeline_class(folder)
+    if "QwenImageEdit" in name:
+        from demos import qwen_edit_eval as qe
+        return qe.QWEN
+    if name == "Flux2KleinPipeline":
+        from demos import flux2_edit_eval as fe
+        return fe.FLUX2
+    if name == "ZImageOmniPipeline":
+        from demos import z_image_edit_eval as ze
+        return ze.Z_IMAGE
+    return None
 
 
 def evaluate(folder, rows, steps, guidance, seeds, seed0=0, neutral=False, true_cfg=1.0):
     """(summary, outputs[seed][context]) of the model in `folder` over `seeds` noise seeds, through
-    FluxKontextPipeline (at `guidance`), QwenImageEditPlusPipeline or Flux2KleinPipeline (the context as
-    their one reference, true CFG at `true_cfg`: off at 1), as model_index.json says. `neutral`: its
-    scheduler's σ-bending settings neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
-    if is_flux2(folder) or is_qwen(folder):
-        from demos import flux2_edit_eval as fe
-        from demos import qwen_edit_eval as qe
-        family = fe.FLUX2 if is_flux2(folder) else qe.QWEN
+    FluxKontextPipeline (at `guidance`), or QwenImageEditPlusPipeline, Flux2KleinPipeline or ZImageOmniPipeline
+    (the context as their one reference, true CFG at `true_cfg`: off at 1), as model_index.json says. `neutral`:
+    its scheduler's σ-bending settings neutral (families/dit.py's NEUTRAL_SIGMAS, as a distilled export samples)."""
+    family = edit_family(folder)
+    if family is not None:
         pipe, refs = family.load_pipeline(folder), [{**r, "control": [r["image"]]} for r in rows]
 
         def generate(seed):
             return family.generate(pipe, refs, steps=steps, seed=seed, true_cfg=true_cfg)
     elif true_cfg > 1:
-        raise ValueError(f"{folder}: true CFG is for Qwen-Image-Edit and FLUX.2 models (FLUX.1 Kontext takes "
+        raise ValueError(f"{folder}: true CFG is for Qwen-Image-Edit, FLUX.2 and Z-Image models (FLUX.1 Kontext takes "
                          "--guidance)")
     else:
         pipe = ke.load_pipeline(folder)

@@ -86,7 +86,8 @@ def test_component_configs_name_real_library_classes():
 
 
 @pytest.mark.parametrize("component", ["assets/kontext_base/transformer", "assets/shapes_teacher/unet",
-                                       "assets/qwen_edit_base/transformer", "assets/flux2_edit_base/transformer"])
+                                       "assets/qwen_edit_base/transformer", "assets/flux2_edit_base/transformer",
+                                       "assets/z_image_edit_base/transformer"])
 def test_shipped_models_load_with_automodel(component):
     import diffusers
     from safetensors.torch import load_file

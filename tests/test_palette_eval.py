@@ -129,6 +129,18 @@ def test_the_64_px_task_for_flux2(tmp_path):
     assert outputs[0][0].shape == (64, 64, 3) and summary["n"] == 1
 
 
+def test_each_shipped_edit_base_is_evaluated_through_its_pipeline():
+    """The evaluation picks the pipeline a folder's model_index.json names: Kontext's own path (None), or the
+    Qwen-Image-Edit, FLUX.2 [klein] and Z-Image Omni evaluation families."""
+    from demos import flux2_edit_eval as fe
+    from demos import qwen_edit_eval as qe
+    from demos import z_image_edit_eval as ze
+    bases = {"kontext_base": None, "qwen_edit_base": qe.QWEN, "flux2_edit_base": fe.FLUX2,
+             "z_image_edit_base": ze.Z_IMAGE}
+    for name, family in bases.items():
+        assert pe.edit_family(str(Path(ROOT) / "assets" / name)) is family, name
+
+
 def test_scored_rows_are_read_not_sampled_again(tmp_path, monkeypatch, capsys):
     """--scored: a row of an earlier --json with the same folder, steps and settings is read from it (a second
     training seed's students beside the same teacher); a row at other steps is sampled; other seeds refuse."""

@@ -6,7 +6,9 @@ reference count (the negative "" too), each reference is read, cut and VAE-encod
 (bf16 into the VAE), the SigLIP features are prepare_siglip_embeds' of the uncut image, the transformer gets the
 pipeline's omni-mode inputs (a forward pre-hook's capture) and the room's teacher velocity in the pipeline's scheduler
 loop gives its latents, with 0 (a prompt alone), 1 and 2 references. The run: DMD2 (1 process, 2 steps, LoRA)
-exports a LoRA that ZImageOmniPipeline loads with load_lora_weights and samples with. Refusals are one line.
+exports a LoRA that ZImageOmniPipeline loads with load_lora_weights and samples with. Refusals are one line. The
+two-reference demo's task through ZImageOmniPipeline on the shipped base (demos/z_image_edit_eval.py), whose VAE stage
+rebuilds the shipped VAE (demos/make_z_image_edit_base.py).
 
     python -m pytest tests/test_z_image_omni.py -q
 """
@@ -17,6 +19,7 @@ import inspect
 import json
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -397,3 +400,45 @@ def test_fine_tuning_exports_load_in_the_omni_pipeline_and_sample(tiny, ft_runs)
     base, tuned, full = images
     assert all(np.isfinite(i).all() and i.shape == (1, SIZE, SIZE, 3) for i in images)
     assert not np.array_equal(base, tuned) and not np.array_equal(base, full)
+
+
+# ----------------------------------------------------------------------------------------------
+# the two-reference demo's base and evaluation
+
+Z_IMAGE_BASE = Path(__file__).resolve().parents[1] / "assets" / "z_image_edit_base"
+
+
+@pytest.mark.slow  # three pipeline calls on the shipped base (~2 s)
+@pytest.mark.skipif(not (Z_IMAGE_BASE / "model_index.json").exists(), reason="assets/z_image_edit_base not built")
+def test_z_image_pipeline_generates_the_task(tmp_path, monkeypatch):
+    """Two held-out edits through ZImageOmniPipeline (CFG off, its VAE in bf16 as the pipeline needs); the suite's
+    w = 1 is the pipeline's guidance_scale 0, w = 4 its 3."""
+    from demos import qwen_edit_eval as qe
+    from demos import z_image_edit_eval as ze
+    rows = qe.load_rows(qe.write_edits(tmp_path / "h", qe.task_scenes("heldout", size=64)[:2], size=64))
+    pipe = ze.load_pipeline(str(Z_IMAGE_BASE))
+    assert pipe.vae.dtype == torch.bfloat16 and pipe.transformer.dtype == torch.float32
+    seen, call = [], type(pipe).__call__
+    monkeypatch.setattr(type(pipe), "__call__", lambda self, **k: seen.append(k["guidance_scale"]) or call(self, **k))
+    metrics, outputs = ze.evaluate(str(Z_IMAGE_BASE), rows, steps=2, pipe=pipe)
+    ze.generate(pipe, rows[:1], steps=1, true_cfg=4.0)
+    assert [o.shape for o in outputs] == [(64, 64, 3)] * 2 and metrics["n"] == 2
+    assert seen == [0.0, 0.0, 3.0]
+
+
+@pytest.mark.slow  # the FLUX.2 base's VAE encodes and decodes 256 images in fp32 and bf16 (~2 s)
+@pytest.mark.skipif(not (Z_IMAGE_BASE / "model_index.json").exists(), reason="assets/z_image_edit_base not built")
+def test_z_image_base_vae_is_the_flux2_bases_rebuilt():
+    """make_z_image_edit_base's VAE stage (the FLUX.2 base's trained weights in FLUX.1's AutoencoderKL, shift and
+    scale from its latents) gives the shipped VAE: the same factors and weights (the export stores it in bf16)."""
+    from diffusers import AutoencoderKL
+    from demos import make_z_image_edit_base as mz
+    vae, report = mz.train_vae()
+    shipped = AutoencoderKL.from_pretrained(Z_IMAGE_BASE / "vae")
+    assert (shipped.config.shift_factor, shipped.config.scaling_factor) == (
+        vae.config.shift_factor, vae.config.scaling_factor)
+    rebuilt = vae.state_dict()
+    assert all(torch.equal(w, rebuilt[k].to(w.dtype)) for k, w in shipped.state_dict().items())
+    assert report["vae_recon_success"] >= 95.0
+    with pytest.raises(ValueError, match="reuses the FLUX.2 base's trained VAE"):
+        mz.train_vae(steps=100)
