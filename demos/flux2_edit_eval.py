@@ -40,35 +40,14 @@ def generate(pipe, rows, steps=20, seed=0, true_cfg=1.0) -> list[np.ndarray]:
     """Edited images (HxWx3 uint8) for `rows`, one pipeline call per row (its references are one prompt's
     images) at the target's size, true CFG against "" at guidance_scale `true_cfg` (1: off), generator seeded
     with seed + index (the global RNG too); qwen_edit_eval.generate's signature."""
-    import torch
-    from PIL import Image
-    outputs = []
-    with torch.no_grad():
-        for i, row in enumerate(rows):
-            images = [Image.open(c).convert("RGB") for c in row["control"]]
-            torch.manual_seed(seed + i)
-            out = pipe(image=images, prompt=row["prompt"], height=IMAGE_SIZE, width=IMAGE_SIZE,
-                       num_inference_steps=steps, guidance_scale=true_cfg, max_sequence_length=MAX_SEQUENCE_LENGTH,
-                       generator=torch.Generator().manual_seed(seed + i), output_type="np").images[0]
-            outputs.append(np.clip(np.round(out * 255.0), 0, 255).astype(np.uint8))
-    return outputs
+    return qe.pipeline_outputs(pipe, rows, seed, height=IMAGE_SIZE, width=IMAGE_SIZE, num_inference_steps=steps,
+                               guidance_scale=true_cfg, max_sequence_length=MAX_SEQUENCE_LENGTH)
 
 
 FLUX2 = qe.EditFamily("flux2_edit", __doc__, IMAGE_SIZE, load_pipeline, generate)
 
-
-def ensure_task_data(root=None) -> dict:
-    """qwen_edit_eval.ensure_task_data at 64 px: {split: data.jsonl path}."""
-    return qe.ensure_task_data(root, size=IMAGE_SIZE)
-
-
-def evaluate(folder, rows, steps=20, seed=0, lora=None, pipe=None):
-    return qe.evaluate(folder, rows, steps, seed, lora=lora, pipe=pipe, family=FLUX2)
-
-
-def main(argv=None):
-    return qe.main(argv, family=FLUX2)
-
+# qwen_edit_eval's task at 64 px through this pipeline: its splits, evaluation and command line
+ensure_task_data, evaluate, main = FLUX2.ensure_task_data, FLUX2.evaluate, FLUX2.main
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -181,16 +181,24 @@ def generate(pipe, rows, steps=20, seed=0, true_cfg=1.0) -> list[np.ndarray]:
     has, no generator)."""
     from families.qwen_image import NEGATIVE_PROMPT
     cfg = {"true_cfg_scale": true_cfg, "negative_prompt": NEGATIVE_PROMPT} if true_cfg > 1 else {"true_cfg_scale": 1.0}
+    with pipeline_areas():
+        return pipeline_outputs(pipe, rows, seed, height=IMAGE_SIZE, width=IMAGE_SIZE, num_inference_steps=steps,
+                                **cfg)
+
+
+def pipeline_outputs(pipe, rows, seed, **call) -> list[np.ndarray]:
+    """HxWx3 uint8 outputs of one pipeline call per row: its references (`control`) as `image`, its prompt, the
+    generator seeded with seed + index (the global RNG too: a stochastic scheduler draws from it), `call`'s
+    arguments."""
     import torch
     from PIL import Image
     outputs = []
-    with pipeline_areas(), torch.no_grad():
+    with torch.no_grad():
         for i, row in enumerate(rows):
             images = [Image.open(c).convert("RGB") for c in row["control"]]
             torch.manual_seed(seed + i)
-            out = pipe(image=images, prompt=row["prompt"], height=IMAGE_SIZE, width=IMAGE_SIZE,
-                       num_inference_steps=steps, generator=torch.Generator().manual_seed(seed + i),
-                       output_type="np", **cfg).images[0]
+            out = pipe(image=images, prompt=row["prompt"], generator=torch.Generator().manual_seed(seed + i),
+                       output_type="np", **call).images[0]
             outputs.append(np.clip(np.round(out * 255.0), 0, 255).astype(np.uint8))
     return outputs
 
@@ -214,6 +222,17 @@ class EditFamily:
     size: int  # pixels per side of the task's images
     load_pipeline: Callable  # (folder, lora=None) -> the pipeline, fp32, progress bar off
     generate: Callable  # (pipe, rows, steps, seed, true_cfg=1.0) -> HxWx3 uint8 outputs
+
+    def ensure_task_data(self, root=None) -> dict:
+        """The task's splits at this family's size: {split: data.jsonl path}."""
+        return ensure_task_data(root, size=self.size)
+
+    def evaluate(self, folder, rows, steps=20, seed=0, lora=None, pipe=None):
+        """evaluate() through this family's pipeline."""
+        return evaluate(folder, rows, steps, seed, lora=lora, pipe=pipe, family=self)
+
+    def main(self, argv=None):
+        return main(argv, family=self)
 
 
 QWEN = EditFamily("qwen_edit", __doc__, IMAGE_SIZE, load_pipeline, generate)

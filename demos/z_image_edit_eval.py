@@ -45,36 +45,14 @@ def generate(pipe, rows, steps=20, seed=0, true_cfg=1.0) -> list[np.ndarray]:
     images) at the target's size. `true_cfg` is the suite's standard CFG w (neg + w (pos - neg)); the
     pipeline's guidance_scale is g = w - 1 (pos + g (pos - neg), against ""), so w = 1 is guidance_scale 0:
     CFG off. Generator seeded with seed + index (the global RNG too); qwen_edit_eval.generate's signature."""
-    import torch
-    from PIL import Image
-    outputs = []
-    with torch.no_grad():
-        for i, row in enumerate(rows):
-            images = [Image.open(c).convert("RGB") for c in row["control"]]
-            torch.manual_seed(seed + i)
-            out = pipe(image=images, prompt=row["prompt"], height=IMAGE_SIZE, width=IMAGE_SIZE,
-                       num_inference_steps=steps, guidance_scale=max(true_cfg - 1.0, 0.0),
-                       max_sequence_length=MAX_SEQUENCE_LENGTH, generator=torch.Generator().manual_seed(seed + i),
-                       output_type="np").images[0]
-            outputs.append(np.clip(np.round(out * 255.0), 0, 255).astype(np.uint8))
-    return outputs
+    return qe.pipeline_outputs(pipe, rows, seed, height=IMAGE_SIZE, width=IMAGE_SIZE, num_inference_steps=steps,
+                               guidance_scale=max(true_cfg - 1.0, 0.0), max_sequence_length=MAX_SEQUENCE_LENGTH)
 
 
 Z_IMAGE = qe.EditFamily("z_image_edit", __doc__, IMAGE_SIZE, load_pipeline, generate)
 
-
-def ensure_task_data(root=None) -> dict:
-    """qwen_edit_eval.ensure_task_data at 64 px: {split: data.jsonl path}."""
-    return qe.ensure_task_data(root, size=IMAGE_SIZE)
-
-
-def evaluate(folder, rows, steps=20, seed=0, lora=None, pipe=None):
-    return qe.evaluate(folder, rows, steps, seed, lora=lora, pipe=pipe, family=Z_IMAGE)
-
-
-def main(argv=None):
-    return qe.main(argv, family=Z_IMAGE)
-
+# qwen_edit_eval's task at 64 px through this pipeline: its splits, evaluation and command line
+ensure_task_data, evaluate, main = Z_IMAGE.ensure_task_data, Z_IMAGE.evaluate, Z_IMAGE.main
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
