@@ -94,9 +94,9 @@ def task_scenes(split, size=ke.IMAGE_SIZE):
     return out
 
 
-def ensure_task_data(root, size=ke.IMAGE_SIZE) -> dict:
+def ensure_task_data(root, size=ke.IMAGE_SIZE, cfg=None) -> dict:
     """Write every split (and ALL_COLOURS) at `size` px once under `root`; {split: data.jsonl path as str}.
-    The CFG split is written at 32 px only (its demo's families)."""
+    The CFG split too where `cfg` (default: at 32 px; demos/demo_dmd_cfg.sh asks for it at any size)."""
     root = Path(root)
 
     def write_splits(tmp):
@@ -107,14 +107,14 @@ def ensure_task_data(root, size=ke.IMAGE_SIZE) -> dict:
 
     build_once(root, write_splits, 600.0, ready_text="palette task v2\n")
     paths = {s: str(root / s / "data.jsonl") for s in (*SPLITS, ALL_COLOURS)}
-    if size != ke.IMAGE_SIZE:
+    if not (size == ke.IMAGE_SIZE if cfg is None else cfg):
         return paths
 
     def write_cfg(tmp):
-        scenes = [{**d, "target_colour": c} for d in task_scenes("train") for c in PALETTE]
-        scenes += [{**d, "target_colour": CFG_COLOUR, "prompt": CFG_PROMPT} for d in task_scenes("train")
+        scenes = [{**d, "target_colour": c} for d in task_scenes("train", size) for c in PALETTE]
+        scenes += [{**d, "target_colour": CFG_COLOUR, "prompt": CFG_PROMPT} for d in task_scenes("train", size)
                    if CFG_COLOUR not in (d["colour"], d["background"]) for _ in PALETTE]
-        ke.write_pairs(tmp, scenes)
+        ke.write_pairs(tmp, scenes, size=size)
 
     build_once(root / CFG_SPLIT, write_cfg, 600.0, ready_text="palette cfg split v2\n")
     return {**paths, CFG_SPLIT: str(root / CFG_SPLIT / "data.jsonl")}
@@ -336,6 +336,8 @@ def main(argv=None):
                    help="pipeline folders (Kontext or Qwen-Image-Edit)")
     p.add_argument("--task_dir", default="out/palette_task", help="where the splits are written")
     p.add_argument("--make_data", default="", help="only write the splits into this folder and exit")
+    p.add_argument("--cfg_split", type=int, default=None,
+                   help="with --make_data: write the CFG split too (default: at 32 px only)")
     p.add_argument("--size", type=int, default=ke.IMAGE_SIZE, help="image side in px (FLUX.2: 64, its smallest)")
     p.add_argument("--n", type=int, default=0, help="use the first N held-out contexts (0 = all)")
     p.add_argument("--seeds", type=int, default=SEEDS, help="noise seeds per context")
@@ -358,7 +360,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (2 crawls on shared cores)")
     args = p.parse_args(argv)
     if args.make_data:
-        for split, path in ensure_task_data(args.make_data, args.size).items():
+        cfg = None if args.cfg_split is None else bool(args.cfg_split)
+        for split, path in ensure_task_data(args.make_data, args.size, cfg=cfg).items():
             print(split, path)
         return 0
     models = ke.named_paths(p, args.compare)

@@ -129,6 +129,21 @@ def test_the_64_px_task_for_flux2(tmp_path):
     assert outputs[0][0].shape == (64, 64, 3) and summary["n"] == 1
 
 
+@pytest.mark.slow  # writes every split at 64 px, on 8 training contexts
+def test_the_cfg_split_at_64_px(tmp_path, monkeypatch):
+    """demo_dmd_cfg.sh's FLUX.2 and Z-Image teachers: the CFG split on request at 64 px, the 32 px split's rows
+    (each training context once per palette colour, "make it white" as often where it is not white already) drawn
+    on the bigger canvas."""
+    monkeypatch.setattr(pe, "SPLITS", {"train": (8, 11), "heldout": (2, 12)})
+    assert pe.CFG_SPLIT not in pe.ensure_task_data(tmp_path / "a", size=64)
+    rows = ke.load_rows(pe.ensure_task_data(tmp_path / "b", size=64, cfg=True)[pe.CFG_SPLIT])
+    train = pe.task_scenes("train", 64)
+    plain = [d for d in train if pe.CFG_COLOUR not in (d["colour"], d["background"])]
+    assert len(rows) == len(pe.PALETTE) * (len(train) + len(plain))
+    assert sum(r["prompt"] == pe.CFG_PROMPT for r in rows) == len(pe.PALETTE) * len(plain)
+    assert {ke.load_rgb(r["image"]).shape for r in rows} == {(64, 64, 3)}
+
+
 def test_each_shipped_edit_base_is_evaluated_through_its_pipeline():
     """The evaluation picks the pipeline a folder's model_index.json names: Kontext's own path (None), or the
     Qwen-Image-Edit, FLUX.2 [klein] and Z-Image Omni evaluation families."""
