@@ -191,12 +191,9 @@ def variety(starts_by_prompt: dict) -> float:
 
 def colour_entropy(colours_by_prompt: dict) -> float:
     """The mean over prompts with two or more valid clips of the entropy (bits) of their colours."""
-    bits = []
-    for colours in colours_by_prompt.values():
-        colours = [c for c in colours if c is not None]
-        if len(colours) >= 2:
-            p = np.unique(colours, return_counts=True)[1] / len(colours)
-            bits.append(float(-(p * np.log2(p)).sum()))
+    from demos.palette_eval import entropy_bits
+    valid = [[c for c in colours if c is not None] for colours in colours_by_prompt.values()]
+    bits = [entropy_bits(colours) for colours in valid if len(colours) >= 2]
     return float(np.mean(bits)) if bits else 0.0
 
 
