@@ -27,8 +27,6 @@ Everything but the final folder goes to --work_dir (default out/flux2_edit_base_
 """
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -101,23 +99,9 @@ def make_init_folder(folder, vae, seed=0):
     """tools/tiny_models.py's klein folder (tokenizer, text encoder, scheduler, as it writes them) with the
     trained VAE and a random transformer of TRANSFORMER_CONFIG (its text width three of the encoder's layers)."""
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tiny_models.make_tiny_flux2_klein(tmp, seed=seed)
-    pipe = Flux2KleinPipeline.from_pretrained(tmp, torch_dtype=torch.float32)
-    with tiny_models.seeded(seed + 3):
-        transformer = Flux2Transformer2DModel(
-            **TRANSFORMER_CONFIG, joint_attention_dim=3 * pipe.text_encoder.config.hidden_size)
-    pipe.register_modules(transformer=transformer, vae=vae)
-    out = folder.with_name(folder.name + ".out")
-    shutil.rmtree(out, ignore_errors=True)
-    with tiny_models._quiet_logs():
-        pipe.save_pretrained(out, safe_serialization=True)
-    shutil.rmtree(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(out, folder)
-    return folder
+    return mkb.init_from_tiny(folder, tiny_models.make_tiny_flux2_klein, Flux2KleinPipeline, lambda pipe: (
+        Flux2Transformer2DModel(**TRANSFORMER_CONFIG, joint_attention_dim=3 * pipe.text_encoder.config.hidden_size)),
+        vae, seed)
 
 
 def pretrain_scenes():

@@ -192,6 +192,28 @@ def make_init_folder(folder, vae, seed=0):
     return folder
 
 
+def init_from_tiny(folder, write_tiny, pipeline_class, make_transformer, vae, seed=0):
+    """A tiny builder's folder (`write_tiny(tmp, seed=seed)`: its tokenizers, text encoders, scheduler as it writes
+    them) loaded with `pipeline_class`, its VAE replaced by `vae` and its transformer by `make_transformer(pipe)`
+    built under seed + 3; saved as `folder` (replacing it). The FLUX.2 and Z-Image bases' init stage."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_tiny(tmp, seed=seed)
+    pipe = pipeline_class.from_pretrained(tmp, torch_dtype=torch.float32)
+    with tiny_models.seeded(seed + 3):
+        transformer = make_transformer(pipe)
+    pipe.register_modules(transformer=transformer, vae=vae)
+    out = folder.with_name(folder.name + ".out")
+    shutil.rmtree(out, ignore_errors=True)
+    with tiny_models._quiet_logs():
+        pipe.save_pretrained(out, safe_serialization=True)
+    shutil.rmtree(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(out, folder)
+    return folder
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. pre-training data
 

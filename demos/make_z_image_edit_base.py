@@ -30,8 +30,7 @@ Everything but the final folder goes to --work_dir (default out/z_image_edit_bas
 """
 from __future__ import annotations
 
-import os
-import shutil
+import functools
 import sys
 import time
 from pathlib import Path
@@ -103,27 +102,12 @@ def make_init_folder(folder, vae, seed=0):
     """families/z_image/tiny.py's Omni folder (tokenizer, text encoder, SigLIP and its processor, scheduler, as
     it writes them) with the given VAE and a random transformer of TRANSFORMER_CONFIG."""
     from diffusers import ZImageOmniPipeline, ZImageTransformer2DModel
-    from families.tiny.models import seeded
     from families.z_image.tiny import make_tiny_z_image
-    from tools import tiny_models
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_z_image(tmp, seed=seed, omni=True)
-    pipe = ZImageOmniPipeline.from_pretrained(tmp, torch_dtype=torch.float32)
-    with seeded(seed + 3):
-        transformer = ZImageTransformer2DModel(
-            **TRANSFORMER_CONFIG, in_channels=vae.config.latent_channels,
-            cap_feat_dim=pipe.text_encoder.config.hidden_size, siglip_feat_dim=pipe.siglip.config.hidden_size)
-    pipe.register_modules(transformer=transformer, vae=vae)
-    out = folder.with_name(folder.name + ".out")
-    shutil.rmtree(out, ignore_errors=True)
-    with tiny_models._quiet_logs():
-        pipe.save_pretrained(out, safe_serialization=True)
-    shutil.rmtree(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(out, folder)
-    return folder
+    return mkb.init_from_tiny(folder, functools.partial(make_tiny_z_image, omni=True), ZImageOmniPipeline,
+                              lambda pipe: ZImageTransformer2DModel(
+                                  **TRANSFORMER_CONFIG, in_channels=vae.config.latent_channels,
+                                  cap_feat_dim=pipe.text_encoder.config.hidden_size,
+                                  siglip_feat_dim=pipe.siglip.config.hidden_size), vae, seed)
 
 
 def load_vae(folder):
