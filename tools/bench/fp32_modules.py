@@ -7,7 +7,6 @@ real width (configs/wan2.1-t2v-1.3b, 2 blocks, random weights), single process:
 """
 from __future__ import annotations
 
-import json
 import os
 
 TIMESTEPS = (999.0, 500.0, 50.0)
@@ -18,10 +17,9 @@ def _wan_width_model(blocks: int = 2):
     import torch
     from diffusers import WanTransformer3DModel
     from families.wan import spec
-    path = os.path.join(spec.SPEC.builtin_folder("wan2.1-t2v-1.3b"), "transformer", "config.json")
-    config = {k: v for k, v in json.load(open(path)).items() if not k.startswith("_")}
+    config = WanTransformer3DModel.load_config(os.path.join(spec.SPEC.builtin_folder("wan2.1-t2v-1.3b"), "transformer"))
     torch.manual_seed(0)
-    return WanTransformer3DModel(**{**config, "num_layers": blocks}).eval()
+    return WanTransformer3DModel.from_config(config, num_layers=blocks).eval()
 
 
 def _keep_matches(name: str, keep: list[str]) -> bool:
