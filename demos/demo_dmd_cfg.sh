@@ -22,6 +22,9 @@
 #   RUNS="token:1:0:dmd2 token:1:0:decoupled" bash demos/demo_dmd_cfg.sh  # a 4th field: DMD_LOSS
 #   FAMILY=z_image RUNS="none:1:0:dmd2 none:1:0:decoupled" bash demos/demo_dmd_cfg.sh
 #   EVAL=0 bash demos/demo_dmd_cfg.sh                # train only
+#   # another CFG scale (standard form) for the students and the rows, beside the same teacher:
+#   FAMILY=z_image CFG=4 OUT=out/cfg_dmd_z_image_cfg4 TEACHER=out/cfg_dmd_z_image/teacher/export \
+#       bash demos/demo_dmd_cfg.sh
 #
 # A student whose export exists is not trained again (an interrupted demo goes on where it stopped).
 # Ends with each run's training wall time; the table's s / image column is the evaluation's.
@@ -30,16 +33,17 @@ cd "$(dirname "$0")/.."  # the repository root
 FAMILY=${FAMILY:-qwen}
 SAMPLE_GUIDANCE=1.0
 case "$FAMILY" in
-    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/cfg_dmd_demo; SIZE=32; CFG=4.0
+    qwen)    BASE=assets/qwen_edit_base; DEFAULT_OUT=out/cfg_dmd_demo; SIZE=32; DEFAULT_CFG=4.0
              DEFAULT_NORMS="none token scalar"; FAMILY_ARGS=(--reference_area=1024 --condition_area=1024) ;;
     # demo_dmd_palette.sh's FLUX.2 and Z-Image settings; Z-Image's norms are its pipeline's (no per-token one)
-    flux2)   BASE=assets/flux2_edit_base; DEFAULT_OUT=out/cfg_dmd_flux2; SIZE=64; CFG=4.0; DEFAULT_NORMS="none token"
-             FAMILY_ARGS=(--reference_area=4096 --max_sequence_length=32) ;;
-    z_image) BASE=assets/z_image_edit_base; DEFAULT_OUT=out/cfg_dmd_z_image; SIZE=64; CFG=6.0
+    flux2)   BASE=assets/flux2_edit_base; DEFAULT_OUT=out/cfg_dmd_flux2; SIZE=64; DEFAULT_CFG=4.0
+             DEFAULT_NORMS="none token"; FAMILY_ARGS=(--reference_area=4096 --max_sequence_length=32) ;;
+    z_image) BASE=assets/z_image_edit_base; DEFAULT_OUT=out/cfg_dmd_z_image; SIZE=64; DEFAULT_CFG=6.0
              DEFAULT_NORMS="none scalar"; SAMPLE_GUIDANCE=0; FAMILY_ARGS=(--vae_dtype=bf16 --max_sequence_length=32) ;;
     *) echo "FAMILY=$FAMILY: qwen, flux2 or z_image" >&2; exit 1 ;;
 esac
 OUT=${OUT:-$DEFAULT_OUT}
+CFG=${CFG:-$DEFAULT_CFG}  # the teacher's true CFG scale (standard form) for the students and the rows
 TEACHER=${TEACHER:-$OUT/teacher/export}
 NPROC=${NPROC:-2}
 SEEDS=${SEEDS:-32}
