@@ -73,7 +73,7 @@ if [ ! -f "$TEACHER/model_index.json" ]; then
         --sample_guidance="$SAMPLE_GUIDANCE" --save_every=1000 --log_every=100 --sample_every=1000 --max_steps=6000
     times+=("teacher $(( $(date +%s) - start )) s")
 fi
-# demos/demo_dmd_palette.sh's Qwen students, the teacher's real score at CFG 4 with the norm under test
+# demos/demo_dmd_palette.sh's Qwen students, the teacher's real score at CFG with the norm under test
 source demos/dmd_students.sh
 ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps=2400 --sample_every=1200 --log_every=100)
 FOUR_STEP_ARGS=(--max_steps=600)
