@@ -245,6 +245,9 @@ class FamilySpec:
     # (config, reference latent shapes) -> the planner's words on the tokens per sample besides the target's, the
     # references' and the text's (Z-Image Omni's SigLIP tokens and template segments); None: nothing more
     sequence_extras: Callable | None = None
+    # tools/bench/: tiny default kind -> the trained model's config changes that make it a medium one (tens of M
+    # params, so the benchmarks' state bytes and step times are not lost in fixed costs); none: no medium rows
+    bench_medium: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def builtin_folder(self, name: str) -> str:
         """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""

@@ -57,4 +57,6 @@ SPEC = FamilySpec(
     plan_resolution=512,
     text_tokenizer="tokenizer_2",  # T5's
     plan_references=plan_references, references=1,
-    nf4_teacher=True)
+    nf4_teacher=True,
+    bench_medium={"flux_kontext": dict(num_layers=4, num_single_layers=8, attention_head_dim=64,
+                                       num_attention_heads=6, axes_dims_rope=(16, 24, 24))})

@@ -51,4 +51,6 @@ SPEC = FamilySpec(
     plan_names={"StableDiffusionPipeline": "sd15", "StableDiffusionXLPipeline": "sdxl"},
     text_tokenizer="tokenizer",
     # train_dmd.py keeps SDXL's VAE in fp32 by default (it overflows in fp16/bf16; so does the official DMD2 code)
-    fp32_components={"StableDiffusionXLPipeline": ("vae",)})
+    fp32_components={"StableDiffusionXLPipeline": ("vae",)},
+    bench_medium={"sd15": dict(block_out_channels=(128, 256), layers_per_block=2, norm_num_groups=32,
+                               attention_head_dim=8)})

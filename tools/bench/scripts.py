@@ -76,32 +76,31 @@ WARMUP = 3
 
 
 def medium_folder(kind: str, root: str) -> str:
-    """The tiny default's folder with its trained model swapped for a medium one (tens of M
-    params), so state bytes and step times are not lost in fixed costs. Frozen parts: symlinks."""
+    """The tiny default's folder with its trained model swapped for a medium one (its family spec's
+    bench_medium), so state bytes and step times are not lost in fixed costs. Frozen parts: symlinks."""
+    import diffusers
     import torch
+    import families
+    from families import pipelines
     from tools import tiny_models
+    spec = next((s for s in families.SPECS if kind in s.bench_medium), None)
+    if spec is None:
+        raise ValueError(f"no medium model for the tiny default {kind!r} (a family spec's bench_medium)")
     tiny, _ = tiny_models.ensure_default(kind)
     folder = os.path.join(root, f"medium_{kind}")
     if os.path.isdir(folder):
         return folder
     os.makedirs(folder)
-    trained = "transformer" if kind == "flux_kontext" else "unet"
+    with open(os.path.join(tiny, "model_index.json")) as f:
+        trained = pipelines.trained_component(json.load(f)["_class_name"])
     for name in os.listdir(tiny):
-        if name != trained:
+        if name != trained.subfolder:
             os.symlink(os.path.join(tiny, name), os.path.join(folder, name))
     torch.manual_seed(0)
-    if kind == "flux_kontext":
-        from diffusers import FluxTransformer2DModel
-        cfg = FluxTransformer2DModel.load_config(os.path.join(tiny, "transformer"))
-        cfg.update(num_layers=4, num_single_layers=8, attention_head_dim=64, num_attention_heads=6,
-                   axes_dims_rope=(16, 24, 24))
-        model = FluxTransformer2DModel.from_config(cfg)
-    else:
-        from diffusers import UNet2DConditionModel
-        cfg = UNet2DConditionModel.load_config(os.path.join(tiny, "unet"))
-        cfg.update(block_out_channels=(128, 256), layers_per_block=2, norm_num_groups=32, attention_head_dim=8)
-        model = UNet2DConditionModel.from_config(cfg)
-    model.save_pretrained(os.path.join(folder, trained))
+    cls = getattr(diffusers, trained.class_name)
+    cfg = cls.load_config(os.path.join(tiny, trained.subfolder))
+    cfg.update(spec.bench_medium[kind])
+    cls.from_config(cfg).save_pretrained(os.path.join(folder, trained.subfolder))
     return folder
 
 
