@@ -13,7 +13,8 @@ straight into its shards. Per step (two time scales, as published):
     pre-update G images (+ GUIDANCE_CLS_LOSS_WEIGHT · `loss_guidance_cls`)
 The math lives in algorithms/dmd2.py, each parametrisation's step beside it (ε-prediction UNets:
 algorithms/dmd2_unet.py; flow matching: algorithms/dmd2_flow.py); what both scripts do around
-the loop in components/trainer.py; what is true of a model family alone in its room, families/.
+the loop in components/trainer.py; its settings' checks in components/dmd_settings.py; what is true of a
+model family alone in its room, families/.
 MODEL_PATH's model_index.json names the family (families.FAMILIES): StableDiffusionPipeline (CLIP
 text embeddings), StableDiffusionXLPipeline (two text encoders, added time/text conditions, fp32
 VAE), FluxKontextPipeline or FluxPipeline, QwenImageEditPlusPipeline, Flux2KleinPipeline or Flux2Pipeline,
@@ -50,6 +51,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -63,11 +65,12 @@ from algorithms import dmd2_flow as flow_dm
 from algorithms import dmd2_unet as unet_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
+from components import dmd_settings
 from components import dmd_validation as dmd_val
-from components.config import check_settings, script_constants
+from components.config import script_constants
 from core.dist import print0
 from core.dist import rank as d_rank
-from core.errors import ConfigError, run_main
+from core.errors import run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data.batches import micro_batch_positions
@@ -81,8 +84,7 @@ from families import sd_unet as unet
 from parallel import ema as ema_lib
 from parallel import lora as lora_lib
 from parallel import float8, lora_merge
-from parallel.context_parallel import check_diffusers_supports_it, split_sequences
-from parallel.loading import check_same_tensors, tensor_shapes
+from parallel.context_parallel import split_sequences
 from parallel.parallelize import parallelize
 from precision import Precision, component_row, get_precision, parse_dtype
 
@@ -223,143 +225,15 @@ _DEFAULTS = script_constants(globals())  # before any override: what changed_set
 # the embedded default
 
 
+def current_settings() -> SimpleNamespace:
+    """The script's settings as attributes, as components/dmd_settings.py reads them."""
+    return SimpleNamespace(**script_constants(globals()))
+
+
 def validate_config() -> list[int]:
-    """Reject bad or contradictory settings before any work. Returns the generator's step list."""
-    check_settings({
-        "DFAKE_GEN_UPDATE_RATIO >= 1": DFAKE_GEN_UPDATE_RATIO >= 1, "SAMPLE_COUNT >= 1": SAMPLE_COUNT >= 1,
-        "REAL_GUIDANCE_SCALE >= 0": REAL_GUIDANCE_SCALE >= 0, "REAL_GUIDANCE_SCALE_2 >= 0": REAL_GUIDANCE_SCALE_2 >= 0,
-        f"LR_SCHEDULE in ({', '.join(optim.LR_SCHEDULES)})": LR_SCHEDULE in optim.LR_SCHEDULES,
-        f"REAL_GUIDANCE_NORM in ({', '.join(dm.CFG_NORMS)}) or \"\"": REAL_GUIDANCE_NORM in ("", *dm.CFG_NORMS),
-        "0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1": 0 <= MIN_STEP_PERCENT < MAX_STEP_PERCENT <= 1,
-        "DIFFUSION_GAN_MAX_TIMESTEP >= 1": not (USE_GAN and DIFFUSION_GAN) or DIFFUSION_GAN_MAX_TIMESTEP >= 1,
-        "0 <= CONDITIONING_TIMESTEP <= 999": 0 <= CONDITIONING_TIMESTEP < 1000,
-        "0 <= CAPTION_DROPOUT < 1": 0 <= CAPTION_DROPOUT < 1, "PROMPT_CACHE >= 0": PROMPT_CACHE >= 0,
-        f"GAN_HEAD_FEATURES in ({', '.join(dm.HEAD_FEATURES)})": GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
-        f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
-        "REGRESSION_WEIGHT >= 0": REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": REGRESSION_STEPS >= 1,
-        "SHIFT > 0 or auto": km.valid_shift(SHIFT),
-        f"DMD_LOSS in ({', '.join(dm.DMD_LOSSES)})": DMD_LOSS in dm.DMD_LOSSES,
-        "DMD_CA_WEIGHT >= 0": DMD_CA_WEIGHT >= 0, "DMD_DM_WEIGHT >= 0": DMD_DM_WEIGHT >= 0,
-        "VAL_EVERY >= 0": VAL_EVERY >= 0, "VAL_COUNT >= 1": VAL_COUNT >= 1,
-        "VAL_SEEDS >= 2 (the variety across seeds)": VAL_SEEDS >= 2, "VAL_TEACHER_STEPS >= 1": VAL_TEACHER_STEPS >= 1,
-        "COLLAPSE_WARN >= 0": COLLAPSE_WARN >= 0, "COLLAPSE_FLOOR >= 0": COLLAPSE_FLOOR >= 0,
-    })
-    for name, given in (("VAL_PROMPTS", VAL_PROMPTS), ("COLLAPSE_STOP", COLLAPSE_STOP)):
-        if given and not VAL_EVERY:
-            raise ConfigError(f"{name}={given} without VAL_EVERY: validation is off, so it would do nothing")
-    if COLLAPSE_STOP and not COLLAPSE_WARN and not COLLAPSE_FLOOR:
-        raise ConfigError("COLLAPSE_STOP=1 with COLLAPSE_WARN=0 and COLLAPSE_FLOOR=0: nothing would ever warn, so "
-                          "nothing would stop")
-    if REGRESSION_WEIGHT > 0 and DENOISING_STEPS:
-        raise ConfigError(f"REGRESSION_WEIGHT={REGRESSION_WEIGHT} with DENOISING_STEPS={DENOISING_STEPS}: the "
-                          "regression target is the teacher's ODE from the generator's noise: a 1-step generator")
-    if REAL_DATA_PATH and not USE_GAN:
-        raise ConfigError(f"REAL_DATA_PATH={REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")
-    if PARALLELISM == "ddp" and USE_GAN:
-        raise ConfigError("PARALLELISM=ddp with USE_GAN=1: the GAN head runs the fake UNet several times per "
-                          "backward, which DistributedDataParallel does not support; use fsdp")
-    for name, value in (("TEACHER_DTYPE", TEACHER_DTYPE), ("FAKE_SCORE_ATTENTION_DTYPE", FAKE_SCORE_ATTENTION_DTYPE)):
-        try:
-            if value:
-                parse_dtype(value)
-        except ValueError as e:
-            raise ConfigError(f"{name}: {e}") from None
-    if FAKE_SCORE_ATTENTION_DTYPE and not FAKE_SCORE_FP32:
-        raise ConfigError(f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE} without FAKE_SCORE_FP32=1: it sets "
-                          "the fp32 fake score's attention (the published all-fp32 pass: both set to fp32 / 1)")
-    if VAE_PATH and not os.path.isfile(os.path.join(VAE_PATH, "config.json")):
-        raise ConfigError(f"VAE_PATH={VAE_PATH}: no config.json, not a diffusers AutoencoderKL folder")
-    if INIT_FROM and not checkpoint.is_complete(INIT_FROM):
-        raise ConfigError(f"INIT_FROM={INIT_FROM}: not a complete checkpoint folder")
-    if GENERATOR_INIT:
-        check_generator_init(GENERATOR_INIT, os.path.join(MODEL_PATH or default_paths()[0], "unet"))
-    if MODEL_PATH and not DATA_PATH:
-        raise ConfigError("MODEL_PATH is set but DATA_PATH is empty: "
-                          "give the prompts (.txt) or rows (.jsonl) to train on")
-    pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py") if MODEL_PATH else ""
-    room = families.FAMILIES.get(pipeline, unet)
-    trainer.check_text_sharding(SHARD_TEXT_ENCODER, room)
-    if NUM_FRAMES and not hasattr(room, "latent_grid"):
-        raise ConfigError(f"NUM_FRAMES={NUM_FRAMES} with a {pipeline or 'SD-1.5'} teacher: it makes images, not videos")
-    guide = room.dmd_guidance(script_constants(globals()))
-    embedded = guide.embedded  # a guidance-distilled teacher's value
-    known = not MODEL_PATH or os.path.isfile(os.path.join(MODEL_PATH, "model_index.json"))  # else checked later
-    if REAL_GUIDANCE_SCALE_2 and guide.scale_2 is None and known:
-        raise ConfigError(f"REAL_GUIDANCE_SCALE_2={REAL_GUIDANCE_SCALE_2} with a {pipeline or 'SD-1.5'} teacher: it "
-                          "is the low-noise expert's CFG of a two-expert teacher (Wan 2.2 A14B)")
-    if REAL_GUIDANCE_NORM not in ("", "none") and (REAL_GUIDANCE_SCALE == 1 or embedded is not None):
-        raise ConfigError(f"REAL_GUIDANCE_NORM={REAL_GUIDANCE_NORM}: the teacher runs no CFG pair to combine "
-                          + ("at REAL_GUIDANCE_SCALE=1" if REAL_GUIDANCE_SCALE == 1 else
-                             f"(a {pipeline} teacher's guidance is FLUX_GUIDANCE)"))
-    check_dmd_loss(room, pipeline)
-    if CONTEXT_PARALLEL != 1:
-        check_context_parallel(room, pipeline)
-    second = pipelines.trained_components(pipeline)[1:] if pipeline in pipelines.PIPELINES else []
-    for name, value in (("TEACHER_LORA_2", TEACHER_LORA_2), ("GENERATOR_LORA_2", GENERATOR_LORA_2)):
-        if value and known and not second:
-            raise ConfigError(f"{name}={value} with a {pipeline or 'SD-1.5'} teacher: it is a two-expert teacher's "
-                              "second LoRA (Wan 2.2 A14B's transformer_2); its pipeline trains one model")
-    generator_lora = GENERATOR_LORA or GENERATOR_LORA_2
-    if generator_lora and (room is unet or not LORA_RANK or INIT_FROM):
-        raise ConfigError(f"GENERATOR_LORA={generator_lora} " + (
-            "with a UNet teacher: GENERATOR_INIT starts its generator" if room is unet else
-            "without LORA_RANK: it starts LoRA adapters" if not LORA_RANK else
-            "and INIT_FROM both set: INIT_FROM's checkpoint already holds the generator"))
-    if room is unet:
-        unet.check_dmd_settings(script_constants(globals()), changed_settings())
-    else:
-        check_flow_settings(room, pipeline)
-    try:
-        steps = [int(t) for t in DENOISING_STEPS]
-    except ValueError:
-        raise ConfigError(f"DENOISING_STEPS={DENOISING_STEPS}: expected integers like [999,749,499,249]") from None
-    if not steps:
-        return [CONDITIONING_TIMESTEP]
-    if steps != sorted(set(steps), reverse=True) or steps[0] >= 1000 or steps[-1] < 1:
-        raise ConfigError(f"DENOISING_STEPS={steps}: must be strictly decreasing timesteps in [1, 999]")
-    if steps[0] != CONDITIONING_TIMESTEP:
-        raise ConfigError(f"DENOISING_STEPS starts at {steps[0]} but CONDITIONING_TIMESTEP={CONDITIONING_TIMESTEP}: "
-                          "the first step must be the conditioning timestep (pure noise in)")
-    return steps
-
-
-def check_context_parallel(room, pipeline: str) -> None:
-    """CONTEXT_PARALLEL > 1, before any work: the mesh divides the world, the family splits its tokens (its spec's
-    check_context_parallel; the token counts are checked once the data's shapes are known), and nothing reads
-    a model's tokens but its output: the GAN head reads the fake score's token features, which CP splits."""
-    fsdp_utils.check_context_parallel(CONTEXT_PARALLEL, DP_REPLICATE, int(os.environ.get("WORLD_SIZE", 1)))
-    teacher = f"a {pipeline or 'SD-1.5'} teacher"
-    refused = [(teacher, room is unet, "a UNet's convolutions need the whole image"),
-               (teacher, room is not unet and families.spec_of(pipeline).check_context_parallel is None,
-                "its family takes no context parallelism"),
-               ("USE_GAN=1", USE_GAN, "the GAN head reads the fake score's token features, which it splits"),
-               (f"FP8={FP8}", FP8, "float8 training is built and tested on FSDP2 alone")]
-    for name, bad, why in refused:
-        if bad:
-            raise ConfigError(f"CONTEXT_PARALLEL={CONTEXT_PARALLEL} with {name}: {why}")
-    # the family's own check without shapes (heads, text; a family without a _cp_plan refuses), then diffusers'
-    families.spec_of(pipeline).check_context_parallel(MODEL_PATH, CONTEXT_PARALLEL, script_constants(globals()), ())
-    check_diffusers_supports_it(pipelines.trained_component(pipeline).class_name)
-
-
-def check_dmd_loss(room, pipeline: str) -> None:
-    """DMD_LOSS=decoupled needs a flow teacher that samples with a CFG pair (its CA term is that pair's
-    difference); its weights alone do nothing. One line before any work."""
-    for name in ("DMD_CA_WEIGHT", "DMD_DM_WEIGHT"):
-        if DMD_LOSS != "decoupled" and name in changed_settings():
-            raise ConfigError(f"{name}={globals()[name]} with DMD_LOSS={DMD_LOSS}: it weighs a term of "
-                              "DMD_LOSS=decoupled")
-    if DMD_LOSS != "decoupled":
-        return
-    teacher = pipeline or "SD-1.5"
-    guide = room.dmd_guidance(script_constants(globals()))
-    why = ("a UNet teacher: the CA term is a flow teacher's CFG pair" if room is unet else
-           f"its guidance is an embedded value (FLUX_GUIDANCE {guide.embedded:g}), not a CFG pair"
-           if guide.embedded is not None else
-           f"REAL_GUIDANCE_SCALE={guide.scale:g}: no CFG pair, so no CA term"
-           if guide.negative is None or guide.scale == 1 else "")
-    if why:
-        raise ConfigError(f"DMD_LOSS=decoupled with a {teacher} teacher: {why}; use DMD_LOSS=dmd2")
+    """Reject bad or contradictory settings before any work (components/dmd_settings.py). Returns the
+    generator's step list."""
+    return dmd_settings.validate(current_settings(), changed_settings(), default_paths()[0])
 
 
 def changed_settings() -> set[str]:
@@ -367,51 +241,10 @@ def changed_settings() -> set[str]:
     return {k for k, v in script_constants(globals()).items() if v != _DEFAULTS[k]}
 
 
-def check_flow_settings(room, pipeline: str) -> None:
-    """What a flow-matching teacher does not take, refused in one line before any work: what no
-    flow room takes, then what its own room refuses (room.check_dmd_settings)."""
-    refused = [
-        ("PARALLELISM=ddp", PARALLELISM == "ddp", "its three transformers are sharded (PARALLELISM=fsdp)"),
-        ("GENERATOR_INIT", GENERATOR_INIT, "it holds a UNet; start a generator from a checkpoint with INIT_FROM"),
-        ("REAL_DATA_PATH", REAL_DATA_PATH, "the GAN's real images are the rows' own targets, under their own "
-         "instruction and references"),
-        (f"FAKE_SCORE_ATTENTION_DTYPE={FAKE_SCORE_ATTENTION_DTYPE}", FAKE_SCORE_ATTENTION_DTYPE,
-         "the fake transformer's attention runs in its compute dtype (FAKE_SCORE_FP32 decides)"),
-        ("CHANNELS_LAST=1", CHANNELS_LAST, "a transformer has no convolutions to lay out"),
-        (f"GAN_HEAD_FEATURES={GAN_HEAD_FEATURES}", GAN_HEAD_FEATURES != "mid",
-         "the UNets' setting; the head reads the image stream after the double-stream blocks"),
-        (f"MAX_REFERENCES={MAX_REFERENCES}", MAX_REFERENCES > room.MAX_REFERENCES,
-         f"it takes at most {room.MAX_REFERENCES} reference image(s)"),
-    ]
-    for name, bad, why in refused:
-        if bad:
-            raise ConfigError(f"{name} with a {pipeline} teacher: {why}")
-    room.check_dmd_settings(pipeline, script_constants(globals()), changed_settings(), source_kind(DATA_PATH))
-    float8.check_fp8(FP8, base_dtype=BASE_DTYPE if LORA_RANK else "")
-    trained = pipelines.trained_component(pipeline)
-    for name, file, part in lora_files(pipeline, teacher=True):  # a LoRA of its transformer, tensor for tensor
-        folder = os.path.join(MODEL_PATH, part)
-        lora_merge.read_lora(file, pipeline=pipeline).check_base(tensor_shapes(folder), f"{name}: {folder}")
-    lora = lora_lib.Lora.from_settings(script_constants(globals()))
-    for name, file, part in lora_files(pipeline, teacher=False):  # its adapters are the generator's, one by one
-        lora_merge.check_adapters(lora_merge.read_lora(file, pipeline=pipeline), lora_lib.check_lora_targets(
-            trained.class_name, os.path.join(MODEL_PATH, part), lora, families.MODELS[trained.class_name]),
-            LORA_RANK, name)
-
-
-def lora_files(pipeline: str, teacher: bool) -> list[tuple[str, str, str]]:
-    """(setting, file, the pipeline part it adapts) of TEACHER_LORA[_2] (or GENERATOR_LORA[_2]) that are set: the
-    first for the trained model's first part (transformer), the second for a two-expert teacher's second."""
-    parts = [c.subfolder for c in pipelines.trained_components(pipeline)]
-    name = "TEACHER_LORA" if teacher else "GENERATOR_LORA"
-    files = (TEACHER_LORA, TEACHER_LORA_2) if teacher else (GENERATOR_LORA, GENERATOR_LORA_2)
-    return [(name + suffix, file, part) for suffix, file, part in zip(("", "_2"), files, parts) if file]
-
-
 def read_lora_parts(pipeline: str, teacher: bool):
     """TEACHER_LORA[_2]'s (GENERATOR_LORA[_2]'s) adapters: None, the first part's LoraDelta, or with a second file
     {part: LoraDelta} (a two-expert model's, families/wan/experts.py)."""
-    files = lora_files(pipeline, teacher)
+    files = dmd_settings.lora_files(current_settings(), pipeline, teacher)
     if not files:
         return None
     deltas = {part: lora_merge.read_lora(file, pipeline=pipeline) for _, file, part in files}
@@ -426,29 +259,6 @@ def part_deltas(model: nn.Module, deltas) -> list:
     if not isinstance(deltas, dict):
         return [(next(iter(parts.values())) if parts else model, deltas)]
     return [(parts[name], delta) for name, delta in deltas.items()]
-
-
-def check_generator_init(path: str, teacher_unet: str) -> None:
-    """GENERATOR_INIT, before any work: a UNet folder (config.json + safetensors) or one
-    .safetensors file, not combined with INIT_FROM or LoRA, holding the teacher's tensors (names
-    and shapes, from the headers only; the official load is strict, main/train_sd.py:82)."""
-    if path.endswith((".bin", ".pt", ".pth", ".ckpt")):
-        raise ConfigError(f"GENERATOR_INIT={path}: a pickled state dict (the official pytorch_model.bin form) is not "
-                          "read; convert it once: python -c \"import torch, safetensors.torch as st; "
-                          f"st.save_file(torch.load('{path}', map_location='cpu'), 'generator.safetensors')\"")
-    is_file = path.endswith(".safetensors") and os.path.isfile(path)
-    if not is_file and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"GENERATOR_INIT={path}: "
-                          "neither a .safetensors file nor a diffusers UNet folder (config.json)")
-    if INIT_FROM:
-        raise ConfigError("GENERATOR_INIT and INIT_FROM both set: INIT_FROM's checkpoint already holds the generator")
-    if LORA_RANK > 0:
-        raise ConfigError("GENERATOR_INIT with LORA_RANK > 0: "
-                          "the official generator init is for a full generator, and "
-                          "a LoRA export's adapters assume MODEL_PATH's UNet as their base; "
-                          "train it fully (LORA_RANK=0)")
-    if os.path.isdir(teacher_unet):  # a missing teacher folder is reported by the model-folder check next
-        check_same_tensors(path, teacher_unet, "GENERATOR_INIT")
 
 
 def default_paths(use_gan: bool = False) -> tuple[str, str]:
@@ -755,7 +565,8 @@ def build_flow_transformers(run: trainer.Run, room, prec: Precision, base_lora=N
     if GENERATOR_LORA or GENERATOR_LORA_2:  # before the EMA copies it
         for part, delta in part_deltas(generator, read_lora_parts(run.pipeline, teacher=False)):
             lora_merge.load_adapters(part, delta)
-        print0("generator: its adapters from " + ", ".join(f"{n}={f}" for n, f, _ in lora_files(run.pipeline, False)))
+        files = dmd_settings.lora_files(current_settings(), run.pipeline, False)
+        print0("generator: its adapters from " + ", ".join(f"{n}={f}" for n, f, _ in files))
     fake_lora = run.lora if FAKE_LORA else lora_lib.Lora()
     fake = build(load=True, lora=fake_lora, seed=SEED + 1, compute=fake_compute,
                  base_dtype=BASE_DTYPE if fake_lora else "")

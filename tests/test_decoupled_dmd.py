@@ -17,6 +17,7 @@ import families
 import train_dmd
 from algorithms import flux_kontext as km
 from core.errors import ConfigError
+from components import dmd_settings
 from families import sd_unet
 from tests.conftest import launch, launch_env, tiny_default
 
@@ -161,10 +162,14 @@ def flux2_folder(root, guidance_embeds: bool) -> str:
     return str(root)
 
 
+def check_dmd_loss(script, room, pipeline: str) -> None:
+    dmd_settings.check_dmd_loss(script.current_settings(), script.changed_settings(), room, pipeline)
+
+
 def refusal(script, monkeypatch, pipeline: str, model_path: str = "") -> str:
     monkeypatch.setattr(script, "MODEL_PATH", model_path)
     with pytest.raises(ConfigError) as e:
-        script.check_dmd_loss(families.FAMILIES.get(pipeline, sd_unet), pipeline)
+        check_dmd_loss(script, families.FAMILIES.get(pipeline, sd_unet), pipeline)
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -180,8 +185,8 @@ def test_refusals_are_one_line(script, monkeypatch, tmp_path):
     assert "REAL_GUIDANCE_SCALE=1: no CFG pair" in refusal(script, monkeypatch, "QwenImageEditPlusPipeline")
     monkeypatch.setattr(script, "REAL_GUIDANCE_SCALE", 0.0)
     monkeypatch.setattr(script, "MODEL_PATH", klein)
-    script.check_dmd_loss(families.FAMILIES["Flux2KleinPipeline"], "Flux2KleinPipeline")
-    script.check_dmd_loss(families.FAMILIES["QwenImageEditPlusPipeline"], "QwenImageEditPlusPipeline")
+    check_dmd_loss(script, families.FAMILIES["Flux2KleinPipeline"], "Flux2KleinPipeline")
+    check_dmd_loss(script, families.FAMILIES["QwenImageEditPlusPipeline"], "QwenImageEditPlusPipeline")
     monkeypatch.setattr(script, "DMD_LOSS", "dmd2")
     monkeypatch.setattr(script, "DMD_CA_WEIGHT", 2.0)
     assert "DMD_CA_WEIGHT=2.0 with DMD_LOSS=dmd2" in refusal(script, monkeypatch, "Flux2KleinPipeline", klein)

@@ -35,6 +35,7 @@ import fsdp_utils
 import train_dmd
 from families import flux
 from components.config import script_constants
+from components import dmd_settings
 from core.errors import ConfigError
 from components.trainer import check_shared_settings
 from data.batches import global_batch_indices
@@ -417,11 +418,13 @@ def test_fake_score_attention_dtype_checked_before_any_work(monkeypatch):
     train_dmd.validate_config()
     # the UNets' settings, not FLUX's
     with pytest.raises(ConfigError, match="FAKE_SCORE_ATTENTION_DTYPE=fp32 with a FluxPipeline teacher"):
-        train_dmd.check_flow_settings(flux, "FluxPipeline")
+        dmd_settings.check_flow_settings(train_dmd.current_settings(), train_dmd.changed_settings(), flux,
+                                         "FluxPipeline")
     monkeypatch.setattr(train_dmd, "FAKE_SCORE_ATTENTION_DTYPE", "")
     monkeypatch.setattr(train_dmd, "CHANNELS_LAST", True)
     with pytest.raises(ConfigError, match="CHANNELS_LAST=1 with a FluxPipeline teacher: .* no convolutions"):
-        train_dmd.check_flow_settings(flux, "FluxPipeline")
+        dmd_settings.check_flow_settings(train_dmd.current_settings(), train_dmd.changed_settings(), flux,
+                                         "FluxPipeline")
 
 
 def test_channels_last_unet_matches_nchw_to_fp32_rounding():
