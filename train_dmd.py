@@ -138,7 +138,7 @@ CONDITION_AREA = 0  # Qwen-Image-Edit teachers: pixels of each reference the tex
 REAL_GUIDANCE_SCALE = 0.0  # teacher CFG in the DM loss; 0 = per teacher: UNets 1.75 (published), FLUX 1, Qwen, klein 4
 REAL_GUIDANCE_SCALE_2 = 0.0  # Wan 2.2 A14B teachers: the low-noise expert's CFG (guidance_scale_2); 0 = the above
 REAL_GUIDANCE_NORM = ""  # its combination's rescale: none | token (the pipeline's per token) | scalar; "" = per teacher
-DMD_LOSS = "dmd2"  # G's objective: dmd2 | decoupled (flow teachers with a CFG pair: loss_ca + loss_dm, docs/dmd2.md)
+DMD_LOSS = ""  # dmd2 | decoupled (loss_ca + loss_dm: teachers with a CFG pair); "" = the family's (Z-Image: decoupled)
 DMD_CA_WEIGHT = 1.0  # decoupled: the CFG-augmentation term's weight (CFG'd teacher − conditional teacher)
 DMD_DM_WEIGHT = 1.0  # decoupled: the distribution-matching term's weight (conditional teacher − fake score, no CFG)
 FLUX_GUIDANCE = 0.0  # guidance-distilled teachers' embedded value for all three; 0 = FLUX.1 2.5, FLUX.2 [dev] 4
@@ -272,7 +272,7 @@ def default_paths(use_gan: bool = False) -> tuple[str, str]:
 def resolve_defaults() -> dict:
     """Fill the "" settings (the embedded default) and return the resolved config, which is what
     the run prints and every checkpoint records."""
-    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM, FLUX_GUIDANCE
+    global MODEL_PATH, DATA_PATH, REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM, FLUX_GUIDANCE, DMD_LOSS
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
@@ -281,6 +281,7 @@ def resolve_defaults() -> dict:
     REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM = guidance.scale, guidance.norm
     if guidance.embedded is not None:  # 0: the guidance-distilled teacher's own value
         FLUX_GUIDANCE = guidance.embedded
+    DMD_LOSS = dmd_settings.dmd_loss(current_settings(), room, trainer.pipeline_of(MODEL_PATH, "train_dmd.py"))
     return script_constants(globals())
 
 

@@ -8,6 +8,7 @@ given other than their defaults (`changed`); what is true of one family alone, i
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import checkpoint
 import families
@@ -44,7 +45,7 @@ def validate(c, changed: set[str], default_model: str) -> list[int]:
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": c.FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": c.REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": c.REGRESSION_STEPS >= 1,
         "SHIFT > 0 or auto": km.valid_shift(c.SHIFT),
-        f"DMD_LOSS in ({', '.join(dm.DMD_LOSSES)})": c.DMD_LOSS in dm.DMD_LOSSES,
+        f"DMD_LOSS in ({', '.join(dm.DMD_LOSSES)}) or \"\"": c.DMD_LOSS in ("", *dm.DMD_LOSSES),
         "DMD_CA_WEIGHT >= 0": c.DMD_CA_WEIGHT >= 0, "DMD_DM_WEIGHT >= 0": c.DMD_DM_WEIGHT >= 0,
         "VAL_EVERY >= 0": c.VAL_EVERY >= 0, "VAL_COUNT >= 1": c.VAL_COUNT >= 1,
         "VAL_SEEDS >= 2 (the variety across seeds)": c.VAL_SEEDS >= 2,
@@ -151,9 +152,24 @@ def check_context_parallel(c, room, pipeline: str) -> None:
     check_diffusers_supports_it(pipelines.trained_component(pipeline).class_name)
 
 
+def has_cfg_pair(guide: dm.Guidance) -> bool:
+    """The teacher's real score is a CFG pair's combination (no embedded guidance, a negative, a scale other than 1)."""
+    return guide.embedded is None and guide.negative is not None and guide.scale != 1
+
+
+def dmd_loss(c, room, pipeline: str) -> str:
+    """DMD_LOSS as the run takes it: as given, or for "" its family's (FamilySpec.dmd_loss) where the teacher
+    runs a CFG pair, else dmd2 (a UNet's, an embedded guidance's, REAL_GUIDANCE_SCALE 1's)."""
+    if c.DMD_LOSS or room is unet:
+        return c.DMD_LOSS or "dmd2"
+    pair = has_cfg_pair(room.dmd_guidance(vars(c)))
+    return families.spec_of(pipeline).dmd_loss if pair else "dmd2"
+
+
 def check_dmd_loss(c, changed: set[str], room, pipeline: str) -> None:
     """DMD_LOSS=decoupled needs a flow teacher that samples with a CFG pair (its CA term is that pair's
     difference); its weights alone do nothing. One line before any work."""
+    c = SimpleNamespace(**{**vars(c), "DMD_LOSS": dmd_loss(c, room, pipeline)})  # "": the family's
     for name in ("DMD_CA_WEIGHT", "DMD_DM_WEIGHT"):
         if c.DMD_LOSS != "decoupled" and name in changed:
             raise ConfigError(f"{name}={getattr(c, name)} with DMD_LOSS={c.DMD_LOSS}: it weighs a term of "

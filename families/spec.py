@@ -248,6 +248,9 @@ class FamilySpec:
     # tools/bench/: tiny default kind -> the trained model's config changes that make it a medium one (tens of M
     # params, so the benchmarks' state bytes and step times are not lost in fixed costs); none: no medium rows
     bench_medium: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # train_dmd.py's DMD_LOSS "": the generator's objective for a teacher of this family that runs a CFG pair
+    # (docs/dmd2.md's decoupled-against-dmd2 tables choose it); a teacher without a pair takes dmd2
+    dmd_loss: str = "dmd2"
 
     def builtin_folder(self, name: str) -> str:
         """The real model `name`'s configs (no weights): families/<name>/configs/<built-in name>/."""

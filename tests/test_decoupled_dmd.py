@@ -192,6 +192,23 @@ def test_refusals_are_one_line(script, monkeypatch, tmp_path):
     assert "DMD_CA_WEIGHT=2.0 with DMD_LOSS=dmd2" in refusal(script, monkeypatch, "Flux2KleinPipeline", klein)
 
 
+
+def test_default_loss_is_the_familys(monkeypatch):
+    """DMD_LOSS "": a Z-Image teacher with its CFG pair takes its spec's decoupled, without the pair
+    (REAL_GUIDANCE_SCALE 1) dmd2; Qwen's and a UNet's take dmd2; a given loss is taken as given."""
+    monkeypatch.setattr(train_dmd, "DMD_LOSS", "")
+
+    def resolved(pipeline: str) -> str:
+        room = families.FAMILIES.get(pipeline, sd_unet)
+        return dmd_settings.dmd_loss(train_dmd.current_settings(), room, pipeline)
+    assert resolved("ZImagePipeline") == resolved("ZImageOmniPipeline") == "decoupled"
+    assert resolved("QwenImageEditPlusPipeline") == resolved("StableDiffusionPipeline") == "dmd2"
+    monkeypatch.setattr(train_dmd, "REAL_GUIDANCE_SCALE", 1.0)
+    assert resolved("ZImagePipeline") == "dmd2"
+    monkeypatch.setattr(train_dmd, "REAL_GUIDANCE_SCALE", 0.0)
+    monkeypatch.setattr(train_dmd, "DMD_LOSS", "dmd2")
+    assert resolved("ZImagePipeline") == "dmd2"
+
 @pytest.mark.slow
 def test_a_decoupled_klein_run_logs_both_terms(tmp_path):
     """Two steps of train_dmd.py with DMD_LOSS=decoupled on the tiny klein-base teacher (its true CFG at 4, a

@@ -34,4 +34,7 @@ SPEC = FamilySpec(
     tiny={"z_image": tiny.build_z_image, "z_image_omni": tiny.build_z_image_omni},  # tools/tiny_models.BUILDERS
     models=parallelism.MODELS,
     gpu=gpu.GPU,  # --suite=z_image: text-to-image LoRA and DMD2 at 1024 px
+    # DMD_LOSS "" with its teacher's CFG: decoupled, the more valid at 4 and 1 steps on the CFG palette demo
+    # (docs/dmd2.md), the loss Z-Image-Turbo was distilled with (Tongyi-MAI/Z-Image#56)
+    dmd_loss="decoupled",
     **plan_spec.PLAN)  # the planner's fields: the built-in z-image, 512 text tokens, an NF4 teacher
