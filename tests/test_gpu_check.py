@@ -345,6 +345,9 @@ def test_flux2_dmd_bound_counts_backward_simulation_the_cfg_pair_and_a_lora_gene
     assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, True, True, True)[0] == pytest.approx(2510 / 3)
     assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, False, False, True)[0] == pytest.approx(2210 / 3)
     assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, False, True, False)[0] == pytest.approx(2030 / 3)
+    # DMD_LOSS=decoupled (Z-Image's default with its CFG pair): the conditional teacher at τ and at σ, + 2 F
+    assert gpu.report.dmd_flow_network_ms(plain, steps, indices, 5, False, True, True,
+                                          decoupled=True)[0] == pytest.approx(2310 / 3)
     ref = {**plain, "model_tflop": 1.0, "mfu": 0.3, "adamw_ms": 5.0}
     row = {**gpu.run.blank_result({"run": "dmd_flux2_klein_512px_4step_lora64_ac", "world": 1, "expect_s": 170},
                                     "pass", True),

@@ -109,7 +109,8 @@ def export_samples(export: str, base: str, s: dict, data: str) -> bool:
 # text-to-image LoRA as recipes/z_image_t2i_lora.sh runs it (rank 64, alpha 64, gaussian init, AC, bf16 export)
 Z_IMAGE_LORA = {"lora_alpha": 64, "lora_init": "gaussian", "lr": 1e-4, "warmup_steps": 0}
 # DMD2 of the base teacher to 4 steps as recipes/dmd_z_image_8step_lora.sh runs it (a LoRA r64 generator and fake
-# score, the teacher's CFG 5 as one batch of 2), with a bf16 base (the recipe's NF4 base is the 24 GB card's choice)
+# score, the teacher's CFG 5 as one batch of 2, the family's DMD_LOSS: decoupled), with a bf16 base (the recipe's
+# NF4 base is the 24 GB card's choice)
 Z_IMAGE_DMD = {"denoising_steps": "999,749,499,249", "conditioning_timestep": 999, "fake_score_fp32": 0,
                "lora_alpha": 64, "fake_lora": 1, "generator_lr": 5e-5, "guidance_lr": 5e-5, "real_guidance_scale": 5.0}
 

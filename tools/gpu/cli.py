@@ -191,12 +191,14 @@ def main() -> None:
             result["disk_free_gb"] = free / GB
         result["disk_need_gb"] = peaks[r["run"]] / GB
         extra, family = r["settings"]["extra"], spec(r["family"])
+        cfg_pair = family.gpu.true_cfg and float(extra.get("real_guidance_scale", 0)) > 1
         rows.append({**result, "ref": r["ref"], "full": r["full"], "ac": r["settings"].get("ac", False),
                      "ratio": extra.get("dfake_gen_update_ratio"),
                      "lora_generator": bool(r["settings"].get("lora_rank")),
                      "lora_fake": bool(r["settings"].get("lora_rank")) and bool(int(extra.get("fake_lora", 0))),
                      "flow": family.protocols.get("train_dmd.py") is FlowDistillationRoom,
-                     "cfg_pair": family.gpu.true_cfg and float(extra.get("real_guidance_scale", 0)) > 1})
+                     "cfg_pair": cfg_pair,  # and DMD_LOSS as train_dmd.py resolves "" (components/dmd_settings.py)
+                     "decoupled": cfg_pair and (extra.get("dmd_loss") or family.dmd_loss) == "decoupled"})
         print(f"{r['run']}: {result}", flush=True)
 
     tests_ok, tests_line = finish_tests(tests, a.out, deadline.left())

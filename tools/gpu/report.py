@@ -57,7 +57,7 @@ def dmd_bound_lines(rows: list[dict], refs: dict) -> list[str]:
         if "frozen_fwd_bwd_ms" in ref and len(r.get("step_indices", [])) == len(r["timed_steps"]):  # FLUX.2
             ms, gen = dmd_flow_network_ms(ref, r["timed_steps"], r["step_indices"], int(r["ratio"]),
                                           r.get("ac", False), r.get("lora_generator", False), r.get("cfg_pair", False),
-                                          r.get("lora_fake", False))
+                                          r.get("lora_fake", False), r.get("decoupled", False))
         elif r.get("flow"):
             continue  # a flow row without the plain calls of its backward simulation and teacher: no bound
         else:
@@ -96,7 +96,8 @@ def dmd_network_ms(plain: dict, steps: list[int], ratio: int, ac: bool) -> tuple
 
 
 def dmd_flow_network_ms(plain: dict, steps: list[int], indices: list[int], ratio: int, ac: bool,
-                        lora_generator: bool, cfg_pair: bool, lora_fake: bool = False) -> tuple[float, int]:
+                        lora_generator: bool, cfg_pair: bool, lora_fake: bool = False,
+                        decoupled: bool = False) -> tuple[float, int]:
     """(ms per step, generator steps) of the network calls of a flow teacher's DMD2 `steps` (algorithms/dmd2_flow.py)
     at plain-eager speed. Every step encodes its references (V: the plain VAE encode) and runs the generator's
     backward simulation to the step's σ index k (`indices`, the logged step_index: k forwards without grad, F). A
@@ -104,15 +105,16 @@ def dmd_flow_network_ms(plain: dict, steps: list[int], indices: list[int], ratio
     them with grad (P_G: plain forward + backward, or with a LoRA generator the frozen weights' forward + backward,
     which computes no weight gradients), runs the teacher (true CFG: the pair as one batch of 2B, F2; else F) and
     the fake score's DM-loss forward (F), and trains the fake score (P; a LoRA fake score, FAKE_LORA: its frozen
-    weights' forward + backward, as P_G):
+    weights' forward + backward, as P_G); DMD_LOSS=decoupled's generator step also runs the conditional teacher at
+    the CA term's τ and at the DM term's σ (+ 2 F; dmd2_flow.decoupled_loss):
         fake-score step  V + (k + 1) F + P
-        generator step   V + k F + P_G + F2 + F + P
+        generator step   V + k F + P_G + F2 + F + P  (decoupled: + 2 F)
     With activation checkpointing every forward + backward recomputes its forward: + F. The mean over `steps`."""
     from algorithms.dmd2 import should_update_generator
     f, v, redo = plain["fwd_ms"], plain["vae_ms"], plain["fwd_ms"] if ac else 0.0
     p = (plain["frozen_fwd_bwd_ms"] if lora_fake else plain["fwd_bwd_ms"]) + redo
     p_gen = (plain["frozen_fwd_bwd_ms"] if lora_generator else plain["fwd_bwd_ms"]) + redo
-    teacher = plain["fwd_pair_ms"] if cfg_pair else f
+    teacher = (plain["fwd_pair_ms"] if cfg_pair else f) + (2 * f if decoupled else 0.0)
     total, gen = 0.0, 0
     for step, k in zip(steps, indices):
         if should_update_generator(step - 1, ratio):
