@@ -151,6 +151,8 @@ MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise i
 FAKE_SCORE_TARGET = "flow"  # flow-matching teachers: the fake score's loss, flow (v-MSE) | x0 (x̂0-MSE = σ²·v-MSE)
 REGRESSION_WEIGHT = 0.0  # > 0 (flow teachers, 1-step): + this × MSE(G(z), the teacher's ODE from z), DMD's loss
 REGRESSION_STEPS = 28  # the teacher ODE's Euler steps for that target (every generator step: that many forwards)
+DIVERSITY_WEIGHT = 0.0  # > 0 (flow, few-step): the 1st step regresses on the teacher's ODE, no DM loss there (DP-DMD)
+DIVERSITY_ANCHOR = 5  # that target: the teacher's mean velocity over its first this-many of REGRESSION_STEPS steps
 USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images: "image" (editors: "target")
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
@@ -276,12 +278,13 @@ def resolve_defaults() -> dict:
     if not MODEL_PATH:
         MODEL_PATH, default_data = default_paths(USE_GAN)
         DATA_PATH = DATA_PATH or default_data
-    room = families.FAMILIES[trainer.pipeline_of(MODEL_PATH, "train_dmd.py")]
+    pipeline = trainer.pipeline_of(MODEL_PATH, "train_dmd.py")
+    room = families.FAMILIES[pipeline]
     guidance = room.dmd_guidance(script_constants(globals()))  # 0 and "": the family's teacher CFG
     REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM = guidance.scale, guidance.norm
     if guidance.embedded is not None:  # 0: the guidance-distilled teacher's own value
         FLUX_GUIDANCE = guidance.embedded
-    DMD_LOSS = dmd_settings.dmd_loss(current_settings(), room, trainer.pipeline_of(MODEL_PATH, "train_dmd.py"))
+    DMD_LOSS = dmd_settings.dmd_loss(current_settings(), room, pipeline)
     return script_constants(globals())
 
 
@@ -770,7 +773,11 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
                        real_guidance_scale=guide.scale, real_guidance_norm=guide.norm, fake_target=FAKE_SCORE_TARGET,
                        real_guidance_scale_2=guide.scale_2,
                        regression_weight=REGRESSION_WEIGHT, regression_steps=REGRESSION_STEPS, dmd_loss=DMD_LOSS,
-                       ca_weight=DMD_CA_WEIGHT, dm_weight=DMD_DM_WEIGHT)
+                       ca_weight=DMD_CA_WEIGHT, dm_weight=DMD_DM_WEIGHT, diversity_weight=DIVERSITY_WEIGHT,
+                       diversity_anchor=DIVERSITY_ANCHOR)
+    # DIVERSITY_WEIGHT's teacher ODE: the σ schedule the teacher's pipeline samples at each shape
+    ode_shifts = {s[0]: km.sigma_shift("auto", dit.scheduler_config(MODEL_PATH), flow_dm.token_count(grid(s[0])))
+                  for s in data.shapes} if DIVERSITY_WEIGHT else {}
 
     def batches(it, loaded):
         (h, w), _ = loaded["shape"]
@@ -784,6 +791,7 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
         for host in loaded["batches"]:
             mb = flow_dm.pack_draws(per_sample_draws(SEED, it, host["mine"], d.device, draw), pack)
             mb["cond"] = room.dmd_cond(host["text"], host["negative"], vae, host["references"], size)
+            mb["step_index"], mb["ode_shift"] = index, ode_shifts.get((h, w))
             if host["target"] is not None:  # the GAN's real images: the rows' targets, encoded as the references are
                 mb["real"] = room.image_tokens(vae, host["target"])
             out.append(mb)

@@ -302,7 +302,9 @@ class Losses:
     real_guidance_scale_2: float | None = None  # a two-expert teacher's low-noise expert's scale (Guidance.scale_2)
     fake_target: str = "flow"  # flow-matching fake scores: their loss, on the velocity (flow) or on x̂0 (x0)
     regression_weight: float = 0.0  # > 0: DMD's regression loss on the teacher's ODE output from G's noise (1-step)
-    regression_steps: int = 28  # the teacher ODE's Euler steps for that target
+    regression_steps: int = 28  # the teacher ODE's Euler steps for that target (and for diversity_weight's)
+    diversity_weight: float = 0.0  # > 0 (few-step): the first step regresses on the teacher's ODE (diversity_loss)
+    diversity_anchor: int = 5  # that target: the teacher's state after this many of its regression_steps
     dmd_loss: str = "dmd2"  # flow teachers with a CFG pair: dmd2 | decoupled (dmd2_flow.decoupled_loss)
     ca_weight: float = 1.0  # decoupled: loss_ca's weight in G's loss
     dm_weight: float = 1.0  # decoupled: loss_dm's weight in G's loss
@@ -552,21 +554,41 @@ def fm_fake_score_loss(fake_velocity, x_detached: torch.Tensor, noise: torch.Ten
     return torch.mean((v - (noise.float() - x.float())) ** 2)
 
 
+def ode_sigmas(steps: int, shift: float = 1.0) -> list[float]:
+    """The teacher ODE's σ grid: `steps` uniform steps from 1 to 0, each σ mapped to s·σ / (1 + (s − 1)·σ) by
+    `shift` s (the pipelines' schedule at their resolution; 1: uniform)."""
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return (shift * sigmas / (1 + (shift - 1) * sigmas)).tolist()
+
+
 @torch.no_grad()
-def fm_teacher_ode(teacher_velocity, noise: torch.Tensor, steps: int, shift: float = 1.0) -> torch.Tensor:
-    """The teacher's deterministic sample from `noise` (σ = 1): Euler over `steps` uniform σ steps to σ = 0,
+def fm_teacher_ode(teacher_velocity, noise: torch.Tensor, steps: int, shift: float = 1.0,
+                   stop: int | None = None) -> torch.Tensor:
+    """The teacher's deterministic sample from `noise` (σ = 1): Euler over ode_sigmas(steps, shift) to σ = 0,
     in fp32. The target of DMD's regression loss (Yin et al., "One-step Diffusion with Distribution
     Matching Distillation", CVPR 2024: the teacher's ODE output for the same noise, which pins the
     generator's noise-to-mode map to the teacher's), computed here for each generator step's own noise
-    instead of from a precomputed set of pairs. `shift` s maps each σ to s·σ / (1 + (s − 1)·σ), the
-    pipelines' schedule at their resolution (DMD2 validation's teacher reference)."""
-    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    sigmas = (shift * sigmas / (1 + (shift - 1) * sigmas)).tolist()  # the pipelines' shifted schedule; 1: uniform
+    instead of from a precomputed set of pairs (DMD2 validation's teacher reference too). `stop`: the
+    state after that many steps, at σ = ode_sigmas(steps, shift)[stop] (diversity_loss's anchor)."""
+    sigmas = ode_sigmas(steps, shift)[:None if stop is None else stop + 1]
     x = noise.float()
     for hi, lo in zip(sigmas[:-1], sigmas[1:]):
         s = torch.full((x.shape[0],), hi, device=x.device)
         x = x + (lo - hi) * teacher_velocity(x, s).float()
     return x
+
+
+def diversity_loss(x: torch.Tensor, noise: torch.Tensor, anchor: torch.Tensor, anchor_sigma: float) -> torch.Tensor:
+    """DP-DMD's first-step loss (Wu et al., "Diversity-Preserved Distribution Matching Distillation", arXiv
+    2602.03139; Multimedia-Analytics-Laboratory/dpdmd train_sd35_dpdmd.py:430-496): a few-step generator's first
+    velocity, from pure noise at σ = 1, against the teacher ODE's mean velocity from the same noise to its state
+    `anchor` at `anchor_sigma` (fm_teacher_ode's `stop`): mean((v − (noise − anchor) / (1 − σ_k))²), in fp32. G's
+    step gives x̂0 = noise − v at σ = 1, so v = noise − x. That step gets no DM loss (the published code detaches
+    its output before the later steps, which the DM loss trains): the layout each noise commits to at high noise
+    stays the teacher's, and the reverse KL's mode seeking acts on the later steps only."""
+    v = noise.float() - x.float()
+    target = (noise.float() - anchor.float()) / (1.0 - anchor_sigma)
+    return F.mse_loss(v, target.detach(), reduction="mean")
 
 
 def regression_loss(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,18 @@ def generator_loss(x: torch.Tensor, mb: dict, teacher, fake, guidance: float,
     takes true CFG (Qwen-Image-Edit) gives the teacher losses.real_guidance_scale, the fake staying at
     `guidance`, its pair combined by losses.real_guidance_norm. loss_reg's target is the teacher's ODE from
     the same noise, under the same guidance. losses.dmd_loss "decoupled": loss_ca + loss_dm of decoupled_loss
-    in loss_dm's place (the conditional teacher is the teacher at `guidance`, the pair's other half)."""
+    in loss_dm's place (the conditional teacher is the teacher at `guidance`, the pair's other half).
+    losses.diversity_weight > 0 and a first step (mb["step_index"] 0 of a few-step list): diversity_weight ·
+    loss_div (dm.diversity_loss, the teacher's ODE under mb["ode_shift"]) in place of the DM terms."""
     cond, scale = mb["cond"], losses.real_guidance_scale
     teacher_v = cond.velocity(teacher, guidance if scale == 1 else scale, losses.real_guidance_norm,
                               **low_noise_scale(scale, losses.real_guidance_scale_2))
-    if losses.dmd_loss == "decoupled":
+    if losses.diversity_weight > 0 and mb.get("step_index") == 0:
+        k, shift = losses.diversity_anchor, mb["ode_shift"]
+        anchor = dm.fm_teacher_ode(teacher_v, mb["noise"], losses.regression_steps, shift, stop=k)
+        loss_div = dm.diversity_loss(x, mb["noise"], anchor, dm.ode_sigmas(losses.regression_steps, shift)[k])
+        loss, logs = losses.diversity_weight * loss_div, {"loss_div": loss_div.detach()}
+    elif losses.dmd_loss == "decoupled":
         loss, logs = decoupled_loss(x, mb, teacher_v, cond.velocity(teacher, guidance), cond.velocity(fake, guidance),
                                     losses)
     else:

@@ -44,6 +44,8 @@ def validate(c, changed: set[str], default_model: str) -> list[int]:
         f"GAN_HEAD_FEATURES in ({', '.join(dm.HEAD_FEATURES)})": c.GAN_HEAD_FEATURES in dm.HEAD_FEATURES,
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": c.FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": c.REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": c.REGRESSION_STEPS >= 1,
+        "DIVERSITY_WEIGHT >= 0": c.DIVERSITY_WEIGHT >= 0,
+        "1 <= DIVERSITY_ANCHOR < REGRESSION_STEPS": 1 <= c.DIVERSITY_ANCHOR < c.REGRESSION_STEPS,
         "SHIFT > 0 or auto": km.valid_shift(c.SHIFT),
         f"DMD_LOSS in ({', '.join(dm.DMD_LOSSES)}) or \"\"": c.DMD_LOSS in ("", *dm.DMD_LOSSES),
         "DMD_CA_WEIGHT >= 0": c.DMD_CA_WEIGHT >= 0, "DMD_DM_WEIGHT >= 0": c.DMD_DM_WEIGHT >= 0,
@@ -61,6 +63,11 @@ def validate(c, changed: set[str], default_model: str) -> list[int]:
     if c.REGRESSION_WEIGHT > 0 and c.DENOISING_STEPS:
         raise ConfigError(f"REGRESSION_WEIGHT={c.REGRESSION_WEIGHT} with DENOISING_STEPS={c.DENOISING_STEPS}: the "
                           "regression target is the teacher's ODE from the generator's noise: a 1-step generator")
+    if c.DIVERSITY_WEIGHT > 0 and (not c.DENOISING_STEPS or c.CONDITIONING_TIMESTEP != 999):
+        raise ConfigError(f"DIVERSITY_WEIGHT={c.DIVERSITY_WEIGHT} " + (
+            "without DENOISING_STEPS: it trains a few-step generator's first step, and the later steps' DM loss keeps "
+            "the quality" if not c.DENOISING_STEPS else f"with CONDITIONING_TIMESTEP={c.CONDITIONING_TIMESTEP}: its "
+            "target is the teacher's ODE from pure noise (999)"))
     if c.REAL_DATA_PATH and not c.USE_GAN:
         raise ConfigError(f"REAL_DATA_PATH={c.REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")
     if c.PARALLELISM == "ddp" and c.USE_GAN:

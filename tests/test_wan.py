@@ -589,7 +589,7 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
     out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v",
-                                 "cp", "a14b_cp", "a14b_loras")}
+                                 "cp", "a14b_cp", "a14b_loras", "diversity")}
     files = expert_lora_files(a14b["model"], root / "expert_loras")
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
@@ -618,6 +618,10 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
             "--max_steps=1", "--save_every=0", "--ema_decay=0"] + [f"--{k}={v}" for k, v in files["args"].items()],
             ranks=1),
         "i2v": job(args=common + i2v_args, ranks=1),
+        # SEED 1 draws the step indices 0 then 1 (dm.choose_step_index); the generator steps every step
+        "diversity": job(args=common + [f"--output_dir={out['diversity']}", "--seed=1", "--max_steps=2",
+                                        "--dfake_gen_update_ratio=1", "--diversity_weight=0.5", "--save_every=0",
+                                        "--sample_every=0"], ranks=1),
         "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
                                                   f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
                                                   f"--output_dir={out['ti2v_i2v']}"], ranks=1)},
@@ -661,6 +665,16 @@ def test_dmd_two_ranks_equal_one_and_resume_is_bit_exact(dmd_runs):
     assert "pipe(..., num_inference_steps=4, guidance_scale=1.0)" in logs["full"]
     assert (out["full"] / "samples" / "step_000004.png").exists()
     assert_validated(out["lora"], [2], logs["lora"])
+
+
+@pytest.mark.slow
+def test_diversity_weight_trains_the_first_step_on_the_teachers_ode(dmd_runs):
+    """DIVERSITY_WEIGHT: the generator step at the first σ logs loss_div and no DM loss; the next, at σ index 1,
+    loss_dm and no loss_div (the loss itself: tests/test_diversity_dmd.py)."""
+    records = [json.loads(line) for line in open(dmd_runs["out"]["diversity"] / "metrics.jsonl")]
+    steps = {r["step"]: r for r in records if "step_index" in r}
+    assert steps[1]["step_index"] == 0 and "loss_dm" not in steps[1] and 0 < steps[1]["loss_div"] < 1e6, steps
+    assert steps[2]["step_index"] == 1 and "loss_div" not in steps[2] and 0 <= steps[2]["loss_dm"] < 1e6, steps
 
 
 @pytest.mark.slow

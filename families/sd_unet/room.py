@@ -310,6 +310,8 @@ def check_dmd_settings(settings: dict, changed: set) -> None:
          "its fake score trains on the noise, as published; the setting is for flow-matching teachers"),
         (f"REGRESSION_WEIGHT={settings['REGRESSION_WEIGHT']}", settings["REGRESSION_WEIGHT"] > 0,
          "the regression loss is built for flow-matching teachers (FLUX, Qwen-Image-Edit) only"),
+        (f"DIVERSITY_WEIGHT={settings['DIVERSITY_WEIGHT']}", settings["DIVERSITY_WEIGHT"] > 0,
+         "the first step's ODE target is built for flow-matching teachers only"),
         (f"SHIFT={settings['SHIFT']}", settings["SHIFT"] != "1", "its timesteps are drawn uniformly over the DDPM "
          "range, as published; the σ shift is for flow-matching teachers"),
         ("TEACHER_LORA", settings["TEACHER_LORA"], "a flow teacher's setting; give a UNet fine-tune as its full "
