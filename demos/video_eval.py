@@ -225,13 +225,16 @@ def load(path):
 
 
 def generate(pipe, prompts: list[str], seeds: int, steps: int, guidance: float = 1.0, batch: int = 32):
-    """(len(prompts) x seeds, frames, H, W, 3) uint8 clips, prompt-major; clip (p, s) from noise seed s."""
+    """(len(prompts) x seeds, frames, H, W, 3) uint8 clips, prompt-major; clip (p, s) from noise seed s. The global
+    RNG is seeded per batch too: a distilled export's stochastic scheduler re-noises from it (WanPipeline passes no
+    generator to scheduler.step), so without it a student's row would depend on what was sampled before it."""
     import torch
     jobs = [(p, s) for p in prompts for s in range(seeds)]
     out = []
     for i in range(0, len(jobs), batch):
         part = jobs[i:i + batch]
         gens = [torch.Generator().manual_seed(1000 + s) for _, s in part]
+        torch.manual_seed(1000 + i)
         with torch.no_grad():
             video = pipe(prompt=[p for p, _ in part], negative_prompt=[NEGATIVE] * len(part), height=SIZE, width=SIZE,
                          num_frames=FRAMES, num_inference_steps=steps, guidance_scale=guidance, generator=gens,

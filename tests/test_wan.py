@@ -705,7 +705,8 @@ def test_dmd_context_parallel_trains_as_one_process(dmd_runs):
 @pytest.mark.slow
 def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dmd_runs):
     """The full export (its scheduler named in model_index.json) and the LoRA export on the base (load_lora_weights,
-    the export's scheduler) sample at the pipeline's default call with 4 steps at the trained sigma list."""
+    the export's scheduler) sample at the pipeline's default call with 4 steps at the trained sigma list; the video
+    demo's scorer samples the stochastic export the same whatever the global RNG's state."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
     trained = wan.generator_sigmas(tiny["model"], [1.0, 0.75, 0.5, 0.25])
     full = WanPipeline.from_pretrained(str(dmd_runs["out"]["full"] / "export"))
@@ -726,6 +727,13 @@ def test_dmd_exports_load_in_the_pipeline_and_sample_the_trained_sigmas(tiny, dm
                      guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np").frames
         assert np.isfinite(video).all() and video.shape == (1, FRAMES, SIZE, SIZE, 3)
         assert seen == pytest.approx([s * 1000 for s in trained], rel=1e-6)
+    # the video demo's rows of a stochastic export do not depend on the global RNG's state before them
+    from demos import video_eval
+    clips = []
+    for state in (1, 2):
+        torch.manual_seed(state)
+        clips.append(video_eval.generate(full, PROMPTS[:1], seeds=2, steps=4)[0])
+    assert np.array_equal(*clips)
 
 
 @pytest.mark.slow
