@@ -776,7 +776,7 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
                        ca_weight=DMD_CA_WEIGHT, dm_weight=DMD_DM_WEIGHT, diversity_weight=DIVERSITY_WEIGHT,
                        diversity_anchor=DIVERSITY_ANCHOR)
     # DIVERSITY_WEIGHT's teacher ODE: the σ schedule the teacher's pipeline samples at each shape
-    ode_shifts = {s[0]: km.sigma_shift("auto", dit.scheduler_config(MODEL_PATH), flow_dm.token_count(grid(s[0])))
+    ode_shifts = {s[0]: dit.teacher_sampling_shift(room, MODEL_PATH, flow_dm.token_count(grid(s[0])), REGRESSION_STEPS)
                   for s in data.shapes} if DIVERSITY_WEIGHT else {}
 
     def batches(it, loaded):

@@ -17,7 +17,6 @@ import torch
 import fsdp_utils
 from algorithms import dmd2 as dm
 from algorithms import dmd2_flow as flow_dm
-from algorithms import flux_kontext as km
 from components import validation as val
 from core.dist import print0
 from core.dist import rank as d_rank
@@ -128,7 +127,6 @@ def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader,
     reference = reference_guidance(room, s.run)
     scale = reference.scale
     teacher_guidance = guidance if reference.embedded is None else reference.embedded
-    own_shift = getattr(room, "sampling_shift", None)  # FLUX.2's depends on the step count too
     g = randomness.step_generator(s.seed, 0, stream=randomness.VALIDATION_STREAM)
     draws = []
     for row, shape in zip(rows, shapes):
@@ -140,8 +138,7 @@ def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader,
         negative = (room.load_text([(reference.negative, row)] * n, cache_dir, identity, device)
                     if reference.negative is not None else None)
         tokens = flow_dm.token_count(latent[1:])
-        shift = (own_shift(model_path, tokens, s.teacher_steps) if own_shift is not None
-                 else km.pipeline_shift(dit.scheduler_config(model_path), tokens))
+        shift = dit.teacher_sampling_shift(room, model_path, tokens, s.teacher_steps)
         draws.append((room.dmd_cond(text, None, vae, refs, latent[1:]),
                       room.dmd_cond(text, negative, vae, refs, latent[1:]),
                       pack(torch.randn((n, *latent), generator=g)).to(device),

@@ -11,6 +11,7 @@ import os
 import torch
 
 import fsdp_utils
+from algorithms import flux_kontext as km
 from parallel import attention, float8, lowbit
 from parallel.loading import build_on_meta, fill_built_model
 from parallel.lora import Lora, add_lora
@@ -98,6 +99,16 @@ def scheduler_config(model_path: str) -> dict:
     """The pipeline folder's scheduler_config.json."""
     with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:
         return json.load(f)
+
+
+def teacher_sampling_shift(room, model_path: str, tokens: int, steps: int) -> float:
+    """The σ shift the teacher's pipeline samples a target of `tokens` tokens with in `steps` steps: the room's
+    `sampling_shift` where it has one (FLUX.2's depends on the step count too), else its scheduler config's
+    (algorithms/flux_kontext.pipeline_shift)."""
+    own = getattr(room, "sampling_shift", None)
+    if own is not None:
+        return own(model_path, tokens, steps)
+    return km.pipeline_shift(scheduler_config(model_path), tokens)
 
 
 def distilled_scheduler(model_path: str, sigmas=None) -> dict:
