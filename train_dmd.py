@@ -65,17 +65,15 @@ from algorithms import dmd2_flow as flow_dm
 from algorithms import dmd2_unet as unet_dm
 from algorithms import flux_kontext as km
 from components import optim, profiling, trainer
-from components import dmd_settings
+from components import dmd_settings, flow_samples
 from components import dmd_validation as dmd_val
 from components.config import script_constants
 from core.dist import print0
-from core.dist import rank as d_rank
 from core.errors import run_main
 from components.metrics import counting_flops, watch_model_flops
 from components.optim import warmup_scheduler
 from data.batches import micro_batch_positions
-from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices, stretched
-from data.images import save_image_grid
+from data.buckets import bucket_schedule, load_pairs, make_buckets, references, row_shapes, step_indices
 from data.prefetch import Prefetcher
 from data.randomness import SAMPLE_NOISE_STREAM, drop_captions, per_sample_draws, step_generator
 from data.sources import read_rows, source_kind
@@ -745,24 +743,14 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
     target's latent grid (its size px -> (h/f, w/f), a video's (T, h, w)); tokens by the room's pack_latents."""
     pack = getattr(room, "pack_latents", km.pack_latents)
     guidance = 1.0 if guide.embedded is None else guide.embedded  # all three transformers' input; CFG in Losses
-    g = step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM)
-    groups = []
-    for shape in dict.fromkeys(data.sample_shapes):
-        rows = [r for r, s in zip(data.sample_rows, data.sample_shapes) if s == shape]
-        (h, w), latent = shape[0], (channels, *grid(shape[0]))
-        refs, _ = load_pairs(rows, shape, [False] * len(rows), target=False, loader=data.loader)
-        read = data.loader or stretched
-        targets = [read(r["target"], (h, w), False, "target") if "target" in r else torch.zeros(3, h, w) for r in rows]
-        cond = room.dmd_cond(room.load_text([(r["prompt"], r) for r in rows], cache_dir, identity, d.device), None,
-                             vae, [x.to(d.device) for x in refs], latent[1:])
-        # drawn on the host (the same on every device), moved once
-        noise = pack(torch.randn((len(rows), *latent), generator=g)).to(d.device)
-        sim = flow_dm.pack_steps(torch.randn((len(rows), len(sigmas) - 1, *latent), generator=g), pack).to(d.device)
-        groups.append((cond, noise, sim, [([x[i] for x in refs], targets[i]) for i in range(len(rows))]))
+    groups = flow_samples.sample_groups(
+        room, data.sample_rows, data.sample_shapes, loader=data.loader, grid=grid, channels=channels, sigmas=sigmas,
+        pack=pack, vae=vae, cache_dir=cache_dir, identity=identity,
+        g=step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM), device=d.device)
 
     def sample(path):
         with final_weights() as model:
-            write_flow_samples(room, model, vae, groups, sigmas, guidance, edits, path)
+            flow_samples.write_samples(room, model, vae, groups, sigmas, guidance, edits, path)
     validator = dmd_val.flow_validator(
         val_settings(), final_weights, room=room, rows=data.val_rows, shapes=data.val_shapes, loader=data.loader,
         guide=guide, sigmas=sigmas, cache_dir=cache_dir, identity=identity, teacher=teacher, vae=vae, grid=grid,
@@ -804,31 +792,6 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
     load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity,
                              negative=guide.negative, dp=dp)
     return steps, load, sample, validator
-
-
-@torch.no_grad()
-def write_flow_samples(room, model, vae, groups, sigmas, guidance, edits: bool, path: str) -> None:
-    """Every rank runs the sharded generator over the whole σ list, one sample shape at a time; rank 0
-    decodes and writes the grid: per editing row its references | output | target (grey where a row
-    has no target; blank where it has fewer references), all padded to the largest tile; outputs alone
-    for text-to-image."""
-    outputs = []
-    for cond, noise, sim, _ in groups:
-        tokens = flow_dm.sample_tokens(model, cond, noise, sim, sigmas, guidance)
-        outputs.append(room.decode_tokens(vae, tokens, cond.size) if d_rank() == 0 else None)
-    fsdp_utils.reshard_all(model)
-    if d_rank() != 0:
-        return
-    if not edits:
-        return save_image_grid(torch.cat(outputs).clamp(-1, 1), path, nrow=4)
-    most = max(len(refs) for group in groups for refs, _ in group[3])
-    tiles = []
-    for (_, _, _, rows), out in zip(groups, outputs):
-        for (refs, target), o in zip(rows, out.clamp(-1, 1)):
-            tiles += [*refs, *[torch.zeros_like(o)] * (most - len(refs)), o, target]
-    hmax, wmax = max(t.shape[1] for t in tiles), max(t.shape[2] for t in tiles)
-    grid = [torch.nn.functional.pad(t, (0, wmax - t.shape[2], 0, hmax - t.shape[1])) for t in tiles]
-    save_image_grid(torch.stack(grid), path, nrow=most + 2)
 
 
 def flow_shift(size: tuple[int, int], tokens: int) -> float:
