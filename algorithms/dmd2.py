@@ -582,10 +582,10 @@ def diversity_loss(x: torch.Tensor, noise: torch.Tensor, anchor: torch.Tensor, a
     """DP-DMD's first-step loss (Wu et al., "Diversity-Preserved Distribution Matching Distillation", arXiv
     2602.03139; Multimedia-Analytics-Laboratory/dpdmd train_sd35_dpdmd.py:430-496): a few-step generator's first
     velocity, from pure noise at σ = 1, against the teacher ODE's mean velocity from the same noise to its state
-    `anchor` at `anchor_sigma` (fm_teacher_ode's `stop`): mean((v − (noise − anchor) / (1 − σ_k))²), in fp32. G's
-    step gives x̂0 = noise − v at σ = 1, so v = noise − x. That step gets no DM loss (the published code detaches
-    its output before the later steps, which the DM loss trains): the layout each noise commits to at high noise
-    stays the teacher's, and the reverse KL's mode seeking acts on the later steps only."""
+    `anchor` at `anchor_sigma` (fm_teacher_ode's `stop`): mean((v − (noise − anchor) / (1 − σ_k))²), in
+    fp32. G's step gives x̂0 = noise − v at σ = 1, so v = noise − x. That step gets no DM loss (the published
+    code detaches its output before the later steps, which the DM loss trains): the layout each noise commits
+    to at high noise stays the teacher's, and the reverse KL's mode seeking acts on the later steps only."""
     v = noise.float() - x.float()
     target = (noise.float() - anchor.float()) / (1.0 - anchor_sigma)
     return F.mse_loss(v, target.detach(), reduction="mean")

@@ -48,9 +48,9 @@ def shifted(t: float, s: float) -> float:
 
 
 def test_the_first_steps_loss_is_the_hand_computation():
-    """At the first step: weight · mean((v − v̄)²), v = noise − x (G's x̂0 at σ 1), v̄ = (noise − z_k) / (1 − σ_k) with
-    z_k the teacher's Euler ODE after k of its n steps on the shifted grid; no DM term; the gradient on x is
-    −2·weight·(v − v̄) / numel."""
+    """At the first step: weight · mean((v − v̄)²), v = noise − x (G's x̂0 at σ 1), v̄ = (noise − z_k) /
+    (1 − σ_k) with z_k the teacher's Euler ODE after k of its n steps on the shifted grid; no DM term; the
+    gradient on x is −2·weight·(v − v̄) / numel."""
     mb, weight, k, n = batch(0), 0.05, 3, 10
     x = mb["x"].clone().requires_grad_(True)
     losses = dm.Losses(diversity_weight=weight, diversity_anchor=k, regression_steps=n)
