@@ -45,7 +45,8 @@ def validate(c, changed: set[str], default_model: str) -> list[int]:
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": c.FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": c.REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": c.REGRESSION_STEPS >= 1,
         "DIVERSITY_WEIGHT >= 0": c.DIVERSITY_WEIGHT >= 0,
-        "1 <= DIVERSITY_ANCHOR < REGRESSION_STEPS": 1 <= c.DIVERSITY_ANCHOR < c.REGRESSION_STEPS,
+        "1 <= DIVERSITY_ANCHOR < REGRESSION_STEPS": (not c.DIVERSITY_WEIGHT
+                                                      or 1 <= c.DIVERSITY_ANCHOR < c.REGRESSION_STEPS),
         "SHIFT > 0 or auto": km.valid_shift(c.SHIFT),
         f"DMD_LOSS in ({', '.join(dm.DMD_LOSSES)}) or \"\"": c.DMD_LOSS in ("", *dm.DMD_LOSSES),
         "DMD_CA_WEIGHT >= 0": c.DMD_CA_WEIGHT >= 0, "DMD_DM_WEIGHT >= 0": c.DMD_DM_WEIGHT >= 0,

@@ -104,12 +104,19 @@ class Settings:
     ({"DIVERSITY_WEIGHT": 1.0, "DENOISING_STEPS": [899, 499], "CONDITIONING_TIMESTEP": 899},
      "CONDITIONING_TIMESTEP=899"),
     ({"DIVERSITY_WEIGHT": -1.0}, "DIVERSITY_WEIGHT >= 0"),
-    ({"DIVERSITY_ANCHOR": 28}, "1 <= DIVERSITY_ANCHOR < REGRESSION_STEPS"),
+    ({"DIVERSITY_WEIGHT": 1.0, "DENOISING_STEPS": [999, 499], "DIVERSITY_ANCHOR": 28},
+     "1 <= DIVERSITY_ANCHOR < REGRESSION_STEPS"),
 ])
 def test_refusals_are_one_line(given, culprit):
     with pytest.raises(ConfigError) as e:
         dmd_settings.validate(Settings(**given), set(given), train_dmd.default_paths()[0])
     assert culprit in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_anchor_is_read_only_with_the_weight():
+    """DIVERSITY_WEIGHT 0 leaves REGRESSION_STEPS free (a regression target of 2 steps, under the default anchor)."""
+    given = {"REGRESSION_STEPS": 2}
+    dmd_settings.validate(Settings(**given), set(given), train_dmd.default_paths()[0])
 
 
 def test_a_unet_teacher_refuses_it():
