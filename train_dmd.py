@@ -151,7 +151,7 @@ REGRESSION_WEIGHT = 0.0  # > 0 (flow teachers, 1-step): + this × MSE(G(z), the 
 REGRESSION_STEPS = 28  # the teacher ODE's Euler steps for that target (every generator step: that many forwards)
 DIVERSITY_WEIGHT = 0.0  # > 0 (flow, few-step): the 1st step regresses on the teacher's ODE, no DM loss there (DP-DMD)
 DIVERSITY_ANCHOR = 5  # that target: the teacher's mean velocity over its first this-many of REGRESSION_STEPS steps
-USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images: "image" (editors: "target")
+USE_GAN = False  # stage 2: a classifier head on the fake model's features; real images: "image" (editors, Wan: "target")
 GEN_CLS_LOSS_WEIGHT = 1e-3  # generator GAN loss weight (published stage 2)
 GUIDANCE_CLS_LOSS_WEIGHT = 1e-2  # discriminator loss weight (published stage 2)
 DIFFUSION_GAN = True  # noise real and fake inputs of the head to t < DIFFUSION_GAN_MAX_TIMESTEP first
@@ -627,11 +627,14 @@ def flow_data(room, settings: dict) -> FlowData:
     (the first SAMPLE_COUNT distinct ones of SAMPLE_PROMPTS or the data), their shapes and schedule."""
     edits = room.edits(settings["PIPELINE"]) and source_kind(DATA_PATH) != "txt"  # FLUX.2 takes prompts alone too
     roles, required = (("control", "target", "prompt"), ("control", "prompt")) if edits else (("prompt",),) * 2
+    roles = ("target", *roles) if USE_GAN and not edits else roles  # a video room's real clips
     read = functools.partial(read_rows, roles=roles, split=DATASET_SPLIT, size_of="target" if edits else "",
                              columns={"control": CONTROL_COLUMN, "target": TARGET_COLUMN, "prompt": PROMPT_COLUMN},
                              max_references=MAX_REFERENCES or room.MAX_REFERENCES)
     rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES,
                          control_path=CONTROL_PATH)
+    if USE_GAN and hasattr(room, "check_targets"):  # e.g. a real clip's frame count, before any work
+        room.check_targets(rows, settings)
     samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS
                else rows)
     distinct = {(str(references(r)), r["prompt"]): r for r in reversed(samples)}  # the first of each

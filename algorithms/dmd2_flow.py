@@ -293,4 +293,11 @@ def cls_logits(fake, head, x: torch.Tensor, mb: dict, name: str, diffusion_gan: 
         x = dm.fm_noise(x, mb[name + "_noise"], sigma)
     else:
         sigma = torch.zeros(x.shape[0], device=x.device)
-    return head(double_stream_features(fake, x, sigma, mb["cond"], guidance))
+    cond = mb["cond"]
+    read = getattr(cond, "head_features", None)  # a room whose transformer has no double-stream blocks (Wan)
+    features = read(fake, x, sigma, guidance) if read else double_stream_features(fake, x, sigma, cond, guidance)
+    if features.ndim == 5:  # a video's (B, D, T, h, w): each latent frame's grid through the head, logits averaged
+        b, d, t = features.shape[:3]
+        logits = head(features.transpose(1, 2).reshape(b * t, d, *features.shape[3:]))
+        return logits.view(b, t).mean(dim=1, keepdim=True)
+    return head(features)

@@ -271,14 +271,31 @@ def markdown(results: dict) -> str:
     return shapes.md_table(header, rows)
 
 
-def make_data(folder):
-    """FOLDER/train.txt and FOLDER/held_out.txt, one prompt a line; prints "train PATH" and "held_out PATH"."""
+def make_data(folder, real_clips: int = 0, seed: int = 11):
+    """FOLDER/train.txt and FOLDER/held_out.txt, one prompt a line; prints "train PATH" and "held_out PATH". With
+    real_clips K: FOLDER/real/ holds K rendered clips of each training prompt as 9-frame GIFs (either colour, random
+    starts: the task's own answers) and FOLDER/train_real.jsonl rows {"prompt", "target"}, the GAN's real clips;
+    prints "train_real PATH"."""
     from pathlib import Path
+
+    from PIL import Image
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    for name, prompts in zip(("train", "held_out"), splits()):
+    train, held_out = splits()
+    for name, prompts in (("train", train), ("held_out", held_out)):
         (folder / f"{name}.txt").write_text("\n".join(prompts) + "\n")
         print(name, folder / f"{name}.txt")
+    if real_clips:
+        (folder / "real").mkdir(exist_ok=True)
+        rows, rng = [], np.random.default_rng(seed)
+        for i, p in enumerate(train):
+            for k, clip in enumerate(render_batch([p] * real_clips, rng)):
+                frames = [Image.fromarray(f) for f in clip]
+                name = f"real/{i:02d}_{k:02d}.gif"  # GIF's palette holds the renderer's colours exactly
+                frames[0].save(folder / name, save_all=True, append_images=frames[1:], duration=125, loop=0)
+                rows.append(json.dumps({"prompt": p, "target": name}))
+        (folder / "train_real.jsonl").write_text("\n".join(rows) + "\n")
+        print("train_real", folder / "train_real.jsonl")
     return 0
 
 
@@ -295,10 +312,11 @@ def main(argv=None):
     ap.add_argument("--real", type=int, default=1, help="also score the renderer's own clips")
     ap.add_argument("--scored", default="", help="an earlier --json: its rows of one name, model and steps are kept")
     ap.add_argument("--make_data", default="", help="write FOLDER/train.txt and held_out.txt, print their paths")
+    ap.add_argument("--real_clips", type=int, default=0, help="with --make_data: K real clips per training prompt")
     ap.add_argument("--calibrate", default="", help="print SHAPE_PROTOTYPES as a pipeline folder's VAE gives them")
     args = ap.parse_args(argv)
     if args.make_data:
-        return make_data(args.make_data)
+        return make_data(args.make_data, args.real_clips)
     if args.calibrate:
         print(calibrate(args.calibrate))
         return 0

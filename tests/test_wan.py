@@ -202,14 +202,13 @@ def test_the_exports_scheduler_makes_the_trained_sigmas(tiny, steps):
 
 
 def test_refusals_are_one_line(tiny, monkeypatch):
-    """What WanPipeline would round (frames, sides), what Wan lacks (the GAN's real videos, a guidance embedding),
+    """What WanPipeline would round (frames, sides), what Wan lacks (a guidance embedding),
     a sigma list its export could not sample, several sizes: refused in one line before any work; no context
     parallelism (the spec says none); NUM_FRAMES with an image teacher."""
     settings = tiny["settings"]
     cases = [({"NUM_FRAMES": 8}, set(), "NUM_FRAMES=8: Wan takes 4k + 1 frames"),
              ({"RESOLUTION": 40}, set(), "a 40x40 px clip"),
              ({"BUCKET_ASPECTS": [1.25]}, set(), "a 32x40 px clip"),
-             ({"USE_GAN": True}, set(), "USE_GAN=True with a WanPipeline teacher"),
              ({"FLUX_GUIDANCE": 3.5}, {"FLUX_GUIDANCE"}, "FLUX_GUIDANCE=3.5 with a WanPipeline teacher"),
              ({"BUCKET_ASPECTS": [1.0, 2.0]}, {"BUCKET_ASPECTS"}, "one clip size"),
              ({"DENOISING_STEPS": [999, 500, 100]}, set(), "evenly spaced from 999"),
@@ -253,6 +252,61 @@ def test_refusals_are_one_line(tiny, monkeypatch):
                 m.setattr(train_dmd, name, value)
             with pytest.raises(ConfigError, match=re.escape(words)):
                 train_dmd.validate_config()
+
+
+def write_clip(path, colours, size=SIZE):
+    """An animated GIF of solid frames, one per (r, g, b) colour: a real clip as a user's data holds one."""
+    from PIL import Image
+    frames = [Image.new("RGB", (size, size), c) for c in colours]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return str(path)
+
+
+def test_gan_reads_real_clips_and_the_last_blocks_tokens(tiny, a14b, tmp_path):
+    """USE_GAN on Wan: a row's real clip (an animated image) is read as its first NUM_FRAMES frames, each stretched
+    to the clip's size, in [-1, 1] and frame order; a shorter clip is refused in one line naming it, before any
+    work, as is a two-expert teacher. The head's input is the last block's hidden states under the conditioning,
+    (B, D, T, h/2, w/2): proj_out does not move it, the last block does, and the head's loss reaches the first
+    block; the head gives a video one logit, its latent frames' mean."""
+    from diffusers import WanTransformer3DModel
+
+    from algorithms import dmd2_flow as flow_dm
+    settings = tiny["settings"]
+    colours = [(255 - 20 * i, 10 * i, 0) for i in range(FRAMES + 2)]
+    clip = wan.load_clip(write_clip(tmp_path / "long.gif", colours, size=16), (SIZE, SIZE), FRAMES)
+    want = torch.tensor(colours[:FRAMES], dtype=torch.float32).T / 127.5 - 1  # (3, F): solid frames stay solid
+    assert clip.shape == (3, FRAMES, SIZE, SIZE)
+    torch.testing.assert_close(clip.mean(dim=(2, 3)), want, rtol=0, atol=1e-6)
+    short = write_clip(tmp_path / "short.gif", colours[:5])
+    with pytest.raises(ConfigError, match=re.escape(f"clip {short} has 5 frames; NUM_FRAMES=9 reads the first 9")) as e:
+        wan.check_targets([{"prompt": "a", "target": short}], {**settings, "DATA_PATH": "rows.jsonl"})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="USE_GAN=True with a WanPipeline teacher: the GAN head reads one "):
+        wan.check_dmd_settings("WanPipeline", {**a14b["settings"], "USE_GAN": True}, set(), "jsonl")
+    wan.check_dmd_settings("WanPipeline", {**settings, "USE_GAN": True}, set(), "jsonl")
+
+    model = WanTransformer3DModel.from_pretrained(os.path.join(tiny["model"], "transformer"))
+    grid = wan.latent_grid((SIZE, SIZE), settings)
+    text = torch.randn(2, 8, model.config.text_dim, generator=torch.Generator().manual_seed(0))
+    cond = wan.WanCond(text, None, grid)
+    x = torch.randn(2, grid[0] * grid[1] * grid[2] // 4, 4 * model.config.in_channels,
+                    generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.9, 0.4])
+    features = cond.head_features(model, x, sigma, 1.0)
+    width = model.config.num_attention_heads * model.config.attention_head_dim
+    assert features.shape == (2, width, grid[0], grid[1] // 2, grid[2] // 2) and features.dtype == torch.float32
+    with torch.no_grad():
+        model.proj_out.weight.mul_(3)
+        torch.testing.assert_close(cond.head_features(model, x, sigma, 1.0), features, rtol=0, atol=0)
+        model.blocks[-1].ffn.net[2].weight.mul_(1.5)
+        assert not torch.allclose(cond.head_features(model, x, sigma, 1.0), features)
+    head = flow_dm.TransformerHead(width, flow_dm.head_grid(grid[1]))
+    logits = flow_dm.cls_logits(model, head, x, {"cond": cond}, "gan_real", False, 1.0)  # clean: sigma 0
+    with torch.no_grad():
+        frames = cond.head_features(model, x, torch.zeros(2), 1.0).transpose(1, 2).flatten(0, 1)  # (B T, D, h, w)
+        torch.testing.assert_close(logits, head(frames).view(2, grid[0]).mean(dim=1, keepdim=True))
+    logits.sum().backward()
+    assert model.blocks[0].attn1.to_q.weight.grad.abs().sum() > 0 and model.proj_out.weight.grad is None
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
@@ -589,7 +643,14 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
     out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v",
-                                 "cp", "a14b_cp", "a14b_loras", "diversity")}
+                                 "cp", "a14b_cp", "a14b_loras", "diversity", "gan")}
+    clips = root / "clips"  # the GAN's real clips: each prompt with an animated GIF of 9 frames
+    clips.mkdir()
+    prompts = open(f"{tiny['data']}/prompts.txt").read().split("\n")
+    with open(clips / "rows.jsonl", "w") as f:
+        for i, p in enumerate(x for x in prompts if x.strip()):
+            clip = write_clip(clips / f"{i}.gif", [(40 * i % 255, 20 * k, 200) for k in range(FRAMES)])
+            f.write(json.dumps({"prompt": p, "target": os.path.basename(clip)}) + "\n")
     files = expert_lora_files(a14b["model"], root / "expert_loras")
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
@@ -622,6 +683,9 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
         "diversity": job(args=common + [f"--output_dir={out['diversity']}", "--seed=1", "--max_steps=2",
                                         "--dfake_gen_update_ratio=1", "--diversity_weight=0.5", "--save_every=0",
                                         "--sample_every=0"], ranks=1),
+        "gan": job(args=common + [f"--output_dir={out['gan']}", f"--data_path={clips / 'rows.jsonl'}", "--use_gan=1",
+                                  "--max_steps=2", "--dfake_gen_update_ratio=1", "--save_every=0", "--sample_every=0"],
+                   ranks=1),
         "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
                                                   f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
                                                   f"--output_dir={out['ti2v_i2v']}"], ranks=1)},
@@ -675,6 +739,16 @@ def test_diversity_weight_trains_the_first_step_on_the_teachers_ode(dmd_runs):
     steps = {r["step"]: r for r in records if "step_index" in r}
     assert steps[1]["step_index"] == 0 and "loss_dm" not in steps[1] and 0 < steps[1]["loss_div"] < 1e6, steps
     assert steps[2]["step_index"] == 1 and "loss_div" not in steps[2] and 0 <= steps[2]["loss_dm"] < 1e6, steps
+
+
+@pytest.mark.slow
+def test_gan_trains_on_real_clips(dmd_runs):
+    """USE_GAN with rows of prompts and real clips: every step logs the head's loss on the fake score's side, and
+    the generator's steps its own, both finite (what the head reads: test_gan_reads_real_clips_and_the_last_...)."""
+    records = [r for r in read_metrics(dmd_runs["out"]["gan"], timing=False) if "loss_guidance_cls" in r]
+    assert len(records) == 2 and all(0 < r["loss_guidance_cls"] < 1e3 for r in records), records
+    assert all(0 < r["loss_gen_cls"] < 1e3 for r in records if "loss_dm" in r) and any("loss_gen_cls" in r
+                                                                                       for r in records), records
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ from algorithms.flux_kontext import pipeline_shift, shift_sigmas
 from core.dist import print0
 from core.errors import ConfigError
 from data.buckets import references
-from data.images import image_digest, load_pil
+from data.images import image_digest, load_image, load_pil, pil_tensor
 from data.text_cache import cache_file, fill_text_cache, folder_identity, load_entries
 from families.dit import build_transformer as build_dit
 from families.dit import scheduler_config
@@ -237,9 +237,56 @@ def reference_sizes(size, row, settings) -> tuple | None:
 
 
 def image_loader(settings):
-    """None: the first image stretched to the clip's size (Lanczos, no crop), as the pipeline's
-    video_processor.preprocess reads it."""
-    return None
+    """How a row's pictures are read: the first image (role "reference") stretched to the clip's size (Lanczos, no
+    crop), as the pipeline's video_processor.preprocess reads it; the GAN's real clip (role "target") as
+    load_clip reads it, NUM_FRAMES frames."""
+    frames = num_frames(settings)
+
+    def load(source, size, mirror, role):
+        return load_clip(source, size, frames) if role == "target" else load_image(source, *size, stretch=True,
+                                                                                    mirror=mirror)
+    return load
+
+
+def clip_frames(source) -> int:
+    """The frame count of an animated image file (GIF, animated WebP or PNG); ValueError naming it otherwise."""
+    from PIL import Image
+    if not isinstance(source, str) or not os.path.isfile(source):
+        raise ValueError(f"clip {source} not found: a clip is an animated image file (GIF, WebP, PNG)")
+    try:
+        with Image.open(source) as im:
+            return int(getattr(im, "n_frames", 1))
+    except Exception as e:  # noqa: BLE001 - any decoder failure means an unreadable file
+        raise ValueError(f"clip {source} is unreadable as an animated image ({type(e).__name__}): give GIF, "
+                         "animated WebP or PNG frames") from None
+
+
+def load_clip(source, size, frames: int) -> torch.Tensor:
+    """(3, frames, H, W) in [-1, 1]: the first `frames` frames of an animated image file, each stretched to the
+    clip's size (Lanczos, as the first image is); fewer frames than that is a ValueError naming the file."""
+    from PIL import Image
+    n = clip_frames(source)
+    if n < frames:
+        raise ValueError(f"clip {source} has {n} frames; NUM_FRAMES={frames} reads the first {frames}")
+    out = []
+    with Image.open(source) as im:
+        for i in range(frames):
+            im.seek(i)
+            out.append(pil_tensor(im.convert("RGB").resize((size[1], size[0]), Image.Resampling.LANCZOS)))
+    return torch.stack(out, dim=1)
+
+
+def check_targets(rows, settings) -> None:
+    """Before any work: every row's real clip (the GAN's "target") holds NUM_FRAMES frames or more."""
+    frames = num_frames(settings)
+    for row in rows:
+        try:
+            n = clip_frames(row["target"])
+        except ValueError as e:
+            raise ConfigError(f"DATA_PATH={settings['DATA_PATH']}: {e}") from None
+        if n < frames:
+            raise ConfigError(f"DATA_PATH={settings['DATA_PATH']}: clip {row['target']} has {n} frames; "
+                              f"NUM_FRAMES={frames} reads the first {frames} of each real clip")
 
 
 def latent_grid(size, settings) -> tuple[int, int, int]:
@@ -479,6 +526,21 @@ class WanCond:
             return torch.cat([kept, out[:, n:]], dim=1)
         return v
 
+    def head_features(self, model, x: torch.Tensor, sigma: torch.Tensor, guidance: float) -> torch.Tensor:
+        """The GAN head's input (algorithms/dmd2_flow.cls_logits): the hidden states of the last WanTransformerBlock
+        under this conditioning, (B, D, T, h/2, w/2) fp32 with the graph kept. Every video token there has attended
+        over the whole clip and the text; Wan has no double-stream blocks, so the last block's output stands where
+        FLUX's double-stream image stream does. What follows it (norm_out, proj_out) runs unused."""
+        captured = []
+        handle = model.blocks[-1].register_forward_hook(lambda module, args, out: captured.append(out))
+        try:
+            self.velocity(model, guidance)(x, sigma)
+        finally:
+            handle.remove()
+        hidden = captured[0].float()  # (B, N, D): the first call's (a recomputation would append again)
+        t, h, w = self.size
+        return hidden.transpose(1, 2).reshape(hidden.shape[0], hidden.shape[2], t, h // 2, w // 2)
+
 
 def dmd_cond(text, negative, vae, references: list, size) -> WanCond:
     """WanCond of a micro-batch: `size` the latent grid (latent_grid); per-token timesteps with TI2V's VAE; with
@@ -584,7 +646,8 @@ def check_dmd_settings(pipeline, settings, changed: set, data_kind: str) -> None
          "per row (a .jsonl with \"control\" and \"prompt\", or the folder layout)"),
         ("MAX_SEQUENCE_LENGTH", i2v and int(settings["MAX_SEQUENCE_LENGTH"]) != I2V_TEXT_LENGTH,
          f"2.1 I2V's attention reads all but the last {I2V_TEXT_LENGTH} context tokens as the image's"),
-        ("USE_GAN", settings.get("USE_GAN"), "the GAN's real videos are not read yet; distil without it"),
+        ("USE_GAN", settings.get("USE_GAN") and expert_boundary(settings["MODEL_PATH"]) is not None,
+         "the GAN head reads one transformer's last block; a two-expert teacher (Wan 2.2 A14B) has two"),
         ("FLUX_GUIDANCE", "FLUX_GUIDANCE" in changed, "Wan has no guidance embedding; its teacher's guidance is "
          "CFG (REAL_GUIDANCE_SCALE, REAL_GUIDANCE_NORM)"),
         ("BUCKET_ASPECTS", len(settings.get("BUCKET_ASPECTS") or []) > 1 and "BUCKET_ASPECTS" in changed,
