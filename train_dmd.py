@@ -633,8 +633,8 @@ def flow_data(room, settings: dict) -> FlowData:
                              max_references=MAX_REFERENCES or room.MAX_REFERENCES)
     rows, skipped = read(DATA_PATH, required=required + (("target",) if USE_GAN else ()), skip_bad=SKIP_BAD_SAMPLES,
                          control_path=CONTROL_PATH)
-    if USE_GAN and hasattr(room, "check_targets"):  # e.g. a real clip's frame count, before any work
-        room.check_targets(rows, settings)
+    if USE_GAN:  # e.g. a real clip's frame count, before any work
+        getattr(room, "check_targets", lambda *_: None)(rows, settings)
     samples = (read(SAMPLE_PROMPTS, required=required, skip_bad=False, setting="SAMPLE_PROMPTS")[0] if SAMPLE_PROMPTS
                else rows)
     distinct = {(str(references(r)), r["prompt"]): r for r in reversed(samples)}  # the first of each

@@ -48,6 +48,8 @@ OPTIONAL = {
                     "row by row (algorithms/flux_kontext.pack_latents)",
     "generator_sigmas": "(model_path, sigmas) -> the student's σ list where its export's scheduler makes its own "
                         "(a pipeline that passes no σ); else DENOISING_STEPS' (t + 1) / 1000",
+    "check_targets": "(rows, settings) -> None: USE_GAN's real targets checked before any work where a row's "
+                     "file can be wrong in ways opening it does not show (a video's frame count); else none",
     "REFERENCE_WORDS": "how the start-up report names a row's reference where it enters as channels, not tokens "
                        "(an image-to-video first frame); else its token count",
 }
