@@ -28,13 +28,18 @@ SCORED=${SCORED:-}  # an earlier run's eval.json: its rows of the same models an
 ONE_STEP_STEPS=${ONE_STEP_STEPS:-4800}
 FOUR_STEP_STEPS=${FOUR_STEP_STEPS:-600}
 REGRESSION=${REGRESSION:-0}  # > 0: the 1-step student's first stage adds DMD's regression loss at this weight
+GAN=${GAN:-0}  # 1: DMD2's GAN on the task's real clips (REAL_CLIPS per training prompt) for the students in GAN_FOR
+REAL_CLIPS=${REAL_CLIPS:-16}
+GAN_FOR=${GAN_FOR:-4step}  # 4step, 1step or "1step 4step"
+GAN_WEIGHTS=${GAN_WEIGHTS:-"1e-2 1e-1"}  # generator / head loss weights (10 x published, as the image demos)
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ ! -f "$TEACHER/model_index.json" ]; then
     echo "TEACHER=$TEACHER: no model_index.json (python -m demos.make_wan_video_base builds assets/wan_video_base)" >&2
     exit 1
 fi
-SPLITS=$(python -m demos.video_eval --make_data="$OUT/task")
+SPLITS=$(python -m demos.video_eval --make_data="$OUT/task" --real_clips="$([ "$GAN" = 1 ] && echo "$REAL_CLIPS" || echo 0)")
 TRAIN=$(awk '$1 == "train" {print $2}' <<< "$SPLITS")
+TRAIN_REAL=$(awk '$1 == "train_real" {print $2}' <<< "$SPLITS")
 times=()
 # the palette demos' students: from the teacher's weights, batch 8 per rank, generator and fake-score LR 1e-4,
 # the generator every 5th step (the 1-step one every 10th), no EMA; the video: 9 frames at 32 x 32
@@ -44,6 +49,13 @@ COMMON=(--model_path="$TEACHER" --data_path="$TRAIN" --text_cache_dir="$OUT/text
         --generator_lr=1e-4 --guidance_lr=1e-4 --dfake_gen_update_ratio=5 --batch_size=8
         --max_steps="$FOUR_STEP_STEPS" --export_dtype=fp32 --save_every=0 --sample_every=0 --log_every=50)
 ONE_STEP_ARGS=(--dfake_gen_update_ratio=10 --max_steps="$ONE_STEP_STEPS")
+FOUR_STEP_ARGS=()
+if [ "$GAN" = 1 ]; then  # the same prompts, each row with one of its real clips
+    read -r gen_w head_w <<< "$GAN_WEIGHTS"
+    gan=(--use_gan=1 --data_path="$TRAIN_REAL" --gen_cls_loss_weight="$gen_w" --guidance_cls_loss_weight="$head_w")
+    if [[ " $GAN_FOR " == *" 1step "* ]]; then ONE_STEP_ARGS+=("${gan[@]}"); fi
+    if [[ " $GAN_FOR " == *" 4step "* ]]; then FOUR_STEP_ARGS+=("${gan[@]}"); fi
+fi
 if [ "$REGRESSION" != 0 ]; then ONE_STEP_STAGE1_ARGS=(--regression_weight="$REGRESSION"); fi
 FOUR_STEP_FROM_ONE_STEP=1
 source demos/dmd_students.sh
