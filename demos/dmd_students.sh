@@ -5,7 +5,8 @@
 # ARGS (the later override the earlier). With a ONE_STEP_STAGE1_ARGS array, the 1-step student trains in
 # two stages: OUT/1step_stage1 with those arguments added (before ARGS), then OUT/1step from its final
 # checkpoint (INIT_FROM) without them. With FOUR_STEP_FROM_ONE_STEP=1 the 1-step student trains first
-# and the 4-step one starts from its final checkpoint. Appends each run's wall time to `times`.
+# and the 4-step one starts from its final checkpoint (FOUR_STEP_FROM=1step_stage1: from its first stage's).
+# Appends each run's wall time to `times`.
 train_students() {
     local out=$1 nproc=$2 run
     local -a own init runs=(4step 1step)
@@ -15,7 +16,9 @@ train_students() {
         init=()
         if [ "$run" = 4step ]; then
             own=(--denoising_steps=999,749,499,249 ${FOUR_STEP_ARGS[@]+"${FOUR_STEP_ARGS[@]}"})
-            if [ "${FOUR_STEP_FROM_ONE_STEP:-0}" = 1 ]; then init=(--init_from="$(newest_checkpoint "$out/1step")"); fi
+            if [ "${FOUR_STEP_FROM_ONE_STEP:-0}" = 1 ]; then
+                init=(--init_from="$(newest_checkpoint "$out/${FOUR_STEP_FROM:-1step}")")
+            fi
         else
             own=(--denoising_steps= ${ONE_STEP_ARGS[@]+"${ONE_STEP_ARGS[@]}"})
             if [ -n "${ONE_STEP_STAGE1_ARGS[*]+set}" ]; then

@@ -4,6 +4,8 @@ fail; the held-out split (no model; about a second).
 
     python -m pytest tests/test_video_eval.py -q
 """
+import json
+
 import numpy as np
 
 from demos import video_eval as ve
@@ -51,3 +53,20 @@ def test_variety_is_the_mean_pairwise_start_distance_and_colour_entropy_the_mean
     assert ve.variety({"p": [np.array([0.0, 0.0]), np.array([3.0, 4.0])], "q": [np.array([1.0, 1.0])]}) == 5.0
     assert ve.variety({"p": [np.array([2.0, 2.0])] * 4}) == 0.0
     assert ve.colour_entropy({"p": ["red", "blue", None], "q": ["red"] * 3, "r": [None, "blue"]}) == 0.5
+
+
+def test_real_clips_are_the_training_prompts_answers_as_the_wan_room_reads_them(tmp_path):
+    """--real_clips: every training prompt's clips, as rows of the jsonl the GAN reads, each scoring valid and moving
+    for its prompt once read back through families/wan's clip reader (the GIF keeps the renderer's colours), in every
+    colour of the palette."""
+    from families.wan.room import load_clip
+    ve.make_data(tmp_path, real_clips=1)
+    rows = [json.loads(line) for line in (tmp_path / "train_real.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ve.splits()[0]
+    seen = set()
+    for row in rows:
+        clip = load_clip(str(tmp_path / row["target"]), (ve.SIZE, ve.SIZE), ve.FRAMES)
+        score = ve.score_clip(((clip.permute(1, 2, 3, 0) + 1) * 127.5).round().byte().numpy(), row["prompt"])
+        assert score["valid"] and score["motion"], (row, score)
+        seen.add(score["colour"])
+    assert seen == set(ve.COLOURS)
