@@ -156,6 +156,7 @@ def test_generate_with_a_tiny_random_model():
     assert np.array_equal(again, first)
 
 
+@pytest.mark.slow  # ~3 s of sampling: the fast loop keeps within its 90 s
 def test_shipped_teacher_follows_prompts_and_one_step_does_not():
     """The shipped DMD2 teacher (assets/shapes_teacher): a short multi-step run with CFG follows the
     prompts; its 1-step prediction from pure noise does not (the gap DMD2 closes)."""
