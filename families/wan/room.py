@@ -261,13 +261,18 @@ def clip_frames(source) -> int:
                          "animated WebP or PNG frames") from None
 
 
+def check_clip(source, frames: int) -> None:
+    """A ValueError naming the file where it is no animated image of `frames` frames or more."""
+    n = clip_frames(source)
+    if n < frames:
+        raise ValueError(f"clip {source} has {n} frames; NUM_FRAMES={frames} reads the first {frames}")
+
+
 def load_clip(source, size, frames: int) -> torch.Tensor:
     """(3, frames, H, W) in [-1, 1]: the first `frames` frames of an animated image file, each stretched to the
     clip's size (Lanczos, as the first image is); fewer frames than that is a ValueError naming the file."""
     from PIL import Image
-    n = clip_frames(source)
-    if n < frames:
-        raise ValueError(f"clip {source} has {n} frames; NUM_FRAMES={frames} reads the first {frames}")
+    check_clip(source, frames)
     out = []
     with Image.open(source) as im:
         for i in range(frames):
@@ -281,12 +286,9 @@ def check_targets(rows, settings) -> None:
     frames = num_frames(settings)
     for row in rows:
         try:
-            n = clip_frames(row["target"])
+            check_clip(row["target"], frames)
         except ValueError as e:
             raise ConfigError(f"DATA_PATH={settings['DATA_PATH']}: {e}") from None
-        if n < frames:
-            raise ConfigError(f"DATA_PATH={settings['DATA_PATH']}: clip {row['target']} has {n} frames; "
-                              f"NUM_FRAMES={frames} reads the first {frames} of each real clip")
 
 
 def latent_grid(size, settings) -> tuple[int, int, int]:
