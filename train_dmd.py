@@ -749,7 +749,7 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
     groups = flow_samples.sample_groups(
         room, data.sample_rows, data.sample_shapes, loader=data.loader, grid=grid, channels=channels, sigmas=sigmas,
         pack=pack, vae=vae, cache_dir=cache_dir, identity=identity,
-        g=step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM), device=d.device)
+        g=step_generator(SEED, 0, stream=SAMPLE_NOISE_STREAM), device=d.device, edits=edits)
 
     def sample(path):
         with final_weights() as model:

@@ -16,17 +16,20 @@ from data.images import save_image_grid
 
 
 def sample_groups(room, rows, shapes, *, loader, grid, channels, sigmas, pack, vae, cache_dir, identity,
-                  g: torch.Generator, device) -> list[tuple]:
-    """Per sample shape: (cond, packed noise, packed re-noising draws, [(references, target)] per row). `grid`: a
-    target's latent grid from its size; the noise from `g` on the host (the same on every device), moved once."""
+                  g: torch.Generator, device, edits: bool) -> list[tuple]:
+    """Per sample shape: (cond, packed noise, packed re-noising draws, [(references, target)] per row; the targets,
+    which only an editing grid shows, read for it alone, a clip as room.frames_tile shows it). `grid`: a target's
+    latent grid from its size; the noise from `g` on the host (the same on every device), moved once."""
     groups = []
+    read = loader or stretched
+    tile = getattr(room, "frames_tile", None)
     for shape in dict.fromkeys(shapes):
         picked = [r for r, s in zip(rows, shapes) if s == shape]
         (h, w), latent = shape[0], (channels, *grid(shape[0]))
         refs, _ = load_pairs(picked, shape, [False] * len(picked), target=False, loader=loader)
-        read = loader or stretched
-        targets = [read(r["target"], (h, w), False, "target") if "target" in r else torch.zeros(3, h, w)
+        targets = [read(r["target"], (h, w), False, "target") if edits and "target" in r else torch.zeros(3, h, w)
                    for r in picked]
+        targets = [tile(t) if tile is not None and t.ndim == 4 else t for t in targets]
         cond = room.dmd_cond(room.load_text([(r["prompt"], r) for r in picked], cache_dir, identity, device), None,
                              vae, [x.to(device) for x in refs], latent[1:])
         noise = pack(torch.randn((len(picked), *latent), generator=g)).to(device)

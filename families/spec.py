@@ -50,6 +50,8 @@ OPTIONAL = {
                         "(a pipeline that passes no σ); else DENOISING_STEPS' (t + 1) / 1000",
     "check_targets": "(rows, settings) -> None: USE_GAN's real targets checked before any work where a row's "
                      "file can be wrong in ways opening it does not show (a video's frame count); else none",
+    "frames_tile": "(clips (..., 3, F, H, W)) -> the image a sample grid shows of a clip (a video room's real "
+                   "target beside its sample); else the target is an image already",
     "REFERENCE_WORDS": "how the start-up report names a row's reference where it enters as channels, not tokens "
                        "(an image-to-video first frame); else its token count",
 }

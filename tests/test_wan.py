@@ -643,14 +643,16 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
               "--denoising_steps=999,749,499,249", "--batch_size=1", "--sample_count=2", "--dfake_gen_update_ratio=2",
               "--save_every=2", "--sample_every=4", "--export_dtype=fp32", "--generator_lr=1e-3", "--guidance_lr=1e-3"]
     out = {k: root / k for k in ("full", "one", "stopped", "lora", "ti2v", "a14b", "a14b_one", "i2v", "ti2v_i2v",
-                                 "cp", "a14b_cp", "a14b_loras", "diversity", "gan")}
-    clips = root / "clips"  # the GAN's real clips: each prompt with an animated GIF of 9 frames
+                                 "cp", "a14b_cp", "a14b_loras", "diversity", "gan", "i2v_gan")}
+    clips = root / "clips"  # the GAN's real clips: each prompt with an animated GIF of 9 frames (I2V: and its image)
     clips.mkdir()
-    prompts = open(f"{tiny['data']}/prompts.txt").read().split("\n")
-    with open(clips / "rows.jsonl", "w") as f:
-        for i, p in enumerate(x for x in prompts if x.strip()):
-            clip = write_clip(clips / f"{i}.gif", [(40 * i % 255, 20 * k, 200) for k in range(FRAMES)])
-            f.write(json.dumps({"prompt": p, "target": os.path.basename(clip)}) + "\n")
+    prompts = [p for p in open(f"{tiny['data']}/prompts.txt").read().split("\n") if p.strip()]
+    for i in range(len(prompts)):
+        write_clip(clips / f"{i}.gif", [(40 * i % 255, 20 * k, 200) for k in range(FRAMES)])
+    (clips / "rows.jsonl").write_text("".join(json.dumps({"prompt": p, "target": f"{i}.gif"}) + "\n"
+                                              for i, p in enumerate(prompts)))
+    (clips / "i2v_rows.jsonl").write_text("".join(json.dumps({**r, "target": f"{i % len(prompts)}.gif"}) + "\n"
+                                                  for i, r in enumerate(i2v["rows"])))
     files = expert_lora_files(a14b["model"], root / "expert_loras")
     ti2v_args = [f"--model_path={ti2v['model']}", f"--data_path={ti2v['data']}/prompts.txt",
                  f"--text_cache_dir={root / 'ti2v_text_cache'}", f"--resolution={TI2V_SIZE}"]
@@ -686,6 +688,9 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
         "gan": job(args=common + [f"--output_dir={out['gan']}", f"--data_path={clips / 'rows.jsonl'}", "--use_gan=1",
                                   "--max_steps=2", "--dfake_gen_update_ratio=1", "--save_every=0", "--sample_every=0"],
                    ranks=1),
+        "i2v_gan": job(args=common + i2v_args + [
+            f"--output_dir={out['i2v_gan']}", "--use_gan=1", f"--data_path={clips / 'i2v_rows.jsonl'}",
+            "--dfake_gen_update_ratio=1"], ranks=1),
         "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
                                                   f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
                                                   f"--output_dir={out['ti2v_i2v']}"], ranks=1)},
@@ -743,12 +748,18 @@ def test_diversity_weight_trains_the_first_step_on_the_teachers_ode(dmd_runs):
 
 @pytest.mark.slow
 def test_gan_trains_on_real_clips(dmd_runs):
-    """USE_GAN with rows of prompts and real clips: every step logs the head's loss on the fake score's side, and
-    the generator's steps its own, both finite (what the head reads: test_gan_reads_real_clips_and_the_last_...)."""
-    records = [r for r in read_metrics(dmd_runs["out"]["gan"], timing=False) if "loss_guidance_cls" in r]
-    assert len(records) == 2 and all(0 < r["loss_guidance_cls"] < 1e3 for r in records), records
-    assert all(0 < r["loss_gen_cls"] < 1e3 for r in records if "loss_dm" in r) and any("loss_gen_cls" in r
-                                                                                       for r in records), records
+    """USE_GAN with rows of prompts and real clips (text to video; image to video with its first images): every
+    step logs the head's loss on the fake score's side, and the generator's steps its own, both finite (what the
+    head reads: test_gan_reads_real_clips_and_the_last_...); the image-to-video grid shows each row's first image,
+    sample and real clip, the clips as their first, middle and last frames (3 tiles of 3 frames, a row a sample)."""
+    from PIL import Image
+    for run in ("gan", "i2v_gan"):
+        records = [r for r in read_metrics(dmd_runs["out"][run], timing=False) if "loss_guidance_cls" in r]
+        assert len(records) == 2 and all(0 < r["loss_guidance_cls"] < 1e3 for r in records), (run, records)
+        assert all(0 < r["loss_gen_cls"] < 1e3 for r in records if "loss_dm" in r) and any(
+            "loss_gen_cls" in r for r in records), (run, records)
+    grid = Image.open(dmd_runs["out"]["i2v_gan"] / "samples" / "step_000002.png")
+    assert grid.size[0] >= 3 * 3 * SIZE and grid.size[1] >= 2 * SIZE, grid.size
 
 
 @pytest.mark.slow

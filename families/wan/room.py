@@ -582,9 +582,14 @@ def image_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
 def decode_tokens(vae, tokens: torch.Tensor, size) -> torch.Tensor:
     """Packed tokens of a latent grid (T, h, w) -> each clip's first, middle and last frames side by side, images
     (B, 3, H, 3W) in [-1, 1], fp32 on CPU: what the sample grids and the validation's figures show."""
-    video = decode_latents(vae, unpack_latents(tokens.float(), size))
-    frames = video.shape[2]
-    return torch.cat([video[:, :, i] for i in (0, frames // 2, frames - 1)], dim=-1)
+    return frames_tile(decode_latents(vae, unpack_latents(tokens.float(), size)))
+
+
+def frames_tile(video: torch.Tensor) -> torch.Tensor:
+    """Clips (..., 3, F, H, W) -> (..., 3, H, 3W): the first, middle and last frames side by side, as the sample
+    grids show a clip (a generated one, or the GAN's real one beside it)."""
+    f = video.shape[-3]
+    return torch.cat([video[..., i, :, :] for i in (0, f // 2, f - 1)], dim=-1)
 
 
 def dmd_guidance(settings) -> Guidance:
