@@ -690,6 +690,7 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
                    ranks=1),
         "i2v_gan": job(args=common + i2v_args + [
             f"--output_dir={out['i2v_gan']}", "--use_gan=1", f"--data_path={clips / 'i2v_rows.jsonl'}",
+            f"--text_cache_dir={root / 'i2v_gan_text_cache'}",  # not i2v's: the jobs run at once
             "--dfake_gen_update_ratio=1"], ranks=1),
         "ti2v_i2v": job(args=common + i2v_args + [f"--model_path={ti2v_i2v['model']}", f"--resolution={TI2V_SIZE}",
                                                   f"--text_cache_dir={root / 'ti2v_i2v_text_cache'}",
