@@ -143,6 +143,7 @@ FLUX_GUIDANCE = 0.0  # guidance-distilled teachers' embedded value for all three
 DFAKE_GEN_UPDATE_RATIO = 10  # the generator steps on steps 1, 1 + ratio, ... (official: iteration % ratio == 0, from 0)
 CONDITIONING_TIMESTEP = 999  # 1-step generator: pure noise in, this timestep, x0 out (FLUX: σ = (t + 1) / 1000)
 DENOISING_STEPS = []  # few-step generator timesteps, e.g. [999,749,499,249]; [] = 1-step
+STUDENT_SAMPLE_TYPE = "sde"  # few-step flow generator between steps: sde (x̂0 + fresh noise, DMD2) | ode (Euler)
 SHIFT = "1"  # flow teachers: DM-loss and fake-score σ shifted s·σ/(1+(s-1)·σ); auto = the pipeline's at the size
 MIN_STEP_PERCENT = 0.02  # DM-loss timesteps t ~ U[MIN, MAX] × the train timesteps (official: 2 %...
 MAX_STEP_PERCENT = 0.98  # ... to 98 %, so neither nearly clean nor pure-noise inputs)
@@ -712,7 +713,8 @@ def flow_setup(run: trainer.Run, room, timesteps: list[int], prec: Precision) ->
     note = export_note(run, guide, sigmas, index, own_sigmas=hasattr(room, "generator_sigmas"),
                        more=list(getattr(generator, "pipeline_parts", dict)())[1:])
     return Setup(models, teacher, (generator, fake), guidance, audit, caption, len(sigmas), data.skipped, inputs,
-                 room.distilled_scheduler(MODEL_PATH, sigmas), note, index, base_lora)
+                 dit.student_sampler(room.distilled_scheduler(MODEL_PATH, sigmas), STUDENT_SAMPLE_TYPE), note, index,
+                 base_lora)
 
 
 def load_flow_step(it: int, *, room, data: FlowData, cache_dir: str, identity: str, negative: str | None,
@@ -746,6 +748,7 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
     target's latent grid (its size px -> (h/f, w/f), a video's (T, h, w)); tokens by the room's pack_latents."""
     pack = getattr(room, "pack_latents", km.pack_latents)
     guidance = 1.0 if guide.embedded is None else guide.embedded  # all three transformers' input; CFG in Losses
+    ode = STUDENT_SAMPLE_TYPE == "ode"  # between the student's steps, here as in the export's scheduler
     groups = flow_samples.sample_groups(
         room, data.sample_rows, data.sample_shapes, loader=data.loader, grid=grid, channels=channels, sigmas=sigmas,
         pack=pack, vae=vae, cache_dir=cache_dir, identity=identity,
@@ -753,11 +756,11 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
 
     def sample(path):
         with final_weights() as model:
-            flow_samples.write_samples(room, model, vae, groups, sigmas, guidance, edits, path)
+            flow_samples.write_samples(room, model, vae, groups, sigmas, guidance, edits, path, ode)
     validator = dmd_val.flow_validator(
         val_settings(), final_weights, room=room, rows=data.val_rows, shapes=data.val_shapes, loader=data.loader,
         guide=guide, sigmas=sigmas, cache_dir=cache_dir, identity=identity, teacher=teacher, vae=vae, grid=grid,
-        pack=pack, channels=channels, device=d.device) if data.val_rows else None
+        pack=pack, channels=channels, device=d.device, ode=ode) if data.val_rows else None
 
     shifts = {s[0]: flow_shift(s[0], flow_dm.token_count(grid(s[0]))) for s in data.shapes}
     losses = dm.Losses(head, GEN_CLS_LOSS_WEIGHT, GUIDANCE_CLS_LOSS_WEIGHT, DIFFUSION_GAN,
@@ -789,7 +792,7 @@ def flow_inputs(final_weights, *, room, d, dp, vae, teacher, head, data: FlowDat
         return out
     steps = StepFns(
         batches=batches,
-        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, guidance),
+        images=lambda model, mb, index: flow_dm.generator_images(model, mb, sigmas, index, guidance, ode),
         generator_loss=lambda x, mb, fake_: flow_dm.generator_loss(x, mb, teacher, fake_, guidance, losses),
         guidance_loss=lambda x, mb, fake_: flow_dm.guidance_loss(x, mb, fake_, guidance, losses))
     load = functools.partial(load_flow_step, room=room, data=data, cache_dir=cache_dir, identity=identity,

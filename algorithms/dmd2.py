@@ -597,18 +597,28 @@ def regression_loss(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(x.float(), target.float().detach(), reduction="mean")
 
 
+STUDENT_SAMPLE_TYPES = ("sde", "ode")
+
+
 @torch.no_grad()
 def fm_backward_simulation(generator_velocity, noise: torch.Tensor, sigma_list, chosen_index: int,
-                           fresh_noise: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """backward_simulation for a flow-matching generator: from pure noise at sigma_list[0],
-    x̂0_i = x_i − σ_i·G(x_i, σ_i) and x_{i+1} = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·fresh_noise[i], for
-    i < chosen_index. Returns (the generator's input at sigma_list[chosen_index], forwards)."""
+                           fresh_noise: list[torch.Tensor], ode: bool = False) -> tuple[torch.Tensor, int]:
+    """backward_simulation for a flow-matching generator: from pure noise at sigma_list[0], for i < chosen_index,
+    v_i = G(x_i, σ_i) and either (sde, DMD2's) x̂0_i = x_i − σ_i·v_i re-noised with fresh noise,
+    x_{i+1} = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·fresh_noise[i], or (`ode`) the Euler step along v_i,
+    x_{i+1} = x_i + (σ_{i+1} − σ_i)·v_i = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·n̂_i with the noise the generator implies
+    (FlowMatchEulerDiscreteScheduler.step without stochastic_sampling; FastGen's student_sample_type="ode").
+    Returns (the generator's input at sigma_list[chosen_index], forwards)."""
     if not 0 <= chosen_index < len(sigma_list):
         raise ValueError(f"chosen_index {chosen_index} outside [0, {len(sigma_list)})")
     x, batch = noise, noise.shape[0]
     for i in range(chosen_index):
         s = torch.full((batch,), float(sigma_list[i]), device=noise.device)
-        x0 = x0_from_velocity(x, generator_velocity(x, s), s).float()
+        v = generator_velocity(x, s)
+        if ode:  # in fp32 as the scheduler steps: sample.float() + dt · model_output
+            x = (x.float() + (float(sigma_list[i + 1]) - float(sigma_list[i])) * v.float()).to(noise.dtype)
+            continue
+        x0 = x0_from_velocity(x, v, s).float()
         nxt = torch.full((batch,), float(sigma_list[i + 1]), device=noise.device)
         x = fm_noise(x0, fresh_noise[i], nxt).to(noise.dtype)
     return x, chosen_index

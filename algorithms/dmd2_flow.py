@@ -67,14 +67,17 @@ def velocity(model, cond: FluxCond, guidance: float):
     return v
 
 
-def generator_images(generator, mb: dict, sigmas: list[float], index: int, guidance: float) -> torch.Tensor:
+def generator_images(generator, mb: dict, sigmas: list[float], index: int, guidance: float,
+                     ode: bool = False) -> torch.Tensor:
     """G's clean tokens x̂0 for this micro-batch: from pure noise at sigmas[0], or (few-step) from the
     input at sigmas[index] built by backward simulation without gradients (fresh noise per step, as
-    inference with the exported stochastic scheduler does). Gradients as the caller's mode."""
+    inference with the exported stochastic scheduler does; `ode`: Euler steps, as its deterministic one does).
+    Gradients as the caller's mode."""
     v = mb["cond"].velocity(generator, guidance)
     z = mb["noise"]
     if index > 0:
-        z, _ = dm.fm_backward_simulation(v, z, sigmas, index, [mb["sim_noise"][:, i] for i in range(index)])
+        fresh = [] if ode else [mb["sim_noise"][:, i] for i in range(index)]  # the ODE's steps draw none
+        z, _ = dm.fm_backward_simulation(v, z, sigmas, index, fresh, ode)
     s = torch.full((z.shape[0],), float(sigmas[index]), device=z.device)
     return dm.x0_from_velocity(z, v(z, s), s).float()
 
@@ -229,12 +232,12 @@ def token_count(grid: tuple) -> int:
 
 @torch.no_grad()
 def sample_tokens(generator, cond, noise: torch.Tensor, sim_noise: torch.Tensor, sigmas: list[float],
-                  guidance: float) -> torch.Tensor:
-    """Inference over the whole σ list (the exported stochastic scheduler's steps): packed noise
-    (B, N, 4C) -> x̂0 tokens after the last step."""
+                  guidance: float, ode: bool = False) -> torch.Tensor:
+    """Inference over the whole σ list (the exported scheduler's steps, stochastic or with `ode` Euler's):
+    packed noise (B, N, 4C) -> x̂0 tokens after the last step."""
     last = len(sigmas) - 1
     mb = {"cond": cond, "noise": noise, "sim_noise": sim_noise}
-    return generator_images(generator, mb, sigmas, last, guidance)
+    return generator_images(generator, mb, sigmas, last, guidance, ode)
 
 
 # ---------------------------------------------------------------------------- GAN head (optional)

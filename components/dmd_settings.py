@@ -45,6 +45,8 @@ def validate(c, changed: set[str], default_model: str) -> list[int]:
         f"FAKE_SCORE_TARGET in ({', '.join(dm.FAKE_TARGETS)})": c.FAKE_SCORE_TARGET in dm.FAKE_TARGETS,
         "REGRESSION_WEIGHT >= 0": c.REGRESSION_WEIGHT >= 0, "REGRESSION_STEPS >= 1": c.REGRESSION_STEPS >= 1,
         "DIVERSITY_WEIGHT >= 0": c.DIVERSITY_WEIGHT >= 0,
+        f"STUDENT_SAMPLE_TYPE in ({', '.join(dm.STUDENT_SAMPLE_TYPES)})":
+            c.STUDENT_SAMPLE_TYPE in dm.STUDENT_SAMPLE_TYPES,
         "1 <= DIVERSITY_ANCHOR < REGRESSION_STEPS": (not c.DIVERSITY_WEIGHT
                                                       or 1 <= c.DIVERSITY_ANCHOR < c.REGRESSION_STEPS),
         "SHIFT > 0 or auto": km.valid_shift(c.SHIFT),
@@ -69,6 +71,9 @@ def validate(c, changed: set[str], default_model: str) -> list[int]:
             "without DENOISING_STEPS: it trains a few-step generator's first step, and the later steps' DM loss keeps "
             "the quality" if not c.DENOISING_STEPS else f"with CONDITIONING_TIMESTEP={c.CONDITIONING_TIMESTEP}: its "
             "target is the teacher's ODE from pure noise (999)"))
+    if c.STUDENT_SAMPLE_TYPE == "ode" and not c.DENOISING_STEPS:
+        raise ConfigError("STUDENT_SAMPLE_TYPE=ode without DENOISING_STEPS: it is how a few-step generator goes from "
+                          "one step to the next; a 1-step generator has none")
     if c.REAL_DATA_PATH and not c.USE_GAN:
         raise ConfigError(f"REAL_DATA_PATH={c.REAL_DATA_PATH} without USE_GAN: real images feed the GAN head only")
     if c.PARALLELISM == "ddp" and c.USE_GAN:

@@ -116,7 +116,7 @@ def unet_validator(s: ValSettings, final_weights, *, room, rows, encode, uncond,
 
 
 def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader, guide: dm.Guidance, sigmas,
-                   cache_dir, identity, teacher, vae, grid, pack, channels, device) -> val.Validator:
+                   cache_dir, identity, teacher, vae, grid, pack, channels, device, ode=False) -> val.Validator:
     """A flow teacher's: per validation row, its seeds' noises in one batch; the teacher's reference is its ODE
     from each noise (Euler, s.teacher_steps on the pipeline's shifted σ at the row's size) under its family's own
     guidance (its CFG pair against the negative prompt, or its embedded value), the student's the whole σ list as
@@ -163,8 +163,8 @@ def flow_validator(s: ValSettings, final_weights, *, room, rows, shapes, loader,
     @torch.no_grad()
     def student_samples():
         with final_weights() as model:
-            return side(lambda m, cond, _, noise, sim, __: flow_dm.sample_tokens(m, cond, noise, sim, sigmas, guidance),
-                        model)
+            return side(lambda m, cond, _, noise, sim, __: flow_dm.sample_tokens(
+                m, cond, noise, sim, sigmas, guidance, ode), model)
     r = s.run
     return make_validator(s, teacher_samples, student_samples, [(str(references(row)), row["prompt"]) for row in rows],
                           {"shapes": shapes, "scale": scale, "norm": reference.norm, "guidance": teacher_guidance,

@@ -39,14 +39,14 @@ def sample_groups(room, rows, shapes, *, loader, grid, channels, sigmas, pack, v
 
 
 @torch.no_grad()
-def write_samples(room, model, vae, groups, sigmas, guidance, edits: bool, path: str) -> None:
+def write_samples(room, model, vae, groups, sigmas, guidance, edits: bool, path: str, ode: bool = False) -> None:
     """Every rank runs the sharded generator over the whole σ list, one sample shape at a time; rank 0
     decodes and writes the grid: per editing row its references | output | target (grey where a row
     has no target; blank where it has fewer references), all padded to the largest tile; outputs alone
     for text-to-image."""
     outputs = []
     for cond, noise, sim, _ in groups:
-        tokens = flow_dm.sample_tokens(model, cond, noise, sim, sigmas, guidance)
+        tokens = flow_dm.sample_tokens(model, cond, noise, sim, sigmas, guidance, ode)
         outputs.append(room.decode_tokens(vae, tokens, cond.size) if d_rank() == 0 else None)
     fsdp_utils.reshard_all(model)
     if d_rank() != 0:

@@ -95,6 +95,17 @@ def distilled_scheduler_config(config: dict) -> dict:
     return out
 
 
+def student_sampler(config: dict, sample_type: str) -> dict:
+    """An export's scheduler config (a room's distilled_scheduler) sampling as the student trained between its
+    steps: "sde" re-noises x̂0 with fresh noise, "ode" takes the Euler step along the generator's velocity
+    (FlowMatchEulerDiscreteScheduler's stochastic_sampling True / False: diffusers
+    scheduling_flow_match_euler_discrete.py:515-520)."""
+    if "stochastic_sampling" not in config:
+        raise ValueError(f"{config.get('_class_name')}: no stochastic_sampling to set, not a flow-matching Euler "
+                         "scheduler")
+    return {**config, "stochastic_sampling": sample_type == "sde"}
+
+
 def scheduler_config(model_path: str) -> dict:
     """The pipeline folder's scheduler_config.json."""
     with open(os.path.join(model_path, "scheduler", "scheduler_config.json")) as f:

@@ -29,7 +29,7 @@ FAMILY_WORDS = sorted(((w, name) for name in NAMES for w in (name, *EXTRA_WORDS.
 # the shared areas, by file
 AREA_FILES = {
     "dmd2": ("test_dmd2.py", "test_train_dmd.py", "test_validation.py", "test_decoupled_dmd.py",
-             "test_diversity_dmd.py"),
+             "test_diversity_dmd.py", "test_student_sampler.py"),
     "planner": ("test_memory_plan.py", "test_memory.py"),
     "gpu tools": ("test_gpu_check.py", "test_gpu.py", "test_benchmarks.py", "test_host_work.py", "test_identity.py",
                   "test_profiling.py"),

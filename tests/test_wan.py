@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from algorithms import dmd2_flow as flow_dm
 from core.errors import ConfigError
 from families import wan
 from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, launch_all_resuming,
@@ -681,10 +682,11 @@ def dmd_runs(tiny, ti2v, a14b, i2v, ti2v_i2v, tmp_path_factory):
             "--max_steps=1", "--save_every=0", "--ema_decay=0"] + [f"--{k}={v}" for k, v in files["args"].items()],
             ranks=1),
         "i2v": job(args=common + i2v_args, ranks=1),
-        # SEED 1 draws the step indices 0 then 1 (dm.choose_step_index); the generator steps every step
+        # SEED 1 draws the step indices 0 then 1 (dm.choose_step_index); the generator steps every step, the
+        # second from its first step's Euler step (STUDENT_SAMPLE_TYPE=ode)
         "diversity": job(args=common + [f"--output_dir={out['diversity']}", "--seed=1", "--max_steps=2",
                                         "--dfake_gen_update_ratio=1", "--diversity_weight=0.5", "--save_every=0",
-                                        "--sample_every=0"], ranks=1),
+                                        "--sample_every=0", "--student_sample_type=ode"], ranks=1),
         "gan": job(args=common + [f"--output_dir={out['gan']}", f"--data_path={clips / 'rows.jsonl'}", "--use_gan=1",
                                   "--max_steps=2", "--dfake_gen_update_ratio=1", "--save_every=0", "--sample_every=0"],
                    ranks=1),
@@ -745,6 +747,28 @@ def test_diversity_weight_trains_the_first_step_on_the_teachers_ode(dmd_runs):
     steps = {r["step"]: r for r in records if "step_index" in r}
     assert steps[1]["step_index"] == 0 and "loss_dm" not in steps[1] and 0 < steps[1]["loss_div"] < 1e6, steps
     assert steps[2]["step_index"] == 1 and "loss_div" not in steps[2] and 0 <= steps[2]["loss_dm"] < 1e6, steps
+
+
+@pytest.mark.slow
+def test_an_ode_student_samples_in_the_pipeline_as_it_trained(tiny, dmd_runs, tmp_path):
+    """STUDENT_SAMPLE_TYPE=ode (the diversity run): the export's scheduler takes Euler steps (no fresh noise), and
+    WanPipeline's latents from given noise at the default call with 4 steps are the room's sampler's over the
+    trained σ (sample_tokens with ode: the backward simulation's steps, then x̂0): the same transformer calls
+    in fp32, the timesteps within an ulp of each other."""
+    from diffusers import WanPipeline
+    pipe = WanPipeline.from_pretrained(str(dmd_runs["out"]["diversity"] / "export"))
+    assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    assert not pipe.scheduler.config.stochastic_sampling
+    grid = wan.latent_grid((SIZE, SIZE), tiny["settings"])
+    noise = torch.randn((1, pipe.transformer.config.in_channels, *grid), generator=torch.Generator().manual_seed(0))
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        latents = pipe(PROMPTS[0], height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=4,
+                       guidance_scale=1.0, latents=noise.clone(), output_type="latent").frames
+        cond = wan.dmd_cond(cached_text(tiny, tmp_path, PROMPTS[:1]), None, pipe.vae, [], grid)
+        sigmas = wan.generator_sigmas(tiny["model"], [1.0, 0.75, 0.5, 0.25])
+        ours = flow_dm.sample_tokens(pipe.transformer, cond, wan.pack_latents(noise), None, sigmas, 1.0, ode=True)
+    torch.testing.assert_close(wan.unpack_latents(ours, grid), latents, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

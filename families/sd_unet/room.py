@@ -312,6 +312,9 @@ def check_dmd_settings(settings: dict, changed: set) -> None:
          "the regression loss is built for flow-matching teachers (FLUX, Qwen-Image-Edit) only"),
         (f"DIVERSITY_WEIGHT={settings['DIVERSITY_WEIGHT']}", settings["DIVERSITY_WEIGHT"] > 0,
          "the first step's ODE target is built for flow-matching teachers only"),
+        (f"STUDENT_SAMPLE_TYPE={settings['STUDENT_SAMPLE_TYPE']}", settings["STUDENT_SAMPLE_TYPE"] != "sde",
+         "its few-step generator re-noises between steps, as published (the official sample_backward); the "
+         "ODE step is built for flow-matching teachers"),
         (f"SHIFT={settings['SHIFT']}", settings["SHIFT"] != "1", "its timesteps are drawn uniformly over the DDPM "
          "range, as published; the σ shift is for flow-matching teachers"),
         ("TEACHER_LORA", settings["TEACHER_LORA"], "a flow teacher's setting; give a UNet fine-tune as its full "
