@@ -33,7 +33,7 @@ from algorithms import dmd2_flow as flow_dm
 from core.errors import ConfigError
 from families import wan
 from tests.conftest import (VALIDATE, assert_two_ranks_equal_one_and_resumed, assert_validated, launch_all_resuming,
-                            launch_env, load_export, read_checkpoint, read_metrics, tiny_default)
+                            launch_env, load_export, read_checkpoint, read_metrics, run_ranks, tiny_default)
 
 SIZE, FRAMES = 32, 9
 SETTINGS = {"RESOLUTION": SIZE, "BUCKET_ASPECTS": [1.0], "NUM_FRAMES": FRAMES, "MAX_SEQUENCE_LENGTH": 512,
@@ -308,6 +308,28 @@ def test_gan_reads_real_clips_and_the_last_blocks_tokens(tiny, a14b, tmp_path):
         torch.testing.assert_close(logits, head(frames).view(2, grid[0]).mean(dim=1, keepdim=True))
     logits.sum().backward()
     assert model.blocks[0].attn1.to_q.weight.grad.abs().sum() > 0 and model.proj_out.weight.grad is None
+
+
+def _check_targets_on_ranks(rank, world, rows, settings):
+    """Each rank reads its rows rank::world, and both refuse the one bad row (rank 1's) with the same line."""
+    from families.wan import room
+    read, real = [], room.check_clip
+    room.check_clip = lambda source, frames: (read.append(source), real(source, frames))
+    try:
+        with pytest.raises(ConfigError) as e:
+            room.check_targets(rows, settings)
+    finally:
+        room.check_clip = real
+    assert read == [r["target"] for r in rows[rank::world]], read
+    assert f"clip {rows[3]['target']} has 5 frames" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_ranks_share_the_clips_check_and_all_refuse(tiny, tmp_path):
+    colours = [(200, 10 * i, 0) for i in range(FRAMES)]
+    rows = [{"prompt": "a", "target": str(write_clip(tmp_path / f"{i}.gif", colours[:5] if i == 3 else colours))}
+            for i in range(4)]
+    run_ranks(_check_targets_on_ranks, 2, rows, {**tiny["settings"], "DATA_PATH": "rows.jsonl"})
 
 
 def test_teachers_not_built_yet_are_one_line(tiny, ti2v, tmp_path):
