@@ -58,6 +58,16 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+def map_shared(fn, items: list) -> list:
+    """[fn(item) for item in items] on every rank, each rank computing items rank::world (checks that read
+    files: each file read once) and one all_gather of the results (picklable: small metadata only)."""
+    me, world = (rank(), world_size()) if _distributed() else (0, 1)
+    merged = {}
+    for part in all_gather_objects({k: fn(items[k]) for k in range(me, len(items), world)}):
+        merged.update(part)
+    return [merged[k] for k in range(len(items))]
+
+
 def broadcast_from_rank0(obj):
     """Rank 0's `obj` on every rank (e.g. a path only rank 0 looked up)."""
     if not _distributed():

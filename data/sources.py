@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from core.dist import print0
+from core.dist import map_shared, print0
 from core.errors import ConfigError
 from data.images import check_image
 
@@ -558,24 +558,18 @@ def _dataset_references(table, i, column, numbered, base, count) -> list:
 
 def _check_share(rows: list[dict], images, size_of) -> list[tuple[str | None, tuple | None, list | None]]:
     """(error or None, size or None, the references' sizes or None) per row, each rank checking rows
-    rank::world and every rank getting all results (one all_gather of small tuples)."""
-    from core.dist import all_gather_objects, rank, world_size
-    me, world = rank(), world_size()
-    mine = {}
-    for k in range(me, len(rows), world):
+    rank::world and every rank getting all results (core.dist.map_shared)."""
+    def check(row):
         error, size, reference_sizes = None, None, None
         try:
             for role in images:
-                if role == "control" and "controls" in rows[k]:
-                    reference_sizes = [check_image(source) for source in rows[k]["controls"]]
+                if role == "control" and "controls" in row:
+                    reference_sizes = [check_image(source) for source in row["controls"]]
                     size = reference_sizes[0] if role == size_of else size
-                elif role in rows[k]:
-                    shape = check_image(rows[k][role])
+                elif role in row:
+                    shape = check_image(row[role])
                     size = shape if role == size_of else size
         except ValueError as e:
             error = str(e)
-        mine[k] = (error, size, reference_sizes)
-    merged = {}
-    for part in all_gather_objects(mine):
-        merged.update(part)
-    return [merged[k] for k in range(len(rows))]
+        return error, size, reference_sizes
+    return map_shared(check, rows)

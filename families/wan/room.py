@@ -44,11 +44,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from algorithms.dmd2 import Guidance, cfg_combine
 from algorithms.flux_kontext import pipeline_shift, shift_sigmas
-from core.dist import all_gather_objects, print0, rank, world_size
+from core.dist import map_shared, print0
 from core.errors import ConfigError
 from data.buckets import references
 from data.images import image_digest, load_image, load_pil, pil_tensor
@@ -284,18 +283,17 @@ def load_clip(source, size, frames: int) -> torch.Tensor:
 
 def check_targets(rows, settings) -> None:
     """Before any work: every row's real clip (the GAN's "target") holds NUM_FRAMES frames or more. Each rank reads
-    the rows rank::world; every rank refuses the first bad row (one all_gather of the errors)."""
+    the rows rank::world; every rank refuses the first bad row (core.dist.map_shared)."""
     frames = num_frames(settings)
-    me, world = (rank(), world_size()) if dist.is_initialized() else (0, 1)
-    errors = {}
-    for k in range(me, len(rows), world):
+
+    def error(row) -> str | None:
         try:
-            check_clip(rows[k]["target"], frames)
+            check_clip(row["target"], frames)
         except ValueError as e:
-            errors[k] = str(e)
-    errors = {k: e for part in all_gather_objects(errors) for k, e in part.items()}
-    if errors:
-        raise ConfigError(f"DATA_PATH={settings['DATA_PATH']}: {errors[min(errors)]}")
+            return str(e)
+    first = next((e for e in map_shared(error, rows) if e is not None), None)
+    if first is not None:
+        raise ConfigError(f"DATA_PATH={settings['DATA_PATH']}: {first}")
 
 
 def latent_grid(size, settings) -> tuple[int, int, int]:
