@@ -274,6 +274,8 @@ def main(argv=None):
     ap.add_argument("--vae_steps", type=int, default=VAE_STEPS)
     ap.add_argument("--vae_from", default="", help="a WanPipeline folder whose vae/ is taken (the vae stage skipped)")
     ap.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS)
+    ap.add_argument("--train_shift", type=float, default=3.0,
+                    help="the shift of the training σ (3: the scheduler's; 1: uniform; below 1: more low σ)")
     ap.add_argument("--eval_seeds", type=int, default=2)
     ap.add_argument("--force", type=int, default=0)
     args = ap.parse_args(argv)
@@ -314,9 +316,10 @@ def main(argv=None):
     t = time.time()
     if stage("pretrain", work / "transformer" / "config.json"):
         cache = torch.load(work / "latents.pt")
-        ema = pretrain(pipe.transformer, cache["latents"], cache["index"], cache["text"], steps=args.pretrain_steps)
+        ema = pretrain(pipe.transformer, cache["latents"], cache["index"], cache["text"], steps=args.pretrain_steps,
+                       shift=args.train_shift)
         ema.save_pretrained(work / "transformer")
-        report["pretrain_steps"] = args.pretrain_steps
+        report["pretrain_steps"], report["train_shift"] = args.pretrain_steps, args.train_shift
         report["pretrain_seconds"] = round(time.time() - t, 1)
     times["pretrain"] = time.time() - t
     t = time.time()
