@@ -606,8 +606,9 @@ def fm_backward_simulation(generator_velocity, noise: torch.Tensor, sigma_list, 
     """backward_simulation for a flow-matching generator: from pure noise at sigma_list[0], for i < chosen_index,
     v_i = G(x_i, σ_i) and either (sde, DMD2's) x̂0_i = x_i − σ_i·v_i re-noised with fresh noise,
     x_{i+1} = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·fresh_noise[i], or (`ode`) the Euler step along v_i,
-    x_{i+1} = x_i + (σ_{i+1} − σ_i)·v_i = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·n̂_i with the noise the generator implies
-    (FlowMatchEulerDiscreteScheduler.step without stochastic_sampling; FastGen's student_sample_type="ode").
+    x_{i+1} = x_i + (σ_{i+1} − σ_i)·v_i = (1 − σ_{i+1})·x̂0_i + σ_{i+1}·n̂_i, n̂_i the noise the
+    generator implies (FlowMatchEulerDiscreteScheduler.step without stochastic_sampling; FastGen's
+    student_sample_type="ode").
     Returns (the generator's input at sigma_list[chosen_index], forwards)."""
     if not 0 <= chosen_index < len(sigma_list):
         raise ValueError(f"chosen_index {chosen_index} outside [0, {len(sigma_list)})")

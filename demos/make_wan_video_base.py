@@ -16,9 +16,9 @@ from its seed and skipped when its output exists (--force=1 redoes them):
                the task's words, families/wan/tiny.py's) as WanPipeline.encode_prompt makes them, at
                video_eval.TEXT_LENGTH (32) tokens.
   3. pretrain  a random WanTransformer3DModel of TRANSFORMER_CONFIG trained by flow matching as WanPipeline samples
-               it: x_t = (1 - σ) x0 + σ ε, target ε - x0, timestep σ·1000, σ = the scheduler's flow_shift (3)
-               applied to u ~ U(0, 1); CAPTION_DROPOUT of the prompts "" (the pipeline's negative); AdamW,
-               warmup then cosine, EMA. The EMA weights are the teacher.
+               it: x_t = (1 - σ) x0 + σ ε, target ε - x0, timestep σ·1000, σ = the scheduler's flow_shift (3;
+               --train_shift another) applied to u ~ U(0, 1); CAPTION_DROPOUT of the prompts "" (the pipeline's
+               negative); AdamW, warmup then cosine, EMA. The EMA weights are the teacher.
   4. package   the WanPipeline folder (the real repo's UniPC scheduler config) into assets/wan_video_base,
                then its 28- and 4-step samples of the held-out prompts scored.
 

@@ -27,10 +27,10 @@ from tools import gpu
 # the tests that read a launch of the CPU check -> its arguments (--tiny --cpu --skip_tests and an --out of its
 # own added), longest first: two run side by side, each next one starting where one ends
 CLI_RUNS = {
+    "test_z_image_rows_on_cpu_train_resume_and_their_exports_sample_in_the_pipeline": ["--suite=z_image"],
     # the LoRA and DMD2 rows (the full fine-tune's resume and export: z_image's rows, tests/test_qwen_image.py)
     "test_qwen_rows_on_cpu_train_resume_export_and_load":
         ["--suite=qwen_image", "--runs=qwen_edit_64px_lora16_2refs,dmd_qwen_edit_32px_4step_lora64_ac"],
-    "test_z_image_rows_on_cpu_train_resume_and_their_exports_sample_in_the_pipeline": ["--suite=z_image"],
     "test_flux2_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
         ["--suite=flux2", "--runs=dmd_flux2_klein_64px_4step_lora64_ac"],
     "test_wan_row_on_cpu_trains_resumes_and_its_export_samples_the_trained_sigmas":
