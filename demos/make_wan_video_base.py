@@ -25,6 +25,9 @@ from its seed and skipped when its output exists (--force=1 redoes them):
     nice -n 10 python -m demos.make_wan_video_base        # all stages; times printed per stage
     python -m demos.make_wan_video_base --vae_from=assets/wan_video_base  # the shipped VAE kept (stage 1 skipped)
     python -m demos.make_wan_video_base --stages=pretrain,package --pretrain_steps=3000 --force=1
+    # pre-training continued from a built teacher (its weights; a new warmup, cosine and EMA) into another folder:
+    python -m demos.make_wan_video_base --vae_from=assets/wan_video_base --init_from=assets/wan_video_base \
+        --work_dir=out/wan_more --dest=out/wan_more/base
 
 Everything but the final folder goes to --work_dir (default out/wan_video_base_build).
 """
@@ -274,11 +277,16 @@ def main(argv=None):
     ap.add_argument("--vae_steps", type=int, default=VAE_STEPS)
     ap.add_argument("--vae_from", default="", help="a WanPipeline folder whose vae/ is taken (the vae stage skipped)")
     ap.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS)
+    ap.add_argument("--pretrain_lr", type=float, default=PRETRAIN_LR)
+    ap.add_argument("--init_from", default="",
+                    help="a WanPipeline folder whose transformer pre-training continues (its weights, a new EMA)")
     ap.add_argument("--train_shift", type=float, default=3.0,
                     help="the shift of the training σ (3: the scheduler's; 1: uniform; below 1: more low σ)")
     ap.add_argument("--eval_seeds", type=int, default=2)
     ap.add_argument("--force", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.init_from and not (Path(args.init_from) / "transformer" / "config.json").exists():
+        ap.error(f"--init_from={args.init_from}: no transformer/config.json (a WanPipeline folder this script built)")
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     torch.set_num_threads(max(1, torch.get_num_threads()))
     work = Path(args.work_dir)
@@ -316,10 +324,14 @@ def main(argv=None):
     t = time.time()
     if stage("pretrain", work / "transformer" / "config.json"):
         cache = torch.load(work / "latents.pt")
+        if args.init_from:
+            start = WanTransformer3DModel.from_pretrained(Path(args.init_from) / "transformer")
+            pipe.register_modules(transformer=start)
         ema = pretrain(pipe.transformer, cache["latents"], cache["index"], cache["text"], steps=args.pretrain_steps,
-                       shift=args.train_shift)
+                       lr=args.pretrain_lr, shift=args.train_shift)
         ema.save_pretrained(work / "transformer")
-        report["pretrain_steps"], report["train_shift"] = args.pretrain_steps, args.train_shift
+        report.update(pretrain_steps=args.pretrain_steps, pretrain_lr=args.pretrain_lr, train_shift=args.train_shift,
+                      init_from=args.init_from)
         report["pretrain_seconds"] = round(time.time() - t, 1)
     times["pretrain"] = time.time() - t
     t = time.time()
