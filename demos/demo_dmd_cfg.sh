@@ -53,7 +53,7 @@ if [ -z "${RUNS:-}" ]; then
     RUNS=$(for norm in $NORMS; do for seed in $SEEDS_TRAIN; do echo -n "$norm:1:$seed "; done; done)
 fi
 EVAL=${EVAL:-1}
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task" --size="$SIZE" --cfg_split=1)
 TRAIN=$(awk '$1 == "train" {print $2}' <<< "$SPLITS")
 TEACHER_TRAIN=$(awk '$1 == "train_cfg" {print $2}' <<< "$SPLITS")

@@ -19,7 +19,7 @@ NPROC=${NPROC:-2}
 # GUIDANCE): all three transformers get it, and the students are sampled at it
 FLUX_GUIDANCE=${FLUX_GUIDANCE:-1.0}
 GRID=${GRID:-$OUT/grid.png}
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if [ ! -f "$TEACHER/model_index.json" ]; then
     if [ "$TEACHER" != out/kontext_demo/export ]; then
         echo "TEACHER=$TEACHER: no model_index.json, not a FluxKontextPipeline folder" >&2

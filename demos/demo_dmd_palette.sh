@@ -69,7 +69,7 @@ NPROC=${NPROC:-2}
 SEEDS=${SEEDS:-32}
 GRID=${GRID:-$OUT/grid.png}
 SCORED=${SCORED:-}  # an earlier run's eval.json: its rows of the same models and settings are read, not sampled
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 SPLITS=$(python -m demos.palette_eval --make_data="$OUT/task" --size="$SIZE")
 TRAIN=$(awk '$1 == "train" {print $2}' <<< "$SPLITS")
 # the teacher sees every right edit of each context: trained on one random colour per context it learns

@@ -11,7 +11,8 @@
 #      scheduler), the 4-step and the 1-step student (their exports' distilled scheduler): validity (every frame
 #      the named shape in one of the two colours), motion (the named way, monotonic), consistency, variety (the
 #      spread of the start positions over seeds, px and % of the 28-step teacher's), colour entropy
-# The runs go one after another: two train_dmd.py runs side by side on 2 cores each ran ~100 x slower.
+# The runs go one after another: two train_dmd.py runs side by side on 2 cores each ran ~100 x slower (each took
+# both cores, its OpenMP threads spinning; OMP_WAIT_POLICY=PASSIVE, set below, lets a run share the cores).
 #
 #   bash demos/demo_dmd_video.sh                # extra arguments go to both train_dmd.py runs
 #   # a second training seed beside the same teacher, whose rows are read from the first run's scores:
@@ -35,7 +36,7 @@ GAN=${GAN:-0}  # 1: DMD2's GAN stage on the task's real clips (REAL_CLIPS per tr
 REAL_CLIPS=${REAL_CLIPS:-16}
 GAN_STEPS=${GAN_STEPS:-1200}  # the 1-step student's GAN stage
 GAN_WEIGHTS=${GAN_WEIGHTS:-"1e-1 1"}  # generator / head loss weights (100 x published: docs/demos.md's trials)
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if [ ! -f "$TEACHER/model_index.json" ]; then
     echo "TEACHER=$TEACHER: no model_index.json (python -m demos.make_wan_video_base builds assets/wan_video_base)" >&2
     exit 1

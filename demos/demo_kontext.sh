@@ -27,7 +27,7 @@ else  # appended after the shared settings (the last --name=value wins) and befo
 fi
 NPROC=${NPROC:-2}
 GRID=${GRID:-$OUT/blue_grid.png}
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 TRAIN=assets/kontext_blue/train.jsonl
 # the held-out and retention splits (and the train split, to check the shipped copy against)
 GENERATED=$(python -m demos.kontext_eval --make_data="$OUT/task" | awk '$1 == "train" {print $2}')

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."  # the repository root
 OUT=${OUT:-out/z_image_edit_demo}
 NPROC=${NPROC:-2}
 GRID=${GRID:-$OUT/grid.png}
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 TRAIN=$(python -m demos.z_image_edit_eval --make_data="$OUT/task" | awk '$1 == "train" {print $2}')
 start=$(date +%s)
 python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_flux_kontext.py \

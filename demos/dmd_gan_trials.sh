@@ -33,7 +33,7 @@ OUT=${OUT:-out/dmd_gan_trials}
 NPROC=${NPROC:-2}
 STEPS=${STEPS:-400}
 TRIALS=${TRIALS:-control real2304 x10_t250}
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 ckpt=$(ls -d "$STAGE1"/checkpoints/step_* | sort | tail -n 1)
 real="$OUT/real64"
 if [ ! -f "$real/data.jsonl" ]; then
